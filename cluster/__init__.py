@@ -1,0 +1,1 @@
+"""Ray Train launch, orchestration and the bertforge command line."""

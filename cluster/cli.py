@@ -1,0 +1,201 @@
+"""The `bertforge` command line: thin handlers over pipelines/, training/ and cluster/."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+DEFAULT_DEMO_DIR = "bertforge-demo"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bertforge",
+        description="Pretrain BERT from raw text: Beam preparation, Ray Train + DeepSpeed, "
+        "Hugging Face export.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_vocab(commands)
+    _add_prepare(commands)
+    _add_inspect(commands)
+    _add_train(commands)
+    _add_eval(commands)
+    _add_export(commands)
+    _add_demo(commands)
+    return parser
+
+
+def _add_vocab(commands) -> None:
+    p = commands.add_parser("vocab", help="train a WordPiece vocabulary on a corpus")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="corpus files: JSON Lines with a 'text' field, or plain text")
+    p.add_argument("--output", required=True, help="directory for vocab.txt")
+    p.add_argument("--vocab-size", type=int, default=30522)
+    p.add_argument("--cased", action="store_true", help="keep case (default: lower-case)")
+    p.set_defaults(handler=_run_vocab)
+
+
+def _add_prepare(commands) -> None:
+    p = commands.add_parser(
+        "prepare", help="the Beam job: corpus -> Arrow shards + manifest",
+        description="All flags go to the Beam job (pipelines/prepare.py), Beam's own included, "
+        "e.g. --runner DataflowRunner --project P --region R. See `bertforge prepare --help`.",
+        add_help=False,
+    )
+    p.set_defaults(handler=_run_prepare)
+
+
+def _add_inspect(commands) -> None:
+    p = commands.add_parser("inspect", help="statistics and sample pairs of a shard directory")
+    p.add_argument("data_dir")
+    p.add_argument("--samples", type=int, default=3, help="decoded pairs to show")
+    p.set_defaults(handler=_run_inspect)
+
+
+def _add_train(commands) -> None:
+    p = commands.add_parser("train", help="pretrain on Ray Train workers running DeepSpeed")
+    p.add_argument("--data", required=True, help="prepared shard directory")
+    p.add_argument("--run-dir", required=True, help="checkpoints, metrics and TensorBoard go here")
+    p.add_argument("--preset", default="tiny", choices=("tiny", "mini", "base", "large"))
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per worker per micro-step")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
+    p.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3))
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--seed", type=int, default=12345)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
+    p.add_argument("--resume", default="auto", choices=("auto", "never"),
+                   help="auto: continue from the newest complete checkpoint in --run-dir")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--cpus-per-worker", type=int, default=1)
+    p.add_argument("--gpu", action="store_true", help="one GPU per worker")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: local Ray)")
+    p.set_defaults(handler=_run_train)
+
+
+def _add_eval(commands) -> None:
+    p = commands.add_parser("eval", help="masked-LM and NSP accuracy of a checkpoint")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (newest)")
+    p.add_argument("--data", required=True, help="prepared shard directory")
+    p.add_argument("--split", default="validation", choices=("train", "validation"))
+    p.add_argument("--batch-size", type=int, default=64)
+    p.set_defaults(handler=_run_eval)
+
+
+def _add_export(commands) -> None:
+    p = commands.add_parser("export", help="checkpoint -> Hugging Face directory")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (newest)")
+    p.add_argument("--output", required=True)
+    p.set_defaults(handler=_run_export)
+
+
+def _add_demo(commands) -> None:
+    p = commands.add_parser("demo", help="the whole chain on the built-in corpus, in minutes")
+    p.add_argument("--output", default=DEFAULT_DEMO_DIR, help=f"default: ./{DEFAULT_DEMO_DIR}")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--corpus-mb", type=float, default=4.0, help="docstring text to gather")
+    p.set_defaults(handler=_run_demo)
+
+
+# --- handlers -----------------------------------------------------------------------------
+
+
+def _run_vocab(args: argparse.Namespace) -> None:
+    from pipelines.vocab import train_wordpiece_vocab
+
+    path = train_wordpiece_vocab(
+        args.input, args.output, vocab_size=args.vocab_size, lower_case=not args.cased
+    )
+    print(path)
+
+
+def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
+    from pipelines.prepare import run
+
+    counts = run(extra)
+    print(json.dumps(counts, indent=2))
+
+
+def _run_inspect(args: argparse.Namespace) -> None:
+    from pipelines.inspect_shards import format_report, inspect_dataset
+
+    print(format_report(inspect_dataset(args.data_dir, num_samples=args.samples)))
+
+
+def _run_train(args: argparse.Namespace) -> None:
+    from cluster.ray_train import LaunchConfig, train_on_ray
+    from training.config import TrainConfig
+
+    cfg = TrainConfig(
+        data_dir=args.data, run_dir=args.run_dir, model={"preset": args.preset},
+        max_steps=args.steps, micro_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
+        warmup_steps=args.warmup_steps if args.warmup_steps is not None else args.steps // 10,
+        zero_stage=args.zero_stage, precision=args.precision, seed=args.seed,
+        checkpoint_every=args.checkpoint_every, resume=args.resume == "auto",
+        log_every=max(1, min(50, args.steps // 20)),
+    )
+    launch = LaunchConfig(
+        num_workers=args.workers, use_gpu=args.gpu, cpus_per_worker=args.cpus_per_worker,
+        address=args.address,
+    )
+    print(json.dumps(train_on_ray(cfg, launch), indent=2, default=str))
+
+
+def _run_eval(args: argparse.Namespace) -> None:
+    from training.checkpoint import resolve_checkpoint
+    from training.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(
+        resolve_checkpoint(args.checkpoint), args.data, split=args.split,
+        batch_size=args.batch_size,
+    )
+    print(json.dumps(result.to_dict(), indent=2))
+
+
+def _run_export(args: argparse.Namespace) -> None:
+    from training.export import export_checkpoint
+
+    print(export_checkpoint(args.checkpoint, args.output))
+
+
+def _run_demo(args: argparse.Namespace) -> None:
+    from cluster.demo import DemoConfig, run_demo
+
+    run_demo(DemoConfig(
+        output=args.output, max_steps=args.steps, corpus_bytes=int(args.corpus_mb * 1e6)
+    ))
+
+
+def _configure_logging() -> None:
+    """Our progress lines at INFO; the engines' own chatter only from WARNING up."""
+    logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
+    for package in ("pipelines", "training", "cluster"):
+        logging.getLogger(package).setLevel(logging.INFO)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _configure_logging()
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        if args.command == "prepare":
+            args.handler(args, extra)
+        else:
+            if extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.handler(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"bertforge {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""`bertforge demo`: the whole chain on the built-in corpus, through the real engines.
+
+corpus (docstrings) -> WordPiece vocab -> Beam prepare (DirectRunner, 2 processes) ->
+Ray Train + DeepSpeed ZeRO-2 bf16 (2 CPU workers) -> evaluation -> Hugging Face export -> summary.
+
+Each stage leaves a completion record in DIR; a second run into the same DIR reuses finished
+stages, resumes training from its newest checkpoint, and refuses a DIR made with other settings.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+STATE_NAME = "demo.json"
+
+
+@dataclass
+class DemoConfig:
+    output: str
+    corpus_bytes: int = 4_000_000  # ~4 MB of docstring prose
+    vocab_size: int = 8192
+    max_seq_length: int = 128
+    dupe_factor: int = 2
+    num_shards: int = 4
+    prepare_workers: int = 2
+    train_workers: int = 2
+    max_steps: int = 300
+    micro_batch_size: int = 32  # per worker: 32 x 2 workers = 64 sequences per step
+    learning_rate: float = 2e-3
+    seed: int = 12345
+
+    def __post_init__(self) -> None:
+        if self.corpus_bytes < 100_000:
+            raise ValueError("the demo corpus needs at least 100,000 bytes")
+        if self.max_steps < 10:
+            raise ValueError("the demo needs at least 10 training steps")
+
+    def settings(self) -> dict[str, Any]:
+        """What must match for a second run to reuse the first one's stages."""
+        return {k: v for k, v in asdict(self).items() if k != "output"}
+
+
+class DemoPaths:
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.corpus = os.path.join(self.root, "corpus", "docstrings.jsonl")
+        self.vocab_dir = os.path.join(self.root, "vocab")
+        self.shards = os.path.join(self.root, "shards")
+        self.run = os.path.join(self.root, "run")
+        self.hf = os.path.join(self.root, "hf")
+        self.eval = os.path.join(self.root, "eval.json")
+        self.summary = os.path.join(self.root, "summary.json")
+        self.loss_curve = os.path.join(self.root, "loss_curve.png")
+        self.state = os.path.join(self.root, STATE_NAME)
+
+
+def run_demo(config: DemoConfig) -> dict[str, Any]:
+    """Run (or finish) the demo in config.output; returns the summary."""
+    paths = DemoPaths(config.output)
+    started = time.time()
+    with _exclusive(paths.root):
+        state = _load_or_create_state(paths, config)
+        stages: list[tuple[str, Callable[[], bool], Callable[[], dict[str, Any]]]] = [
+            ("corpus", lambda: _recorded(state, "corpus"), lambda: _build_corpus(paths, config)),
+            ("vocab", lambda: _recorded(state, "vocab"), lambda: _train_vocab(paths, config)),
+            ("prepare", lambda: _recorded(state, "prepare"), lambda: _prepare(paths, config)),
+            ("train", lambda: _recorded(state, "train"), lambda: _train(paths, config)),
+            ("eval", lambda: _recorded(state, "eval"), lambda: _evaluate(paths, config)),
+            ("export", lambda: _recorded(state, "export"), lambda: _export(paths)),
+        ]
+        for number, (name, is_done, run) in enumerate(stages, start=1):
+            label = f"[{number}/{len(stages)}] {name}"
+            if is_done():
+                print(f"[demo] {label}: done in an earlier run, reusing it", flush=True)
+                continue
+            print(f"[demo] {label}: starting", flush=True)
+            stage_started = time.time()
+            with _heartbeat(label):
+                record = run()
+            record["seconds"] = round(time.time() - stage_started, 1)
+            state["stages"][name] = record
+            _save_state(paths, state)
+            print(f"[demo] {label}: finished in {record['seconds']} s", flush=True)
+        summary = _summarise(paths, state, time.time() - started)
+    return summary
+
+
+# --- stages -------------------------------------------------------------------------------
+
+
+def _build_corpus(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
+    from pipelines.docstring_corpus import write_docstring_corpus
+
+    os.makedirs(os.path.dirname(paths.corpus), exist_ok=True)
+    stats = write_docstring_corpus(paths.corpus, target_bytes=config.corpus_bytes)
+    print(f"[demo] corpus: {stats['num_documents']} documents, {stats['num_bytes']:,} bytes "
+          f"of docstrings", flush=True)
+    return {"num_documents": stats["num_documents"], "num_bytes": stats["num_bytes"]}
+
+
+def _train_vocab(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
+    from pipelines.vocab import train_wordpiece_vocab
+
+    _fresh_dir(paths.vocab_dir)
+    path = train_wordpiece_vocab(
+        [paths.corpus], paths.vocab_dir, vocab_size=config.vocab_size, lower_case=True
+    )
+    return {"vocab": path}
+
+
+def _prepare(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
+    from pipelines.prepare import run as run_prepare
+
+    _fresh_dir(paths.shards)  # a crashed earlier attempt leaves no manifest; start over
+    counts = run_prepare([
+        f"--input={paths.corpus}",
+        f"--output={paths.shards}",
+        f"--vocab={os.path.join(paths.vocab_dir, 'vocab.txt')}",
+        f"--max_seq_length={config.max_seq_length}",
+        f"--dupe_factor={config.dupe_factor}",
+        f"--num_shards={config.num_shards}",
+        f"--seed={config.seed}",
+        "--runner=DirectRunner",
+        f"--direct_num_workers={config.prepare_workers}",
+        "--direct_running_mode=multi_processing",
+    ])
+    return {"counts": counts}
+
+
+def _train(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
+    from cluster.ray_train import LaunchConfig, train_on_ray
+    from training.config import demo_recipe
+
+    cfg = demo_recipe(
+        paths.shards, paths.run, max_steps=config.max_steps,
+        micro_batch_size=config.micro_batch_size, learning_rate=config.learning_rate,
+        seed=config.seed,
+    )
+    metrics = train_on_ray(cfg, LaunchConfig(num_workers=config.train_workers))
+    if metrics.get("step") != config.max_steps:
+        raise RuntimeError(f"training stopped at step {metrics.get('step')}, not {config.max_steps}")
+    return {k: metrics[k] for k in ("step", "loss_first", "loss_last", "tokens_per_second",
+                                    "train_seconds", "checkpoint_path")}
+
+
+def _evaluate(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
+    from training.checkpoint import latest_checkpoint
+    from training.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(latest_checkpoint(paths.run), paths.shards, seed=config.seed)
+    with open(paths.eval, "w", encoding="utf-8") as f:
+        json.dump(result.to_dict(), f, indent=2)
+    return result.to_dict()
+
+
+def _export(paths: DemoPaths) -> dict[str, Any]:
+    from training.export import export_checkpoint
+
+    export_checkpoint(paths.run, paths.hf)
+    return {"hf_dir": paths.hf, "verified_with_transformers": _verify_with_transformers(paths.hf)}
+
+
+def _verify_with_transformers(hf_dir: str) -> bool:
+    """Load the export the way users will; transformers is a dev extra, so it may be absent."""
+    try:
+        from transformers import BertForPreTraining, BertTokenizerFast
+    except ImportError:
+        print("[demo] export: transformers not installed, skipping the load check", flush=True)
+        return False
+    BertForPreTraining.from_pretrained(hf_dir)
+    BertTokenizerFast.from_pretrained(hf_dir)
+    print(f"[demo] export: {hf_dir} loads in transformers.BertForPreTraining", flush=True)
+    return True
+
+
+# --- summary ------------------------------------------------------------------------------
+
+
+def _summarise(paths: DemoPaths, state: dict[str, Any], seconds_now: float) -> dict[str, Any]:
+    from training.metrics import read_metrics
+
+    stages = state["stages"]
+    train, evaluation = stages["train"], stages["eval"]
+    summary = {
+        "steps": train["step"],
+        "loss_first": train["loss_first"],
+        "loss_last": train["loss_last"],
+        "mlm_accuracy": evaluation["mlm_accuracy"],
+        "mlm_baseline_accuracy": evaluation["mlm_baseline_accuracy"],
+        "nsp_accuracy": evaluation["nsp_accuracy"],
+        "tokens_per_second": train["tokens_per_second"],
+        # Compute time of every stage, whichever run did it; this_run_seconds is this call's.
+        "wall_seconds": round(sum(s["seconds"] for s in stages.values()), 1),
+        "this_run_seconds": round(seconds_now, 1),
+        "stage_seconds": {name: s["seconds"] for name, s in stages.items()},
+        "instances": stages["prepare"]["counts"].get("instances"),
+        "hf_dir": paths.hf,
+        "loss_curve": paths.loss_curve,
+    }
+    _plot_loss_curve(read_metrics(paths.run), paths.loss_curve)
+    with open(paths.summary, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    rows = [
+        ("steps", f"{summary['steps']}"),
+        ("loss first -> last", f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f}"),
+        ("MLM accuracy", f"{summary['mlm_accuracy']:.3f}"),
+        ("MLM baseline (most frequent token)", f"{summary['mlm_baseline_accuracy']:.3f}"),
+        ("NSP accuracy", f"{summary['nsp_accuracy']:.3f}"),
+        ("training tokens/s", f"{summary['tokens_per_second']:,.0f}"),
+        ("wall seconds (all stages)", f"{summary['wall_seconds']:.1f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = ["", "bertforge demo summary", "-" * (width + 14)]
+    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    lines.append(f"Hugging Face export: {summary['hf_dir']}")
+    return "\n".join(lines)
+
+
+def _plot_loss_curve(records: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a server
+    import matplotlib.pyplot as plt
+
+    by_step = {r["step"]: r for r in records if "loss" in r}  # a resumed run may log a step twice
+    steps = sorted(by_step)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, [by_step[s]["loss"] for s in steps], label="total")
+    ax.plot(steps, [by_step[s]["mlm_loss"] for s in steps], label="masked LM")
+    ax.plot(steps, [by_step[s]["nsp_loss"] for s in steps], label="next sentence")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("bertforge demo")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- state, locking, progress ---------------------------------------------------------------
+
+
+def _load_or_create_state(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
+    if os.path.exists(paths.state):
+        with open(paths.state, encoding="utf-8") as f:
+            state = json.load(f)
+        if state["settings"] != config.settings():
+            changed = sorted(k for k, v in config.settings().items() if state["settings"].get(k) != v)
+            raise ValueError(
+                f"{paths.root} holds a demo made with other settings ({', '.join(changed)}); "
+                "use another --output, or delete that directory to start over"
+            )
+        return state
+    leftovers = [n for n in os.listdir(paths.root) if not n.startswith(".")]
+    if leftovers:
+        raise ValueError(
+            f"{paths.root} is not empty and holds no bertforge demo; choose another --output"
+        )
+    state = {"settings": config.settings(), "stages": {}}
+    _save_state(paths, state)
+    return state
+
+
+def _recorded(state: dict[str, Any], stage: str) -> bool:
+    return stage in state["stages"]
+
+
+def _save_state(paths: DemoPaths, state: dict[str, Any]) -> None:
+    tmp = paths.state + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f, indent=2)
+    os.replace(tmp, paths.state)
+
+
+def _fresh_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+
+
+@contextmanager
+def _exclusive(root: str) -> Iterator[None]:
+    """One demo per directory at a time: a second concurrent run is refused, not interleaved."""
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"another bertforge demo is running in {root}") from None
+        yield
+
+
+@contextmanager
+def _heartbeat(label: str, every_seconds: float = 20.0) -> Iterator[None]:
+    """A line every 20 s while a stage works, so no minute passes in silence."""
+    stop = threading.Event()
+    started = time.time()
+
+    def beat() -> None:
+        while not stop.wait(every_seconds):
+            print(f"[demo] {label}: still working ({time.time() - started:.0f} s)",
+                  file=sys.stdout, flush=True)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

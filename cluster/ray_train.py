@@ -1,0 +1,101 @@
+"""Ray Train launch: a `TorchTrainer` whose workers run `training.loop.train`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import ray.train
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from training.config import TrainConfig
+
+@dataclass
+class LaunchConfig:
+    num_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: int = 1
+    address: str | None = None  # None: start a local Ray bound to 127.0.0.1
+    max_failures: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be at least 1, got {self.num_workers}")
+        if self.cpus_per_worker < 1:
+            raise ValueError(f"cpus_per_worker must be at least 1, got {self.cpus_per_worker}")
+
+
+def connect(launch: LaunchConfig) -> None:
+    """Join the cluster at `address`, or start a private local Ray on the loopback address."""
+    if ray.is_initialized():
+        return
+    if launch.address:
+        ray.init(address=launch.address, log_to_driver=True)
+        return
+    _bind_to_loopback()
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, launch.num_workers * launch.cpus_per_worker),
+        include_dashboard=False,  # the local dashboard is not needed to train; it costs seconds
+        log_to_driver=True,
+        configure_logging=False,
+    )
+
+
+def _bind_to_loopback() -> None:
+    """Make a local Ray listen on 127.0.0.1 only, not on the machine's network address.
+
+    Ray maps 127.0.0.1 to the routable address unless it believes it is not a cluster (its
+    macOS/Windows mode); we set that mode in this process and, through the environment, in
+    the GCS, raylet and worker processes it starts.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
+    """Run training on `launch.num_workers` Ray workers; returns the last reported metrics."""
+    connect(launch)
+    run_dir = os.path.abspath(cfg.run_dir)
+    cfg = TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir})
+    trainer = TorchTrainer(
+        _worker_main,
+        train_loop_config={"train": cfg.to_dict(), "threads": launch.cpus_per_worker},
+        torch_config=TorchConfig(backend="nccl" if launch.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=launch.num_workers,
+            use_gpu=launch.use_gpu,
+            resources_per_worker=None if launch.use_gpu else {"CPU": launch.cpus_per_worker},
+        ),
+        run_config=RunConfig(
+            name="ray",  # Ray Train's own state lives in RUN_DIR/ray; ours beside it
+            storage_path=run_dir,
+            failure_config=FailureConfig(max_failures=launch.max_failures),
+        ),
+    )
+    result = trainer.fit()
+    return dict(result.metrics or {})
+
+
+def _worker_main(loop_config: dict[str, Any]) -> None:
+    """Entry point on every Ray worker: the process group is already set up by Ray Train."""
+    import torch
+
+    from training.loop import train
+
+    torch.set_num_threads(loop_config["threads"])
+    cfg = TrainConfig.from_dict(loop_config["train"])
+    result = train(cfg, report=lambda metrics: ray.train.report(metrics))
+    ray.train.report({
+        "step": result.global_step,
+        "done": True,
+        "checkpoint_path": result.checkpoint_path,
+        "loss_first": result.loss_first,
+        "loss_last": result.loss_last,
+        "tokens_per_second": result.tokens_per_second,
+        "train_seconds": result.train_seconds,
+    })

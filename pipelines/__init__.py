@@ -1,0 +1,1 @@
+"""Beam jobs that turn raw text into sharded Arrow sentence-pair records."""

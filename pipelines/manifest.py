@@ -1,0 +1,145 @@
+"""The shard-directory contract: `manifest.json`, its splits and shard entries.
+
+A prepared dataset is one directory:
+
+    manifest.json                       written last: a directory without it is incomplete
+    vocab.txt                           the vocabulary the ids refer to
+    train/part-00000-of-00004.arrow     Arrow IPC files, one row per sentence-pair instance
+    validation/part-00000-of-00001.arrow
+    rejects.jsonl                       every rejected input or record, with its reason
+
+This module is deliberately free of Beam and torch: the training loader reads manifests too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+VOCAB_NAME = "vocab.txt"
+REJECTS_NAME = "rejects.jsonl"
+SPLITS = ("train", "validation")
+
+# Column names and types of every shard (DESIGN, "Shards").
+INPUT_IDS = "input_ids"
+NUM_A_TOKENS = "num_a_tokens"
+NEXT_SENTENCE_LABEL = "next_sentence_label"
+DOC_ID = "doc_id"
+
+
+def shard_schema(vocab_size: int) -> pa.Schema:
+    """uint16 ids halve the shard size; a vocabulary past 65,535 entries needs int32."""
+    id_type = pa.uint16() if vocab_size <= 65_535 else pa.int32()
+    return pa.schema(
+        [
+            pa.field(INPUT_IDS, pa.list_(id_type), nullable=False),
+            pa.field(NUM_A_TOKENS, pa.uint16(), nullable=False),
+            pa.field(NEXT_SENTENCE_LABEL, pa.int8(), nullable=False),
+            pa.field(DOC_ID, pa.string(), nullable=False),
+        ]
+    )
+
+
+def shard_file_name(split: str, index: int, num_shards: int) -> str:
+    """Relative path of one shard, e.g. `train/part-00003-of-00008.arrow`."""
+    return f"{split}/part-{index:05d}-of-{num_shards:05d}.arrow"
+
+
+@dataclass
+class ShardEntry:
+    path: str  # relative to the dataset directory
+    num_rows: int
+    num_tokens: int
+    sha256: str
+
+
+@dataclass
+class SplitEntry:
+    num_instances: int
+    num_tokens: int
+    num_documents: int
+    shards: list[ShardEntry]
+
+
+@dataclass
+class TokenizerEntry:
+    vocab_sha256: str
+    vocab_size: int
+    lower_case: bool
+
+
+@dataclass
+class Manifest:
+    tokenizer: TokenizerEntry
+    instance_params: dict[str, Any]
+    splits: dict[str, SplitEntry]
+    counts: dict[str, Any]  # documents, sentences, instances, rejected: {reason: n}
+    format_version: int = FORMAT_VERSION
+    created_by: str = "bertforge"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"unsupported shard format_version {data.get('format_version')!r} "
+                f"(this bertforge reads {FORMAT_VERSION})"
+            )
+        splits = {
+            name: SplitEntry(
+                num_instances=s["num_instances"],
+                num_tokens=s["num_tokens"],
+                num_documents=s["num_documents"],
+                shards=[ShardEntry(**e) for e in s["shards"]],
+            )
+            for name, s in data["splits"].items()
+        }
+        return cls(
+            tokenizer=TokenizerEntry(**data["tokenizer"]),
+            instance_params=data["instance_params"],
+            splits=splits,
+            counts=data["counts"],
+            format_version=data["format_version"],
+            created_by=data.get("created_by", "bertforge"),
+            extra=data.get("extra", {}),
+        )
+
+
+def read_manifest(data_dir: str) -> Manifest:
+    """Read and parse `DIR/manifest.json`; a clear error when the directory is incomplete."""
+    path = os.path.join(data_dir, MANIFEST_NAME)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path} not found: {data_dir} is not a prepared dataset, or its preparation "
+            "did not finish (the manifest is written last)"
+        )
+    with open(path, encoding="utf-8") as f:
+        return Manifest.from_dict(json.load(f))
+
+
+def write_manifest(data_dir: str, manifest: Manifest) -> str:
+    """Write atomically (temp file + rename) so a reader never sees half a manifest."""
+    path = os.path.join(data_dir, MANIFEST_NAME)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(manifest.to_json())
+    os.replace(tmp, path)
+    return path
+
+
+def sha256_file(path: str, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()

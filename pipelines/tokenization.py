@@ -1,0 +1,41 @@
+"""WordPiece tokenization that equals `transformers.BertTokenizerFast` for the same vocab and casing.
+
+Built directly on `tokenizers` (no transformers import) with the same normalizer, pre-tokenizer
+and model settings that BertTokenizerFast uses, so ids match bit for bit.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import WordPiece
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def read_vocab(vocab_path: str) -> dict[str, int]:
+    """Google's layout: one token per line, id = line number."""
+    with open(vocab_path, encoding="utf-8") as f:
+        tokens = [line.rstrip("\n") for line in f]
+    while tokens and tokens[-1] == "":
+        tokens.pop()  # a trailing blank line is not a token
+    vocab = {token: index for index, token in enumerate(tokens)}
+    missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+    if missing:
+        raise ValueError(f"{vocab_path} lacks the BERT special tokens {missing}")
+    return vocab
+
+
+def load_tokenizer(vocab_path: str, lower_case: bool) -> Tokenizer:
+    """A `tokenizers.Tokenizer` configured like BertTokenizerFast(vocab_path, do_lower_case=...).
+
+    It encodes without special tokens: instance building adds [CLS]/[SEP] itself.
+    """
+    vocab = read_vocab(vocab_path)
+    tokenizer = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    # strip_accents=None means "follow lowercase", exactly as BertTokenizerFast does.
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lower_case
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    return tokenizer

@@ -1,0 +1,1 @@
+"""BERT pretraining core: model, masking loader, DeepSpeed engine, loop, checkpoints, export. No Ray here."""

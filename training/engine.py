@@ -1,0 +1,97 @@
+"""DeepSpeed engine construction: the config is built in code from the recipe and world size."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from training.config import TrainConfig
+from training.schedule import lr_multiplier
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed JSON config for this recipe on `world_size` ranks."""
+    config: dict[str, Any] = {
+        "train_batch_size": cfg.global_batch_size(world_size),
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "gradient_clipping": cfg.gradient_clipping,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        # We pass torch's AdamW ourselves; DeepSpeed supports it under every ZeRO stage.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with it
+        "wall_clock_breakdown": False,
+    }
+    if cfg.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif cfg.precision == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    return config
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on biases and LayerNorm weights (BERT's AdamWeightDecay rule)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        skip = name.endswith("bias") or "LayerNorm" in name
+        (no_decay if skip else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def ensure_process_group() -> None:
+    """Join the process group set up by the launcher, or make a 1-rank one for a plain process.
+
+    Ray Train and `torchrun` initialise torch.distributed before we run; the `deepspeed`
+    launcher sets RANK/WORLD_SIZE/MASTER_*; a plain `python` process sets nothing.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build_engine(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
+    """AdamW + warmup/decay schedule wrapped by DeepSpeed; returns the engine."""
+    optimizer = torch.optim.AdamW(
+        parameter_groups(model, cfg.weight_decay),
+        lr=cfg.learning_rate,
+        betas=cfg.adam_betas,
+        eps=cfg.adam_eps,
+        fused=torch.cuda.is_available(),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_multiplier(
+            step, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+            decay=cfg.decay, power=cfg.decay_power,
+        ),
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(cfg, world_size),
+        dist_init_required=False,
+    )
+    return engine

@@ -1,0 +1,97 @@
+"""Masked-LM and NSP accuracy on a validation split, with a most-frequent-token baseline."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class EvalResult:
+    mlm_accuracy: float
+    mlm_baseline_accuracy: float  # always predicting the most frequent training token
+    nsp_accuracy: float
+    mlm_loss: float
+    nsp_loss: float
+    num_predictions: int
+    num_sequences: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def evaluate(model, batches, *, baseline_token_id: int, device: str = "cpu") -> EvalResult:
+    """Accuracy over every batch of `batches`; sums are all-reduced when running distributed.
+
+    The baseline is scored on exactly the positions the model is scored on.
+    """
+    was_training = model.training
+    model.eval()
+    # correct MLM, predictions, baseline correct, correct NSP, sequences, MLM loss sum, NSP loss sum
+    totals = torch.zeros(7, dtype=torch.float64)
+    for batch in batches:
+        batch = {name: tensor.to(device) for name, tensor in batch.items()}
+        out = model(**batch)
+        targets = batch["labels"][batch["labels"] != -100]
+        num_seq = batch["input_ids"].shape[0]
+        totals += torch.tensor([
+            (out.prediction_logits.argmax(-1) == targets).sum().item(),
+            targets.numel(),
+            (targets == baseline_token_id).sum().item(),
+            (out.seq_relationship_logits.argmax(-1) == batch["next_sentence_label"]).sum().item(),
+            num_seq,
+            out.mlm_loss.float().item() * targets.numel(),
+            out.nsp_loss.float().item() * num_seq,
+        ], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    model.train(was_training)
+    correct, predicted, baseline, nsp_correct, sequences, mlm_loss, nsp_loss = totals.tolist()
+    if predicted == 0:
+        raise ValueError("the evaluation split produced no batches (is it smaller than a batch?)")
+    return EvalResult(
+        mlm_accuracy=correct / predicted,
+        mlm_baseline_accuracy=baseline / predicted,
+        nsp_accuracy=nsp_correct / sequences,
+        mlm_loss=mlm_loss / predicted,
+        nsp_loss=nsp_loss / sequences,
+        num_predictions=int(predicted),
+        num_sequences=int(sequences),
+    )
+
+
+def evaluate_checkpoint(
+    checkpoint_path: str, data_dir: str, *, split: str = "validation", batch_size: int = 64,
+    seed: int = 0, mask_prob: float = 0.15, max_predictions: int | None = None,
+) -> EvalResult:
+    """Score a checkpoint on a split with fixed masks (seed, epoch 0), in this process."""
+    from pipelines.manifest import read_manifest
+    from training.checkpoint import load_model
+    from training.data import PretrainingLoader, token_frequencies
+    from training.masking import default_max_predictions
+
+    model, metadata = load_model(checkpoint_path)
+    manifest = read_manifest(data_dir)
+    if manifest.tokenizer.vocab_sha256 != metadata["vocab_sha256"]:
+        raise ValueError(f"{data_dir} uses another vocabulary than the checkpoint {checkpoint_path}")
+    max_seq_length = manifest.instance_params["max_seq_length"]
+    loader = PretrainingLoader(
+        data_dir, split, batch_size=batch_size, seed=seed, drop_last=False, mask_prob=mask_prob,
+        max_predictions=max_predictions or default_max_predictions(max_seq_length, mask_prob),
+    )
+    baseline_token_id = most_frequent_token(token_frequencies(data_dir, "train"), data_dir)
+    return evaluate(model, loader, baseline_token_id=baseline_token_id)
+
+
+def most_frequent_token(frequencies, data_dir: str) -> int:
+    """The most frequent non-special training token: the MLM baseline's constant guess."""
+    from pipelines.tokenization import SPECIAL_TOKENS, read_vocab
+
+    counts = frequencies.copy()
+    vocab = read_vocab(f"{data_dir}/vocab.txt")
+    for token in SPECIAL_TOKENS:
+        counts[vocab[token]] = 0  # [CLS]/[SEP] occur in every row but are never predicted
+    return int(counts.argmax())

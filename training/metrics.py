@@ -1,0 +1,71 @@
+"""Run metrics: a progress line, `metrics.jsonl` and TensorBoard events in the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+METRICS_NAME = "metrics.jsonl"
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks get a logger that only keeps the records in memory."""
+
+    def __init__(self, run_dir: str, *, enabled: bool, max_steps: int) -> None:
+        self.enabled = enabled
+        self.max_steps = max_steps
+        self.records: list[dict[str, Any]] = []
+        self._start = time.time()
+        self._writer = None
+        self._file = None
+        if enabled:
+            os.makedirs(run_dir, exist_ok=True)
+            self._file = open(os.path.join(run_dir, METRICS_NAME), "a", encoding="utf-8")
+            self._writer = _tensorboard_writer(os.path.join(run_dir, "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, "time": time.time(), **metrics}
+        self.records.append(record)
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for name, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self._writer.add_scalar(name, value, step)
+        print(self._progress_line(step, metrics), file=sys.stdout, flush=True)
+
+    def _progress_line(self, step: int, metrics: dict[str, Any]) -> str:
+        elapsed = time.time() - self._start
+        parts = [f"step {step}/{self.max_steps}", f"{elapsed:6.1f}s"]
+        for name in ("loss", "mlm_loss", "nsp_loss", "lr", "seq_per_s", "tokens_per_s"):
+            if name in metrics:
+                value = metrics[name]
+                parts.append(f"{name} {value:.4g}" if isinstance(value, float) else f"{name} {value}")
+        return "[train] " + " | ".join(parts)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    path = os.path.join(run_dir, METRICS_NAME)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _tensorboard_writer(log_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is a dependency, but a metrics file alone still works
+        return None
+    return SummaryWriter(log_dir=log_dir)
