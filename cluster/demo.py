@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from training.metrics import read_metrics
+
 STATE_NAME = "demo.json"
 
 
@@ -146,11 +148,25 @@ def _train(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
         micro_batch_size=config.micro_batch_size, learning_rate=config.learning_rate,
         seed=config.seed,
     )
-    metrics = train_on_ray(cfg, LaunchConfig(num_workers=config.train_workers))
-    if metrics.get("step") != config.max_steps:
-        raise RuntimeError(f"training stopped at step {metrics.get('step')}, not {config.max_steps}")
-    return {k: metrics[k] for k in ("step", "loss_first", "loss_last", "tokens_per_second",
-                                    "train_seconds", "checkpoint_path")}
+    step = train_on_ray(cfg, LaunchConfig(num_workers=config.train_workers)).get("step")
+    if step != config.max_steps:
+        raise RuntimeError(f"training stopped at step {step}, not {config.max_steps}")
+    # Losses and throughput come from metrics.jsonl, which spans resumed runs too.
+    return training_statistics(read_metrics(paths.run))
+
+
+def training_statistics(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """First and last logged loss, and tokens/s over all logged windows, per step logged once."""
+    by_step = {r["step"]: r for r in records if "loss" in r}  # a resumed run may relog a step
+    steps = sorted(by_step)
+    tokens = sum(by_step[s]["tokens"] for s in steps)
+    seconds = sum(by_step[s]["tokens"] / by_step[s]["tokens_per_s"] for s in steps)
+    return {
+        "step": steps[-1],
+        "loss_first": by_step[steps[0]]["loss"],
+        "loss_last": by_step[steps[-1]]["loss"],
+        "tokens_per_second": tokens / seconds,
+    }
 
 
 def _evaluate(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
@@ -166,6 +182,7 @@ def _evaluate(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
 def _export(paths: DemoPaths) -> dict[str, Any]:
     from training.export import export_checkpoint
 
+    shutil.rmtree(paths.hf, ignore_errors=True)  # ours: left by a run that died before recording
     export_checkpoint(paths.run, paths.hf)
     return {"hf_dir": paths.hf, "verified_with_transformers": _verify_with_transformers(paths.hf)}
 
@@ -187,8 +204,6 @@ def _verify_with_transformers(hf_dir: str) -> bool:
 
 
 def _summarise(paths: DemoPaths, state: dict[str, Any], seconds_now: float) -> dict[str, Any]:
-    from training.metrics import read_metrics
-
     stages = state["stages"]
     train, evaluation = stages["train"], stages["eval"]
     summary = {
@@ -260,7 +275,8 @@ def _load_or_create_state(paths: DemoPaths, config: DemoConfig) -> dict[str, Any
         with open(paths.state, encoding="utf-8") as f:
             state = json.load(f)
         if state["settings"] != config.settings():
-            changed = sorted(k for k, v in config.settings().items() if state["settings"].get(k) != v)
+            wanted = config.settings()
+            changed = sorted(k for k, v in wanted.items() if state["settings"].get(k) != v)
             raise ValueError(
                 f"{paths.root} holds a demo made with other settings ({', '.join(changed)}); "
                 "use another --output, or delete that directory to start over"

@@ -13,6 +13,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from training.config import TrainConfig
 
+
 @dataclass
 class LaunchConfig:
     num_workers: int = 2

@@ -1,1 +1,1 @@
-"""BERT pretraining core: model, masking loader, DeepSpeed engine, loop, checkpoints, export. No Ray here."""
+"""BERT pretraining core: model, masking, loader, DeepSpeed loop, checkpoints, export. No Ray."""

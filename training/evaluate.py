@@ -76,7 +76,7 @@ def evaluate_checkpoint(
     model, metadata = load_model(checkpoint_path)
     manifest = read_manifest(data_dir)
     if manifest.tokenizer.vocab_sha256 != metadata["vocab_sha256"]:
-        raise ValueError(f"{data_dir} uses another vocabulary than the checkpoint {checkpoint_path}")
+        raise ValueError(f"{data_dir} uses another vocabulary than checkpoint {checkpoint_path}")
     max_seq_length = manifest.instance_params["max_seq_length"]
     loader = PretrainingLoader(
         data_dir, split, batch_size=batch_size, seed=seed, drop_last=False, mask_prob=mask_prob,

@@ -30,7 +30,7 @@ def training_flops_per_sequence(**shape: int) -> int:
     return 3 * forward_flops_per_sequence(**shape)
 
 
-def model_flops_utilisation(achieved_flops_per_second: float, peak_flops_per_second: float) -> float:
-    if peak_flops_per_second <= 0:
+def model_flops_utilisation(achieved_flops_per_s: float, peak_flops_per_s: float) -> float:
+    if peak_flops_per_s <= 0:
         raise ValueError("peak FLOP/s must be positive")
-    return achieved_flops_per_second / peak_flops_per_second
+    return achieved_flops_per_s / peak_flops_per_s

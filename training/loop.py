@@ -126,12 +126,13 @@ def _maybe_resume(engine, loader: PretrainingLoader, cfg: TrainConfig, vocab_sha
     path = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
     if path is None:
         return 0
-    state = checkpoint.load(engine, path)
-    if state["vocab_sha256"] != vocab_sha256:
+    saved_sha256 = checkpoint.read_metadata(path)["vocab_sha256"]
+    if saved_sha256 != vocab_sha256:  # checked first: loading would fail on shapes, unclearly
         raise ValueError(
             f"{path} was trained with another vocabulary than {cfg.data_dir} "
-            f"(vocab sha256 {state['vocab_sha256'][:12]} vs {vocab_sha256[:12]})"
+            f"(vocab sha256 {saved_sha256[:12]} vs {vocab_sha256[:12]})"
         )
+    state = checkpoint.load(engine, path)
     loader.load_state_dict(state["loader"])
     if dist.get_rank() == 0:
         print(f"[train] resumed from {path} at step {state['global_step']}", flush=True)

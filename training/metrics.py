@@ -45,7 +45,8 @@ class MetricsLogger:
         for name in ("loss", "mlm_loss", "nsp_loss", "lr", "seq_per_s", "tokens_per_s"):
             if name in metrics:
                 value = metrics[name]
-                parts.append(f"{name} {value:.4g}" if isinstance(value, float) else f"{name} {value}")
+                shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+                parts.append(f"{name} {shown}")
         return "[train] " + " | ".join(parts)
 
     def close(self) -> None:

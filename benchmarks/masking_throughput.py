@@ -1,0 +1,153 @@
+"""Masked-batch throughput on one core: bertforge's collation + masking vs Hugging Face's.
+
+Both sides turn the same in-memory token ids into padded, masked batches of the same size (no
+I/O): ours with the functions the loader uses (`rows_from_sequences` + `PretrainingCollator`,
+per-sample masks keyed by (seed, epoch, index)); Hugging Face's with
+`DataCollatorForLanguageModeling` over a `BertTokenizerFast` built from a local vocab file
+(nothing is downloaded). Each side gets its input in the form it takes natively: uint16 arrays
+(as memory-mapped shards give them) for ours, Python lists (as `datasets` gives them) for HF.
+
+    python benchmarks/masking_throughput.py [--vocab vocab.txt] [--batch-size 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from training.data import PretrainingCollator, rows_from_sequences  # noqa: E402
+from training.masking import MaskingVocab, default_max_predictions  # noqa: E402
+
+SHORT_SEQ_PROB = 0.1  # Google: 10 % of instances get a random shorter target length
+
+
+def write_google_layout_vocab(path: str, size: int = 30_522) -> None:
+    """A stand-in for Google's uncased vocab: same size, same special-token ids."""
+    tokens = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    num_rest = size - len(tokens)
+    tokens += [f"word{i}" for i in range(num_rest * 4 // 5)]
+    tokens += [f"##p{i}" for i in range(size - len(tokens))]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(tokens) + "\n")
+
+
+def make_samples(tokens: list[str], num: int, max_seq_length: int, seed: int = 0):
+    """Pairs shaped like create_pretraining_data's: mostly full length, [CLS] A [SEP] B [SEP]."""
+    rng = np.random.default_rng(seed)
+    index = {t: i for i, t in enumerate(tokens)}
+    ordinary = np.array([i for i, t in enumerate(tokens) if not t.startswith("[")])
+    samples = []
+    for _ in range(num):
+        short = rng.random() < SHORT_SEQ_PROB
+        length = int(rng.integers(8, max_seq_length)) if short else max_seq_length
+        len_a = int(rng.integers(1, length - 3))
+        body = rng.choice(ordinary, length - 3)
+        ids = [index["[CLS]"], *body[:len_a], index["[SEP]"], *body[len_a:], index["[SEP]"]]
+        samples.append((np.array(ids, dtype=np.uint16), len_a + 2, int(rng.integers(0, 2))))
+    return samples
+
+
+def ours(samples, tokens: list[str], max_seq_length: int, whole_word: bool) -> Callable:
+    collator = PretrainingCollator(
+        MaskingVocab.from_tokens(tokens),
+        seed=0,
+        max_predictions=default_max_predictions(max_seq_length),
+        whole_word=whole_word,
+    )
+    pad_id = tokens.index("[PAD]")
+    ids, num_a, nsp = zip(*samples, strict=True)
+
+    def one_batch(start: int, batch_size: int):
+        part = slice(start, start + batch_size)
+        rows = rows_from_sequences(
+            ids[part], num_a[part], nsp[part], np.arange(start, start + batch_size), pad_id
+        )
+        return collator(rows, epoch=0)
+
+    return one_batch
+
+
+def hugging_face(samples, vocab_path: str) -> Callable:
+    from transformers import BertTokenizerFast, DataCollatorForLanguageModeling
+
+    tokenizer = BertTokenizerFast(vocab_file=vocab_path, do_lower_case=True)
+    collator = DataCollatorForLanguageModeling(
+        tokenizer, mlm=True, mlm_probability=0.15, pad_to_multiple_of=8, return_tensors="pt"
+    )
+    features = [
+        {
+            "input_ids": ids.tolist(),
+            "token_type_ids": [0] * num_a + [1] * (len(ids) - num_a),
+            "next_sentence_label": nsp,
+        }
+        for ids, num_a, nsp in samples
+    ]
+
+    def one_batch(start: int, batch_size: int):
+        return collator(features[start : start + batch_size])
+
+    return one_batch
+
+
+def batches_per_second(one_batch: Callable, num_samples: int, batch_size: int, repeats: int):
+    """Median over `repeats` passes over all samples (the machine may be shared)."""
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        num_batches = 0
+        for start in range(0, num_samples - batch_size + 1, batch_size):
+            one_batch(start, batch_size)
+            num_batches += 1
+        rates.append(num_batches / (time.perf_counter() - started))
+    return statistics.median(rates)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--vocab", help="a vocab.txt (default: a Google-layout stand-in)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--samples", type=int, default=4096, help="per length")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # one core: the figure a data-loading worker gets
+
+    with tempfile.TemporaryDirectory() as scratch:
+        vocab_path = args.vocab or os.path.join(scratch, "vocab.txt")
+        if not args.vocab:
+            write_google_layout_vocab(vocab_path)
+        with open(vocab_path, encoding="utf-8") as f:
+            tokens = [line.rstrip("\n") for line in f if line.strip()]
+        print(f"batch size {args.batch_size}, vocab {len(tokens)} tokens, one thread")
+        print(f"{'length':>6} {'collator':<22} {'batches/s':>10} {'samples/s':>10} {'ours/HF':>8}")
+        for length in args.lengths:
+            samples = make_samples(tokens, args.samples, length)
+            candidates = [
+                ("bertforge", ours(samples, tokens, length, whole_word=False)),
+                ("bertforge whole-word", ours(samples, tokens, length, whole_word=True)),
+                ("HF DataCollatorForLM", hugging_face(samples, vocab_path)),
+            ]
+            rates = {
+                name: batches_per_second(fn, len(samples), args.batch_size, args.repeats)
+                for name, fn in candidates
+            }
+            hf = rates["HF DataCollatorForLM"]
+            for name, rate in rates.items():
+                print(
+                    f"{length:>6} {name:<22} {rate:>10.1f} {rate * args.batch_size:>10.0f} "
+                    f"{rate / hf:>7.2f}x"
+                )
+
+
+if __name__ == "__main__":
+    main()

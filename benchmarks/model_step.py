@@ -1,0 +1,122 @@
+"""Forward+backward step time: training.model.BertForPreTraining vs transformers' (fp32).
+
+Both models hold the same weights and see the same batch (padding-free, ~15 % of positions
+labelled, NSP labels), in training mode, with the same torch thread count. Ours runs the MLM
+head at the labelled positions only; Hugging Face's projects every position onto the vocab.
+
+    python benchmarks/model_step.py --config base --seq-len 128 --batch-size 8 --iters 5 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import transformers
+
+from training.hf_interop import from_hf_state_dict
+from training.model import IGNORE_INDEX, PRESETS, BertConfig, BertForPreTraining
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=sorted(PRESETS), default="base")
+    parser.add_argument("--vocab-size", type=int, default=30522)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=5, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--mask-prob", type=float, default=0.15)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def make_batch(config: BertConfig, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = (args.batch_size, args.seq_len)
+    input_ids = torch.randint(5, config.vocab_size, shape, generator=generator)
+    token_type_ids = torch.zeros(shape, dtype=torch.long)
+    token_type_ids[:, args.seq_len // 2 :] = 1
+    # Exactly round(seq x p) labels per row: 128 x 0.15 = 19, Google's max_predictions 20.
+    num_predicted = max(1, round(args.seq_len * args.mask_prob))
+    positions = torch.rand(shape, generator=generator).argsort(dim=1)[:, :num_predicted]
+    labels = torch.full(shape, IGNORE_INDEX)
+    labels.scatter_(1, positions, input_ids.gather(1, positions))
+    return {
+        "input_ids": input_ids,
+        "token_type_ids": token_type_ids,
+        "attention_mask": torch.ones(shape, dtype=torch.long),
+        "labels": labels,
+        "next_sentence_label": torch.randint(0, 2, (args.batch_size,), generator=generator),
+    }
+
+
+def time_steps(step: Callable[[], float], warmup: int, iters: int) -> tuple[list[float], float]:
+    """Seconds per call of `step` after `warmup` untimed calls, and the last loss it returned."""
+    loss = float("nan")
+    for _ in range(warmup):
+        loss = step()
+    seconds = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        loss = step()
+        seconds.append(time.perf_counter() - start)
+    return seconds, loss
+
+
+def train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Callable[[], float]:
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.item()
+
+    return step
+
+
+def build_models(config: BertConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Hugging Face's model (its default attention: sdpa) and ours with the very same weights."""
+    hf_config = transformers.BertConfig(**config.to_dict())
+    hf_model = transformers.BertForPreTraining(hf_config).train()
+    ours = BertForPreTraining(config).train()
+    ours.load_state_dict(from_hf_state_dict(hf_model.state_dict(), config))
+    return ours, hf_model
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    config = BertConfig.preset(args.config, vocab_size=args.vocab_size)
+    ours, hf_model = build_models(config)
+    batch = make_batch(config, args)
+    results = {}
+    for name, model in (("bertforge", ours), ("transformers", hf_model)):
+        torch.manual_seed(args.seed)  # same dropout stream for both
+        results[name] = time_steps(train_step(model, batch), args.warmup, args.iters)
+
+    tokens = args.batch_size * args.seq_len
+    print(
+        f"config={args.config} vocab={config.vocab_size} seq={args.seq_len} "
+        f"batch={args.batch_size} threads={torch.get_num_threads()} iters={args.iters} "
+        f"warmup={args.warmup} fp32 cpu torch={torch.__version__} "
+        f"transformers={transformers.__version__}"
+    )
+    print(f"{'model':<14}{'median ms':>12}{'min ms':>10}{'tok/s':>10}{'last loss':>11}")
+    medians = {}
+    for name, (seconds, loss) in results.items():
+        medians[name] = statistics.median(seconds)
+        print(
+            f"{name:<14}{medians[name] * 1e3:>12.1f}{min(seconds) * 1e3:>10.1f}"
+            f"{tokens / medians[name]:>10.0f}{loss:>11.4f}"
+        )
+    ratio = medians["bertforge"] / medians["transformers"]
+    print(f"ratio bertforge/transformers (median): {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""The loader: layout, order, resume, world-size invariance, checks on open."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import threading
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from pipelines import manifest as manifest_lib
+from tests.training.conftest import read_split_rows, write_dataset
+from training.data import (
+    PretrainingLoader,
+    download_split,
+    padded_width,
+    rows_from_sequences,
+    token_frequencies,
+)
+from training.masking import IGNORE_INDEX
+
+KEYS = ("input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label")
+
+
+def restored_rows(batch):
+    """Per row: (original ids, num_a_tokens, nsp label) recovered from a masked batch."""
+    ids = torch.where(batch["labels"] != IGNORE_INDEX, batch["labels"], batch["input_ids"])
+    rows = []
+    for row in range(len(ids)):
+        length = int(batch["attention_mask"][row].sum())
+        num_a = length - int(batch["token_type_ids"][row].sum())
+        rows.append((ids[row, :length].numpy(), num_a, int(batch["next_sentence_label"][row])))
+    return rows
+
+
+def trimmed(batch):
+    """Per row, every field cut to its real tokens: comparable across padding widths."""
+    out = []
+    for row in range(len(batch["input_ids"])):
+        length = int(batch["attention_mask"][row].sum())
+        out.append(
+            tuple(batch[k][row, :length].tolist() for k in KEYS[:4])
+            + (int(batch["next_sentence_label"][row]),)
+        )
+    return out
+
+
+def all_batches(loader):
+    return [b for b in loader]
+
+
+def assert_batches_equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        for key in KEYS:
+            torch.testing.assert_close(g[key], w[key], rtol=0, atol=0)
+
+
+def test_batch_layout(dataset_dir):
+    truth = read_split_rows(dataset_dir, "train")
+    loader = PretrainingLoader(dataset_dir, batch_size=8, seed=1)
+    order = loader.epoch_order(0)
+    for g, batch in enumerate(loader):
+        assert set(batch) == set(KEYS)
+        assert all(t.dtype == torch.int64 for t in batch.values())
+        lengths = batch["attention_mask"].sum(1)
+        assert batch["input_ids"].shape[1] == padded_width(int(lengths.max()))
+        assert batch["input_ids"].shape[1] % 8 == 0
+        pad = ~batch["attention_mask"].bool()
+        assert (batch["input_ids"][pad] == 0).all()  # [PAD] is id 0 in this vocab
+        assert (batch["labels"][pad] == IGNORE_INDEX).all()
+        assert (batch["token_type_ids"][pad] == 0).all()
+        indices = loader.rank_indices(order, g)
+        for row, (ids, num_a, label) in zip(indices, restored_rows(batch), strict=True):
+            want_ids, want_a, want_label = truth[row]
+            np.testing.assert_array_equal(ids, want_ids)
+            assert (num_a, label) == (want_a, want_label)
+        ttype = batch["token_type_ids"][0]
+        num_a = truth[loader.rank_indices(order, g)[0]][1]
+        assert (ttype[:num_a] == 0).all() and ttype[num_a] == 1
+    assert loader.batches_consumed == len(loader) == 70 // 8
+
+
+def test_every_sample_once_per_epoch_and_epochs_differ(dataset_dir):
+    loader = PretrainingLoader(dataset_dir, batch_size=8, seed=1, drop_last=False)
+    assert len(loader) == 9  # 70 = 8 x 8 + 6, the partial batch kept
+    seen = np.concatenate([loader.rank_indices(loader.epoch_order(0), g) for g in range(9)])
+    assert sorted(seen.tolist()) == list(range(70))
+    assert sum(len(b["input_ids"]) for b in loader) == 70
+    order0 = loader.epoch_order(0)
+    np.testing.assert_array_equal(order0, np.random.default_rng([1, 0]).permutation(70))
+    loader.set_epoch(1)
+    assert not np.array_equal(order0, loader.epoch_order(1))
+    # Same samples under another epoch: same ids, other masks.
+    first = PretrainingLoader(dataset_dir, batch_size=70, seed=1)
+    batch0 = next(iter(first))
+    first.set_epoch(1)
+    batch1 = next(iter(first))
+    order = np.argsort(first.epoch_order(0)), np.argsort(first.epoch_order(1))
+    labels0, labels1 = batch0["labels"][order[0]], batch1["labels"][order[1]]
+    assert not torch.equal(labels0, labels1)
+
+
+def test_same_seed_same_batches_other_seed_others(dataset_dir):
+    a = all_batches(PretrainingLoader(dataset_dir, batch_size=8, seed=3))
+    b = all_batches(PretrainingLoader(dataset_dir, batch_size=8, seed=3, prefetch=0))
+    assert_batches_equal(a, b)
+    c = all_batches(PretrainingLoader(dataset_dir, batch_size=8, seed=4))
+    assert [trimmed(x) for x in a] != [trimmed(x) for x in c]
+
+
+def test_stops_at_epoch_end_and_set_epoch(dataset_dir):
+    loader = PretrainingLoader(dataset_dir, batch_size=16, seed=0)
+    assert len(all_batches(loader)) == 4
+    assert all_batches(loader) == []  # exhausted until the next epoch
+    loader.set_epoch(0)  # the current epoch: position kept
+    assert all_batches(loader) == []
+    loader.set_epoch(1)
+    assert len(all_batches(loader)) == 4
+    assert loader.state_dict()["epoch"] == 1
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_resume_gives_the_remaining_batches(dataset_dir, prefetch):
+    reference = PretrainingLoader(dataset_dir, batch_size=4, seed=5, prefetch=prefetch)
+    reference.set_epoch(2)
+    want = all_batches(reference)
+    interrupted = PretrainingLoader(dataset_dir, batch_size=4, seed=5, prefetch=prefetch)
+    interrupted.set_epoch(2)
+    iterator = iter(interrupted)
+    for _ in range(5):
+        next(iterator)
+    state = interrupted.state_dict()  # prefetched batches do not count
+    assert (state["epoch"], state["batches_consumed"]) == (2, 5)
+    del iterator
+    resumed = PretrainingLoader(dataset_dir, batch_size=4, seed=5, prefetch=prefetch)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(2)  # a loop may call it blindly
+    assert_batches_equal(all_batches(resumed), want[5:])
+
+
+def test_resume_at_epoch_end_starts_the_next_epoch(dataset_dir):
+    loader = PretrainingLoader(dataset_dir, batch_size=16, seed=0)
+    all_batches(loader)
+    resumed = PretrainingLoader(dataset_dir, batch_size=16, seed=0)
+    resumed.load_state_dict(loader.state_dict())
+    loader.set_epoch(1)
+    assert_batches_equal(all_batches(resumed), all_batches(loader))
+
+
+def test_resume_refuses_another_global_batch(dataset_dir):
+    state = PretrainingLoader(dataset_dir, batch_size=4, seed=5).state_dict()
+    with pytest.raises(ValueError, match="global_batch_size"):
+        PretrainingLoader(dataset_dir, batch_size=8, seed=5).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        PretrainingLoader(dataset_dir, batch_size=4, seed=6).load_state_dict(state)
+
+
+def test_world_size_does_not_change_global_batches(dataset_dir):
+    single = all_batches(PretrainingLoader(dataset_dir, batch_size=8, seed=2))
+    ranks = [
+        all_batches(PretrainingLoader(dataset_dir, batch_size=4, seed=2, rank=r, world_size=2))
+        for r in range(2)
+    ]
+    assert len(ranks[0]) == len(ranks[1]) == len(single)
+    for g, whole in enumerate(single):
+        assert trimmed(ranks[0][g]) + trimmed(ranks[1][g]) == trimmed(whole)
+
+
+def test_resume_from_two_ranks_on_one(dataset_dir):
+    single = all_batches(PretrainingLoader(dataset_dir, batch_size=8, seed=2))
+    rank0 = PretrainingLoader(dataset_dir, batch_size=4, seed=2, rank=0, world_size=2)
+    for _, _batch in zip(range(3), rank0, strict=False):
+        pass
+    resumed = PretrainingLoader(dataset_dir, batch_size=8, seed=2)
+    resumed.load_state_dict(rank0.state_dict())
+    rest = all_batches(resumed)
+    assert [trimmed(b) for b in rest] == [trimmed(b) for b in single[3:]]
+
+
+def test_partial_last_batch_split_across_ranks(dataset_dir):
+    # 70 = 4 x 16 + 6: the last global batch has 6 rows, 3 per rank.
+    loaders = [
+        PretrainingLoader(dataset_dir, batch_size=8, seed=0, rank=r, world_size=2, drop_last=False)
+        for r in range(2)
+    ]
+    last = [all_batches(loader)[-1] for loader in loaders]
+    assert [len(b["input_ids"]) for b in last] == [3, 3]
+
+
+def test_prefetch_thread_stops(dataset_dir):
+    def prefetchers():
+        return [t for t in threading.enumerate() if t.name == "bertforge-prefetch"]
+
+    loader = PretrainingLoader(dataset_dir, batch_size=4, seed=0, prefetch=2)
+    for _ in loader:
+        break  # the for loop drops the iterator: its thread must end
+    gc.collect()
+    assert prefetchers() == []
+    iterator = iter(loader)
+    next(iterator)
+    loader.set_epoch(3)  # moving the loader closes the live iterator
+    assert prefetchers() == []
+    with pytest.raises(StopIteration):
+        next(iterator)
+    assert loader.state_dict()["batches_consumed"] == 0
+
+
+def test_validation_split_and_frequencies(dataset_dir):
+    loader = PretrainingLoader(dataset_dir, "validation", batch_size=5, seed=0, drop_last=False)
+    assert sum(len(b["input_ids"]) for b in loader) == 13
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        PretrainingLoader(dataset_dir, "validation", batch_size=16, seed=0)
+    with pytest.raises(ValueError, match="no split 'test'"):
+        PretrainingLoader(dataset_dir, "test", batch_size=1, seed=0)
+    counts = token_frequencies(dataset_dir, "train")
+    want = np.bincount(np.concatenate([r[0] for r in read_split_rows(dataset_dir, "train")]))
+    np.testing.assert_array_equal(counts[: len(want)], want)
+    assert counts.sum() == want.sum() and len(counts) == loader.vocab_size
+
+
+def test_rows_from_sequences_pads_to_multiples_of_8():
+    rows = rows_from_sequences([np.arange(3), np.arange(9)], [2, 4], [0, 1], [10, 11], pad_id=0)
+    assert rows.input_ids.shape == (2, 16)
+    assert rows.input_ids[1, :9].tolist() == list(range(9))
+    assert rows.lengths.tolist() == [3, 9]
+
+
+@pytest.fixture
+def damaged(tmp_path):
+    """A fresh dataset the test may break."""
+    return write_dataset(str(tmp_path / "data"))
+
+
+def shard_path(data_dir, index=1):
+    manifest = manifest_lib.read_manifest(data_dir)
+    return os.path.join(data_dir, manifest.splits["train"].shards[index].path)
+
+
+def test_missing_manifest_and_shard(damaged):
+    path = shard_path(damaged)
+    os.remove(path)
+    with pytest.raises(FileNotFoundError, match=os.path.basename(path)):
+        PretrainingLoader(damaged, batch_size=4, seed=0)
+    os.remove(os.path.join(damaged, manifest_lib.MANIFEST_NAME))
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        PretrainingLoader(damaged, batch_size=4, seed=0)
+
+
+def test_truncated_and_corrupt_shards(damaged):
+    path = shard_path(damaged)
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"{os.path.basename(path)} is corrupt or truncated"):
+        PretrainingLoader(damaged, batch_size=4, seed=0)
+    with open(path, "wb") as f:
+        f.write(b"not arrow at all" * 100)
+    with pytest.raises(ValueError, match=os.path.basename(path)):
+        PretrainingLoader(damaged, batch_size=4, seed=0)
+
+
+def test_row_count_and_checksum_mismatch(damaged, tmp_path):
+    other = write_dataset(str(tmp_path / "other"), {"train": [23, 9, 30]}, seed=9)
+    path = shard_path(damaged)
+    shutil.copy(shard_path(other), path)  # 9 rows where the manifest says 17
+    with pytest.raises(ValueError, match=f"{os.path.basename(path)} has 9 rows but"):
+        PretrainingLoader(damaged, batch_size=4, seed=0)
+    other = write_dataset(str(tmp_path / "same-size"), {"train": [23, 17, 30]}, seed=9)
+    shutil.copy(shard_path(other), path)  # right row count, other content
+    PretrainingLoader(damaged, batch_size=4, seed=0)  # unnoticed without hashing
+    with pytest.raises(ValueError, match=f"{os.path.basename(path)} does not match its sha256"):
+        PretrainingLoader(damaged, batch_size=4, seed=0, verify_checksums=True)
+
+
+def test_vocabulary_mismatch(dataset_dir):
+    sha = manifest_lib.read_manifest(dataset_dir).tokenizer.vocab_sha256
+    PretrainingLoader(dataset_dir, batch_size=4, seed=0, expected_vocab_sha256=sha)
+    with pytest.raises(ValueError, match="does not match the model's"):
+        PretrainingLoader(dataset_dir, batch_size=4, seed=0, expected_vocab_sha256="0" * 64)
+
+
+def test_remote_dataset_is_copied_then_mapped(dataset_dir, tmp_path):
+    remote = pafs.SubTreeFileSystem(dataset_dir, pafs.LocalFileSystem())  # stands in for gs://
+    local = download_split(remote, "", "train", cache_dir=str(tmp_path / "cache"))
+    assert download_split(remote, "", "train", cache_dir=str(tmp_path / "cache")) == local
+    copied = all_batches(PretrainingLoader(local, batch_size=8, seed=1))
+    assert_batches_equal(copied, all_batches(PretrainingLoader(dataset_dir, batch_size=8, seed=1)))
+    uri = PretrainingLoader("file://" + os.path.abspath(dataset_dir), batch_size=8, seed=1)
+    assert len(uri) == 8
+
+
+def test_errors_in_the_prefetch_thread_reach_the_consumer(dataset_dir, monkeypatch):
+    loader = PretrainingLoader(dataset_dir, batch_size=4, seed=0, prefetch=2)
+
+    def broken(rows, epoch):
+        raise RuntimeError("collation failed")
+
+    monkeypatch.setattr(loader, "collator", broken)
+    with pytest.raises(RuntimeError, match="collation failed"):
+        next(iter(loader))
+    assert loader.batches_consumed == 0
+
+
+def test_a_rank_may_get_an_empty_last_batch(dataset_dir):
+    # 13 = 1 x 12 + 1: the last global batch has one row, for rank 0 only.
+    loaders = [
+        PretrainingLoader(
+            dataset_dir, "validation", batch_size=4, seed=0, rank=r, world_size=3, drop_last=False
+        )
+        for r in range(3)
+    ]
+    last = [all_batches(loader)[-1]["input_ids"].shape for loader in loaders]
+    assert last[0][0] == 1 and last[1] == last[2] == (0, 8)

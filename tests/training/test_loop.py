@@ -1,0 +1,100 @@
+"""The loop through the real DeepSpeed engine on the CPU (gloo), in this process."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.training.conftest import write_dataset
+from training import checkpoint
+from training.config import TrainConfig
+from training.evaluate import evaluate_checkpoint
+from training.export import export_checkpoint
+from training.loop import train
+from training.metrics import read_metrics
+
+TINY = {"preset": "tiny", "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    return write_dataset(str(root), {"train": [70, 60], "validation": [40]}, max_seq_length=64)
+
+
+def config(data_dir, run_dir, **overrides):
+    values = dict(data_dir=data_dir, run_dir=str(run_dir), model=TINY, max_steps=6,
+                  micro_batch_size=8, warmup_steps=2, learning_rate=1e-3, log_every=1,
+                  zero_stage=2, precision="bf16", keep_checkpoints=5)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(str(run_dir))}
+
+
+def test_resumed_run_reproduces_uninterrupted_losses_and_weights_bitwise(dataset, tmp_path):
+    straight = train(config(dataset, tmp_path / "straight"))
+    # The same run, checkpointing every 3 steps; then "crash" after step 3 by removing
+    # everything the steps after it wrote, and run the same command again.
+    interrupted = tmp_path / "interrupted"
+    train(config(dataset, interrupted, checkpoint_every=3))
+    shutil.rmtree(interrupted / "checkpoints" / "step_00000006")
+    with open(interrupted / "metrics.jsonl") as f:
+        kept = [line for line in f if '"step": 4' not in line and '"step": 5' not in line
+                and '"step": 6' not in line]
+    (interrupted / "metrics.jsonl").write_text("".join(kept))
+    resumed = train(config(dataset, interrupted, checkpoint_every=3))
+
+    assert resumed.global_step == straight.global_step == 6
+    assert losses(interrupted) == losses(tmp_path / "straight")  # every step, bitwise
+    a = checkpoint.load_fp32_state_dict(straight.checkpoint_path)
+    b = checkpoint.load_fp32_state_dict(resumed.checkpoint_path)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_rerun_of_a_finished_run_trains_no_further(dataset, tmp_path):
+    first = train(config(dataset, tmp_path / "run"))
+    again = train(config(dataset, tmp_path / "run"))
+    assert again.global_step == 6 and again.loss_first is None
+    assert again.checkpoint_path == first.checkpoint_path
+
+
+def test_uncommitted_checkpoint_is_ignored_and_old_ones_pruned(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    train(config(dataset, run_dir, checkpoint_every=2, keep_checkpoints=2))
+    assert checkpoint.committed_steps(str(run_dir)) == [4, 6]
+    os.remove(run_dir / "checkpoints" / "step_00000006" / checkpoint.COMMIT_MARKER)
+    assert checkpoint.latest_checkpoint(str(run_dir)).endswith("step_00000004")
+
+
+def test_training_learns_and_checkpoint_evaluates_and_exports(dataset, tmp_path):
+    run = train(config(dataset, tmp_path / "run", max_steps=40, learning_rate=3e-3,
+                       zero_stage=1, log_every=5))
+    history = losses(tmp_path / "run")
+    assert history[40] < history[1]
+    result = evaluate_checkpoint(run.checkpoint_path, dataset, batch_size=16)
+    assert result.num_sequences == 40
+    assert 0.0 <= result.mlm_accuracy <= 1.0 and 0.0 <= result.nsp_accuracy <= 1.0
+    hf_dir = export_checkpoint(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert os.path.exists(os.path.join(hf_dir, "model.safetensors"))
+
+
+def test_vocabulary_mismatch_on_resume_is_refused(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    train(config(dataset, run_dir, max_steps=2, warmup_steps=1))
+    other = write_dataset(str(tmp_path / "other"), {"train": [40], "validation": [8]},
+                          max_seq_length=64, seed=3)
+    with open(os.path.join(other, "vocab.txt"), "a") as f:
+        f.write("extra\n")
+    from pipelines import manifest as manifest_lib
+
+    manifest = manifest_lib.read_manifest(other)
+    manifest.tokenizer.vocab_sha256 = manifest_lib.sha256_file(os.path.join(other, "vocab.txt"))
+    manifest.tokenizer.vocab_size += 1
+    manifest_lib.write_manifest(other, manifest)
+    with pytest.raises(ValueError, match="another vocabulary"):
+        train(config(other, run_dir, max_steps=4, warmup_steps=1))

@@ -1,0 +1,368 @@
+"""Hugging Face interop: our `BertForPreTraining` state dict <-> a `transformers` directory.
+
+The name map is literal on purpose. Our parameter names equal Hugging Face's today, but a map
+written out makes a rename on either side fail loudly here instead of loading silently wrong.
+Wrapper prefixes (`module.` from DDP/DeepSpeed, `_orig_mod.` from `torch.compile`) are stripped
+by name, never by guessing.
+
+Export writes what `BertForPreTraining.from_pretrained` and `BertTokenizerFast.from_pretrained`
+load with no missing or unexpected keys, without importing `transformers` (a dev dependency).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import AddedToken, processors
+
+from pipelines.tokenization import SPECIAL_TOKENS, load_tokenizer, read_vocab
+from training.model import BertConfig
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+# Ours -> Hugging Face, outside the encoder layers.
+_EMBEDDING_NAMES = {
+    "bert.embeddings.word_embeddings.weight": "bert.embeddings.word_embeddings.weight",
+    "bert.embeddings.position_embeddings.weight": "bert.embeddings.position_embeddings.weight",
+    "bert.embeddings.token_type_embeddings.weight": "bert.embeddings.token_type_embeddings.weight",
+    "bert.embeddings.LayerNorm.weight": "bert.embeddings.LayerNorm.weight",
+    "bert.embeddings.LayerNorm.bias": "bert.embeddings.LayerNorm.bias",
+}
+# Ours -> Hugging Face, relative to `bert.encoder.layer.{i}.` on both sides.
+_LAYER_NAMES = {
+    "attention.self.query.weight": "attention.self.query.weight",
+    "attention.self.query.bias": "attention.self.query.bias",
+    "attention.self.key.weight": "attention.self.key.weight",
+    "attention.self.key.bias": "attention.self.key.bias",
+    "attention.self.value.weight": "attention.self.value.weight",
+    "attention.self.value.bias": "attention.self.value.bias",
+    "attention.output.dense.weight": "attention.output.dense.weight",
+    "attention.output.dense.bias": "attention.output.dense.bias",
+    "attention.output.LayerNorm.weight": "attention.output.LayerNorm.weight",
+    "attention.output.LayerNorm.bias": "attention.output.LayerNorm.bias",
+    "intermediate.dense.weight": "intermediate.dense.weight",
+    "intermediate.dense.bias": "intermediate.dense.bias",
+    "output.dense.weight": "output.dense.weight",
+    "output.dense.bias": "output.dense.bias",
+    "output.LayerNorm.weight": "output.LayerNorm.weight",
+    "output.LayerNorm.bias": "output.LayerNorm.bias",
+}
+_HEAD_NAMES = {
+    "bert.pooler.dense.weight": "bert.pooler.dense.weight",
+    "bert.pooler.dense.bias": "bert.pooler.dense.bias",
+    "cls.predictions.bias": "cls.predictions.bias",
+    "cls.predictions.transform.dense.weight": "cls.predictions.transform.dense.weight",
+    "cls.predictions.transform.dense.bias": "cls.predictions.transform.dense.bias",
+    "cls.predictions.transform.LayerNorm.weight": "cls.predictions.transform.LayerNorm.weight",
+    "cls.predictions.transform.LayerNorm.bias": "cls.predictions.transform.LayerNorm.bias",
+    "cls.seq_relationship.weight": "cls.seq_relationship.weight",
+    "cls.seq_relationship.bias": "cls.seq_relationship.bias",
+}
+# Tied names (ours -> HF) and the tensor each one aliases. Hugging Face's `save_pretrained`
+# leaves them out of model.safetensors and re-ties them on load; so do we.
+_TIED_NAMES = {
+    "cls.predictions.decoder.weight": "cls.predictions.decoder.weight",
+    "cls.predictions.decoder.bias": "cls.predictions.decoder.bias",
+}
+_TIED_SOURCES = {
+    "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+    "cls.predictions.decoder.bias": "cls.predictions.bias",
+}
+# Google's TF-converted checkpoints (e.g. the original bert-base-uncased pytorch_model.bin)
+# name LayerNorm parameters gamma/beta; transformers renames them on load, and so do we.
+_LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
+
+HF_CONFIG_NAME = "config.json"
+HF_WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
+
+
+def hf_name_map(num_hidden_layers: int) -> dict[str, str]:
+    """Our parameter name -> Hugging Face's, for every stored (untied) tensor."""
+    names = dict(_EMBEDDING_NAMES)
+    for index in range(num_hidden_layers):
+        prefix = f"bert.encoder.layer.{index}."
+        names.update({prefix + ours: prefix + hf for ours, hf in _LAYER_NAMES.items()})
+    names.update(_HEAD_NAMES)
+    return names
+
+
+def strip_wrapper_prefixes(name: str) -> str:
+    """`module._orig_mod.bert...` -> `bert...`: DDP/DeepSpeed and torch.compile wrappers."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix) :], True
+    return name
+
+
+def _check_names(present: set[str], expected: set[str], what: str) -> None:
+    missing, unexpected = sorted(expected - present), sorted(present - expected)
+    if missing or unexpected:
+        raise ValueError(f"{what} does not match: missing {missing}, unexpected {unexpected}")
+
+
+def to_hf_state_dict(
+    state_dict: Mapping[str, torch.Tensor], config: BertConfig
+) -> dict[str, torch.Tensor]:
+    """Our state dict -> Hugging Face names, tied tensors left out, fp32, contiguous, on CPU."""
+    names = hf_name_map(config.num_hidden_layers)
+    stripped = {strip_wrapper_prefixes(name): tensor for name, tensor in state_dict.items()}
+    for tied in _TIED_NAMES:
+        stripped.pop(tied, None)
+    _check_names(set(stripped), set(names), "state dict")
+    # Export in fp32: bf16 copies of the master weights would lose precision for fine-tuning.
+    return {
+        names[ours]: tensor.detach().to("cpu", torch.float32).contiguous().clone()
+        for ours, tensor in stripped.items()
+    }
+
+
+def from_hf_state_dict(
+    hf_state_dict: Mapping[str, torch.Tensor], config: BertConfig
+) -> dict[str, torch.Tensor]:
+    """Hugging Face state dict -> ours, tied names filled in so `load_state_dict` is strict."""
+    names = {hf: ours for ours, hf in hf_name_map(config.num_hidden_layers).items()}
+    renamed = _canonical_names(hf_state_dict)
+    # Buffers (position_ids) are not parameters; stored tied copies must really be copies.
+    renamed.pop("bert.embeddings.position_ids", None)
+    tied_copies = {name: renamed.pop(name) for name in _TIED_NAMES.values() if name in renamed}
+    _check_names(set(renamed), set(names), "Hugging Face state dict")
+    ours = {names[hf_name]: tensor for hf_name, tensor in renamed.items()}
+    for tied, source in _TIED_SOURCES.items():
+        copy = tied_copies.get(_TIED_NAMES[tied])
+        if copy is not None and not torch.equal(copy, ours[source]):
+            raise ValueError(f"{tied} differs from {source}: untied checkpoints are unsupported")
+        ours[tied] = ours[source]
+    return ours
+
+
+def _canonical_names(hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Wrapper prefixes stripped and legacy gamma/beta renamed, nothing else touched."""
+    return {
+        _legacy_to_current(strip_wrapper_prefixes(name)): tensor
+        for name, tensor in hf_state_dict.items()
+    }
+
+
+def _legacy_to_current(name: str) -> str:
+    for old, new in _LEGACY_SUFFIXES.items():
+        if "LayerNorm" in name and name.endswith(old):
+            return name[: -len(old)] + new
+    return name
+
+
+def hf_config_dict(config: BertConfig) -> dict:
+    """config.json for `transformers.BertConfig`: every field it reads, ours first."""
+    return {
+        "architectures": ["BertForPreTraining"],
+        "model_type": "bert",
+        **config.to_dict(),
+        "hidden_act": "gelu",
+        # Older transformers read these; 5.x ignores position_embedding_type.
+        "position_embedding_type": "absolute",
+        "classifier_dropout": None,
+        "is_decoder": False,
+        "add_cross_attention": False,
+        "use_cache": True,
+        "tie_word_embeddings": True,
+        "dtype": "float32",
+    }
+
+
+def config_from_hf_dict(values: Mapping) -> BertConfig:
+    """Our config from a Hugging Face config.json; refuses what our architecture cannot load."""
+    if values.get("model_type", "bert") != "bert":
+        raise ValueError(f"not a BERT config: model_type {values.get('model_type')!r}")
+    for name, supported in (
+        ("hidden_act", "gelu"),
+        ("position_embedding_type", "absolute"),
+        ("is_decoder", False),
+        ("add_cross_attention", False),
+    ):
+        if values.get(name, supported) != supported:
+            raise ValueError(f"{name}={values[name]!r} is not supported (only {supported!r})")
+    if values.get("tie_word_embeddings", True) is not True:
+        raise ValueError("untied MLM decoder weights are not supported")
+    defaults = BertConfig().to_dict()
+    return BertConfig(**{name: values.get(name, default) for name, default in defaults.items()})
+
+
+def build_hf_tokenizer_json(vocab_path: str, lower_case: bool) -> str:
+    """tokenizer.json of a BertTokenizerFast: our WordPiece set-up plus [CLS]/[SEP] templates."""
+    tokenizer = load_tokenizer(vocab_path, lower_case)
+    # As BertTokenizerFast registers them: matched before normalisation, never split.
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+    )
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    return tokenizer.to_str(pretty=True)
+
+
+def _special_tokens_map() -> dict[str, str]:
+    return {
+        "unk_token": "[UNK]",
+        "sep_token": "[SEP]",
+        "pad_token": "[PAD]",
+        "cls_token": "[CLS]",
+        "mask_token": "[MASK]",
+    }
+
+
+def _tokenizer_config(lower_case: bool, model_max_length: int) -> dict:
+    return {
+        "tokenizer_class": "BertTokenizer",
+        "do_lower_case": lower_case,
+        "tokenize_chinese_chars": True,
+        # None = follow do_lower_case, the same rule pipelines.tokenization applies.
+        "strip_accents": None,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": True,
+        **_special_tokens_map(),
+    }
+
+
+def _write_json(path: str, values: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(values, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def _write_hf_files(
+    directory: str,
+    hf_state_dict: dict[str, torch.Tensor],
+    config: BertConfig,
+    vocab_path: str,
+    lower_case: bool,
+) -> None:
+    _write_json(os.path.join(directory, HF_CONFIG_NAME), hf_config_dict(config))
+    # transformers refuses a safetensors file whose metadata lacks format=pt.
+    weights_path = os.path.join(directory, "model.safetensors")
+    save_file(hf_state_dict, weights_path, {"format": "pt"})
+    os.chmod(weights_path, 0o644)
+    shutil.copyfile(vocab_path, os.path.join(directory, "vocab.txt"))
+    tokenizer_config = _tokenizer_config(lower_case, config.max_position_embeddings)
+    _write_json(os.path.join(directory, "tokenizer_config.json"), tokenizer_config)
+    _write_json(os.path.join(directory, "special_tokens_map.json"), _special_tokens_map())
+    with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(build_hf_tokenizer_json(vocab_path, lower_case))
+
+
+def export_hf_directory(
+    state_dict: Mapping[str, torch.Tensor],
+    config: BertConfig,
+    vocab_path: str,
+    lower_case: bool,
+    output_dir: str,
+    *,
+    overwrite: bool = False,
+) -> str:
+    """Write a Hugging Face `BertForPreTraining` + tokenizer directory; returns its path.
+
+    Files go to a sibling temp directory renamed into place at the end, so a crash leaves
+    either no `output_dir` or a complete one (with `overwrite`, the old one until the swap).
+    """
+    num_vocab = len(read_vocab(vocab_path))
+    # A model vocab may be padded past the file (e.g. to a multiple of 8), never shorter.
+    if num_vocab > config.vocab_size:
+        raise ValueError(f"{vocab_path} has {num_vocab} tokens > vocab_size {config.vocab_size}")
+    output_dir = os.path.abspath(output_dir)
+    if os.path.exists(output_dir) and not overwrite:
+        raise FileExistsError(f"{output_dir} exists; pass overwrite=True to replace it")
+    hf_state_dict = to_hf_state_dict(state_dict, config)
+    parent = os.path.dirname(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.", dir=parent)
+    try:
+        # mkdtemp makes it 0700 and safetensors writes 0600: a model directory is for sharing.
+        os.chmod(staging, 0o755)
+        _write_hf_files(staging, hf_state_dict, config, vocab_path, lower_case)
+        _replace_directory(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output_dir
+
+
+def _replace_directory(staging: str, output_dir: str) -> None:
+    """Rename staging to output_dir; an existing output_dir is moved aside first, then removed."""
+    if not os.path.exists(output_dir):
+        os.replace(staging, output_dir)
+        return
+    retired = staging + ".old"
+    os.replace(output_dir, retired)
+    os.replace(staging, output_dir)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def load_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face directory: model.safetensors, else pytorch_model.bin."""
+    for name in HF_WEIGHTS_NAMES:
+        path = os.path.join(hf_dir, name)
+        if not os.path.exists(path):
+            continue
+        if name.endswith(".safetensors"):
+            return load_file(path, device="cpu")
+        # weights_only: a pickle from the internet must not run code.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    # Sharded checkpoints (model-0000x-of-0000y) only exist past ~10 GB; BERT never needs them.
+    raise ValueError(f"{hf_dir} has none of {list(HF_WEIGHTS_NAMES)}")
+
+
+def infer_config(hf_state_dict: Mapping[str, torch.Tensor]) -> BertConfig:
+    """Shapes give every size but the head count; BERT's heads are 64 wide in every release."""
+    by_name = _canonical_names(hf_state_dict)
+    shaped_by = (
+        "bert.embeddings.word_embeddings.weight",
+        "bert.embeddings.position_embeddings.weight",
+        "bert.embeddings.token_type_embeddings.weight",
+        "bert.encoder.layer.0.intermediate.dense.weight",
+    )
+    missing = [name for name in shaped_by if name not in by_name]
+    if missing:
+        raise ValueError(f"not a BertForPreTraining state dict: no {missing}")
+    vocab_size, hidden_size = by_name[shaped_by[0]].shape
+    return BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=sum(1 for n in by_name if n.endswith("attention.self.query.weight")),
+        num_attention_heads=max(1, hidden_size // 64),
+        intermediate_size=by_name[shaped_by[3]].shape[0],
+        max_position_embeddings=by_name[shaped_by[1]].shape[0],
+        type_vocab_size=by_name[shaped_by[2]].shape[0],
+    )
+
+
+def import_hf_state_dict(
+    hf_dir_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor],
+    config: BertConfig | None = None,
+) -> tuple[BertConfig, dict[str, torch.Tensor]]:
+    """(config, our state dict) from a Hugging Face `BertForPreTraining` directory or state dict.
+
+    A directory brings its config.json. A bare state dict takes `config`, or infers one from
+    tensor shapes (heads = hidden / 64, dropout and eps at BERT's defaults).
+    """
+    if isinstance(hf_dir_or_state_dict, Mapping):
+        hf_state_dict = hf_dir_or_state_dict
+        config = config or infer_config(hf_state_dict)
+    else:
+        hf_dir = os.fspath(hf_dir_or_state_dict)
+        config_path = os.path.join(hf_dir, HF_CONFIG_NAME)
+        if not os.path.exists(config_path):
+            raise ValueError(f"{hf_dir} has no {HF_CONFIG_NAME}")
+        with open(config_path, encoding="utf-8") as f:
+            config = config or config_from_hf_dict(json.load(f))
+        hf_state_dict = load_hf_weights(hf_dir)
+    return config, from_hf_state_dict(hf_state_dict, config)

@@ -1,0 +1,431 @@
+"""BERT for pretraining (masked LM + next-sentence prediction) as a pure `nn.Module`.
+
+The architecture is Google's BERT exactly as Hugging Face's `BertForPreTraining` implements it
+(post-LN encoder, exact-erf GELU, learned absolute positions, segment embeddings, tanh pooler,
+MLM decoder tied to the word embeddings), and every parameter carries Hugging Face's state-dict
+name, so `training.hf_interop` maps names one to one. Two things differ on purpose:
+
+- attention runs through `F.scaled_dot_product_attention`, which picks the flash or
+  memory-efficient kernel on a GPU;
+- with `labels` the MLM head runs only at the predicted positions (~15 % of tokens). At
+  seq 128, vocab 30,522, batch 8 the full head costs 8 x 128 x 768 x 30,522 x 2 = 48 GFLOP
+  forward; the sparse head ~15 % of that, and its logits tensor shrinks the same way.
+
+Nothing of training lives here: no optimizer, no masking, no data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Hugging Face's (and PyTorch's cross_entropy default) marker for "not predicted".
+IGNORE_INDEX = -100
+
+
+@dataclass
+class BertConfig:
+    """Model shape and regularisation; field names and defaults are Hugging Face's `BertConfig`."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    layer_norm_eps: float = 1e-12
+    initializer_range: float = 0.02
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        ):
+            value = getattr(self, name)
+            # bool is an int subclass; `hidden_size=True` is a mistake, not 1.
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if self.layer_norm_eps <= 0 or self.initializer_range <= 0:
+            raise ValueError("layer_norm_eps and initializer_range must be positive")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id {self.pad_token_id} is outside the vocab")
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> BertConfig:
+        """Strict: an unknown key is a typo or a different model, not something to drop."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown BertConfig fields {unknown}")
+        return cls(**values)
+
+    @classmethod
+    def preset(cls, name: str, vocab_size: int = 30522) -> BertConfig:
+        """A named size from `PRESETS` (`tiny`, `mini`, `base`, `large`)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        return PRESETS[name](vocab_size)
+
+
+# The sizes of Google's BERT release (Turc et al. 2019 for tiny/mini): head size 64 throughout.
+def bert_tiny(vocab_size: int = 30522) -> BertConfig:
+    return BertConfig(vocab_size, 128, 2, 2, 512)
+
+
+def bert_mini(vocab_size: int = 30522) -> BertConfig:
+    return BertConfig(vocab_size, 256, 4, 4, 1024)
+
+
+def bert_base(vocab_size: int = 30522) -> BertConfig:
+    return BertConfig(vocab_size, 768, 12, 12, 3072)
+
+
+def bert_large(vocab_size: int = 30522) -> BertConfig:
+    return BertConfig(vocab_size, 1024, 24, 16, 4096)
+
+
+PRESETS: dict[str, Callable[[int], BertConfig]] = {
+    "tiny": bert_tiny,
+    "mini": bert_mini,
+    "base": bert_base,
+    "large": bert_large,
+}
+
+
+@dataclass
+class PreTrainingOutput:
+    """`prediction_logits` is [num_predicted, vocab] when labels were given, else [B, S, vocab]."""
+
+    loss: torch.Tensor | None
+    mlm_loss: torch.Tensor | None
+    nsp_loss: torch.Tensor | None
+    prediction_logits: torch.Tensor
+    seq_relationship_logits: torch.Tensor
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        # padding_idx as Hugging Face: the [PAD] row gets no gradient through the input side.
+        self.word_embeddings = nn.Embedding(
+            config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id
+        )
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        embeddings = (
+            self.word_embeddings(input_ids)
+            + self.token_type_embeddings(token_type_ids)
+            + self.position_embeddings(position_ids)
+        )
+        return self.dropout(self.LayerNorm(embeddings))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_size = config.head_size
+        self.dropout_prob = config.attention_probs_dropout_prob
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch_size, seq_len, _ = x.shape
+        return x.view(batch_size, seq_len, self.num_heads, self.head_size).transpose(1, 2)
+
+    def forward(self, hidden: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
+        query = self._split_heads(self.query(hidden))
+        key = self._split_heads(self.key(hidden))
+        value = self._split_heads(self.value(hidden))
+        attn_mask = None
+        if key_padding is not None:
+            # Built in the query's dtype (bf16 under autocast): SDPA wants them equal, and
+            # finfo(dtype).min stays finite where a cast of the fp32 minimum would become -inf.
+            attn_mask = torch.zeros(key_padding.shape, dtype=query.dtype, device=query.device)
+            attn_mask.masked_fill_(key_padding, torch.finfo(query.dtype).min)
+        context = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout_prob if self.training else 0.0,
+        )
+        batch_size, _, seq_len, _ = context.shape
+        return context.transpose(1, 2).reshape(batch_size, seq_len, -1)
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # Post-LN, as the original BERT: normalise after adding the residual.
+        return self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, hidden: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
+        return self.output(self.self(hidden, key_padding), hidden)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Exact erf GELU, Hugging Face's "gelu" (not the tanh approximation).
+        return F.gelu(self.dense(hidden))
+
+
+class BertOutput(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+    def forward(self, hidden: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
+        attention_output = self.attention(hidden, key_padding)
+        return self.output(self.intermediate(attention_output), attention_output)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, hidden: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
+        for layer in self.layer:
+            hidden = layer(hidden, key_padding)
+        return hidden
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, sequence_output: torch.Tensor) -> torch.Tensor:
+        # The [CLS] position summarises the pair for NSP.
+        return torch.tanh(self.dense(sequence_output[:, 0]))
+
+
+class BertModel(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # [B, S] with 1 = real token -> [B, 1, 1, S] True where a key must be ignored,
+        # broadcast over heads and query positions.
+        key_padding = None if attention_mask is None else (attention_mask == 0)[:, None, None, :]
+        sequence_output = self.encoder(self.embeddings(input_ids, token_type_ids), key_padding)
+        return sequence_output, self.pooler(sequence_output)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(F.gelu(self.dense(hidden)))
+
+
+class BertLMPredictionHead(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        # The decoder's weight is tied to the word embeddings by BertForPreTraining; its bias
+        # *is* `self.bias` (one Parameter under two names), as in Hugging Face, so the state
+        # dict carries `cls.predictions.bias` and `cls.predictions.decoder.bias` alike.
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.decoder.bias = self.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(hidden))
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+
+class BertForPreTraining(nn.Module):
+    """BERT with the MLM and NSP heads; `forward` takes a batch by its Hugging Face names."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.tie_weights()
+        self.apply(self._init_weights)
+
+    def tie_weights(self) -> None:
+        """Share the word embeddings with the MLM decoder; call again after `assign=True` loads."""
+        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+        self.cls.predictions.decoder.bias = self.cls.predictions.bias
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Hugging Face's init: N(0, initializer_range) weights, zero biases, unit LayerNorm."""
+        std = self.config.initializer_range
+        if module is self.cls.predictions.decoder:
+            return  # tied: its weight is the word embedding, initialised (pad row zeroed) there
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            module.bias.zero_()
+        elif isinstance(module, BertLMPredictionHead):
+            module.bias.zero_()
+
+    def _check_inputs(self, input_ids: torch.Tensor, *same_shape: torch.Tensor | None) -> None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+        for tensor in same_shape:
+            if tensor is not None and tensor.shape != input_ids.shape:
+                raise ValueError(
+                    f"expected shape {tuple(input_ids.shape)} like input_ids, "
+                    f"got {tuple(tensor.shape)}"
+                )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        next_sentence_label: torch.Tensor | None = None,
+    ) -> PreTrainingOutput:
+        self._check_inputs(input_ids, token_type_ids, attention_mask, labels)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        sequence_output, pooled_output = self.bert(input_ids, token_type_ids, attention_mask)
+        seq_relationship_logits = self.cls.seq_relationship(pooled_output)
+
+        mlm_loss = nsp_loss = None
+        if labels is None:
+            prediction_logits = self.cls.predictions(sequence_output)
+        else:
+            prediction_logits, mlm_loss = self._sparse_mlm(sequence_output, labels)
+        if next_sentence_label is not None:
+            nsp_loss = F.cross_entropy(
+                seq_relationship_logits.float(), next_sentence_label.reshape(-1).long()
+            )
+        return PreTrainingOutput(
+            loss=_total_loss(mlm_loss, nsp_loss),
+            mlm_loss=mlm_loss,
+            nsp_loss=nsp_loss,
+            prediction_logits=prediction_logits,
+            seq_relationship_logits=seq_relationship_logits,
+        )
+
+    def _sparse_mlm(
+        self, sequence_output: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLM logits and mean loss at labelled positions only, row-major (batch, position)."""
+        # Boolean indexing is row-major and costs one device sync (the count is data-dependent),
+        # far cheaper than the vocab projection of the ~85 % of positions that carry no label.
+        predicted = labels != IGNORE_INDEX
+        prediction_logits = self.cls.predictions(sequence_output[predicted])
+        targets = labels[predicted].long()
+        if targets.numel() == 0:
+            # Nothing to predict: a zero loss still connected to the graph, where Hugging Face's
+            # mean over no elements would give NaN and poison the optimizer state.
+            return prediction_logits, prediction_logits.float().sum() * 0.0
+        # fp32 softmax: bf16's 8-bit mantissa makes a log-sum-exp over 30k logits noisy.
+        return prediction_logits, F.cross_entropy(prediction_logits.float(), targets)
+
+
+def _total_loss(
+    mlm_loss: torch.Tensor | None, nsp_loss: torch.Tensor | None
+) -> torch.Tensor | None:
+    if mlm_loss is None or nsp_loss is None:
+        return mlm_loss if nsp_loss is None else nsp_loss
+    return mlm_loss + nsp_loss
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Distinct parameters (the tied decoder counts once), as papers and Hugging Face count them."""
+    return sum(parameter.numel() for parameter in model.parameters())
