@@ -1,4 +1,4 @@
-"""WordPiece tokenization that equals `transformers.BertTokenizerFast` for the same vocab and casing.
+"""WordPiece tokenization equal to `transformers.BertTokenizerFast` with the same vocab and casing.
 
 Built directly on `tokenizers` (no transformers import) with the same normalizer, pre-tokenizer
 and model settings that BertTokenizerFast uses, so ids match bit for bit.

@@ -1,0 +1,178 @@
+"""Sentence-pair instances for next-sentence prediction, as Google's `create_pretraining_data.py`.
+
+Pure functions on token ids: the Beam job (`pipelines/prepare.py`) only groups documents and feeds
+them in. Faithful to Google in every draw that shapes the data (target length, chunking, split
+point, random next with p = 0.5, unused sentences put back, truncation from a random end), with
+one bug fixed: when no *other* document can be drawn for a "random" B, Google labels a B from the
+same document as random; here the pair falls back to the real next segment (label 0), or is
+skipped when the chunk has a single sentence.
+
+Every random draw comes from a `random.Random` seeded by `stable_hash`, never Python's `hash()`
+(salted per process), so the output is a function of (seed, document id) on any machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from typing import NamedTuple
+
+Sentence = list[int]  # token ids of one sentence, no special tokens
+Document = list[Sentence]
+
+NEXT_IS_REAL = 0  # Google and Hugging Face: 0 = B follows A, 1 = B is random
+NEXT_IS_RANDOM = 1
+RANDOM_NEXT_PROB = 0.5
+# Google retries this often to draw a document other than the current one.
+MAX_RANDOM_DOCUMENT_TRIES = 10
+
+
+class Instance(NamedTuple):
+    input_ids: list[int]  # [CLS] A [SEP] B [SEP], no padding
+    num_a_tokens: int  # len([CLS] A [SEP]) = len(A) + 2
+    next_sentence_label: int  # NEXT_IS_REAL or NEXT_IS_RANDOM
+
+
+def stable_hash(*parts: str | int) -> int:
+    """A 64-bit hash of `parts`, identical in every process, machine and Python version.
+
+    JSON encoding keeps ("a", "bc") and ("ab", "c") apart, and 1 apart from "1".
+    """
+    encoded = json.dumps(parts, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "big")
+
+
+def unit_interval(*parts: str | int) -> float:
+    """`stable_hash` mapped to [0, 1): a reproducible coin for split and sampling decisions."""
+    return stable_hash(*parts) / 2.0**64
+
+
+def document_rng(seed: int, doc_id: str, dupe_index: int) -> random.Random:
+    """The generator for one pass (`dupe_index`) over one document."""
+    return random.Random(stable_hash(seed, "instances", doc_id, dupe_index))
+
+
+def truncate_seq_pair(
+    tokens_a: list[int], tokens_b: list[int], max_num_tokens: int, rng: random.Random
+) -> None:
+    """Trim the longer segment, one token at a time from a random end, until the pair fits.
+
+    In place, with Google's draws (one `rng.random()` per removed token): removing from both ends
+    avoids always cutting sentence endings. Ends are tracked as indices and sliced once, so a
+    pathological 100k-token "sentence" costs O(n), not O(n^2) `del tokens[0]`s.
+    """
+    bounds = {"a": [0, len(tokens_a)], "b": [0, len(tokens_b)]}
+    length = {"a": len(tokens_a), "b": len(tokens_b)}
+    while length["a"] + length["b"] > max_num_tokens:
+        side = "a" if length["a"] > length["b"] else "b"
+        assert length[side] >= 1
+        if rng.random() < 0.5:
+            bounds[side][0] += 1
+        else:
+            bounds[side][1] -= 1
+        length[side] -= 1
+    tokens_a[:] = tokens_a[bounds["a"][0] : bounds["a"][1]]
+    tokens_b[:] = tokens_b[bounds["b"][0] : bounds["b"][1]]
+
+
+def _draw_other_document(doc_index: int, num_documents: int, rng: random.Random) -> int | None:
+    """Google's draw of a random document index; None when all tries hit `doc_index`."""
+    for _ in range(MAX_RANDOM_DOCUMENT_TRIES):
+        random_index = rng.randint(0, num_documents - 1)
+        if random_index != doc_index:
+            return random_index
+    return None
+
+
+def _random_segment(document: Document, target_length: int, rng: random.Random) -> list[int]:
+    """Sentences of `document` from a random start until `target_length` tokens are gathered."""
+    tokens: list[int] = []
+    random_start = rng.randint(0, len(document) - 1)
+    for sentence in document[random_start:]:
+        tokens.extend(sentence)
+        if len(tokens) >= target_length:
+            break
+    return tokens
+
+
+def _build_instance(
+    tokens_a: list[int], tokens_b: list[int], label: int, cls_id: int, sep_id: int
+) -> Instance:
+    input_ids = [cls_id, *tokens_a, sep_id, *tokens_b, sep_id]
+    return Instance(input_ids, len(tokens_a) + 2, label)
+
+
+def create_instances_from_document(
+    doc_index: int,
+    documents: list[Document],
+    *,
+    max_seq_length: int,
+    short_seq_prob: float,
+    rng: random.Random,
+    cls_id: int,
+    sep_id: int,
+) -> list[Instance]:
+    """All instances of `documents[doc_index]`; random B segments come from the other documents.
+
+    Sentences must be non-empty. `documents` is the pool random segments are drawn from.
+    """
+    if max_seq_length < 5:
+        raise ValueError(
+            f"max_seq_length must be at least 5 ([CLS] a [SEP] b [SEP]): {max_seq_length}"
+        )
+    document = documents[doc_index]
+    # [CLS], [SEP], [SEP]: 128 - 3 = 125 tokens of text at max_seq_length 128.
+    max_num_tokens = max_seq_length - 3
+    # Mostly fill the sequence, but sometimes train on short ones to close the gap between
+    # pretraining and fine-tuning on short inputs (Google's comment, same draw).
+    target_seq_length = max_num_tokens
+    if rng.random() < short_seq_prob:
+        target_seq_length = rng.randint(2, max_num_tokens)
+
+    instances: list[Instance] = []
+    current_chunk: list[Sentence] = []
+    current_length = 0
+    i = 0
+    while i < len(document):
+        current_chunk.append(document[i])
+        current_length += len(document[i])
+        if i == len(document) - 1 or current_length >= target_seq_length:
+            pair = _pair_from_chunk(current_chunk, doc_index, documents, target_seq_length, rng)
+            if pair is not None:
+                tokens_a, tokens_b, label, num_unused_segments = pair
+                # Sentences after the split point were not used: the next chunk starts there.
+                i -= num_unused_segments
+                truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
+                assert tokens_a and tokens_b
+                instances.append(_build_instance(tokens_a, tokens_b, label, cls_id, sep_id))
+            current_chunk = []
+            current_length = 0
+        i += 1
+    return instances
+
+
+def _pair_from_chunk(
+    chunk: list[Sentence],
+    doc_index: int,
+    documents: list[Document],
+    target_seq_length: int,
+    rng: random.Random,
+) -> tuple[list[int], list[int], int, int] | None:
+    """(tokens_a, tokens_b, label, num_unused_segments) for one chunk, or None to skip it."""
+    a_end = 1
+    if len(chunk) >= 2:
+        a_end = rng.randint(1, len(chunk) - 1)
+    tokens_a = [token for sentence in chunk[:a_end] for token in sentence]
+
+    if len(chunk) == 1 or rng.random() < RANDOM_NEXT_PROB:
+        random_index = _draw_other_document(doc_index, len(documents), rng)
+        if random_index is not None:
+            target_b_length = target_seq_length - len(tokens_a)
+            tokens_b = _random_segment(documents[random_index], target_b_length, rng)
+            return tokens_a, tokens_b, NEXT_IS_RANDOM, len(chunk) - a_end
+        if len(chunk) == 1:
+            return None  # no other document and no real next segment in this chunk
+        # No other document could be drawn: Google would label a same-document B "random".
+    tokens_b = [token for sentence in chunk[a_end:] for token in sentence]
+    return tokens_a, tokens_b, NEXT_IS_REAL, 0

@@ -1,0 +1,109 @@
+"""Global order and shard files: exact ranks without a global sort, and Arrow IPC writing.
+
+Every instance carries a sort key `(order_key, doc_id, dupe_index, instance_index)` whose first
+element is a stable 64-bit hash, so sorting by it is a uniform shuffle that any worker computes
+the same way. Shard `s` of `S` holds the ranks `[ceil(s * N / S), ceil((s + 1) * N / S))`, i.e.
+`shard = rank * S // N`: row counts differ by at most one. A global sort is avoided by:
+
+1. counting instances per bucket (the top `BUCKET_BITS` bits of the order key: 65,536 buckets);
+2. from the prefix sums, finding the few buckets that contain a shard boundary rank and the
+   boundary's rank inside its bucket (`locate_boundaries`);
+3. sorting only those buckets' keys to get the exact boundary keys;
+4. `shard_of`: a binary search of an instance's key among the boundary keys.
+
+So the full data moves once (grouped by shard) and only `S - 1` small buckets are sorted centrally.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from typing import BinaryIO
+
+import numpy as np
+import pyarrow as pa
+
+from pipelines import manifest
+
+BUCKET_BITS = 16
+ROWS_PER_BATCH = 4096  # fixed, so the file bytes depend on the rows only
+
+SortKey = tuple[int, str, int, int]  # (order_key, doc_id, dupe_index, instance_index)
+# (sort key, input_ids as bytes of `id_dtype`, num_a_tokens, next_sentence_label)
+ShardRow = tuple[SortKey, bytes, int, int]
+
+
+def bucket_of(order_key: int) -> int:
+    return order_key >> (64 - BUCKET_BITS)
+
+
+def boundary_ranks(num_rows: int, num_shards: int) -> list[int]:
+    """First rank of shards 1..S-1, leaving out those past the end (empty shards when N < S).
+
+    rank r is in shard #{s >= 1 : ceil(s * N / S) <= r} = min(S - 1, r * S // N) = r * S // N.
+    """
+    ranks = [-(-s * num_rows // num_shards) for s in range(1, num_shards)]
+    return [r for r in ranks if r < num_rows]
+
+
+def locate_boundaries(bucket_counts: dict[int, int], num_shards: int) -> dict[int, list[int]]:
+    """{bucket: [rank inside the bucket of each boundary it holds]} for one split."""
+    num_rows = sum(bucket_counts.values())
+    located: dict[int, list[int]] = {}
+    buckets = sorted(bucket_counts)
+    offsets = np.cumsum([0] + [bucket_counts[b] for b in buckets])  # offsets[i] = rows before i
+    for rank in boundary_ranks(num_rows, num_shards):
+        i = int(np.searchsorted(offsets, rank, side="right")) - 1
+        located.setdefault(buckets[i], []).append(rank - int(offsets[i]))
+    return located
+
+
+def shard_of(sort_key: SortKey, boundary_keys: list[SortKey]) -> int:
+    """The number of shard boundaries at or before `sort_key` (the keys are sorted)."""
+    return bisect.bisect_right(boundary_keys, sort_key)
+
+
+def id_dtype(vocab_size: int) -> np.dtype:
+    """Matches `manifest.shard_schema`: uint16 up to 65,535 entries, int32 past that."""
+    return np.dtype(np.uint16) if vocab_size <= 65_535 else np.dtype(np.int32)
+
+
+def _record_batch(
+    rows: list[tuple[bytes, int, int, str]], schema: pa.Schema, dtype: np.dtype
+) -> pa.RecordBatch:
+    ids = [np.frombuffer(row[0], dtype=dtype) for row in rows]
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum([len(x) for x in ids], out=offsets[1:])
+    values = np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)
+    arrays = [
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
+        pa.array([row[1] for row in rows], type=pa.uint16()),
+        pa.array([row[2] for row in rows], type=pa.int8()),
+        pa.array([row[3] for row in rows], type=pa.string()),
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def write_shard(
+    sink: BinaryIO, rows: Iterable[tuple[bytes, int, int, str]], vocab_size: int
+) -> tuple[int, int]:
+    """Write rows (ids bytes, num_a_tokens, label, doc_id), in order, as one Arrow IPC file.
+
+    Returns (num_rows, num_tokens). The IPC *file* format (not the stream format) has a footer
+    with every batch's offset, so readers memory-map it and reach any row with one seek.
+    """
+    schema = manifest.shard_schema(vocab_size)
+    dtype = id_dtype(vocab_size)
+    num_rows = num_tokens = 0
+    batch: list[tuple[bytes, int, int, str]] = []
+    with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
+        for row in rows:
+            batch.append(row)
+            num_rows += 1
+            num_tokens += len(row[0]) // dtype.itemsize
+            if len(batch) == ROWS_PER_BATCH:
+                writer.write_batch(_record_batch(batch, schema, dtype))
+                batch = []
+        if batch:
+            writer.write_batch(_record_batch(batch, schema, dtype))
+    return num_rows, num_tokens

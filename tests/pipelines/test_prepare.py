@@ -1,0 +1,316 @@
+"""The preparation job end to end on Beam's DirectRunner, and its transform under TestPipeline."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from pipelines import manifest
+from pipelines.prepare import CreatePretrainingInstances, PrepareConfig, pool_of, run, split_of
+
+from .conftest import (
+    MAX_SEQ_LENGTH,
+    NUM_SHARDS,
+    SEED,
+    VALIDATION_FRACTION,
+    prepare_argv,
+    write_jsonl,
+)
+
+
+def _table(data_dir: str, rel_path: str) -> pa.Table:
+    with pa.memory_map(os.path.join(data_dir, rel_path)) as source:
+        return pa.ipc.open_file(source).read_all()  # the IPC *file* format, memory-mapped
+
+
+def _split_tables(data_dir: str) -> dict[str, list[pa.Table]]:
+    found = manifest.read_manifest(data_dir)
+    return {
+        name: [_table(data_dir, s.path) for s in split.shards]
+        for name, split in found.splits.items()
+    }
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_manifest_is_complete_and_matches_the_files(prepared, small_vocab):
+    data_dir, summary = prepared
+    found = manifest.read_manifest(data_dir)
+    assert set(found.splits) == {"train", "validation"}
+    assert [len(s.shards) for s in found.splits.values()] == [NUM_SHARDS, 2]
+    for name, split in found.splits.items():
+        for index, shard in enumerate(split.shards):
+            assert shard.path == manifest.shard_file_name(name, index, len(split.shards))
+            table = _table(data_dir, shard.path)
+            assert table.num_rows == shard.num_rows
+            assert sum(map(len, table["input_ids"].to_pylist())) == shard.num_tokens
+            assert _sha256(os.path.join(data_dir, shard.path)) == shard.sha256
+        assert split.num_instances == sum(s.num_rows for s in split.shards) > 0
+        assert split.num_tokens == sum(s.num_tokens for s in split.shards)
+    assert found.counts["instances"] == sum(s.num_instances for s in found.splits.values())
+    assert found.counts["documents"] == sum(s.num_documents for s in found.splits.values())
+    assert found.counts["sentences"] > 2 * found.counts["documents"]
+    # vocab.txt is a copy of the input vocabulary, and the manifest names its hash.
+    assert _sha256(os.path.join(data_dir, manifest.VOCAB_NAME)) == _sha256(small_vocab)
+    assert found.tokenizer.vocab_sha256 == _sha256(small_vocab)
+    with open(small_vocab, encoding="utf-8") as f:
+        assert found.tokenizer.vocab_size == len(f.read().splitlines())
+    assert found.tokenizer.lower_case is True
+    params = found.instance_params
+    assert (params["max_seq_length"], params["seed"], params["dupe_factor"]) == (
+        MAX_SEQ_LENGTH,
+        SEED,
+        2,
+    )
+    assert params["short_seq_prob"] == 0.1 and params["random_pool_size"] == 40
+    assert summary["instances"] == found.counts["instances"]
+    metrics = summary["metrics"]  # Beam counters agree with the manifest's own accounting
+    assert metrics["instances"] == found.counts["instances"]
+    assert metrics["documents"] == found.counts["documents"]
+    assert metrics["sentences"] == found.counts["sentences"]
+    assert metrics["rejected_invalid_json"] == found.counts["rejected"]["invalid_json"]
+    assert (
+        summary["splits"]["validation"]["num_instances"] == found.splits["validation"].num_instances
+    )
+    leftovers = [p for p in Path(data_dir).rglob("*") if ".tmp" in p.name]
+    assert leftovers == []
+
+
+def test_shards_have_the_design_schema_and_layout(prepared):
+    data_dir, _ = prepared
+    found = manifest.read_manifest(data_dir)
+    expected = pa.schema(
+        [
+            pa.field("input_ids", pa.list_(pa.uint16()), nullable=False),
+            pa.field("num_a_tokens", pa.uint16(), nullable=False),
+            pa.field("next_sentence_label", pa.int8(), nullable=False),
+            pa.field("doc_id", pa.string(), nullable=False),
+        ]
+    )
+    vocab = {t: i for i, t in enumerate(Path(data_dir, "vocab.txt").read_text().splitlines())}
+    cls_id, sep_id = vocab["[CLS]"], vocab["[SEP]"]
+    for tables in _split_tables(data_dir).values():
+        for table in tables:
+            assert table.schema == expected == manifest.shard_schema(found.tokenizer.vocab_size)
+            for row in table.to_pylist():
+                ids, num_a = row["input_ids"], row["num_a_tokens"]
+                assert 5 <= len(ids) <= MAX_SEQ_LENGTH
+                assert ids[0] == cls_id and ids[num_a - 1] == sep_id and ids[-1] == sep_id
+                assert ids.count(sep_id) == 2 and ids.count(cls_id) == 1
+                assert num_a < len(ids) - 1  # B has at least one token
+
+
+def test_splits_are_disjoint_by_document(prepared):
+    data_dir, _ = prepared
+    doc_ids = {
+        name: {d for table in tables for d in table["doc_id"].to_pylist()}
+        for name, tables in _split_tables(data_dir).items()
+    }
+    assert doc_ids["train"] and doc_ids["validation"]
+    assert not doc_ids["train"] & doc_ids["validation"]
+    for name, ids in doc_ids.items():
+        assert all(split_of(SEED, doc_id, VALIDATION_FRACTION) == name for doc_id in ids)
+    found = manifest.read_manifest(data_dir)
+    assert found.splits["validation"].num_documents >= len(doc_ids["validation"])
+
+
+def test_shards_are_balanced_and_shuffled(prepared):
+    data_dir, _ = prepared
+    for tables in _split_tables(data_dir).values():
+        rows = [t.num_rows for t in tables]
+        assert max(rows) - min(rows) <= 1
+        doc_ids = [d for table in tables for d in table["doc_id"].to_pylist()]
+        same_as_previous = sum(a == b for a, b in zip(doc_ids, doc_ids[1:], strict=False))
+        assert same_as_previous < 0.1 * len(doc_ids), "rows are in hash order, not document order"
+    labels = [
+        x for t in _split_tables(data_dir)["train"] for x in t["next_sentence_label"].to_pylist()
+    ]
+    assert 0.4 < sum(labels) / len(labels) < 0.7
+
+
+def test_every_format_contributes(prepared):
+    data_dir, _ = prepared
+    doc_ids = {
+        d
+        for tables in _split_tables(data_dir).values()
+        for t in tables
+        for d in t["doc_id"].to_pylist()
+    }
+    assert any(d.startswith("books.txt:") for d in doc_ids)
+    assert any(d.startswith("gz:") for d in doc_ids)
+    assert any(d.startswith("stdlib:") for d in doc_ids)
+
+
+def test_rejects_are_written_and_counted(prepared):
+    data_dir, _ = prepared
+    found = manifest.read_manifest(data_dir)
+    with open(os.path.join(data_dir, manifest.REJECTS_NAME), encoding="utf-8") as f:
+        rejects = [json.loads(line) for line in f]
+    rejected = found.counts["rejected"]
+    assert len(rejects) == sum(rejected.values())
+    for reason in (
+        "invalid_json",
+        "too_few_sentences",
+        "duplicate_document",
+        "duplicate_doc_id",
+        "empty_document",
+    ):
+        assert rejected.get(reason, 0) >= 1, reason
+    by_id = {r["doc_id"]: r for r in rejects}
+    assert by_id["zzz:copy"]["reason"] == "duplicate_document"  # the smallest doc_id is kept
+    assert by_id["one-sentence"]["reason"] == "too_few_sentences"
+    assert by_id["collide"]["reason"] == "duplicate_doc_id"
+    assert rejects == sorted(
+        rejects, key=lambda r: (r["reason"], r["source"], r["doc_id"], r["detail"])
+    )
+    assert found.counts["input_records"] == found.counts["documents"] + sum(rejected.values())
+
+
+def test_no_usable_document_is_a_clear_error(tmp_path, small_vocab):
+    corpus = tmp_path / "bad.jsonl"
+    write_jsonl(corpus, ["not json", {"text": "Only one sentence here."}])
+    output = tmp_path / "out"
+    with pytest.raises(ValueError, match="no usable document remains"):
+        run(prepare_argv([str(corpus)], str(output), small_vocab))
+    assert not (output / manifest.MANIFEST_NAME).exists()
+
+
+def test_missing_inputs_are_a_clear_error(tmp_path, small_vocab):
+    pattern = str(tmp_path / "nowhere-*.jsonl")
+    with pytest.raises(ValueError, match="nowhere-"):
+        run(prepare_argv([pattern], str(tmp_path / "out"), small_vocab))
+    with pytest.raises(ValueError, match="max_seq_length"):
+        run(prepare_argv([pattern], str(tmp_path / "out"), small_vocab, "--max_seq_length=4"))
+    with pytest.raises(ValueError, match="--input is required"):
+        run([f"--output={tmp_path}", f"--vocab={small_vocab}"])
+
+
+@pytest.mark.slow
+def test_shards_are_byte_identical_across_workers_and_runs(
+    prepared, corpus_files, small_vocab, tmp_path
+):
+    data_dir, _ = prepared
+
+    def files(root: str) -> dict[str, bytes]:
+        return {
+            str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(Path(root).rglob("*"))
+            if p.is_file()
+        }
+
+    expected = files(data_dir)
+    assert len([p for p in expected if p.endswith(".arrow")]) == NUM_SHARDS + 2
+    two_workers = str(tmp_path / "two")
+    run(
+        prepare_argv(
+            corpus_files,
+            two_workers,
+            small_vocab,
+            "--direct_num_workers=2",
+            "--direct_running_mode=multi_processing",
+        )
+    )
+    assert files(two_workers) == expected
+    again = str(tmp_path / "again")
+    run(prepare_argv(corpus_files, again, small_vocab))
+    assert files(again) == expected
+
+
+# ------------------------------------------------------------------ the transform, token provenance
+
+NUM_SYNTHETIC_DOCS = 120
+WORD_OFFSET = 6  # [PAD] [UNK] [CLS] [SEP] [MASK] . then w0, w1, ...
+
+
+def _synthetic_vocab() -> bytes:
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "."] + [
+        f"w{i}" for i in range(NUM_SYNTHETIC_DOCS)
+    ]
+    return "".join(t + "\n" for t in tokens).encode()
+
+
+def _synthetic_documents():
+    """Document n repeats the word `wn`: every token says which document it came from."""
+    from pipelines.readers import RawDocument
+
+    rng = random.Random(0)
+    docs = []
+    for n in range(NUM_SYNTHETIC_DOCS):
+        # Capitalized, so blingfire sees sentence starts; lower-casing maps W7 to w7.
+        sentences = [
+            " ".join([f"W{n}"] + [f"w{n}"] * rng.randint(1, 11)) + "."
+            for _ in range(rng.randint(3, 20))
+        ]
+        docs.append(RawDocument(f"doc{n:03d}", f"synthetic:{n}", text=" ".join(sentences)))
+    return docs
+
+
+def _check_provenance(config: PrepareConfig, docs):
+    num_docs = {}
+    for doc in docs:
+        split = split_of(config.seed, doc.doc_id, config.validation_fraction)
+        num_docs[split] = num_docs.get(split, 0) + 1
+
+    def place(doc_id: str) -> tuple[str, int]:
+        split = split_of(config.seed, doc_id, config.validation_fraction)
+        return split, pool_of(config.seed, doc_id, num_docs[split], config.random_pool_size)
+
+    def check(instances):
+        assert len(instances) > 100
+        labels = {split: set() for split in num_docs}
+        for split, sort_key, (ids_bytes, num_a, label) in instances:
+            ids = np.frombuffer(ids_bytes, dtype=np.uint16).tolist()
+            doc_id = sort_key[1]
+            assert place(doc_id)[0] == split
+            words_a = {t for t in ids[1 : num_a - 1] if t >= WORD_OFFSET}
+            words_b = {t for t in ids[num_a:-1] if t >= WORD_OFFSET}
+            assert words_a == {WORD_OFFSET + int(doc_id[3:])}
+            assert len(words_b) == 1
+            b_doc = f"doc{words_b.pop() - WORD_OFFSET:03d}"
+            if label == 0:
+                assert b_doc == doc_id
+            else:
+                assert b_doc != doc_id, "random B from the same document"
+                assert place(b_doc) == place(doc_id), "random B from the same split and pool"
+            labels[split].add(label)
+        assert labels == {split: {0, 1} for split in num_docs}
+
+    return check
+
+
+def test_create_pretraining_instances_provenance():
+    config = PrepareConfig(
+        inputs=("unused",),
+        output="unused",
+        vocab="unused",
+        max_seq_length=32,
+        validation_fraction=0.25,
+        random_pool_size=30,  # ~90 train documents: 3 pools
+        seed=SEED,
+    )
+    docs = _synthetic_documents()
+    options = PipelineOptions(["--runner=DirectRunner"])
+    with BeamTestPipeline(options=options) as pipeline:
+        created = (
+            pipeline | beam.Create(docs) | CreatePretrainingInstances(config, _synthetic_vocab())
+        )
+        assert_that(created["instances"], _check_provenance(config, docs), label="CheckProvenance")
+        assert_that(created["rejects"], equal_to([]), label="CheckNoRejects")
+        totals = created["document_stats"] | "TotalDocs" >> beam.Map(
+            lambda d: sum(v[0] for v in d.values())
+        )
+        assert_that(totals, equal_to([NUM_SYNTHETIC_DOCS]), label="CheckDocumentCount")

@@ -1,0 +1,72 @@
+import gzip
+import io
+import json
+
+from pipelines.readers import (
+    RawDocument,
+    Reject,
+    doc_id_prefixes,
+    format_extension,
+    iter_texts,
+    read_documents,
+)
+
+
+def _read(path: str, data: bytes, prefix: str = "f.jsonl"):
+    return list(read_documents(path, prefix, io.BytesIO(data)))
+
+
+def test_jsonl_records_ids_and_rejects():
+    lines = [
+        json.dumps({"text": "First. Second.", "doc_id": "wiki:1"}),
+        "",
+        json.dumps({"text": "No id here. Two sentences."}),
+        "{not json",
+        json.dumps({"title": "no text"}),
+        json.dumps({"text": "   "}),
+    ]
+    out = _read("dir/f.jsonl", ("\n".join(lines) + "\n").encode())
+    assert out[0] == RawDocument("wiki:1", "dir/f.jsonl:1", text="First. Second.")
+    # Record indices count records, not lines: the blank line is no record.
+    assert out[1] == RawDocument("f.jsonl:1", "dir/f.jsonl:3", text="No id here. Two sentences.")
+    assert [(r.reason, r.doc_id) for r in out[2:]] == [
+        ("invalid_json", "f.jsonl:2"),
+        ("missing_text", "f.jsonl:3"),
+        ("empty_document", "f.jsonl:4"),
+    ]
+    assert all(isinstance(r, Reject) for r in out[2:])
+
+
+def test_sentence_per_line_documents_split_on_blank_lines():
+    data = b"One sentence.\nAnother one.\n\n\nSecond document.\nIts end.\n  \nThird.\n"
+    out = _read("books.txt", data, prefix="books.txt")
+    assert [d.doc_id for d in out] == ["books.txt:0", "books.txt:1", "books.txt:2"]
+    assert out[0].sentences == ("One sentence.", "Another one.")
+    assert out[1].source == "books.txt:5"
+    assert out[2].sentences == ("Third.",)
+
+
+def test_format_is_chosen_by_extension_past_compression():
+    assert format_extension("a/b.jsonl.gz") == ".jsonl"
+    assert format_extension("b.JSON") == ".json"
+    assert format_extension("wiki.txt.bz2") == ".txt"
+
+
+def test_doc_id_prefixes_disambiguate_equal_base_names():
+    prefixes = doc_id_prefixes(["a/part.jsonl", "b/part.jsonl", "c/other.jsonl"])
+    assert prefixes == {
+        "a/part.jsonl": "a/part.jsonl",
+        "b/part.jsonl": "b/part.jsonl",
+        "c/other.jsonl": "other.jsonl",
+    }
+
+
+def test_iter_texts_streams_compressed_files(tmp_path):
+    path = tmp_path / "c.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "Hello there. General."}) + "\nbroken\n")
+    plain = tmp_path / "d.txt"
+    plain.write_text("Line one.\nLine two.\n\nLine three.\n", encoding="utf-8")
+    texts = iter_texts([str(path), str(plain)])
+    assert not isinstance(texts, list)
+    assert list(texts) == ["Hello there. General.", "Line one.", "Line two.", "Line three."]

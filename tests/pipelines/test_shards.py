@@ -1,0 +1,71 @@
+import io
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from pipelines import manifest
+from pipelines.shards import boundary_ranks, bucket_of, locate_boundaries, shard_of, write_shard
+
+
+def _assign(keys: list, num_shards: int) -> list[int]:
+    """The job's three steps on one machine: bucket counts, boundary keys, binary search."""
+    counts: dict[int, int] = {}
+    for key in keys:
+        counts[bucket_of(key[0])] = counts.get(bucket_of(key[0]), 0) + 1
+    located = locate_boundaries(counts, num_shards)
+    boundary_keys = []
+    for bucket, ranks in located.items():
+        in_bucket = sorted(k for k in keys if bucket_of(k[0]) == bucket)
+        boundary_keys += [in_bucket[r] for r in ranks]
+    boundary_keys.sort()
+    return [shard_of(key, boundary_keys) for key in keys]
+
+
+@pytest.mark.parametrize(
+    "num_rows,num_shards", [(1000, 4), (7, 3), (2, 5), (1, 1), (0, 3), (999, 10)]
+)
+def test_shard_equals_rank_times_shards_over_rows(num_rows, num_shards):
+    rng = random.Random(num_rows)
+    # Few distinct high bits, so several boundaries share a bucket.
+    keys = [(rng.getrandbits(64) >> rng.choice([0, 50]), f"d{i}", 0, i) for i in range(num_rows)]
+    shards = _assign(keys, num_shards)
+    rank = {key: r for r, key in enumerate(sorted(keys))}
+    assert shards == [rank[key] * num_shards // num_rows for key in keys]
+    sizes = np.bincount(shards, minlength=num_shards) if shards else np.zeros(num_shards)
+    assert sizes.max() - sizes.min() <= 1
+
+
+def test_boundary_ranks():
+    assert boundary_ranks(10, 4) == [3, 5, 8]
+    assert boundary_ranks(2, 4) == [1, 1]  # shards 1 and 2 start at rank 1: shard 1 is empty
+    assert boundary_ranks(0, 3) == []
+
+
+@pytest.mark.parametrize("vocab_size,id_type", [(30522, pa.uint16()), (70_000, pa.int32())])
+def test_write_shard_round_trip(vocab_size, id_type):
+    dtype = np.uint16 if id_type == pa.uint16() else np.int32
+    rows = [(np.array([2, 10, 3, 11, 12, 3], dtype=dtype).tobytes(), 3, 0, "doc:0")] * 5000
+    rows.append((np.array([2, 69_999 % vocab_size, 3, 5, 3], dtype=dtype).tobytes(), 3, 1, "doc:1"))
+    sink = io.BytesIO()
+    assert write_shard(sink, iter(rows), vocab_size) == (5001, 5000 * 6 + 5)
+    table = pa.ipc.open_file(pa.BufferReader(sink.getvalue())).read_all()
+    assert table.schema == manifest.shard_schema(vocab_size)
+    assert table.schema.field("input_ids").type == pa.list_(id_type)
+    assert table.num_rows == 5001
+    assert table.slice(5000).to_pylist() == [
+        {
+            "input_ids": [2, 69_999 % vocab_size, 3, 5, 3],
+            "num_a_tokens": 3,
+            "next_sentence_label": 1,
+            "doc_id": "doc:1",
+        }
+    ]
+
+
+def test_write_empty_shard_is_a_valid_file():
+    sink = io.BytesIO()
+    assert write_shard(sink, iter([]), 100) == (0, 0)
+    reader = pa.ipc.open_file(pa.BufferReader(sink.getvalue()))
+    assert reader.schema == manifest.shard_schema(100) and reader.read_all().num_rows == 0
