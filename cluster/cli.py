@@ -97,7 +97,7 @@ def _add_export(commands) -> None:
 def _add_demo(commands) -> None:
     p = commands.add_parser("demo", help="the whole chain on the built-in corpus, in minutes")
     p.add_argument("--output", default=DEFAULT_DEMO_DIR, help=f"default: ./{DEFAULT_DEMO_DIR}")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--corpus-mb", type=float, default=4.0, help="docstring text to gather")
     p.set_defaults(handler=_run_demo)
 

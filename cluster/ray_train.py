@@ -11,7 +11,12 @@ import ray.train
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from training.checkpoint import latest_checkpoint, read_metadata
 from training.config import TrainConfig
+
+# Ray Train V2 reroutes print() on workers through its logger, which reaches the driver twice;
+# our progress lines are plain prints.
+WORKER_RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
 
 
 @dataclass
@@ -34,13 +39,15 @@ def connect(launch: LaunchConfig) -> None:
     if ray.is_initialized():
         return
     if launch.address:
-        ray.init(address=launch.address, log_to_driver=True)
+        ray.init(address=launch.address, runtime_env=WORKER_RUNTIME_ENV)
         return
     _bind_to_loopback()
     ray.init(
         num_cpus=max(os.cpu_count() or 1, launch.num_workers * launch.cpus_per_worker),
-        include_dashboard=False,  # the local dashboard is not needed to train; it costs seconds
-        log_to_driver=True,
+        # Ray Train's controller polls the state API, which the dashboard serves (127.0.0.1).
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        runtime_env=WORKER_RUNTIME_ENV,
         configure_logging=False,
     )
 
@@ -59,7 +66,11 @@ def _bind_to_loopback() -> None:
 
 
 def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
-    """Run training on `launch.num_workers` Ray workers; returns the last reported metrics."""
+    """Run training on `launch.num_workers` Ray workers; returns the final checkpoint's metadata.
+
+    Ray Train V2 keeps only metrics attached to Ray checkpoints, so the outcome is read from
+    the run directory, where the loop commits its checkpoints.
+    """
     connect(launch)
     run_dir = os.path.abspath(cfg.run_dir)
     cfg = TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir})
@@ -78,8 +89,11 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
             failure_config=FailureConfig(max_failures=launch.max_failures),
         ),
     )
-    result = trainer.fit()
-    return dict(result.metrics or {})
+    trainer.fit()
+    final = latest_checkpoint(run_dir)
+    if final is None:
+        raise RuntimeError(f"training finished without a complete checkpoint in {run_dir}")
+    return {"step": read_metadata(final)["global_step"], "checkpoint_path": final}
 
 
 def _worker_main(loop_config: dict[str, Any]) -> None:
@@ -90,13 +104,4 @@ def _worker_main(loop_config: dict[str, Any]) -> None:
 
     torch.set_num_threads(loop_config["threads"])
     cfg = TrainConfig.from_dict(loop_config["train"])
-    result = train(cfg, report=lambda metrics: ray.train.report(metrics))
-    ray.train.report({
-        "step": result.global_step,
-        "done": True,
-        "checkpoint_path": result.checkpoint_path,
-        "loss_first": result.loss_first,
-        "loss_last": result.loss_last,
-        "tokens_per_second": result.tokens_per_second,
-        "train_seconds": result.train_seconds,
-    })
+    train(cfg, report=lambda metrics: ray.train.report(metrics))

@@ -79,8 +79,8 @@ class TrainConfig:
 
 
 def demo_recipe(
-    data_dir: str, run_dir: str, *, max_steps: int = 300, micro_batch_size: int = 32,
-    learning_rate: float = 2e-3, seed: int = 12345,
+    data_dir: str, run_dir: str, *, max_steps: int = 1000, micro_batch_size: int = 32,
+    learning_rate: float = 1e-3, seed: int = 12345,
 ) -> TrainConfig:
     """Tiny BERT that learns visibly in a few CPU minutes: a high LR suits a 2-layer model."""
     return TrainConfig(

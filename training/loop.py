@@ -22,6 +22,7 @@ from training.masking import default_max_predictions
 from training.metrics import MetricsLogger
 from training.model import BertConfig, BertForPreTraining
 
+# Called on every rank after each committed checkpoint with {"step", "checkpoint_path", ...}.
 ReportFn = Callable[[dict[str, Any]], None]
 
 
@@ -101,14 +102,14 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
             first_loss = metrics["loss"] if first_loss is None else first_loss
             last_loss = metrics["loss"]
             logger.log(step, metrics)
-            if report is not None:
-                report({"step": step, **metrics})
         if step == cfg.max_steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             client_state.update(loader=loader.state_dict(), global_step=step)
-            checkpoint.save(
+            path = checkpoint.save(
                 engine, cfg.run_dir, step, client_state, metadata=metadata,
                 vocab_path=os.path.join(cfg.data_dir, VOCAB_NAME), keep=cfg.keep_checkpoints,
             )
+            if report is not None:
+                report({"step": step, "checkpoint_path": path, "loss": last_loss})
     logger.close()
     seconds = time.time() - started
     return TrainResult(
