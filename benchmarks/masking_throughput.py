@@ -1,4 +1,4 @@
-"""Masked-batch throughput on one core: bertforge's collation + masking vs Hugging Face's.
+"""Masked-batch throughput on one core (bertforge vs Hugging Face), and padding saved by bucketing.
 
 Both sides turn the same in-memory token ids into padded, masked batches of the same size (no
 I/O): ours with the functions the loader uses (`rows_from_sequences` + `PretrainingCollator`,
@@ -7,7 +7,13 @@ per-sample masks keyed by (seed, epoch, index)); Hugging Face's with
 (nothing is downloaded). Each side gets its input in the form it takes natively: uint16 arrays
 (as memory-mapped shards give them) for ours, Python lists (as `datasets` gives them) for HF.
 
+The second table is the share of padded positions per batch (padding / all positions) over
+one epoch, with and without the loader's length bucketing (`bucket_order`, the same function the
+loader calls), on Google-like lengths (short_seq_prob 0.1) and, with `--data-dir`, on a prepared
+dataset's real lengths.
+
     python benchmarks/masking_throughput.py [--vocab vocab.txt] [--batch-size 64]
+        [--data-dir work/shards] [--skip-throughput]
 """
 
 from __future__ import annotations
@@ -25,10 +31,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.data import PretrainingCollator, rows_from_sequences  # noqa: E402
+from training.data import (  # noqa: E402
+    PretrainingCollator,
+    PretrainingLoader,
+    bucket_order,
+    even_bucket_boundaries,
+    padded_width,
+    rows_from_sequences,
+)
 from training.masking import MaskingVocab, default_max_predictions  # noqa: E402
 
 SHORT_SEQ_PROB = 0.1  # Google: 10 % of instances get a random shorter target length
+# (micro-batch per rank, step batch): padding is per rank's batch; bucketing cuts step batches.
+PADDING_LAYOUTS = ((32, 256), (64, 512), (256, 256))
+PADDING_BUCKETINGS = ((8, 64), (16, 16), (16, 64))  # (bins, window in step batches)
 
 
 def write_google_layout_vocab(path: str, size: int = 30_522) -> None:
@@ -112,6 +128,61 @@ def batches_per_second(one_batch: Callable, num_samples: int, batch_size: int, r
     return statistics.median(rates)
 
 
+def padding_share(order: np.ndarray, lengths: np.ndarray, micro_batch: int) -> float:
+    """Padded positions / all positions over the full micro-batches of `order`."""
+    rows = lengths[order[: len(order) // micro_batch * micro_batch]].reshape(-1, micro_batch)
+    widths = np.array([padded_width(int(m)) for m in rows.max(axis=1)])
+    return 1.0 - rows.sum() / (widths.sum() * micro_batch)
+
+
+def bucketed_share(
+    lengths: np.ndarray, max_length: int, micro: int, step: int, bins: int | None, window: int
+) -> float:
+    """The padding share of epoch 0's order, as the loader builds it (seed 0)."""
+    generator = np.random.default_rng([0, 0])
+    order = generator.permutation(len(lengths))
+    if bins is not None:
+        edges = even_bucket_boundaries(max_length, bins)
+        order = bucket_order(order, lengths, edges, step, window, generator)
+    return padding_share(order, lengths, micro)
+
+
+def padding_table(datasets: dict[str, tuple[np.ndarray, int]]) -> None:
+    print("\npadded share of batch positions, one epoch (lower is better)")
+    columns = ["none"] + [f"{bins} bins, w{window}" for bins, window in PADDING_BUCKETINGS]
+    print(f"{'lengths':<26} {'micro/step':>10} " + " ".join(f"{c:>13}" for c in columns))
+    for name, (lengths, max_length) in datasets.items():
+        for micro, step in PADDING_LAYOUTS:
+            if step > len(lengths):
+                continue
+            shares = [bucketed_share(lengths, max_length, micro, step, None, 1)]
+            shares += [
+                bucketed_share(lengths, max_length, micro, step, bins, window)
+                for bins, window in PADDING_BUCKETINGS
+            ]
+            print(
+                f"{name:<26} {f'{micro}/{step}':>10} "
+                + " ".join(f"{share:>12.1%} " for share in shares)
+            )
+
+
+def padding_datasets(tokens: list[str], args: argparse.Namespace) -> dict:
+    """Google-like lengths at each benchmark length, plus a prepared dataset's if given."""
+    datasets = {
+        f"Google-like, {length}": (
+            np.array([len(ids) for ids, _, _ in make_samples(tokens, 65_536, length, seed=1)]),
+            length,
+        )
+        for length in args.lengths
+    }
+    if args.data_dir:
+        loader = PretrainingLoader(args.data_dir, batch_size=1, seed=0, prefetch=0)
+        where = os.path.normpath(args.data_dir).split(os.sep)[-2:]
+        name = f"{'/'.join(where)}, {loader.max_seq_length}"
+        datasets[name] = (loader.sample_lengths().astype(np.int64), loader.max_seq_length)
+    return datasets
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vocab", help="a vocab.txt (default: a Google-layout stand-in)")
@@ -119,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--samples", type=int, default=4096, help="per length")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--data-dir", help="a prepared dataset: its lengths join the padding table")
+    parser.add_argument("--skip-throughput", action="store_true", help="the padding table only")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one core: the figure a data-loading worker gets
 
@@ -128,25 +201,31 @@ def main(argv: list[str] | None = None) -> None:
             write_google_layout_vocab(vocab_path)
         with open(vocab_path, encoding="utf-8") as f:
             tokens = [line.rstrip("\n") for line in f if line.strip()]
-        print(f"batch size {args.batch_size}, vocab {len(tokens)} tokens, one thread")
-        print(f"{'length':>6} {'collator':<22} {'batches/s':>10} {'samples/s':>10} {'ours/HF':>8}")
-        for length in args.lengths:
-            samples = make_samples(tokens, args.samples, length)
-            candidates = [
-                ("bertforge", ours(samples, tokens, length, whole_word=False)),
-                ("bertforge whole-word", ours(samples, tokens, length, whole_word=True)),
-                ("HF DataCollatorForLM", hugging_face(samples, vocab_path)),
-            ]
-            rates = {
-                name: batches_per_second(fn, len(samples), args.batch_size, args.repeats)
-                for name, fn in candidates
-            }
-            hf = rates["HF DataCollatorForLM"]
-            for name, rate in rates.items():
-                print(
-                    f"{length:>6} {name:<22} {rate:>10.1f} {rate * args.batch_size:>10.0f} "
-                    f"{rate / hf:>7.2f}x"
-                )
+        if not args.skip_throughput:
+            throughput_table(tokens, vocab_path, args)
+        padding_table(padding_datasets(tokens, args))
+
+
+def throughput_table(tokens: list[str], vocab_path: str, args: argparse.Namespace) -> None:
+    print(f"batch size {args.batch_size}, vocab {len(tokens)} tokens, one thread")
+    print(f"{'length':>6} {'collator':<22} {'batches/s':>10} {'samples/s':>10} {'ours/HF':>8}")
+    for length in args.lengths:
+        samples = make_samples(tokens, args.samples, length)
+        candidates = [
+            ("bertforge", ours(samples, tokens, length, whole_word=False)),
+            ("bertforge whole-word", ours(samples, tokens, length, whole_word=True)),
+            ("HF DataCollatorForLM", hugging_face(samples, vocab_path)),
+        ]
+        rates = {
+            name: batches_per_second(fn, len(samples), args.batch_size, args.repeats)
+            for name, fn in candidates
+        }
+        hf = rates["HF DataCollatorForLM"]
+        for name, rate in rates.items():
+            print(
+                f"{length:>6} {name:<22} {rate:>10.1f} {rate * args.batch_size:>10.0f} "
+                f"{rate / hf:>7.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -75,6 +75,8 @@ def _add_train(commands) -> None:
     p.add_argument("--cpus-per-worker", type=int, default=1)
     p.add_argument("--gpu", action="store_true", help="one GPU per worker")
     p.add_argument("--address", default=None, help="Ray cluster address (default: local Ray)")
+    p.add_argument("--max-failures", type=int, default=3,
+                   help="worker-group restarts from the newest checkpoint before giving up")
     p.set_defaults(handler=_run_train)
 
 
@@ -142,7 +144,7 @@ def _run_train(args: argparse.Namespace) -> None:
     )
     launch = LaunchConfig(
         num_workers=args.workers, use_gpu=args.gpu, cpus_per_worker=args.cpus_per_worker,
-        address=args.address,
+        address=args.address, max_failures=args.max_failures,
     )
     print(json.dumps(train_on_ray(cfg, launch), indent=2, default=str))
 

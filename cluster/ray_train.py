@@ -30,6 +30,8 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {self.num_workers}")
+        if self.max_failures < 0:
+            raise ValueError(f"max_failures must be at least 0, got {self.max_failures}")
         if self.cpus_per_worker < 1:
             raise ValueError(f"cpus_per_worker must be at least 1, got {self.cpus_per_worker}")
 

@@ -7,20 +7,29 @@ opens a split, checks it against its manifest, and yields batches with Hugging F
 
 Order and masks are functions of (seed, epoch, global sample index) only (DESIGN,
 "Determinism"): the order of an epoch is a permutation from a Generator seeded with
-(seed, epoch); global batch g is `permutation[g * G:(g + 1) * G]` with G = batch_size x
-world_size, and rank r takes the r-th slice of it. So the sequence of global batches is the same
-for any number of ranks with the same global batch, and the loader's position, counted in global
-batches, resumes exactly, even on a different number of ranks.
+(seed, epoch); global batch g is `order[g * G:(g + 1) * G]` with G = batch_size x world_size,
+and rank r takes the r-th slice of it. So the sequence of global batches is the same for any
+number of ranks with the same global batch, and the loader's position, counted in samples of
+the epoch, resumes exactly, even on another number of ranks, and even with another global
+batch when gradient accumulation keeps the samples per optimizer step (micro x accumulation x
+world) the same.
+
+Optional length bucketing reorders the permutation without breaking any of that: windows of
+`bucket_window` optimizer-step batches are stable-sorted by length bin, cut back into step
+batches, and those are shuffled within the window by the same (seed, epoch) Generator (see
+`bucket_order`). The order depends on the step batch, never on how it is split over ranks and
+micro-batches.
 
 Memory stays flat in the dataset size: shards are memory-mapped (a row is one seek away) and a
-batch gathers only its own rows; the one O(N) structure is the epoch's permutation, 4 bytes a
-sample.
+batch gathers only its own rows; the O(N) structures are the epoch's order, 4 bytes a sample,
+and with bucketing the row lengths, 2 bytes a sample.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import queue
 import tempfile
@@ -45,7 +54,8 @@ from training.masking import (
 )
 
 PAD_MULTIPLE = 8  # tensor cores want sequence lengths in multiples of 8
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: position in samples, step batch, bucketing
+DEFAULT_BUCKET_WINDOW = 64  # step batches sorted together (see bucket_order)
 _REQUIRED_COLUMNS = (
     manifest_lib.INPUT_IDS,
     manifest_lib.NUM_A_TOKENS,
@@ -138,6 +148,13 @@ class _ShardRows:
             real = positions < lengths[rows, None]
             input_ids[rows] = np.where(real, values[flat], pad_id)
         return RowBatch(input_ids.astype(np.int64, copy=False), lengths, num_a, nsp, indices)
+
+    def row_lengths(self) -> np.ndarray:
+        """Tokens of every row in global order, from the list offsets alone (no token reads)."""
+        parts = [np.diff(segment.offsets) for segment in self._segments]
+        lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        # uint16 holds any BERT length (<= 512): 2 bytes a sample, kept for the loader's life.
+        return lengths.astype(np.uint16 if lengths.max(initial=0) < 2**16 else np.int64)
 
     def iter_token_ids(self) -> Iterator[np.ndarray]:
         for segment in self._segments:
@@ -232,14 +249,24 @@ def _open_split(
 # Remote datasets (gs://, s3://, ...): copied once into a local cache, then memory-mapped.
 
 
-def _local_dataset_dir(data_dir: str, split: str, cache_dir: str | None) -> str:
-    """`data_dir` itself when local; else a local copy of its manifest, vocab and split."""
-    if "://" not in data_dir:
-        return data_dir
-    filesystem, root = pafs.FileSystem.from_uri(data_dir)
+def _local_dataset_dir(
+    data_dir: str,
+    split: str,
+    cache_dir: str | None,
+    filesystem: pafs.FileSystem | None = None,
+) -> str:
+    """`data_dir` itself when local; else a local copy of its manifest, vocab and split.
+
+    `filesystem` (with `data_dir` a path in it) replaces resolving a URI: for stores that need
+    options a URI cannot carry (credentials, an S3 endpoint, a sub-tree).
+    """
+    if filesystem is None:
+        if "://" not in data_dir:
+            return data_dir
+        filesystem, data_dir = pafs.FileSystem.from_uri(data_dir)
     if isinstance(filesystem, pafs.LocalFileSystem):
-        return root
-    return download_split(filesystem, root, split, cache_dir)
+        return data_dir
+    return download_split(filesystem, data_dir, split, cache_dir)
 
 
 def download_split(
@@ -341,6 +368,79 @@ class PretrainingCollator:
 
 
 # ---------------------------------------------------------------------------------------------
+# Order: the epoch's permutation, optionally bucketed by length.
+
+
+def bucket_bins(lengths: np.ndarray, boundaries: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Bin i holds lengths in (boundaries[i-1], boundaries[i]]: its rows pad to its top edge."""
+    return np.searchsorted(np.asarray(boundaries, dtype=np.int64), lengths, side="left")
+
+
+def bucket_order(
+    order: np.ndarray,
+    lengths: np.ndarray,
+    boundaries: Sequence[int],
+    step_batch_size: int,
+    window: int,
+    generator: np.random.Generator,
+) -> np.ndarray:
+    """Length bucketing of an epoch order: LDDL's length bins, applied at load time.
+
+    The full step batches at the head of `order` go in windows of `window` step batches; each
+    window is stable-sorted by length bin, cut back into step batches, and those are shuffled
+    within the window by `generator` (so the epoch does not run short-to-long every window).
+    The tail, fewer samples than a step batch, stays as it was: what drop_last drops is random,
+    not the longest rows. Every sample keeps exactly one place, and the result depends on the
+    step batch only, never on how ranks and micro-batches split it.
+    """
+    bucketed = order.copy()
+    full = len(order) // step_batch_size * step_batch_size
+    span = window * step_batch_size
+    for start in range(0, full, span):  # window by window: temporaries stay O(window)
+        part = order[start : min(start + span, full)]
+        by_bin = part[np.argsort(bucket_bins(lengths[part], boundaries), kind="stable")]
+        steps = by_bin.reshape(-1, step_batch_size)
+        bucketed[start : start + len(part)] = steps[generator.permutation(len(steps))].ravel()
+    return bucketed
+
+
+def even_bucket_boundaries(max_seq_length: int, num_buckets: int) -> tuple[int, ...]:
+    """Edges of `num_buckets` equal-width bins up to max_seq_length, each a multiple of 8.
+
+    128 tokens in 4 bins: (32, 64, 96), so rows pad to at most 32, 64, 96 or 128.
+    """
+    edges = {padded_width(-(-max_seq_length * i // num_buckets)) for i in range(1, num_buckets)}
+    return tuple(sorted(edge for edge in edges if edge < max_seq_length))
+
+
+def _resolve_buckets(
+    boundaries: Sequence[int] | None,
+    num_buckets: int | None,
+    window: int,
+    max_seq_length: int | None,
+) -> tuple[int, ...] | None:
+    """The bin edges the options ask for (None: no bucketing), checked."""
+    if boundaries is not None and num_buckets is not None:
+        raise ValueError("pass bucket_boundaries or num_buckets, not both")
+    if window < 1:
+        raise ValueError(f"bucket_window must be >= 1 (step batches), got {window}")
+    if num_buckets is not None:
+        if num_buckets < 2:
+            raise ValueError(f"num_buckets must be >= 2, got {num_buckets}")
+        if max_seq_length is None:
+            raise ValueError("num_buckets needs max_seq_length in the manifest; pass boundaries")
+        boundaries = even_bucket_boundaries(max_seq_length, num_buckets)
+    if boundaries is None:
+        return None
+    edges = tuple(int(edge) for edge in boundaries)
+    if not edges or edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+        raise ValueError(
+            f"bucket_boundaries must be positive and strictly increasing, got {boundaries}"
+        )
+    return edges
+
+
+# ---------------------------------------------------------------------------------------------
 # The loader.
 
 
@@ -351,19 +451,30 @@ class PretrainingLoader:
         data_dir: a prepared dataset: a local path, or a `pyarrow.fs` URI (`gs://...`), which is
             copied once to `cache_dir` and memory-mapped from there.
         split: "train" or "validation".
-        batch_size: per rank; the global batch is `batch_size x world_size`.
+        batch_size: per rank (the micro-batch); the global batch is `batch_size x world_size`.
         seed: order and masks derive from it (with the epoch and sample index).
         rank, world_size: this worker's slice of every global batch.
         max_predictions: per sequence; default Google's (20 at 128 tokens, 80 at 512).
         mask_prob, whole_word: masking rules (see `training.masking`).
-        drop_last: drop the partial last global batch (the default, and what training wants:
-            every step sees the same global batch). With False it is kept and split as evenly as
-            the ranks allow; a rank may then get a batch of zero rows.
+        drop_last: end the epoch at the last full optimizer step (the default, and what
+            training wants: every step sees the same number of samples). With False every
+            sample is served, the partial last global batch split as evenly as the ranks allow;
+            a rank may then get a batch of zero rows.
+        gradient_accumulation_steps: loader batches the training loop takes per optimizer step.
+            The step batch (batch_size x world_size x accumulation) is the unit of the epoch's
+            end and of bucketing, so layouts with the same step batch see the same samples.
+        bucket_boundaries: length-bin edges (e.g. (32, 64, 96)) for length bucketing: batches
+            then hold rows of similar length, so less padding; None (default) turns it off.
+        num_buckets: instead of the edges, that many equal-width bins up to max_seq_length.
+        bucket_window: optimizer-step batches sorted together by bin; more means less padding
+            and batches less mixed in length.
         prefetch: batches prepared ahead by a background thread; 0 prepares them inline.
         verify_checksums: hash every shard against the manifest on open (reads all the data).
         expected_vocab_sha256: the model's vocabulary hash; a dataset tokenized with another
             vocabulary is refused.
         cache_dir: where remote datasets are copied (default: the temp directory).
+        filesystem: a `pyarrow.fs.FileSystem` that `data_dir` is a path in, instead of a URI
+            (for stores that need credentials or an endpoint a URI cannot carry).
 
     Iterating yields the batches of the current epoch from the current position and stops at
     the end of the epoch; `set_epoch` moves to another. `state_dict()` counts the batches handed
@@ -383,13 +494,18 @@ class PretrainingLoader:
         mask_prob: float = 0.15,
         whole_word: bool = False,
         drop_last: bool = True,
+        gradient_accumulation_steps: int = 1,
+        bucket_boundaries: Sequence[int] | None = None,
+        num_buckets: int | None = None,
+        bucket_window: int = DEFAULT_BUCKET_WINDOW,
         prefetch: int = 2,
         verify_checksums: bool = False,
         expected_vocab_sha256: str | None = None,
         cache_dir: str | None = None,
+        filesystem: pafs.FileSystem | None = None,
     ):
-        _check_layout(batch_size, rank, world_size, prefetch, seed)
-        local_dir = _local_dataset_dir(data_dir, split, cache_dir)
+        _check_layout(batch_size, rank, world_size, gradient_accumulation_steps, prefetch, seed)
+        local_dir = _local_dataset_dir(data_dir, split, cache_dir, filesystem)
         manifest, self._rows = _open_split(local_dir, split, verify_checksums)
         if expected_vocab_sha256 is not None and (
             manifest.tokenizer.vocab_sha256 != expected_vocab_sha256
@@ -404,9 +520,16 @@ class PretrainingLoader:
         self.split = split
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.global_batch_size = batch_size * world_size
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        # 32 micro x 8 ranks x 4 accumulation = 1,024 samples an optimizer step.
+        self.step_batch_size = self.global_batch_size * gradient_accumulation_steps
         self.seed, self.drop_last, self.prefetch = seed, drop_last, prefetch
         self.pad_id = tokens.index("[PAD]")
         self.max_seq_length = _max_seq_length(manifest, max_predictions)
+        self.bucket_boundaries = _resolve_buckets(
+            bucket_boundaries, num_buckets, bucket_window, self.max_seq_length
+        )
+        self.bucket_window = bucket_window
         self.collator = PretrainingCollator(
             MaskingVocab.from_tokens(tokens),
             seed=seed,
@@ -419,8 +542,12 @@ class PretrainingLoader:
         if len(self) == 0:
             raise ValueError(
                 f"split {split!r} of {data_dir} has {self.num_samples} samples, fewer than one "
-                f"global batch of {self.global_batch_size} (use drop_last=False for evaluation)"
+                f"optimizer step ({batch_size} micro x {world_size} ranks x "
+                f"{gradient_accumulation_steps} accumulation = {self.step_batch_size}); use "
+                "drop_last=False for evaluation"
             )
+        # Read once, before any prefetch thread: the bins of every epoch come from them.
+        self._lengths = self._rows.row_lengths() if self.bucket_boundaries else None
         self._epoch, self._batches_consumed = 0, 0
         self._live: weakref.ref[_BatchIterator] | None = None
 
@@ -442,11 +569,26 @@ class PretrainingLoader:
     def batches_consumed(self) -> int:
         return self._batches_consumed
 
+    @property
+    def samples_consumed(self) -> int:
+        """Samples of the epoch's order handed out so far, over all ranks: the position."""
+        return min(self._batches_consumed * self.global_batch_size, self.num_samples)
+
     def __len__(self) -> int:
-        """Global batches (= this rank's batches) per epoch."""
+        """Global batches (= this rank's batches) per epoch.
+
+        With drop_last the epoch stops after its last full optimizer step: no step straddles
+        two epochs, and every layout of the same step batch drops the same N mod step samples.
+        """
         if self.drop_last:
-            return self.num_samples // self.global_batch_size
+            return self.num_samples // self.step_batch_size * self.gradient_accumulation_steps
         return -(-self.num_samples // self.global_batch_size)
+
+    def sample_lengths(self) -> np.ndarray:
+        """Tokens of every sample of the split, by global index (from the shard offsets)."""
+        if self._lengths is None:
+            self._lengths = self._rows.row_lengths()
+        return self._lengths
 
     def set_epoch(self, epoch: int) -> None:
         """Move to `epoch` at its first batch; the current epoch keeps its position.
@@ -463,34 +605,74 @@ class PretrainingLoader:
         return {
             "version": STATE_VERSION,
             "epoch": self._epoch,
-            "batches_consumed": self._batches_consumed,  # global batches into the epoch
+            "samples_consumed": self.samples_consumed,  # the position, free of the layout
+            "batches_consumed": self._batches_consumed,  # in this loader's global batches
+            "epoch_finished": self._batches_consumed == len(self),
             "seed": self.seed,
             "global_batch_size": self.global_batch_size,
+            "step_batch_size": self.step_batch_size,
             "num_samples": self.num_samples,
             "split": self.split,
+            "bucket_boundaries": _as_list(self.bucket_boundaries),
+            "bucket_window": self.bucket_window,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at a saved position; any rank count works if the global batch is the same.
+        """Resume at a saved position.
 
+        The position counts samples of the epoch's order, so any layout resumes it whose global
+        batch divides it: another number of ranks, or the same optimizer step split otherwise
+        between micro-batches and accumulation (2 ranks x accumulation 1 -> 1 rank x 2).
         A state saved at the very end of an epoch resumes at the start of the next one.
         """
-        if state.get("version", STATE_VERSION) > STATE_VERSION:
-            raise ValueError(f"loader state version {state['version']} is newer than this code")
-        for key in ("seed", "global_batch_size", "num_samples"):
+        state = _upgrade_state(state)
+        self._check_same_order(state)
+        epoch, samples = int(state["epoch"]), int(state["samples_consumed"])
+        if not 0 <= samples <= self.num_samples:
+            raise ValueError(f"saved position {samples} is outside the epoch of {self.num_samples}")
+        if state["epoch_finished"] or samples >= len(self) * self.global_batch_size:
+            # Nothing of the epoch left for this layout: an uninterrupted run goes on with the
+            # next epoch, and a loop that iterates right after loading must not find nothing.
+            epoch, samples = epoch + 1, 0
+        if samples % self.global_batch_size:
+            raise ValueError(self._boundary_error(samples, epoch, state["global_batch_size"]))
+        self._close_live()
+        self._epoch, self._batches_consumed = epoch, samples // self.global_batch_size
+
+    def _check_same_order(self, state: dict[str, Any]) -> None:
+        """Refuse a state whose position would point at other samples in this loader's order."""
+        for key in ("seed", "num_samples"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"cannot resume: the saved loader state has {key}={state[key]}, this loader "
                     f"has {getattr(self, key)} (the position would point at other samples)"
                 )
-        if not 0 <= state["batches_consumed"] <= len(self):
-            raise ValueError(f"saved position {state['batches_consumed']} is outside the epoch")
-        self._close_live()
-        self._epoch, self._batches_consumed = int(state["epoch"]), int(state["batches_consumed"])
-        if self._batches_consumed == len(self):
-            # Saved at the end of an epoch: what an uninterrupted run does next is the next
-            # epoch, and a loop that iterates right after loading must not find nothing.
-            self._epoch, self._batches_consumed = self._epoch + 1, 0
+        saved = _bucketing(state["bucket_boundaries"], state["bucket_window"])
+        mine = _bucketing(self.bucket_boundaries, self.bucket_window)
+        if saved != mine:
+            raise ValueError(
+                f"cannot resume: the saved loader state has length bucketing (boundaries, window) "
+                f"{saved}, this loader {mine}: the epoch's order would differ"
+            )
+        if mine is not None and state["step_batch_size"] != self.step_batch_size:
+            raise ValueError(
+                f"cannot resume: length bucketing cuts the order in optimizer steps of "
+                f"{state['step_batch_size']} samples (saved), this loader's step is "
+                f"{self.step_batch_size} ({self.batch_size} x {self.world_size} ranks x "
+                f"{self.gradient_accumulation_steps} accumulation): keep micro-batch x ranks x "
+                "gradient_accumulation_steps the same"
+            )
+
+    def _boundary_error(self, samples: int, epoch: int, saved_global_batch: int) -> str:
+        every = self.global_batch_size // math.gcd(self.global_batch_size, saved_global_batch)
+        return (
+            f"cannot resume after {samples} samples of epoch {epoch} with a global batch of "
+            f"{self.global_batch_size} ({self.batch_size} x {self.world_size} ranks): a loader "
+            f"resumes only at multiples of its global batch. With this layout, resume from a "
+            f"state saved after a multiple of {self.global_batch_size} samples (every {every} "
+            f"batches of the saving layout, whose global batch was {saved_global_batch}), or "
+            f"pick batch_size x world_size dividing {samples}"
+        )
 
     # -- iteration --------------------------------------------------------------------------
 
@@ -501,11 +683,22 @@ class PretrainingLoader:
         return iterator
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The epoch's permutation of sample indices (uint32 when it fits: 4 bytes a sample)."""
+        """The epoch's order of sample indices (uint32 when it fits: 4 bytes a sample)."""
         generator = np.random.default_rng([self.seed, epoch])
         dtype = np.uint32 if self.num_samples < 2**32 else np.int64
         # Shuffling arange in place draws exactly what permutation(N) draws, in any dtype.
-        return generator.permutation(np.arange(self.num_samples, dtype=dtype))
+        order = generator.permutation(np.arange(self.num_samples, dtype=dtype))
+        if self.bucket_boundaries is None:
+            return order
+        # The same generator goes on to shuffle step batches: still (seed, epoch) only.
+        return bucket_order(
+            order,
+            self.sample_lengths(),
+            self.bucket_boundaries,
+            self.step_batch_size,
+            self.bucket_window,
+            generator,
+        )
 
     def rank_indices(self, order: np.ndarray, global_batch: int) -> np.ndarray:
         """This rank's sample indices in global batch `global_batch` of an epoch order."""
@@ -531,11 +724,43 @@ class PretrainingLoader:
         self._batches_consumed = batches_consumed
 
 
-def _check_layout(batch_size: int, rank: int, world_size: int, prefetch: int, seed: int) -> None:
+def _as_list(values: Sequence[int] | None) -> list[int] | None:
+    return None if values is None else list(values)
+
+
+def _bucketing(boundaries: Sequence[int] | None, window: int) -> tuple | None:
+    """What of the bucketing options shapes the order (the window counts only with bins)."""
+    return None if boundaries is None else (tuple(boundaries), window)
+
+
+def _upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A saved state in the current layout; version 1 counted global batches only."""
+    version = state.get("version", STATE_VERSION)
+    if version > STATE_VERSION:
+        raise ValueError(f"loader state version {version} is newer than this code")
+    if version >= 2:
+        return state
+    batches, global_batch = int(state["batches_consumed"]), int(state["global_batch_size"])
+    return {
+        **state,
+        "samples_consumed": min(batches * global_batch, int(state["num_samples"])),
+        # Version 1 trained with drop_last and no accumulation: its epoch had N // G batches.
+        "epoch_finished": batches == int(state["num_samples"]) // global_batch,
+        "step_batch_size": global_batch,
+        "bucket_boundaries": None,
+        "bucket_window": DEFAULT_BUCKET_WINDOW,
+    }
+
+
+def _check_layout(
+    batch_size: int, rank: int, world_size: int, accumulation: int, prefetch: int, seed: int
+) -> None:
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
+    if accumulation < 1:
+        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {accumulation}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if not 0 <= seed < 2**64:

@@ -152,12 +152,20 @@ def test_resume_at_epoch_end_starts_the_next_epoch(dataset_dir):
     assert_batches_equal(all_batches(resumed), all_batches(loader))
 
 
-def test_resume_refuses_another_global_batch(dataset_dir):
-    state = PretrainingLoader(dataset_dir, batch_size=4, seed=5).state_dict()
-    with pytest.raises(ValueError, match="global_batch_size"):
+def test_resume_with_another_global_batch_needs_a_boundary(dataset_dir):
+    saver = PretrainingLoader(dataset_dir, batch_size=4, seed=5)
+    for _, _batch in zip(range(3), saver, strict=False):
+        pass
+    state = saver.state_dict()
+    assert (state["samples_consumed"], state["batches_consumed"]) == (12, 3)
+    with pytest.raises(ValueError, match=r"after 12 samples .*every 2 batches"):
         PretrainingLoader(dataset_dir, batch_size=8, seed=5).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         PretrainingLoader(dataset_dir, batch_size=4, seed=6).load_state_dict(state)
+    next(iter(saver))  # 16 samples: a boundary of a global batch of 8 too
+    resumed = PretrainingLoader(dataset_dir, batch_size=8, seed=5)
+    resumed.load_state_dict(saver.state_dict())
+    assert resumed.batches_consumed == 2
 
 
 def test_world_size_does_not_change_global_batches(dataset_dir):
@@ -213,7 +221,7 @@ def test_prefetch_thread_stops(dataset_dir):
 def test_validation_split_and_frequencies(dataset_dir):
     loader = PretrainingLoader(dataset_dir, "validation", batch_size=5, seed=0, drop_last=False)
     assert sum(len(b["input_ids"]) for b in loader) == 13
-    with pytest.raises(ValueError, match="fewer than one global batch"):
+    with pytest.raises(ValueError, match="fewer than one optimizer step"):
         PretrainingLoader(dataset_dir, "validation", batch_size=16, seed=0)
     with pytest.raises(ValueError, match="no split 'test'"):
         PretrainingLoader(dataset_dir, "test", batch_size=1, seed=0)
@@ -317,3 +325,274 @@ def test_a_rank_may_get_an_empty_last_batch(dataset_dir):
     ]
     last = [all_batches(loader)[-1]["input_ids"].shape for loader in loaders]
     assert last[0][0] == 1 and last[1] == last[2] == (0, 8)
+
+
+def test_same_epoch_repeats_its_masks(dataset_dir):
+    loader = PretrainingLoader(dataset_dir, batch_size=8, seed=1)
+    first = all_batches(loader)
+    loader.set_epoch(1)
+    other = all_batches(loader)
+    loader.set_epoch(0)
+    assert_batches_equal(all_batches(loader), first)
+    assert [trimmed(b) for b in other] != [trimmed(b) for b in first]
+
+
+def test_filesystem_instead_of_a_uri(dataset_dir, tmp_path):
+    # A filesystem object carries what a URI cannot (credentials, endpoints, a sub-tree).
+    remote = pafs.SubTreeFileSystem(os.path.abspath(dataset_dir), pafs.LocalFileSystem())
+    loader = PretrainingLoader(
+        "", batch_size=8, seed=1, filesystem=remote, cache_dir=str(tmp_path / "cache")
+    )
+    assert_batches_equal(
+        all_batches(loader), all_batches(PretrainingLoader(dataset_dir, batch_size=8, seed=1))
+    )
+    assert os.listdir(tmp_path / "cache")  # copied, then memory-mapped from the copy
+
+
+# -- gradient accumulation and resume across layouts ---------------------------------------
+
+
+def per_step(batches, per):
+    """Batches grouped `per` at a time (one optimizer step), rows concatenated."""
+    rows = [trimmed(b) for b in batches]
+    return [sum(rows[i : i + per], []) for i in range(0, len(rows), per)]
+
+
+def rank_steps(loaders):
+    """Per optimizer step (one global batch each), the ranks' rows concatenated in rank order."""
+    per_rank = [[trimmed(b) for b in loader] for loader in loaders]
+    return [sum(parts, []) for parts in zip(*per_rank, strict=True)]
+
+
+def test_epoch_ends_at_the_last_full_optimizer_step(dataset_dir):
+    # 70 samples, 4 micro x 3 accumulation = 12 a step: 5 steps, 15 batches, 10 samples dropped.
+    loader = PretrainingLoader(dataset_dir, batch_size=4, seed=0, gradient_accumulation_steps=3)
+    assert (len(loader), loader.step_batch_size) == (15, 12)
+    assert len(all_batches(loader)) == 15
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        PretrainingLoader(dataset_dir, batch_size=4, seed=0, gradient_accumulation_steps=0)
+
+
+BUCKETS = {"bucket_boundaries": (16, 32, 48), "bucket_window": 2}
+
+
+@pytest.mark.parametrize("options", [{}, BUCKETS], ids=["plain", "bucketed"])
+def test_resume_two_ranks_on_one_with_accumulation(dataset_dir, options):
+    """2 ranks x micro 4 x accumulation 1 -> 1 rank x micro 4 x accumulation 2: same steps."""
+
+    def two_ranks():
+        return [
+            PretrainingLoader(dataset_dir, batch_size=4, seed=2, rank=r, world_size=2, **options)
+            for r in range(2)
+        ]
+
+    uninterrupted = two_ranks()
+    want = rank_steps(uninterrupted)
+    for loader in uninterrupted:
+        loader.set_epoch(1)
+    want_next_epoch = rank_steps(uninterrupted)
+    interrupted = two_ranks()
+    for loader in interrupted:
+        for _, _batch in zip(range(3), loader, strict=False):  # 3 steps of 8 samples
+            pass
+    states = [loader.state_dict() for loader in interrupted]
+    assert states[0] == states[1]  # every rank saves the same position
+    resumed = PretrainingLoader(
+        dataset_dir, batch_size=4, seed=2, gradient_accumulation_steps=2, **options
+    )
+    resumed.load_state_dict(states[0])
+    assert resumed.batches_consumed == 6
+    assert per_step(all_batches(resumed), 2) == want[3:]
+    resumed.set_epoch(1)  # epochs end at the same step: the next one matches as a whole
+    assert per_step(all_batches(resumed), 2) == want_next_epoch
+
+
+@pytest.mark.parametrize("options", [{}, BUCKETS], ids=["plain", "bucketed"])
+def test_resume_one_rank_with_accumulation_on_two(dataset_dir, options):
+    def one_rank():
+        return PretrainingLoader(
+            dataset_dir, batch_size=4, seed=3, gradient_accumulation_steps=2, **options
+        )
+
+    want = per_step(all_batches(one_rank()), 2)
+    saver = one_rank()
+    iterator = iter(saver)
+    for _ in range(3):  # mid-step: 12 samples, not a boundary of a global batch of 8
+        next(iterator)
+    ranks = [
+        PretrainingLoader(dataset_dir, batch_size=4, seed=3, rank=r, world_size=2, **options)
+        for r in range(2)
+    ]
+    with pytest.raises(ValueError, match="every 2 batches of the saving layout"):
+        ranks[0].load_state_dict(saver.state_dict())
+    next(iterator)
+    for loader in ranks:
+        loader.load_state_dict(saver.state_dict())
+    assert rank_steps(ranks) == want[2:]
+
+
+@pytest.mark.parametrize("options", [{}, BUCKETS], ids=["plain", "bucketed"])
+def test_resume_four_ranks_on_two(dataset_dir, options):
+    def layout(world_size):
+        micro = 8 // world_size
+        return [
+            PretrainingLoader(
+                dataset_dir, batch_size=micro, seed=4, rank=r, world_size=world_size, **options
+            )
+            for r in range(world_size)
+        ]
+
+    want = rank_steps(layout(4))
+    four = layout(4)
+    for loader in four:
+        for _, _batch in zip(range(5), loader, strict=False):
+            pass
+    two = layout(2)
+    for loader in two:
+        loader.load_state_dict(four[0].state_dict())
+    assert rank_steps(two) == want[5:]
+
+
+def test_version_1_states_still_load(dataset_dir):
+    want = all_batches(PretrainingLoader(dataset_dir, batch_size=8, seed=5))
+    old = {"version": 1, "epoch": 0, "batches_consumed": 3, "seed": 5, "global_batch_size": 8,
+           "num_samples": 70, "split": "train"}  # fmt: skip
+    resumed = PretrainingLoader(dataset_dir, batch_size=4, seed=5, gradient_accumulation_steps=2)
+    resumed.load_state_dict(old)
+    assert per_step(all_batches(resumed), 2) == [trimmed(b) for b in want[3:]]
+    finished = PretrainingLoader(dataset_dir, batch_size=8, seed=5)
+    finished.load_state_dict(old | {"batches_consumed": 8})
+    assert finished.epoch == 1 and finished.batches_consumed == 0
+
+
+# -- length bucketing --------------------------------------------------------------------
+
+
+def reference_bucketed_order(seed, epoch, lengths, boundaries, step, window):
+    """The bucketed order written plainly: windows sorted by bin, steps shuffled per window."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths)).tolist()
+    full = len(order) // step * step
+    out = []
+    for start in range(0, full, step * window):
+        part = order[start : min(start + step * window, full)]
+        part.sort(key=lambda i: sum(lengths[i] > edge for edge in boundaries))  # stable
+        steps = [part[k : k + step] for k in range(0, len(part), step)]
+        for chosen in rng.permutation(len(steps)):
+            out += steps[chosen]
+    return out + order[full:]
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "accumulation", "window", "drop_last"),
+    [(4, 1, 2, True), (4, 2, 3, True), (8, 1, 1, False), (3, 2, 64, False)],
+)
+def test_bucketed_order_is_the_reference(dataset_dir, batch_size, accumulation, window, drop_last):
+    lengths = [len(r[0]) for r in read_split_rows(dataset_dir, "train")]
+    loader = PretrainingLoader(
+        dataset_dir,
+        batch_size=batch_size,
+        seed=7,
+        gradient_accumulation_steps=accumulation,
+        bucket_boundaries=(16, 32, 48),
+        bucket_window=window,
+        drop_last=drop_last,
+    )
+    np.testing.assert_array_equal(loader.sample_lengths(), lengths)
+    for epoch in range(3):
+        order = loader.epoch_order(epoch)
+        step = batch_size * accumulation
+        want = reference_bucketed_order(7, epoch, lengths, (16, 32, 48), step, window)
+        assert order.tolist() == want
+        assert sorted(want) == list(range(70))  # every sample exactly once
+    served = sum(len(b["input_ids"]) for b in loader)
+    assert served == (len(loader) * batch_size if drop_last else 70)
+
+
+def test_bucketing_keeps_global_batches_for_any_world_size(dataset_dir):
+    def layout(world_size):
+        return [
+            PretrainingLoader(
+                dataset_dir,
+                batch_size=8 // world_size,
+                seed=2,
+                rank=r,
+                world_size=world_size,
+                num_buckets=4,
+                bucket_window=3,
+            )
+            for r in range(world_size)
+        ]
+
+    steps = [rank_steps(layout(w)) for w in (1, 2, 4)]
+    assert steps[0] == steps[1] == steps[2]
+    assert layout(1)[0].bucket_boundaries == (16, 32, 48)  # 4 bins up to 64 tokens
+
+
+def test_bucketing_resumes_exactly_and_masks_follow_the_sample(dataset_dir):
+    options = dict(batch_size=4, seed=5, prefetch=3, **BUCKETS)
+    reference = PretrainingLoader(dataset_dir, **options)
+    reference.set_epoch(2)
+    want = all_batches(reference)
+    interrupted = PretrainingLoader(dataset_dir, **options)
+    interrupted.set_epoch(2)
+    iterator = iter(interrupted)
+    for _ in range(5):
+        next(iterator)
+    resumed = PretrainingLoader(dataset_dir, **options)
+    resumed.load_state_dict(interrupted.state_dict())
+    assert_batches_equal(all_batches(resumed), want[5:])
+    # Bucketing moves samples, not masks: a sample is masked the same in either order.
+    plain = PretrainingLoader(dataset_dir, batch_size=4, seed=5)
+    plain.set_epoch(2)
+    by_index = {}
+    for loader, batches in ((plain, all_batches(plain)), (reference, want)):
+        order = loader.epoch_order(2)
+        for g, batch in enumerate(batches):
+            for index, row in zip(loader.rank_indices(order, g), trimmed(batch), strict=True):
+                assert by_index.setdefault(int(index), row) == row
+
+
+def test_bucketing_saves_padding(dataset_dir):
+    def padded_and_real(**options):
+        loader = PretrainingLoader(dataset_dir, batch_size=4, seed=0, **options)
+        padded = real = 0
+        for epoch in range(4):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                padded += batch["attention_mask"].numel()
+                real += int(batch["attention_mask"].sum())
+        return padded, real
+
+    # 70 rows of 8..61 tokens; bins a multiple of 8 wide, 8 steps of 4 sorted together.
+    plain = padded_and_real()
+    bucketed = padded_and_real(bucket_boundaries=tuple(range(8, 64, 8)), bucket_window=8)
+    waste_plain = 1 - plain[1] / plain[0]
+    waste_bucketed = 1 - bucketed[1] / bucketed[0]
+    assert waste_bucketed < 0.5 * waste_plain, (waste_plain, waste_bucketed)  # 15 % vs 38 %
+
+
+def test_bucketing_options_are_checked(dataset_dir):
+    def loader(**options):
+        return PretrainingLoader(dataset_dir, batch_size=4, seed=0, **options)
+
+    for options, message in (
+        ({"bucket_boundaries": (32, 16)}, "strictly increasing"),
+        ({"bucket_boundaries": (0, 16)}, "positive"),
+        ({"bucket_boundaries": ()}, "strictly increasing"),
+        ({"bucket_boundaries": (16,), "num_buckets": 2}, "not both"),
+        ({"num_buckets": 1}, "num_buckets must be >= 2"),
+        ({"bucket_boundaries": (16,), "bucket_window": 0}, "bucket_window"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            loader(**options)
+    state = loader(**BUCKETS).state_dict()
+    with pytest.raises(ValueError, match="length bucketing"):
+        loader().load_state_dict(state)
+    with pytest.raises(ValueError, match="length bucketing"):
+        loader(bucket_boundaries=(16, 32, 48), bucket_window=3).load_state_dict(state)
+    other_step = PretrainingLoader(
+        dataset_dir, batch_size=4, seed=0, gradient_accumulation_steps=2, **BUCKETS
+    )
+    with pytest.raises(ValueError, match="keep micro-batch x ranks x gradient_accumulation"):
+        other_step.load_state_dict(state)
