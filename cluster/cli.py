@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare(commands)
     _add_inspect(commands)
     _add_train(commands)
+    _add_submit(commands)
     _add_eval(commands)
     _add_export(commands)
     _add_demo(commands)
@@ -78,6 +79,30 @@ def _add_train(commands) -> None:
     p.add_argument("--max-failures", type=int, default=3,
                    help="worker-group restarts from the newest checkpoint before giving up")
     p.set_defaults(handler=_run_train)
+
+
+def _add_submit(commands) -> None:
+    from cluster.submit import DEFAULT_ADDRESS
+
+    p = commands.add_parser(
+        "submit", help="run a command as a job on a Ray cluster (Ray Jobs API)",
+        description="Submit e.g. `bertforge train ...` to a running Ray cluster, follow its "
+        "logs, and exit with its final status (0 succeeded, 1 failed, 3 stopped). "
+        "Usage: bertforge submit [options] -- COMMAND ...",
+    )
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="the cluster's Jobs endpoint")
+    p.add_argument("--working-dir", default=".", help="code to upload (default: this directory)")
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="more paths to leave out of the upload (repeatable)")
+    p.add_argument("--image", default=None,
+                   help="a container image holding bertforge, instead of uploading code")
+    p.add_argument("--submission-id", default=None, help="a stable id (resubmits are refused)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="environment variable for the job (values are never printed)")
+    p.add_argument("--no-wait", action="store_true", help="return once submitted")
+    p.add_argument("--stop", metavar="SUBMISSION_ID", help="stop a running job instead")
+    p.add_argument("entrypoint", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    p.set_defaults(handler=_run_submit)
 
 
 def _add_eval(commands) -> None:
@@ -149,6 +174,26 @@ def _run_train(args: argparse.Namespace) -> None:
     print(json.dumps(train_on_ray(cfg, launch), indent=2, default=str))
 
 
+def _run_submit(args: argparse.Namespace) -> int:
+    from cluster.submit import DEFAULT_EXCLUDES, SubmitConfig, stop, submit
+
+    if args.stop:
+        return stop(args.address, args.stop)
+    entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
+    env_vars = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--env takes NAME=VALUE, got {item!r}")
+        env_vars[name] = value
+    return submit(SubmitConfig(
+        entrypoint=entrypoint, address=args.address,
+        working_dir=None if args.image else args.working_dir,
+        excludes=DEFAULT_EXCLUDES + tuple(args.exclude), image=args.image,
+        submission_id=args.submission_id, env_vars=env_vars, follow=not args.no_wait,
+    ))
+
+
 def _run_eval(args: argparse.Namespace) -> None:
     from training.checkpoint import resolve_checkpoint
     from training.evaluate import evaluate_checkpoint
@@ -188,15 +233,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         if args.command == "prepare":
-            args.handler(args, extra)
+            status = args.handler(args, extra)
         else:
             if extra:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            args.handler(args)
+            status = args.handler(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"bertforge {args.command}: error: {error}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0  # handlers that run a job return its exit code
 
 
 if __name__ == "__main__":

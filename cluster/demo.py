@@ -144,7 +144,7 @@ def _prepare(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
 
 def _train(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
     from cluster.ray_train import LaunchConfig, train_on_ray
-    from training.config import demo_recipe
+    from training.recipes import demo_recipe
 
     cfg = demo_recipe(
         paths.shards, paths.run, max_steps=config.max_steps,

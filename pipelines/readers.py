@@ -1,103 +1,184 @@
-"""Corpus readers: one small function per input format, all yielding `RawDocument`s or `Reject`s.
+"""Corpus readers: one small function per input format, each yielding `RawDocument`s or `Reject`s.
 
-Readers take an open binary stream, so the same code serves the Beam job (which opens files
-through Beam's `FileSystems`: local, gs://, s3://, with .gz/.bz2 decompressed by extension) and
-the vocabulary trainer (plain `open`). Adding a format is a new reader function plus one entry in
-`READERS`.
+A reader takes (path, doc_id prefix, decompressed binary stream), so the same code serves the Beam
+job (files opened through Beam's `FileSystems`: local, gs://, s3://) and the vocabulary trainer
+(plain `open`). Opening, decompression, and the checks every file gets (empty, binary, truncated)
+live in `pipelines.input_files`. Adding a format is a function plus one entry in `FORMATS`.
 
-Formats so far:
-- JSON Lines (`.jsonl`, `.json`): one object per line with a `text` field and an optional
-  `doc_id`; the text is split into sentences later.
-- Google's plain text (any other extension): one sentence per line, a blank line between
-  documents, as `create_pretraining_data.py` reads it.
+| format | chosen by | one document is |
+|---|---|---|
+| `jsonl` | `.jsonl`, `.json` | a line's object: `text`, optional `doc_id` (or `id`, as in HF) |
+| `parquet` | `.parquet` | a row: `text` column, optional `doc_id`/`id`; read batch by batch |
+| `wiki` | `.xml` (`.xml.bz2`, `.xml.gz`) | an article of a MediaWiki dump (`pipelines.wiki_xml`) |
+| `books` | `books:` prefix only | a whole file; paragraphs on blank lines, wrapped lines joined |
+| `sentences` | any other name | Google's: a sentence per line, a blank line between documents |
+
+`.txt` is ambiguous (a book, or Google's format), so books are named explicitly:
+`--input books:DIR/*.txt`. Any format can be forced the same way (`wiki:dump.bz2`).
+
+Invalid UTF-8 is replaced (U+FFFD), not rejected: one bad byte must not cost a whole book. Each
+such record is listed as `invalid_utf8` among the *repaired* records (`records.REPAIRED_REASONS`).
 """
 
 from __future__ import annotations
 
-import bz2
-import gzip
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO
+
+from pipelines.records import RawDocument, Reject
+from pipelines.wiki_xml import read_wiki_xml
 
 COMPRESSION_SUFFIXES = (".gz", ".bz2")
+BOM = "\ufeff"
+PARQUET_BATCH_ROWS = 1024  # rows per record batch: bounds memory, whatever the file's size
+
+Reader = Callable[[str, str, BinaryIO], Iterator["RawDocument | Reject"]]
+
+__all__ = ["RawDocument", "Reject", "FORMATS", "format_of", "read_documents", "doc_id_prefixes"]
 
 
-class RawDocument(NamedTuple):
-    doc_id: str
-    source: str  # "path:line" of the record, for logs and rejects
-    text: str | None = None  # free text, to be split into sentences
-    sentences: tuple[str, ...] | None = None  # already one sentence per entry
+def iter_lines(stream: BinaryIO) -> Iterator[bytes]:
+    """Lines by `readline`: Beam's file streams are not always iterable."""
+    while line := stream.readline():
+        yield line
 
 
-class Reject(NamedTuple):
-    reason: str  # e.g. invalid_json, empty_document, too_few_sentences, duplicate_document
-    source: str
-    doc_id: str = ""
-    detail: str = ""
-
-    def to_json(self) -> str:
-        return json.dumps(self._asdict(), ensure_ascii=False, sort_keys=True)
-
-
-Reader = Callable[[str, str, Iterable[bytes]], Iterator["RawDocument | Reject"]]
+def decode(raw: bytes, source: str, doc_id: str = "") -> tuple[str, Reject | None]:
+    """UTF-8 text (a leading BOM dropped) and, for invalid bytes, the `invalid_utf8` repair."""
+    try:
+        text, repair = raw.decode("utf-8"), None
+    except UnicodeDecodeError as error:
+        text = raw.decode("utf-8", errors="replace")
+        repair = Reject("invalid_utf8", source, doc_id, str(error)[:200])
+    return text.lstrip(BOM), repair
 
 
-def read_jsonl(
-    path: str, doc_id_prefix: str, lines: Iterable[bytes]
-) -> Iterator[RawDocument | Reject]:
+def _record_id(record: dict[str, Any], default: str) -> str:
+    for key in ("doc_id", "id"):
+        if record.get(key) not in (None, ""):
+            return str(record[key])
+    return default
+
+
+def read_jsonl(path: str, doc_id_prefix: str, stream: BinaryIO) -> Iterator[RawDocument | Reject]:
     """One document per non-blank line; doc_id from the record or `<prefix>:<record index>`."""
     record_index = 0
-    for line_number, raw in enumerate(lines, start=1):
+    for line_number, raw in enumerate(iter_lines(stream), start=1):
         if not raw.strip():
             continue
         source = f"{path}:{line_number}"
         default_id = f"{doc_id_prefix}:{record_index}"
         record_index += 1
+        line, repair = decode(raw, source, default_id)
         try:
-            record = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
             yield Reject("invalid_json", source, default_id, str(error)[:200])
             continue
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            yield Reject("missing_text", source, default_id, "no string 'text' field")
-            continue
-        doc_id = str(record["doc_id"]) if record.get("doc_id") not in (None, "") else default_id
-        if not record["text"].strip():
-            yield Reject("empty_document", source, doc_id)
-            continue
-        yield RawDocument(doc_id, source, text=record["text"])
+        yield from _text_record(record, source, default_id, repair)
+
+
+def _text_record(
+    record: Any, source: str, default_id: str, repair: Reject | None
+) -> Iterator[RawDocument | Reject]:
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        yield Reject("missing_text", source, default_id, "no string 'text' field")
+        return
+    doc_id = _record_id(record, default_id)
+    if not record["text"].strip():
+        yield Reject("empty_document", source, doc_id)
+        return
+    if repair is not None:
+        yield repair._replace(doc_id=doc_id)
+    yield RawDocument(doc_id, source, text=record["text"])
 
 
 def read_sentence_per_line(
-    path: str, doc_id_prefix: str, lines: Iterable[bytes]
+    path: str, doc_id_prefix: str, stream: BinaryIO
 ) -> Iterator[RawDocument | Reject]:
     """Google's format: one sentence per line, documents separated by blank lines."""
     doc_index = 0
     sentences: list[str] = []
     start_line = 1
-    for line_number, raw in enumerate(lines, start=1):
-        line = raw.decode("utf-8", errors="replace").strip()
+    repair: Reject | None = None
+
+    def document() -> Iterator[RawDocument | Reject]:
+        doc_id, source = f"{doc_id_prefix}:{doc_index}", f"{path}:{start_line}"
+        if repair is not None:
+            yield repair._replace(source=source, doc_id=doc_id)
+        yield RawDocument(doc_id, source, sentences=tuple(sentences))
+
+    for line_number, raw in enumerate(iter_lines(stream), start=1):
+        line, bad = decode(raw, f"{path}:{line_number}")
+        line = line.strip()
         if line:
             if not sentences:
-                start_line = line_number
+                start_line, repair = line_number, None
+            repair = repair or bad
             sentences.append(line)
             continue
         if sentences:
-            yield RawDocument(
-                f"{doc_id_prefix}:{doc_index}", f"{path}:{start_line}", sentences=tuple(sentences)
-            )
+            yield from document()
             doc_index += 1
             sentences = []
     if sentences:
-        yield RawDocument(
-            f"{doc_id_prefix}:{doc_index}", f"{path}:{start_line}", sentences=tuple(sentences)
-        )
+        yield from document()
 
 
-READERS: dict[str, Reader] = {".jsonl": read_jsonl, ".json": read_jsonl}
-DEFAULT_READER: Reader = read_sentence_per_line
+def read_book(path: str, doc_id_prefix: str, stream: BinaryIO) -> Iterator[RawDocument | Reject]:
+    """The whole file is one document (a book); CRLF and a BOM are fine.
+
+    Paragraph and sentence boundaries are found later (`pipelines.sentences`): blank lines end a
+    paragraph, and hard-wrapped lines inside one are joined.
+    """
+    text, repair = decode(stream.read(), path, doc_id_prefix)
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if not text.strip():
+        yield Reject("empty_document", path, doc_id_prefix)
+        return
+    if repair is not None:
+        yield repair
+    yield RawDocument(doc_id_prefix, f"{path}:1", text=text)
+
+
+def read_parquet(path: str, doc_id_prefix: str, stream: BinaryIO) -> Iterator[RawDocument | Reject]:
+    """Rows of a `text` column (and `doc_id` or `id` when present), one record batch at a time.
+
+    `stream` must be seekable (Parquet's footer is at the end): it is the raw file, never
+    decompressed (Parquet compresses inside).
+    """
+    import pyarrow.parquet as pq  # only Parquet inputs pay for it
+
+    try:
+        parquet = pq.ParquetFile(stream)
+    except Exception as error:  # pyarrow raises ArrowInvalid, OSError...: all mean "not Parquet"
+        yield Reject("invalid_parquet", path, "", str(error)[:200])
+        return
+    names = parquet.schema_arrow.names
+    if "text" not in names:
+        yield Reject("missing_text", path, "", f"no 'text' column in {names[:20]}")
+        return
+    columns = ["text"] + [c for c in ("doc_id", "id") if c in names][:1]
+    row = 0
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+        for record in batch.to_pylist():
+            yield from _text_record(record, f"{path}:{row}", f"{doc_id_prefix}:{row}", None)
+            row += 1
+
+
+FORMATS: dict[str, Reader] = {
+    "jsonl": read_jsonl,
+    "parquet": read_parquet,
+    "wiki": read_wiki_xml,
+    "books": read_book,
+    "sentences": read_sentence_per_line,
+}
+EXTENSION_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".xml": "wiki"}
+DEFAULT_FORMAT = "sentences"
+# Formats that read a raw seekable file rather than a decompressed, sniffed stream.
+RAW_FORMATS = frozenset({"parquet"})
 
 
 def format_extension(path: str) -> str:
@@ -109,52 +190,33 @@ def format_extension(path: str) -> str:
     return os.path.splitext(name)[1]
 
 
-def reader_for(path: str) -> Reader:
-    return READERS.get(format_extension(path), DEFAULT_READER)
+def split_format(pattern: str) -> tuple[str | None, str]:
+    """`books:DIR/*.txt` -> ("books", "DIR/*.txt"); patterns without a format prefix: (None, p).
+
+    Only the names in FORMATS are prefixes, so `gs://...` and `s3://...` pass through.
+    """
+    name, colon, rest = pattern.partition(":")
+    if colon and name in FORMATS:
+        return name, rest
+    return None, pattern
+
+
+def format_of(path: str, forced: str | None = None) -> str:
+    return forced or EXTENSION_FORMATS.get(format_extension(path), DEFAULT_FORMAT)
 
 
 def read_documents(
-    path: str, doc_id_prefix: str, stream: BinaryIO
+    path: str, doc_id_prefix: str, stream: BinaryIO, fmt: str | None = None
 ) -> Iterator[RawDocument | Reject]:
-    """Documents and rejects of one already-opened (and decompressed) file."""
-    yield from reader_for(path)(path, doc_id_prefix, iter_lines(stream))
+    """Documents and rejects of one opened (and, but for Parquet, decompressed) file."""
+    yield from FORMATS[format_of(path, fmt)](path, doc_id_prefix, stream)
 
 
-def iter_lines(stream: BinaryIO) -> Iterator[bytes]:
-    """Lines by `readline`: Beam's compressed-file streams are not iterable."""
-    while line := stream.readline():
-        yield line
-
-
-def doc_id_prefixes(paths: list[str]) -> dict[str, str]:
+def doc_id_prefixes(paths: Iterable[str]) -> dict[str, str]:
     """The doc_id prefix of each input file: its base name, or its path when base names collide.
 
     Two files named `part-0.jsonl` in different directories must not give the same doc_ids.
     """
+    paths = list(paths)
     names = [os.path.basename(p) for p in paths]
     return {p: (n if names.count(n) == 1 else p) for p, n in zip(paths, names, strict=True)}
-
-
-def open_local(path: str) -> BinaryIO:
-    """Open a local file, decompressing .gz and .bz2 by extension."""
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    if path.endswith(".bz2"):
-        return bz2.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
-
-
-def iter_texts(paths: list[str]) -> Iterator[str]:
-    """Stream the texts of local corpus files (a text per record or per sentence line).
-
-    Used to train a vocabulary without ever holding the corpus in memory.
-    """
-    for path, prefix in doc_id_prefixes(paths).items():
-        with open_local(path) as stream:
-            for item in read_documents(path, prefix, stream):
-                if isinstance(item, Reject):
-                    continue
-                if item.text is not None:
-                    yield item.text
-                else:
-                    yield from item.sentences or ()

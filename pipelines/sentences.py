@@ -29,3 +29,37 @@ def split_sentences(text: str) -> list[str]:
             if sentence:
                 sentences.append(sentence)
     return sentences
+
+
+# ~2,000 WordPiece tokens: four times a 512-token instance, so only degenerate text (a table
+# dumped as one line, a 50 MB line without punctuation) is cut, and tokenizing stays cheap.
+MAX_SENTENCE_CHARS = 10_000
+
+
+def bound_sentence_length(
+    sentences: list[str] | tuple[str, ...], max_chars: int = MAX_SENTENCE_CHARS
+) -> tuple[list[str], int]:
+    """Sentences with every one longer than `max_chars` cut (at a space where there is one).
+
+    Returns the pieces and how many sentences were cut. Without this bound, one 50 MB "sentence"
+    becomes one 10-million-token encoding, gigabytes of memory in the tokenizer.
+    """
+    if all(len(s) <= max_chars for s in sentences):
+        return list(sentences), 0
+    bounded, num_cut = [], 0
+    for sentence in sentences:
+        if len(sentence) <= max_chars:
+            bounded.append(sentence)
+            continue
+        num_cut += 1
+        start = 0
+        while start < len(sentence):
+            end = min(start + max_chars, len(sentence))
+            if end < len(sentence):
+                space = sentence.rfind(" ", start + max_chars // 2, end)
+                end = space if space > 0 else end
+            piece = sentence[start:end].strip()
+            if piece:
+                bounded.append(piece)
+            start = end
+    return bounded, num_cut

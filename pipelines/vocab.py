@@ -13,7 +13,7 @@ import os
 
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from pipelines.readers import iter_texts
+from pipelines.input_files import iter_texts
 from pipelines.tokenization import SPECIAL_TOKENS
 
 logger = logging.getLogger(__name__)

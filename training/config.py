@@ -8,6 +8,7 @@ from typing import Any
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 DECAYS = ("linear", "polynomial")
+OPTIMIZERS = ("adamw", "lamb")
 
 
 @dataclass
@@ -18,22 +19,35 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=lambda: {"preset": "tiny"})
     max_steps: int = 1000
     micro_batch_size: int = 32  # per rank
+    # With global_batch_size set, accumulation is derived from it and the live world size
+    # (so a resume on fewer workers keeps the same optimizer step); otherwise it is this.
     gradient_accumulation_steps: int = 1
+    global_batch_size: int | None = None
     learning_rate: float = 1e-4
     warmup_steps: int = 100
     decay: str = "linear"
     decay_power: float = 1.0  # polynomial decay only
+    optimizer: str = "adamw"  # "lamb": ZeRO stage 0 only (see training.optim)
     weight_decay: float = 0.01
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-6
     gradient_clipping: float = 1.0
     zero_stage: int = 2
     precision: str = "bf16"
+    activation_checkpointing: bool = False  # recompute each encoder layer in backward
     seed: int = 12345
     mask_prob: float = 0.15
     max_predictions: int | None = None  # None: 20 at 128 tokens, 80 at 512 (Google's values)
     whole_word_masking: bool = False
     log_every: int = 10
+    eval_every: int = 0  # steps between validation passes; 0: never during training
+    eval_batches: int = 50  # cap per pass (global batches); 0: the whole validation split
+    # Dense peak TFLOP/s of one device, for MFU; None logs no MFU. E.g. 989 for an H100 SXM
+    # in bf16, 312 for an A100 in bf16.
+    peak_tflops: float | None = None
+    # Warm start of a fresh run: a checkpoint, a run directory (its newest checkpoint) or a
+    # Hugging Face directory. Weights only: optimizer, schedule and data start anew.
+    init_from: str | None = None
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     resume: bool = True  # continue from the newest complete checkpoint in run_dir if any
@@ -58,10 +72,50 @@ class TrainConfig:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
         if self.keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be at least 1")
+        self._check_optimizer()
+        self._check_batch_and_eval()
 
-    def global_batch_size(self, world_size: int) -> int:
+    def _check_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.optimizer == "lamb" and self.zero_stage != 0:
+            # ZeRO >= 1 hands the optimizer flat partitions that cut across parameters, so
+            # LAMB's per-layer trust ratio ||w|| / ||update|| would be computed over slices of
+            # several layers: silently wrong. DeepSpeed's FusedLamb is CUDA-only besides.
+            raise ValueError(
+                f"optimizer 'lamb' needs zero_stage 0, got {self.zero_stage}: ZeRO partitions "
+                "flatten parameters, which breaks LAMB's per-layer trust ratios; "
+                "use 'adamw' with ZeRO"
+            )
+
+    def _check_batch_and_eval(self) -> None:
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be at least 1, got {self.global_batch_size}")
+        for name in ("eval_every", "eval_batches"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on `world_size` ranks."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        if self.global_batch_size is None:
+            return self.gradient_accumulation_steps
+        per_pass = self.micro_batch_size * world_size
+        if self.global_batch_size % per_pass:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of "
+                f"micro_batch_size x world_size = {self.micro_batch_size} x {world_size} = "
+                f"{per_pass}; change micro_batch_size or the number of workers"
+            )
+        return self.global_batch_size // per_pass
+
+    def global_batch(self, world_size: int) -> int:
+        """Sequences per optimizer step: micro x accumulation x world."""
         # e.g. 32 micro x 1 accumulation x 2 workers = 64 sequences per optimizer step
-        return self.micro_batch_size * self.gradient_accumulation_steps * world_size
+        return self.micro_batch_size * self.accumulation_steps(world_size) * world_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,23 +131,3 @@ class TrainConfig:
             raise ValueError(f"unknown training config keys: {unknown}")
         return cls(**data)
 
-
-def demo_recipe(
-    data_dir: str, run_dir: str, *, max_steps: int = 1000, micro_batch_size: int = 32,
-    learning_rate: float = 1e-3, seed: int = 12345,
-) -> TrainConfig:
-    """Tiny BERT that learns visibly in a few CPU minutes: a high LR suits a 2-layer model."""
-    return TrainConfig(
-        data_dir=data_dir,
-        run_dir=run_dir,
-        model={"preset": "tiny"},
-        max_steps=max_steps,
-        micro_batch_size=micro_batch_size,
-        learning_rate=learning_rate,
-        seed=seed,
-        warmup_steps=max(1, max_steps // 10),
-        weight_decay=0.01,
-        zero_stage=2,
-        precision="bf16",
-        log_every=max(1, max_steps // 30),
-    )

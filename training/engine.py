@@ -9,20 +9,39 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from training.config import TrainConfig
+from training.optim import Lamb
 from training.schedule import lr_multiplier
+
+
+def check_precision_supported(precision: str) -> None:
+    """fp16 on the CPU fails inside deepspeed.initialize; say what to do instead, up front.
+
+    DeepSpeed's CPU accelerator allows fp16 only where oneDNN has fp16 kernels (AVX512-FP16 /
+    AMX-FP16 CPUs); elsewhere it raises "Type fp16 is not supported on your device".
+    """
+    if precision != "fp16":
+        return
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
+        raise ValueError(
+            "precision fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 on this "
+            "machine; use bf16 on CPU"
+        )
 
 
 def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     """The DeepSpeed JSON config for this recipe on `world_size` ranks."""
+    check_precision_supported(cfg.precision)
     config: dict[str, Any] = {
-        "train_batch_size": cfg.global_batch_size(world_size),
+        "train_batch_size": cfg.global_batch(world_size),
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "gradient_accumulation_steps": cfg.accumulation_steps(world_size),
         "gradient_clipping": cfg.gradient_clipping,
         "zero_optimization": {"stage": cfg.zero_stage},
-        # We pass torch's AdamW ourselves; DeepSpeed supports it under every ZeRO stage.
+        # We pass the optimizer ourselves (torch's AdamW, or our LAMB at stage 0 only).
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with it
         "wall_clock_breakdown": False,
@@ -71,15 +90,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def build_engine(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
-    """AdamW + warmup/decay schedule wrapped by DeepSpeed; returns the engine."""
-    optimizer = torch.optim.AdamW(
-        parameter_groups(model, cfg.weight_decay),
-        lr=cfg.learning_rate,
-        betas=cfg.adam_betas,
-        eps=cfg.adam_eps,
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (any ZeRO stage) or LAMB (stage 0; the config refuses it under ZeRO)."""
+    groups = parameter_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "lamb":
+        return Lamb(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, eps=cfg.adam_eps)
+    return torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=cfg.adam_betas, eps=cfg.adam_eps,
         fused=torch.cuda.is_available(),
     )
+
+
+def build_engine(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
+    """Optimizer + warmup/decay schedule wrapped by DeepSpeed; returns the engine."""
+    optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_multiplier(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -17,10 +18,12 @@ from training import checkpoint
 from training.config import TrainConfig
 from training.data import PretrainingLoader
 from training.engine import build_engine, ensure_process_group
-from training.flops import training_flops_per_sequence
+from training.evaluate import evaluate, most_frequent_token
+from training.flops import mfu, training_flops_per_batch
 from training.masking import default_max_predictions
 from training.metrics import MetricsLogger
-from training.model import BertConfig, BertForPreTraining
+from training.model import IGNORE_INDEX, BertConfig, BertForPreTraining
+from training.warm_start import load_initial_weights
 
 # Called on every rank after each committed checkpoint with {"step", "checkpoint_path", ...}.
 ReportFn = Callable[[dict[str, Any]], None]
@@ -55,41 +58,50 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     manifest = read_manifest(cfg.data_dir)
     model_config = resolve_model_config(cfg.model, manifest.tokenizer.vocab_size)
     max_seq_length = manifest.instance_params["max_seq_length"]
+    check_positions(max_seq_length, model_config, cfg.data_dir)
     max_predictions = cfg.max_predictions or default_max_predictions(max_seq_length, cfg.mask_prob)
+    accumulation = cfg.accumulation_steps(world_size)  # validates the batch arithmetic
+    if rank == 0:
+        _print_recipe(cfg, model_config, world_size)
 
+    resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    engine = build_engine(BertForPreTraining(model_config), cfg, world_size)
+    model = BertForPreTraining(model_config)
+    model.gradient_checkpointing = cfg.activation_checkpointing
+    if resume_from is None and cfg.init_from:
+        # Only a fresh run warm-starts; a resumed one has its own, newer weights.
+        load_initial_weights(model, cfg.init_from, manifest.tokenizer.vocab_sha256)
+    engine = build_engine(model, cfg, world_size)
     loader = PretrainingLoader(
         cfg.data_dir, "train", batch_size=cfg.micro_batch_size, seed=cfg.seed,
         rank=rank, world_size=world_size, max_predictions=max_predictions,
         mask_prob=cfg.mask_prob, whole_word=cfg.whole_word_masking,
         prefetch=cfg.dataloader_prefetch,
+        gradient_accumulation_steps=accumulation,  # epochs end on an optimizer step
     )
-    step = _maybe_resume(engine, loader, cfg, manifest.tokenizer.vocab_sha256)
+    step = _maybe_resume(engine, loader, cfg, resume_from, manifest.tokenizer.vocab_sha256)
     if rank == 0:
         _write_run_config(cfg, model_config, world_size)
+    validation = _Validation.create(cfg, rank, world_size, max_predictions)
 
     logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps)
-    flops_per_seq = training_flops_per_sequence(
-        num_layers=model_config.num_hidden_layers, hidden_size=model_config.hidden_size,
-        intermediate_size=model_config.intermediate_size, vocab_size=model_config.vocab_size,
-        seq_len=max_seq_length, num_predictions=max_predictions,
-    )
     metadata = {
         "vocab_sha256": manifest.tokenizer.vocab_sha256,
         "lower_case": manifest.tokenizer.lower_case,
         "model_config": model_config.to_dict(),
         "max_seq_length": max_seq_length,
         "data_dir": os.path.abspath(cfg.data_dir),
+        "world_size": world_size,
+        "zero_stage": cfg.zero_stage,
     }
     client_state = {"vocab_sha256": manifest.tokenizer.vocab_sha256, "config": cfg.to_dict()}
     batches = _endless(loader)
     first_loss = last_loss = None
-    window = _Window()
+    window = _Window(model_config, cfg.peak_tflops, world_size)
     started = time.time()
     total_tokens = 0
     while step < cfg.max_steps:
-        for _ in range(cfg.gradient_accumulation_steps):
+        for _ in range(accumulation):
             batch = {k: v.to(engine.device) for k, v in next(batches).items()}
             out = engine(**batch)
             engine.backward(out.loss)
@@ -97,11 +109,14 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
             window.add(out, batch)
         step += 1
         if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps:
-            metrics = window.reduce(engine, flops_per_seq)
+            metrics = window.reduce(engine)
             total_tokens += metrics["tokens"]
             first_loss = metrics["loss"] if first_loss is None else first_loss
             last_loss = metrics["loss"]
             logger.log(step, metrics)
+        if validation is not None and step % cfg.eval_every == 0:
+            logger.log(step, validation.run(engine))
+            window.restart_clock()  # evaluation time is no training throughput
         if step == cfg.max_steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             client_state.update(loader=loader.state_dict(), global_step=step)
             path = checkpoint.save(
@@ -122,22 +137,61 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     )
 
 
-def _maybe_resume(engine, loader: PretrainingLoader, cfg: TrainConfig, vocab_sha256: str) -> int:
-    """The global step to start from: 0, or that of the newest complete checkpoint."""
-    path = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
+def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str) -> None:
+    """Phase 2 data (512 tokens) needs a model with at least 512 position embeddings."""
+    if max_seq_length > model_config.max_position_embeddings:
+        raise ValueError(
+            f"{data_dir} holds sequences of up to {max_seq_length} tokens, but the model has "
+            f"max_position_embeddings={model_config.max_position_embeddings}; raise it in the "
+            "recipe's model (BERT uses 512 in both phases)"
+        )
+
+
+def _print_recipe(cfg: TrainConfig, model_config: BertConfig, world_size: int) -> None:
+    accumulation = cfg.accumulation_steps(world_size)
+    print(
+        f"[train] recipe ({world_size} workers x {cfg.micro_batch_size} micro x {accumulation} "
+        f"accumulation = {cfg.global_batch(world_size)} sequences per step):\n"
+        f"{cfg.to_json()}\n[train] model: {json.dumps(model_config.to_dict(), sort_keys=True)}",
+        flush=True,
+    )
+
+
+def _maybe_resume(
+    engine, loader: PretrainingLoader, cfg: TrainConfig, path: str | None, vocab_sha256: str
+) -> int:
+    """The global step to start from: 0, or that of the checkpoint at `path`."""
     if path is None:
         return 0
-    saved_sha256 = checkpoint.read_metadata(path)["vocab_sha256"]
+    saved = checkpoint.read_metadata(path)
+    check_world_size_change(saved, cfg, path)
+    saved_sha256 = saved["vocab_sha256"]
     if saved_sha256 != vocab_sha256:  # checked first: loading would fail on shapes, unclearly
         raise ValueError(
             f"{path} was trained with another vocabulary than {cfg.data_dir} "
             f"(vocab sha256 {saved_sha256[:12]} vs {vocab_sha256[:12]})"
         )
     state = checkpoint.load(engine, path)
+    # The loader keeps its position in samples: a resume on another number of workers, with
+    # accumulation keeping the optimizer step's batch (2 x 8 x 1 -> 1 x 8 x 2), continues
+    # with the same samples in every step.
     loader.load_state_dict(state["loader"])
     if dist.get_rank() == 0:
         print(f"[train] resumed from {path} at step {state['global_step']}", flush=True)
     return state["global_step"]
+
+
+def check_world_size_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -> None:
+    """ZeRO >= 1 shards the optimizer state by rank; DeepSpeed cannot re-shard it on load."""
+    saved_world = saved.get("world_size")
+    world_size = dist.get_world_size()
+    if saved_world in (None, world_size) or (saved.get("zero_stage") == 0 and cfg.zero_stage == 0):
+        return
+    raise ValueError(
+        f"{path} was saved by {saved_world} workers under ZeRO stage {saved.get('zero_stage')}; "
+        f"resuming on {world_size} workers needs zero_stage 0 in both runs (the optimizer "
+        "state of ZeRO >= 1 is sharded by worker and DeepSpeed cannot re-shard it on load)"
+    )
 
 
 def _endless(loader: PretrainingLoader) -> Iterator[dict[str, torch.Tensor]]:
@@ -156,30 +210,52 @@ def _endless(loader: PretrainingLoader) -> Iterator[dict[str, torch.Tensor]]:
 
 
 class _Window:
-    """Loss and throughput since the last log line, averaged over all ranks."""
+    """Loss and throughput since the last log line, summed over all ranks."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_config: BertConfig, peak_tflops: float | None, world_size: int):
+        self.model_config = model_config
+        self.peak_tflops = peak_tflops
+        self.world_size = world_size
         self._reset()
 
     def _reset(self) -> None:
-        self.sums = torch.zeros(5, dtype=torch.float64)  # loss, mlm, nsp, micro-batches, tokens
-        self.sequences = 0
+        # loss, mlm, nsp, micro-batches, tokens, sequences, FLOPs
+        self.sums = torch.zeros(7, dtype=torch.float64)
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
         self.started = time.time()
 
     def add(self, out, batch: dict[str, torch.Tensor]) -> None:
         self.sums += torch.tensor([
             out.loss.item(), out.mlm_loss.item(), out.nsp_loss.item(), 1.0,
-            batch["attention_mask"].sum().item(),
+            batch["attention_mask"].sum().item(), batch["input_ids"].shape[0],
+            float(self._batch_flops(batch)),
         ], dtype=torch.float64)
-        self.sequences += batch["input_ids"].shape[0]
 
-    def reduce(self, engine, flops_per_seq: int) -> dict[str, Any]:
-        sums = torch.cat([self.sums, torch.tensor([float(self.sequences)], dtype=torch.float64)])
+    def _batch_flops(self, batch: dict[str, torch.Tensor]) -> int:
+        """FLOPs of this micro-batch at its real padded width and label count, not the
+        dataset's maximum: the loader pads each batch only to its longest row."""
+        batch_size, width = batch["input_ids"].shape
+        labelled_per_row = (batch["labels"] != IGNORE_INDEX).sum(dim=1)
+        c = self.model_config
+        return training_flops_per_batch(
+            num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+            batch_size=batch_size, seq_len=width,
+            num_predictions=int(labelled_per_row.sum().item()),
+            # The last layer runs on [CLS] + the labelled positions (training.model.output_rows).
+            last_layer_rows=1 + int(labelled_per_row.max().item()) if batch_size else 0,
+        )
+
+    def reduce(self, engine) -> dict[str, Any]:
+        sums = self.sums.clone()
         dist.all_reduce(sums)
-        loss, mlm, nsp, micro_batches, tokens, sequences = sums.tolist()
+        loss, mlm, nsp, micro_batches, tokens, sequences, flops = sums.tolist()
         seconds = max(time.time() - self.started, 1e-9)
         self._reset()
-        return {
+        tflops = flops / seconds / 1e12  # all ranks together
+        metrics = {
             "loss": loss / micro_batches,
             "mlm_loss": mlm / micro_batches,
             "nsp_loss": nsp / micro_batches,
@@ -187,7 +263,60 @@ class _Window:
             "seq_per_s": sequences / seconds,
             "tokens_per_s": tokens / seconds,
             "tokens": int(tokens),
-            "tflops": sequences * flops_per_seq / seconds / 1e12,
+            "tflops": tflops,
+        }
+        if self.peak_tflops is not None:
+            metrics["mfu"] = mfu(
+                tflops, peak_tflops_per_device=self.peak_tflops, world_size=self.world_size
+            )
+        return metrics
+
+
+class _Validation:
+    """Periodic masked-LM/NSP evaluation on the validation split, sharded across the ranks.
+
+    Fixed masks and order (seed, epoch 0), restarted at its first batch every time, so the
+    numbers of different steps compare the model and nothing else.
+    """
+
+    def __init__(self, loader: PretrainingLoader, max_batches: int, baseline_token_id: int):
+        self.loader = loader
+        self.max_batches = max_batches
+        self.baseline_token_id = baseline_token_id
+        self.start_state = loader.state_dict()
+
+    @classmethod
+    def create(cls, cfg: TrainConfig, rank: int, world_size: int, max_predictions: int):
+        if not cfg.eval_every:
+            return None
+        from training.data import token_frequencies
+
+        # drop_last: every rank gets a full micro-batch, so no rank runs a forward pass on
+        # zero rows (NaN NSP loss) and, under ZeRO-3, every rank joins every parameter gather.
+        loader = PretrainingLoader(
+            cfg.data_dir, "validation", batch_size=cfg.micro_batch_size, seed=cfg.seed,
+            rank=rank, world_size=world_size, max_predictions=max_predictions,
+            mask_prob=cfg.mask_prob, whole_word=cfg.whole_word_masking, prefetch=0,
+        )
+        # The baseline guess from the validation tokens: the train split may be terabytes.
+        baseline = most_frequent_token(token_frequencies(cfg.data_dir, "validation"), cfg.data_dir)
+        return cls(loader, cfg.eval_batches, baseline)
+
+    def run(self, engine) -> dict[str, float]:
+        self.loader.load_state_dict(self.start_state)
+        batches = iter(self.loader)
+        if self.max_batches:
+            batches = itertools.islice(batches, self.max_batches)
+        # The engine (not engine.module) so that ZeRO-3 gathers its partitioned parameters;
+        # `evaluate` switches to eval mode (no dropout) and restores train mode after.
+        result = evaluate(engine, batches, baseline_token_id=self.baseline_token_id,
+                          device=engine.device)
+        return {
+            "eval_mlm_accuracy": result.mlm_accuracy,
+            "eval_nsp_accuracy": result.nsp_accuracy,
+            "eval_mlm_loss": result.mlm_loss,
+            "eval_nsp_loss": result.nsp_loss,
+            "eval_mlm_baseline_accuracy": result.mlm_baseline_accuracy,
         }
 
 

@@ -42,7 +42,9 @@ class MetricsLogger:
     def _progress_line(self, step: int, metrics: dict[str, Any]) -> str:
         elapsed = time.time() - self._start
         parts = [f"step {step}/{self.max_steps}", f"{elapsed:6.1f}s"]
-        for name in ("loss", "mlm_loss", "nsp_loss", "lr", "seq_per_s", "tokens_per_s"):
+        shown_names = ("loss", "mlm_loss", "nsp_loss", "lr", "seq_per_s", "tokens_per_s", "tflops",
+                       "mfu", "eval_mlm_accuracy", "eval_nsp_accuracy", "eval_mlm_loss")
+        for name in shown_names:
             if name in metrics:
                 value = metrics[name]
                 shown = f"{value:.4g}" if isinstance(value, float) else str(value)

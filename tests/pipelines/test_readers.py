@@ -2,12 +2,12 @@ import gzip
 import io
 import json
 
+from pipelines.input_files import iter_texts
 from pipelines.readers import (
     RawDocument,
     Reject,
     doc_id_prefixes,
     format_extension,
-    iter_texts,
     read_documents,
 )
 

@@ -1,8 +1,9 @@
 import pytest
 
+from training import engine as engine_lib
 from training.config import TrainConfig
 from training.engine import deepspeed_config
-from training.flops import training_flops_per_sequence
+from training.flops import mfu, training_flops_per_batch, training_flops_per_sequence
 from training.schedule import lr_multiplier
 
 
@@ -43,7 +44,7 @@ def test_config_round_trips_and_rejects_unknown_keys():
         TrainConfig.from_dict({**cfg.to_dict(), "learning_rat": 1})
 
 
-def test_deepspeed_config_batch_arithmetic_and_precision():
+def test_deepspeed_config_batch_arithmetic_and_precision(monkeypatch):
     cfg = TrainConfig(data_dir="d", run_dir="r", micro_batch_size=16,
                       gradient_accumulation_steps=4, zero_stage=3, precision="bf16")
     ds = deepspeed_config(cfg, world_size=8)
@@ -52,6 +53,7 @@ def test_deepspeed_config_batch_arithmetic_and_precision():
     assert ds["train_micro_batch_size_per_gpu"] == 16
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
+    monkeypatch.setattr(engine_lib, "check_precision_supported", lambda precision: None)
     fp16 = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", precision="fp16"), 1)
     assert fp16["fp16"]["loss_scale"] == 0  # dynamic loss scaling
     fp32 = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", precision="fp32"), 1)
@@ -64,3 +66,74 @@ def test_bert_large_costs_about_1_9_gflop_per_token_at_128():
         seq_len=128, num_predictions=20,
     )
     assert 1.8e9 < flops / 128 < 1.95e9
+
+
+def test_global_batch_size_derives_accumulation_from_the_world_size():
+    cfg = TrainConfig(data_dir="d", run_dir="r", micro_batch_size=16, global_batch_size=512)
+    # 512 = 16 micro x 4 accumulation x 8 ranks = 16 x 32 x 1 rank
+    assert cfg.accumulation_steps(8) == 4 and cfg.accumulation_steps(1) == 32
+    assert cfg.global_batch(8) == cfg.global_batch(1) == 512
+    ds = deepspeed_config(cfg, world_size=8)
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (512, 4)
+
+
+def test_global_batch_size_that_does_not_divide_is_a_clear_error():
+    cfg = TrainConfig(data_dir="d", run_dir="r", micro_batch_size=16, global_batch_size=512)
+    with pytest.raises(ValueError, match=r"global_batch_size 512 is not a multiple of .* 16 x 3"):
+        cfg.accumulation_steps(3)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        TrainConfig(data_dir="d", run_dir="r", global_batch_size=0)
+
+
+def test_without_global_batch_size_accumulation_is_the_recipe_s():
+    cfg = TrainConfig(data_dir="d", run_dir="r", micro_batch_size=8, gradient_accumulation_steps=3)
+    assert cfg.accumulation_steps(5) == 3 and cfg.global_batch(5) == 120
+
+
+def test_fp16_on_a_cpu_without_fp16_kernels_is_a_clear_error(monkeypatch):
+    class CpuWithoutFp16:
+        def device_name(self):
+            return "cpu"
+
+        def is_fp16_supported(self):
+            return False
+
+    monkeypatch.setattr(engine_lib, "get_accelerator", CpuWithoutFp16)
+    with pytest.raises(ValueError, match="fp16 needs a GPU.*use bf16 on CPU"):
+        deepspeed_config(TrainConfig(data_dir="d", run_dir="r", precision="fp16"), 1)
+
+
+def test_batch_flops_count_the_padded_width_and_the_real_predictions():
+    shape = dict(num_layers=12, hidden_size=768, intermediate_size=3072, vocab_size=30522)
+    one = training_flops_per_sequence(**shape, seq_len=128, num_predictions=19)
+    # 8 rows of 128 tokens with 19 predictions each = 8 sequences' worth, exactly.
+    assert training_flops_per_batch(**shape, batch_size=8, seq_len=128,
+                                    num_predictions=8 * 19) == 8 * one
+    # A batch padded only to 64 costs about half (attention makes it a little less).
+    half = training_flops_per_batch(**shape, batch_size=8, seq_len=64, num_predictions=8 * 10)
+    assert 0.45 < half / (8 * one) < 0.5
+
+
+def test_mfu_is_total_tflops_over_the_peak_of_all_devices():
+    # 8 H100s at 989 TFLOP/s dense bf16 each, achieving 3,560.4 TFLOP/s together: 45 %.
+    assert mfu(3560.4, peak_tflops_per_device=989.0, world_size=8) == pytest.approx(0.45)
+    assert mfu(100.0, peak_tflops_per_device=200.0, world_size=1) == 0.5
+    with pytest.raises(ValueError):
+        mfu(1.0, peak_tflops_per_device=0.0, world_size=1)
+
+
+@pytest.mark.parametrize("field, value", [("peak_tflops", 0.0), ("eval_every", -1)])
+def test_config_rejects_bad_eval_and_mfu_settings(field, value):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(data_dir="d", run_dir="r", **{field: value})
+
+
+def test_sparse_last_layer_flops():
+    shape = dict(num_layers=12, hidden_size=768, intermediate_size=3072, vocab_size=30522,
+                 batch_size=8, seq_len=128, num_predictions=152)
+    dense = training_flops_per_batch(**shape)
+    assert training_flops_per_batch(**shape, last_layer_rows=128) == dense  # all rows: dense
+    h, i, L = 768, 3072, 128
+    # The last layer on 20 rows: K, V on all 128 tokens, the rest on 20.
+    saved = 3 * 8 * (L - 20) * (4 * h * h + 4 * h * i + 4 * L * h)
+    assert training_flops_per_batch(**shape, last_layer_rows=20) == dense - saved

@@ -1,0 +1,145 @@
+"""`bertforge submit`: run a command (usually `bertforge train ...`) as a Ray job on a cluster.
+
+Uses the Ray Jobs API (`JobSubmissionClient`): the job's code travels as a working directory
+(with excludes) or lives in a container image; logs are followed until the job ends and the
+job's final status becomes the exit code, so a scheduler or CI can act on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+# Never uploaded: environments, version control, data and run outputs (they can be GBs).
+DEFAULT_EXCLUDES = (
+    ".venv", ".git", "**/__pycache__", "*.arrow", "runs", "bertforge-demo", "*.pt",
+    "*.safetensors",
+)
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
+TERMINAL = set(EXIT_CODES)
+
+
+@dataclass
+class SubmitConfig:
+    entrypoint: list[str]
+    address: str = DEFAULT_ADDRESS
+    working_dir: str | None = "."
+    excludes: tuple[str, ...] = DEFAULT_EXCLUDES
+    image: str | None = None  # a container image that already holds bertforge
+    submission_id: str | None = None
+    env_vars: dict[str, str] = field(default_factory=dict)
+    follow: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.entrypoint:
+            raise ValueError("nothing to run: give the job's command after --, "
+                             "e.g. bertforge submit -- bertforge train --data ...")
+        if self.image and self.working_dir:
+            raise ValueError("give either --image or --working-dir: an image carries the code")
+        if self.working_dir and not os.path.isdir(self.working_dir):
+            raise ValueError(f"working directory {self.working_dir} does not exist")
+
+    def runtime_env(self) -> dict[str, Any]:
+        env: dict[str, Any] = {}
+        if self.image:
+            env["image_uri"] = self.image
+        if self.working_dir:
+            env["working_dir"] = os.path.abspath(self.working_dir)
+            env["excludes"] = list(self.excludes)
+        if self.env_vars:
+            env["env_vars"] = dict(self.env_vars)
+        return env
+
+
+def describe_runtime_env(runtime_env: dict[str, Any]) -> dict[str, Any]:
+    """The runtime env as safe to print: variable names only, never their values."""
+    shown = dict(runtime_env)
+    if "env_vars" in shown:
+        shown["env_vars"] = {name: "<hidden>" for name in shown["env_vars"]}
+    return shown
+
+
+def jobs_client(address: str):
+    """A Jobs API client that authenticates with the cluster's token when one is at hand.
+
+    Ray clusters require a token by default, but the client sends it only when RAY_AUTH_MODE
+    was `token` when ray was imported; passing the header ourselves works either way.
+    """
+    from ray.job_submission import JobSubmissionClient
+
+    token = _cluster_token()
+    headers = {"authorization": f"Bearer {token}"} if token else None
+    return JobSubmissionClient(address, headers=headers)
+
+
+def _cluster_token() -> str | None:
+    """RAY_AUTH_TOKEN, else the file at RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token (Ray's own
+    lookup order)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH", os.path.expanduser("~/.ray/auth_token"))
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    return None
+
+
+def submit(config: SubmitConfig) -> int:
+    """Submit, then (with follow) stream logs and return the exit code of the final status."""
+    client = jobs_client(config.address)
+    runtime_env = config.runtime_env()
+    job_id = _submit_when_ready(
+        client,
+        entrypoint=" ".join(config.entrypoint),
+        submission_id=config.submission_id,
+        runtime_env=runtime_env,
+    )
+    print(f"[submit] job {job_id} submitted to {config.address} "
+          f"(runtime env {describe_runtime_env(runtime_env)})", flush=True)
+    if not config.follow:
+        return 0
+    asyncio.run(_follow_logs(client, job_id))
+    return final_status(client, job_id)
+
+
+def _submit_when_ready(client, timeout_s: float = 120.0, **job) -> str:
+    """A cluster that has just started answers before its job agent is up; wait for it."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as error:
+            if "No available agent" not in str(error) or time.time() > deadline:
+                raise
+            time.sleep(2.0)
+
+
+def stop(address: str, job_id: str, timeout_s: float = 60.0) -> int:
+    """Ask the job to stop and wait for its final status."""
+    client = jobs_client(address)
+    client.stop_job(job_id)
+    return final_status(client, job_id, timeout_s=timeout_s)
+
+
+def final_status(client, job_id: str, timeout_s: float = 600.0) -> int:
+    """Wait for a terminal status (logs may end a moment before it is recorded)."""
+    deadline = time.time() + timeout_s
+    status = str(client.get_job_status(job_id).value)
+    while status not in TERMINAL and time.time() < deadline:
+        time.sleep(0.5)
+        status = str(client.get_job_status(job_id).value)
+    print(f"[submit] job {job_id} {status}", flush=True)
+    if status not in TERMINAL:
+        raise RuntimeError(f"job {job_id} still {status} after {timeout_s:.0f} s")
+    return EXIT_CODES[status]
+
+
+async def _follow_logs(client, job_id: str) -> None:
+    async for lines in client.tail_job_logs(job_id):
+        sys.stdout.write(lines)
+        sys.stdout.flush()

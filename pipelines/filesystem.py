@@ -1,0 +1,38 @@
+"""Small file helpers over Beam's `FileSystems`, so local paths, gs:// and s3:// all work."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+
+
+def open_raw(path: str):
+    """The file's bytes as stored: decompression is the readers' business (`input_files`)."""
+    return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open_raw(path) as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write under a unique temp name, then rename: a retried bundle may race an old attempt."""
+    tmp_path = f"{path}.tmp-{uuid.uuid4().hex}"
+    with FileSystems.create(tmp_path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        f.write(data)
+    FileSystems.rename([tmp_path], [path])
+
+
+def read_bytes(path: str) -> bytes:
+    try:
+        with open_raw(path) as f:
+            return f.read()
+    except Exception as error:  # BeamIOError, OSError, ... depending on the filesystem
+        raise ValueError(f"cannot read {path!r}: {error}") from error

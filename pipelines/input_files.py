@@ -1,0 +1,188 @@
+"""Opening one input file (or a byte range of one): decompression, and the file-level rejects.
+
+Every file goes through `read_file`, which a Beam DoFn and the vocabulary trainer both call:
+- decompression by extension with Python's own `bz2`/`gzip` (both read concatenated streams, so
+  `-multistream` dumps need nothing special); Beam's filesystem only supplies raw bytes;
+- a truncated or corrupt compressed file keeps the records read before the damage and adds one
+  `truncated_compressed_file` / `corrupt_compressed_file` reject;
+- `empty_file` for zero bytes or no record at all, `binary_file` for content that is not text.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import zlib
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+from pipelines import readers
+from pipelines.records import RawDocument, Reject
+
+SNIFF_BYTES = 8192
+# Text has no NUL and few control characters; 10 % of them (tabs/newlines excepted) means binary.
+MAX_CONTROL_FRACTION = 0.1
+_CONTROL = bytes(b for b in range(32) if b not in b"\t\n\r\f\v") + b"\x7f"
+
+Opener = Callable[[str], BinaryIO]  # path -> raw binary stream (seekable for Parquet and ranges)
+
+
+class GuardedStream:
+    """A decompressing stream that turns a decompression error into end-of-file plus a note.
+
+    Readers then finish with what they got; `error` says what happened for the rejects file.
+    """
+
+    def __init__(self, stream: BinaryIO):
+        self._stream = stream
+        self.error: Exception | None = None
+
+    def _guard(self, call, *args) -> bytes:
+        if self.error is not None:
+            return b""
+        try:
+            return call(*args)
+        except (EOFError, OSError, zlib.error) as error:
+            self.error = error
+            return b""
+
+    def read(self, size: int = -1) -> bytes:
+        return self._guard(self._stream.read, size)
+
+    def readline(self, size: int = -1) -> bytes:
+        return self._guard(self._stream.readline, size)
+
+
+class PrefixedStream:
+    """`head` (already read to sniff the file) followed by the rest of `stream`."""
+
+    def __init__(self, head: bytes, stream):
+        self._head = head
+        self._stream = stream
+
+    def read(self, size: int = -1) -> bytes:
+        if not self._head:
+            return self._stream.read(size)
+        if size < 0:
+            data, self._head = self._head + self._stream.read(), b""
+            return data
+        data, self._head = self._head[:size], self._head[size:]
+        return data
+
+    def readline(self, size: int = -1) -> bytes:
+        if not self._head:
+            return self._stream.readline(size)
+        newline = self._head.find(b"\n")
+        if newline >= 0:
+            line, self._head = self._head[: newline + 1], self._head[newline + 1 :]
+            return line
+        line, self._head = self._head, b""
+        return line + self._stream.readline()
+
+
+class LimitedStream:
+    """At most `limit` bytes of `stream` from its current position (a byte range of a file)."""
+
+    def __init__(self, stream: BinaryIO, limit: int):
+        self._stream = stream
+        self._left = limit
+
+    def read(self, size: int = -1) -> bytes:
+        size = self._left if size < 0 else min(size, self._left)
+        data = self._stream.read(size) if size > 0 else b""
+        self._left -= len(data)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+
+def decompressing(path: str, raw) -> BinaryIO:
+    if path.endswith(".bz2"):
+        return bz2.BZ2File(raw, "rb")  # type: ignore[return-value]
+    if path.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+    return raw
+
+
+def looks_binary(head: bytes) -> bool:
+    if b"\x00" in head:
+        return True
+    num_control = sum(head.count(bytes([c])) for c in _CONTROL)
+    return num_control > MAX_CONTROL_FRACTION * len(head)
+
+
+def _compression_reject(path: str, error: Exception) -> Reject:
+    reason = (
+        "truncated_compressed_file" if isinstance(error, EOFError) else "corrupt_compressed_file"
+    )
+    return Reject(reason, path, "", f"{type(error).__name__}: {error}"[:200])
+
+
+def read_file(
+    path: str,
+    doc_id_prefix: str,
+    fmt: str,
+    opener: Opener,
+    byte_range: tuple[int, int] | None = None,
+) -> Iterator[RawDocument | Reject]:
+    """Documents and rejects of a file, or of the byte range [start, end) of a multistream dump."""
+    with opener(path) as raw:
+        if fmt in readers.RAW_FORMATS:
+            yield from _read_raw_format(path, doc_id_prefix, fmt, raw)
+            return
+        if byte_range is not None:
+            raw.seek(byte_range[0])
+            raw = LimitedStream(raw, byte_range[1] - byte_range[0])
+        stream = GuardedStream(decompressing(path, raw))
+        head = stream.read(SNIFF_BYTES)
+        if not head.strip():
+            yield (
+                _compression_reject(path, stream.error)
+                if stream.error
+                else Reject("empty_file", path, "", "no bytes" if not head else "whitespace only")
+            )
+            return
+        if looks_binary(head):
+            yield Reject("binary_file", path, "", f"first bytes {head[:24]!r}")
+            return
+        num_items = 0
+        for item in readers.read_documents(path, doc_id_prefix, PrefixedStream(head, stream), fmt):
+            num_items += 1
+            yield item
+        if stream.error is not None:
+            yield _compression_reject(path, stream.error)
+        elif num_items == 0:
+            yield Reject("empty_file", path, "", f"no {fmt} record")
+
+
+def _read_raw_format(
+    path: str, doc_id_prefix: str, fmt: str, raw
+) -> Iterator[RawDocument | Reject]:
+    num_items = 0
+    for item in readers.read_documents(path, doc_id_prefix, raw, fmt):
+        num_items += 1
+        yield item
+    if num_items == 0:
+        yield Reject("empty_file", path, "", f"no {fmt} record")
+
+
+def open_local(path: str) -> BinaryIO:
+    return open(path, "rb")
+
+
+def iter_texts(paths: list[str], formats: dict[str, str] | None = None) -> Iterator[str]:
+    """Stream the texts of local corpus files (a text per record or per sentence line).
+
+    Used to train a vocabulary without ever holding the corpus in memory. Rejects are skipped.
+    """
+    formats = formats or {}
+    for path, prefix in readers.doc_id_prefixes(paths).items():
+        fmt = readers.format_of(path, formats.get(path))
+        for item in read_file(path, prefix, fmt, open_local):
+            if isinstance(item, Reject):
+                continue
+            if item.text is not None:
+                yield item.text
+            else:
+                yield from item.sentences or ()

@@ -1,0 +1,128 @@
+"""Input patterns -> files -> (in parallel) raw documents and read rejects.
+
+Each file is one element, so files are read in parallel. A Wikipedia `-multistream` dump whose
+`-index.txt.bz2` sits beside it is further cut into byte ranges on bz2 stream boundaries
+(`wiki_xml.plan_ranges`): a 20 GB dump becomes ~300 parallel reads instead of one.
+"""
+
+from __future__ import annotations
+
+import bz2
+import logging
+import os
+from typing import NamedTuple
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+
+from pipelines import readers, wiki_xml
+from pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, count, reject_output
+from pipelines.filesystem import open_raw
+from pipelines.input_files import read_file
+from pipelines.records import Reject
+
+logger = logging.getLogger(__name__)
+
+
+class InputFile(NamedTuple):
+    path: str
+    doc_id_prefix: str
+    fmt: str
+    byte_range: tuple[int, int] | None = None  # None: the whole file
+
+
+def _is_multistream_index(path: str) -> bool:
+    return os.path.basename(path).endswith("-multistream-index.txt.bz2")
+
+
+def match_inputs(patterns: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(file, format) of every file the patterns match, sorted; a clear error for a bad pattern.
+
+    A directory stands for the files in it. Multistream index files are not corpus: skipped.
+    """
+    files: dict[str, str] = {}
+    for entry in patterns:
+        forced, pattern = readers.split_format(entry)
+        if FileSystems.exists(pattern) and _is_directory(pattern):
+            pattern = FileSystems.join(pattern, "*")
+        try:
+            metadata = FileSystems.match([pattern])[0].metadata_list
+        except Exception as error:  # Beam raises BeamIOError or IOError depending on the filesystem
+            raise ValueError(f"--input {entry!r}: cannot list it ({error})") from error
+        matched = [m.path for m in metadata if not _is_directory(m.path)]
+        if not matched:
+            raise ValueError(f"--input {entry!r} matches no file")
+        for path in matched:
+            if _is_multistream_index(path):
+                logger.info("skipping %s: a multistream index, used to split its dump", path)
+                continue
+            files[path] = readers.format_of(path, forced)
+    if not files:
+        raise ValueError(f"--input {list(patterns)} matches no corpus file")
+    return sorted(files.items())
+
+
+def _is_directory(path: str) -> bool:
+    return "://" not in path and os.path.isdir(path)
+
+
+def input_files(files: list[tuple[str, str]]) -> list[InputFile]:
+    prefixes = readers.doc_id_prefixes(path for path, _ in files)
+    return [InputFile(path, prefixes[path], fmt) for path, fmt in files]
+
+
+def split_multistream(item: tuple):
+    """A multistream dump with its index -> byte ranges; any other file -> itself."""
+    item = InputFile(*item)
+    index = wiki_xml.multistream_index_path(item.path) if item.fmt == "wiki" else None
+    if index is None or not FileSystems.exists(index):
+        yield item
+        return
+    with open_raw(index) as raw, bz2.BZ2File(raw) as lines:
+        offsets = wiki_xml.stream_offsets(iter(lines.readline, b""))
+    size = FileSystems.match([item.path])[0].metadata_list[0].size_in_bytes
+    ranges = wiki_xml.plan_ranges(offsets, size)
+    logger.info("%s: %d streams -> %d parallel ranges", item.path, len(offsets), len(ranges))
+    for byte_range in ranges:
+        yield item._replace(byte_range=byte_range)
+
+
+class ReadFile(beam.DoFn):
+    """An input file (or byte range) -> raw documents, and rejects for what could not be used."""
+
+    def process(self, item: InputFile):
+        where = item.path if item.byte_range is None else f"{item.path}{list(item.byte_range)}"
+        num_documents = num_rejects = 0
+        for record in read_file(item.path, item.doc_id_prefix, item.fmt, open_raw, item.byte_range):
+            if isinstance(record, Reject):
+                num_rejects += 1
+                yield reject_output(record)
+                continue
+            num_documents += 1
+            if num_documents % LOG_EVERY_DOCUMENTS == 0:
+                logger.info("read %s: %d documents so far", where, num_documents)
+            yield record
+        count("input_files")
+        count("input_documents", num_documents)
+        logger.info(
+            "read %s (%s): %d documents, %d rejects", where, item.fmt, num_documents, num_rejects
+        )
+
+
+class ReadInputs(beam.PTransform):
+    """[(path, format)] -> {"documents": RawDocument, REJECTS: Reject}."""
+
+    def __init__(self, files: list[tuple[str, str]]):
+        super().__init__()
+        self._files = files
+
+    def expand(self, pbegin):
+        return (
+            pbegin
+            # Plain tuples: Beam would infer a schema (RowCoder) for a NamedTuple element type.
+            | "ListFiles" >> beam.Create([tuple(f) for f in input_files(self._files)])
+            | "SpreadFiles" >> beam.Reshuffle()
+            | "SplitMultistream" >> beam.FlatMap(split_multistream)
+            | "SpreadRanges" >> beam.Reshuffle()
+            | "ReadFiles" >> beam.ParDo(ReadFile()).with_outputs(REJECTS, main="documents")
+        )

@@ -1,0 +1,122 @@
+"""The job's last steps: rejects.jsonl, then vocab.txt and manifest.json (written last)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+
+from pipelines import manifest
+from pipelines.beam_common import NO_DOCUMENTS_MESSAGE
+from pipelines.filesystem import write_bytes
+from pipelines.prepare_options import PrepareConfig
+from pipelines.records import REPAIRED_REASONS, Reject
+
+logger = logging.getLogger(__name__)
+
+
+def write_rejects_file(rejects: list, output: str) -> dict[str, dict[str, int]]:
+    """Write every reject, sorted, one JSON object per line.
+
+    Returns {"rejected": {reason: n}, "repaired": {reason: n}}: repaired records were kept.
+    """
+    rejects = sorted(rejects)
+    lines = "".join(Reject(*r).to_json() + "\n" for r in rejects)
+    write_bytes(FileSystems.join(output, manifest.REJECTS_NAME), lines.encode("utf-8"))
+    counts = Counter(r[0] for r in rejects)
+    logger.info("wrote %s: %d entries %s", manifest.REJECTS_NAME, len(rejects), dict(counts))
+    return {
+        "rejected": {r: n for r, n in sorted(counts.items()) if r not in REPAIRED_REASONS},
+        "repaired": {r: n for r, n in sorted(counts.items()) if r in REPAIRED_REASONS},
+    }
+
+
+class WriteManifest(beam.DoFn):
+    """Copies vocab.txt, then writes manifest.json.
+
+    Every other output is a side input of this step, so it runs last.
+    """
+
+    def __init__(self, config: PrepareConfig, vocab_bytes: bytes, vocab_size: int):
+        self._config = config
+        self._vocab_bytes = vocab_bytes
+        self._vocab_size = vocab_size
+
+    def process(self, _, shard_entries, reject_counts, document_stats, num_input_records):
+        num_documents = sum(stats[0] for stats in document_stats.values())
+        if num_documents == 0:
+            raise ValueError(
+                f"{NO_DOCUMENTS_MESSAGE}: {num_input_records} input records read from "
+                f"{list(self._config.inputs)}, rejected: {reject_counts['rejected'] or 'none'}"
+            )
+        output = self._config.output
+        write_bytes(FileSystems.join(output, manifest.VOCAB_NAME), self._vocab_bytes)
+        result = build_manifest(
+            self._config,
+            self._vocab_bytes,
+            self._vocab_size,
+            shard_entries,
+            reject_counts,
+            document_stats,
+            num_input_records,
+        )
+        if "://" in output:
+            write_bytes(
+                FileSystems.join(output, manifest.MANIFEST_NAME), result.to_json().encode("utf-8")
+            )
+        else:
+            manifest.write_manifest(output, result)
+        logger.info("wrote %s", FileSystems.join(output, manifest.MANIFEST_NAME))
+        yield result.counts
+
+
+def build_manifest(
+    config: PrepareConfig,
+    vocab_bytes: bytes,
+    vocab_size: int,
+    shard_entries: list[dict],
+    reject_counts: dict[str, dict[str, int]],
+    document_stats: dict,
+    num_input_records: int,
+) -> manifest.Manifest:
+    splits = {}
+    for split in config.shards_per_split():
+        entries = sorted(
+            (e for e in shard_entries if e["split"] == split), key=lambda e: e["index"]
+        )
+        shard_list = [
+            manifest.ShardEntry(e["path"], e["num_rows"], e["num_tokens"], e["sha256"])
+            for e in entries
+        ]
+        splits[split] = manifest.SplitEntry(
+            num_instances=sum(e.num_rows for e in shard_list),
+            num_tokens=sum(e.num_tokens for e in shard_list),
+            num_documents=document_stats.get(split, (0, 0))[0],
+            shards=shard_list,
+        )
+    counts = {
+        # input_records = documents + rejected, but for empty_after_tokenization: such documents
+        # are counted in their split before tokenization finds them empty (rare: control
+        # characters only).
+        "input_records": num_input_records,
+        "documents": sum(s[0] for s in document_stats.values()),
+        "sentences": sum(s[1] for s in document_stats.values()),
+        "instances": sum(s.num_instances for s in splits.values()),
+        "tokens": sum(s.num_tokens for s in splits.values()),
+        "rejected": reject_counts["rejected"],
+        # Records kept after a fix (invalid UTF-8 replaced, an overlong sentence cut).
+        "repaired": reject_counts["repaired"],
+    }
+    tokenizer = manifest.TokenizerEntry(
+        hashlib.sha256(vocab_bytes).hexdigest(), vocab_size, config.lower_case
+    )
+    return manifest.Manifest(
+        tokenizer=tokenizer,
+        instance_params=config.instance_params(),
+        splits=splits,
+        counts=counts,
+        extra={"inputs": list(config.inputs)},
+    )

@@ -1,0 +1,82 @@
+"""The job on a directory of bad files plus one good one: it completes and counts every reject."""
+
+from __future__ import annotations
+
+import bz2
+import json
+import os
+
+import pytest
+
+from pipelines import manifest
+from pipelines.prepare import run
+
+from .conftest import prepare_argv, write_jsonl
+
+# 50 MB would take ~10 s of sentence splitting alone; 6 MB shows the same bound in a test.
+LONG_LINE_BYTES = 6_000_000
+
+
+@pytest.fixture(scope="module")
+def bad_dir(tmp_path_factory, docstring_corpus):
+    root = tmp_path_factory.mktemp("bad")
+    with open(docstring_corpus, encoding="utf-8") as f:
+        good = [json.loads(line) for line in f][:60]
+    write_jsonl(root / "good.jsonl", good)
+    (root / "empty.jsonl").write_bytes(b"")
+    (root / "binary.txt").write_bytes(os.urandom(4096))
+    page = (
+        "<page><title>{0}</title><ns>0</ns><id>{0}</id>"
+        "<revision><text>{1}</text></revision></page>\n"
+    )
+    xml = (
+        "<mediawiki>\n"
+        + page.format(1, "Good page. It has two sentences.")
+        + "<page><title>cut</title><ns>0</ns><id>2</id><revision><text>cut mid\n"
+        + page.format(3, "")
+        + page.format(4, "Another page. With text.")
+        + "</mediawiki>\n"
+    )
+    (root / "dump.xml").write_text(xml, encoding="utf-8")
+    (root / "cut.xml.bz2").write_bytes(bz2.compress(xml.encode())[:-60])
+    (root / "latin1.txt").write_bytes("Caf\xe9 one.\nCaf\xe9 two.\n".encode("latin-1"))
+    long_line = ("word " * (LONG_LINE_BYTES // 5)).encode() + b"\n"
+    (root / "long.txt").write_bytes(b"Start here.\n" + long_line)
+    return root
+
+
+def test_bad_inputs_complete_and_are_counted(bad_dir, small_vocab, tmp_path):
+    output = str(tmp_path / "out")
+    summary = run(prepare_argv([str(bad_dir)], output, small_vocab))
+    found = manifest.read_manifest(output)
+    rejected, repaired = found.counts["rejected"], found.counts["repaired"]
+    for reason in ("empty_file", "binary_file", "malformed_xml", "empty_page"):
+        assert rejected.get(reason, 0) >= 1, (reason, rejected)
+    assert rejected["truncated_compressed_file"] == 1
+    assert repaired == {"invalid_utf8": 1, "overlong_sentence": 1}
+    with open(os.path.join(output, manifest.REJECTS_NAME), encoding="utf-8") as f:
+        listed = [json.loads(line)["reason"] for line in f]
+    assert len(listed) == sum(rejected.values()) + sum(repaired.values())
+    assert found.counts["input_records"] == found.counts["documents"] + sum(rejected.values())
+    assert summary["metrics"]["rejected_binary_file"] == 1
+    assert summary["metrics"]["repaired_overlong_sentence"] == 1
+    assert found.counts["instances"] > 0
+
+
+def test_unknown_flags_and_missing_paths_are_one_clear_line(tmp_path, small_vocab):
+    good = tmp_path / "g.jsonl"
+    write_jsonl(good, [{"text": "One. Two."}])
+    with pytest.raises(ValueError, match=r"unknown flag\(s\) --bogus"):
+        run(prepare_argv([str(good)], str(tmp_path / "o"), small_vocab, "--bogus=1"))
+    with pytest.raises(ValueError, match="matches no file"):
+        run(prepare_argv([str(tmp_path / "missing.xml")], str(tmp_path / "o"), small_vocab))
+    with pytest.raises(ValueError, match="cannot read"):
+        run(prepare_argv([str(good)], str(tmp_path / "o"), str(tmp_path / "no-vocab.txt")))
+
+
+def test_nothing_usable_is_an_error(tmp_path, small_vocab):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "empty.txt").write_bytes(b"")
+    (tmp_path / "in" / "bin.txt").write_bytes(b"\x00" * 100)
+    with pytest.raises(ValueError, match="no usable document remains"):
+        run(prepare_argv([str(tmp_path / "in")], str(tmp_path / "out"), small_vocab))

@@ -1,0 +1,94 @@
+"""File-level reading: books, Parquet, and every kind of bad file counted, never silently lost."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipelines.input_files import open_local, read_file
+from pipelines.readers import format_of, split_format
+from pipelines.records import RawDocument, Reject
+from pipelines.sentences import bound_sentence_length, split_sentences
+
+from .conftest import shared_data_file
+
+
+def _read(path, fmt=None, prefix="p"):
+    return list(read_file(str(path), prefix, fmt or format_of(str(path)), open_local))
+
+
+def _reasons(items):
+    return [i.reason for i in items if isinstance(i, Reject)]
+
+
+def test_book_is_one_document_with_crlf_and_bom(tmp_path):
+    path = tmp_path / "book.txt"
+    text = "\ufeff[Title by Author]\r\n\r\nFirst line of a\r\nwrapped paragraph. Next one.\r\n"
+    path.write_bytes(text.encode("utf-8"))
+    (doc,) = _read(path, "books", prefix="book.txt")
+    assert doc.doc_id == "book.txt" and "\r" not in doc.text and "\ufeff" not in doc.text
+    assert split_sentences(doc.text) == [
+        "[Title by Author]",
+        "First line of a wrapped paragraph.",
+        "Next one.",
+    ]
+
+
+def test_real_crlf_book_reads_like_lf(tmp_path):
+    path = shared_data_file("melville-moby_dick.txt")
+    (doc,) = _read(path, "books")
+    lf = tmp_path / "lf.txt"
+    lf.write_bytes(path.read_bytes().replace(b"\r\n", b"\n"))
+    assert _read(lf, "books")[0].text == doc.text
+    assert len(split_sentences(doc.text)) > 5000
+
+
+def test_format_prefixes_and_extensions():
+    assert split_format("books:/d/*.txt") == ("books", "/d/*.txt")
+    assert split_format("gs://b/x.jsonl") == (None, "gs://b/x.jsonl")
+    assert format_of("a/wiki.xml.bz2") == "wiki" and format_of("x.parquet") == "parquet"
+    assert format_of("b.txt") == "sentences" and format_of("b.txt", "books") == "books"
+
+
+def test_parquet_rows_in_batches(tmp_path):
+    path = tmp_path / "hf.parquet"
+    texts = [f"Row {i} first sentence. Row {i} second." for i in range(3000)] + [""]
+    table = pa.table({"id": [str(i) for i in range(3001)], "text": texts})
+    pq.write_table(table, path, row_group_size=500)
+    items = _read(path)
+    docs = [i for i in items if isinstance(i, RawDocument)]
+    assert len(docs) == 3000 and docs[7].doc_id == "7" and docs[7].text == texts[7]
+    assert _reasons(items) == ["empty_document"]
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    assert _reasons(_read(tmp_path / "bad.parquet")) == ["invalid_parquet"]
+
+
+def test_bad_files_are_counted_by_reason(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "blank.jsonl").write_bytes(b"\n  \n")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 10)
+    # 40,000 records (1.4 MB): two bz2 blocks of 900 kB, so the first survives the cut.
+    good = "".join(json.dumps({"text": f"Doc {i}. Two sentences."}) + "\n" for i in range(40_000))
+    (tmp_path / "cut.jsonl.bz2").write_bytes(bz2.compress(good.encode())[:-200])
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(good.encode())[:-50])
+    (tmp_path / "latin1.txt").write_bytes("Caf\xe9 one.\nCaf\xe9 two.\n".encode("latin-1"))
+    assert _reasons(_read(tmp_path / "empty.txt")) == ["empty_file"]
+    assert _reasons(_read(tmp_path / "blank.jsonl")) == ["empty_file"]
+    assert _reasons(_read(tmp_path / "binary.txt")) == ["binary_file"]
+    for name in ("cut.jsonl.bz2", "cut.jsonl.gz"):
+        items = _read(tmp_path / name)
+        assert _reasons(items) == ["truncated_compressed_file"], name
+        assert 0 < sum(isinstance(i, RawDocument) for i in items) < 40_000  # what was read is kept
+    items = _read(tmp_path / "latin1.txt")
+    assert _reasons(items) == ["invalid_utf8"]  # a repair: the document is kept
+    assert items[-1].sentences == ("Caf\ufffd one.", "Caf\ufffd two.")
+
+
+def test_overlong_sentences_are_cut():
+    pieces, num_cut = bound_sentence_length(["short.", "word " * 5000], max_chars=1000)
+    assert num_cut == 1 and pieces[0] == "short."
+    assert all(len(p) <= 1000 for p in pieces) and len(pieces) > 25

@@ -1,0 +1,101 @@
+"""Two-phase recipes and warm starts: phase 2 begins from phase 1's weights, and only them."""
+
+import os
+
+import pytest
+import torch
+
+from pipelines.manifest import read_manifest
+from tests.training.conftest import write_dataset
+from tests.training.test_loop import TINY, config
+from training import checkpoint, recipes
+from training.data import PretrainingLoader
+from training.export import export_checkpoint
+from training.loop import train
+from training.metrics import read_metrics
+from training.model import BertConfig, BertForPreTraining
+from training.warm_start import load_initial_weights
+
+NO_DROPOUT = {**TINY, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+
+
+@pytest.fixture(scope="module")
+def phases(tmp_path_factory):
+    """Datasets at 64 and 128 tokens (same vocabulary) and a finished phase-1 run."""
+    root = tmp_path_factory.mktemp("phases")
+    short = write_dataset(str(root / "short"), {"train": [64], "validation": [16]},
+                          max_seq_length=64)
+    long = write_dataset(str(root / "long"), {"train": [48], "validation": [16]},
+                         max_seq_length=128, seed=1)
+    run = train(config(short, root / "phase1", model=NO_DROPOUT, zero_stage=1, max_steps=4))
+    return short, long, str(root / "phase1"), run.checkpoint_path
+
+
+@pytest.mark.parametrize("name", ["bert_large", "bert_base"])
+def test_full_size_recipes_keep_their_global_batch_on_any_dividing_world(name):
+    phase1 = getattr(recipes, f"{name}_phase1")("d", "r")
+    phase2 = getattr(recipes, f"{name}_phase2")("d", "r", init_from="r1")
+    assert phase1.global_batch(8) == phase1.global_batch(32) == 4096
+    assert phase2.global_batch(8) == 2048 and phase2.init_from == "r1"
+    assert (phase1.max_predictions, phase2.max_predictions) == (20, 80)
+    with pytest.raises(ValueError, match="not a multiple"):
+        phase1.accumulation_steps(3)
+    assert recipes.bert_base_phase1("d", "r", max_steps=10, warmup_steps=1).max_steps == 10
+
+
+def test_demo_recipe_lives_in_recipes():
+    assert recipes.demo_recipe("d", "r", max_steps=30).warmup_steps == 3
+    assert set(recipes.RECIPES) >= {"bert_large_phase1", "bert_large_phase2", "demo"}
+
+
+def first_batch(data_dir: str, cfg) -> dict[str, torch.Tensor]:
+    loader = PretrainingLoader(data_dir, "train", batch_size=cfg.micro_batch_size,
+                               seed=cfg.seed, prefetch=0)
+    return next(iter(loader))
+
+
+def test_phase2_starts_from_phase1_weights_with_a_fresh_optimizer(phases, tmp_path):
+    _, long, phase1_dir, phase1_ckpt = phases
+    cfg = recipes.bert_tiny_phase2(long, str(tmp_path / "phase2"), init_from=phase1_dir,
+                                   model=NO_DROPOUT, precision="fp32", max_steps=2,
+                                   log_every=1)
+    train(cfg)
+    # The first logged loss is the phase-1 model's on phase 2's first (128-token) batch.
+    model, _ = checkpoint.load_model(phase1_ckpt)
+    with torch.no_grad():
+        expected = model(**first_batch(long, cfg)).loss.item()
+    history = [r for r in read_metrics(cfg.run_dir) if "loss" in r]
+    assert history[0]["loss"] == pytest.approx(expected, rel=1e-5)
+    # A new schedule: after step 1 of 2 warmup steps the lr is at its peak (phase 1 ended at 0).
+    assert history[0]["lr"] == pytest.approx(cfg.learning_rate)
+    with open(os.path.join(cfg.run_dir, "config.json")) as f:
+        assert phase1_dir in f.read()
+
+
+def test_warm_start_from_a_hugging_face_directory(phases, tmp_path):
+    short, _, _, phase1_ckpt = phases
+    hf_dir = export_checkpoint(phase1_ckpt, str(tmp_path / "hf"))
+    source, _ = checkpoint.load_model(phase1_ckpt)
+    model = BertForPreTraining(source.config)
+    load_initial_weights(model, hf_dir, read_manifest(short).tokenizer.vocab_sha256)
+    reference = source.state_dict()
+    assert all(torch.equal(p, reference[n]) for n, p in model.state_dict().items())
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+
+
+def test_warm_start_refuses_another_architecture_or_a_non_checkpoint(phases, tmp_path):
+    short, _, phase1_dir, phase1_ckpt = phases
+    sha = read_manifest(short).tokenizer.vocab_sha256
+    config_ = BertConfig(**{**checkpoint.read_metadata(phase1_ckpt)["model_config"],
+                            "num_hidden_layers": 3})
+    with pytest.raises(ValueError, match="another architecture.*num_hidden_layers 2 != 3"):
+        load_initial_weights(BertForPreTraining(config_), phase1_dir, sha)
+    with pytest.raises(ValueError, match="neither a complete checkpoint"):
+        load_initial_weights(BertForPreTraining(config_), str(tmp_path), sha)
+
+
+def test_data_longer_than_the_position_table_is_a_clear_error(phases, tmp_path):
+    _, long, _, _ = phases
+    model = {**TINY, "max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="up to 128 tokens.*max_position_embeddings=64"):
+        train(config(long, tmp_path / "run", model=model))

@@ -1,0 +1,76 @@
+"""Warm start: a fresh run's initial weights from a checkpoint, a run or a Hugging Face directory.
+
+Phase 2 (512 tokens) starts from phase 1's weights, not its state: the optimizer, the schedule
+and the loader start anew, as in Google's and NVIDIA's two-phase recipes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pipelines.manifest import sha256_file
+from training import checkpoint
+from training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES, import_hf_state_dict
+from training.model import BertConfig, BertForPreTraining
+
+# The fields that fix parameter shapes and meaning; dropout and init range may differ.
+ARCHITECTURE_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "intermediate_size", "max_position_embeddings", "type_vocab_size", "layer_norm_eps",
+)
+
+
+def load_initial_weights(model: BertForPreTraining, source: str, vocab_sha256: str) -> None:
+    """Copy the weights of `source` into `model` after checking architecture and vocabulary."""
+    source_config, state, source_vocab_sha256 = read_initial_weights(source)
+    check_architecture(source_config, model.config, source)
+    if source_vocab_sha256 is not None and source_vocab_sha256 != vocab_sha256:
+        raise ValueError(
+            f"init_from {source} was trained with another vocabulary than the training data "
+            f"(vocab sha256 {source_vocab_sha256[:12]} vs {vocab_sha256[:12]})"
+        )
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if name != "cls.predictions.decoder.weight"]  # tied
+    if missing or unexpected:
+        raise ValueError(
+            f"init_from {source} does not fit the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    model.tie_weights()
+
+
+def read_initial_weights(source: str) -> tuple[BertConfig, dict[str, torch.Tensor], str | None]:
+    """(config, fp32 state dict in our names, vocab sha256 or None) of a warm-start source."""
+    # Checkpoints first: a run directory also holds a config.json (the resolved recipe).
+    try:
+        path = checkpoint.resolve_checkpoint(source)
+    except ValueError:
+        path = None
+    if path is not None:
+        model, metadata = checkpoint.load_model(path)
+        return model.config, model.state_dict(), metadata["vocab_sha256"]
+    if not any(os.path.exists(os.path.join(source, name)) for name in HF_WEIGHTS_NAMES):
+        raise ValueError(
+            f"init_from {source} is neither a complete checkpoint, a run directory with one, "
+            f"nor a Hugging Face directory ({HF_CONFIG_NAME} + {HF_WEIGHTS_NAMES[0]})"
+        )
+    config, state = import_hf_state_dict(source)
+    vocab_path = os.path.join(source, "vocab.txt")
+    vocab_sha256 = sha256_file(vocab_path) if os.path.exists(vocab_path) else None
+    return config, {name: tensor.float() for name, tensor in state.items()}, vocab_sha256
+
+
+def check_architecture(source: BertConfig, target: BertConfig, source_name: str) -> None:
+    """A clear error naming every architecture field that differs."""
+    differences = [
+        f"{name} {getattr(source, name)} != {getattr(target, name)}"
+        for name in ARCHITECTURE_FIELDS
+        if getattr(source, name) != getattr(target, name)
+    ]
+    if differences:
+        raise ValueError(
+            f"init_from {source_name} has another architecture than the recipe's model: "
+            + ", ".join(differences)
+        )
