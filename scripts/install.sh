@@ -44,7 +44,7 @@ fi
 
 # DS_BUILD_OPS=0: ops compile just in time, on the machine that runs them.
 DS_BUILD_OPS=0 $PIP install --quiet --no-build-isolation "deepspeed>=0.16"
-$PIP install --quiet -e ".[dev]"
+$PIP install --quiet -e ".[dev,dataflow]"
 
 fingerprint > "$STAMP"
 echo "bertforge: installed ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -24,6 +24,14 @@ def _ray_cli() -> str:
     return os.path.join(os.path.dirname(sys.executable), "ray")
 
 
+def _private_ports() -> list[str]:
+    """Ray's agents default to fixed ports (52365, ...): a second Ray on the machine would
+    collide and its job agent die, so this head takes free ones."""
+    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+             "runtime-env-agent-port", "ray-client-server-port")
+    return [f"--{name}={free_port()}" for name in names]
+
+
 def _stop_cluster(temp_dir: str) -> None:
     """Stop only this cluster's processes: `ray stop` would stop every Ray on the machine."""
     victims = [p for p in psutil.process_iter(["cmdline"])
@@ -41,15 +49,18 @@ def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="bfray_", dir="/tmp")  # short: Ray's socket paths
     gcs_port, dashboard_port = free_port(), free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # keep Ray on loopback
-    subprocess.run(
-        [_ray_cli(), "start", "--head", "--node-ip-address=127.0.0.1",
-         f"--port={gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-         "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-        check=True, env=env, capture_output=True, text=True, timeout=120,
-    )
+    # The daemons inherit stdout/stderr: a pipe we stop reading would kill them (EPIPE).
+    with open(os.path.join(temp_dir, "ray-start.log"), "w") as log:
+        subprocess.run(
+            [_ray_cli(), "start", "--head", "--node-ip-address=127.0.0.1",
+             f"--port={gcs_port}", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={dashboard_port}", "--num-cpus=2", f"--temp-dir={temp_dir}",
+             "--disable-usage-stats", *_private_ports()],
+            check=True, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=120,
+        )
     url = f"http://127.0.0.1:{dashboard_port}"
-    _wait_for_jobs_endpoint(url)
     try:
+        _wait_for_jobs_endpoint(url)
         yield url, f"127.0.0.1:{gcs_port}"
     finally:
         _stop_cluster(temp_dir)
