@@ -57,19 +57,39 @@ def _add_inspect(commands) -> None:
 
 
 def _add_train(commands) -> None:
-    p = commands.add_parser("train", help="pretrain on Ray Train workers running DeepSpeed")
+    from training.recipes import RECIPES
+
+    p = commands.add_parser(
+        "train", help="pretrain on Ray Train workers running DeepSpeed",
+        description="Train from a named recipe (--recipe) or from defaults; every flag given "
+        "overrides the recipe's value. The resolved recipe is printed and saved in --run-dir.",
+    )
     p.add_argument("--data", required=True, help="prepared shard directory")
     p.add_argument("--run-dir", required=True, help="checkpoints, metrics and TensorBoard go here")
-    p.add_argument("--preset", default="tiny", choices=("tiny", "mini", "base", "large"))
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=32, help="sequences per worker per micro-step")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                   help="a named recipe (training/recipes.py); phase 2 needs --init-from")
+    p.add_argument("--init-from", default=None,
+                   help="warm-start weights: a checkpoint, a run directory or a Hugging Face dir")
+    p.add_argument("--preset", choices=("tiny", "mini", "base", "large"), default=None,
+                   help="model size (default: the recipe's, else tiny)")
+    p.add_argument("--steps", type=int, default=None, help="default: the recipe's, else 1000")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per worker per micro-step")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="sequences per optimizer step; accumulation follows from the workers")
+    p.add_argument("--grad-accum", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
-    p.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3))
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    p.add_argument("--seed", type=int, default=12345)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
+    p.add_argument("--optimizer", choices=("adamw", "lamb"), default=None,
+                   help="lamb only with --zero-stage 0")
+    p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3))
+    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=None, help="steps between validation passes")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-device peak for MFU, e.g. 989 for an H100 in bf16")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="0: only at the end")
     p.add_argument("--resume", default="auto", choices=("auto", "never"),
                    help="auto: continue from the newest complete checkpoint in --run-dir")
     p.add_argument("--workers", type=int, default=2)
@@ -154,19 +174,41 @@ def _run_inspect(args: argparse.Namespace) -> None:
     print(format_report(inspect_dataset(args.data_dir, num_samples=args.samples)))
 
 
+# `bertforge train` flag -> TrainConfig field; a flag left out keeps the recipe's value.
+TRAIN_OVERRIDES = {
+    "steps": "max_steps", "batch_size": "micro_batch_size",
+    "global_batch_size": "global_batch_size", "grad_accum": "gradient_accumulation_steps",
+    "lr": "learning_rate", "warmup_steps": "warmup_steps", "optimizer": "optimizer",
+    "zero_stage": "zero_stage", "precision": "precision",
+    "activation_checkpointing": "activation_checkpointing", "seed": "seed",
+    "eval_every": "eval_every", "peak_tflops": "peak_tflops",
+    "checkpoint_every": "checkpoint_every",
+}
+
+
+def train_config_from_args(args: argparse.Namespace):
+    from training.config import TrainConfig
+    from training.recipes import recipe_by_name
+
+    overrides = {field: getattr(args, flag) for flag, field in TRAIN_OVERRIDES.items()
+                 if getattr(args, flag) is not None}
+    overrides["resume"] = args.resume == "auto"
+    if args.preset:
+        overrides["model"] = {"preset": args.preset}
+    if args.recipe:
+        return recipe_by_name(args.recipe, args.data, args.run_dir, init_from=args.init_from,
+                              **overrides)
+    steps = overrides.setdefault("max_steps", 1000)
+    overrides.setdefault("warmup_steps", steps // 10)
+    overrides.setdefault("log_every", max(1, min(50, steps // 20)))
+    return TrainConfig(data_dir=args.data, run_dir=args.run_dir, init_from=args.init_from,
+                       **overrides)
+
+
 def _run_train(args: argparse.Namespace) -> None:
     from cluster.ray_train import LaunchConfig, train_on_ray
-    from training.config import TrainConfig
 
-    cfg = TrainConfig(
-        data_dir=args.data, run_dir=args.run_dir, model={"preset": args.preset},
-        max_steps=args.steps, micro_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
-        warmup_steps=args.warmup_steps if args.warmup_steps is not None else args.steps // 10,
-        zero_stage=args.zero_stage, precision=args.precision, seed=args.seed,
-        checkpoint_every=args.checkpoint_every, resume=args.resume == "auto",
-        log_every=max(1, min(50, args.steps // 20)),
-    )
+    cfg = train_config_from_args(args)
     launch = LaunchConfig(
         num_workers=args.workers, use_gpu=args.gpu, cpus_per_worker=args.cpus_per_worker,
         address=args.address, max_failures=args.max_failures,

@@ -14,10 +14,6 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from training.checkpoint import latest_checkpoint, read_metadata
 from training.config import TrainConfig
 
-# Ray Train V2 reroutes print() on workers through its logger, which reaches the driver twice;
-# our progress lines are plain prints.
-WORKER_RUNTIME_ENV = {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
-
 
 @dataclass
 class LaunchConfig:
@@ -41,7 +37,9 @@ def connect(launch: LaunchConfig) -> None:
     if ray.is_initialized():
         return
     if launch.address:
-        ray.init(address=launch.address, runtime_env=WORKER_RUNTIME_ENV)
+        # No runtime_env here: inside a `bertforge submit` job the job's own (its working
+        # directory) must reach the workers unchanged.
+        ray.init(address=launch.address)
         return
     _bind_to_loopback()
     ray.init(
@@ -49,7 +47,6 @@ def connect(launch: LaunchConfig) -> None:
         # Ray Train's controller polls the state API, which the dashboard serves (127.0.0.1).
         include_dashboard=True,
         dashboard_host="127.0.0.1",
-        runtime_env=WORKER_RUNTIME_ENV,
         configure_logging=False,
     )
 

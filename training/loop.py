@@ -21,7 +21,7 @@ from training.engine import build_engine, ensure_process_group
 from training.evaluate import evaluate, most_frequent_token
 from training.flops import mfu, training_flops_per_batch
 from training.masking import default_max_predictions
-from training.metrics import MetricsLogger
+from training.metrics import MetricsLogger, console
 from training.model import IGNORE_INDEX, BertConfig, BertForPreTraining
 from training.warm_start import load_initial_weights
 
@@ -149,11 +149,10 @@ def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str
 
 def _print_recipe(cfg: TrainConfig, model_config: BertConfig, world_size: int) -> None:
     accumulation = cfg.accumulation_steps(world_size)
-    print(
+    console(
         f"[train] recipe ({world_size} workers x {cfg.micro_batch_size} micro x {accumulation} "
         f"accumulation = {cfg.global_batch(world_size)} sequences per step):\n"
-        f"{cfg.to_json()}\n[train] model: {json.dumps(model_config.to_dict(), sort_keys=True)}",
-        flush=True,
+        f"{cfg.to_json()}\n[train] model: {json.dumps(model_config.to_dict(), sort_keys=True)}"
     )
 
 
@@ -177,7 +176,7 @@ def _maybe_resume(
     # with the same samples in every step.
     loader.load_state_dict(state["loader"])
     if dist.get_rank() == 0:
-        print(f"[train] resumed from {path} at step {state['global_step']}", flush=True)
+        console(f"[train] resumed from {path} at step {state['global_step']}")
     return state["global_step"]
 
 

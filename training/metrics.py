@@ -37,7 +37,7 @@ class MetricsLogger:
             for name, value in metrics.items():
                 if isinstance(value, (int, float)):
                     self._writer.add_scalar(name, value, step)
-        print(self._progress_line(step, metrics), file=sys.stdout, flush=True)
+        console(self._progress_line(step, metrics))
 
     def _progress_line(self, step: int, metrics: dict[str, Any]) -> str:
         elapsed = time.time() - self._start
@@ -56,6 +56,13 @@ class MetricsLogger:
             self._file.close()
         if self._writer is not None:
             self._writer.close()
+
+
+def console(line: str) -> None:
+    """A progress line on stdout, written directly rather than with print(): Ray Train V2
+    reroutes print() on its workers through a logger that reaches the driver twice."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:

@@ -126,3 +126,29 @@ RECIPES = {
     "bert_tiny_phase2": bert_tiny_phase2,
     "demo": demo_recipe,
 }
+
+
+# Names for the command line (`bertforge train --recipe NAME`). Phase 2 recipes need init_from.
+RECIPES = {
+    "bert_large_phase1": bert_large_phase1,
+    "bert_large_phase2": bert_large_phase2,
+    "bert_base_phase1": bert_base_phase1,
+    "bert_base_phase2": bert_base_phase2,
+    "bert_tiny_phase1": bert_tiny_phase1,
+    "bert_tiny_phase2": bert_tiny_phase2,
+}
+
+
+def recipe_by_name(
+    name: str, data_dir: str, run_dir: str, *, init_from: str | None = None, **overrides: Any
+) -> TrainConfig:
+    """The named recipe with overrides; a clear error for unknown names or a missing init_from."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
+    if name.endswith("phase2"):
+        if not init_from:
+            raise ValueError(f"recipe {name} warm-starts from phase 1: give --init-from")
+        return RECIPES[name](data_dir, run_dir, init_from, **overrides)
+    if init_from:
+        overrides["init_from"] = init_from
+    return RECIPES[name](data_dir, run_dir, **overrides)

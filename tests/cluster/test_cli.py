@@ -39,3 +39,30 @@ def test_missing_dataset_is_a_clear_error_not_a_traceback(tmp_path, capsys):
 def test_export_of_a_run_without_checkpoints_is_a_clear_error(tmp_path, capsys):
     assert main(["export", str(tmp_path), "--output", str(tmp_path / "hf")]) == 2
     assert "neither a complete checkpoint nor a run with one" in capsys.readouterr().err
+
+
+def train_config(*flags):
+    from cluster.cli import train_config_from_args
+
+    args = build_parser().parse_args(["train", "--data", "d", "--run-dir", "r", *flags])
+    return train_config_from_args(args)
+
+
+def test_train_without_recipe_uses_defaults_and_flags():
+    cfg = train_config("--steps", "200", "--lr", "3e-4", "--zero-stage", "1")
+    assert (cfg.max_steps, cfg.learning_rate, cfg.zero_stage) == (200, 3e-4, 1)
+    assert cfg.warmup_steps == 20 and cfg.model == {"preset": "tiny"} and cfg.resume
+
+
+def test_recipe_values_hold_unless_a_flag_overrides_them():
+    cfg = train_config("--recipe", "bert_large_phase1", "--steps", "10", "--warmup-steps", "1",
+                       "--resume", "never")
+    assert cfg.model == {"preset": "large"} and cfg.global_batch_size == 4096
+    assert cfg.max_steps == 10 and not cfg.resume
+    phase2 = train_config("--recipe", "bert_base_phase2", "--init-from", "runs/phase1")
+    assert phase2.init_from == "runs/phase1"
+
+
+def test_phase2_recipe_without_init_from_is_a_clear_error(capsys):
+    assert main(["train", "--data", "d", "--run-dir", "r", "--recipe", "bert_large_phase2"]) == 2
+    assert "give --init-from" in capsys.readouterr().err
