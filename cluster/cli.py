@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_submit(commands)
     _add_eval(commands)
     _add_export(commands)
+    _add_pipeline(commands)
     _add_demo(commands)
     return parser
 
@@ -141,6 +142,17 @@ def _add_export(commands) -> None:
     p.set_defaults(handler=_run_export)
 
 
+def _add_pipeline(commands) -> None:
+    p = commands.add_parser(
+        "pipeline", help="the whole chain from one TOML file, resumable",
+        description="vocab -> prepare -> phase 1 -> phase 2 -> export, as CONFIG describes "
+        "(see README: 'The whole chain from one file'). Stages whose outputs are complete are "
+        "skipped and training resumes where it stopped: after any failure, run it again.",
+    )
+    p.add_argument("config", help="the pipeline's TOML file")
+    p.set_defaults(handler=_run_pipeline)
+
+
 def _add_demo(commands) -> None:
     p = commands.add_parser("demo", help="the whole chain on the built-in corpus, in minutes")
     p.add_argument("--output", default=DEFAULT_DEMO_DIR, help=f"default: ./{DEFAULT_DEMO_DIR}")
@@ -251,6 +263,13 @@ def _run_export(args: argparse.Namespace) -> None:
     from training.export import export_checkpoint
 
     print(export_checkpoint(args.checkpoint, args.output))
+
+
+def _run_pipeline(args: argparse.Namespace) -> None:
+    from cluster.pipeline import load_config, run_pipeline
+
+    config, text = load_config(args.config)
+    print(json.dumps(run_pipeline(config, text), indent=2))
 
 
 def _run_demo(args: argparse.Namespace) -> None:

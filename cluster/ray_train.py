@@ -22,12 +22,17 @@ class LaunchConfig:
     cpus_per_worker: int = 1
     address: str | None = None  # None: start a local Ray bound to 127.0.0.1
     max_failures: int = 0
+    # PACK fills a node before the next (fast collectives); SPREAD puts workers on
+    # different nodes (one GPU per node, or testing what crosses the network).
+    placement_strategy: str = "PACK"
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {self.num_workers}")
         if self.max_failures < 0:
             raise ValueError(f"max_failures must be at least 0, got {self.max_failures}")
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"unknown placement strategy {self.placement_strategy!r}")
         if self.cpus_per_worker < 1:
             raise ValueError(f"cpus_per_worker must be at least 1, got {self.cpus_per_worker}")
 
@@ -81,6 +86,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
             num_workers=launch.num_workers,
             use_gpu=launch.use_gpu,
             resources_per_worker=None if launch.use_gpu else {"CPU": launch.cpus_per_worker},
+            placement_strategy=launch.placement_strategy,
         ),
         run_config=RunConfig(
             name="ray",  # Ray Train's own state lives in RUN_DIR/ray; ours beside it

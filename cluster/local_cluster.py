@@ -1,0 +1,104 @@
+"""A real multi-node Ray cluster on this machine (`ray start`), bound to 127.0.0.1.
+
+For tests and benchmarks of what crosses nodes: a head plus any number of worker nodes, each
+a separate raylet with its own ports, stopped without touching any other Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import psutil
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+class LocalRayCluster:
+    """`with LocalRayCluster(multi_node=True) as c: c.start_head(1); c.add_node(1)`.
+
+    Single-node mode binds everything to 127.0.0.1. Ray maps 127.0.0.1 to the machine's
+    routable address whenever it may form a multi-node cluster, so multi-node mode gives each
+    node its own other loopback address (127.0.0.2, 127.0.0.3, ...): all traffic stays on lo.
+    """
+
+    def __init__(self, *, multi_node: bool = False) -> None:
+        self.multi_node = multi_node
+        # Short: Ray's unix socket paths live under it and are limited to 107 characters.
+        self.temp_dir = tempfile.mkdtemp(prefix="bfray_", dir="/tmp")
+        self.node_ips: list[str] = []
+        self.gcs_address: str | None = None
+        self.dashboard_url: str | None = None
+
+    @property
+    def head_ip(self) -> str:
+        return self.node_ips[0]
+
+    def start_head(self, num_cpus: int) -> None:
+        gcs_port, dashboard_port = free_port(), free_port()
+        ip = self._next_ip()
+        self._ray_start(
+            ip, "--head", f"--port={gcs_port}", f"--num-cpus={num_cpus}",
+            f"--dashboard-host={ip}", f"--dashboard-port={dashboard_port}",
+            f"--temp-dir={self.temp_dir}", f"--ray-client-server-port={free_port()}",
+        )
+        self.gcs_address = f"{ip}:{gcs_port}"
+        self.dashboard_url = f"http://{ip}:{dashboard_port}"
+
+    def add_node(self, num_cpus: int) -> None:
+        """Another raylet: Ray's own multi-node tests run several on one machine too."""
+        if self.gcs_address is None or not self.multi_node:
+            raise RuntimeError("add_node needs a head of LocalRayCluster(multi_node=True)")
+        self._ray_start(self._next_ip(), f"--address={self.gcs_address}",
+                        f"--num-cpus={num_cpus}", f"--node-manager-port={free_port()}",
+                        f"--object-manager-port={free_port()}")
+
+    def _next_ip(self) -> str:
+        ip = f"127.0.0.{len(self.node_ips) + 2}" if self.multi_node else LOOPBACK
+        self.node_ips.append(ip)
+        return ip
+
+    def _ray_start(self, ip: str, *args: str) -> None:
+        # Ray's agents default to fixed ports (52365, ...): a second Ray on this machine would
+        # collide and its job agent die, so every node takes free ones.
+        ports = [f"--{name}={free_port()}" for name in (
+            "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+            "runtime-env-agent-port")]
+        # "Not a cluster" keeps a single node on 127.0.0.1; Ray refuses extra nodes in it.
+        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1" if self.multi_node else "0",
+               # Every node proves itself with the cluster's token (~/.ray/auth_token).
+               "RAY_AUTH_MODE": "token"}
+        # The daemons inherit stdout/stderr: a pipe we stop reading would kill them (EPIPE).
+        with open(os.path.join(self.temp_dir, "ray-start.log"), "a") as log:
+            subprocess.run(
+                [os.path.join(os.path.dirname(sys.executable), "ray"), "start",
+                 f"--node-ip-address={ip}", "--disable-usage-stats", *args, *ports],
+                check=True, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=120,
+            )
+
+    def stop(self) -> None:
+        """Stop this cluster's processes only: `ray stop` would stop every Ray on the machine."""
+        victims = [p for p in psutil.process_iter(["cmdline"])
+                   if self.temp_dir in " ".join(p.info["cmdline"] or [])]
+        for process in victims:
+            process.terminate()
+        _, alive = psutil.wait_procs(victims, timeout=10)
+        for process in alive:  # the GCS server ignores SIGTERM
+            process.kill()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalRayCluster:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

@@ -1,0 +1,279 @@
+"""`bertforge pipeline`: configuration checks, and the whole chain on a tiny corpus through the
+real engines (Beam, Ray Train + DeepSpeed), run again to show it skips, resumes and refuses."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from cluster.cli import main
+from cluster.pipeline import (
+    PipelineConfig,
+    _load_or_create_state,
+    differing_keys,
+    exclusive_directory,
+    load_config,
+    run_pipeline,
+)
+
+MINIMAL = {
+    "workdir": "work",
+    "prepare": {"inputs": ["corpus/*.jsonl"]},
+    "phase1": {"recipe": "bert_tiny_phase1", "max_seq_length": 64},
+}
+
+
+def config_of(tmp_path, **changes) -> PipelineConfig:
+    data = json.loads(json.dumps(MINIMAL))
+    for dotted, value in changes.items():
+        *tables, key = dotted.split("__")
+        target = data
+        for table in tables:
+            target = target.setdefault(table, {})
+        target[key] = value
+    return PipelineConfig.from_dict(data, str(tmp_path))
+
+
+# --- configuration --------------------------------------------------------------------------
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path):
+    (tmp_path / "conf").mkdir()
+    path = tmp_path / "conf" / "p.toml"
+    path.write_text('workdir = "../work"\n[prepare]\ninputs = ["books:corpus/*.txt", "a.jsonl"]\n'
+                    '[phase1]\nrecipe = "bert_tiny_phase1"\nmax_seq_length = 64\n')
+    config, text = load_config(str(path))
+    assert config.workdir == str(tmp_path / "work")
+    assert config.prepare.inputs == (f"books:{tmp_path}/conf/corpus/*.txt",
+                                     f"{tmp_path}/conf/a.jsonl")
+    assert text.startswith("workdir")
+    recipes = config.train_configs()
+    assert recipes["phase1"].data_dir == str(tmp_path / "work" / "shards-64")
+    assert recipes["phase1"].run_dir == str(tmp_path / "work" / "runs" / "phase1")
+
+
+def test_phase2_warm_starts_from_phase1s_run(tmp_path):
+    config = config_of(tmp_path, phase2={"recipe": "bert_tiny_phase2", "max_seq_length": 128,
+                                         "overrides": {"max_steps": 4}})
+    phase2 = config.train_configs()["phase2"]
+    assert phase2.init_from == str(tmp_path / "work" / "runs" / "phase1")
+    assert phase2.max_steps == 4 and phase2.data_dir.endswith("shards-128") and phase2.resume
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"colour": "red"}, "unknown top-level key(s): colour"),
+    ({"cluster__nodes": 3}, "unknown key(s) in [cluster]: nodes"),
+    ({"cluster__workers": "2"}, "cluster.workers must be int"),
+    ({"cluster__workers": True}, "cluster.workers must be int"),
+    ({"cluster__workers": 0}, "cluster.workers must be at least 1"),
+    ({"phase1__recipe": "bert_huge"}, "phase1.recipe: unknown recipe 'bert_huge'"),
+    ({"phase1__overrides": {"max_stepz": 3}}, "phase1.overrides: unknown or pipeline-owned "
+                                              "key(s) max_stepz"),
+    ({"phase1__overrides": {"data_dir": "x"}}, "pipeline-owned key(s) data_dir"),
+    ({"phase1__overrides": {"max_steps": 0}}, "phase1: max_steps must be at least 1"),
+    ({"phase1__max_seq_length": "128"}, "phase1.max_seq_length must be int"),
+    ({"phase2": {"recipe": "bert_tiny_phase2"}}, "phase2.max_seq_length is required"),
+    ({"phase2": {"recipe": "bert_tiny_phase2", "max_seq_length": 128,
+                 "overrides": {"init_from": "x"}}}, "pipeline-owned key(s) init_from"),
+    ({"prepare__num_shards": 0}, "prepare.num_shards must be at least 1"),
+    ({"prepare__inputs": []}, "prepare.inputs is required"),
+    ({"prepare__beam_args": ["--output=/elsewhere"]}, "must not set --output=/elsewhere"),
+    ({"prepare__beam_args": ["--direct_num_worker=2"]}, "prepare.beam_args: unknown flag"),
+    ({"vocab__path": "v.txt", "vocab__size": 100}, "vocab.path uses an existing vocab"),
+    ({"vocab__size": 3}, "vocab.size must be at least 6"),
+    ({"vocab__lowercase": True}, "unknown key(s) in [vocab]: lowercase"),
+    ({"workdir": "gs://bucket/work"}, "workdir must be a local or mounted path"),
+])
+def test_configuration_errors_name_the_key(tmp_path, changes, message):
+    with pytest.raises(ValueError) as error:
+        config_of(tmp_path, **changes)
+    assert message in str(error.value)
+
+
+def test_the_readme_example_is_a_valid_configuration(tmp_path):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## The whole chain from one file", 1)[1]
+    example = re.search(r"^```toml\n(.*?)^```", section, re.M | re.S).group(1)
+    (tmp_path / "example.toml").write_text(example)
+    config, _ = load_config(str(tmp_path / "example.toml"))
+    assert config.cluster.gpu and config.phase2.max_seq_length == 512
+    assert config.train_configs()["phase1"].max_steps == 56250
+
+
+def test_missing_sections_and_bad_toml_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="phase1 is required"):
+        PipelineConfig.from_dict({"workdir": "w", "prepare": {"inputs": ["a"]}}, str(tmp_path))
+    path = tmp_path / "bad.toml"
+    path.write_text("workdir = \n")
+    assert main(["pipeline", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "is not valid TOML" in err and "Traceback" not in err
+
+
+def test_a_changed_configuration_is_refused_naming_the_keys(tmp_path):
+    config = config_of(tmp_path, phase1__overrides={"max_steps": 8})
+    from cluster.pipeline import PipelinePaths
+
+    paths = PipelinePaths(config.workdir)
+    os.makedirs(paths.root)
+    _load_or_create_state(paths, config, "")
+    # How to run may change (prepare locally, train on a cluster); what to make may not.
+    _load_or_create_state(paths, config_of(tmp_path, phase1__overrides={"max_steps": 8},
+                                           cluster__workers=4), "")
+    changed = config_of(tmp_path, phase1__overrides={"max_steps": 9}, prepare__dupe_factor=2)
+    with pytest.raises(ValueError) as error:
+        _load_or_create_state(paths, changed, "")
+    message = str(error.value)
+    assert "different configuration" in message
+    assert "config.phase1.overrides.max_steps" in message
+    assert "recipes.phase1.max_steps" in message and "config.prepare.dupe_factor" in message
+
+
+def test_differing_keys_ignore_how_to_run():
+    old = {"config": {"cluster": {"workers": 2}, "prepare": {"beam_args": ["a"], "seed": 1}}}
+    new = {"config": {"cluster": {"workers": 8}, "prepare": {"beam_args": [], "seed": 2}}}
+    assert differing_keys(old, new) == ["config.prepare.seed"]
+
+
+def test_a_foreign_workdir_and_a_concurrent_run_are_refused(tmp_path):
+    config = config_of(tmp_path)
+    os.makedirs(config.workdir)
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds no pipeline.json"):
+        run_pipeline(config)
+    with exclusive_directory(str(tmp_path / "locked"), "pipeline"):
+        with pytest.raises(ValueError, match="another bertforge pipeline is running"):
+            with exclusive_directory(str(tmp_path / "locked"), "pipeline"):
+                pass
+
+
+# --- end to end -----------------------------------------------------------------------------
+
+TINY_TOML = """
+workdir = "work"
+
+[vocab]
+size = 2000
+
+[prepare]
+inputs = ["corpus/*.jsonl"]
+beam_args = ["--runner=DirectRunner"]
+num_shards = 2
+dupe_factor = 1
+
+[phase1]
+recipe = "bert_tiny_phase1"
+max_seq_length = 64
+overrides = { max_steps = 8, warmup_steps = 1, log_every = 4 }
+
+[phase2]
+recipe = "bert_tiny_phase2"
+max_seq_length = 128
+overrides = { max_steps = 4, warmup_steps = 1, log_every = 2, checkpoint_every = 2 }
+
+[cluster]
+workers = 2
+max_failures = 0
+"""
+
+
+@pytest.fixture(scope="module")
+def finished_pipeline(tmp_path_factory):
+    import ray
+
+    from pipelines.docstring_corpus import write_docstring_corpus
+
+    root = tmp_path_factory.mktemp("pipeline")
+    write_docstring_corpus(str(root / "corpus" / "docs.jsonl"), target_bytes=300_000)
+    (root / "pipeline.toml").write_text(TINY_TOML)
+    config, text = load_config(str(root / "pipeline.toml"))
+    first = run_pipeline(config, text)
+    yield root, config, first
+    ray.shutdown()
+
+
+def _forbid_work(monkeypatch):
+    """Any stage that does work fails the test: a rerun must only look at outputs."""
+    def fail(*args, **kwargs):
+        raise AssertionError("a finished stage ran again")
+
+    monkeypatch.setattr("pipelines.vocab.train_wordpiece_vocab", fail)
+    monkeypatch.setattr("pipelines.prepare.run", fail)
+    monkeypatch.setattr("cluster.ray_train.train_on_ray", fail)
+    monkeypatch.setattr("training.export.export_checkpoint", fail)
+
+
+@pytest.mark.slow
+def test_first_run_does_every_stage_and_records_the_configuration(finished_pipeline):
+    from training.checkpoint import committed_steps
+
+    root, config, first = finished_pipeline
+    assert first["ran"] == ["vocab", "prepare-64", "prepare-128", "phase1", "phase2", "export"]
+    assert committed_steps(str(root / "work" / "runs" / "phase1")) == [8]
+    assert committed_steps(str(root / "work" / "runs" / "phase2")) == [2, 4]
+    record = json.loads((root / "work" / "pipeline.json").read_text())
+    assert record["toml"] == TINY_TOML
+    assert record["settings"]["recipes"]["phase2"]["max_steps"] == 4
+    assert record["settings"]["recipes"]["phase2"]["init_from"] == str(
+        root / "work" / "runs" / "phase1")
+    assert record["settings"]["config"]["vocab"]["size"] == 2000
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers(finished_pipeline):
+    import torch
+    from transformers import BertForPreTraining, BertTokenizerFast
+
+    root, _, _ = finished_pipeline
+    model = BertForPreTraining.from_pretrained(str(root / "work" / "hf")).eval()
+    tokenizer = BertTokenizerFast.from_pretrained(str(root / "work" / "hf"))
+    batch = tokenizer(["Return the sum of the values."], ["The list must not be empty."],
+                      return_tensors="pt")
+    with torch.no_grad():
+        out = model(**batch)
+    assert out.prediction_logits.shape[-1] == len(tokenizer)
+    metadata = json.loads((root / "work" / "pipeline.json").read_text())
+    assert metadata["stages"]["export"]["source"]["checkpoint"].endswith(
+        os.path.join("phase2", "checkpoints", "step_00000004"))
+
+
+@pytest.mark.slow
+def test_rerun_skips_every_stage(finished_pipeline, monkeypatch, capsys):
+    root, config, _ = finished_pipeline
+    _forbid_work(monkeypatch)
+    again = run_pipeline(config)
+    assert again["ran"] == []
+    assert again["skipped"] == ["vocab", "prepare-64", "prepare-128", "phase1", "phase2",
+                                "export"]
+    assert capsys.readouterr().out.count("output complete, skipping") == 6
+
+
+@pytest.mark.slow
+def test_a_lost_checkpoint_redoes_only_phase2_and_export(finished_pipeline, monkeypatch):
+    from training.checkpoint import committed_steps
+
+    root, config, _ = finished_pipeline
+    phase2 = root / "work" / "runs" / "phase2"
+    shutil.rmtree(phase2 / "checkpoints" / "step_00000004")
+    monkeypatch.setattr("pipelines.prepare.run", lambda *a, **k: pytest.fail("prepare reran"))
+    again = run_pipeline(config)
+    assert again["ran"] == ["phase2", "export"]
+    assert committed_steps(str(phase2)) == [2, 4]  # resumed from step 2, not from scratch
+    steps_logged = [json.loads(line)["step"] for line in
+                    (phase2 / "metrics.jsonl").read_text().splitlines()]
+    assert steps_logged.count(1) == 1  # step 1 was never trained twice
+
+
+@pytest.mark.slow
+def test_a_changed_configuration_is_refused_before_any_work(finished_pipeline, monkeypatch):
+    root, _, _ = finished_pipeline
+    _forbid_work(monkeypatch)
+    changed = root / "changed.toml"
+    changed.write_text(TINY_TOML.replace("max_steps = 8", "max_steps = 9"))
+    config, text = load_config(str(changed))
+    with pytest.raises(ValueError, match="phase1.overrides.max_steps"):
+        run_pipeline(config, text)
