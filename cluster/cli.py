@@ -97,6 +97,11 @@ def _add_train(commands) -> None:
     p.add_argument("--cpus-per-worker", type=int, default=1)
     p.add_argument("--gpu", action="store_true", help="one GPU per worker")
     p.add_argument("--address", default=None, help="Ray cluster address (default: local Ray)")
+    p.add_argument("--storage", default=None,
+                   help="persist every rank's checkpoints to this URI (gs://, s3://) or shared "
+                   "path and restore from it on restart; without it --run-dir must be shared")
+    p.add_argument("--placement-strategy", default="PACK", choices=("PACK", "SPREAD"),
+                   help="SPREAD puts workers on different nodes")
     p.add_argument("--max-failures", type=int, default=3,
                    help="worker-group restarts from the newest checkpoint before giving up")
     p.set_defaults(handler=_run_train)
@@ -223,7 +228,8 @@ def _run_train(args: argparse.Namespace) -> None:
     cfg = train_config_from_args(args)
     launch = LaunchConfig(
         num_workers=args.workers, use_gpu=args.gpu, cpus_per_worker=args.cpus_per_worker,
-        address=args.address, max_failures=args.max_failures,
+        address=args.address, max_failures=args.max_failures, storage=args.storage,
+        placement_strategy=args.placement_strategy,
     )
     print(json.dumps(train_on_ray(cfg, launch), indent=2, default=str))
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from training.checkpoint import latest_checkpoint, read_metadata
@@ -22,6 +22,9 @@ class LaunchConfig:
     cpus_per_worker: int = 1
     address: str | None = None  # None: start a local Ray bound to 127.0.0.1
     max_failures: int = 0
+    # Where Ray Train persists every rank's checkpoint files (gs://, s3://, or a path all nodes
+    # share); None: the run directory itself must be shared storage.
+    storage: str | None = None
     # PACK fills a node before the next (fast collectives); SPREAD puts workers on
     # different nodes (one GPU per node, or testing what crosses the network).
     placement_strategy: str = "PACK"
@@ -80,7 +83,8 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     cfg = TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir})
     trainer = TorchTrainer(
         _worker_main,
-        train_loop_config={"train": cfg.to_dict(), "threads": launch.cpus_per_worker},
+        train_loop_config={"train": cfg.to_dict(), "threads": launch.cpus_per_worker,
+                           "persist": bool(launch.storage)},
         torch_config=TorchConfig(backend="nccl" if launch.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=launch.num_workers,
@@ -88,25 +92,43 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
             resources_per_worker=None if launch.use_gpu else {"CPU": launch.cpus_per_worker},
             placement_strategy=launch.placement_strategy,
         ),
-        run_config=RunConfig(
-            name="ray",  # Ray Train's own state lives in RUN_DIR/ray; ours beside it
-            storage_path=run_dir,
-            failure_config=FailureConfig(max_failures=launch.max_failures),
-        ),
+        run_config=_run_config(cfg, launch),
     )
-    trainer.fit()
+    result = trainer.fit()
+    if launch.storage:
+        # The driver's node need not hold the files: the outcome is what storage registered.
+        return {"step": result.metrics["step"], "checkpoint_path": result.checkpoint.path}
     final = latest_checkpoint(run_dir)
     if final is None:
         raise RuntimeError(f"training finished without a complete checkpoint in {run_dir}")
     return {"step": read_metadata(final)["global_step"], "checkpoint_path": final}
 
 
+def _run_config(cfg: TrainConfig, launch: LaunchConfig) -> RunConfig:
+    failure = FailureConfig(max_failures=launch.max_failures)
+    if launch.storage:
+        # Re-running with the same run name and storage resumes from storage's newest.
+        return RunConfig(
+            name=os.path.basename(cfg.run_dir.rstrip("/")), storage_path=launch.storage,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+            failure_config=failure,
+        )
+    # Ray Train's own state lives in RUN_DIR/ray, beside our checkpoints.
+    return RunConfig(name="ray", storage_path=cfg.run_dir, failure_config=failure)
+
+
 def _worker_main(loop_config: dict[str, Any]) -> None:
     """Entry point on every Ray worker: the process group is already set up by Ray Train."""
     import torch
 
+    from cluster.persistence import report_checkpoint, restore_latest
     from training.loop import train
 
     torch.set_num_threads(loop_config["threads"])
     cfg = TrainConfig.from_dict(loop_config["train"])
-    train(cfg, report=lambda metrics: ray.train.report(metrics))
+    if loop_config["persist"]:
+        if cfg.resume:
+            restore_latest(cfg.run_dir)
+        train(cfg, report=report_checkpoint)
+    else:
+        train(cfg, report=lambda metrics: ray.train.report({"step": metrics["step"]}))

@@ -1,0 +1,99 @@
+"""Checkpoints persisted to Ray Train storage (a cloud URI or a shared path) and restored.
+
+Every rank writes its DeepSpeed files into the run directory on its own node. With storage,
+every rank then reports its own files to Ray Train, which merges all ranks' uploads into one
+checkpoint directory in storage and registers it only once every rank has reported (the
+known pitfall of persisting rank 0's shard alone does not arise). After a restart, possibly
+on other nodes, one process per node downloads the newest registered checkpoint into the local
+run directory, unless a newer complete one is already there; the loop then resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Any
+
+import torch.distributed as dist
+
+from training.checkpoint import (
+    COMMIT_MARKER,
+    METADATA_NAME,
+    checkpoints_root,
+    committed_steps,
+    tag_for_step,
+)
+from training.metrics import console
+
+# DeepSpeed and our RNG files carry the data-parallel rank that wrote them; the rest (model
+# states, marker, metadata, vocab) come from rank 0.
+_RANK_IN_NAME = re.compile(r"(?:pp_rank_|rng_rank_)0*(\d+)")
+
+
+def files_of_rank(names: list[str], rank: int) -> list[str]:
+    """The files of one checkpoint directory that `rank` uploads."""
+    mine = []
+    for name in names:
+        match = _RANK_IN_NAME.search(name)
+        owner = int(match.group(1)) if match else 0
+        if owner == rank:
+            mine.append(name)
+    return sorted(mine)
+
+
+def report_checkpoint(metrics: dict[str, Any]) -> None:
+    """Collective: every rank uploads its own files of the checkpoint at metrics' path."""
+    import ray.train
+
+    path, rank = metrics["checkpoint_path"], ray.train.get_context().get_world_rank()
+    staging = tempfile.mkdtemp(prefix=f".upload_rank{rank}_", dir=os.path.dirname(path))
+    try:
+        for name in files_of_rank(os.listdir(path), rank):
+            os.link(os.path.join(path, name), os.path.join(staging, name))  # no copy
+        ray.train.report(
+            {"step": metrics["step"]},
+            checkpoint=ray.train.Checkpoint.from_directory(staging),
+            checkpoint_dir_name=os.path.basename(path),
+        )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def restore_latest(run_dir: str) -> int | None:
+    """Bring Ray's newest registered checkpoint into run_dir; returns its step (or None).
+
+    Collective. The local rank 0 of each node downloads; the others wait at the barrier.
+    """
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    step = None
+    if checkpoint is not None and ray.train.get_context().get_local_rank() == 0:
+        step = _download_if_newer(checkpoint, run_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    return step
+
+
+def _download_if_newer(checkpoint, run_dir: str) -> int:
+    root = checkpoints_root(run_dir)
+    os.makedirs(root, exist_ok=True)
+    incoming = tempfile.mkdtemp(prefix=".download_", dir=root)
+    try:
+        checkpoint.to_directory(incoming)
+        with open(os.path.join(incoming, METADATA_NAME), encoding="utf-8") as f:
+            step = json.load(f)["global_step"]
+        if not os.path.exists(os.path.join(incoming, COMMIT_MARKER)):
+            raise ValueError(f"the checkpoint in storage at step {step} has no commit marker")
+        local = committed_steps(run_dir)
+        if not local or local[-1] < step:  # never let a stale local copy win over storage
+            target = os.path.join(root, tag_for_step(step))
+            shutil.rmtree(target, ignore_errors=True)  # a partial save of that step
+            os.replace(incoming, target)
+            console(f"[train] restored step {step} from storage into {target}")
+        return step
+    finally:
+        shutil.rmtree(incoming, ignore_errors=True)
