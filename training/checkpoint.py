@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -86,6 +87,7 @@ def load(engine, checkpoint_path: str) -> dict[str, Any]:
     root, tag = os.path.split(checkpoint_path.rstrip("/"))
     if not os.path.exists(os.path.join(checkpoint_path, COMMIT_MARKER)):
         raise ValueError(f"{checkpoint_path} is not a complete checkpoint (no {COMMIT_MARKER})")
+    verify_safe_to_unpickle(checkpoint_path)
     _, client_state = engine.load_checkpoint(root, tag=tag)
     if client_state is None:
         raise ValueError(f"DeepSpeed could not load the checkpoint at {checkpoint_path}")
@@ -94,6 +96,37 @@ def load(engine, checkpoint_path: str) -> dict[str, Any]:
     if os.path.exists(rng_path):  # absent when resuming on more ranks than were saved
         _set_rng_state(torch.load(rng_path, weights_only=True))
     return client_state
+
+
+def verify_safe_to_unpickle(checkpoint_path: str) -> None:
+    """Refuse a checkpoint whose .pt files hold anything but tensors, plain data and DeepSpeed's
+    few plain-data classes.
+
+    DeepSpeed's own loaders call torch.load(weights_only=False), which would run whatever a
+    tampered file asks for; each file must first pass torch's restricted unpickler (memory-
+    mapped, so tensors are not read twice).
+    """
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        for name in sorted(os.listdir(checkpoint_path)):
+            if not name.endswith(".pt"):
+                continue
+            path = os.path.join(checkpoint_path, name)
+            try:
+                torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+            except pickle.UnpicklingError as error:
+                raise ValueError(
+                    f"{path} holds objects outside the types a checkpoint may contain; "
+                    f"refusing to load it ({str(error).splitlines()[0]})"
+                ) from None
+
+
+def _deepspeed_safe_globals() -> list:
+    """The non-tensor classes DeepSpeed pickles into ZeRO checkpoints: plain data holders."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def read_metadata(checkpoint_path: str) -> dict[str, Any]:
@@ -125,11 +158,13 @@ def load_fp32_state_dict(checkpoint_path: str) -> dict[str, torch.Tensor]:
     root, tag = os.path.split(checkpoint_path.rstrip("/"))
     if not os.path.exists(os.path.join(checkpoint_path, COMMIT_MARKER)):
         raise ValueError(f"{checkpoint_path} is not a complete checkpoint (no {COMMIT_MARKER})")
+    verify_safe_to_unpickle(checkpoint_path)
     if _is_zero_checkpoint(checkpoint_path):
         state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
     else:  # ZeRO stage 0: the module states file holds the full weights
         files = [f for f in os.listdir(checkpoint_path) if f.endswith("model_states.pt")]
-        blob = torch.load(os.path.join(checkpoint_path, sorted(files)[0]), weights_only=False)
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            blob = torch.load(os.path.join(checkpoint_path, sorted(files)[0]), weights_only=True)
         state = blob["module"]
     return {name: tensor.float() for name, tensor in state.items()}
 

@@ -117,6 +117,7 @@ def demo_recipe(
     )
 
 
+# By name, for `bertforge train --recipe NAME` and pipeline files; phase 2 needs init_from.
 RECIPES = {
     "bert_large_phase1": bert_large_phase1,
     "bert_large_phase2": bert_large_phase2,
@@ -125,17 +126,6 @@ RECIPES = {
     "bert_tiny_phase1": bert_tiny_phase1,
     "bert_tiny_phase2": bert_tiny_phase2,
     "demo": demo_recipe,
-}
-
-
-# Names for the command line (`bertforge train --recipe NAME`). Phase 2 recipes need init_from.
-RECIPES = {
-    "bert_large_phase1": bert_large_phase1,
-    "bert_large_phase2": bert_large_phase2,
-    "bert_base_phase1": bert_base_phase1,
-    "bert_base_phase2": bert_base_phase2,
-    "bert_tiny_phase1": bert_tiny_phase1,
-    "bert_tiny_phase2": bert_tiny_phase2,
 }
 
 

@@ -98,3 +98,19 @@ def test_vocabulary_mismatch_on_resume_is_refused(dataset, tmp_path):
     manifest_lib.write_manifest(other, manifest)
     with pytest.raises(ValueError, match="another vocabulary"):
         train(config(other, run_dir, max_steps=4, warmup_steps=1))
+
+
+class _Payload:
+    """Stands for an object a tampered checkpoint smuggles in: unpickling it runs code."""
+
+    def __reduce__(self):
+        return (print, ("this ran while loading",))
+
+
+def test_checkpoint_with_arbitrary_pickled_objects_is_refused(dataset, tmp_path):
+    run = train(config(dataset, tmp_path / "run", max_steps=2, warmup_steps=1))
+    torch.save({"payload": _Payload()}, os.path.join(run.checkpoint_path, "rng_rank_00000.pt"))
+    with pytest.raises(ValueError, match="refusing to load it"):
+        checkpoint.load_fp32_state_dict(run.checkpoint_path)
+    with pytest.raises(ValueError, match="refusing to load it"):
+        train(config(dataset, tmp_path / "run", max_steps=4, warmup_steps=1))
