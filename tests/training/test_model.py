@@ -9,12 +9,14 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from training import model as model_module
 from training.hf_interop import from_hf_state_dict
 from training.model import (
     IGNORE_INDEX,
     PRESETS,
     BertConfig,
     BertForPreTraining,
+    _cpu_attention_with_dropout,
     bert_tiny,
     num_parameters,
 )
@@ -195,6 +197,43 @@ def test_dropout_only_in_training_mode() -> None:
         eval_a, eval_b = model(input_ids).prediction_logits, model(input_ids).prediction_logits
     assert not torch.equal(train_a, train_b)
     assert torch.equal(eval_a, eval_b)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_cpu_training_attention_equals_sdpa_with_the_same_dropout_draws(padded: bool) -> None:
+    """On a CPU with dropout on, ours skips SDPA's math path for a leaner one of its own."""
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(3, 4, 10, 8, dtype=torch.float64) for _ in range(3))
+    mask = None
+    if padded:
+        mask = torch.zeros(3, 1, 1, 10, dtype=torch.float64)
+        mask[1, ..., 6:] = torch.finfo(torch.float64).min
+    torch.manual_seed(1)
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.3)
+    torch.manual_seed(1)
+    actual = _cpu_attention_with_dropout(query, key, value, mask, 0.3)
+    torch.testing.assert_close(actual, expected)
+
+
+def test_all_ones_attention_mask_is_dropped_with_the_same_numbers(monkeypatch) -> None:
+    """No padding: no mask is built (same numbers, dropout draws and gradients as with one)."""
+    config = BertConfig(50, 32, 2, 2, 64)
+    model = BertForPreTraining(config)
+    batch = random_batch(config, batch_size=2, seq_len=8)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    assert model_module._key_padding(batch["attention_mask"]) is None
+    results = []
+    for always_mask in (False, True):
+        if always_mask:
+            monkeypatch.setattr(
+                model_module, "_key_padding", lambda mask: (mask == 0)[:, None, None, :]
+            )
+        model.zero_grad()
+        torch.manual_seed(2)
+        loss = model(**batch).loss
+        loss.backward()
+        results.append((loss, model.bert.embeddings.word_embeddings.weight.grad.clone()))
+    torch.testing.assert_close(results[0], results[1])
 
 
 def test_bad_inputs_raise_value_error() -> None:
