@@ -36,8 +36,9 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     $PIP install --quiet "torch==$TORCH_VERSION"
   else
     echo "bertforge: no GPU found, installing the CPU build of torch $TORCH_VERSION"
-    # A local wheel (pip's find-links) first: no network needed; then PyTorch's CPU index.
-    $PIP install --quiet --no-index "torch==$TORCH_VERSION+cpu" 2>/dev/null \
+    # The CPU wheel from pip's own sources first (a find-links folder or a mirror; its
+    # dependencies come from PyPI), then from PyTorch's CPU index.
+    $PIP install --quiet "torch==$TORCH_VERSION+cpu" 2>/dev/null \
       || $PIP install --quiet "torch==$TORCH_VERSION+cpu" --extra-index-url "$TORCH_CPU_INDEX"
   fi
 fi
