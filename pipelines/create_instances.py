@@ -5,9 +5,11 @@
 - each document goes to `validation` when `unit_interval(seed, "split", doc_id)` is below the
   validation fraction, so no document contributes to both splits;
 - random-B pools: a document joins pool `stable_hash(seed, "pool", doc_id) % num_pools` of its
-  split, `num_pools = ceil(num_documents_in_split / random_pool_size)`. A pool is a uniform random
-  sample of the whole split (not a contiguous range of the input, as NVIDIA's LDDL bins are), so
-  a random B is drawn from anywhere in the corpus while a worker holds only one pool in memory.
+  split, `num_pools = max(ceil(num_documents / random_pool_size), ceil(num_chars /
+  random_pool_chars))` over the split. A pool is a uniform random sample of the whole split (not a
+  contiguous range of the input, as NVIDIA's LDDL bins are), so a random B is drawn from anywhere
+  in the corpus while a worker holds only one pool in memory. Both bounds matter: 512 books are
+  hundreds of MB of text, so a count of documents alone lets a pool grow with the corpus.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import math
 import os
 import tempfile
+from array import array
 from typing import Any, NamedTuple
 
 import apache_beam as beam
@@ -37,6 +40,10 @@ from pipelines.sentences import MAX_SENTENCE_CHARS, bound_sentence_length, split
 from pipelines.tokenization import load_tokenizer, read_vocab
 
 logger = logging.getLogger(__name__)
+
+# ~20,000 sentences (~2 MB of text) per `encode_batch`: large enough to amortize the call, small
+# enough that the batch's Encoding objects stay a few tens of MB.
+TOKENIZE_BATCH_SENTENCES = 20_000
 
 
 class Doc(NamedTuple):
@@ -117,19 +124,42 @@ def key_by_split(doc: Doc, seed: int, validation_fraction: float) -> tuple[str, 
     return split_of(seed, doc.doc_id, validation_fraction), doc
 
 
-def num_pools(num_documents: int, random_pool_size: int) -> int:
-    return max(1, math.ceil(num_documents / random_pool_size))
+def num_pools(
+    num_documents: int, random_pool_size: int, num_chars: int = 0, random_pool_chars: int = 1
+) -> int:
+    by_documents = math.ceil(num_documents / random_pool_size)
+    return max(1, by_documents, math.ceil(num_chars / random_pool_chars))
 
 
-def pool_of(seed: int, doc_id: str, num_documents: int, random_pool_size: int) -> int:
-    return stable_hash(seed, "pool", doc_id) % num_pools(num_documents, random_pool_size)
+def pool_of(
+    seed: int,
+    doc_id: str,
+    num_documents: int,
+    random_pool_size: int,
+    num_chars: int = 0,
+    random_pool_chars: int = 1,
+) -> int:
+    pools = num_pools(num_documents, random_pool_size, num_chars, random_pool_chars)
+    return stable_hash(seed, "pool", doc_id) % pools
 
 
-def key_by_pool(
-    split_and_doc: tuple[str, Doc], num_docs: dict[str, int], seed: int, pool_size: int
-):
+def num_chars_of(doc: Doc) -> int:
+    return sum(len(sentence) for sentence in doc.sentences)
+
+
+def key_by_pool(split_and_doc: tuple[str, Doc], split_sizes: dict, config: PrepareConfig):
+    """split_sizes: {split: (num_documents, num_chars)}."""
     split, doc = split_and_doc
-    return (split, pool_of(seed, doc.doc_id, num_docs[split], pool_size)), doc
+    num_documents, num_chars = split_sizes[split]
+    pool = pool_of(
+        config.seed,
+        doc.doc_id,
+        num_documents,
+        config.random_pool_size,
+        num_chars,
+        config.random_pool_chars,
+    )
+    return (split, pool), doc
 
 
 # --------------------------------------------------------------------------- instances
@@ -155,18 +185,24 @@ class CreateInstancesFromPool(beam.DoFn):
             os.remove(f.name)
         self._cls_id, self._sep_id = vocab["[CLS]"], vocab["[SEP]"]
         self._dtype = shards.id_dtype(len(vocab))
+        self._typecode = "H" if self._dtype == np.uint16 else "i"
 
-    def _tokenize(self, docs: list[Doc]) -> list[list[list[int]]]:
-        """Token ids per sentence per document, one `encode_batch` call for the whole pool.
+    def _tokenize(self, docs: list[Doc]) -> list[list[array]]:
+        """Token ids per sentence per document, `encode_batch` on batches of sentences.
 
-        Sentences that normalize to nothing (control characters only) are dropped.
+        Sentences that normalize to nothing (control characters only) are dropped. Ids are kept
+        as compact arrays (2 bytes an id, not a 36-byte Python int and pointer), and a batch's
+        `Encoding`s (tens of bytes a token: tokens, offsets, masks) are dropped before the next.
         """
         flat = [sentence for doc in docs for sentence in doc.sentences]
-        encodings = self._tokenizer.encode_batch(flat, add_special_tokens=False)
+        ids: list[array] = []
+        for start in range(0, len(flat), TOKENIZE_BATCH_SENTENCES):
+            batch = flat[start : start + TOKENIZE_BATCH_SENTENCES]
+            encodings = self._tokenizer.encode_batch(batch, add_special_tokens=False)
+            ids.extend(array(self._typecode, e.ids) for e in encodings)
         tokenized, start = [], 0
         for doc in docs:
-            sentences = encodings[start : start + len(doc.sentences)]
-            tokenized.append([e.ids for e in sentences if e.ids])
+            tokenized.append([x for x in ids[start : start + len(doc.sentences)] if x])
             start += len(doc.sentences)
         return tokenized
 
@@ -201,7 +237,7 @@ class CreateInstancesFromPool(beam.DoFn):
         ids = np.asarray(instance.input_ids, dtype=self._dtype).tobytes()
         return ids, instance.num_a_tokens, instance.next_sentence_label
 
-    def _instances(self, index: int, doc_id: str, dupe: int, token_docs: list[list[list[int]]]):
+    def _instances(self, index: int, doc_id: str, dupe: int, token_docs: list[list[array]]):
         return create_instances_from_document(
             index,
             token_docs,
@@ -253,10 +289,10 @@ class CreatePretrainingInstances(beam.PTransform):
         by_split = docs.docs | "AssignSplit" >> beam.Map(
             key_by_split, config.seed, config.validation_fraction
         )
-        num_docs = (
+        split_sizes = (
             by_split
-            | "SplitNames" >> beam.Keys()
-            | "CountPerSplit" >> beam.combiners.Count.PerElement()
+            | "DocChars" >> beam.MapTuple(lambda s, d: (s, (1, num_chars_of(d))))
+            | "SizePerSplit" >> beam.CombinePerKey(_sum_pairs)
         )
         document_stats = (
             by_split
@@ -266,8 +302,7 @@ class CreatePretrainingInstances(beam.PTransform):
         )
         instances = (
             by_split
-            | "AssignPool"
-            >> beam.Map(key_by_pool, AsDict(num_docs), config.seed, config.random_pool_size)
+            | "AssignPool" >> beam.Map(key_by_pool, AsDict(split_sizes), config)
             | "GroupPools" >> beam.GroupByKey()
             | "CreateInstances"
             >> beam.ParDo(CreateInstancesFromPool(config, self._vocab_bytes)).with_outputs(

@@ -77,7 +77,7 @@ class PrepareDataset(beam.PTransform):
             config, self._vocab_bytes
         )
         shard_entries = created["instances"] | "WriteShards" >> WriteShards(
-            config.output, self._vocab_size, config.shards_per_split()
+            config.output, self._vocab_size, config.shards_per_split(), config.rows_per_piece
         )
         reject_counts = (
             (read[REJECTS], created["rejects"])

@@ -65,6 +65,21 @@ class PrepareOptions(PipelineOptions):
             default=512,
             help="documents per random-B pool: bounds worker memory, not the corpus size",
         )
+        parser.add_argument(
+            "--random_pool_chars",
+            type=int,
+            default=4_000_000,
+            help="characters of text per random-B pool (~1M tokens): with --random_pool_size, "
+            "bounds worker memory however large the documents are",
+        )
+        parser.add_argument(
+            "--rows_per_piece",
+            type=int,
+            default=49_152,
+            help="instances a worker sorts at once while writing a shard (rounded up to whole "
+            "4,096-row batches): bounds worker memory, whatever the shard size; no effect on the "
+            "output bytes",
+        )
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,8 @@ class PrepareConfig:
     num_shards: int = 4
     num_validation_shards: int = 0
     random_pool_size: int = 512
+    random_pool_chars: int = 4_000_000
+    rows_per_piece: int = 49_152  # 12 x 4,096-row batches: ~13 MB of ids at 128 tokens
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -97,7 +114,14 @@ class PrepareConfig:
             raise ValueError(
                 f"--validation_fraction must be in [0, 1), got {self.validation_fraction}"
             )
-        for name in ("dupe_factor", "num_shards", "random_pool_size"):
+        names = (
+            "dupe_factor",
+            "num_shards",
+            "random_pool_size",
+            "random_pool_chars",
+            "rows_per_piece",
+        )
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.num_validation_shards < 0:
@@ -124,6 +148,8 @@ class PrepareConfig:
             num_shards=flags.num_shards,
             num_validation_shards=flags.num_validation_shards,
             random_pool_size=flags.random_pool_size,
+            random_pool_chars=flags.random_pool_chars,
+            rows_per_piece=flags.rows_per_piece,
         )
 
     def shards_per_split(self) -> dict[str, int]:
@@ -135,7 +161,8 @@ class PrepareConfig:
 
     def instance_params(self) -> dict[str, Any]:
         params = asdict(self)
-        for key in ("inputs", "output", "vocab"):
+        # rows_per_piece tunes memory only: the same instances and bytes whatever its value.
+        for key in ("inputs", "output", "vocab", "rows_per_piece"):
             params.pop(key)
         params["num_validation_shards"] = self.shards_per_split().get("validation", 0)
         return params

@@ -11,7 +11,12 @@ the same way. Shard `s` of `S` holds the ranks `[ceil(s * N / S), ceil((s + 1) *
 3. sorting only those buckets' keys to get the exact boundary keys;
 4. `shard_of`: a binary search of an instance's key among the boundary keys.
 
-So the full data moves once (grouped by shard) and only `S - 1` small buckets are sorted centrally.
+So the full data moves once and only a few small buckets are sorted centrally. A shard is not
+grouped whole (its size grows with the corpus): the same boundary search also cuts every shard
+into pieces of at most `rows_per_piece` rows (`piece_starts`); pieces are grouped, sorted and
+written as small Arrow files, then copied batch by batch into the shard (`concat_shard`), so a
+worker holds one piece at a time. Pieces start at multiples of `ROWS_PER_BATCH` from their
+shard's start, so the copied batches are exactly the batches of a shard written in one go.
 """
 
 from __future__ import annotations
@@ -46,16 +51,40 @@ def boundary_ranks(num_rows: int, num_shards: int) -> list[int]:
     return [r for r in ranks if r < num_rows]
 
 
-def locate_boundaries(bucket_counts: dict[int, int], num_shards: int) -> dict[int, list[int]]:
-    """{bucket: [rank inside the bucket of each boundary it holds]} for one split."""
-    num_rows = sum(bucket_counts.values())
-    located: dict[int, list[int]] = {}
+def piece_starts(num_rows: int, num_shards: int, rows_per_piece: int) -> list[int]:
+    """First rank of every piece but the first, sorted: shard starts included.
+
+    Each non-empty shard [a, b) is cut at a, a + R, a + 2R, ... (R = rows_per_piece, a multiple
+    of ROWS_PER_BATCH), so a piece never spans two shards and holds at most R rows.
+    """
+    assert rows_per_piece % ROWS_PER_BATCH == 0, rows_per_piece
+    starts = [0] + boundary_ranks(num_rows, num_shards)
+    ends = starts[1:] + [num_rows]
+    cuts = {r for a, b in zip(starts, ends, strict=True) for r in range(a, b, rows_per_piece)}
+    return sorted(cuts - {0})
+
+
+def piece_rows(rows_per_piece: int) -> int:
+    """`rows_per_piece` rounded up to whole batches (see `piece_starts`)."""
+    return -(-max(1, rows_per_piece) // ROWS_PER_BATCH) * ROWS_PER_BATCH
+
+
+def locate_ranks(bucket_counts: dict[int, int], ranks: list[int]) -> dict[int, list[tuple]]:
+    """{bucket: [(rank inside the bucket, rank)] of each given rank it holds]} for one split."""
+    located: dict[int, list[tuple[int, int]]] = {}
     buckets = sorted(bucket_counts)
     offsets = np.cumsum([0] + [bucket_counts[b] for b in buckets])  # offsets[i] = rows before i
-    for rank in boundary_ranks(num_rows, num_shards):
+    for rank in ranks:
         i = int(np.searchsorted(offsets, rank, side="right")) - 1
-        located.setdefault(buckets[i], []).append(rank - int(offsets[i]))
+        located.setdefault(buckets[i], []).append((rank - int(offsets[i]), rank))
     return located
+
+
+def locate_boundaries(bucket_counts: dict[int, int], num_shards: int) -> dict[int, list[int]]:
+    """{bucket: [rank inside the bucket of each boundary it holds]} for one split."""
+    ranks = boundary_ranks(sum(bucket_counts.values()), num_shards)
+    located = locate_ranks(bucket_counts, ranks)
+    return {bucket: [r for r, _ in pairs] for bucket, pairs in located.items()}
 
 
 def shard_of(sort_key: SortKey, boundary_keys: list[SortKey]) -> int:
@@ -107,3 +136,18 @@ def write_shard(
         if batch:
             writer.write_batch(_record_batch(batch, schema, dtype))
     return num_rows, num_tokens
+
+
+def concat_shard(sink: BinaryIO, pieces: Iterable[BinaryIO], vocab_size: int) -> None:
+    """Copy the record batches of piece files (written by `write_shard`), in order, into one file.
+
+    One batch is in memory at a time. Pieces hold whole batches (see `piece_starts`), so the
+    result has the bytes `write_shard` would give for all the rows at once.
+    """
+    schema = manifest.shard_schema(vocab_size)
+    with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
+        for source in pieces:
+            reader = pa.ipc.open_file(pa.PythonFile(source, mode="r"))
+            assert reader.schema == schema, reader.schema
+            for i in range(reader.num_record_batches):
+                writer.write_batch(reader.get_batch(i))

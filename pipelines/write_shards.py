@@ -1,9 +1,15 @@
-"""Keyed instances -> shard files in exact global order (the Beam side of `pipelines.shards`)."""
+"""Keyed instances -> shard files in exact global order (the Beam side of `pipelines.shards`).
+
+Memory per worker is bounded by the piece size, not the shard size: instances are grouped by
+piece (at most `rows_per_piece` consecutive ranks of one shard), each piece is sorted and written
+as a temporary Arrow file, and a last step per shard streams its pieces' batches into the shard.
+"""
 
 from __future__ import annotations
 
 import logging
 import uuid
+from bisect import bisect_right
 
 import apache_beam as beam
 from apache_beam.io.filesystem import CompressionTypes
@@ -17,41 +23,71 @@ from pipelines.filesystem import sha256_of
 logger = logging.getLogger(__name__)
 
 
-def plan_boundaries(bucket_counts: list, shards_per_split: dict[str, int]) -> dict:
-    """[((split, bucket), count)] -> {(split, bucket): [boundary ranks inside the bucket]}."""
+def plan_boundaries(bucket_counts: list, shards_per_split: dict[str, int], rows_per_piece: int):
+    """[((split, bucket), count)] -> the ranks whose keys cut shards and pieces.
+
+    {"num_rows": {split: N}, "located": {(split, bucket): [(rank inside the bucket, rank)]}}.
+    """
     per_split: dict[str, dict[int, int]] = {}
     for (split, bucket), num_rows in bucket_counts:
         per_split.setdefault(split, {})[bucket] = num_rows
-    plan = {}
+    plan: dict = {"num_rows": {}, "located": {}}
     for split, counts in per_split.items():
-        for bucket, ranks in shards.locate_boundaries(counts, shards_per_split[split]).items():
-            plan[(split, bucket)] = ranks
+        num_rows = sum(counts.values())
+        plan["num_rows"][split] = num_rows
+        ranks = shards.piece_starts(num_rows, shards_per_split[split], rows_per_piece)
+        for bucket, pairs in shards.locate_ranks(counts, ranks).items():
+            plan["located"][(split, bucket)] = pairs
     return plan
 
 
 def keys_in_boundary_buckets(instance, plan: dict):
     split, sort_key, _ = instance
     bucket = (split, shards.bucket_of(sort_key[0]))
-    if bucket in plan:
+    if bucket in plan["located"]:
         yield bucket, sort_key
 
 
 def pick_boundary_keys(item, plan: dict):
     (split, bucket), keys = item
     keys = sorted(keys)
-    for rank in plan[(split, bucket)]:
-        yield split, keys[rank]
+    for rank_in_bucket, rank in plan["located"][(split, bucket)]:
+        yield split, (rank, keys[rank_in_bucket])
 
 
-def boundary_keys_by_split(pairs: list) -> dict[str, list]:
-    by_split: dict[str, list] = {}
-    for split, key in pairs:
-        by_split.setdefault(split, []).append(key)
-    return {split: sorted(keys) for split, keys in by_split.items()}
+def boundary_keys_by_split(pairs: list, plan: dict, shards_per_split: dict[str, int]) -> dict:
+    """{split: (shard boundary keys, piece start keys)}, both sorted.
+
+    Shard boundaries repeat a rank where a shard is empty (N < S): kept, so `shard_of` skips it.
+    """
+    key_at: dict[str, dict[int, tuple]] = {}
+    for split, (rank, key) in pairs:
+        key_at.setdefault(split, {})[rank] = key
+    bounds = {}
+    for split, num_rows in plan["num_rows"].items():
+        keys = key_at.get(split, {})
+        shard_ranks = shards.boundary_ranks(num_rows, shards_per_split[split])
+        bounds[split] = ([keys[r] for r in shard_ranks], [keys[r] for r in sorted(keys)])
+    return bounds
 
 
-class WriteShardFile(beam.DoFn):
-    """((split, index), rows) -> the shard file, written under a temp name and renamed."""
+def assign_piece(instance, bounds: dict):
+    """(split, sort key, payload) -> ((split, shard, piece), (sort key, payload))."""
+    split, sort_key, payload = instance
+    shard_keys, piece_keys = bounds[split]
+    piece = (split, shards.shard_of(sort_key, shard_keys), bisect_right(piece_keys, sort_key))
+    return piece, (sort_key, payload)
+
+
+def _create(path: str):
+    return FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+class WritePieceFile(beam.DoFn):
+    """((split, shard, piece), rows) -> a sorted temporary piece file beside its shard.
+
+    Yields ((split, shard), (piece, path, num_rows, num_tokens)) for the shard's last step.
+    """
 
     def __init__(self, output: str, vocab_size: int, shards_per_split: dict[str, int]):
         self._output = output
@@ -59,12 +95,12 @@ class WriteShardFile(beam.DoFn):
         self._shards_per_split = shards_per_split
 
     def process(self, item):
-        (split, index), values = item
-        rows = sorted((v for v in values if v is not None), key=lambda v: v[0])
+        (split, index, piece), values = item
+        rows = sorted(values, key=lambda v: v[0])
         rel_path = manifest.shard_file_name(split, index, self._shards_per_split[split])
-        path = FileSystems.join(self._output, rel_path)
-        tmp_path = f"{path}.tmp-{uuid.uuid4().hex}"  # unique: a retried bundle may race an old one
-        sink = FileSystems.create(tmp_path, compression_type=CompressionTypes.UNCOMPRESSED)
+        # Unique: a retried bundle may race an old one; only the committed output's file is used.
+        path = FileSystems.join(self._output, f"{rel_path}.piece{piece}-{uuid.uuid4().hex}.tmp")
+        sink = _create(path)
         try:
             num_rows, num_tokens = shards.write_shard(
                 sink,
@@ -73,9 +109,35 @@ class WriteShardFile(beam.DoFn):
             )
         finally:
             sink.close()
+        yield (split, index), (piece, path, num_rows, num_tokens)
+
+
+class WriteShardFile(beam.DoFn):
+    """((split, index), pieces) -> the shard file from its pieces in order; pieces deleted."""
+
+    def __init__(self, output: str, vocab_size: int, shards_per_split: dict[str, int]):
+        self._output = output
+        self._vocab_size = vocab_size
+        self._shards_per_split = shards_per_split
+
+    def process(self, item):
+        (split, index), values = item
+        pieces = sorted(v for v in values if v is not None)
+        rel_path = manifest.shard_file_name(split, index, self._shards_per_split[split])
+        path = FileSystems.join(self._output, rel_path)
+        tmp_path = f"{path}.tmp-{uuid.uuid4().hex}"  # unique: a retried bundle may race an old one
+        sink = _create(tmp_path)
+        try:
+            shards.concat_shard(sink, self._open_all(p[1] for p in pieces), self._vocab_size)
+        finally:
+            sink.close()
         FileSystems.rename([tmp_path], [path])
+        FileSystems.delete([p[1] for p in pieces])
+        num_rows, num_tokens = sum(p[2] for p in pieces), sum(p[3] for p in pieces)
         count("tokens", num_tokens)
-        logger.info("wrote %s: %d rows, %d tokens", rel_path, num_rows, num_tokens)
+        logger.info(
+            "wrote %s: %d rows, %d tokens, %d pieces", rel_path, num_rows, num_tokens, len(pieces)
+        )
         yield {
             "split": split,
             "index": index,
@@ -85,15 +147,28 @@ class WriteShardFile(beam.DoFn):
             "sha256": sha256_of(path),
         }
 
+    @staticmethod
+    def _open_all(paths):
+        for piece_path in paths:
+            with FileSystems.open(piece_path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+                yield f
+
 
 class WriteShards(beam.PTransform):
     """Keyed instances -> shard files in exact global order; yields one entry dict per shard."""
 
-    def __init__(self, output: str, vocab_size: int, shards_per_split: dict[str, int]):
+    def __init__(
+        self,
+        output: str,
+        vocab_size: int,
+        shards_per_split: dict[str, int],
+        rows_per_piece: int = 49_152,
+    ):
         super().__init__()
         self._output = output
         self._vocab_size = vocab_size
         self._shards_per_split = shards_per_split
+        self._rows_per_piece = shards.piece_rows(rows_per_piece)
 
     def expand(self, instances):
         shards_per_split = self._shards_per_split
@@ -102,7 +177,8 @@ class WriteShards(beam.PTransform):
             | "KeyByBucket" >> beam.Map(lambda x: ((x[0], shards.bucket_of(x[1][0])), 1))
             | "CountPerBucket" >> beam.CombinePerKey(sum)
             | "BucketCounts" >> beam.combiners.ToList()
-            | "LocateBoundaries" >> beam.Map(plan_boundaries, shards_per_split)
+            | "LocateBoundaries"
+            >> beam.Map(plan_boundaries, shards_per_split, self._rows_per_piece)
         )
         boundaries = (
             instances
@@ -110,19 +186,23 @@ class WriteShards(beam.PTransform):
             | "GroupBoundaryBuckets" >> beam.GroupByKey()
             | "PickBoundaryKeys" >> beam.FlatMap(pick_boundary_keys, AsSingleton(plan))
             | "BoundaryKeys" >> beam.combiners.ToList()
-            | "BoundaryKeysBySplit" >> beam.Map(boundary_keys_by_split)
+            | "BoundaryKeysBySplit"
+            >> beam.Map(boundary_keys_by_split, AsSingleton(plan), shards_per_split)
         )
-        assigned = instances | "AssignShard" >> beam.Map(
-            lambda x, bounds: ((x[0], shards.shard_of(x[1], bounds.get(x[0], []))), (x[1], x[2])),
-            AsSingleton(boundaries),
+        pieces = (
+            instances
+            | "AssignPiece" >> beam.Map(assign_piece, AsSingleton(boundaries))
+            | "GroupPieces" >> beam.GroupByKey()
+            | "WritePieceFiles"
+            >> beam.ParDo(WritePieceFile(self._output, self._vocab_size, shards_per_split))
         )
         # Every declared shard is written, empty or not, so the manifest lists complete splits.
         every_shard = instances.pipeline | "EveryShard" >> beam.Create(
             [((split, i), None) for split, n in sorted(shards_per_split.items()) for i in range(n)]
         )
         return (
-            (assigned, every_shard)
-            | "FlattenShardRows" >> beam.Flatten()
+            (pieces, every_shard)
+            | "FlattenShardPieces" >> beam.Flatten()
             | "GroupShards" >> beam.GroupByKey()
             | "WriteShardFiles"
             >> beam.ParDo(WriteShardFile(self._output, self._vocab_size, shards_per_split))

@@ -16,7 +16,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipelines import manifest
+from pipelines import manifest, shards
 from pipelines.prepare import CreatePretrainingInstances, PrepareConfig, pool_of, run, split_of
 
 from .conftest import (
@@ -314,3 +314,32 @@ def test_create_pretraining_instances_provenance():
             lambda d: sum(v[0] for v in d.values())
         )
         assert_that(totals, equal_to([NUM_SYNTHETIC_DOCS]), label="CheckDocumentCount")
+
+
+def test_shards_written_in_pieces_equal_shards_written_whole(
+    monkeypatch, corpus_files, small_vocab, tmp_path
+):
+    """Many pieces per shard (tiny batches, so the small corpus spans several) change no byte."""
+    monkeypatch.setattr(shards, "ROWS_PER_BATCH", 4)
+
+    def shard_bytes(root: str) -> dict[str, bytes]:
+        found = {p.name: p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+        assert not [name for name in found if ".tmp" in name]  # every piece file was removed
+        return found
+
+    whole, pieces = str(tmp_path / "whole"), str(tmp_path / "pieces")
+    run(prepare_argv(corpus_files, whole, small_vocab, "--rows_per_piece=1000000"))
+    run(prepare_argv(corpus_files, pieces, small_vocab, "--rows_per_piece=8"))
+    assert shard_bytes(pieces) == shard_bytes(whole)
+    num_rows = manifest.read_manifest(pieces).splits["train"].shards[0].num_rows
+    assert num_rows > 3 * 8  # so each train shard really had several pieces
+
+
+def test_pools_are_bounded_by_documents_and_by_text():
+    from pipelines.create_instances import num_pools
+
+    assert num_pools(100, 512) == 1
+    assert num_pools(1_000, 512) == 2
+    # 500 books of 1 MB: few documents, but 125 pools of ~4 MB, not one pool of 500 MB.
+    assert num_pools(500, 512, 500_000_000, 4_000_000) == 125
+    assert num_pools(0, 512, 0, 4_000_000) == 1

@@ -6,7 +6,16 @@ import pyarrow as pa
 import pytest
 
 from pipelines import manifest
-from pipelines.shards import boundary_ranks, bucket_of, locate_boundaries, shard_of, write_shard
+from pipelines import shards as shards_module
+from pipelines.shards import (
+    boundary_ranks,
+    bucket_of,
+    concat_shard,
+    locate_boundaries,
+    piece_starts,
+    shard_of,
+    write_shard,
+)
 
 
 def _assign(keys: list, num_shards: int) -> list[int]:
@@ -69,3 +78,42 @@ def test_write_empty_shard_is_a_valid_file():
     assert write_shard(sink, iter([]), 100) == (0, 0)
     reader = pa.ipc.open_file(pa.BufferReader(sink.getvalue()))
     assert reader.schema == manifest.shard_schema(100) and reader.read_all().num_rows == 0
+
+
+@pytest.mark.parametrize(
+    "num_rows,num_shards,per_piece", [(10, 3, 4), (2, 5, 4), (0, 3, 4), (100, 4, 8), (9, 1, 4)]
+)
+def test_pieces_cut_shards_into_whole_batches(monkeypatch, num_rows, num_shards, per_piece):
+    monkeypatch.setattr(shards_module, "ROWS_PER_BATCH", 4)
+    starts = [0] + piece_starts(num_rows, num_shards, per_piece)
+    ends = starts[1:] + [num_rows]
+    pieces = [range(a, b) for a, b in zip(starts, ends, strict=True) if num_rows]
+    assert [r for piece in pieces for r in piece] == list(range(num_rows))
+    for piece in pieces:
+        shard_ids = {r * num_shards // num_rows for r in piece}
+        assert len(shard_ids) == 1 and 0 < len(piece) <= per_piece
+        shard_start = -(-min(shard_ids) * num_rows // num_shards)
+        assert (piece.start - shard_start) % 4 == 0  # a piece starts on a batch boundary
+
+
+def test_concatenated_pieces_equal_one_shard_byte_for_byte(monkeypatch):
+    monkeypatch.setattr(shards_module, "ROWS_PER_BATCH", 4)
+    rng = np.random.default_rng(0)
+    rows = [
+        (rng.integers(0, 30_000, n).astype(np.uint16).tobytes(), 2, i % 2, f"d{i}")
+        for i, n in enumerate(rng.integers(3, 20, 23))
+    ]
+    whole = io.BytesIO()
+    write_shard(whole, iter(rows), 30_522)
+    parts = []
+    for start in range(0, len(rows), 8):  # pieces of two batches, the last one partial
+        part = io.BytesIO()
+        write_shard(part, iter(rows[start : start + 8]), 30_522)
+        parts.append(io.BytesIO(part.getvalue()))
+    joined = io.BytesIO()
+    concat_shard(joined, parts, 30_522)
+    assert joined.getvalue() == whole.getvalue()
+    empty, reference = io.BytesIO(), io.BytesIO()
+    concat_shard(empty, [], 30_522)
+    write_shard(reference, iter([]), 30_522)
+    assert empty.getvalue() == reference.getvalue()
