@@ -9,18 +9,21 @@ stages, resumes training from its newest checkpoint, and refuses a DIR made with
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cluster.stage_runner import (
+    LOCK_NAME,
+    exclusive_directory,
+    fresh_dir,
+    heartbeat,
+    write_json_atomic,
+)
 from training.metrics import read_metrics
 
 STATE_NAME = "demo.json"
@@ -73,7 +76,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     paths = DemoPaths(config.output)
     started = time.time()
     _refuse_foreign_directory(paths)
-    with _exclusive(paths.root):
+    with exclusive_directory(paths.root, "demo"):
         state = _load_or_create_state(paths, config)
         stages: list[tuple[str, Callable[[], bool], Callable[[], dict[str, Any]]]] = [
             ("corpus", lambda: _recorded(state, "corpus"), lambda: _build_corpus(paths, config)),
@@ -90,7 +93,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
                 continue
             print(f"[demo] {label}: starting", flush=True)
             stage_started = time.time()
-            with _heartbeat(label):
+            with heartbeat("demo", label, every_seconds=20.0):
                 record = run()
             record["seconds"] = round(time.time() - stage_started, 1)
             state["stages"][name] = record
@@ -116,7 +119,7 @@ def _build_corpus(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
 def _train_vocab(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
     from pipelines.vocab import train_wordpiece_vocab
 
-    _fresh_dir(paths.vocab_dir)
+    fresh_dir(paths.vocab_dir)
     path = train_wordpiece_vocab(
         [paths.corpus], paths.vocab_dir, vocab_size=config.vocab_size, lower_case=True
     )
@@ -126,7 +129,7 @@ def _train_vocab(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
 def _prepare(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
     from pipelines.prepare import run as run_prepare
 
-    _fresh_dir(paths.shards)  # a crashed earlier attempt leaves no manifest; start over
+    fresh_dir(paths.shards)  # a crashed earlier attempt leaves no manifest; start over
     counts = run_prepare([
         f"--input={paths.corpus}",
         f"--output={paths.shards}",
@@ -294,7 +297,7 @@ def _refuse_foreign_directory(paths: DemoPaths) -> None:
     """Never write into a directory that holds something other than a demo."""
     if not os.path.isdir(paths.root) or os.path.exists(paths.state):
         return
-    if [name for name in os.listdir(paths.root) if name != ".lock"]:
+    if [name for name in os.listdir(paths.root) if name != LOCK_NAME]:
         raise ValueError(
             f"{paths.root} is not empty and holds no bertforge demo; choose another --output"
         )
@@ -305,44 +308,6 @@ def _recorded(state: dict[str, Any], stage: str) -> bool:
 
 
 def _save_state(paths: DemoPaths, state: dict[str, Any]) -> None:
-    tmp = paths.state + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f, indent=2)
-    os.replace(tmp, paths.state)
+    write_json_atomic(paths.state, state)
 
 
-def _fresh_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
-
-
-@contextmanager
-def _exclusive(root: str) -> Iterator[None]:
-    """One demo per directory at a time: a second concurrent run is refused, not interleaved."""
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, ".lock"), "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"another bertforge demo is running in {root}") from None
-        yield
-
-
-@contextmanager
-def _heartbeat(label: str, every_seconds: float = 20.0) -> Iterator[None]:
-    """A line every 20 s while a stage works, so no minute passes in silence."""
-    stop = threading.Event()
-    started = time.time()
-
-    def beat() -> None:
-        while not stop.wait(every_seconds):
-            print(f"[demo] {label}: still working ({time.time() - started:.0f} s)",
-                  file=sys.stdout, flush=True)
-
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()

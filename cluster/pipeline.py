@@ -18,19 +18,23 @@ file's own directory, so a run does not depend on the current directory.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from cluster.stage_runner import (
+    LOCK_NAME,
+    exclusive_directory,
+    fresh_dir,
+    heartbeat,
+    write_json_atomic,
+)
+
 STATE_NAME = "pipeline.json"
-LOCK_NAME = ".lock"
 STATE_VERSION = 1
 
 # Keys that say how to run, not what to make: outputs are byte-identical on any Beam runner and
@@ -432,7 +436,7 @@ def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
 
     # Built beside its place and renamed in, so a half-written vocab.txt never "exists".
     tmp = paths.vocab_dir + ".tmp"
-    _fresh_dir(tmp)
+    fresh_dir(tmp)
     if config.vocab.path:
         if not os.path.isfile(config.vocab.path):
             raise ValueError(f"vocab.path {config.vocab.path} does not exist")
@@ -461,7 +465,7 @@ def _prepare(config: PipelineConfig, paths: PipelinePaths, max_seq_length: int) 
     from pipelines.prepare import run as run_prepare
 
     output = paths.shards(max_seq_length)
-    _fresh_dir(output)  # no manifest: an attempt that died part-way; its files are suspect
+    fresh_dir(output)  # no manifest: an attempt that died part-way; its files are suspect
     p = config.prepare
     argv = [f"--input={entry}" for entry in p.inputs] + [
         f"--output={output}", f"--vocab={paths.vocab}",
@@ -547,7 +551,7 @@ def run_pipeline(config: PipelineConfig, toml_text: str = "") -> dict[str, Any]:
                 continue
             _say(f"{label}: starting")
             started = time.time()
-            with heartbeat("pipeline", label):
+            with heartbeat("pipeline", label, every_seconds=60.0):
                 record = stage.run()
             record["seconds"] = round(time.time() - started, 1)
             state["stages"][stage.name] = record
@@ -597,48 +601,3 @@ def _refuse_foreign_directory(paths: PipelinePaths) -> None:
 # --- helpers shared in spirit with cluster/demo.py ---------------------------------------------
 
 
-def write_json_atomic(path: str, data: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)
-    os.replace(tmp, path)
-
-
-def _fresh_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
-
-
-@contextmanager
-def exclusive_directory(root: str, command: str) -> Iterator[None]:
-    """One run per directory at a time: a second concurrent run is refused, not interleaved.
-
-    flock is released by the kernel when the process dies, so a crash never leaves it stuck.
-    """
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, LOCK_NAME), "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"another bertforge {command} is running in {root}") from None
-        yield
-
-
-@contextmanager
-def heartbeat(command: str, label: str, every_seconds: float = 60.0) -> Iterator[None]:
-    """A line every minute while a stage works, so a long Beam job never looks hung."""
-    stop = threading.Event()
-    started = time.time()
-
-    def beat() -> None:
-        while not stop.wait(every_seconds):
-            print(f"[{command}] {label}: still working ({time.time() - started:.0f} s)",
-                  flush=True)
-
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
