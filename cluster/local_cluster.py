@@ -77,7 +77,10 @@ class LocalRayCluster:
         # "Not a cluster" keeps a single node on 127.0.0.1; Ray refuses extra nodes in it.
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1" if self.multi_node else "0",
                # Every node proves itself with the cluster's token (~/.ray/auth_token).
-               "RAY_AUTH_MODE": "token"}
+               "RAY_AUTH_MODE": "token",
+               # Jobs run `python ...` / `bertforge ...` from the raylet's PATH: this
+               # interpreter's environment, activated or not.
+               "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
         # The daemons inherit stdout/stderr: a pipe we stop reading would kill them (EPIPE).
         with open(os.path.join(self.temp_dir, "ray-start.log"), "a") as log:
             subprocess.run(
