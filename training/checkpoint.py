@@ -121,12 +121,17 @@ def verify_safe_to_unpickle(checkpoint_path: str) -> None:
 
 
 def _deepspeed_safe_globals() -> list:
-    """The non-tensor classes DeepSpeed pickles into ZeRO checkpoints: plain data holders."""
+    """The non-tensor classes DeepSpeed pickles into ZeRO checkpoints: plain data holders.
+
+    `getattr` is how pickle rebuilds an enum member (getattr(ZeroStageEnum, "gradients")),
+    seen in multi-rank checkpoints. Allowing it only yields attributes: torch's restricted
+    unpickler still calls nothing that is not on this list.
+    """
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, getattr]
 
 
 def read_metadata(checkpoint_path: str) -> dict[str, Any]:
