@@ -45,6 +45,7 @@ class LocalRayCluster:
         return self.node_ips[0]
 
     def start_head(self, num_cpus: int) -> None:
+        self._ensure_token()
         gcs_port, dashboard_port = free_port(), free_port()
         ip = self._next_ip()
         self._ray_start(
@@ -62,6 +63,19 @@ class LocalRayCluster:
         self._ray_start(self._next_ip(), f"--address={self.gcs_address}",
                         f"--num-cpus={num_cpus}", f"--node-manager-port={free_port()}",
                         f"--object-manager-port={free_port()}")
+
+    def _ensure_token(self) -> None:
+        """Nodes and clients authenticate with ~/.ray/auth_token; a fresh machine has none
+        until something makes one (`ray.init` does; `ray start` does not)."""
+        from cluster.submit import cluster_token
+
+        if cluster_token() is None:
+            subprocess.run([self._ray_cli(), "get-auth-token", "--generate"], check=True,
+                           stdout=subprocess.DEVNULL, timeout=60)
+
+    @staticmethod
+    def _ray_cli() -> str:
+        return os.path.join(os.path.dirname(sys.executable), "ray")
 
     def _next_ip(self) -> str:
         ip = f"127.0.0.{len(self.node_ips) + 2}" if self.multi_node else LOOPBACK
@@ -84,7 +98,7 @@ class LocalRayCluster:
         # The daemons inherit stdout/stderr: a pipe we stop reading would kill them (EPIPE).
         with open(os.path.join(self.temp_dir, "ray-start.log"), "a") as log:
             subprocess.run(
-                [os.path.join(os.path.dirname(sys.executable), "ray"), "start",
+                [self._ray_cli(), "start",
                  f"--node-ip-address={ip}", "--disable-usage-stats", *args, *ports],
                 check=True, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=120,
             )

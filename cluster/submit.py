@@ -72,12 +72,12 @@ def jobs_client(address: str):
     """
     from ray.job_submission import JobSubmissionClient
 
-    token = _cluster_token()
+    token = cluster_token()
     headers = {"authorization": f"Bearer {token}"} if token else None
     return JobSubmissionClient(address, headers=headers)
 
 
-def _cluster_token() -> str | None:
+def cluster_token() -> str | None:
     """RAY_AUTH_TOKEN, else the file at RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token (Ray's own
     lookup order)."""
     if os.environ.get("RAY_AUTH_TOKEN"):
