@@ -5,13 +5,12 @@ weights of an uninterrupted run."""
 import shutil
 import threading
 
-import psutil
 import pytest
 import torch
 
 from cluster.persistence import files_of_rank
 from cluster.ray_train import LaunchConfig, train_on_ray
-from tests.cluster.test_fault_tolerance import KILL_AT_STEP, last_logged_step, recipe
+from tests.cluster.test_fault_tolerance import KILL_AT_STEP, kill_a_worker_after, recipe
 from tests.training.conftest import write_dataset
 from training.checkpoint import load_fp32_state_dict
 
@@ -31,13 +30,7 @@ def test_each_rank_uploads_exactly_its_own_files():
 
 
 def kill_worker_and_lose_local_checkpoints(run_dir, killed: list) -> None:
-    while last_logged_step(run_dir) < KILL_AT_STEP:
-        threading.Event().wait(0.02)
-    for process in psutil.process_iter(["cmdline"]):
-        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
-            process.kill()
-            killed.append(last_logged_step(run_dir))
-            break
+    kill_a_worker_after(run_dir, KILL_AT_STEP, killed)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the node's disk is gone
 
 
@@ -61,7 +54,7 @@ def test_restart_restores_from_storage_when_local_checkpoints_are_gone(tmp_path,
     finally:
         ray.shutdown()
 
-    assert killed and killed[0] >= KILL_AT_STEP
+    assert killed and killed[0][1] >= KILL_AT_STEP
     output = capfd.readouterr()
     assert "restored step" in output.out + output.err
     assert outcome["step"] == 160
