@@ -1,0 +1,488 @@
+"""Training throughput and MFU of BERT on one GPU: our model in the real DeepSpeed engine.
+
+What runs is the training loop's own path: `training.model.BertForPreTraining` (the `large`
+preset by default) wrapped by `training.engine.build_engine` (the DeepSpeed config builder,
+optimizer and schedule the loop uses) from the `bert_large_phase1` recipe's settings (AdamW,
+bf16), with ZeRO-2, micro-batch size and accumulation 1 overridden; each step is the loop's
+`engine(**batch)`, `engine.backward(loss)`, `engine.step()` (an optimizer step every time).
+
+Batches: synthetic ones shaped like real pretraining data (`training.synthetic`: Google's
+length rule with short_seq_prob 0.1, the loader's masking, 15 % at most 20 predictions at 128
+and 80 at 512, the loader's padding), or with `--data DIR` (repeatable) the first batches of a
+prepared shard directory through `training.data.PretrainingLoader` (its max_seq_length is then
+the sequence length). `--num-batches` distinct batches are built and moved to the device
+before timing and cycled: data loading is left out (the loop's loader prefetches in a thread).
+
+Timing: `--warmup` untimed steps, then `--steps` steps, each ended by a device synchronize.
+FLOPs come from `training.flops.training_flops_per_batch` for the batches actually run:
+- "needed" (TFLOP/s and MFU): each row at its real length (padding not counted), the MLM head
+  at the labelled positions only and the last layer at [CLS] + the labelled positions (the
+  work the model needs; the sparse-head savings are not counted as work done);
+- "computed": what the model really computes: every padded position (the loop logs this one).
+MFU = needed TFLOP/s over `--peak-tflops` per GPU (by default looked up from the GPU's name:
+dense bf16 tensor-core peak). A bf16 matmul measured on the same device in the same run is
+printed beside it as the reference for what the chip really reaches.
+
+Results go to `--output-dir` (default benchmarks/results/) as JSON and markdown named by the
+device and the date, e.g. gpu_throughput_nvidia-h100-80gb-hbm3_2026-11-21.json.
+
+    python benchmarks/gpu_throughput.py                      # large, bf16, ZeRO-2, 128 and 512
+    python benchmarks/gpu_throughput.py --seq-lens 128 --micro-batch 256 --compile
+    CUDA_VISIBLE_DEVICES= python benchmarks/gpu_throughput.py --device cpu --config tiny \\
+        --seq-lens 128 --micro-batch 8 --steps 3 --warmup 1 --peak-tflops 1   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from training.flops import mfu, training_flops_per_batch  # noqa: E402
+from training.model import IGNORE_INDEX, PRESETS, BertConfig  # noqa: E402
+
+# Dense (no sparsity) bf16 tensor-core peak of one GPU, TFLOP/s, from NVIDIA's datasheets;
+# the first name contained in torch.cuda.get_device_name() wins, so specific names go first.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H200 NVL", 835.0),
+    ("H100", 989.0),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
+    ("H200", 989.0),
+    ("A100", 312.0),
+)
+# 256 x 128 = 64 x 512 = 32,768 tokens a micro-batch; other lengths keep that token count.
+DEFAULT_MICRO_BATCH = {128: 256, 512: 64}
+TOKENS_PER_MICRO_BATCH = 32_768
+GIB = 2**30
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=sorted(PRESETS), default="large", help="model preset")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--seq-lens", default="128,512", help="comma-separated (synthetic data)")
+    parser.add_argument(
+        "--micro-batch", default=None,
+        help="one value, or one per sequence length (default 256 at 128, 64 at 512, else "
+             f"{TOKENS_PER_MICRO_BATCH:,} tokens)",
+    )
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per sequence length")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    parser.add_argument("--num-batches", type=int, default=8, help="distinct batches, cycled")
+    parser.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3))
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw",
+                        help="lamb needs --zero-stage 0")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="DeepSpeed's engine.compile()")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="dense peak TFLOP/s of one device (default: by GPU name)")
+    parser.add_argument("--data", action="append", default=[],
+                        help="a prepared shard directory (repeatable); its length replaces "
+                             "--seq-lens")
+    parser.add_argument("--short-seq-prob", type=float, default=0.1, help="synthetic lengths")
+    parser.add_argument("--vocab-size", type=int, default=30522, help="synthetic data")
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--output-dir", default=os.path.join(REPO, "benchmarks", "results"))
+    parser.add_argument("--tag", default="", help="appended to the result file names")
+    parser.add_argument("--commit", default=None, help="source commit (default: from git)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.num_batches < 1:
+        parser.error("--steps and --num-batches must be >= 1, --warmup >= 0")
+    return args
+
+
+@dataclass
+class Case:
+    """One measurement: a sequence length, its micro-batch and where its batches come from."""
+
+    seq_len: int
+    micro_batch: int
+    data_dir: str | None = None
+
+
+def plan_cases(args: argparse.Namespace) -> list[Case]:
+    if args.data:
+        from pipelines.manifest import read_manifest
+
+        lengths = [read_manifest(d).instance_params["max_seq_length"] for d in args.data]
+    else:
+        lengths = [int(x) for x in args.seq_lens.split(",") if x.strip()]
+    if args.micro_batch is None:
+        micro = [DEFAULT_MICRO_BATCH.get(n, max(1, TOKENS_PER_MICRO_BATCH // n)) for n in lengths]
+    else:
+        micro = [int(x) for x in args.micro_batch.split(",")]
+        micro = micro * len(lengths) if len(micro) == 1 else micro
+    if len(micro) != len(lengths) or min(micro) < 1:
+        raise SystemExit(f"--micro-batch: give one value or one per length {lengths}")
+    dirs = args.data or [None] * len(lengths)
+    return [Case(n, b, d) for n, b, d in zip(lengths, micro, dirs, strict=True)]
+
+
+def peak_tflops(args: argparse.Namespace, device_name: str) -> tuple[float, str]:
+    """The peak for MFU and where it came from."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops, "--peak-tflops"
+    if args.precision == "bf16":
+        for name, tflops in PEAK_BF16_TFLOPS:
+            if name.lower() in device_name.lower():
+                return tflops, f"bf16 dense peak of {name} (datasheet)"
+    raise SystemExit(
+        f"no known {args.precision} peak for {device_name!r}: give --peak-tflops "
+        "(the device's dense peak TFLOP/s)"
+    )
+
+
+def check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: run with --device cpu (e.g. --config tiny)")
+    if device == "cpu" and torch.cuda.is_available():
+        # DeepSpeed and the process group would pick the GPU (nccl) anyway.
+        raise SystemExit("--device cpu on a machine with CUDA: hide the GPUs with "
+                         "CUDA_VISIBLE_DEVICES= first")
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"CPU {platform.processor() or platform.machine()}"
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_tflops(device: str, repeats: int = 10) -> dict[str, Any]:
+    """A bf16 n x n x n matmul on random data (zeros run faster): what the chip really reaches."""
+    n = 8192 if device == "cuda" else 512
+    generator = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=generator)
+            for _ in range(2))
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    synchronize(device)
+    seconds = (time.perf_counter() - started) / repeats
+    return {"n": n, "dtype": "bf16", "tflops": 2 * n**3 / seconds / 1e12}
+
+
+def batch_counts(batch: dict[str, torch.Tensor], model_config: BertConfig) -> dict[str, int]:
+    """Tokens and training FLOPs of one batch (see the module docstring for the two FLOPs)."""
+    batch_size, width = batch["input_ids"].shape
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    labelled = (batch["labels"] != IGNORE_INDEX).sum(dim=1).tolist()
+    c = model_config
+    shape = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+                 intermediate_size=c.intermediate_size, vocab_size=c.vocab_size)
+    computed = training_flops_per_batch(
+        **shape, batch_size=batch_size, seq_len=width, num_predictions=sum(labelled),
+        last_layer_rows=1 + max(labelled),  # as the model runs it (training.model.output_rows)
+    )
+    needed = sum(
+        training_flops_per_batch(**shape, batch_size=1, seq_len=int(length),
+                                 num_predictions=int(n), last_layer_rows=1 + int(n))
+        for length, n in zip(lengths, labelled, strict=True)
+    )
+    return {"sequences": batch_size, "real_tokens": int(sum(lengths)),
+            "padded_tokens": batch_size * width, "predictions": int(sum(labelled)),
+            "flops_needed": needed, "flops_computed": computed}
+
+
+def make_batches(case: Case, args: argparse.Namespace, rank: int, world_size: int):
+    """(batches on the CPU, vocab size, description of the data)."""
+    if case.data_dir is None:
+        from training.synthetic import synthetic_batches
+
+        batches = synthetic_batches(
+            args.num_batches, case.micro_batch, case.seq_len, args.vocab_size,
+            seed=args.seed + rank, short_seq_prob=args.short_seq_prob,
+        )
+        return batches, args.vocab_size, (
+            f"synthetic: Google length rule (short_seq_prob {args.short_seq_prob}), loader "
+            "masking (15 %, Google's max_predictions), loader padding"
+        )
+    from training.data import PretrainingLoader
+
+    loader = PretrainingLoader(case.data_dir, "train", batch_size=case.micro_batch,
+                               seed=args.seed, rank=rank, world_size=world_size, prefetch=0)
+    batches = []
+    while len(batches) < args.num_batches:  # across epochs if the split is small
+        for batch in loader:
+            batches.append(batch)
+            if len(batches) == args.num_batches:
+                break
+        loader.set_epoch(loader.epoch + 1)
+    return batches, loader.vocab_size, f"shards: {case.data_dir} (train split, first batches)"
+
+
+def train_config(args: argparse.Namespace, case: Case):
+    from training.recipes import bert_large_phase1
+
+    # The recipe's optimizer and precision; one micro-batch per optimizer step.
+    return bert_large_phase1(
+        case.data_dir or "synthetic", os.path.join(args.output_dir, "unused-run-dir"),
+        model={"preset": args.config}, micro_batch_size=case.micro_batch,
+        global_batch_size=None, gradient_accumulation_steps=1, zero_stage=args.zero_stage,
+        precision=args.precision, optimizer=args.optimizer, seed=args.seed,
+        activation_checkpointing=args.activation_checkpointing, max_predictions=None,
+    )
+
+
+def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
+    """Build model + engine, warm up, time `args.steps` steps; totals summed over ranks."""
+    from training.engine import build_engine, deepspeed_config
+    from training.model import BertForPreTraining, num_parameters
+
+    cfg = train_config(args, case)
+    # What an earlier case left allocated (should be ~0: its engine is destroyed).
+    memory_before = torch.cuda.memory_allocated() / GIB if args.device == "cuda" else None
+    cpu_batches, vocab_size, data = make_batches(case, args, rank, world_size)
+    model_config = BertConfig.preset(args.config, vocab_size=vocab_size)
+    counts = [batch_counts(b, model_config) for b in cpu_batches]
+    torch.manual_seed(cfg.seed)
+    model = BertForPreTraining(model_config)
+    model.gradient_checkpointing = cfg.activation_checkpointing
+    parameters = num_parameters(model)
+    engine = build_engine(model, cfg, world_size)
+    if args.compile:
+        engine.compile()
+    batches = [{k: v.to(engine.device) for k, v in b.items()} for b in cpu_batches]
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds, losses = time_steps(engine, batches, args)
+    totals = {key: sum(counts[i % len(counts)][key]
+                       for i in range(args.warmup, args.warmup + args.steps))
+              for key in counts[0]}
+    result = {
+        "seq_len": case.seq_len, "micro_batch": case.micro_batch, "data": data,
+        "parameters": parameters, "deepspeed_config": deepspeed_config(cfg, world_size),
+        "step_ms_median": 1e3 * statistics.median(seconds), "step_ms_min": 1e3 * min(seconds),
+        "step_ms_max": 1e3 * max(seconds),
+        "loss_first": losses[0].item(), "loss_last": losses[-1].item(),
+        "memory_before_gib": memory_before,
+        "peak_memory_gib": (torch.cuda.max_memory_allocated() / GIB
+                            if args.device == "cuda" else None),
+        "peak_memory_reserved_gib": (torch.cuda.max_memory_reserved() / GIB
+                                     if args.device == "cuda" else None),
+        **reduce_over_ranks(totals, sum(seconds), engine.device),
+    }
+    engine.destroy()
+    del engine, model, batches
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def time_steps(engine, batches: list[dict[str, torch.Tensor]], args: argparse.Namespace):
+    """Seconds of each timed step (synchronized) and its loss; the loop's step, micro = step."""
+
+    def step(i: int) -> torch.Tensor:
+        out = engine(**batches[i % len(batches)])
+        engine.backward(out.loss)
+        engine.step()
+        return out.loss.detach()
+
+    for i in range(args.warmup):
+        step(i)
+    synchronize(args.device)
+    seconds, losses = [], []
+    for i in range(args.warmup, args.warmup + args.steps):
+        started = time.perf_counter()
+        losses.append(step(i))
+        synchronize(args.device)
+        seconds.append(time.perf_counter() - started)
+    return seconds, losses
+
+
+def reduce_over_ranks(totals: dict[str, int], seconds: float, device) -> dict[str, Any]:
+    """Counts summed over ranks; the time is the slowest rank's."""
+    keys = sorted(totals)
+    summed = torch.tensor([float(totals[k]) for k in keys], dtype=torch.float64, device=device)
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    out = dict(zip(keys, (int(v) for v in summed.tolist()), strict=True))
+    out["timed_seconds"] = slowest.item()
+    return out
+
+
+def add_rates(result: dict[str, Any], peak: float, world_size: int) -> None:
+    seconds = result["timed_seconds"]
+    result["sequences_per_s"] = result["sequences"] / seconds
+    result["real_tokens_per_s"] = result["real_tokens"] / seconds
+    result["padded_tokens_per_s"] = result["padded_tokens"] / seconds
+    for kind in ("needed", "computed"):
+        tflops = result[f"flops_{kind}"] / seconds / 1e12  # all ranks together
+        result[f"tflops_{kind}"] = tflops
+        result[f"mfu_{kind}"] = mfu(tflops, peak_tflops_per_device=peak, world_size=world_size)
+    result["gflop_needed_per_real_token"] = result["flops_needed"] / result["real_tokens"] / 1e9
+
+
+def _num(x: float) -> str:
+    """1,234 / 12.3 / 0.0123: three significant digits at least, also for a CPU's small rates."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """A markdown table, readable as plain text."""
+    header = ("| seq len | micro batch | step ms (median) | seq/s | real tok/s | padded tok/s "
+              "| TFLOP/s needed | MFU | TFLOP/s computed | MFU computed | peak mem GiB |")
+    lines = [header, "|" + "---:|" * header.count(" | ") + "---:|"]
+    for r in results:
+        memory = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
+        lines.append(
+            f"| {r['seq_len']} | {r['micro_batch']} | {r['step_ms_median']:.1f} "
+            f"| {_num(r['sequences_per_s'])} | {_num(r['real_tokens_per_s'])} "
+            f"| {_num(r['padded_tokens_per_s'])} | {_num(r['tflops_needed'])} "
+            f"| {100 * r['mfu_needed']:.1f} % | {_num(r['tflops_computed'])} "
+            f"| {100 * r['mfu_computed']:.1f} % | {memory} |"
+        )
+    return "\n".join(lines)
+
+
+def source_commit(args: argparse.Namespace) -> str | None:
+    if args.commit:
+        return args.commit
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None  # e.g. a copied working tree without .git
+    return head + (" (with uncommitted changes)" if dirty.strip() else "")
+
+
+def environment(args: argparse.Namespace, name: str, world_size: int) -> dict[str, Any]:
+    import deepspeed
+
+    return {
+        "device": name, "device_type": args.device, "world_size": world_size,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "deepspeed": deepspeed.__version__,
+        "python": platform.python_version(), "commit": source_commit(args),
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+    }
+
+
+def output_paths(output_dir: str, name: str, date: str, tag: str) -> tuple[str, str]:
+    """gpu_throughput_<device>_<date>[_<tag>].{json,md}; never overwrites (suffix _2, _3 ...)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    stem = "_".join(p for p in ("gpu_throughput", slug, date, tag) if p)
+    os.makedirs(output_dir, exist_ok=True)
+    candidate, n = stem, 1
+    while os.path.exists(os.path.join(output_dir, candidate + ".json")):
+        n += 1
+        candidate = f"{stem}_{n}"
+    base = os.path.join(output_dir, candidate)
+    return base + ".json", base + ".md"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env, setup = report["environment"], report["setup"]
+    reference = report["matmul_reference"]
+    return "\n".join([
+        f"# BERT training throughput: {env['device']}, {env['date']}",
+        "",
+        f"- command: `{env['command']}`",
+        f"- commit: {env['commit'] or 'unknown'}; torch {env['torch']}, CUDA {env['cuda']}, "
+        f"DeepSpeed {env['deepspeed']}, Python {env['python']}; {env['world_size']} device(s)",
+        f"- model: {setup['config']} ({report['results'][0]['parameters']:,} parameters), "
+        f"{setup['precision']}, ZeRO-{setup['zero_stage']}, {setup['optimizer']}, "
+        f"activation checkpointing {'on' if setup['activation_checkpointing'] else 'off'}, "
+        f"engine.compile {'on' if setup['compile'] else 'off'}",
+        f"- data: {report['results'][0]['data']}",
+        f"- warm-up steps: {setup['warmup']}, then timed steps: {setup['steps']} per length; "
+        f"{setup['num_batches']} distinct batches cycled, already on the device",
+        f"- peak for MFU: {report['peak_tflops']:g} TFLOP/s per device "
+        f"({report['peak_source']}); measured {reference['dtype']} matmul "
+        f"{reference['n']}^3 on this device: {_num(reference['tflops'])} TFLOP/s",
+        "",
+        table(report["results"]),
+        "",
+        "TFLOP/s needed and MFU: each row at its real length (padding not counted), the MLM "
+        "head and last layer at the labelled positions (+[CLS]) only. TFLOP/s computed: every "
+        "padded position, as the model runs it. Both from training/flops.py.",
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    check_device(args.device)
+    from training.engine import ensure_process_group
+
+    ensure_process_group()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    name = device_name(args.device)
+    peak, peak_source = peak_tflops(args, name)
+    cases = plan_cases(args)
+    reference = matmul_tflops(args.device)
+    results = []
+    for case in cases:
+        result = measure(case, args, rank, world_size)
+        add_rates(result, peak, world_size)
+        results.append(result)
+        if rank == 0 and not math.isfinite(result["loss_last"]):
+            print(f"[gpu_throughput] WARNING: loss {result['loss_last']} at seq {case.seq_len}")
+        if rank == 0:
+            print(f"[gpu_throughput] seq {case.seq_len} x {case.micro_batch}: "
+                  f"{result['step_ms_median']:.1f} ms/step, MFU {100 * result['mfu_needed']:.1f} %",
+                  flush=True)
+    report = {
+        "environment": environment(args, name, world_size),
+        "setup": {key: getattr(args, key) for key in (
+            "config", "precision", "zero_stage", "optimizer", "activation_checkpointing",
+            "compile", "steps", "warmup", "num_batches", "short_seq_prob", "seed")},
+        "peak_tflops": peak, "peak_source": peak_source, "matmul_reference": reference,
+        "flops_accounting": {
+            "needed": "per row at its real length (no padding); MLM head and last layer at "
+                      "[CLS] + labelled positions only; 3x forward (training.flops)",
+            "computed": "padded width; MLM head at labelled positions; last layer at "
+                        "[CLS] + max labels per row (as training.model runs it)",
+            "mfu": "needed TFLOP/s over peak_tflops x world_size",
+        },
+        "results": results,
+    }
+    if rank == 0:
+        json_path, md_path = output_paths(args.output_dir, name, report["environment"]["date"],
+                                          args.tag)
+        report["files"] = {"json": json_path, "markdown": md_path}
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+        with open(md_path, "w", encoding="utf-8") as f:
+            f.write(markdown(report))
+        print("\n" + markdown(report))
+        print(f"wrote {json_path}\nwrote {md_path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""benchmarks/gpu_throughput.py end to end on the CPU (tiny model), and its synthetic batches."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.training.conftest import google_layout_vocab, write_dataset
+from training.masking import IGNORE_INDEX
+from training.model import BertConfig
+from training.synthetic import instance_token_counts, synthetic_batches
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "benchmarks", "gpu_throughput.py")
+
+
+def load_script():
+    if "gpu_throughput" in sys.modules:
+        return sys.modules["gpu_throughput"]
+    spec = importlib.util.spec_from_file_location("gpu_throughput", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lengths_follow_googles_target_rule():
+    counts = instance_token_counts(np.random.default_rng(0), 20_000, 128, short_seq_prob=0.1)
+    full = counts == 125  # 128 - [CLS] - 2 x [SEP]
+    assert counts.min() >= 2 and counts.max() == 125
+    # Short targets are uniform on [2, 125], so ~1/124 of them land on 125 too.
+    assert abs((~full).mean() - 0.1 * 123 / 124) < 0.01
+
+
+def test_synthetic_batches_are_loader_shaped_and_masked_like_google():
+    batches = synthetic_batches(3, 64, 128, 1000, seed=1)
+    for batch in batches:
+        assert set(batch) == {"input_ids", "token_type_ids", "attention_mask", "labels",
+                              "next_sentence_label"}
+        lengths = batch["attention_mask"].sum(dim=1).numpy()
+        assert batch["input_ids"].shape[1] % 8 == 0 and lengths.max() <= 128
+        labelled = (batch["labels"] != IGNORE_INDEX).sum(dim=1).numpy()
+        expected = np.minimum(20, np.maximum(1, np.rint(lengths * 0.15)))
+        np.testing.assert_array_equal(labelled, expected)
+    assert not torch.equal(batches[0]["input_ids"], batches[1]["input_ids"])  # distinct
+
+
+def test_flop_counts_match_the_design_figure_and_padding_is_not_needed_work():
+    script = load_script()
+    config = BertConfig.preset("large")
+    full = synthetic_batches(1, 8, 128, config.vocab_size, short_seq_prob=0.0)[0]
+    counts = script.batch_counts(full, config)
+    assert counts["flops_needed"] == counts["flops_computed"]  # same length, same labels
+    per_token = counts["flops_needed"] / counts["real_tokens"] / 1e9
+    assert 1.8 < per_token < 1.9  # DESIGN: ~1.85 GFLOP per token at 128, 20 predictions
+    mixed = synthetic_batches(1, 64, 128, config.vocab_size, short_seq_prob=0.5)[0]
+    counts = script.batch_counts(mixed, config)
+    assert counts["real_tokens"] < counts["padded_tokens"]
+    assert counts["flops_needed"] < counts["flops_computed"]
+
+
+def test_real_shards_give_the_batches_and_the_length(tmp_path):
+    script = load_script()
+    data_dir = write_dataset(str(tmp_path / "shards"), max_seq_length=64)
+    args = script.parse_args(["--data", data_dir, "--micro-batch", "8", "--num-batches", "12"])
+    [case] = script.plan_cases(args)
+    assert (case.seq_len, case.micro_batch, case.data_dir) == (64, 8, data_dir)
+    batches, vocab_size, data = script.make_batches(case, args, rank=0, world_size=1)
+    assert len(batches) == 12  # 70 rows make 8 batches an epoch: the rest from epoch 1
+    assert vocab_size == len(google_layout_vocab()) and data_dir in data
+    assert all(b["input_ids"].shape[0] == 8 and b["input_ids"].shape[1] <= 64 for b in batches)
+
+
+def test_peak_lookup_by_device_name():
+    script = load_script()
+    args = script.parse_args([])
+    assert script.peak_tflops(args, "NVIDIA H100 80GB HBM3")[0] == 989.0
+    assert script.peak_tflops(args, "NVIDIA H100 PCIe")[0] == 756.0
+    assert script.peak_tflops(args, "NVIDIA H200")[0] == 989.0
+    assert script.peak_tflops(args, "NVIDIA A100-SXM4-80GB")[0] == 312.0
+    with pytest.raises(SystemExit):
+        script.peak_tflops(args, "NVIDIA GeForce RTX 4090")
+    args = script.parse_args(["--peak-tflops", "123"])
+    assert script.peak_tflops(args, "anything") == (123.0, "--peak-tflops")
+
+
+def test_script_runs_on_cpu_and_writes_results(tmp_path):
+    peak = 0.5
+    command = [
+        sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny", "--seq-lens", "64,128",
+        "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
+        "--peak-tflops", str(peak), "--output-dir", str(tmp_path), "--tag", "smoke",
+    ]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [json_file] = list(tmp_path.glob("gpu_throughput_cpu-*_smoke.json"))
+    [md_file] = list(tmp_path.glob("gpu_throughput_cpu-*_smoke.md"))
+    report = json.loads(json_file.read_text())
+    assert report["environment"]["date"] in json_file.name
+    assert report["peak_tflops"] == peak and report["setup"]["zero_stage"] == 2
+    assert report["setup"]["precision"] == "bf16" and report["matmul_reference"]["tflops"] > 0
+    assert [r["seq_len"] for r in report["results"]] == [64, 128]
+    for result in report["results"]:
+        assert result["micro_batch"] == 4 and result["sequences"] == 2 * 4
+        assert result["deepspeed_config"]["zero_optimization"]["stage"] == 2
+        assert result["deepspeed_config"]["bf16"]["enabled"] is True
+        assert result["real_tokens_per_s"] > 0
+        assert result["padded_tokens_per_s"] >= result["real_tokens_per_s"]
+        assert result["sequences_per_s"] > 0 and result["step_ms_median"] > 0
+        assert np.isfinite(result["loss_last"])
+        assert result["mfu_needed"] == pytest.approx(result["tflops_needed"] / peak)
+        assert result["mfu_computed"] == pytest.approx(result["tflops_computed"] / peak)
+        assert 0 < result["tflops_needed"] <= result["tflops_computed"]
+    assert "| seq len | micro batch |" in md_file.read_text()
+    assert "| 128 | 4 |" in done.stdout
