@@ -1,6 +1,7 @@
 """Documents -> sentence-pair instances: the heart of the preparation job.
 
-- sentences split, documents with fewer than two dropped, exact duplicates (same sentences) kept
+- sentences split and tokenized per document (`Doc`), documents with fewer than two sentences
+  dropped, exact duplicates (same sentences) kept
   once (the smallest doc_id), doc_id collisions resolved;
 - each document goes to `validation` when `unit_interval(seed, "split", doc_id)` is below the
   validation fraction, so no document contributes to both splits;
@@ -17,8 +18,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
-import tempfile
 from array import array
 from typing import Any, NamedTuple
 
@@ -28,39 +27,63 @@ from apache_beam.pvalue import AsDict
 
 from pipelines import shards
 from pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, count, reject
+from pipelines.instance_batch import InstanceBatch
 from pipelines.instances import (
     create_instances_from_document,
     document_rng,
     stable_hash,
+    stable_hash_encoding,
     unit_interval,
 )
 from pipelines.prepare_options import PrepareConfig
 from pipelines.records import RawDocument
 from pipelines.sentences import MAX_SENTENCE_CHARS, bound_sentence_length, split_sentences
-from pipelines.tokenization import load_tokenizer, read_vocab
+from pipelines.tokenization import parse_vocab, tokenizer_from_vocab
 
 logger = logging.getLogger(__name__)
 
-# ~20,000 sentences (~2 MB of text) per `encode_batch`: large enough to amortize the call, small
-# enough that the batch's Encoding objects stay a few tens of MB.
+# At most ~20,000 sentences (~2 MB of text) per `encode_batch`, so that a long book's `Encoding`
+# objects stay a few tens of MB.
 TOKENIZE_BATCH_SENTENCES = 20_000
+# Rows per `InstanceBatch` a pool yields: ~8 MB of ids at 128 tokens.
+ROWS_PER_INSTANCE_BATCH = 32_768
 
 
 class Doc(NamedTuple):
+    """A document split into sentences and tokenized: compact, so groupings move little data.
+
+    Tokenizing here, per document, rather than per pool puts the costliest step where the work is
+    finest grained (documents spread evenly over workers; pools are few and uneven), and every
+    later shuffle carries 2 bytes a token instead of the text.
+    """
+
     doc_id: str
     source: str
-    sentences: tuple[str, ...]
-    text_hash: str
+    text_hash: str  # of the sentences: equal texts are duplicates
+    num_chars: int  # characters in its sentences: sizes the random-B pools
+    num_sentences: int  # sentences after splitting, before empty ones are dropped: statistics
+    ids: bytes  # token ids of its non-empty sentences, concatenated, in `shards.id_dtype`
+    sentence_lengths: bytes  # int32 per non-empty sentence: tokens in it
 
 
 def text_hash(sentences: tuple[str, ...]) -> str:
     return hashlib.blake2b("\n".join(sentences).encode("utf-8"), digest_size=16).hexdigest()
 
 
-class SplitSentences(beam.DoFn):
-    """Raw document -> `Doc` with its sentences; fewer than two sentences cannot make a pair."""
+class SplitAndTokenize(beam.DoFn):
+    """Raw document -> `Doc`; fewer than two sentences cannot make a pair.
+
+    The vocabulary travels inside the DoFn as bytes, so workers need no access to its path.
+    """
+
+    def __init__(self, config: PrepareConfig, vocab_bytes: bytes):
+        self._config = config
+        self._vocab_bytes = vocab_bytes
 
     def setup(self) -> None:
+        vocab = parse_vocab(self._vocab_bytes)
+        self._tokenizer = tokenizer_from_vocab(vocab, self._config.lower_case)
+        self._typecode = "H" if shards.id_dtype(len(vocab)) == np.uint16 else "i"
         self._num_seen = 0
 
     def process(self, raw: RawDocument):
@@ -77,13 +100,56 @@ class SplitSentences(beam.DoFn):
         sentences = tuple(sentences)
         self._num_seen += 1
         if self._num_seen % LOG_EVERY_DOCUMENTS == 0:
-            logger.info("split sentences of %d documents in this worker", self._num_seen)
+            logger.info("tokenized %d documents in this worker", self._num_seen)
         if not sentences:
             yield reject("empty_document", raw.source, raw.doc_id)
         elif len(sentences) < 2:
             yield reject("too_few_sentences", raw.source, raw.doc_id, f"{len(sentences)} sentence")
         else:
-            yield Doc(raw.doc_id, raw.source, sentences, text_hash(sentences))
+            ids, lengths = self._tokenize(sentences)
+            if not lengths:
+                yield reject("empty_after_tokenization", raw.source, raw.doc_id)
+                return
+            num_chars = sum(len(sentence) for sentence in sentences)
+            yield Doc(
+                raw.doc_id,
+                raw.source,
+                text_hash(sentences),
+                num_chars,
+                len(sentences),
+                ids.tobytes(),
+                lengths.tobytes(),
+            )
+
+    def _tokenize(self, sentences: tuple[str, ...]) -> tuple[array, array]:
+        """(ids of every sentence concatenated, tokens per sentence); sentences that normalize
+        to nothing (control characters only) are dropped.
+
+        Long documents (books) are encoded in bounded batches: an `Encoding` holds tens of bytes
+        a token (tokens, offsets, masks), the compact ids 2.
+        """
+        ids, lengths = array(self._typecode), array("i")
+        for start in range(0, len(sentences), TOKENIZE_BATCH_SENTENCES):
+            batch = sentences[start : start + TOKENIZE_BATCH_SENTENCES]
+            for encoding in self._tokenizer.encode_batch(batch, add_special_tokens=False):
+                sentence_ids = encoding.ids
+                if sentence_ids:
+                    ids.extend(sentence_ids)
+                    lengths.append(len(sentence_ids))
+        return ids, lengths
+
+
+def sentences_of(doc: Doc, typecode: str) -> list[array]:
+    """The token ids of each non-empty sentence of `doc`."""
+    ids = array(typecode)
+    ids.frombytes(doc.ids)
+    lengths = array("i")
+    lengths.frombytes(doc.sentence_lengths)
+    sentences, start = [], 0
+    for length in lengths:
+        sentences.append(ids[start : start + length])
+        start += length
+    return sentences
 
 
 def keep_first_copy(item: tuple[str, Any]):
@@ -120,7 +186,7 @@ def split_of(seed: int, doc_id: str, validation_fraction: float) -> str:
 def key_by_split(doc: Doc, seed: int, validation_fraction: float) -> tuple[str, Doc]:
     """The split of a document that survived every filter (counted here)."""
     count("documents")
-    count("sentences", len(doc.sentences))
+    count("sentences", doc.num_sentences)
     return split_of(seed, doc.doc_id, validation_fraction), doc
 
 
@@ -143,10 +209,6 @@ def pool_of(
     return stable_hash(seed, "pool", doc_id) % pools
 
 
-def num_chars_of(doc: Doc) -> int:
-    return sum(len(sentence) for sentence in doc.sentences)
-
-
 def key_by_pool(split_and_doc: tuple[str, Doc], split_sizes: dict, config: PrepareConfig):
     """split_sizes: {split: (num_documents, num_chars)}."""
     split, doc = split_and_doc
@@ -166,76 +228,39 @@ def key_by_pool(split_and_doc: tuple[str, Doc], split_sizes: dict, config: Prepa
 
 
 class CreateInstancesFromPool(beam.DoFn):
-    """((split, pool), documents) -> (split, sort key, (ids bytes, num_a_tokens, label)).
+    """((split, pool), documents) -> `InstanceBatch`es of the pool's instances.
 
-    The vocabulary travels inside the DoFn as bytes, so workers need no access to its path.
+    A row's sort key starts with `stable_hash(seed, "order", doc_id, dupe, number)`: a uniform
+    shuffle that any worker computes the same way (see `pipelines.shards`).
     """
 
-    def __init__(self, config: PrepareConfig, vocab_bytes: bytes):
+    def __init__(self, config: PrepareConfig, vocab: dict[str, int]):
         self._config = config
-        self._vocab_bytes = vocab_bytes
-
-    def setup(self) -> None:
-        with tempfile.NamedTemporaryFile("wb", suffix="-vocab.txt", delete=False) as f:
-            f.write(self._vocab_bytes)
-        try:
-            vocab = read_vocab(f.name)
-            self._tokenizer = load_tokenizer(f.name, self._config.lower_case)
-        finally:
-            os.remove(f.name)
         self._cls_id, self._sep_id = vocab["[CLS]"], vocab["[SEP]"]
         self._dtype = shards.id_dtype(len(vocab))
         self._typecode = "H" if self._dtype == np.uint16 else "i"
 
-    def _tokenize(self, docs: list[Doc]) -> list[list[array]]:
-        """Token ids per sentence per document, `encode_batch` on batches of sentences.
-
-        Sentences that normalize to nothing (control characters only) are dropped. Ids are kept
-        as compact arrays (2 bytes an id, not a 36-byte Python int and pointer), and a batch's
-        `Encoding`s (tens of bytes a token: tokens, offsets, masks) are dropped before the next.
-        """
-        flat = [sentence for doc in docs for sentence in doc.sentences]
-        ids: list[array] = []
-        for start in range(0, len(flat), TOKENIZE_BATCH_SENTENCES):
-            batch = flat[start : start + TOKENIZE_BATCH_SENTENCES]
-            encodings = self._tokenizer.encode_batch(batch, add_special_tokens=False)
-            ids.extend(array(self._typecode, e.ids) for e in encodings)
-        tokenized, start = [], 0
-        for doc in docs:
-            tokenized.append([x for x in ids[start : start + len(doc.sentences)] if x])
-            start += len(doc.sentences)
-        return tokenized
-
     def process(self, item: tuple[tuple[str, int], Any]):
         (split, pool), docs = item
         docs = sorted(docs, key=lambda d: d.doc_id)  # the pool's order must not depend on workers
-        kept, token_docs = [], []
-        for doc, sentences in zip(docs, self._tokenize(docs), strict=True):
-            if sentences:
-                kept.append(doc)
-                token_docs.append(sentences)
-            else:
-                yield reject("empty_after_tokenization", doc.source, doc.doc_id)
+        token_docs = [sentences_of(doc, self._typecode) for doc in docs]
+        columns = _BatchColumns(split, self._typecode)
         num_instances = 0
         for dupe in range(self._config.dupe_factor):
-            for index, doc in enumerate(kept):
+            for index, doc in enumerate(docs):
+                order_keys = OrderKeys(self._config.seed, doc.doc_id, dupe)
                 instances = self._instances(index, doc.doc_id, dupe, token_docs)
                 for number, instance in enumerate(instances):
-                    num_instances += 1
-                    yield split, self._sort_key(doc.doc_id, dupe, number), self._payload(instance)
+                    columns.add(order_keys(number), doc.doc_id, dupe, number, instance)
+                num_instances += len(instances)
+                if len(columns) >= ROWS_PER_INSTANCE_BATCH:
+                    yield columns.flush(self._dtype)
+        if len(columns):
+            yield columns.flush(self._dtype)
         count("instances", num_instances)
         logger.info(
-            "pool %s/%d: %d documents -> %d instances", split, pool, len(kept), num_instances
+            "pool %s/%d: %d documents -> %d instances", split, pool, len(docs), num_instances
         )
-
-    def _sort_key(self, doc_id: str, dupe: int, number: int) -> shards.SortKey:
-        """A uniform shuffle key; the rest of the tuple only breaks (astronomically rare) ties."""
-        return stable_hash(self._config.seed, "order", doc_id, dupe, number), doc_id, dupe, number
-
-    def _payload(self, instance) -> tuple[bytes, int, int]:
-        # 2 bytes per id in the shuffle instead of a pickled list of Python ints.
-        ids = np.asarray(instance.input_ids, dtype=self._dtype).tobytes()
-        return ids, instance.num_a_tokens, instance.next_sentence_label
 
     def _instances(self, index: int, doc_id: str, dupe: int, token_docs: list[list[array]]):
         return create_instances_from_document(
@@ -249,6 +274,66 @@ class CreateInstancesFromPool(beam.DoFn):
         )
 
 
+class OrderKeys:
+    """`stable_hash(seed, "order", doc_id, dupe, number)` for successive numbers, cheaply.
+
+    The JSON encoding `stable_hash` hashes is a prefix shared by the document's instances plus the
+    number, so the prefix is encoded once: the same 64-bit keys at a fraction of the cost.
+    """
+
+    def __init__(self, seed: int, doc_id: str, dupe: int):
+        prefix = stable_hash_encoding(seed, "order", doc_id, dupe)
+        self._prefix = prefix[:-1] + b","  # drop the closing "]"
+
+    def __call__(self, number: int) -> int:
+        encoded = self._prefix + str(number).encode() + b"]"
+        return int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "big")
+
+
+class _BatchColumns:
+    """Instances of one split gathered column by column, flushed as `InstanceBatch`es."""
+
+    def __init__(self, split: str, typecode: str):
+        self._split = split
+        self._typecode = typecode
+        self._clear()
+
+    def _clear(self) -> None:
+        self._order_keys: list[int] = []
+        self._doc_ids: list[str] = []
+        self._dupes, self._numbers = array("i"), array("i")
+        self._ids, self._lengths = array(self._typecode), array("i")
+        self._num_a, self._labels = array("H"), array("b")
+
+    def __len__(self) -> int:
+        return len(self._order_keys)
+
+    def add(self, order_key: int, doc_id: str, dupe: int, number: int, instance) -> None:
+        self._order_keys.append(order_key)
+        self._doc_ids.append(doc_id)
+        self._dupes.append(dupe)
+        self._numbers.append(number)
+        self._ids.extend(instance.input_ids)
+        self._lengths.append(len(instance.input_ids))
+        self._num_a.append(instance.num_a_tokens)
+        self._labels.append(instance.next_sentence_label)
+
+    def flush(self, dtype: np.dtype) -> InstanceBatch:
+        batch = InstanceBatch(
+            self._split,
+            np.array(self._order_keys, dtype=np.uint64),
+            tuple(self._doc_ids),
+            np.frombuffer(self._dupes, dtype=np.int32).copy(),
+            np.frombuffer(self._numbers, dtype=np.int32).copy(),
+            np.frombuffer(self._ids, dtype=dtype).copy(),
+            np.frombuffer(self._lengths, dtype=np.int32).copy(),
+            np.frombuffer(self._num_a, dtype=np.uint16).copy(),
+            np.frombuffer(self._labels, dtype=np.int8).copy(),
+        )
+        self._clear()
+        return batch
+
+
 def _sum_pairs(pairs) -> tuple[int, int]:
     pairs = list(pairs)
     return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
@@ -257,7 +342,7 @@ def _sum_pairs(pairs) -> tuple[int, int]:
 class CreatePretrainingInstances(beam.PTransform):
     """Raw documents -> {"instances", "rejects", "document_stats"}.
 
-    instances: (split, sort key, (input_ids bytes, num_a_tokens, next_sentence_label));
+    instances: `InstanceBatch`es (a pool's instances, as columns);
     document_stats: one dict {split: (num_documents, num_sentences)}.
     """
 
@@ -268,9 +353,9 @@ class CreatePretrainingInstances(beam.PTransform):
 
     def expand(self, raw_documents):
         config = self._config
-        split = raw_documents | "SplitSentences" >> beam.ParDo(SplitSentences()).with_outputs(
-            REJECTS, main="docs"
-        )
+        split = raw_documents | "SplitAndTokenize" >> beam.ParDo(
+            SplitAndTokenize(config, self._vocab_bytes)
+        ).with_outputs(REJECTS, main="docs")
         unique = (
             split.docs
             | "KeyByText" >> beam.Map(lambda d: (d.text_hash, d))
@@ -291,12 +376,12 @@ class CreatePretrainingInstances(beam.PTransform):
         )
         split_sizes = (
             by_split
-            | "DocChars" >> beam.MapTuple(lambda s, d: (s, (1, num_chars_of(d))))
+            | "DocChars" >> beam.MapTuple(lambda s, d: (s, (1, d.num_chars)))
             | "SizePerSplit" >> beam.CombinePerKey(_sum_pairs)
         )
         document_stats = (
             by_split
-            | "DocSentences" >> beam.MapTuple(lambda s, d: (s, (1, len(d.sentences))))
+            | "DocSentences" >> beam.MapTuple(lambda s, d: (s, (1, d.num_sentences)))
             | "SumPerSplit" >> beam.CombinePerKey(_sum_pairs)
             | "StatsDict" >> beam.combiners.ToDict()
         )
@@ -305,18 +390,15 @@ class CreatePretrainingInstances(beam.PTransform):
             | "AssignPool" >> beam.Map(key_by_pool, AsDict(split_sizes), config)
             | "GroupPools" >> beam.GroupByKey()
             | "CreateInstances"
-            >> beam.ParDo(CreateInstancesFromPool(config, self._vocab_bytes)).with_outputs(
-                REJECTS, main="instances"
-            )
+            >> beam.ParDo(CreateInstancesFromPool(config, parse_vocab(self._vocab_bytes)))
         )
         rejects = (
             split[REJECTS],
             unique[REJECTS],
             docs[REJECTS],
-            instances[REJECTS],
         ) | "FlattenRejects" >> beam.Flatten()
         return {
-            "instances": instances.instances,
+            "instances": instances,
             "rejects": rejects,
             "document_stats": document_stats,
         }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from itertools import chain
 from typing import NamedTuple
 
 Sentence = list[int]  # token ids of one sentence, no special tokens
@@ -39,8 +40,14 @@ def stable_hash(*parts: str | int) -> int:
 
     JSON encoding keeps ("a", "bc") and ("ab", "c") apart, and 1 apart from "1".
     """
-    encoded = json.dumps(parts, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "big")
+    return int.from_bytes(
+        hashlib.blake2b(stable_hash_encoding(*parts), digest_size=8).digest(), "big"
+    )
+
+
+def stable_hash_encoding(*parts: str | int) -> bytes:
+    """The bytes `stable_hash` hashes: `parts` as a compact JSON array."""
+    return json.dumps(parts, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
 def unit_interval(*parts: str | int) -> float:
@@ -62,18 +69,27 @@ def truncate_seq_pair(
     avoids always cutting sentence endings. Ends are tracked as indices and sliced once, so a
     pathological 100k-token "sentence" costs O(n), not O(n^2) `del tokens[0]`s.
     """
-    bounds = {"a": [0, len(tokens_a)], "b": [0, len(tokens_b)]}
-    length = {"a": len(tokens_a), "b": len(tokens_b)}
-    while length["a"] + length["b"] > max_num_tokens:
-        side = "a" if length["a"] > length["b"] else "b"
-        assert length[side] >= 1
-        if rng.random() < 0.5:
-            bounds[side][0] += 1
+    length_a, length_b = len(tokens_a), len(tokens_b)
+    front_a = back_a = front_b = back_b = 0  # tokens to cut at each end
+    draw = rng.random
+    while length_a + length_b > max_num_tokens:
+        if length_a > length_b:
+            if draw() < 0.5:
+                front_a += 1
+            else:
+                back_a += 1
+            length_a -= 1
         else:
-            bounds[side][1] -= 1
-        length[side] -= 1
-    tokens_a[:] = tokens_a[bounds["a"][0] : bounds["a"][1]]
-    tokens_b[:] = tokens_b[bounds["b"][0] : bounds["b"][1]]
+            assert length_b >= 1
+            if draw() < 0.5:
+                front_b += 1
+            else:
+                back_b += 1
+            length_b -= 1
+    if front_a or back_a:
+        tokens_a[:] = tokens_a[front_a : len(tokens_a) - back_a]
+    if front_b or back_b:
+        tokens_b[:] = tokens_b[front_b : len(tokens_b) - back_b]
 
 
 def _draw_other_document(doc_index: int, num_documents: int, rng: random.Random) -> int | None:
@@ -163,7 +179,7 @@ def _pair_from_chunk(
     a_end = 1
     if len(chunk) >= 2:
         a_end = rng.randint(1, len(chunk) - 1)
-    tokens_a = [token for sentence in chunk[:a_end] for token in sentence]
+    tokens_a = list(chain.from_iterable(chunk[:a_end]))
 
     if len(chunk) == 1 or rng.random() < RANDOM_NEXT_PROB:
         random_index = _draw_other_document(doc_index, len(documents), rng)
@@ -174,5 +190,5 @@ def _pair_from_chunk(
         if len(chunk) == 1:
             return None  # no other document and no real next segment in this chunk
         # No other document could be drawn: Google would label a same-document B "random".
-    tokens_b = [token for sentence in chunk[a_end:] for token in sentence]
+    tokens_b = list(chain.from_iterable(chunk[a_end:]))
     return tokens_a, tokens_b, NEXT_IS_REAL, 0

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -43,7 +41,7 @@ from pipelines.prepare_options import (  # noqa: F401
     help_text,
 )
 from pipelines.read_inputs import ReadInputs, match_inputs
-from pipelines.tokenization import read_vocab
+from pipelines.tokenization import parse_vocab
 from pipelines.write_manifest import WriteManifest, write_rejects_file
 from pipelines.write_shards import WriteShards
 
@@ -58,7 +56,7 @@ class PrepareDataset(beam.PTransform):
         self._config = config
         self._files = files
         self._vocab_bytes = vocab_bytes
-        self._vocab_size = len(_parse_vocab(vocab_bytes))
+        self._vocab_size = len(parse_vocab(vocab_bytes))
 
     def expand(self, pbegin):
         config = self._config
@@ -98,16 +96,6 @@ class PrepareDataset(beam.PTransform):
                 AsSingleton(num_input_records),
             )
         )
-
-
-def _parse_vocab(vocab_bytes: bytes) -> dict[str, int]:
-    """`read_vocab` on bytes (it validates the special tokens)."""
-    with tempfile.NamedTemporaryFile("wb", suffix="-vocab.txt", delete=False) as f:
-        f.write(vocab_bytes)
-    try:
-        return read_vocab(f.name)
-    finally:
-        os.remove(f.name)
 
 
 def _summary(data_dir: str, seconds: float) -> dict[str, Any]:
@@ -152,7 +140,7 @@ def build_pipeline(argv: list[str]) -> tuple[beam.Pipeline, PrepareConfig]:
         stale = FileSystems.join(config.output, manifest.MANIFEST_NAME)
         if FileSystems.exists(stale):
             FileSystems.delete([stale])  # incomplete until this run's manifest lands
-    _warn_on_casing_mismatch(_parse_vocab(vocab_bytes), config.lower_case)
+    _warn_on_casing_mismatch(parse_vocab(vocab_bytes), config.lower_case)
     pipeline = beam.Pipeline(options=options)
     _ = pipeline | "PrepareDataset" >> PrepareDataset(config, files, vocab_bytes)
     return pipeline, config

@@ -22,7 +22,7 @@ shard's start, so the copied batches are exactly the batches of a shard written 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import BinaryIO
 
 import numpy as np
@@ -98,44 +98,75 @@ def id_dtype(vocab_size: int) -> np.dtype:
 
 
 def _record_batch(
-    rows: list[tuple[bytes, int, int, str]], schema: pa.Schema, dtype: np.dtype
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    num_a: np.ndarray,
+    labels: np.ndarray,
+    doc_ids: Sequence[str],
+    schema: pa.Schema,
 ) -> pa.RecordBatch:
-    ids = [np.frombuffer(row[0], dtype=dtype) for row in rows]
-    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
-    np.cumsum([len(x) for x in ids], out=offsets[1:])
-    values = np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)
     arrays = [
-        pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
-        pa.array([row[1] for row in rows], type=pa.uint16()),
-        pa.array([row[2] for row in rows], type=pa.int8()),
-        pa.array([row[3] for row in rows], type=pa.string()),
+        pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(ids)),
+        pa.array(num_a, type=pa.uint16()),
+        pa.array(labels, type=pa.int8()),
+        pa.array(list(doc_ids), type=pa.string()),
     ]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def write_columns(
+    sink: BinaryIO,
+    ids: np.ndarray,
+    lengths: np.ndarray,
+    num_a: np.ndarray,
+    labels: np.ndarray,
+    doc_ids: Sequence[str],
+    vocab_size: int,
+) -> tuple[int, int]:
+    """Write rows given as columns, in order, as one Arrow IPC file; returns (rows, tokens).
+
+    Row r's ids are the next `lengths[r]` entries of `ids` (`id_dtype(vocab_size)`). The IPC
+    *file* format (not the stream format) has a footer with every batch's offset, so readers
+    memory-map it and reach any row with one seek.
+    """
+    schema = manifest.shard_schema(vocab_size)
+    ids = np.asarray(ids, dtype=id_dtype(vocab_size))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
+        for start in range(0, len(lengths), ROWS_PER_BATCH):
+            end = min(start + ROWS_PER_BATCH, len(lengths))
+            batch_offsets = offsets[start : end + 1] - offsets[start]
+            batch_ids = ids[offsets[start] : offsets[end]]
+            writer.write_batch(
+                _record_batch(
+                    batch_ids,
+                    batch_offsets,
+                    num_a[start:end],
+                    labels[start:end],
+                    doc_ids[start:end],
+                    schema,
+                )
+            )
+    return len(lengths), int(offsets[-1])
 
 
 def write_shard(
     sink: BinaryIO, rows: Iterable[tuple[bytes, int, int, str]], vocab_size: int
 ) -> tuple[int, int]:
-    """Write rows (ids bytes, num_a_tokens, label, doc_id), in order, as one Arrow IPC file.
-
-    Returns (num_rows, num_tokens). The IPC *file* format (not the stream format) has a footer
-    with every batch's offset, so readers memory-map it and reach any row with one seek.
-    """
-    schema = manifest.shard_schema(vocab_size)
+    """`write_columns` for rows (ids bytes, num_a_tokens, label, doc_id)."""
+    rows = list(rows)
     dtype = id_dtype(vocab_size)
-    num_rows = num_tokens = 0
-    batch: list[tuple[bytes, int, int, str]] = []
-    with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
-        for row in rows:
-            batch.append(row)
-            num_rows += 1
-            num_tokens += len(row[0]) // dtype.itemsize
-            if len(batch) == ROWS_PER_BATCH:
-                writer.write_batch(_record_batch(batch, schema, dtype))
-                batch = []
-        if batch:
-            writer.write_batch(_record_batch(batch, schema, dtype))
-    return num_rows, num_tokens
+    ids = [np.frombuffer(row[0], dtype=dtype) for row in rows]
+    return write_columns(
+        sink,
+        np.concatenate(ids) if ids else np.zeros(0, dtype=dtype),
+        np.array([len(x) for x in ids], dtype=np.int64),
+        np.array([row[1] for row in rows], dtype=np.uint16),
+        np.array([row[2] for row in rows], dtype=np.int8),
+        [row[3] for row in rows],
+        vocab_size,
+    )
 
 
 def concat_shard(sink: BinaryIO, pieces: Iterable[BinaryIO], vocab_size: int) -> None:

@@ -6,6 +6,8 @@ and model settings that BertTokenizerFast uses, so ids match bit for bit.
 
 from __future__ import annotations
 
+import io
+
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import WordPiece
 
@@ -14,14 +16,21 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 def read_vocab(vocab_path: str) -> dict[str, int]:
     """Google's layout: one token per line, id = line number."""
-    with open(vocab_path, encoding="utf-8") as f:
-        tokens = [line.rstrip("\n") for line in f]
+    with open(vocab_path, "rb") as f:
+        return parse_vocab(f.read(), vocab_path)
+
+
+def parse_vocab(vocab_bytes: bytes, name: str = "the vocabulary") -> dict[str, int]:
+    """`read_vocab` on the file's bytes (the preparation job ships the vocabulary as bytes)."""
+    # Universal newlines, as reading the file in text mode gives.
+    lines = io.StringIO(vocab_bytes.decode("utf-8"), newline=None)
+    tokens = [line.rstrip("\n") for line in lines]
     while tokens and tokens[-1] == "":
         tokens.pop()  # a trailing blank line is not a token
     vocab = {token: index for index, token in enumerate(tokens)}
     missing = [t for t in SPECIAL_TOKENS if t not in vocab]
     if missing:
-        raise ValueError(f"{vocab_path} lacks the BERT special tokens {missing}")
+        raise ValueError(f"{name} lacks the BERT special tokens {missing}")
     return vocab
 
 
@@ -30,7 +39,11 @@ def load_tokenizer(vocab_path: str, lower_case: bool) -> Tokenizer:
 
     It encodes without special tokens: instance building adds [CLS]/[SEP] itself.
     """
-    vocab = read_vocab(vocab_path)
+    return tokenizer_from_vocab(read_vocab(vocab_path), lower_case)
+
+
+def tokenizer_from_vocab(vocab: dict[str, int], lower_case: bool) -> Tokenizer:
+    """`load_tokenizer` on a parsed vocabulary."""
     tokenizer = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
     # strip_accents=None means "follow lowercase", exactly as BertTokenizerFast does.
     tokenizer.normalizer = normalizers.BertNormalizer(

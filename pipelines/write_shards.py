@@ -1,17 +1,18 @@
-"""Keyed instances -> shard files in exact global order (the Beam side of `pipelines.shards`).
+"""Instance batches -> shard files in exact global order (the Beam side of `pipelines.shards`).
 
-Memory per worker is bounded by the piece size, not the shard size: instances are grouped by
+Memory per worker is bounded by the piece size, not the shard size: rows are grouped by
 piece (at most `rows_per_piece` consecutive ranks of one shard), each piece is sorted and written
 as a temporary Arrow file, and a last step per shard streams its pieces' batches into the shard.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
-from bisect import bisect_right
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import AsSingleton
@@ -19,33 +20,44 @@ from apache_beam.pvalue import AsSingleton
 from pipelines import manifest, shards
 from pipelines.beam_common import count
 from pipelines.filesystem import sha256_of
+from pipelines.instance_batch import InstanceBatch, concat, count_before
 
 logger = logging.getLogger(__name__)
 
 
-def plan_boundaries(bucket_counts: list, shards_per_split: dict[str, int], rows_per_piece: int):
-    """[((split, bucket), count)] -> the ranks whose keys cut shards and pieces.
+def bucket_counts(batch: InstanceBatch) -> tuple[str, np.ndarray]:
+    """(split, rows per bucket): int64 [2 ** BUCKET_BITS], summed over batches per split."""
+    buckets = (batch.order_keys >> np.uint64(64 - shards.BUCKET_BITS)).astype(np.int64)
+    return batch.split, np.bincount(buckets, minlength=1 << shards.BUCKET_BITS)
+
+
+def add_counts(counts) -> np.ndarray:
+    return functools.reduce(np.add, counts)
+
+
+def plan_boundaries(split_counts: list, shards_per_split: dict[str, int], rows_per_piece: int):
+    """[(split, rows per bucket)] -> the ranks whose keys cut shards and pieces.
 
     {"num_rows": {split: N}, "located": {(split, bucket): [(rank inside the bucket, rank)]}}.
     """
-    per_split: dict[str, dict[int, int]] = {}
-    for (split, bucket), num_rows in bucket_counts:
-        per_split.setdefault(split, {})[bucket] = num_rows
     plan: dict = {"num_rows": {}, "located": {}}
-    for split, counts in per_split.items():
-        num_rows = sum(counts.values())
+    for split, counts in split_counts:
+        nonzero = np.flatnonzero(counts)
+        per_bucket = dict(zip(nonzero.tolist(), counts[nonzero].tolist(), strict=True))
+        num_rows = int(counts.sum())
         plan["num_rows"][split] = num_rows
         ranks = shards.piece_starts(num_rows, shards_per_split[split], rows_per_piece)
-        for bucket, pairs in shards.locate_ranks(counts, ranks).items():
+        for bucket, pairs in shards.locate_ranks(per_bucket, ranks).items():
             plan["located"][(split, bucket)] = pairs
     return plan
 
 
-def keys_in_boundary_buckets(instance, plan: dict):
-    split, sort_key, _ = instance
-    bucket = (split, shards.bucket_of(sort_key[0]))
-    if bucket in plan["located"]:
-        yield bucket, sort_key
+def keys_in_boundary_buckets(batch: InstanceBatch, plan: dict):
+    """((split, bucket), sort key) of every row in a bucket that holds a boundary rank."""
+    located = [bucket for split, bucket in plan["located"] if split == batch.split]
+    buckets = batch.order_keys >> np.uint64(64 - shards.BUCKET_BITS)
+    for row in np.flatnonzero(np.isin(buckets, np.array(located, dtype=np.uint64))).tolist():
+        yield (batch.split, int(buckets[row])), batch.sort_key(row)
 
 
 def pick_boundary_keys(item, plan: dict):
@@ -71,12 +83,16 @@ def boundary_keys_by_split(pairs: list, plan: dict, shards_per_split: dict[str, 
     return bounds
 
 
-def assign_piece(instance, bounds: dict):
-    """(split, sort key, payload) -> ((split, shard, piece), (sort key, payload))."""
-    split, sort_key, payload = instance
-    shard_keys, piece_keys = bounds[split]
-    piece = (split, shards.shard_of(sort_key, shard_keys), bisect_right(piece_keys, sort_key))
-    return piece, (sort_key, payload)
+def split_into_pieces(batch: InstanceBatch, bounds: dict):
+    """A batch -> ((split, shard, piece), the batch's rows in that piece) per piece it touches."""
+    shard_keys, piece_keys = bounds[batch.split]
+    shard = count_before(batch, shard_keys)
+    piece = count_before(batch, piece_keys)
+    order = np.argsort(piece, kind="stable")
+    starts = np.flatnonzero(np.r_[True, piece[order][1:] != piece[order][:-1]])
+    for rows in np.split(order, starts[1:]):
+        first = int(rows[0])
+        yield (batch.split, int(shard[first]), int(piece[first])), batch.take(rows)
 
 
 def _create(path: str):
@@ -95,16 +111,20 @@ class WritePieceFile(beam.DoFn):
         self._shards_per_split = shards_per_split
 
     def process(self, item):
-        (split, index, piece), values = item
-        rows = sorted(values, key=lambda v: v[0])
+        (split, index, piece), batches = item
+        rows = concat(list(batches)).sorted()
         rel_path = manifest.shard_file_name(split, index, self._shards_per_split[split])
         # Unique: a retried bundle may race an old one; only the committed output's file is used.
         path = FileSystems.join(self._output, f"{rel_path}.piece{piece}-{uuid.uuid4().hex}.tmp")
         sink = _create(path)
         try:
-            num_rows, num_tokens = shards.write_shard(
+            num_rows, num_tokens = shards.write_columns(
                 sink,
-                ((ids, num_a, label, key[1]) for key, (ids, num_a, label) in rows),
+                rows.ids,
+                rows.lengths,
+                rows.num_a,
+                rows.labels,
+                rows.doc_ids,
                 self._vocab_size,
             )
         finally:
@@ -155,7 +175,7 @@ class WriteShardFile(beam.DoFn):
 
 
 class WriteShards(beam.PTransform):
-    """Keyed instances -> shard files in exact global order; yields one entry dict per shard."""
+    """`InstanceBatch`es -> shard files in exact global order; yields one entry dict per shard."""
 
     def __init__(
         self,
@@ -174,8 +194,8 @@ class WriteShards(beam.PTransform):
         shards_per_split = self._shards_per_split
         plan = (
             instances
-            | "KeyByBucket" >> beam.Map(lambda x: ((x[0], shards.bucket_of(x[1][0])), 1))
-            | "CountPerBucket" >> beam.CombinePerKey(sum)
+            | "CountPerBucket" >> beam.Map(bucket_counts)
+            | "SumPerSplit" >> beam.CombinePerKey(add_counts)
             | "BucketCounts" >> beam.combiners.ToList()
             | "LocateBoundaries"
             >> beam.Map(plan_boundaries, shards_per_split, self._rows_per_piece)
@@ -191,7 +211,7 @@ class WriteShards(beam.PTransform):
         )
         pieces = (
             instances
-            | "AssignPiece" >> beam.Map(assign_piece, AsSingleton(boundaries))
+            | "SplitIntoPieces" >> beam.FlatMap(split_into_pieces, AsSingleton(boundaries))
             | "GroupPieces" >> beam.GroupByKey()
             | "WritePieceFiles"
             >> beam.ParDo(WritePieceFile(self._output, self._vocab_size, shards_per_split))

@@ -308,7 +308,8 @@ def test_create_pretraining_instances_provenance():
         created = (
             pipeline | beam.Create(docs) | CreatePretrainingInstances(config, _synthetic_vocab())
         )
-        assert_that(created["instances"], _check_provenance(config, docs), label="CheckProvenance")
+        rows = created["instances"] | "Rows" >> beam.FlatMap(lambda batch: list(batch.rows()))
+        assert_that(rows, _check_provenance(config, docs), label="CheckProvenance")
         assert_that(created["rejects"], equal_to([]), label="CheckNoRejects")
         totals = created["document_stats"] | "TotalDocs" >> beam.Map(
             lambda d: sum(v[0] for v in d.values())
