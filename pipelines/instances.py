@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from itertools import chain
+from collections.abc import Sequence
 from typing import NamedTuple
 
-Sentence = list[int]  # token ids of one sentence, no special tokens
+# Token ids of one sentence, no special tokens: a list, or a compact `array` (the Beam job's).
+Sentence = list[int]
 Document = list[Sentence]
 
 NEXT_IS_REAL = 0  # Google and Hugging Face: 0 = B follows A, 1 = B is random
@@ -30,7 +31,7 @@ MAX_RANDOM_DOCUMENT_TRIES = 10
 
 
 class Instance(NamedTuple):
-    input_ids: list[int]  # [CLS] A [SEP] B [SEP], no padding
+    input_ids: list[int]  # [CLS] A [SEP] B [SEP], no padding; the type of the sentences given
     num_a_tokens: int  # len([CLS] A [SEP]) = len(A) + 2
     next_sentence_label: int  # NEXT_IS_REAL or NEXT_IS_RANDOM
 
@@ -103,10 +104,10 @@ def _draw_other_document(doc_index: int, num_documents: int, rng: random.Random)
 
 def _random_segment(document: Document, target_length: int, rng: random.Random) -> list[int]:
     """Sentences of `document` from a random start until `target_length` tokens are gathered."""
-    tokens: list[int] = []
     random_start = rng.randint(0, len(document) - 1)
+    tokens = _empty_like(document[0])
     for sentence in document[random_start:]:
-        tokens.extend(sentence)
+        tokens += sentence
         if len(tokens) >= target_length:
             break
     return tokens
@@ -115,8 +116,26 @@ def _random_segment(document: Document, target_length: int, rng: random.Random) 
 def _build_instance(
     tokens_a: list[int], tokens_b: list[int], label: int, cls_id: int, sep_id: int
 ) -> Instance:
-    input_ids = [cls_id, *tokens_a, sep_id, *tokens_b, sep_id]
+    input_ids = _empty_like(tokens_a)
+    input_ids.append(cls_id)
+    input_ids += tokens_a
+    input_ids.append(sep_id)
+    input_ids += tokens_b
+    input_ids.append(sep_id)
     return Instance(input_ids, len(tokens_a) + 2, label)
+
+
+def _empty_like(tokens: Sequence[int]) -> Sequence[int]:
+    """An empty sequence of the type of `tokens`: sentences may be lists or compact `array`s,
+    and gathering arrays into an array copies memory instead of creating an int per token."""
+    return tokens[:0]
+
+
+def _concat(sentences: list[Sentence]) -> Sequence[int]:
+    tokens = _empty_like(sentences[0])
+    for sentence in sentences:
+        tokens += sentence
+    return tokens
 
 
 def create_instances_from_document(
@@ -179,7 +198,7 @@ def _pair_from_chunk(
     a_end = 1
     if len(chunk) >= 2:
         a_end = rng.randint(1, len(chunk) - 1)
-    tokens_a = list(chain.from_iterable(chunk[:a_end]))
+    tokens_a = _concat(chunk[:a_end])
 
     if len(chunk) == 1 or rng.random() < RANDOM_NEXT_PROB:
         random_index = _draw_other_document(doc_index, len(documents), rng)
@@ -190,5 +209,5 @@ def _pair_from_chunk(
         if len(chunk) == 1:
             return None  # no other document and no real next segment in this chunk
         # No other document could be drawn: Google would label a same-document B "random".
-    tokens_b = list(chain.from_iterable(chunk[a_end:]))
+    tokens_b = _concat(chunk[a_end:])
     return tokens_a, tokens_b, NEXT_IS_REAL, 0

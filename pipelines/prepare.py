@@ -141,7 +141,7 @@ def build_pipeline(argv: list[str]) -> tuple[beam.Pipeline, PrepareConfig]:
         if FileSystems.exists(stale):
             FileSystems.delete([stale])  # incomplete until this run's manifest lands
     _warn_on_casing_mismatch(parse_vocab(vocab_bytes), config.lower_case)
-    pipeline = beam.Pipeline(options=options)
+    pipeline = beam.Pipeline(runner=_local_runner(standard.runner), options=options)
     _ = pipeline | "PrepareDataset" >> PrepareDataset(config, files, vocab_bytes)
     return pipeline, config
 
@@ -176,6 +176,21 @@ def _counters(result: beam.runners.runner.PipelineResult) -> dict[str, int]:
     return {
         c.key.metric.name: c.committed if c.committed is not None else c.attempted for c in counters
     }
+
+
+def _local_runner(name: str):
+    """Beam's FnApiRunner for "DirectRunner"; None (the named runner) for anything else.
+
+    Beam's DirectRunner first tries the Prism runner, which downloads a Go binary from GitHub:
+    offline that fails (after a DNS lookup) and falls back to the FnApiRunner, online it silently
+    runs elsewhere. Naming the FnApiRunner keeps local runs the same on every machine; it honours
+    --direct_num_workers and --direct_running_mode as the DirectRunner does.
+    """
+    if name.split(".")[-1] not in ("DirectRunner", "direct"):
+        return None
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+    return FnApiRunner()
 
 
 def _warn_on_casing_mismatch(vocab: dict[str, int], lower_case: bool) -> None:
