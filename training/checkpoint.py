@@ -9,6 +9,10 @@ Layout under a run directory:
         bertforge.json                    model config, vocab hash, casing: enough to export/eval
         vocab.txt                         a copy, so the checkpoint stands alone
         COMMITTED                         JSON {step, ...}: the checkpoint counts only with it
+    checkpoints/step_00000300.universal/  made on a resume with another number of workers
+        mp_rank_00_model_states.pt ...    under ZeRO >= 1 (see convert_to_universal): DeepSpeed's
+        zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt  universal layout, whole (unsharded) tensors
+        COMMITTED                         written last, as above
 
 A kill while saving leaves a tag without COMMITTED; it is ignored on resume and removed later.
 """
@@ -20,6 +24,7 @@ import os
 import pickle
 import re
 import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -29,7 +34,10 @@ import torch.distributed as dist
 CHECKPOINTS_DIR = "checkpoints"
 COMMIT_MARKER = "COMMITTED"
 METADATA_NAME = "bertforge.json"
+UNIVERSAL_SUFFIX = ".universal"
 _TAG_PATTERN = re.compile(r"^step_(\d{8})$")
+_UNIVERSAL_PATTERN = re.compile(r"^step_(\d{8})\.universal$")
+_UNIVERSAL_STAGING_PREFIX = ".universal-staging-"
 
 
 def tag_for_step(step: int) -> str:
@@ -82,20 +90,91 @@ def save(
     return path
 
 
-def load(engine, checkpoint_path: str) -> dict[str, Any]:
-    """Restore DeepSpeed state and this rank's RNG; returns the client_state."""
-    root, tag = os.path.split(checkpoint_path.rstrip("/"))
+def load(engine, checkpoint_path: str, *, universal: bool = False) -> dict[str, Any]:
+    """Restore DeepSpeed state and this rank's RNG; returns the client_state.
+
+    Collective. `universal`: the checkpoint was saved by another number of workers under ZeRO
+    >= 1; it is converted once (convert_to_universal) and loaded through DeepSpeed's universal
+    path, which re-shards the fp32 master weights and optimizer moments for this world size.
+    The engine must have been built with `"checkpoint": {"load_universal": true}`.
+    """
     if not os.path.exists(os.path.join(checkpoint_path, COMMIT_MARKER)):
         raise ValueError(f"{checkpoint_path} is not a complete checkpoint (no {COMMIT_MARKER})")
-    verify_safe_to_unpickle(checkpoint_path)
+    deepspeed_path = convert_to_universal(checkpoint_path) if universal else checkpoint_path
+    verify_safe_to_unpickle(deepspeed_path)
+    root, tag = os.path.split(deepspeed_path.rstrip("/"))
     _, client_state = engine.load_checkpoint(root, tag=tag)
     if client_state is None:
-        raise ValueError(f"DeepSpeed could not load the checkpoint at {checkpoint_path}")
+        raise ValueError(f"DeepSpeed could not load the checkpoint at {deepspeed_path}")
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_path = os.path.join(checkpoint_path, f"rng_rank_{rank:05d}.pt")
     if os.path.exists(rng_path):  # absent when resuming on more ranks than were saved
         _set_rng_state(torch.load(rng_path, weights_only=True))
     return client_state
+
+
+def universal_path(checkpoint_path: str) -> str:
+    """Where the universal form of a checkpoint lives: a sibling, step_00000300.universal."""
+    return checkpoint_path.rstrip("/") + UNIVERSAL_SUFFIX
+
+
+def convert_to_universal(checkpoint_path: str) -> str:
+    """Collective: the universal form of a ZeRO >= 1 checkpoint, made once; returns its path.
+
+    One process per node converts (local rank 0, so each node's own disk has it when the run
+    directory is not shared) while the others wait at the barrier. The conversion is written
+    into a staging directory and renamed into place with its own commit marker, so a kill
+    mid-way never leaves a half-written conversion that a later resume would load. Where two
+    nodes share the disk, the second rename fails and its copy is dropped.
+    """
+    target = universal_path(checkpoint_path)
+    if _local_rank() == 0 and not os.path.exists(os.path.join(target, COMMIT_MARKER)):
+        verify_safe_to_unpickle(checkpoint_path)  # the converter unpickles with weights_only=False
+        root = os.path.dirname(target)
+        staging = tempfile.mkdtemp(prefix=_UNIVERSAL_STAGING_PREFIX, dir=root)
+        try:
+            # Nested one level: the converter writes a `latest_universal` file beside its output.
+            output = os.path.join(staging, os.path.basename(target))
+            _run_ds_to_universal(checkpoint_path, output)
+            _write_marker(output, {"source": os.path.basename(checkpoint_path),
+                                   "time": time.time()})
+            if not os.path.exists(os.path.join(target, COMMIT_MARKER)):
+                shutil.rmtree(target, ignore_errors=True)  # an uncommitted leftover, never used
+            try:
+                os.rename(output, target)
+            except OSError:  # another node on the same disk published it first
+                if not os.path.exists(os.path.join(target, COMMIT_MARKER)):
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    _barrier()
+    if not os.path.exists(os.path.join(target, COMMIT_MARKER)):
+        raise ValueError(f"the universal conversion of {checkpoint_path} is missing at {target}")
+    return target
+
+
+def _run_ds_to_universal(checkpoint_path: str, output: str) -> None:
+    """DeepSpeed's ds_to_universal, in this process (its command line's defaults otherwise)."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = Namespace(
+        input_folder=checkpoint_path, output_folder=output,
+        # No worker pools: forking a process that runs gloo's threads can deadlock; the work
+        # is reading and writing files (0.3 s for the test's 2-layer model).
+        num_extract_workers=1, num_merge_workers=1,
+        keep_temp_folder=False, strict=True,
+        # Our plain nn.Module declares no tensor-parallel patterns (Megatron models do); the
+        # converter's own flag records the empty universal-checkpoint info it requires.
+        inject_missing_state=True,
+    )
+    ds_to_universal.main(args)
+
+
+def _local_rank() -> int:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return int(os.environ.get("LOCAL_RANK", rank))
 
 
 def verify_safe_to_unpickle(checkpoint_path: str) -> None:
@@ -107,10 +186,7 @@ def verify_safe_to_unpickle(checkpoint_path: str) -> None:
     mapped, so tensors are not read twice).
     """
     with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-        for name in sorted(os.listdir(checkpoint_path)):
-            if not name.endswith(".pt"):
-                continue
-            path = os.path.join(checkpoint_path, name)
+        for path in _pt_files(checkpoint_path):
             try:
                 torch.load(path, weights_only=True, mmap=True, map_location="cpu")
             except pickle.UnpicklingError as error:
@@ -118,6 +194,14 @@ def verify_safe_to_unpickle(checkpoint_path: str) -> None:
                     f"{path} holds objects outside the types a checkpoint may contain; "
                     f"refusing to load it ({str(error).splitlines()[0]})"
                 ) from None
+
+
+def _pt_files(directory: str) -> list[str]:
+    """Every .pt file below `directory` (a universal checkpoint nests one per parameter)."""
+    paths = []
+    for parent, _, names in os.walk(directory):
+        paths.extend(os.path.join(parent, name) for name in names if name.endswith(".pt"))
+    return sorted(paths)
 
 
 def _deepspeed_safe_globals() -> list:
@@ -207,8 +291,10 @@ def _prune(run_dir: str, keep: int) -> None:
     keep_steps = set(steps[-keep:])
     root = checkpoints_root(run_dir)
     for name in os.listdir(root):
-        match = _TAG_PATTERN.match(name)
+        match = _TAG_PATTERN.match(name) or _UNIVERSAL_PATTERN.match(name)
         if match and int(match.group(1)) not in keep_steps and int(match.group(1)) < steps[-1]:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        elif name.startswith(_UNIVERSAL_STAGING_PREFIX):  # a conversion killed mid-way
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 

@@ -32,8 +32,14 @@ def check_precision_supported(precision: str) -> None:
         )
 
 
-def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed JSON config for this recipe on `world_size` ranks."""
+def deepspeed_config(
+    cfg: TrainConfig, world_size: int, *, load_universal: bool = False
+) -> dict[str, Any]:
+    """The DeepSpeed JSON config for this recipe on `world_size` ranks.
+
+    `load_universal`: the resume loads a universal checkpoint (one saved under ZeRO >= 1 by
+    another number of ranks, converted by training.checkpoint.convert_to_universal).
+    """
     check_precision_supported(cfg.precision)
     config: dict[str, Any] = {
         "train_batch_size": cfg.global_batch(world_size),
@@ -50,6 +56,8 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         config["bf16"] = {"enabled": True}
     elif cfg.precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
     return config
 
 
@@ -101,7 +109,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     )
 
 
-def build_engine(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
+def build_engine(
+    model: torch.nn.Module, cfg: TrainConfig, world_size: int, *, load_universal: bool = False
+):
     """Optimizer + warmup/decay schedule wrapped by DeepSpeed; returns the engine."""
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -115,7 +125,7 @@ def build_engine(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
         model=model,
         optimizer=optimizer,
         lr_scheduler=scheduler,
-        config=deepspeed_config(cfg, world_size),
+        config=deepspeed_config(cfg, world_size, load_universal=load_universal),
         dist_init_required=False,
     )
     return engine

@@ -65,13 +65,16 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         _print_recipe(cfg, model_config, world_size)
 
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
+    # Another number of workers under ZeRO >= 1: load through DeepSpeed's universal format.
+    universal = resume_from is not None and check_world_size_change(
+        checkpoint.read_metadata(resume_from), cfg, resume_from)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = BertForPreTraining(model_config)
     model.gradient_checkpointing = cfg.activation_checkpointing
     if resume_from is None and cfg.init_from:
         # Only a fresh run warm-starts; a resumed one has its own, newer weights.
         load_initial_weights(model, cfg.init_from, manifest.tokenizer.vocab_sha256)
-    engine = build_engine(model, cfg, world_size)
+    engine = build_engine(model, cfg, world_size, load_universal=universal)
     loader = PretrainingLoader(
         cfg.data_dir, "train", batch_size=cfg.micro_batch_size, seed=cfg.seed,
         rank=rank, world_size=world_size, max_predictions=max_predictions,
@@ -79,7 +82,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         prefetch=cfg.dataloader_prefetch,
         gradient_accumulation_steps=accumulation,  # epochs end on an optimizer step
     )
-    step = _maybe_resume(engine, loader, cfg, resume_from, manifest.tokenizer.vocab_sha256)
+    step = _maybe_resume(engine, loader, cfg, resume_from, manifest.tokenizer.vocab_sha256,
+                         universal)
     if rank == 0:
         _write_run_config(cfg, model_config, world_size)
     validation = _Validation.create(cfg, rank, world_size, max_predictions)
@@ -157,20 +161,20 @@ def _print_recipe(cfg: TrainConfig, model_config: BertConfig, world_size: int) -
 
 
 def _maybe_resume(
-    engine, loader: PretrainingLoader, cfg: TrainConfig, path: str | None, vocab_sha256: str
+    engine, loader: PretrainingLoader, cfg: TrainConfig, path: str | None, vocab_sha256: str,
+    universal: bool,
 ) -> int:
     """The global step to start from: 0, or that of the checkpoint at `path`."""
     if path is None:
         return 0
     saved = checkpoint.read_metadata(path)
-    check_world_size_change(saved, cfg, path)
     saved_sha256 = saved["vocab_sha256"]
     if saved_sha256 != vocab_sha256:  # checked first: loading would fail on shapes, unclearly
         raise ValueError(
             f"{path} was trained with another vocabulary than {cfg.data_dir} "
             f"(vocab sha256 {saved_sha256[:12]} vs {vocab_sha256[:12]})"
         )
-    state = checkpoint.load(engine, path)
+    state = checkpoint.load(engine, path, universal=universal)
     # The loader keeps its position in samples: a resume on another number of workers, with
     # accumulation keeping the optimizer step's batch (2 x 8 x 1 -> 1 x 8 x 2), continues
     # with the same samples in every step.
@@ -180,16 +184,23 @@ def _maybe_resume(
     return state["global_step"]
 
 
-def check_world_size_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -> None:
-    """ZeRO >= 1 shards the optimizer state by rank; DeepSpeed cannot re-shard it on load."""
-    saved_world = saved.get("world_size")
+def check_world_size_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -> bool:
+    """True when the checkpoint must be loaded as a universal checkpoint.
+
+    ZeRO >= 1 shards the optimizer state by rank and DeepSpeed cannot re-shard it in a plain
+    load; a resume on another number of workers converts the checkpoint to DeepSpeed's
+    universal format first. ZeRO 0 keeps whole states and loads on any number of workers.
+    """
+    saved_world, saved_stage = saved.get("world_size"), saved.get("zero_stage")
     world_size = dist.get_world_size()
-    if saved_world in (None, world_size) or (saved.get("zero_stage") == 0 and cfg.zero_stage == 0):
-        return
+    if saved_world in (None, world_size) or (saved_stage == 0 and cfg.zero_stage == 0):
+        return False
+    if saved_stage is not None and saved_stage >= 1 and cfg.zero_stage >= 1:
+        return True
     raise ValueError(
-        f"{path} was saved by {saved_world} workers under ZeRO stage {saved.get('zero_stage')}; "
-        f"resuming on {world_size} workers needs zero_stage 0 in both runs (the optimizer "
-        "state of ZeRO >= 1 is sharded by worker and DeepSpeed cannot re-shard it on load)"
+        f"{path} was saved by {saved_world} workers under ZeRO stage {saved_stage}; resuming on "
+        f"{world_size} workers under ZeRO stage {cfg.zero_stage} is not supported: keep "
+        "zero_stage 0 in both runs, or ZeRO >= 1 in both (converted to a universal checkpoint)"
     )
 
 
