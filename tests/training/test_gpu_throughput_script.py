@@ -98,7 +98,11 @@ def test_script_runs_on_cpu_and_writes_results(tmp_path):
         "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
         "--peak-tflops", str(peak), "--output-dir", str(tmp_path), "--tag", "smoke",
     ]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    # Other tests in this process set up a process group and leave RANK/MASTER_PORT in the
+    # environment: the script would join (or collide with) that store instead of its own.
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
