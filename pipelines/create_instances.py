@@ -1,8 +1,8 @@
 """Documents -> sentence-pair instances: the heart of the preparation job.
 
-- sentences split and tokenized per document (`Doc`), documents with fewer than two sentences
-  dropped, exact duplicates (same sentences) kept
-  once (the smallest doc_id), doc_id collisions resolved;
+- sentences split and tokenized (`tokenize_documents`: long documents in parts, in parallel),
+  documents with fewer than two sentences dropped, exact duplicates (same sentences) kept once
+  (the smallest doc_id), doc_id collisions resolved;
 - each document goes to `validation` when `unit_interval(seed, "split", doc_id)` is below the
   validation fraction, so no document contributes to both splits;
 - random-B pools: a document joins pool `stable_hash(seed, "pool", doc_id) % num_pools` of its
@@ -19,14 +19,14 @@ import hashlib
 import logging
 import math
 from array import array
-from typing import Any, NamedTuple
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
 from apache_beam.pvalue import AsDict
 
 from pipelines import shards
-from pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, count, reject
+from pipelines.beam_common import REJECTS, count, reject
 from pipelines.instance_batch import InstanceBatch
 from pipelines.instances import (
     create_instances_from_document,
@@ -36,107 +36,13 @@ from pipelines.instances import (
     unit_interval,
 )
 from pipelines.prepare_options import PrepareConfig
-from pipelines.records import RawDocument
-from pipelines.sentences import MAX_SENTENCE_CHARS, bound_sentence_length, split_sentences
-from pipelines.tokenization import parse_vocab, tokenizer_from_vocab
+from pipelines.tokenization import parse_vocab
+from pipelines.tokenize_documents import Doc, TokenizeDocuments
 
 logger = logging.getLogger(__name__)
 
-# At most ~20,000 sentences (~2 MB of text) per `encode_batch`, so that a long book's `Encoding`
-# objects stay a few tens of MB.
-TOKENIZE_BATCH_SENTENCES = 20_000
 # Rows per `InstanceBatch` a pool yields: ~8 MB of ids at 128 tokens.
 ROWS_PER_INSTANCE_BATCH = 32_768
-
-
-class Doc(NamedTuple):
-    """A document split into sentences and tokenized: compact, so groupings move little data.
-
-    Tokenizing here, per document, rather than per pool puts the costliest step where the work is
-    finest grained (documents spread evenly over workers; pools are few and uneven), and every
-    later shuffle carries 2 bytes a token instead of the text.
-    """
-
-    doc_id: str
-    source: str
-    text_hash: str  # of the sentences: equal texts are duplicates
-    num_chars: int  # characters in its sentences: sizes the random-B pools
-    num_sentences: int  # sentences after splitting, before empty ones are dropped: statistics
-    ids: bytes  # token ids of its non-empty sentences, concatenated, in `shards.id_dtype`
-    sentence_lengths: bytes  # int32 per non-empty sentence: tokens in it
-
-
-def text_hash(sentences: tuple[str, ...]) -> str:
-    return hashlib.blake2b("\n".join(sentences).encode("utf-8"), digest_size=16).hexdigest()
-
-
-class SplitAndTokenize(beam.DoFn):
-    """Raw document -> `Doc`; fewer than two sentences cannot make a pair.
-
-    The vocabulary travels inside the DoFn as bytes, so workers need no access to its path.
-    """
-
-    def __init__(self, config: PrepareConfig, vocab_bytes: bytes):
-        self._config = config
-        self._vocab_bytes = vocab_bytes
-
-    def setup(self) -> None:
-        vocab = parse_vocab(self._vocab_bytes)
-        self._tokenizer = tokenizer_from_vocab(vocab, self._config.lower_case)
-        self._typecode = "H" if shards.id_dtype(len(vocab)) == np.uint16 else "i"
-        self._num_seen = 0
-
-    def process(self, raw: RawDocument):
-        sentences, num_cut = bound_sentence_length(
-            raw.sentences if raw.sentences is not None else split_sentences(raw.text or "")
-        )
-        if num_cut:
-            yield reject(
-                "overlong_sentence",
-                raw.source,
-                raw.doc_id,
-                f"{num_cut} sentences over {MAX_SENTENCE_CHARS} characters cut",
-            )
-        sentences = tuple(sentences)
-        self._num_seen += 1
-        if self._num_seen % LOG_EVERY_DOCUMENTS == 0:
-            logger.info("tokenized %d documents in this worker", self._num_seen)
-        if not sentences:
-            yield reject("empty_document", raw.source, raw.doc_id)
-        elif len(sentences) < 2:
-            yield reject("too_few_sentences", raw.source, raw.doc_id, f"{len(sentences)} sentence")
-        else:
-            ids, lengths = self._tokenize(sentences)
-            if not lengths:
-                yield reject("empty_after_tokenization", raw.source, raw.doc_id)
-                return
-            num_chars = sum(len(sentence) for sentence in sentences)
-            yield Doc(
-                raw.doc_id,
-                raw.source,
-                text_hash(sentences),
-                num_chars,
-                len(sentences),
-                ids.tobytes(),
-                lengths.tobytes(),
-            )
-
-    def _tokenize(self, sentences: tuple[str, ...]) -> tuple[array, array]:
-        """(ids of every sentence concatenated, tokens per sentence); sentences that normalize
-        to nothing (control characters only) are dropped.
-
-        Long documents (books) are encoded in bounded batches: an `Encoding` holds tens of bytes
-        a token (tokens, offsets, masks), the compact ids 2.
-        """
-        ids, lengths = array(self._typecode), array("i")
-        for start in range(0, len(sentences), TOKENIZE_BATCH_SENTENCES):
-            batch = sentences[start : start + TOKENIZE_BATCH_SENTENCES]
-            for encoding in self._tokenizer.encode_batch(batch, add_special_tokens=False):
-                sentence_ids = encoding.ids
-                if sentence_ids:
-                    ids.extend(sentence_ids)
-                    lengths.append(len(sentence_ids))
-        return ids, lengths
 
 
 def sentences_of(doc: Doc, typecode: str) -> list[array]:
@@ -353,11 +259,11 @@ class CreatePretrainingInstances(beam.PTransform):
 
     def expand(self, raw_documents):
         config = self._config
-        split = raw_documents | "SplitAndTokenize" >> beam.ParDo(
-            SplitAndTokenize(config, self._vocab_bytes)
-        ).with_outputs(REJECTS, main="docs")
+        split = raw_documents | "TokenizeDocuments" >> TokenizeDocuments(
+            self._vocab_bytes, config.lower_case
+        )
         unique = (
-            split.docs
+            split["docs"]
             | "KeyByText" >> beam.Map(lambda d: (d.text_hash, d))
             | "GroupSameText" >> beam.GroupByKey()
             | "KeepFirstCopy" >> beam.FlatMap(keep_first_copy).with_outputs(REJECTS, main="docs")

@@ -61,8 +61,6 @@ class PrepareDataset(beam.PTransform):
     def expand(self, pbegin):
         config = self._config
         read = pbegin | "ReadInputs" >> ReadInputs(self._files)
-        # One file yields many documents: spread them before the per-document work.
-        raw_documents = read.documents | "SpreadDocuments" >> beam.Reshuffle()
         # Every input record is a document or a read reject (repairs are notes on kept records):
         # the manifest's accounting starts here.
         dropped_at_read = read[REJECTS] | "DroppedAtRead" >> beam.Filter(lambda r: not r.repaired)
@@ -71,7 +69,7 @@ class PrepareDataset(beam.PTransform):
             | "AllRecords" >> beam.Flatten()
             | "CountInputRecords" >> beam.combiners.Count.Globally()
         )
-        created = raw_documents | "CreatePretrainingInstances" >> CreatePretrainingInstances(
+        created = read.documents | "CreatePretrainingInstances" >> CreatePretrainingInstances(
             config, self._vocab_bytes
         )
         shard_entries = created["instances"] | "WriteShards" >> WriteShards(

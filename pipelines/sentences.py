@@ -14,12 +14,12 @@ import threading
 
 import blingfire
 
-_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 
 
 def split_paragraphs(text: str) -> list[str]:
     """Blocks separated by one or more blank (or whitespace-only) lines, stripped, no empties."""
-    return [block.strip() for block in _PARAGRAPH_BREAK.split(text) if block.strip()]
+    return [block.strip() for block in PARAGRAPH_BREAK.split(text) if block.strip()]
 
 
 class _SentenceSplitter(threading.local):

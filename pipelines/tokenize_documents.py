@@ -1,0 +1,247 @@
+"""Raw documents -> `Doc`s: sentences split and tokenized, in parallel even inside a long book.
+
+Tokenizing is most of the job's work, so it must spread evenly over workers. A corpus mixes
+Wikipedia articles of a few KB with books of a MB: spread whole, a few books land on one worker,
+which then works alone while the others wait. So a document longer than `PART_CHARS` is cut into
+parts at paragraph breaks (or between sentences, for input that is already one sentence a line),
+the parts are spread and tokenized independently, and a long document's parts are put back
+together in order. Sentence splitting treats a paragraph break as a hard boundary, so the parts'
+sentences are exactly the document's (tested).
+
+A document's `text_hash` (exact deduplication) hashes the digests of its sentences, so it is the
+same whether it was tokenized whole or in parts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from array import array
+from typing import NamedTuple
+
+import apache_beam as beam
+import numpy as np
+
+from pipelines import shards
+from pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, reject
+from pipelines.records import RawDocument
+from pipelines.sentences import (
+    MAX_SENTENCE_CHARS,
+    PARAGRAPH_BREAK,
+    bound_sentence_length,
+    split_sentences,
+)
+from pipelines.tokenization import parse_vocab, tokenizer_from_vocab
+
+logger = logging.getLogger(__name__)
+
+# ~256 KB of text, about 60,000 tokens: a Wikipedia article is one part, a book a handful.
+PART_CHARS = 262_144
+# At most ~20,000 sentences (~2 MB of text) per `encode_batch`, so that the `Encoding` objects
+# (tens of bytes a token: tokens, offsets, masks) stay a few tens of MB.
+TOKENIZE_BATCH_SENTENCES = 20_000
+SENTENCE_DIGEST_BYTES = 8
+
+
+class Doc(NamedTuple):
+    """A document split into sentences and tokenized: compact, so groupings move little data."""
+
+    doc_id: str
+    source: str
+    text_hash: str  # of the sentences: equal texts are duplicates
+    num_chars: int  # characters in its sentences: sizes the random-B pools
+    num_sentences: int  # sentences after splitting, before empty ones are dropped: statistics
+    ids: bytes  # token ids of its non-empty sentences, concatenated, in `shards.id_dtype`
+    sentence_lengths: bytes  # int32 per non-empty sentence: tokens in it
+
+
+class DocumentPart(NamedTuple):
+    doc_id: str
+    source: str
+    part: int
+    num_parts: int
+    text: str | None  # free text, or
+    sentences: tuple[str, ...] | None  # already one sentence per entry
+
+
+class TokenizedPart(NamedTuple):
+    doc_id: str
+    source: str
+    part: int
+    num_parts: int
+    sentence_digests: bytes  # SENTENCE_DIGEST_BYTES per sentence
+    num_chars: int
+    num_cut: int  # over-long sentences cut
+    ids: bytes
+    sentence_lengths: bytes
+
+
+def sentence_digest(sentence: str) -> bytes:
+    return hashlib.blake2b(sentence.encode("utf-8"), digest_size=SENTENCE_DIGEST_BYTES).digest()
+
+
+def text_hash(sentence_digests: bytes) -> str:
+    return hashlib.blake2b(sentence_digests, digest_size=16).hexdigest()
+
+
+def document_parts(raw: RawDocument, part_chars: int = PART_CHARS) -> list[DocumentPart]:
+    """`raw` cut into parts of about `part_chars` characters at paragraph (or sentence) breaks."""
+    if raw.sentences is not None:
+        chunks = _sentence_chunks(raw.sentences, part_chars)
+        return [
+            DocumentPart(raw.doc_id, raw.source, i, len(chunks), None, chunk)
+            for i, chunk in enumerate(chunks)
+        ]
+    chunks = _text_chunks(raw.text or "", part_chars)
+    return [
+        DocumentPart(raw.doc_id, raw.source, i, len(chunks), chunk, None)
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def _text_chunks(text: str, part_chars: int) -> list[str]:
+    """Cut at paragraph breaks (`split_sentences` never joins across one), once a chunk is long
+    enough; the breaks themselves are dropped, as paragraph splitting drops them."""
+    if len(text) <= part_chars:
+        return [text]
+    chunks, start = [], 0
+    for match in PARAGRAPH_BREAK.finditer(text):
+        if match.start() - start >= part_chars:
+            chunks.append(text[start : match.start()])
+            start = match.end()
+    chunks.append(text[start:])
+    return chunks
+
+
+def _sentence_chunks(sentences: tuple[str, ...], part_chars: int) -> list[tuple[str, ...]]:
+    chunks: list[tuple[str, ...]] = []
+    start = num_chars = 0
+    for i, sentence in enumerate(sentences):
+        num_chars += len(sentence)
+        if num_chars >= part_chars:
+            chunks.append(sentences[start : i + 1])
+            start, num_chars = i + 1, 0
+    if start < len(sentences) or not chunks:
+        chunks.append(sentences[start:])
+    return chunks
+
+
+class TokenizeParts(beam.DoFn):
+    """`DocumentPart` -> `TokenizedPart`. The vocabulary travels inside the DoFn as bytes."""
+
+    def __init__(self, vocab_bytes: bytes, lower_case: bool):
+        self._vocab_bytes = vocab_bytes
+        self._lower_case = lower_case
+
+    def setup(self) -> None:
+        vocab = parse_vocab(self._vocab_bytes)
+        self._tokenizer = tokenizer_from_vocab(vocab, self._lower_case)
+        self._typecode = "H" if shards.id_dtype(len(vocab)) == np.uint16 else "i"
+        self._num_seen = 0
+
+    def process(self, part: DocumentPart):
+        sentences, num_cut = bound_sentence_length(
+            part.sentences if part.sentences is not None else split_sentences(part.text or "")
+        )
+        ids, lengths = self._tokenize(sentences)
+        self._num_seen += 1
+        if self._num_seen % LOG_EVERY_DOCUMENTS == 0:
+            logger.info("tokenized %d documents (or parts) in this worker", self._num_seen)
+        yield TokenizedPart(
+            part.doc_id,
+            part.source,
+            part.part,
+            part.num_parts,
+            b"".join(sentence_digest(sentence) for sentence in sentences),
+            sum(len(sentence) for sentence in sentences),
+            num_cut,
+            ids.tobytes(),
+            lengths.tobytes(),
+        )
+
+    def _tokenize(self, sentences: list[str]) -> tuple[array, array]:
+        """(ids of every sentence concatenated, tokens per sentence); sentences that normalize
+        to nothing (control characters only) are dropped."""
+        ids, lengths = array(self._typecode), array("i")
+        for start in range(0, len(sentences), TOKENIZE_BATCH_SENTENCES):
+            batch = sentences[start : start + TOKENIZE_BATCH_SENTENCES]
+            for encoding in self._tokenizer.encode_batch(batch, add_special_tokens=False):
+                sentence_ids = encoding.ids
+                if sentence_ids:
+                    ids.extend(sentence_ids)
+                    lengths.append(len(sentence_ids))
+        return ids, lengths
+
+
+def assemble(parts: list[TokenizedPart]):
+    """A document's tokenized parts (any order) -> its `Doc`, or the rejects that drop it.
+
+    Fewer than two sentences cannot make a pair.
+    """
+    parts = sorted(parts, key=lambda p: p.part)
+    first = parts[0]
+    assert [p.part for p in parts] == list(range(first.num_parts)), (first.doc_id, first.source)
+    num_cut = sum(p.num_cut for p in parts)
+    if num_cut:
+        yield reject(
+            "overlong_sentence",
+            first.source,
+            first.doc_id,
+            f"{num_cut} sentences over {MAX_SENTENCE_CHARS} characters cut",
+        )
+    digests = b"".join(p.sentence_digests for p in parts)
+    num_sentences = len(digests) // SENTENCE_DIGEST_BYTES
+    lengths = b"".join(p.sentence_lengths for p in parts)
+    if num_sentences == 0:
+        yield reject("empty_document", first.source, first.doc_id)
+    elif num_sentences < 2:
+        yield reject("too_few_sentences", first.source, first.doc_id, "1 sentence")
+    elif not lengths:
+        yield reject("empty_after_tokenization", first.source, first.doc_id)
+    else:
+        yield Doc(
+            first.doc_id,
+            first.source,
+            text_hash(digests),
+            sum(p.num_chars for p in parts),
+            num_sentences,
+            b"".join(p.ids for p in parts),
+            lengths,
+        )
+
+
+class TokenizeDocuments(beam.PTransform):
+    """Raw documents -> {"docs": Doc, REJECTS: Reject}."""
+
+    def __init__(self, vocab_bytes: bytes, lower_case: bool, part_chars: int = PART_CHARS):
+        super().__init__()
+        self._vocab_bytes = vocab_bytes
+        self._lower_case = lower_case
+        self._part_chars = part_chars
+
+    def expand(self, raw_documents):
+        tokenized = (
+            raw_documents
+            | "CutIntoParts" >> beam.FlatMap(document_parts, self._part_chars)
+            # One file yields many documents (and a book many parts): spread them before the
+            # costly step, so every worker gets a share.
+            | "SpreadParts" >> beam.Reshuffle()
+            | "TokenizeParts" >> beam.ParDo(TokenizeParts(self._vocab_bytes, self._lower_case))
+        )
+        whole, cut = tokenized | "WholeOrCut" >> beam.Partition(
+            lambda part, _: int(part.num_parts > 1), 2
+        )
+        assembled = (
+            cut
+            | "KeyByDocument" >> beam.Map(lambda p: ((p.doc_id, p.source), p))
+            | "GroupParts" >> beam.GroupByKey()
+            | "AssembleCut"
+            >> beam.FlatMap(lambda item: assemble(list(item[1]))).with_outputs(REJECTS, main="docs")
+        )
+        single = whole | "AssembleWhole" >> beam.FlatMap(
+            lambda part: assemble([part])
+        ).with_outputs(REJECTS, main="docs")
+        return {
+            "docs": (single.docs, assembled.docs) | "AllDocuments" >> beam.Flatten(),
+            REJECTS: (single[REJECTS], assembled[REJECTS]) | "AllRejects" >> beam.Flatten(),
+        }
