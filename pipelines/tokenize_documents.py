@@ -35,8 +35,10 @@ from pipelines.tokenization import parse_vocab, tokenizer_from_vocab
 
 logger = logging.getLogger(__name__)
 
-# ~256 KB of text, about 60,000 tokens: a Wikipedia article is one part, a book a handful.
-PART_CHARS = 262_144
+# ~64 KB of text, about 15,000 tokens: most Wikipedia articles are one part, a book ~20. Smaller
+# parts spread the work more evenly (a worker finishing 4 s after the other with 256 KB parts, on
+# the 30x benchmark corpus); each part costs one more element in the reassembly grouping.
+PART_CHARS = 65_536
 # At most ~20,000 sentences (~2 MB of text) per `encode_batch`, so that the `Encoding` objects
 # (tens of bytes a token: tokens, offsets, masks) stay a few tens of MB.
 TOKENIZE_BATCH_SENTENCES = 20_000
