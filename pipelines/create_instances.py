@@ -77,23 +77,14 @@ def colliding_ids(item: tuple[str, Any]):
         yield doc_id, hashes[0]
 
 
-def drop_id_collisions(doc: Doc, collisions: dict[str, str]):
-    kept_hash = collisions.get(doc.doc_id)
-    if kept_hash is not None and doc.text_hash != kept_hash:
-        yield reject("duplicate_doc_id", doc.source, doc.doc_id, "another text has this doc_id")
-    else:
-        yield doc
+def loses_id_collision(doc_id: str, text_hash: str, collisions: dict[str, str]) -> bool:
+    """Whether another text keeps `doc_id` (see `colliding_ids`)."""
+    kept_hash = collisions.get(doc_id)
+    return kept_hash is not None and text_hash != kept_hash
 
 
 def split_of(seed: int, doc_id: str, validation_fraction: float) -> str:
     return "validation" if unit_interval(seed, "split", doc_id) < validation_fraction else "train"
-
-
-def key_by_split(doc: Doc, seed: int, validation_fraction: float) -> tuple[str, Doc]:
-    """The split of a document that survived every filter (counted here)."""
-    count("documents")
-    count("sentences", doc.num_sentences)
-    return split_of(seed, doc.doc_id, validation_fraction), doc
 
 
 def num_pools(
@@ -115,9 +106,17 @@ def pool_of(
     return stable_hash(seed, "pool", doc_id) % pools
 
 
-def key_by_pool(split_and_doc: tuple[str, Doc], split_sizes: dict, config: PrepareConfig):
-    """split_sizes: {split: (num_documents, num_chars)}."""
-    split, doc = split_and_doc
+def key_by_pool(doc: Doc, collisions: dict, split_sizes: dict, config: PrepareConfig):
+    """A deduplicated document -> ((split, pool), doc), or the reject of a doc_id collision.
+
+    split_sizes: {split: (num_documents, num_chars)} over the documents kept.
+    """
+    if loses_id_collision(doc.doc_id, doc.text_hash, collisions):
+        yield reject("duplicate_doc_id", doc.source, doc.doc_id, "another text has this doc_id")
+        return
+    count("documents")
+    count("sentences", doc.num_sentences)
+    split = split_of(config.seed, doc.doc_id, config.validation_fraction)
     num_documents, num_chars = split_sizes[split]
     pool = pool_of(
         config.seed,
@@ -127,7 +126,7 @@ def key_by_pool(split_and_doc: tuple[str, Doc], split_sizes: dict, config: Prepa
         num_chars,
         config.random_pool_chars,
     )
-    return (split, pool), doc
+    yield (split, pool), doc
 
 
 # --------------------------------------------------------------------------- instances
@@ -268,32 +267,40 @@ class CreatePretrainingInstances(beam.PTransform):
             | "GroupSameText" >> beam.GroupByKey()
             | "KeepFirstCopy" >> beam.FlatMap(keep_first_copy).with_outputs(REJECTS, main="docs")
         )
+        # Decisions that need the whole corpus (doc_id collisions, split sizes) are made on
+        # small keys; the documents themselves then take one pass to their pools.
+        doc_keys = unique.docs | "DocKeys" >> beam.Map(
+            lambda d: (d.doc_id, d.text_hash, d.num_chars, d.num_sentences)
+        )
         collisions = (
-            unique.docs
-            | "KeyById" >> beam.Map(lambda d: (d.doc_id, d.text_hash))
+            doc_keys
+            | "KeyById" >> beam.Map(lambda k: (k[0], k[1]))
             | "GroupSameId" >> beam.GroupByKey()
             | "CollidingIds" >> beam.FlatMap(colliding_ids)
         )
-        docs = unique.docs | "DropIdCollisions" >> beam.FlatMap(
-            drop_id_collisions, AsDict(collisions)
-        ).with_outputs(REJECTS, main="docs")
-        by_split = docs.docs | "AssignSplit" >> beam.Map(
-            key_by_split, config.seed, config.validation_fraction
+        kept_keys = doc_keys | "KeptKeys" >> beam.FlatMap(
+            lambda k, collisions: [] if loses_id_collision(k[0], k[1], collisions) else [k],
+            AsDict(collisions),
+        )
+        by_split = kept_keys | "AssignSplit" >> beam.Map(
+            lambda k: (split_of(config.seed, k[0], config.validation_fraction), k)
         )
         split_sizes = (
             by_split
-            | "DocChars" >> beam.MapTuple(lambda s, d: (s, (1, d.num_chars)))
+            | "DocChars" >> beam.MapTuple(lambda s, k: (s, (1, k[2])))
             | "SizePerSplit" >> beam.CombinePerKey(_sum_pairs)
         )
         document_stats = (
             by_split
-            | "DocSentences" >> beam.MapTuple(lambda s, d: (s, (1, d.num_sentences)))
+            | "DocSentences" >> beam.MapTuple(lambda s, k: (s, (1, k[3])))
             | "SumPerSplit" >> beam.CombinePerKey(_sum_pairs)
             | "StatsDict" >> beam.combiners.ToDict()
         )
+        pooled = unique.docs | "AssignPool" >> beam.FlatMap(
+            key_by_pool, AsDict(collisions), AsDict(split_sizes), config
+        ).with_outputs(REJECTS, main="docs")
         instances = (
-            by_split
-            | "AssignPool" >> beam.Map(key_by_pool, AsDict(split_sizes), config)
+            pooled.docs
             | "GroupPools" >> beam.GroupByKey()
             | "CreateInstances"
             >> beam.ParDo(CreateInstancesFromPool(config, parse_vocab(self._vocab_bytes)))
@@ -301,7 +308,7 @@ class CreatePretrainingInstances(beam.PTransform):
         rejects = (
             split[REJECTS],
             unique[REJECTS],
-            docs[REJECTS],
+            pooled[REJECTS],
         ) | "FlattenRejects" >> beam.Flatten()
         return {
             "instances": instances,

@@ -60,6 +60,7 @@ class Doc(NamedTuple):
 class DocumentPart(NamedTuple):
     doc_id: str
     source: str
+    record: str  # digest of the raw record: keeps apart two records with one doc_id and source
     part: int
     num_parts: int
     text: str | None  # free text, or
@@ -69,6 +70,7 @@ class DocumentPart(NamedTuple):
 class TokenizedPart(NamedTuple):
     doc_id: str
     source: str
+    record: str
     part: int
     num_parts: int
     sentence_digests: bytes  # SENTENCE_DIGEST_BYTES per sentence
@@ -88,15 +90,17 @@ def text_hash(sentence_digests: bytes) -> str:
 
 def document_parts(raw: RawDocument, part_chars: int = PART_CHARS) -> list[DocumentPart]:
     """`raw` cut into parts of about `part_chars` characters at paragraph (or sentence) breaks."""
+    content = "\n".join(raw.sentences) if raw.sentences is not None else raw.text or ""
+    record = hashlib.blake2b(content.encode("utf-8"), digest_size=8).hexdigest()
     if raw.sentences is not None:
         chunks = _sentence_chunks(raw.sentences, part_chars)
         return [
-            DocumentPart(raw.doc_id, raw.source, i, len(chunks), None, chunk)
+            DocumentPart(raw.doc_id, raw.source, record, i, len(chunks), None, chunk)
             for i, chunk in enumerate(chunks)
         ]
     chunks = _text_chunks(raw.text or "", part_chars)
     return [
-        DocumentPart(raw.doc_id, raw.source, i, len(chunks), chunk, None)
+        DocumentPart(raw.doc_id, raw.source, record, i, len(chunks), chunk, None)
         for i, chunk in enumerate(chunks)
     ]
 
@@ -152,6 +156,7 @@ class TokenizeParts(beam.DoFn):
         yield TokenizedPart(
             part.doc_id,
             part.source,
+            part.record,
             part.part,
             part.num_parts,
             b"".join(sentence_digest(sentence) for sentence in sentences),
@@ -176,13 +181,25 @@ class TokenizeParts(beam.DoFn):
 
 
 def assemble(parts: list[TokenizedPart]):
-    """A document's tokenized parts (any order) -> its `Doc`, or the rejects that drop it.
+    """A record's tokenized parts (any order) -> its `Doc`, or the rejects that drop it.
 
-    Fewer than two sentences cannot make a pair.
+    Byte-identical records (the same doc_id, source and text twice) share a key, so their parts
+    arrive together: each copy is assembled, and deduplication drops all but one later, as for
+    any other duplicate. Fewer than two sentences cannot make a pair.
     """
     parts = sorted(parts, key=lambda p: p.part)
+    num_parts = parts[0].num_parts
+    num_copies, left = divmod(len(parts), num_parts)
+    assert left == 0 and [p.part for p in parts[::num_copies]] == list(range(num_parts)), (
+        parts[0].doc_id,
+        parts[0].source,
+    )
+    for copy in range(num_copies):
+        yield from _assemble_one(parts[copy::num_copies])
+
+
+def _assemble_one(parts: list[TokenizedPart]):
     first = parts[0]
-    assert [p.part for p in parts] == list(range(first.num_parts)), (first.doc_id, first.source)
     num_cut = sum(p.num_cut for p in parts)
     if num_cut:
         yield reject(
@@ -230,20 +247,13 @@ class TokenizeDocuments(beam.PTransform):
             | "SpreadParts" >> beam.Reshuffle()
             | "TokenizeParts" >> beam.ParDo(TokenizeParts(self._vocab_bytes, self._lower_case))
         )
-        whole, cut = tokenized | "WholeOrCut" >> beam.Partition(
-            lambda part, _: int(part.num_parts > 1), 2
-        )
-        assembled = (
-            cut
-            | "KeyByDocument" >> beam.Map(lambda p: ((p.doc_id, p.source), p))
+        # Every document is grouped with its parts, not only those cut into several: a Flatten of
+        # whole and reassembled documents would cost the local runner one more pass over all.
+        docs = (
+            tokenized
+            | "KeyByRecord" >> beam.Map(lambda p: ((p.doc_id, p.source, p.record), p))
             | "GroupParts" >> beam.GroupByKey()
-            | "AssembleCut"
+            | "Assemble"
             >> beam.FlatMap(lambda item: assemble(list(item[1]))).with_outputs(REJECTS, main="docs")
         )
-        single = whole | "AssembleWhole" >> beam.FlatMap(
-            lambda part: assemble([part])
-        ).with_outputs(REJECTS, main="docs")
-        return {
-            "docs": (single.docs, assembled.docs) | "AllDocuments" >> beam.Flatten(),
-            REJECTS: (single[REJECTS], assembled[REJECTS]) | "AllRejects" >> beam.Flatten(),
-        }
+        return {"docs": docs.docs, REJECTS: docs[REJECTS]}

@@ -71,3 +71,25 @@ def test_rejects_are_decided_on_the_whole_document(small_vocab):
     one = RawDocument("one", "src:3", text="\n\nOnly one sentence\n\n\n")
     (rejected,) = _tokenize(one, vocab_bytes, 1)[0]
     assert rejected.value.reason == "too_few_sentences"
+
+
+def test_records_sharing_doc_id_and_source_stay_apart(small_vocab):
+    """A dump may hold one page twice (same id and title), with the same or another text."""
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from apache_beam.testing.test_pipeline import TestPipeline
+    from apache_beam.testing.util import assert_that, equal_to
+
+    from pipelines.tokenize_documents import TokenizeDocuments
+
+    vocab_bytes = open(small_vocab, "rb").read()
+    first = RawDocument("page", "dump:7 Page", text=_paragraphs(40))
+    other = RawDocument("page", "dump:7 Page", text=_paragraphs(41))
+    expected = [_tokenize(raw, vocab_bytes, 10**9)[0][0] for raw in (first, first, other)]
+    with TestPipeline(options=PipelineOptions(["--runner=DirectRunner"])) as pipeline:
+        tokenized = (
+            pipeline
+            | beam.Create([first, other, first])
+            | TokenizeDocuments(vocab_bytes, lower_case=True, part_chars=300)
+        )
+        assert_that(tokenized["docs"], equal_to(expected))
