@@ -17,7 +17,7 @@ work done, which wall time does not.
 Then the peak memory of the job on 1x and --mem-scale x the corpus: the largest worker process
 (RSS sampled every 0.2 s with psutil) and the whole process tree.
 
-    python benchmarks/prepare_throughput.py [--scale 30] [--mem-scale 10] [--workers 2]
+    python benchmarks/prepare_throughput.py [--scale 60] [--mem-scale 10] [--workers 2]
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def run_job(corpus: str, output: str, workers: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", type=int, default=30, help="corpus copies for throughput")
+    parser.add_argument("--scale", type=int, default=60, help="corpus copies for throughput")
     parser.add_argument("--mem-scale", type=int, default=10, help="copies for the memory run")
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
