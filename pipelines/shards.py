@@ -38,7 +38,8 @@ SortKey = tuple[int, str, int, int]  # (order_key, doc_id, dupe_index, instance_
 ShardRow = tuple[SortKey, bytes, int, int]
 
 
-def bucket_of(order_key: int) -> int:
+def bucket_of(order_key):
+    """The top BUCKET_BITS bits of an order key, or of a uint64 array of them."""
     return order_key >> (64 - BUCKET_BITS)
 
 

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def bucket_counts(batch: InstanceBatch) -> tuple[str, np.ndarray]:
     """(split, rows per bucket): int64 [2 ** BUCKET_BITS], summed over batches per split."""
-    buckets = (batch.order_keys >> np.uint64(64 - shards.BUCKET_BITS)).astype(np.int64)
+    buckets = shards.bucket_of(batch.order_keys).astype(np.int64)
     return batch.split, np.bincount(buckets, minlength=1 << shards.BUCKET_BITS)
 
 
@@ -55,7 +55,7 @@ def plan_boundaries(split_counts: list, shards_per_split: dict[str, int], rows_p
 def keys_in_boundary_buckets(batch: InstanceBatch, plan: dict):
     """((split, bucket), sort key) of every row in a bucket that holds a boundary rank."""
     located = [bucket for split, bucket in plan["located"] if split == batch.split]
-    buckets = batch.order_keys >> np.uint64(64 - shards.BUCKET_BITS)
+    buckets = shards.bucket_of(batch.order_keys)
     for row in np.flatnonzero(np.isin(buckets, np.array(located, dtype=np.uint64))).tolist():
         yield (batch.split, int(buckets[row])), batch.sort_key(row)
 
