@@ -182,18 +182,19 @@ def _counters(result: beam.runners.runner.PipelineResult) -> dict[str, int]:
 
 
 def _local_runner(name: str):
-    """Beam's FnApiRunner for "DirectRunner"; None (the named runner) for anything else.
+    """Beam's FnApiRunner, with bounded bundles, for "DirectRunner"; None (the named one) otherwise.
 
     Beam's DirectRunner first tries the Prism runner, which downloads a Go binary from GitHub:
     offline that fails (after a DNS lookup) and falls back to the FnApiRunner, online it silently
     runs elsewhere. Naming the FnApiRunner keeps local runs the same on every machine; it honours
-    --direct_num_workers and --direct_running_mode as the DirectRunner does.
+    --direct_num_workers and --direct_running_mode as the DirectRunner does. Its bundles are
+    bounded (`pipelines.local_runner`) so that worker memory does not grow with the corpus.
     """
     if name.split(".")[-1] not in ("DirectRunner", "direct"):
         return None
-    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+    from pipelines.local_runner import BoundedBundleRunner
 
-    return FnApiRunner()
+    return BoundedBundleRunner()
 
 
 def _warn_on_casing_mismatch(vocab: dict[str, int], lower_case: bool) -> None:

@@ -75,7 +75,7 @@ class PrepareOptions(PipelineOptions):
         parser.add_argument(
             "--rows_per_piece",
             type=int,
-            default=49_152,
+            default=8_192,
             help="instances a worker sorts at once while writing a shard (rounded up to whole "
             "4,096-row batches): bounds worker memory, whatever the shard size; no effect on the "
             "output bytes",
@@ -97,7 +97,7 @@ class PrepareConfig:
     num_validation_shards: int = 0
     random_pool_size: int = 512
     random_pool_chars: int = 4_000_000
-    rows_per_piece: int = 49_152  # 12 x 4,096-row batches: ~13 MB of ids at 128 tokens
+    rows_per_piece: int = 8_192  # 2 x 4,096-row batches: ~2 MB of ids at 128 tokens
 
     def __post_init__(self) -> None:
         if not self.inputs:

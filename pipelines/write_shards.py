@@ -25,23 +25,37 @@ from pipelines.instance_batch import InstanceBatch, concat, count_before
 logger = logging.getLogger(__name__)
 
 
-def bucket_counts(batch: InstanceBatch) -> tuple[str, np.ndarray]:
-    """(split, rows per bucket): int64 [2 ** BUCKET_BITS], summed over batches per split."""
+# Buckets per combine key: 1,024 (8 KB of counts). Beam merges all of a key's per-bundle
+# accumulators in one go, so one key per split would put a whole 512 KB array per bundle into a
+# single worker's merge (growing with the corpus); a block per key keeps each merge small.
+COUNT_BLOCK_BITS = 10
+
+
+def bucket_counts(batch: InstanceBatch):
+    """((split, block), rows per bucket of that block) for each block the batch touches."""
     buckets = shards.bucket_of(batch.order_keys).astype(np.int64)
-    return batch.split, np.bincount(buckets, minlength=1 << shards.BUCKET_BITS)
+    counts = np.bincount(buckets, minlength=1 << shards.BUCKET_BITS)
+    for block in np.unique(buckets >> COUNT_BLOCK_BITS).tolist():
+        start = block << COUNT_BLOCK_BITS
+        yield (batch.split, block), counts[start : start + (1 << COUNT_BLOCK_BITS)].copy()
 
 
 def add_counts(counts) -> np.ndarray:
     return functools.reduce(np.add, counts)
 
 
-def plan_boundaries(split_counts: list, shards_per_split: dict[str, int], rows_per_piece: int):
-    """[(split, rows per bucket)] -> the ranks whose keys cut shards and pieces.
+def plan_boundaries(block_counts: list, shards_per_split: dict[str, int], rows_per_piece: int):
+    """[((split, block), rows per bucket)] -> the ranks whose keys cut shards and pieces.
 
     {"num_rows": {split: N}, "located": {(split, bucket): [(rank inside the bucket, rank)]}}.
     """
+    split_counts: dict[str, np.ndarray] = {}
+    for (split, block), counts in block_counts:
+        start = block << COUNT_BLOCK_BITS
+        dense = split_counts.setdefault(split, np.zeros(1 << shards.BUCKET_BITS, dtype=np.int64))
+        dense[start : start + len(counts)] = counts
     plan: dict = {"num_rows": {}, "located": {}}
-    for split, counts in split_counts:
+    for split, counts in sorted(split_counts.items()):
         nonzero = np.flatnonzero(counts)
         per_bucket = dict(zip(nonzero.tolist(), counts[nonzero].tolist(), strict=True))
         num_rows = int(counts.sum())
@@ -182,7 +196,7 @@ class WriteShards(beam.PTransform):
         output: str,
         vocab_size: int,
         shards_per_split: dict[str, int],
-        rows_per_piece: int = 49_152,
+        rows_per_piece: int = 8_192,
     ):
         super().__init__()
         self._output = output
@@ -194,8 +208,8 @@ class WriteShards(beam.PTransform):
         shards_per_split = self._shards_per_split
         plan = (
             instances
-            | "CountPerBucket" >> beam.Map(bucket_counts)
-            | "SumPerSplit" >> beam.CombinePerKey(add_counts)
+            | "CountPerBucket" >> beam.FlatMap(bucket_counts)
+            | "SumPerBlock" >> beam.CombinePerKey(add_counts)
             | "BucketCounts" >> beam.combiners.ToList()
             | "LocateBoundaries"
             >> beam.Map(plan_boundaries, shards_per_split, self._rows_per_piece)
