@@ -14,10 +14,11 @@ the ratio pays once per run and a large corpus amortizes.
 CPU seconds are summed over the job's processes: with other load on the machine they show the
 work done, which wall time does not.
 
-Then the peak memory of the job on 1x and --mem-scale x the corpus: the largest worker process
-(RSS sampled every 0.2 s with psutil) and the whole process tree.
+Then the peak memory of the job on 1x and each --mem-scale x the corpus (RSS sampled every 0.2 s
+with psutil): the largest worker process, the runner process (Beam's local runner, which keeps
+every PCollection in memory: the part Dataflow's shuffle service plays there), and the whole tree.
 
-    python benchmarks/prepare_throughput.py [--scale 60] [--mem-scale 10] [--workers 2]
+    python benchmarks/prepare_throughput.py [--scale 60] [--mem-scale 10 30] [--workers 2]
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class TreeSampler(threading.Thread):
     def __init__(self, pid: int):
         super().__init__(daemon=True)
         self._root = psutil.Process(pid)
-        self.max_process = self.max_tree = 0
+        self.max_process = self.max_root = self.max_tree = 0
         self._cpu: dict[int, float] = {}  # last CPU seconds seen per process
         self._done = threading.Event()
 
@@ -121,7 +122,8 @@ class TreeSampler(threading.Thread):
                         self._cpu[p.pid] = times.user + times.system
                     except psutil.Error:
                         pass
-                self.max_process = max(self.max_process, max(rss[1:] or rss))
+                self.max_process = max(self.max_process, max(rss[1:] or [0]))
+                self.max_root = max(self.max_root, rss[0] if rss else 0)
                 self.max_tree = max(self.max_tree, sum(rss))
             except psutil.Error:
                 pass
@@ -155,6 +157,7 @@ def run_job(corpus: str, output: str, workers: int) -> dict:
         "seconds": seconds,
         "instances": summary["instances"],
         "max_worker_rss_mb": sampler.max_process / 1e6,
+        "max_runner_rss_mb": sampler.max_root / 1e6,
         "max_tree_rss_mb": sampler.max_tree / 1e6,
         "cpu_seconds": cpu_seconds,
     }
@@ -163,7 +166,9 @@ def run_job(corpus: str, output: str, workers: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=int, default=60, help="corpus copies for throughput")
-    parser.add_argument("--mem-scale", type=int, default=10, help="copies for the memory run")
+    parser.add_argument(
+        "--mem-scale", type=int, nargs="+", default=[10], help="copies for the memory runs"
+    )
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     if not os.path.isdir(DATA):
@@ -197,14 +202,16 @@ def main() -> None:
         print(f"\nWithout the fixed cost, (a) is {variable_mb_s:.2f} MB/s per core, "
               f"{variable_mb_s / tok_mb_s:.2f} of (b).")  # fmt: skip
 
-        print("\n| corpus | MB | max worker RSS MB | whole tree RSS MB | seconds |")
-        print("|---|---|---|---|---|")
-        for scale in (1, args.mem_scale):
+        print("\n| corpus | MB | largest worker RSS MB | runner RSS MB | whole tree RSS MB "
+              "| seconds |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+        for scale in [1, *args.mem_scale]:
             path = os.path.join(tmp, f"corpus-{scale}.jsonl")
             size = write_corpus(docs, scale, path)
             result = run_job(path, os.path.join(tmp, f"out-{scale}"), args.workers)
             print(f"| {scale}x | {size / 1e6:.1f} | {result['max_worker_rss_mb']:.0f} | "
-                  f"{result['max_tree_rss_mb']:.0f} | {result['seconds']:.1f} |")  # fmt: skip
+                  f"{result['max_runner_rss_mb']:.0f} | {result['max_tree_rss_mb']:.0f} | "
+                  f"{result['seconds']:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
