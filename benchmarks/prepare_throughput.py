@@ -14,9 +14,10 @@ the ratio pays once per run and a large corpus amortizes.
 CPU seconds are summed over the job's processes: with other load on the machine they show the
 work done, which wall time does not.
 
-Then the peak memory of the job on 1x and each --mem-scale x the corpus (RSS sampled every 0.2 s
-with psutil): the largest worker process, the runner process (Beam's local runner, which keeps
-every PCollection in memory: the part Dataflow's shuffle service plays there), and the whole tree.
+Then the peak memory of the job on 1x, each --mem-scale x and the --scale x corpus (RSS sampled
+every 0.2 s with psutil): the largest worker process, the runner process (Beam's local runner,
+which keeps every PCollection in memory: the part Dataflow's shuffle service plays there), and
+the whole tree.
 
     python benchmarks/prepare_throughput.py [--scale 60] [--mem-scale 10 30] [--workers 2]
 """
@@ -205,10 +206,12 @@ def main() -> None:
         print("\n| corpus | MB | largest worker RSS MB | runner RSS MB | whole tree RSS MB "
               "| seconds |")  # fmt: skip
         print("|---|---|---|---|---|---|")
-        for scale in [1, *args.mem_scale]:
+        runs = {args.scale: (num_bytes, job)}  # the throughput run's memory is measured too
+        for scale in sorted({1, *args.mem_scale} - {args.scale}):
             path = os.path.join(tmp, f"corpus-{scale}.jsonl")
             size = write_corpus(docs, scale, path)
-            result = run_job(path, os.path.join(tmp, f"out-{scale}"), args.workers)
+            runs[scale] = size, run_job(path, os.path.join(tmp, f"out-{scale}"), args.workers)
+        for scale, (size, result) in sorted(runs.items()):
             print(f"| {scale}x | {size / 1e6:.1f} | {result['max_worker_rss_mb']:.0f} | "
                   f"{result['max_runner_rss_mb']:.0f} | {result['max_tree_rss_mb']:.0f} | "
                   f"{result['seconds']:.1f} |")  # fmt: skip

@@ -2,7 +2,7 @@
 
 Beam's FnApiRunner cuts each stage's input into exactly one bundle per worker: after a grouping,
 each worker process is sent its whole share of the corpus in one data-plane message and decodes it
-there, so a worker's memory grows with the corpus (917 MB per worker on 107 MB of text). Here a
+there, so a worker's memory grew with the corpus (917 MB per worker on 107 MB of text). Here a
 stage's input is cut into many small parts (by key after a grouping, by element otherwise), the
 parts are packed into bundles of at most `max_bundle_bytes` encoded bytes, and each worker pulls
 the next bundle when it finishes one. That bounds what a worker holds to one bundle plus its own
@@ -28,13 +28,14 @@ from typing import Any
 from apache_beam.metrics import monitoring_infos
 from apache_beam.portability.api import beam_fn_api_pb2
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+from apache_beam.runners.portability.fn_api_runner.execution import GroupingBuffer, ListBuffer
 from apache_beam.runners.portability.fn_api_runner.fn_runner import BundleManager
 
 logger = logging.getLogger(__name__)
 
 # 2 MB of encoded input per bundle: ~100 document parts, or one pool or piece. Measured on 107 MB
 # of text, 2 workers: the largest worker peaked at 332 MB with 2 MB bundles, 424 MB with 8 MB,
-# in the same time (each bundle's round trip costs ~1 ms).
+# in the same wall time (35.8 s and 36.8 s).
 MAX_BUNDLE_BYTES = 2 << 20
 
 # How finely a stage's input is cut before packing. Parts are whole keys (after a grouping) or
@@ -44,8 +45,8 @@ MAX_PARTS = 16_384
 
 # glibc gives each thread of a worker (gRPC, bundle processing) a malloc arena of its own, and
 # what one arena frees the others do not reuse: as decoded bundles pass between threads, a
-# worker's RSS climbed with every bundle it had seen (269 -> 433 MB from 3.6 to 107 MB of text).
-# One arena kept it at 332 MB in the same time; a fixed mmap threshold did as well for memory
+# worker's RSS climbed with every bundle it had seen (295 -> 433 MB from 3.6 to 107 MB of text).
+# One arena kept it at 332-338 MB in the same time; a fixed mmap threshold did as well for memory
 # but cost 15 % in time. Set for the worker processes only, where a user has not set it.
 WORKER_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1"}
 
@@ -187,15 +188,16 @@ def pack_bundles(
 
 def _num_parts(buffer, num_workers: int, max_bytes: int) -> int:
     """How many parts to cut a buffer into, each a whole key or element, at most MAX_PARTS."""
-    table = getattr(buffer, "_table", None)
-    if table is not None:  # a GroupingBuffer: one part per key (read before it is encoded)
-        return max(1, min(len(table), MAX_PARTS))
-    # A ListBuffer holds the encoded chunks workers sent back (~10 MB each at most). With enough
-    # small chunks, one chunk a part costs nothing; otherwise Beam re-encodes element by element.
-    chunks = list(buffer)
-    if len(chunks) >= num_workers and max(map(len, chunks), default=0) <= max_bytes:
-        return len(chunks)
-    return MAX_PARTS
+    if isinstance(buffer, GroupingBuffer):  # one part per key, counted before it is encoded
+        return max(1, min(len(buffer._table), MAX_PARTS))
+    if isinstance(buffer, ListBuffer):
+        # The encoded chunks workers sent back (~10 MB each at most). With enough small chunks, a
+        # chunk a part costs nothing; otherwise Beam re-encodes the elements into the parts.
+        chunks = list(buffer)
+        if len(chunks) >= num_workers and max(map(len, chunks), default=0) <= max_bytes:
+            return len(chunks)
+        return MAX_PARTS
+    return num_workers  # a kind of buffer this module does not know: Beam's own cut
 
 
 def _merge(results: list) -> beam_fn_api_pb2.InstructionResponse:
