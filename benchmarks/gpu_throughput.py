@@ -56,8 +56,8 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from training.flops import mfu, training_flops_per_batch  # noqa: E402
-from training.model import IGNORE_INDEX, PRESETS, BertConfig  # noqa: E402
+from bertforge.training.flops import mfu, training_flops_per_batch  # noqa: E402
+from bertforge.training.model import IGNORE_INDEX, PRESETS, BertConfig  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peak of one GPU, TFLOP/s, from NVIDIA's datasheets;
 # the first name contained in torch.cuda.get_device_name() wins, so specific names go first.
@@ -122,7 +122,7 @@ class Case:
 
 def plan_cases(args: argparse.Namespace) -> list[Case]:
     if args.data:
-        from pipelines.manifest import read_manifest
+        from bertforge.pipelines.manifest import read_manifest
 
         lengths = [read_manifest(d).instance_params["max_seq_length"] for d in args.data]
     else:
@@ -214,7 +214,7 @@ def batch_counts(batch: dict[str, torch.Tensor], model_config: BertConfig) -> di
 def make_batches(case: Case, args: argparse.Namespace, rank: int, world_size: int):
     """(batches on the CPU, vocab size, description of the data)."""
     if case.data_dir is None:
-        from training.synthetic import synthetic_batches
+        from bertforge.training.synthetic import synthetic_batches
 
         batches = synthetic_batches(
             args.num_batches, case.micro_batch, case.seq_len, args.vocab_size,
@@ -224,7 +224,7 @@ def make_batches(case: Case, args: argparse.Namespace, rank: int, world_size: in
             f"synthetic: Google length rule (short_seq_prob {args.short_seq_prob}), loader "
             "masking (15 %, Google's max_predictions), loader padding"
         )
-    from training.data import PretrainingLoader
+    from bertforge.training.data import PretrainingLoader
 
     loader = PretrainingLoader(case.data_dir, "train", batch_size=case.micro_batch,
                                seed=args.seed, rank=rank, world_size=world_size, prefetch=0)
@@ -239,7 +239,7 @@ def make_batches(case: Case, args: argparse.Namespace, rank: int, world_size: in
 
 
 def train_config(args: argparse.Namespace, case: Case):
-    from training.recipes import bert_large_phase1
+    from bertforge.training.recipes import bert_large_phase1
 
     # The recipe's optimizer and precision; one micro-batch per optimizer step.
     return bert_large_phase1(
@@ -253,8 +253,8 @@ def train_config(args: argparse.Namespace, case: Case):
 
 def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     """Build model + engine, warm up, time `args.steps` steps; totals summed over ranks."""
-    from training.engine import build_engine, deepspeed_config
-    from training.model import BertForPreTraining, num_parameters
+    from bertforge.training.engine import build_engine, deepspeed_config
+    from bertforge.training.model import BertForPreTraining, num_parameters
 
     cfg = train_config(args, case)
     # What an earlier case left allocated (should be ~0: its engine is destroyed).
@@ -435,7 +435,7 @@ def markdown(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     check_device(args.device)
-    from training.engine import ensure_process_group
+    from bertforge.training.engine import ensure_process_group
 
     ensure_process_group()
     rank, world_size = dist.get_rank(), dist.get_world_size()

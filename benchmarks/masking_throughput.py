@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.data import (  # noqa: E402
+from bertforge.training.data import (  # noqa: E402
     PretrainingCollator,
     PretrainingLoader,
     bucket_order,
@@ -39,7 +39,7 @@ from training.data import (  # noqa: E402
     padded_width,
     rows_from_sequences,
 )
-from training.masking import MaskingVocab, default_max_predictions  # noqa: E402
+from bertforge.training.masking import MaskingVocab, default_max_predictions  # noqa: E402
 
 SHORT_SEQ_PROB = 0.1  # Google: 10 % of instances get a random shorter target length
 # (micro-batch per rank, step batch): padding is per rank's batch; bucketing cuts step batches.

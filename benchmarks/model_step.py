@@ -36,8 +36,8 @@ from collections.abc import Callable
 import torch
 import transformers
 
-from training.hf_interop import from_hf_state_dict
-from training.model import IGNORE_INDEX, PRESETS, BertConfig, BertForPreTraining
+from bertforge.training.hf_interop import from_hf_state_dict
+from bertforge.training.model import IGNORE_INDEX, PRESETS, BertConfig, BertForPreTraining
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,8 +19,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from cluster.local_cluster import LocalRayCluster  # noqa: E402
-from training.metrics import read_metrics  # noqa: E402
+from bertforge.cluster.local_cluster import LocalRayCluster  # noqa: E402
+from bertforge.training.metrics import read_metrics  # noqa: E402
 
 
 def run_layout(data: str, node_cpus: list[int], steps: int, batch_size: int) -> float:
@@ -31,8 +31,9 @@ def run_layout(data: str, node_cpus: list[int], steps: int, batch_size: int) -> 
         for cpus in node_cpus[1:]:
             cluster.add_node(cpus)
         command = [
-            sys.executable, "-m", "cluster.cli", "submit", "--address", cluster.dashboard_url,
-            "--working-dir", REPO, "--", "python", "-m", "cluster.cli", "train",
+            sys.executable, "-m", "bertforge.cluster.cli", "submit",
+            "--address", cluster.dashboard_url,
+            "--working-dir", REPO, "--", "python", "-m", "bertforge.cluster.cli", "train",
             "--address", "auto", "--data", data, "--run-dir", run_dir, "--steps", str(steps),
             "--workers", "2", "--batch-size", str(batch_size), "--resume", "never",
         ]

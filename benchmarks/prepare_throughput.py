@@ -37,10 +37,10 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipelines.input_files import open_local, read_file  # noqa: E402
-from pipelines.records import RawDocument  # noqa: E402
-from pipelines.sentences import split_sentences  # noqa: E402
-from pipelines.tokenization import load_tokenizer  # noqa: E402
+from bertforge.pipelines.input_files import open_local, read_file  # noqa: E402
+from bertforge.pipelines.records import RawDocument  # noqa: E402
+from bertforge.pipelines.sentences import split_sentences  # noqa: E402
+from bertforge.pipelines.tokenization import load_tokenizer  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared")
 DATA = os.path.join(SHARED, "data")
@@ -137,7 +137,8 @@ class TreeSampler(threading.Thread):
 
 def run_job(corpus: str, output: str, workers: int) -> dict:
     argv = [
-        sys.executable, "-m", "pipelines.prepare", f"--input={corpus}", f"--output={output}",
+        sys.executable, "-m", "bertforge.pipelines.prepare", f"--input={corpus}",
+        f"--output={output}",
         f"--vocab={VOCAB}", "--num_shards=4", "--max_seq_length=128", "--runner=DirectRunner",
         f"--direct_num_workers={workers}", "--direct_running_mode=multi_processing",
     ]  # fmt: skip

@@ -58,7 +58,7 @@ def _add_inspect(commands) -> None:
 
 
 def _add_train(commands) -> None:
-    from training.recipes import RECIPES
+    from bertforge.training.recipes import RECIPES
 
     p = commands.add_parser(
         "train", help="pretrain on Ray Train workers running DeepSpeed",
@@ -108,7 +108,7 @@ def _add_train(commands) -> None:
 
 
 def _add_submit(commands) -> None:
-    from cluster.submit import DEFAULT_ADDRESS
+    from bertforge.cluster.submit import DEFAULT_ADDRESS
 
     p = commands.add_parser(
         "submit", help="run a command as a job on a Ray cluster (Ray Jobs API)",
@@ -170,7 +170,7 @@ def _add_demo(commands) -> None:
 
 
 def _run_vocab(args: argparse.Namespace) -> None:
-    from pipelines.vocab import train_wordpiece_vocab
+    from bertforge.pipelines.vocab import train_wordpiece_vocab
 
     path = train_wordpiece_vocab(
         args.input, args.output, vocab_size=args.vocab_size, lower_case=not args.cased
@@ -179,14 +179,14 @@ def _run_vocab(args: argparse.Namespace) -> None:
 
 
 def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
-    from pipelines.prepare import run
+    from bertforge.pipelines.prepare import run
 
     counts = run(extra)
     print(json.dumps(counts, indent=2))
 
 
 def _run_inspect(args: argparse.Namespace) -> None:
-    from pipelines.inspect_shards import format_report, inspect_dataset
+    from bertforge.pipelines.inspect_shards import format_report, inspect_dataset
 
     print(format_report(inspect_dataset(args.data_dir, num_samples=args.samples)))
 
@@ -204,8 +204,8 @@ TRAIN_OVERRIDES = {
 
 
 def train_config_from_args(args: argparse.Namespace):
-    from training.config import TrainConfig
-    from training.recipes import recipe_by_name
+    from bertforge.training.config import TrainConfig
+    from bertforge.training.recipes import recipe_by_name
 
     overrides = {field: getattr(args, flag) for flag, field in TRAIN_OVERRIDES.items()
                  if getattr(args, flag) is not None}
@@ -223,7 +223,7 @@ def train_config_from_args(args: argparse.Namespace):
 
 
 def _run_train(args: argparse.Namespace) -> None:
-    from cluster.ray_train import LaunchConfig, train_on_ray
+    from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
 
     cfg = train_config_from_args(args)
     launch = LaunchConfig(
@@ -235,7 +235,7 @@ def _run_train(args: argparse.Namespace) -> None:
 
 
 def _run_submit(args: argparse.Namespace) -> int:
-    from cluster.submit import DEFAULT_EXCLUDES, SubmitConfig, stop, submit
+    from bertforge.cluster.submit import DEFAULT_EXCLUDES, SubmitConfig, stop, submit
 
     if args.stop:
         return stop(args.address, args.stop)
@@ -255,8 +255,8 @@ def _run_submit(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> None:
-    from training.checkpoint import resolve_checkpoint
-    from training.evaluate import evaluate_checkpoint
+    from bertforge.training.checkpoint import resolve_checkpoint
+    from bertforge.training.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(
         resolve_checkpoint(args.checkpoint), args.data, split=args.split,
@@ -266,20 +266,20 @@ def _run_eval(args: argparse.Namespace) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> None:
-    from training.export import export_checkpoint
+    from bertforge.training.export import export_checkpoint
 
     print(export_checkpoint(args.checkpoint, args.output))
 
 
 def _run_pipeline(args: argparse.Namespace) -> None:
-    from cluster.pipeline import load_config, run_pipeline
+    from bertforge.cluster.pipeline import load_config, run_pipeline
 
     config, text = load_config(args.config)
     print(json.dumps(run_pipeline(config, text), indent=2))
 
 
 def _run_demo(args: argparse.Namespace) -> None:
-    from cluster.demo import DemoConfig, run_demo
+    from bertforge.cluster.demo import DemoConfig, run_demo
 
     run_demo(DemoConfig(
         output=args.output, max_steps=args.steps, corpus_bytes=int(args.corpus_mb * 1e6)
@@ -289,7 +289,7 @@ def _run_demo(args: argparse.Namespace) -> None:
 def _configure_logging() -> None:
     """Our progress lines at INFO; the engines' own chatter only from WARNING up."""
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
-    for package in ("pipelines", "training", "cluster"):
+    for package in ("bertforge",):
         logging.getLogger(package).setLevel(logging.INFO)
 
 

@@ -17,14 +17,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cluster.stage_runner import (
+from bertforge.cluster.stage_runner import (
     LOCK_NAME,
     exclusive_directory,
     fresh_dir,
     heartbeat,
     write_json_atomic,
 )
-from training.metrics import read_metrics
+from bertforge.training.metrics import read_metrics
 
 STATE_NAME = "demo.json"
 
@@ -107,7 +107,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
 
 
 def _build_corpus(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
-    from pipelines.docstring_corpus import write_docstring_corpus
+    from bertforge.pipelines.docstring_corpus import write_docstring_corpus
 
     os.makedirs(os.path.dirname(paths.corpus), exist_ok=True)
     stats = write_docstring_corpus(paths.corpus, target_bytes=config.corpus_bytes)
@@ -117,7 +117,7 @@ def _build_corpus(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
 
 
 def _train_vocab(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
-    from pipelines.vocab import train_wordpiece_vocab
+    from bertforge.pipelines.vocab import train_wordpiece_vocab
 
     fresh_dir(paths.vocab_dir)
     path = train_wordpiece_vocab(
@@ -127,7 +127,7 @@ def _train_vocab(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
 
 
 def _prepare(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
-    from pipelines.prepare import run as run_prepare
+    from bertforge.pipelines.prepare import run as run_prepare
 
     fresh_dir(paths.shards)  # a crashed earlier attempt leaves no manifest; start over
     counts = run_prepare([
@@ -146,8 +146,8 @@ def _prepare(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
 
 
 def _train(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
-    from cluster.ray_train import LaunchConfig, train_on_ray
-    from training.recipes import demo_recipe
+    from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
+    from bertforge.training.recipes import demo_recipe
 
     cfg = demo_recipe(
         paths.shards, paths.run, max_steps=config.max_steps,
@@ -176,8 +176,8 @@ def training_statistics(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _evaluate(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
-    from training.checkpoint import latest_checkpoint
-    from training.evaluate import evaluate_checkpoint
+    from bertforge.training.checkpoint import latest_checkpoint
+    from bertforge.training.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(latest_checkpoint(paths.run), paths.shards, seed=config.seed)
     with open(paths.eval, "w", encoding="utf-8") as f:
@@ -186,7 +186,7 @@ def _evaluate(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
 
 
 def _export(paths: DemoPaths) -> dict[str, Any]:
-    from training.export import export_checkpoint
+    from bertforge.training.export import export_checkpoint
 
     shutil.rmtree(paths.hf, ignore_errors=True)  # ours: left by a run that died before recording
     export_checkpoint(paths.run, paths.hf)

@@ -67,7 +67,7 @@ class LocalRayCluster:
     def _ensure_token(self) -> None:
         """Nodes and clients authenticate with ~/.ray/auth_token; a fresh machine has none
         until something makes one (`ray.init` does; `ray start` does not)."""
-        from cluster.submit import cluster_token
+        from bertforge.cluster.submit import cluster_token
 
         if cluster_token() is None:
             subprocess.run([self._ray_cli(), "get-auth-token", "--generate"], check=True,

@@ -19,14 +19,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from training.checkpoint import (
+from bertforge.training.checkpoint import (
     COMMIT_MARKER,
     METADATA_NAME,
     checkpoints_root,
     committed_steps,
     tag_for_step,
 )
-from training.metrics import console
+from bertforge.training.metrics import console
 
 # DeepSpeed and our RNG files carry the data-parallel rank that wrote them; the rest (model
 # states, marker, metadata, vocab) come from rank 0.

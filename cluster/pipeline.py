@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from cluster.stage_runner import (
+from bertforge.cluster.stage_runner import (
     LOCK_NAME,
     exclusive_directory,
     fresh_dir,
@@ -94,7 +94,7 @@ def _resolve_path(path: str, base_dir: str) -> str:
 
 def _resolve_input(entry: str, base_dir: str) -> str:
     """Like _resolve_path, keeping a `FORMAT:` prefix (`books:corpus/*.txt`) in front."""
-    from pipelines.readers import split_format
+    from bertforge.pipelines.readers import split_format
 
     forced, pattern = split_format(entry)
     resolved = _resolve_path(pattern, base_dir)
@@ -174,7 +174,7 @@ class PrepareSection:
         self._check_beam_args()
 
     def _check_beam_args(self) -> None:
-        from pipelines.prepare_options import check_argv
+        from bertforge.pipelines.prepare_options import check_argv
 
         owned = [a for a in self.beam_args if a.split("=", 1)[0] in _OWNED_PREPARE_FLAGS]
         if owned:
@@ -204,8 +204,8 @@ class PhaseSection:
     overrides: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields
 
     def __post_init__(self) -> None:
-        from training.config import TrainConfig
-        from training.recipes import RECIPES
+        from bertforge.training.config import TrainConfig
+        from bertforge.training.recipes import RECIPES
 
         _check_type(self.name, "recipe", self.recipe, str)
         if self.recipe not in RECIPES:
@@ -255,7 +255,7 @@ class ClusterSection:
         return cls(**table)
 
     def launch_config(self):
-        from cluster.ray_train import LaunchConfig
+        from bertforge.cluster.ray_train import LaunchConfig
 
         return LaunchConfig(
             num_workers=self.workers, use_gpu=self.gpu, cpus_per_worker=self.cpus_per_worker,
@@ -307,7 +307,7 @@ class PipelineConfig:
 
     def train_configs(self) -> dict[str, Any]:
         """{phase name: TrainConfig}: the named recipe, the overrides, the pipeline's paths."""
-        from training.recipes import recipe_by_name
+        from bertforge.training.recipes import recipe_by_name
 
         paths = PipelinePaths(self.workdir)
         configs = {}
@@ -432,7 +432,7 @@ def build_stages(
 
 
 def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
-    from pipelines.manifest import sha256_file
+    from bertforge.pipelines.manifest import sha256_file
 
     # Built beside its place and renamed in, so a half-written vocab.txt never "exists".
     tmp = paths.vocab_dir + ".tmp"
@@ -443,8 +443,8 @@ def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
         shutil.copyfile(config.vocab.path, os.path.join(tmp, "vocab.txt"))
         source = config.vocab.path
     else:
-        from pipelines.readers import split_format
-        from pipelines.vocab import train_wordpiece_vocab
+        from bertforge.pipelines.readers import split_format
+        from bertforge.pipelines.vocab import train_wordpiece_vocab
 
         inputs = config.vocab.inputs or config.prepare.inputs
         train_wordpiece_vocab([split_format(p)[1] for p in inputs], tmp,
@@ -456,13 +456,13 @@ def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
 
 
 def _shards_complete(data_dir: str) -> bool:
-    from pipelines.manifest import MANIFEST_NAME
+    from bertforge.pipelines.manifest import MANIFEST_NAME
 
     return os.path.isfile(os.path.join(data_dir, MANIFEST_NAME))
 
 
 def _prepare(config: PipelineConfig, paths: PipelinePaths, max_seq_length: int) -> dict[str, Any]:
-    from pipelines.prepare import run as run_prepare
+    from bertforge.pipelines.prepare import run as run_prepare
 
     output = paths.shards(max_seq_length)
     fresh_dir(output)  # no manifest: an attempt that died part-way; its files are suspect
@@ -481,14 +481,14 @@ def _prepare(config: PipelineConfig, paths: PipelinePaths, max_seq_length: int) 
 
 
 def _training_complete(cfg) -> bool:
-    from training.checkpoint import committed_steps
+    from bertforge.training.checkpoint import committed_steps
 
     steps = committed_steps(cfg.run_dir)
     return bool(steps) and steps[-1] >= cfg.max_steps
 
 
 def _train(config: PipelineConfig, cfg) -> dict[str, Any]:
-    from cluster.ray_train import train_on_ray
+    from bertforge.cluster.ray_train import train_on_ray
 
     # resume=True: continues from the newest committed checkpoint, or starts fresh (phase 2
     # then warm-starts from phase 1's weights).
@@ -501,7 +501,7 @@ def _train(config: PipelineConfig, cfg) -> dict[str, Any]:
 
 def _export_source(run_dir: str) -> dict[str, Any] | None:
     """The final checkpoint and its commit marker: a retrained checkpoint has a new marker."""
-    from training.checkpoint import COMMIT_MARKER, latest_checkpoint
+    from bertforge.training.checkpoint import COMMIT_MARKER, latest_checkpoint
 
     path = latest_checkpoint(run_dir)
     if path is None:
@@ -511,7 +511,7 @@ def _export_source(run_dir: str) -> dict[str, Any] | None:
 
 
 def _export_complete(paths: PipelinePaths, run_dir: str, state: dict[str, Any]) -> bool:
-    from training.hf_interop import HF_CONFIG_NAME
+    from bertforge.training.hf_interop import HF_CONFIG_NAME
 
     files = (HF_CONFIG_NAME, "model.safetensors")
     if not all(os.path.isfile(os.path.join(paths.hf, name)) for name in files):
@@ -521,7 +521,7 @@ def _export_complete(paths: PipelinePaths, run_dir: str, state: dict[str, Any]) 
 
 
 def _export(paths: PipelinePaths, run_dir: str) -> dict[str, Any]:
-    from training.export import export_checkpoint
+    from bertforge.training.export import export_checkpoint
 
     source = _export_source(run_dir)
     assert source is not None, "export runs after the last phase committed its checkpoint"

@@ -11,8 +11,8 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from training.checkpoint import latest_checkpoint, read_metadata
-from training.config import TrainConfig
+from bertforge.training.checkpoint import latest_checkpoint, read_metadata
+from bertforge.training.config import TrainConfig
 
 
 @dataclass
@@ -121,8 +121,8 @@ def _worker_main(loop_config: dict[str, Any]) -> None:
     """Entry point on every Ray worker: the process group is already set up by Ray Train."""
     import torch
 
-    from cluster.persistence import report_checkpoint, restore_latest
-    from training.loop import train
+    from bertforge.cluster.persistence import report_checkpoint, restore_latest
+    from bertforge.training.loop import train
 
     torch.set_num_threads(loop_config["threads"])
     cfg = TrainConfig.from_dict(loop_config["train"])

@@ -25,19 +25,19 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.pvalue import AsDict
 
-from pipelines import shards
-from pipelines.beam_common import REJECTS, count, reject
-from pipelines.instance_batch import InstanceBatch
-from pipelines.instances import (
+from bertforge.pipelines import shards
+from bertforge.pipelines.beam_common import REJECTS, count, reject
+from bertforge.pipelines.instance_batch import InstanceBatch
+from bertforge.pipelines.instances import (
     create_instances_from_document,
     document_rng,
     stable_hash,
     stable_hash_encoding,
     unit_interval,
 )
-from pipelines.prepare_options import PrepareConfig
-from pipelines.tokenization import parse_vocab
-from pipelines.tokenize_documents import Doc, TokenizeDocuments
+from bertforge.pipelines.prepare_options import PrepareConfig
+from bertforge.pipelines.tokenization import parse_vocab
+from bertforge.pipelines.tokenize_documents import Doc, TokenizeDocuments
 
 logger = logging.getLogger(__name__)
 

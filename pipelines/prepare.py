@@ -25,25 +25,25 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, TestOptions
 from apache_beam.pvalue import AsSingleton
 
-from pipelines import manifest
-from pipelines.beam_common import METRICS_NAMESPACE, NO_DOCUMENTS_MESSAGE, REJECTS
-from pipelines.create_instances import (  # noqa: F401  (re-exported: the job's public names)
+from bertforge.pipelines import manifest
+from bertforge.pipelines.beam_common import METRICS_NAMESPACE, NO_DOCUMENTS_MESSAGE, REJECTS
+from bertforge.pipelines.create_instances import (  # noqa: F401  (re-exported: the job's public names)
     CreatePretrainingInstances,
     Doc,
     pool_of,
     split_of,
 )
-from pipelines.filesystem import read_bytes
-from pipelines.prepare_options import (  # noqa: F401
+from bertforge.pipelines.filesystem import read_bytes
+from bertforge.pipelines.prepare_options import (  # noqa: F401
     PrepareConfig,
     PrepareOptions,
     check_argv,
     help_text,
 )
-from pipelines.read_inputs import ReadInputs, match_inputs
-from pipelines.tokenization import parse_vocab
-from pipelines.write_manifest import WriteManifest, write_rejects_file
-from pipelines.write_shards import WriteShards
+from bertforge.pipelines.read_inputs import ReadInputs, match_inputs
+from bertforge.pipelines.tokenization import parse_vocab
+from bertforge.pipelines.write_manifest import WriteManifest, write_rejects_file
+from bertforge.pipelines.write_shards import WriteShards
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def _local_runner(name: str):
     """
     if name.split(".")[-1] not in ("DirectRunner", "direct"):
         return None
-    from pipelines.local_runner import BoundedBundleRunner
+    from bertforge.pipelines.local_runner import BoundedBundleRunner
 
     return BoundedBundleRunner()
 

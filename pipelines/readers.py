@@ -27,8 +27,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 
-from pipelines.records import RawDocument, Reject
-from pipelines.wiki_xml import read_wiki_xml
+from bertforge.pipelines.records import RawDocument, Reject
+from bertforge.pipelines.wiki_xml import read_wiki_xml
 
 COMPRESSION_SUFFIXES = (".gz", ".bz2")
 BOM = "\ufeff"

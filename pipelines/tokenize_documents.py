@@ -22,16 +22,16 @@ from typing import NamedTuple
 import apache_beam as beam
 import numpy as np
 
-from pipelines import shards
-from pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, reject
-from pipelines.records import RawDocument
-from pipelines.sentences import (
+from bertforge.pipelines import shards
+from bertforge.pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, reject
+from bertforge.pipelines.records import RawDocument
+from bertforge.pipelines.sentences import (
     MAX_SENTENCE_CHARS,
     PARAGRAPH_BREAK,
     bound_sentence_length,
     split_sentences,
 )
-from pipelines.tokenization import parse_vocab, tokenizer_from_vocab
+from bertforge.pipelines.tokenization import parse_vocab, tokenizer_from_vocab
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import os
 
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from pipelines.input_files import iter_texts
-from pipelines.tokenization import SPECIAL_TOKENS
+from bertforge.pipelines.input_files import iter_texts
+from bertforge.pipelines.tokenization import SPECIAL_TOKENS
 
 logger = logging.getLogger(__name__)
 

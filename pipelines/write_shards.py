@@ -17,10 +17,10 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import AsSingleton
 
-from pipelines import manifest, shards
-from pipelines.beam_common import count
-from pipelines.filesystem import sha256_of
-from pipelines.instance_batch import InstanceBatch, concat, count_before
+from bertforge.pipelines import manifest, shards
+from bertforge.pipelines.beam_common import count
+from bertforge.pipelines.filesystem import sha256_of
+from bertforge.pipelines.instance_batch import InstanceBatch, concat, count_before
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 STAMP="$VENV/.bertforge-installed"
 
-fingerprint() { cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1; }
+fingerprint() { cat pyproject.toml setup.py scripts/install.sh | sha256sum | cut -d' ' -f1; }
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(fingerprint)" ]; then
   echo "bertforge: reusing the installation in $VENV"

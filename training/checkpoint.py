@@ -305,7 +305,7 @@ def _barrier() -> None:
 
 def load_model(checkpoint_path: str):
     """An fp32 `BertForPreTraining` with the checkpoint's weights, and its metadata."""
-    from training.model import BertConfig, BertForPreTraining
+    from bertforge.training.model import BertConfig, BertForPreTraining
 
     metadata = read_metadata(checkpoint_path)
     model = BertForPreTraining(BertConfig.from_dict(metadata["model_config"]))

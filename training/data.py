@@ -44,9 +44,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
 
-from pipelines import manifest as manifest_lib
-from pipelines.tokenization import read_vocab
-from training.masking import (
+from bertforge.pipelines import manifest as manifest_lib
+from bertforge.pipelines.tokenization import read_vocab
+from bertforge.training.masking import (
     MaskingVocab,
     SampleStreams,
     default_max_predictions,

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from training.config import TrainConfig
-from training.optim import Lamb
-from training.schedule import lr_multiplier
+from bertforge.training.config import TrainConfig
+from bertforge.training.optim import Lamb
+from bertforge.training.schedule import lr_multiplier
 
 
 def check_precision_supported(precision: str) -> None:

@@ -68,10 +68,10 @@ def evaluate_checkpoint(
     seed: int = 0, mask_prob: float = 0.15, max_predictions: int | None = None,
 ) -> EvalResult:
     """Score a checkpoint on a split with fixed masks (seed, epoch 0), in this process."""
-    from pipelines.manifest import read_manifest
-    from training.checkpoint import load_model
-    from training.data import PretrainingLoader, token_frequencies
-    from training.masking import default_max_predictions
+    from bertforge.pipelines.manifest import read_manifest
+    from bertforge.training.checkpoint import load_model
+    from bertforge.training.data import PretrainingLoader, token_frequencies
+    from bertforge.training.masking import default_max_predictions
 
     model, metadata = load_model(checkpoint_path)
     manifest = read_manifest(data_dir)
@@ -88,7 +88,7 @@ def evaluate_checkpoint(
 
 def most_frequent_token(frequencies, data_dir: str) -> int:
     """The most frequent non-special training token: the MLM baseline's constant guess."""
-    from pipelines.tokenization import SPECIAL_TOKENS, read_vocab
+    from bertforge.pipelines.tokenization import SPECIAL_TOKENS, read_vocab
 
     counts = frequencies.copy()
     vocab = read_vocab(f"{data_dir}/vocab.txt")

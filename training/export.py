@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from training.checkpoint import load_model, resolve_checkpoint
-from training.hf_interop import export_hf_directory
+from bertforge.training.checkpoint import load_model, resolve_checkpoint
+from bertforge.training.hf_interop import export_hf_directory
 
 
 def export_checkpoint(checkpoint_or_run_dir: str, output_dir: str) -> str:

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, processors
 
-from pipelines.tokenization import SPECIAL_TOKENS, load_tokenizer, read_vocab
-from training.model import BertConfig
+from bertforge.pipelines.tokenization import SPECIAL_TOKENS, load_tokenizer, read_vocab
+from bertforge.training.model import BertConfig
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 

@@ -13,17 +13,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipelines.manifest import VOCAB_NAME, read_manifest
-from training import checkpoint
-from training.config import TrainConfig
-from training.data import PretrainingLoader
-from training.engine import build_engine, ensure_process_group
-from training.evaluate import evaluate, most_frequent_token
-from training.flops import mfu, training_flops_per_batch
-from training.masking import default_max_predictions
-from training.metrics import MetricsLogger, console
-from training.model import IGNORE_INDEX, BertConfig, BertForPreTraining
-from training.warm_start import load_initial_weights
+from bertforge.pipelines.manifest import VOCAB_NAME, read_manifest
+from bertforge.training import checkpoint
+from bertforge.training.config import TrainConfig
+from bertforge.training.data import PretrainingLoader
+from bertforge.training.engine import build_engine, ensure_process_group
+from bertforge.training.evaluate import evaluate, most_frequent_token
+from bertforge.training.flops import mfu, training_flops_per_batch
+from bertforge.training.masking import default_max_predictions
+from bertforge.training.metrics import MetricsLogger, console
+from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining
+from bertforge.training.warm_start import load_initial_weights
 
 # Called on every rank after each committed checkpoint with {"step", "checkpoint_path", ...}.
 ReportFn = Callable[[dict[str, Any]], None]
@@ -299,7 +299,7 @@ class _Validation:
     def create(cls, cfg: TrainConfig, rank: int, world_size: int, max_predictions: int):
         if not cfg.eval_every:
             return None
-        from training.data import token_frequencies
+        from bertforge.training.data import token_frequencies
 
         # drop_last: every rank gets a full micro-batch, so no rank runs a forward pass on
         # zero rows (NaN NSP loss) and, under ZeRO-3, every rank joins every parameter gather.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from training.config import TrainConfig
+from bertforge.training.config import TrainConfig
 
 # Shared by every full-size recipe: Google's masking and decay, bf16 and ZeRO-1 (optimizer
 # state sharded; gradients need no sharding at these sizes).

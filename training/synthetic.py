@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from training.data import PretrainingCollator, RowBatch, rows_from_sequences
-from training.masking import MaskingVocab, default_max_predictions
+from bertforge.training.data import PretrainingCollator, RowBatch, rows_from_sequences
+from bertforge.training.masking import MaskingVocab, default_max_predictions
 
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(5)
 NUM_SPECIAL = 5

@@ -10,10 +10,10 @@ import os
 
 import torch
 
-from pipelines.manifest import sha256_file
-from training import checkpoint
-from training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES, import_hf_state_dict
-from training.model import BertConfig, BertForPreTraining
+from bertforge.pipelines.manifest import sha256_file
+from bertforge.training import checkpoint
+from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES, import_hf_state_dict
+from bertforge.training.model import BertConfig, BertForPreTraining
 
 # The fields that fix parameter shapes and meaning; dropout and init range may differ.
 ARCHITECTURE_FIELDS = (

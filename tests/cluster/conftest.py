@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from cluster.local_cluster import LocalRayCluster
+from bertforge.cluster.local_cluster import LocalRayCluster
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def two_node_cluster():
 
 
 def _wait_for_jobs_endpoint(url: str, timeout_s: float = 60.0) -> None:
-    from cluster.submit import jobs_client
+    from bertforge.cluster.submit import jobs_client
 
     deadline = time.time() + timeout_s
     while True:

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from cluster.cli import build_parser, main
+from bertforge.cluster.cli import build_parser, main
 
 WORKING_COMMANDS = {"vocab", "prepare", "inspect", "train", "submit", "eval", "export", "demo",
                    "pipeline"}
@@ -16,7 +16,7 @@ def test_help_lists_exactly_the_working_commands():
 
 
 def test_console_script_help_runs():
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "--help"],
+    out = subprocess.run([sys.executable, "-m", "bertforge.cluster.cli", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "demo" in out and "train" in out
 
@@ -40,7 +40,7 @@ def test_export_of_a_run_without_checkpoints_is_a_clear_error(tmp_path, capsys):
 
 
 def train_config(*flags):
-    from cluster.cli import train_config_from_args
+    from bertforge.cluster.cli import train_config_from_args
 
     args = build_parser().parse_args(["train", "--data", "d", "--run-dir", "r", *flags])
     return train_config_from_args(args)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from cluster.demo import DemoConfig, run_demo
+from bertforge.cluster.demo import DemoConfig, run_demo
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_summary_has_every_number_and_training_lowered_the_loss(finished_demo):
 def test_shards_follow_the_contract_with_a_document_held_out_split(finished_demo):
     import pyarrow as pa
 
-    from pipelines.manifest import read_manifest
+    from bertforge.pipelines.manifest import read_manifest
 
     output, _ = finished_demo
     manifest = read_manifest(str(output / "shards"))
@@ -67,7 +67,7 @@ def test_export_loads_in_transformers_and_predicts_like_our_checkpoint(finished_
     import torch
     from transformers import BertForPreTraining, BertTokenizerFast
 
-    from training.checkpoint import latest_checkpoint, load_model
+    from bertforge.training.checkpoint import latest_checkpoint, load_model
 
     output, _ = finished_demo
     hf_model = BertForPreTraining.from_pretrained(str(output / "hf")).eval()

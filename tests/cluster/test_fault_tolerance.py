@@ -9,10 +9,10 @@ import psutil
 import pytest
 import torch
 
-from cluster.ray_train import LaunchConfig, train_on_ray
+from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
+from bertforge.training.checkpoint import load_fp32_state_dict
+from bertforge.training.config import TrainConfig
 from tests.training.conftest import write_dataset
-from training.checkpoint import load_fp32_state_dict
-from training.config import TrainConfig
 
 pytestmark = pytest.mark.slow
 

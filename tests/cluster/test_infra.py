@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.cli import build_parser
+from bertforge.cluster.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -132,7 +132,7 @@ def _check_command(argv: list[str]) -> None:
     if args.command == "prepare":
         from apache_beam.options.pipeline_options import PipelineOptions
 
-        from pipelines.prepare_options import PrepareConfig, check_argv
+        from bertforge.pipelines.prepare_options import PrepareConfig, check_argv
 
         check_argv(extra)
         PrepareConfig.from_options(PipelineOptions(extra))  # required flags and value ranges
@@ -335,7 +335,7 @@ def test_local_ray_listens_on_loopback_only(monkeypatch, tmp_path):
     import ray
     from ray._private import ray_constants
 
-    from cluster.ray_train import LaunchConfig, connect
+    from bertforge.cluster.ray_train import LaunchConfig, connect
 
     if ray.is_initialized():
         pytest.skip("a Ray is already running in this process")

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from bertforge.training.checkpoint import latest_checkpoint, read_metadata
+from bertforge.training.metrics import read_metrics
 from tests.training.conftest import write_dataset
-from training.checkpoint import latest_checkpoint, read_metadata
-from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,9 +22,9 @@ def test_training_spans_two_nodes_through_a_submitted_job(two_node_cluster, tmp_
     # Each node offers 1 CPU and each worker takes 1: the two workers must sit on different
     # nodes, so the gradients cross between raylets (gloo over 127.0.0.2 <-> 127.0.0.3).
     command = [
-        sys.executable, "-m", "cluster.cli", "submit", "--address",
+        sys.executable, "-m", "bertforge.cluster.cli", "submit", "--address",
         two_node_cluster.dashboard_url, "--working-dir", REPO, "--",
-        "python", "-m", "cluster.cli", "train", "--address", "auto", "--data", data,
+        "python", "-m", "bertforge.cluster.cli", "train", "--address", "auto", "--data", data,
         "--run-dir", str(run_dir), "--steps", "12", "--workers", "2", "--cpus-per-worker", "1",
         "--batch-size", "8", "--warmup-steps", "2", "--checkpoint-every", "6",
     ]

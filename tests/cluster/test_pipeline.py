@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from cluster.cli import main
-from cluster.pipeline import (
+from bertforge.cluster.cli import main
+from bertforge.cluster.pipeline import (
     PipelineConfig,
     _load_or_create_state,
     differing_keys,
@@ -116,7 +116,7 @@ def test_missing_sections_and_bad_toml_are_clear_errors(tmp_path, capsys):
 
 def test_a_changed_configuration_is_refused_naming_the_keys(tmp_path):
     config = config_of(tmp_path, phase1__overrides={"max_steps": 8})
-    from cluster.pipeline import PipelinePaths
+    from bertforge.cluster.pipeline import PipelinePaths
 
     paths = PipelinePaths(config.workdir)
     os.makedirs(paths.root)
@@ -185,7 +185,7 @@ max_failures = 0
 def finished_pipeline(tmp_path_factory):
     import ray
 
-    from pipelines.docstring_corpus import write_docstring_corpus
+    from bertforge.pipelines.docstring_corpus import write_docstring_corpus
 
     root = tmp_path_factory.mktemp("pipeline")
     write_docstring_corpus(str(root / "corpus" / "docs.jsonl"), target_bytes=300_000)
@@ -201,15 +201,15 @@ def _forbid_work(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a finished stage ran again")
 
-    monkeypatch.setattr("pipelines.vocab.train_wordpiece_vocab", fail)
-    monkeypatch.setattr("pipelines.prepare.run", fail)
-    monkeypatch.setattr("cluster.ray_train.train_on_ray", fail)
-    monkeypatch.setattr("training.export.export_checkpoint", fail)
+    monkeypatch.setattr("bertforge.pipelines.vocab.train_wordpiece_vocab", fail)
+    monkeypatch.setattr("bertforge.pipelines.prepare.run", fail)
+    monkeypatch.setattr("bertforge.cluster.ray_train.train_on_ray", fail)
+    monkeypatch.setattr("bertforge.training.export.export_checkpoint", fail)
 
 
 @pytest.mark.slow
 def test_first_run_does_every_stage_and_records_the_configuration(finished_pipeline):
-    from training.checkpoint import committed_steps
+    from bertforge.training.checkpoint import committed_steps
 
     root, config, first = finished_pipeline
     assert first["ran"] == ["vocab", "prepare-64", "prepare-128", "phase1", "phase2", "export"]
@@ -254,12 +254,13 @@ def test_rerun_skips_every_stage(finished_pipeline, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_a_lost_checkpoint_redoes_only_phase2_and_export(finished_pipeline, monkeypatch):
-    from training.checkpoint import committed_steps
+    from bertforge.training.checkpoint import committed_steps
 
     root, config, _ = finished_pipeline
     phase2 = root / "work" / "runs" / "phase2"
     shutil.rmtree(phase2 / "checkpoints" / "step_00000004")
-    monkeypatch.setattr("pipelines.prepare.run", lambda *a, **k: pytest.fail("prepare reran"))
+    monkeypatch.setattr("bertforge.pipelines.prepare.run",
+                        lambda *a, **k: pytest.fail("prepare reran"))
     again = run_pipeline(config)
     assert again["ran"] == ["phase2", "export"]
     assert committed_steps(str(phase2)) == [2, 4]  # resumed from step 2, not from scratch

@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
-from cluster.persistence import files_of_rank
-from cluster.ray_train import LaunchConfig, train_on_ray
+from bertforge.cluster.persistence import files_of_rank
+from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
+from bertforge.training.checkpoint import load_fp32_state_dict
 from tests.cluster.test_fault_tolerance import KILL_AT_STEP, kill_a_worker_after, recipe
 from tests.training.conftest import write_dataset
-from training.checkpoint import load_fp32_state_dict
 
 
 def test_each_rank_uploads_exactly_its_own_files():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from cluster.cli import main
-from cluster.submit import SubmitConfig, describe_runtime_env
+from bertforge.cluster.cli import main
+from bertforge.cluster.submit import SubmitConfig, describe_runtime_env
 from tests.training.conftest import write_dataset
 
 pytestmark = pytest.mark.slow
@@ -17,7 +17,7 @@ def test_training_job_runs_to_success_with_logs_followed(ray_head, tmp_path, cap
     code = main([
         "submit", "--address", url, "--working-dir", REPO, "--submission-id", "bf-train-1",
         "--env", "BERTFORGE_SECRET=hunter2", "--",
-        "python", "-m", "cluster.cli", "train", "--address", "auto", "--data", data,
+        "python", "-m", "bertforge.cluster.cli", "train", "--address", "auto", "--data", data,
         "--run-dir", str(tmp_path / "run"), "--steps", "4", "--workers", "1",
         "--batch-size", "8", "--warmup-steps", "1",
     ])

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.docstring_corpus import write_docstring_corpus
-from pipelines.prepare import run
-from pipelines.sentences import split_sentences
-from pipelines.vocab import train_wordpiece_vocab
+from bertforge.pipelines.docstring_corpus import write_docstring_corpus
+from bertforge.pipelines.prepare import run
+from bertforge.pipelines.sentences import split_sentences
+from bertforge.pipelines.vocab import train_wordpiece_vocab
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The team's shared, read-only data lives beside the repository (DESIGN: ../shared).

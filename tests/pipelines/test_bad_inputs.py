@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from pipelines import manifest
-from pipelines.prepare import run
+from bertforge.pipelines import manifest
+from bertforge.pipelines.prepare import run
 
 from .conftest import prepare_argv, write_jsonl
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.prepare import build_pipeline
+from bertforge.pipelines.prepare import build_pipeline
 
 from .conftest import shared_data_file
 

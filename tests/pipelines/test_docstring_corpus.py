@@ -1,7 +1,7 @@
 import json
 import sys
 
-from pipelines.docstring_corpus import (
+from bertforge.pipelines.docstring_corpus import (
     clean_docstring,
     documents_from_source,
     write_docstring_corpus,

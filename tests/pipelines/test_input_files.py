@@ -9,10 +9,10 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.input_files import open_local, read_file
-from pipelines.readers import format_of, split_format
-from pipelines.records import RawDocument, Reject
-from pipelines.sentences import bound_sentence_length, split_sentences
+from bertforge.pipelines.input_files import open_local, read_file
+from bertforge.pipelines.readers import format_of, split_format
+from bertforge.pipelines.records import RawDocument, Reject
+from bertforge.pipelines.sentences import bound_sentence_length, split_sentences
 
 from .conftest import shared_data_file
 

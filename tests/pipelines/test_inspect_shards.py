@@ -1,5 +1,5 @@
-from pipelines import manifest
-from pipelines.inspect_shards import format_report, inspect_dataset
+from bertforge.pipelines import manifest
+from bertforge.pipelines.inspect_shards import format_report, inspect_dataset
 
 
 def test_statistics_match_the_manifest(prepared):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from pipelines.instances import (
+from bertforge.pipelines.instances import (
     NEXT_IS_RANDOM,
     NEXT_IS_REAL,
     create_instances_from_document,

@@ -12,7 +12,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipelines.local_runner import WORKER_MALLOC_ENV, BoundedBundleRunner, pack_bundles
+from bertforge.pipelines.local_runner import WORKER_MALLOC_ENV, BoundedBundleRunner, pack_bundles
 
 MAX_BUNDLE_BYTES = 64 << 10
 NUM_KEYS, VALUES_PER_KEY, VALUE_BYTES = 400, 4, 1000  # 1.6 MB: Beam would send 2 bundles

@@ -16,8 +16,14 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipelines import manifest, shards
-from pipelines.prepare import CreatePretrainingInstances, PrepareConfig, pool_of, run, split_of
+from bertforge.pipelines import manifest, shards
+from bertforge.pipelines.prepare import (
+    CreatePretrainingInstances,
+    PrepareConfig,
+    pool_of,
+    run,
+    split_of,
+)
 
 from .conftest import (
     MAX_SEQ_LENGTH,
@@ -245,7 +251,7 @@ def _synthetic_vocab() -> bytes:
 
 def _synthetic_documents():
     """Document n repeats the word `wn`: every token says which document it came from."""
-    from pipelines.readers import RawDocument
+    from bertforge.pipelines.readers import RawDocument
 
     rng = random.Random(0)
     docs = []
@@ -337,7 +343,7 @@ def test_shards_written_in_pieces_equal_shards_written_whole(
 
 
 def test_pools_are_bounded_by_documents_and_by_text():
-    from pipelines.create_instances import num_pools
+    from bertforge.pipelines.create_instances import num_pools
 
     assert num_pools(100, 512) == 1
     assert num_pools(1_000, 512) == 2

@@ -2,8 +2,8 @@ import gzip
 import io
 import json
 
-from pipelines.input_files import iter_texts
-from pipelines.readers import (
+from bertforge.pipelines.input_files import iter_texts
+from bertforge.pipelines.readers import (
     RawDocument,
     Reject,
     doc_id_prefixes,

@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipelines import manifest
-from pipelines.prepare import run
-from pipelines.tokenization import load_tokenizer
+from bertforge.pipelines import manifest
+from bertforge.pipelines.prepare import run
+from bertforge.pipelines.tokenization import load_tokenizer
 
 from .conftest import SHARED_DATA
 

@@ -5,9 +5,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipelines import manifest
-from pipelines import shards as shards_module
-from pipelines.shards import (
+from bertforge.pipelines import manifest
+from bertforge.pipelines import shards as shards_module
+from bertforge.pipelines.shards import (
     boundary_ranks,
     bucket_of,
     concat_shard,

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from pipelines.sentences import split_sentences
-from pipelines.tokenization import SPECIAL_TOKENS, load_tokenizer
-from pipelines.vocab import train_wordpiece_vocab
+from bertforge.pipelines.sentences import split_sentences
+from bertforge.pipelines.tokenization import SPECIAL_TOKENS, load_tokenizer
+from bertforge.pipelines.vocab import train_wordpiece_vocab
 
 from .conftest import shared_data_file
 

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from pipelines import wiki_xml
-from pipelines.input_files import open_local, read_file
-from pipelines.records import RawDocument, Reject
+from bertforge.pipelines import wiki_xml
+from bertforge.pipelines.input_files import open_local, read_file
+from bertforge.pipelines.records import RawDocument, Reject
 
 from .conftest import shared_data_file
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from training.model import BertConfig, BertForPreTraining
+from bertforge.training.model import BertConfig, BertForPreTraining
 
 
 def batch(config: BertConfig, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -12,16 +12,16 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from pipelines import manifest as manifest_lib
-from tests.training.conftest import read_split_rows, write_dataset
-from training.data import (
+from bertforge.pipelines import manifest as manifest_lib
+from bertforge.training.data import (
     PretrainingLoader,
     download_split,
     padded_width,
     rows_from_sequences,
     token_frequencies,
 )
-from training.masking import IGNORE_INDEX
+from bertforge.training.masking import IGNORE_INDEX
+from tests.training.conftest import read_split_rows, write_dataset
 
 KEYS = ("input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label")
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from bertforge.training import checkpoint
+from bertforge.training.metrics import read_metrics
 from tests.training.conftest import write_dataset
 from tests.training.test_loop import TINY, _Payload, config
-from training import checkpoint
-from training.metrics import read_metrics
 
 NO_DROPOUT = {**TINY, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 STAGES = (0, 1, 2, 3)
@@ -35,8 +35,8 @@ def _free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, jobs: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    from training.config import TrainConfig
-    from training.loop import train
+    from bertforge.training.config import TrainConfig
+    from bertforge.training.loop import train
 
     torch.set_num_threads(1)
     for kind, cfg_dict, *args in jobs:
@@ -62,10 +62,10 @@ def run_on(world_size: int, cfg=None, jobs: list | None = None) -> None:
 def loaded_optimizer_state(cfg, path: str, *, universal: bool) -> dict[str, torch.Tensor]:
     """Collective: a fresh engine loads `path` as the loop's resume does; its full (unsharded)
     fp32 master weights, Adam moments and step counters."""
-    from pipelines.manifest import read_manifest
-    from training.engine import build_engine, ensure_process_group
-    from training.loop import resolve_model_config
-    from training.model import BertForPreTraining
+    from bertforge.pipelines.manifest import read_manifest
+    from bertforge.training.engine import build_engine, ensure_process_group
+    from bertforge.training.loop import resolve_model_config
+    from bertforge.training.model import BertForPreTraining
 
     ensure_process_group()
     torch.manual_seed(cfg.seed)
@@ -161,7 +161,7 @@ def two_worker_runs(tmp_path_factory):
 def test_resume_on_one_worker_continues_a_two_worker_run_with_the_same_batches(
     two_worker_runs, tmp_path, stage
 ):
-    from training.loop import train
+    from bertforge.training.loop import train
 
     reference, _ = two_worker_runs[stage]
     cfg, step3 = _copy_of(reference, tmp_path / "run")
@@ -212,7 +212,7 @@ def test_resumed_optimizer_state_on_one_worker_equals_the_two_worker_one(
 
 @pytest.mark.slow
 def test_resume_on_two_workers_continues_a_one_worker_run_under_zero3(tmp_path):
-    from training.loop import train
+    from bertforge.training.loop import train
 
     data = write_dataset(str(tmp_path / "data"), {"train": [70, 60], "validation": [16]},
                          max_seq_length=64)
@@ -227,7 +227,7 @@ def test_resume_on_two_workers_continues_a_one_worker_run_under_zero3(tmp_path):
 
 
 def test_world_size_change_needs_zero_0_in_both_runs_or_zero_1_to_3_in_both(monkeypatch):
-    from training import loop
+    from bertforge.training import loop
 
     monkeypatch.setattr(loop.dist, "get_world_size", lambda: 1)
     check = loop.check_world_size_change

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
+from bertforge.training import checkpoint
+from bertforge.training.loop import train
+from bertforge.training.metrics import read_metrics
+from bertforge.training.model import BertConfig, BertForPreTraining
 from tests.training.test_loop import TINY, config
-from training import checkpoint
-from training.loop import train
-from training.metrics import read_metrics
-from training.model import BertConfig, BertForPreTraining
 
 
 @pytest.fixture(scope="module")

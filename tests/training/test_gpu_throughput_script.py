@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from bertforge.training.masking import IGNORE_INDEX
+from bertforge.training.model import BertConfig
+from bertforge.training.synthetic import instance_token_counts, synthetic_batches
 from tests.training.conftest import google_layout_vocab, write_dataset
-from training.masking import IGNORE_INDEX
-from training.model import BertConfig
-from training.synthetic import instance_token_counts, synthetic_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "benchmarks", "gpu_throughput.py")

@@ -9,10 +9,9 @@ import pytest
 import torch
 import transformers
 
-import training.hf_interop as hf_interop
-from pipelines.tokenization import load_tokenizer
-from tests.training.test_model import TOLERANCE, random_batch
-from training.hf_interop import (
+import bertforge.training.hf_interop as hf_interop
+from bertforge.pipelines.tokenization import load_tokenizer
+from bertforge.training.hf_interop import (
     config_from_hf_dict,
     export_hf_directory,
     from_hf_state_dict,
@@ -21,7 +20,8 @@ from training.hf_interop import (
     strip_wrapper_prefixes,
     to_hf_state_dict,
 )
-from training.model import BertConfig, BertForPreTraining, bert_tiny
+from bertforge.training.model import BertConfig, BertForPreTraining, bert_tiny
+from tests.training.test_model import TOLERANCE, random_batch
 
 VOCAB = [
     "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",

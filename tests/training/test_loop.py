@@ -6,13 +6,13 @@ import shutil
 import pytest
 import torch
 
+from bertforge.training import checkpoint
+from bertforge.training.config import TrainConfig
+from bertforge.training.evaluate import evaluate_checkpoint
+from bertforge.training.export import export_checkpoint
+from bertforge.training.loop import train
+from bertforge.training.metrics import read_metrics
 from tests.training.conftest import write_dataset
-from training import checkpoint
-from training.config import TrainConfig
-from training.evaluate import evaluate_checkpoint
-from training.export import export_checkpoint
-from training.loop import train
-from training.metrics import read_metrics
 
 TINY = {"preset": "tiny", "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
 
@@ -90,7 +90,7 @@ def test_vocabulary_mismatch_on_resume_is_refused(dataset, tmp_path):
                           max_seq_length=64, seed=3)
     with open(os.path.join(other, "vocab.txt"), "a") as f:
         f.write("extra\n")
-    from pipelines import manifest as manifest_lib
+    from bertforge.pipelines import manifest as manifest_lib
 
     manifest = manifest_lib.read_manifest(other)
     manifest.tokenizer.vocab_sha256 = manifest_lib.sha256_file(os.path.join(other, "vocab.txt"))

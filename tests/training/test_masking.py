@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.training.conftest import google_layout_vocab, random_rows
-from training.masking import (
+from bertforge.training.masking import (
     IGNORE_INDEX,
     MaskingVocab,
     SampleStreams,
@@ -18,6 +17,7 @@ from training.masking import (
     num_to_predict_array,
     sample_rng,
 )
+from tests.training.conftest import google_layout_vocab, random_rows
 
 VOCAB = google_layout_vocab()
 MASKING = MaskingVocab.from_tokens(VOCAB)

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from training import model as model_module
-from training.hf_interop import from_hf_state_dict
-from training.model import (
+from bertforge.training import model as model_module
+from bertforge.training.hf_interop import from_hf_state_dict
+from bertforge.training.model import (
     IGNORE_INDEX,
     PRESETS,
     BertConfig,

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from training.config import TrainConfig
-from training.optim import Lamb
+from bertforge.training.config import TrainConfig
+from bertforge.training.optim import Lamb
 
 
 def adam_direction(g: float) -> float:

@@ -5,16 +5,16 @@ import os
 import pytest
 import torch
 
-from pipelines.manifest import read_manifest
+from bertforge.pipelines.manifest import read_manifest
+from bertforge.training import checkpoint, recipes
+from bertforge.training.data import PretrainingLoader
+from bertforge.training.export import export_checkpoint
+from bertforge.training.loop import train
+from bertforge.training.metrics import read_metrics
+from bertforge.training.model import BertConfig, BertForPreTraining
+from bertforge.training.warm_start import load_initial_weights
 from tests.training.conftest import write_dataset
 from tests.training.test_loop import TINY, config
-from training import checkpoint, recipes
-from training.data import PretrainingLoader
-from training.export import export_checkpoint
-from training.loop import train
-from training.metrics import read_metrics
-from training.model import BertConfig, BertForPreTraining
-from training.warm_start import load_initial_weights
 
 NO_DROPOUT = {**TINY, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 

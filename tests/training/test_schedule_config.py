@@ -1,10 +1,10 @@
 import pytest
 
-from training import engine as engine_lib
-from training.config import TrainConfig
-from training.engine import deepspeed_config
-from training.flops import mfu, training_flops_per_batch, training_flops_per_sequence
-from training.schedule import lr_multiplier
+from bertforge.training import engine as engine_lib
+from bertforge.training.config import TrainConfig
+from bertforge.training.engine import deepspeed_config
+from bertforge.training.flops import mfu, training_flops_per_batch, training_flops_per_sequence
+from bertforge.training.schedule import lr_multiplier
 
 
 def test_warmup_rises_linearly_to_peak_then_decays_to_zero():

@@ -1,0 +1,126 @@
+"""Numbers that a refactor must not change (DESIGN, style rule 6), held against recorded values.
+
+The constants below were recorded before the layout change of issue 16 and must not move with a
+change that is not meant to change numbers:
+- the shards the Beam job writes for a fixed corpus, vocabulary and seed (byte for byte);
+- the loader's batches for a fixed dataset and seed (every tensor, exactly);
+- the loss curve of a fixed-seed fp32 run through the real DeepSpeed engine (to 1e-4 relative:
+  fp32 GEMMs may round differently on another CPU's vector unit; any change of data, masking,
+  initialisation or optimizer moves these losses by far more).
+
+A change that *is* meant to change one of them updates the constant in the same commit and says
+why in its message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from tests.training.conftest import google_layout_vocab, write_dataset
+
+# sha256 of each shard file's bytes, by path inside the dataset directory.
+EXPECTED_SHARDS = {
+    "train/part-00000-of-00002.arrow":
+        "fdfe221116ba90c0c0bcc6f3d12cf01a9af6d99aa9bac73962a74f5f8511cc4a",
+    "train/part-00001-of-00002.arrow":
+        "25889b1d7586ede9e4c54380b4ae822fdc6b3f6b7f21b6b047657919085d5411",
+    "validation/part-00000-of-00001.arrow":
+        "440cc9b4ed1cb73b220cf69bea6de265af906048419879d09817b6de48c3ea32",
+}
+# sha256 over every tensor of the first batches (see `_batches_digest`).
+EXPECTED_BATCHES = "122623e7b2c2dcfc657ecc7fab98b5e9601b8bf361acfcd20a58dff3daa0c5bf"
+# Total loss at steps 1..6 of `_golden_run`.
+EXPECTED_LOSSES = [6.271523475646973, 6.272679805755615, 6.285977840423584,
+                   6.253641605377197, 6.252436637878418, 6.268671989440918]
+
+
+def _golden_corpus(path: str) -> None:
+    """60 documents of 3-12 sentences over the test vocabulary's words, plus unknown words.
+
+    Built from `random.Random(seed)`, whose integer draws are stable across Python versions.
+    """
+    rng = random.Random(2024)
+    words = [f"word{i}" for i in range(120)] + ["zebra", "quokka"]  # two [UNK]s
+    with open(path, "w", encoding="utf-8") as f:
+        for doc in range(60):
+            sentences = []
+            for _ in range(rng.randint(3, 12)):
+                sentence = " ".join(rng.choice(words) for _ in range(rng.randint(4, 18)))
+                sentences.append(sentence[0].upper() + sentence[1:] + ".")
+            f.write(json.dumps({"doc_id": f"golden-{doc}", "text": " ".join(sentences)}) + "\n")
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.mark.slow
+def test_prepared_shards_are_byte_identical_to_the_recorded_ones(tmp_path):
+    from bertforge.pipelines.prepare import run
+
+    corpus = tmp_path / "corpus.jsonl"
+    _golden_corpus(str(corpus))
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(google_layout_vocab()) + "\n", encoding="utf-8")
+    output = tmp_path / "shards"
+    run([f"--input={corpus}", f"--output={output}", f"--vocab={vocab}",
+         "--max_seq_length=48", "--dupe_factor=2", "--num_shards=2", "--seed=99",
+         "--validation_fraction=0.2", "--runner=DirectRunner"])
+    shards = {
+        os.path.relpath(os.path.join(d, name), output): _sha256(os.path.join(d, name))
+        for d, _, names in os.walk(output) for name in names if name.endswith(".arrow")
+    }
+    assert shards == EXPECTED_SHARDS
+
+
+def _batches_digest(batches) -> str:
+    digest = hashlib.sha256()
+    for batch in batches:
+        for name in sorted(batch):
+            tensor = batch[name]
+            digest.update(name.encode())
+            digest.update(str(tuple(tensor.shape)).encode())
+            digest.update(tensor.numpy().astype(np.int64).tobytes())
+    return digest.hexdigest()
+
+
+def test_loader_batches_are_identical_to_the_recorded_ones(tmp_path):
+    from bertforge.training.data import PretrainingLoader
+
+    data = write_dataset(str(tmp_path / "data"), {"train": [40, 33]}, max_seq_length=64, seed=5)
+    batches = []
+    for whole_word in (False, True):
+        loader = PretrainingLoader(data, batch_size=6, seed=11, whole_word=whole_word, prefetch=0)
+        loader.set_epoch(1)
+        batches += list(loader)
+    assert _batches_digest(batches) == EXPECTED_BATCHES
+
+
+def _golden_run(data_dir: str, run_dir: str):
+    from bertforge.training.config import TrainConfig
+    from bertforge.training.loop import train
+
+    cfg = TrainConfig(
+        data_dir=data_dir, run_dir=run_dir, max_steps=6, micro_batch_size=8, warmup_steps=2,
+        learning_rate=1e-3, log_every=1, zero_stage=0, precision="fp32", seed=21,
+        model={"preset": "tiny", "hidden_size": 32, "num_attention_heads": 2,
+               "intermediate_size": 64},
+    )
+    return train(cfg)
+
+
+@pytest.mark.slow
+def test_fixed_seed_loss_curve_is_the_recorded_one(tmp_path):
+    from bertforge.training.metrics import read_metrics
+
+    data = write_dataset(str(tmp_path / "data"), {"train": [70, 60]}, max_seq_length=64, seed=8)
+    _golden_run(data, str(tmp_path / "run"))
+    losses = [r["loss"] for r in read_metrics(str(tmp_path / "run")) if "loss" in r]
+    assert losses == pytest.approx(EXPECTED_LOSSES, rel=1e-4)
