@@ -8,8 +8,6 @@ import logging
 import sys
 from collections.abc import Sequence
 
-DEFAULT_DEMO_DIR = "bertforge-demo"
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -57,7 +55,14 @@ def _add_inspect(commands) -> None:
     p.set_defaults(handler=_run_inspect)
 
 
+# TrainConfig fields that `bertforge train` sets with flags of their own (or not at all).
+TRAIN_FIELDS_SET_BY_HAND = ("data_dir", "run_dir", "model", "resume")
+
+
 def _add_train(commands) -> None:
+    from bertforge.cluster.config_fields import add_flags
+    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.training.config import TrainConfig
     from bertforge.training.recipes import RECIPES
 
     p = commands.add_parser(
@@ -69,41 +74,13 @@ def _add_train(commands) -> None:
     p.add_argument("--run-dir", required=True, help="checkpoints, metrics and TensorBoard go here")
     p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
                    help="a named recipe (training/recipes.py); phase 2 needs --init-from")
-    p.add_argument("--init-from", default=None,
-                   help="warm-start weights: a checkpoint, a run directory or a Hugging Face dir")
     p.add_argument("--preset", choices=("tiny", "mini", "base", "large"), default=None,
                    help="model size (default: the recipe's, else tiny)")
-    p.add_argument("--steps", type=int, default=None, help="default: the recipe's, else 1000")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="sequences per worker per micro-step")
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="sequences per optimizer step; accumulation follows from the workers")
-    p.add_argument("--grad-accum", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
-    p.add_argument("--optimizer", choices=("adamw", "lamb"), default=None,
-                   help="lamb only with --zero-stage 0")
-    p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3))
-    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"))
-    p.add_argument("--activation-checkpointing", action="store_true", default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--eval-every", type=int, default=None, help="steps between validation passes")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="per-device peak for MFU, e.g. 989 for an H100 in bf16")
-    p.add_argument("--checkpoint-every", type=int, default=None, help="0: only at the end")
     p.add_argument("--resume", default="auto", choices=("auto", "never"),
                    help="auto: continue from the newest complete checkpoint in --run-dir")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--cpus-per-worker", type=int, default=1)
-    p.add_argument("--gpu", action="store_true", help="one GPU per worker")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: local Ray)")
-    p.add_argument("--storage", default=None,
-                   help="persist every rank's checkpoints to this URI (gs://, s3://) or shared "
-                   "path and restore from it on restart; without it --run-dir must be shared")
-    p.add_argument("--placement-strategy", default="PACK", choices=("PACK", "SPREAD"),
-                   help="SPREAD puts workers on different nodes")
-    p.add_argument("--max-failures", type=int, default=3,
-                   help="worker-group restarts from the newest checkpoint before giving up")
+    add_flags(p.add_argument_group("training (TrainConfig)"), TrainConfig,
+              skip=TRAIN_FIELDS_SET_BY_HAND)
+    add_flags(p.add_argument_group("where it runs (LaunchConfig)"), LaunchConfig)
     p.set_defaults(handler=_run_train)
 
 
@@ -159,10 +136,11 @@ def _add_pipeline(commands) -> None:
 
 
 def _add_demo(commands) -> None:
+    from bertforge.cluster.config_fields import add_flags
+    from bertforge.cluster.demo import DemoConfig
+
     p = commands.add_parser("demo", help="the whole chain on the built-in corpus, in minutes")
-    p.add_argument("--output", default=DEFAULT_DEMO_DIR, help=f"default: ./{DEFAULT_DEMO_DIR}")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--corpus-mb", type=float, default=4.0, help="docstring text to gather")
+    add_flags(p, DemoConfig)
     p.set_defaults(handler=_run_demo)
 
 
@@ -179,9 +157,9 @@ def _run_vocab(args: argparse.Namespace) -> None:
 
 
 def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
-    from bertforge.pipelines.prepare import run
+    from bertforge.pipelines.prepare import main
 
-    counts = run(extra)
+    counts = main(extra)
     print(json.dumps(counts, indent=2))
 
 
@@ -191,46 +169,28 @@ def _run_inspect(args: argparse.Namespace) -> None:
     print(format_report(inspect_dataset(args.data_dir, num_samples=args.samples)))
 
 
-# `bertforge train` flag -> TrainConfig field; a flag left out keeps the recipe's value.
-TRAIN_OVERRIDES = {
-    "steps": "max_steps", "batch_size": "micro_batch_size",
-    "global_batch_size": "global_batch_size", "grad_accum": "gradient_accumulation_steps",
-    "lr": "learning_rate", "warmup_steps": "warmup_steps", "optimizer": "optimizer",
-    "zero_stage": "zero_stage", "precision": "precision",
-    "activation_checkpointing": "activation_checkpointing", "seed": "seed",
-    "eval_every": "eval_every", "peak_tflops": "peak_tflops",
-    "checkpoint_every": "checkpoint_every",
-}
-
-
 def train_config_from_args(args: argparse.Namespace):
+    from bertforge.cluster.config_fields import given_values
     from bertforge.training.config import TrainConfig
     from bertforge.training.recipes import recipe_by_name
 
-    overrides = {field: getattr(args, flag) for flag, field in TRAIN_OVERRIDES.items()
-                 if getattr(args, flag) is not None}
+    overrides = given_values(args, TrainConfig, skip=TRAIN_FIELDS_SET_BY_HAND + ("init_from",))
     overrides["resume"] = args.resume == "auto"
     if args.preset:
         overrides["model"] = {"preset": args.preset}
     if args.recipe:
         return recipe_by_name(args.recipe, args.data, args.run_dir, init_from=args.init_from,
                               **overrides)
-    steps = overrides.setdefault("max_steps", 1000)
-    overrides.setdefault("warmup_steps", steps // 10)
-    overrides.setdefault("log_every", max(1, min(50, steps // 20)))
     return TrainConfig(data_dir=args.data, run_dir=args.run_dir, init_from=args.init_from,
                        **overrides)
 
 
 def _run_train(args: argparse.Namespace) -> None:
+    from bertforge.cluster.config_fields import given_values
     from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
 
     cfg = train_config_from_args(args)
-    launch = LaunchConfig(
-        num_workers=args.workers, use_gpu=args.gpu, cpus_per_worker=args.cpus_per_worker,
-        address=args.address, max_failures=args.max_failures, storage=args.storage,
-        placement_strategy=args.placement_strategy,
-    )
+    launch = LaunchConfig(**given_values(args, LaunchConfig))
     print(json.dumps(train_on_ray(cfg, launch), indent=2, default=str))
 
 
@@ -279,11 +239,10 @@ def _run_pipeline(args: argparse.Namespace) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> None:
+    from bertforge.cluster.config_fields import given_values
     from bertforge.cluster.demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(
-        output=args.output, max_steps=args.steps, corpus_bytes=int(args.corpus_mb * 1e6)
-    ))
+    run_demo(DemoConfig(**given_values(args, DemoConfig)))
 
 
 def _configure_logging() -> None:

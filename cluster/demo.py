@@ -13,42 +13,42 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bertforge.cluster.stage_runner import (
-    LOCK_NAME,
-    exclusive_directory,
-    fresh_dir,
-    heartbeat,
-    write_json_atomic,
-)
+from bertforge.cluster.config_fields import HELP
+from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir
 from bertforge.training.metrics import read_metrics
 
-STATE_NAME = "demo.json"
+DEFAULT_DEMO_DIR = "bertforge-demo"
+
+
+def _option(default: Any, help: str, **metadata: Any) -> Any:
+    return field(default=default, metadata={HELP: help, **metadata})
 
 
 @dataclass
 class DemoConfig:
-    output: str
-    corpus_bytes: int = 4_000_000  # ~4 MB of docstring prose
-    vocab_size: int = 8192
-    max_seq_length: int = 128
-    dupe_factor: int = 2
-    num_shards: int = 4
-    prepare_workers: int = 2
-    train_workers: int = 2
+    """The demo's settings; `bertforge demo` flags are generated from these fields."""
+
+    output: str = _option(DEFAULT_DEMO_DIR, "directory for every output of the demo")
+    corpus_mb: float = _option(4.0, "megabytes of docstring prose to gather")
+    vocab_size: int = _option(8192, "WordPiece vocabulary size")
+    max_seq_length: int = _option(128, "tokens per instance")
+    dupe_factor: int = _option(2, "passes over each document in prepare")
+    num_shards: int = _option(4, "train shards")
+    prepare_workers: int = _option(2, "Beam worker processes")
+    train_workers: int = _option(2, "Ray Train workers")
     # 1,000 steps x 64 sequences = ~6 epochs of the ~11,000 training pairs; 1e-3 beat 5e-4
     # (MLM 0.122 vs 0.102 after 600 steps) and 2e-3 (0.080 after 300) in a sweep on 2 cores.
-    max_steps: int = 1000
-    micro_batch_size: int = 32  # per worker: 32 x 2 workers = 64 sequences per step
-    learning_rate: float = 1e-3
-    seed: int = 12345
+    max_steps: int = _option(1000, "training steps", aliases=("--steps",))
+    micro_batch_size: int = _option(32, "sequences per worker per step (x 2 workers = 64)")
+    learning_rate: float = _option(1e-3, "peak learning rate")
+    seed: int = _option(12345, "data, masking and initialisation")
 
     def __post_init__(self) -> None:
-        if self.corpus_bytes < 100_000:
-            raise ValueError("the demo corpus needs at least 100,000 bytes")
+        if self.corpus_mb < 0.1:
+            raise ValueError("the demo corpus needs at least 0.1 MB (100,000 bytes)")
         if self.max_steps < 10:
             raise ValueError("the demo needs at least 10 training steps")
 
@@ -68,38 +68,24 @@ class DemoPaths:
         self.eval = os.path.join(self.root, "eval.json")
         self.summary = os.path.join(self.root, "summary.json")
         self.loss_curve = os.path.join(self.root, "loss_curve.png")
-        self.state = os.path.join(self.root, STATE_NAME)
 
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
     """Run (or finish) the demo in config.output; returns the summary."""
     paths = DemoPaths(config.output)
     started = time.time()
-    _refuse_foreign_directory(paths)
-    with exclusive_directory(paths.root, "demo"):
-        state = _load_or_create_state(paths, config)
-        stages: list[tuple[str, Callable[[], bool], Callable[[], dict[str, Any]]]] = [
-            ("corpus", lambda: _recorded(state, "corpus"), lambda: _build_corpus(paths, config)),
-            ("vocab", lambda: _recorded(state, "vocab"), lambda: _train_vocab(paths, config)),
-            ("prepare", lambda: _recorded(state, "prepare"), lambda: _prepare(paths, config)),
-            ("train", lambda: _recorded(state, "train"), lambda: _train(paths, config)),
-            ("eval", lambda: _recorded(state, "eval"), lambda: _evaluate(paths, config)),
-            ("export", lambda: _recorded(state, "export"), lambda: _export(paths)),
-        ]
-        for number, (name, is_done, run) in enumerate(stages, start=1):
-            label = f"[{number}/{len(stages)}] {name}"
-            if is_done():
-                print(f"[demo] {label}: done in an earlier run, reusing it", flush=True)
-                continue
-            print(f"[demo] {label}: starting", flush=True)
-            stage_started = time.time()
-            with heartbeat("demo", label, every_seconds=20.0):
-                record = run()
-            record["seconds"] = round(time.time() - stage_started, 1)
-            state["stages"][name] = record
-            _save_state(paths, state)
-            print(f"[demo] {label}: finished in {record['seconds']} s", flush=True)
-        summary = _summarise(paths, state, time.time() - started)
+    with StageRunner(paths.root, "demo", config.settings(), heartbeat_seconds=20.0,
+                     skip_message="done in an earlier run, reusing it",
+                     dir_flag="--output") as runner:
+        runner.run([
+            Stage("corpus", lambda: _build_corpus(paths, config)),
+            Stage("vocab", lambda: _train_vocab(paths, config)),
+            Stage("prepare", lambda: _prepare(paths, config)),
+            Stage("train", lambda: _train(paths, config)),
+            Stage("eval", lambda: _evaluate(paths, config)),
+            Stage("export", lambda: _export(paths)),
+        ])
+        summary = _summarise(paths, runner.state, time.time() - started)
     return summary
 
 
@@ -110,7 +96,7 @@ def _build_corpus(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
     from bertforge.pipelines.docstring_corpus import write_docstring_corpus
 
     os.makedirs(os.path.dirname(paths.corpus), exist_ok=True)
-    stats = write_docstring_corpus(paths.corpus, target_bytes=config.corpus_bytes)
+    stats = write_docstring_corpus(paths.corpus, target_bytes=int(config.corpus_mb * 1e6))
     print(f"[demo] corpus: {stats['num_documents']} documents, {stats['num_bytes']:,} bytes "
           f"of docstrings", flush=True)
     return {"num_documents": stats["num_documents"], "num_bytes": stats["num_bytes"]}
@@ -128,20 +114,16 @@ def _train_vocab(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
 
 def _prepare(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
     from bertforge.pipelines.prepare import run as run_prepare
+    from bertforge.pipelines.prepare_options import PrepareConfig
 
     fresh_dir(paths.shards)  # a crashed earlier attempt leaves no manifest; start over
-    counts = run_prepare([
-        f"--input={paths.corpus}",
-        f"--output={paths.shards}",
-        f"--vocab={os.path.join(paths.vocab_dir, 'vocab.txt')}",
-        f"--max_seq_length={config.max_seq_length}",
-        f"--dupe_factor={config.dupe_factor}",
-        f"--num_shards={config.num_shards}",
-        f"--seed={config.seed}",
-        "--runner=DirectRunner",
-        f"--direct_num_workers={config.prepare_workers}",
-        "--direct_running_mode=multi_processing",
-    ])
+    prepare = PrepareConfig(
+        inputs=(paths.corpus,), output=paths.shards,
+        vocab=os.path.join(paths.vocab_dir, "vocab.txt"), max_seq_length=config.max_seq_length,
+        dupe_factor=config.dupe_factor, num_shards=config.num_shards, seed=config.seed,
+    )
+    counts = run_prepare(prepare, [f"--direct_num_workers={config.prepare_workers}",
+                                   "--direct_running_mode=multi_processing"])
     return {"counts": counts}
 
 
@@ -154,7 +136,7 @@ def _train(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
         micro_batch_size=config.micro_batch_size, learning_rate=config.learning_rate,
         seed=config.seed,
     )
-    step = train_on_ray(cfg, LaunchConfig(num_workers=config.train_workers)).get("step")
+    step = train_on_ray(cfg, LaunchConfig(workers=config.train_workers)).get("step")
     if step != config.max_steps:
         raise RuntimeError(f"training stopped at step {step}, not {config.max_steps}")
     # Losses and throughput come from metrics.jsonl, which spans resumed runs too.
@@ -271,43 +253,3 @@ def _plot_loss_curve(records: list[dict[str, Any]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-# --- state, locking, progress ---------------------------------------------------------------
-
-
-def _load_or_create_state(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
-    if os.path.exists(paths.state):
-        with open(paths.state, encoding="utf-8") as f:
-            state = json.load(f)
-        if state["settings"] != config.settings():
-            wanted = config.settings()
-            changed = sorted(k for k, v in wanted.items() if state["settings"].get(k) != v)
-            raise ValueError(
-                f"{paths.root} holds a demo made with other settings ({', '.join(changed)}); "
-                "use another --output, or delete that directory to start over"
-            )
-        return state
-    state = {"settings": config.settings(), "stages": {}}
-    _save_state(paths, state)
-    return state
-
-
-def _refuse_foreign_directory(paths: DemoPaths) -> None:
-    """Never write into a directory that holds something other than a demo."""
-    if not os.path.isdir(paths.root) or os.path.exists(paths.state):
-        return
-    if [name for name in os.listdir(paths.root) if name != LOCK_NAME]:
-        raise ValueError(
-            f"{paths.root} is not empty and holds no bertforge demo; choose another --output"
-        )
-
-
-def _recorded(state: dict[str, Any], stage: str) -> bool:
-    return stage in state["stages"]
-
-
-def _save_state(paths: DemoPaths, state: dict[str, Any]) -> None:
-    write_json_atomic(paths.state, state)
-
-

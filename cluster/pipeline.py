@@ -21,68 +21,30 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from bertforge.cluster.stage_runner import (
-    LOCK_NAME,
-    exclusive_directory,
-    fresh_dir,
-    heartbeat,
-    write_json_atomic,
-)
-
-STATE_NAME = "pipeline.json"
-STATE_VERSION = 1
+from bertforge.cluster.config_fields import check_type, from_table, table_keys
+from bertforge.cluster.ray_train import LaunchConfig
+from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir
+from bertforge.pipelines.prepare_options import PrepareConfig, check_beam_args
+from bertforge.training.config import TrainConfig
 
 # Keys that say how to run, not what to make: outputs are byte-identical on any Beam runner and
 # the training batches the same on any worker count (DESIGN: determinism), so changing them
-# between runs (prepare locally, train on a cluster) is allowed.
-HOW_TO_RUN_KEYS = ("cluster", "prepare.beam_args")
+# between runs (prepare locally, train on a cluster) is allowed. rows_per_piece bounds memory
+# and never changes a byte.
+HOW_TO_RUN_KEYS = ("config.cluster", "config.prepare.beam_args",
+                   "config.prepare.options.rows_per_piece")
 
-# Flags the pipeline sets itself from the config; giving them in beam_args would contradict it.
-_OWNED_PREPARE_FLAGS = (
-    "--input", "--output", "--vocab", "--lower_case", "--max_seq_length", "--short_seq_prob",
-    "--dupe_factor", "--seed", "--validation_fraction", "--num_shards", "--num_validation_shards",
-    "--random_pool_size",
-)
+# PrepareConfig fields the pipeline sets itself: where the shards and the vocab live, casing
+# (the vocab's) and the length (each phase's).
+_OWNED_PREPARE_FIELDS = ("inputs", "output", "vocab", "lower_case", "max_seq_length")
 # TrainConfig fields the pipeline owns: where data and runs live, and resuming (always on).
 _OWNED_TRAIN_FIELDS = ("data_dir", "run_dir", "resume")
 
 
 # --- configuration --------------------------------------------------------------------------
-
-
-def _check_type(section: str, key: str, value: Any, kind: type | tuple[type, ...]) -> None:
-    """TOML gives typed values; a wrong type is a user error named by its dotted key."""
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    # bool is an int in Python, but `workers = true` is a mistake, not 1 worker.
-    if isinstance(value, bool) and bool not in kinds:
-        ok = False
-    else:
-        ok = isinstance(value, kinds)
-    if not ok:
-        names = " or ".join(k.__name__ for k in kinds)
-        raise ValueError(f"{section}.{key} must be {names}, got {value!r}")
-
-
-def _check_at_least(section: str, key: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise ValueError(f"{section}.{key} must be at least {minimum}, got {value}")
-
-
-def _check_keys(section: str, table: Any, cls: type) -> None:
-    if not isinstance(table, dict):
-        raise ValueError(f"[{section}] must be a table, got {table!r}")
-    known = {f.name for f in fields(cls)} - {"name"}  # a phase's name is its table's
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) in [{section}]: {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(known))}"
-        )
 
 
 def _resolve_path(path: str, base_dir: str) -> str:
@@ -94,11 +56,15 @@ def _resolve_path(path: str, base_dir: str) -> str:
 
 def _resolve_input(entry: str, base_dir: str) -> str:
     """Like _resolve_path, keeping a `FORMAT:` prefix (`books:corpus/*.txt`) in front."""
-    from bertforge.pipelines.readers import split_format
+    from bertforge.pipelines.read.readers import split_format
 
     forced, pattern = split_format(entry)
     resolved = _resolve_path(pattern, base_dir)
     return f"{forced}:{resolved}" if forced else resolved
+
+
+def _string_list(section: str, key: str, table: dict[str, Any]) -> tuple[str, ...]:
+    return check_type(section, key, table.get(key, []), tuple[str, ...])
 
 
 @dataclass(frozen=True)
@@ -112,88 +78,60 @@ class VocabSection:
     inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.path is not None:
-            _check_type("vocab", "path", self.path, str)
-        _check_type("vocab", "size", self.size, int)
-        _check_type("vocab", "lower_case", self.lower_case, bool)
-        _check_at_least("vocab", "size", self.size, 6)  # the 5 special tokens and one more
+        if self.size < 6:  # the 5 special tokens and one more
+            raise ValueError(f"size must be at least 6, got {self.size}")
 
     @classmethod
-    def from_table(cls, table: dict[str, Any], base_dir: str) -> VocabSection:
-        _check_keys("vocab", table, cls)
-        if "path" in table and ("size" in table or "inputs" in table):
+    def from_table(cls, table: Any, base_dir: str) -> VocabSection:
+        if isinstance(table, dict) and "path" in table and ("size" in table or "inputs" in table):
             raise ValueError("vocab.path uses an existing vocab: give it without vocab.size "
                              "and vocab.inputs, which train a new one")
-        inputs = table.get("inputs", [])
-        _check_type("vocab", "inputs", inputs, list)
-        path = table.get("path")
-        return cls(
-            path=_resolve_path(path, base_dir) if isinstance(path, str) else path,
-            size=table.get("size", cls.size), lower_case=table.get("lower_case", cls.lower_case),
-            inputs=tuple(_resolve_input(_str_item("vocab", "inputs", p), base_dir) for p in inputs),
+        section = from_table(cls, "vocab", table)
+        return replace(
+            section, path=_resolve_path(section.path, base_dir) if section.path else None,
+            inputs=tuple(_resolve_input(p, base_dir) for p in section.inputs),
         )
-
-
-def _str_item(section: str, key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{section}.{key} must be a list of strings, got item {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
 class PrepareSection:
-    """The Beam job's shared options; max_seq_length comes from each phase."""
+    """[prepare]: the Beam job's `PrepareConfig` fields (one set for both lengths) and the
+    flags that go to Beam itself (`beam_args`: runner, workers...)."""
 
-    inputs: tuple[str, ...]
+    options: PrepareConfig
     beam_args: tuple[str, ...] = ()
-    num_shards: int = 4
-    num_validation_shards: int = 0  # 0: max(1, num_shards // 10)
-    dupe_factor: int = 1
-    seed: int = 12345
-    short_seq_prob: float = 0.1
-    validation_fraction: float = 0.05
-    random_pool_size: int = 512
-
-    def __post_init__(self) -> None:
-        if not self.inputs:
-            raise ValueError("prepare.inputs is required: a list of corpus files or globs")
-        for key in ("num_shards", "dupe_factor", "random_pool_size", "num_validation_shards",
-                    "seed"):
-            _check_type("prepare", key, getattr(self, key), int)
-        for key in ("num_shards", "dupe_factor", "random_pool_size"):
-            _check_at_least("prepare", key, getattr(self, key), 1)
-        _check_at_least("prepare", "num_validation_shards", self.num_validation_shards, 0)
-        for key in ("short_seq_prob", "validation_fraction"):
-            _check_type("prepare", key, getattr(self, key), (int, float))
-        if not 0.0 <= self.short_seq_prob <= 1.0:
-            raise ValueError(f"prepare.short_seq_prob must be in [0, 1], got {self.short_seq_prob}")
-        if not 0.0 <= self.validation_fraction < 1.0:
-            raise ValueError(
-                f"prepare.validation_fraction must be in [0, 1), got {self.validation_fraction}"
-            )
-        self._check_beam_args()
-
-    def _check_beam_args(self) -> None:
-        from bertforge.pipelines.prepare_options import check_argv
-
-        owned = [a for a in self.beam_args if a.split("=", 1)[0] in _OWNED_PREPARE_FLAGS]
-        if owned:
-            raise ValueError(f"prepare.beam_args must not set {', '.join(owned)}: the pipeline "
-                             "sets it from the configuration")
-        try:
-            check_argv(list(self.beam_args))
-        except ValueError as error:
-            raise ValueError(f"prepare.beam_args: {error}") from None
 
     @classmethod
-    def from_table(cls, table: dict[str, Any], base_dir: str) -> PrepareSection:
-        _check_keys("prepare", table, cls)
+    def from_table(cls, table: Any, paths: PipelinePaths, vocab: VocabSection,
+                   max_seq_length: int, base_dir: str) -> PrepareSection:
+        if not isinstance(table, dict):
+            raise ValueError(f"[prepare] must be a table, got {table!r}")
         values = dict(table)
-        for key in ("inputs", "beam_args"):
-            _check_type("prepare", key, values.get(key, []), list)
-            values[key] = tuple(_str_item("prepare", key, v) for v in values.get(key, []))
-        values["inputs"] = tuple(_resolve_input(p, base_dir) for p in values["inputs"])
-        return cls(**values)
+        beam_args = _string_list("prepare", "beam_args", values)
+        values.pop("beam_args", None)
+        inputs = tuple(_resolve_input(p, base_dir) for p in _string_list("prepare", "inputs",
+                                                                         values))
+        values.pop("inputs", None)
+        if not inputs:
+            raise ValueError("prepare.inputs is required: a list of corpus files or globs")
+        options = from_table(
+            PrepareConfig, "prepare", values, skip=_OWNED_PREPARE_FIELDS, inputs=inputs,
+            output=paths.shards(max_seq_length), vocab=paths.vocab, lower_case=vocab.lower_case,
+            max_seq_length=max_seq_length,
+        )
+        try:
+            check_beam_args(list(beam_args))
+        except ValueError as error:
+            raise ValueError(f"prepare.beam_args: {error}") from None
+        return cls(options=options, beam_args=beam_args)
+
+    def for_length(self, paths: PipelinePaths, max_seq_length: int) -> PrepareConfig:
+        """The job's config for one length (validated again: a phase's length may be bad)."""
+        try:
+            return replace(self.options, max_seq_length=max_seq_length,
+                           output=paths.shards(max_seq_length))
+        except ValueError as error:
+            raise ValueError(f"prepare for max_seq_length {max_seq_length}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -204,63 +142,26 @@ class PhaseSection:
     overrides: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields
 
     def __post_init__(self) -> None:
-        from bertforge.training.config import TrainConfig
         from bertforge.training.recipes import RECIPES
 
-        _check_type(self.name, "recipe", self.recipe, str)
         if self.recipe not in RECIPES:
-            raise ValueError(f"{self.name}.recipe: unknown recipe {self.recipe!r}; "
+            raise ValueError(f"unknown recipe {self.recipe!r}; "
                              f"choose one of {sorted(RECIPES)}")
-        _check_type(self.name, "max_seq_length", self.max_seq_length, int)
-        _check_at_least(self.name, "max_seq_length", self.max_seq_length, 8)
-        _check_type(self.name, "overrides", self.overrides, dict)
-        owned = set(_OWNED_TRAIN_FIELDS) | ({"init_from"} if self.name == "phase2" else set())
-        known = {f.name for f in fields(TrainConfig)} - owned
+        owned = _OWNED_TRAIN_FIELDS + (("init_from",) if self.name == "phase2" else ())
+        known = table_keys(TrainConfig, skip=owned)
         unknown = sorted(set(self.overrides) - known)
         if unknown:
             raise ValueError(
-                f"{self.name}.overrides: unknown or pipeline-owned key(s) {', '.join(unknown)}; "
+                f"overrides: unknown or pipeline-owned key(s) {', '.join(unknown)}; "
                 f"allowed: {', '.join(sorted(known))}"
             )
 
     @classmethod
-    def from_table(cls, name: str, table: dict[str, Any]) -> PhaseSection:
-        _check_keys(name, table, cls)
+    def from_table(cls, name: str, table: Any) -> PhaseSection:
         for key in ("recipe", "max_seq_length"):
-            if key not in table:
+            if isinstance(table, dict) and key not in table:
                 raise ValueError(f"{name}.{key} is required")
-        return cls(name=name, **table)
-
-
-@dataclass(frozen=True)
-class ClusterSection:
-    workers: int = 2
-    gpu: bool = False
-    cpus_per_worker: int = 1
-    address: str = ""  # "": start a private local Ray on 127.0.0.1
-    max_failures: int = 3
-
-    def __post_init__(self) -> None:
-        for key in ("workers", "cpus_per_worker", "max_failures"):
-            _check_type("cluster", key, getattr(self, key), int)
-        _check_type("cluster", "gpu", self.gpu, bool)
-        _check_type("cluster", "address", self.address, str)
-        _check_at_least("cluster", "workers", self.workers, 1)
-        _check_at_least("cluster", "cpus_per_worker", self.cpus_per_worker, 1)
-        _check_at_least("cluster", "max_failures", self.max_failures, 0)
-
-    @classmethod
-    def from_table(cls, table: dict[str, Any]) -> ClusterSection:
-        _check_keys("cluster", table, cls)
-        return cls(**table)
-
-    def launch_config(self):
-        from bertforge.cluster.ray_train import LaunchConfig
-
-        return LaunchConfig(
-            num_workers=self.workers, use_gpu=self.gpu, cpus_per_worker=self.cpus_per_worker,
-            address=self.address or None, max_failures=self.max_failures,
-        )
+        return from_table(cls, name, table, name=name)
 
 
 _TOP_LEVEL_KEYS = ("workdir", "vocab", "prepare", "phase1", "phase2", "cluster")
@@ -273,13 +174,15 @@ class PipelineConfig:
     phase1: PhaseSection
     phase2: PhaseSection | None = None
     vocab: VocabSection = field(default_factory=VocabSection)
-    cluster: ClusterSection = field(default_factory=ClusterSection)
+    cluster: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self) -> None:
         if "://" in self.workdir:
             # Locking, atomic renames and DeepSpeed's checkpoints need a (shared) file system.
             raise ValueError(f"workdir must be a local or mounted path, got {self.workdir!r}")
-        self.train_configs()  # a bad recipe override fails now, before any stage runs
+        for phase in self.phases():  # a bad length or recipe override fails now, before any
+            self.prepare_config(phase.max_seq_length)  # stage runs
+        self.train_configs()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], base_dir: str) -> PipelineConfig:
@@ -291,21 +194,27 @@ class PipelineConfig:
             if key not in data:
                 raise ValueError(f"{key} is required" + (f" (a [{key}] table)" if key != "workdir"
                                                          else ""))
-        _check_type("config", "workdir", data["workdir"], str)
-        prepare = PrepareSection.from_table(data["prepare"], base_dir)
+        workdir = _resolve_path(check_type("config", "workdir", data["workdir"], str), base_dir)
+        paths = PipelinePaths(workdir)
+        vocab = VocabSection.from_table(data.get("vocab", {}), base_dir)
+        phase1 = PhaseSection.from_table("phase1", data["phase1"])
         return cls(
-            workdir=_resolve_path(data["workdir"], base_dir),
-            prepare=prepare,
-            phase1=PhaseSection.from_table("phase1", data["phase1"]),
+            workdir=workdir,
+            prepare=PrepareSection.from_table(data["prepare"], paths, vocab,
+                                              phase1.max_seq_length, base_dir),
+            phase1=phase1,
             phase2=PhaseSection.from_table("phase2", data["phase2"]) if "phase2" in data else None,
-            vocab=VocabSection.from_table(data.get("vocab", {}), base_dir),
-            cluster=ClusterSection.from_table(data.get("cluster", {})),
+            vocab=vocab,
+            cluster=from_table(LaunchConfig, "cluster", data.get("cluster", {})),
         )
 
     def phases(self) -> list[PhaseSection]:
         return [self.phase1] + ([self.phase2] if self.phase2 else [])
 
-    def train_configs(self) -> dict[str, Any]:
+    def prepare_config(self, max_seq_length: int) -> PrepareConfig:
+        return self.prepare.for_length(PipelinePaths(self.workdir), max_seq_length)
+
+    def train_configs(self) -> dict[str, TrainConfig]:
         """{phase name: TrainConfig}: the named recipe, the overrides, the pipeline's paths."""
         from bertforge.training.recipes import recipe_by_name
 
@@ -327,10 +236,10 @@ class PipelineConfig:
 
     def settings(self) -> dict[str, Any]:
         """Normalized, JSON-shaped: what pipeline.json records and a later run must match."""
-        return _jsonable({
+        return {
             "config": asdict(self),
             "recipes": {name: cfg.to_dict() for name, cfg in self.train_configs().items()},
-        })
+        }
 
 
 def load_config(path: str) -> tuple[PipelineConfig, str]:
@@ -358,38 +267,12 @@ def _toml_module():
     return tomllib
 
 
-def _jsonable(value: Any) -> Any:
-    """Tuples become lists, as they will be after a round trip through pipeline.json."""
-    return json.loads(json.dumps(value))
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict) and value:
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: value}
-
-
-def differing_keys(recorded: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ, leaving out the keys that only say how to run."""
-    old, new = _flatten(recorded), _flatten(wanted)
-
-    def ignored(key: str) -> bool:
-        return any(key == f"config.{k}" or key.startswith(f"config.{k}.")
-                   for k in HOW_TO_RUN_KEYS)
-
-    return sorted(k for k in set(old) | set(new) if not ignored(k) and old.get(k) != new.get(k))
-
-
 # --- layout ---------------------------------------------------------------------------------
 
 
 class PipelinePaths:
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
-        self.state = os.path.join(self.root, STATE_NAME)
         self.vocab_dir = os.path.join(self.root, "vocab")
         self.vocab = os.path.join(self.vocab_dir, "vocab.txt")
         self.hf = os.path.join(self.root, "hf")
@@ -404,35 +287,28 @@ class PipelinePaths:
 # --- stages ---------------------------------------------------------------------------------
 
 
-@dataclass
-class Stage:
-    name: str
-    is_done: Callable[[], bool]  # from the outputs on disk
-    run: Callable[[], dict[str, Any]]  # returns a record for pipeline.json
-
-
 def build_stages(
-    config: PipelineConfig, paths: PipelinePaths, state: dict[str, Any]
+    config: PipelineConfig, paths: PipelinePaths, runner: StageRunner
 ) -> list[Stage]:
-    stages = [Stage("vocab", lambda: os.path.isfile(paths.vocab),
-                    lambda: _make_vocab(config, paths))]
+    stages = [Stage("vocab", lambda: _make_vocab(config, paths),
+                    is_done=lambda: os.path.isfile(paths.vocab))]
     for length in sorted({phase.max_seq_length for phase in config.phases()}):
         stages.append(Stage(
-            f"prepare-{length}", lambda length=length: _shards_complete(paths.shards(length)),
-            lambda length=length: _prepare(config, paths, length),
+            f"prepare-{length}", lambda length=length: _prepare(config, length),
+            is_done=lambda length=length: _shards_complete(paths.shards(length)),
         ))
     train_configs = config.train_configs()
     for name, cfg in train_configs.items():
-        stages.append(Stage(name, lambda cfg=cfg: _training_complete(cfg),
-                            lambda cfg=cfg: _train(config, cfg)))
+        stages.append(Stage(name, lambda cfg=cfg: _train(config, cfg),
+                            is_done=lambda cfg=cfg: _training_complete(cfg)))
     last_run = paths.run(list(train_configs)[-1])
-    stages.append(Stage("export", lambda: _export_complete(paths, last_run, state),
-                        lambda: _export(paths, last_run)))
+    stages.append(Stage("export", lambda: _export(paths, last_run),
+                        is_done=lambda: _export_complete(paths, last_run, runner)))
     return stages
 
 
 def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
-    from bertforge.pipelines.manifest import sha256_file
+    from bertforge.pipelines.contract.manifest import sha256_file
 
     # Built beside its place and renamed in, so a half-written vocab.txt never "exists".
     tmp = paths.vocab_dir + ".tmp"
@@ -443,7 +319,7 @@ def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
         shutil.copyfile(config.vocab.path, os.path.join(tmp, "vocab.txt"))
         source = config.vocab.path
     else:
-        from bertforge.pipelines.readers import split_format
+        from bertforge.pipelines.read.readers import split_format
         from bertforge.pipelines.vocab import train_wordpiece_vocab
 
         inputs = config.vocab.inputs or config.prepare.inputs
@@ -456,27 +332,17 @@ def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
 
 
 def _shards_complete(data_dir: str) -> bool:
-    from bertforge.pipelines.manifest import MANIFEST_NAME
+    from bertforge.pipelines.contract.manifest import MANIFEST_NAME
 
     return os.path.isfile(os.path.join(data_dir, MANIFEST_NAME))
 
 
-def _prepare(config: PipelineConfig, paths: PipelinePaths, max_seq_length: int) -> dict[str, Any]:
+def _prepare(config: PipelineConfig, max_seq_length: int) -> dict[str, Any]:
     from bertforge.pipelines.prepare import run as run_prepare
 
-    output = paths.shards(max_seq_length)
-    fresh_dir(output)  # no manifest: an attempt that died part-way; its files are suspect
-    p = config.prepare
-    argv = [f"--input={entry}" for entry in p.inputs] + [
-        f"--output={output}", f"--vocab={paths.vocab}",
-        f"--lower_case={str(config.vocab.lower_case).lower()}",
-        f"--max_seq_length={max_seq_length}", f"--short_seq_prob={p.short_seq_prob}",
-        f"--dupe_factor={p.dupe_factor}", f"--seed={p.seed}",
-        f"--validation_fraction={p.validation_fraction}", f"--num_shards={p.num_shards}",
-        f"--num_validation_shards={p.num_validation_shards}",
-        f"--random_pool_size={p.random_pool_size}", *p.beam_args,
-    ]
-    summary = run_prepare(argv)
+    prepare = config.prepare_config(max_seq_length)
+    fresh_dir(prepare.output)  # no manifest: an attempt that died part-way; its files are suspect
+    summary = run_prepare(prepare, config.prepare.beam_args)
     return {"instances": summary.get("instances"), "seconds_in_beam": summary.get("seconds")}
 
 
@@ -492,7 +358,7 @@ def _train(config: PipelineConfig, cfg) -> dict[str, Any]:
 
     # resume=True: continues from the newest committed checkpoint, or starts fresh (phase 2
     # then warm-starts from phase 1's weights).
-    result = train_on_ray(cfg, config.cluster.launch_config())
+    result = train_on_ray(cfg, config.cluster)
     if result["step"] < cfg.max_steps:
         raise RuntimeError(f"{cfg.run_dir}: training stopped at step {result['step']}, "
                            f"not {cfg.max_steps}; run the pipeline again to resume")
@@ -510,13 +376,13 @@ def _export_source(run_dir: str) -> dict[str, Any] | None:
         return {"checkpoint": path, "committed": json.load(f)}
 
 
-def _export_complete(paths: PipelinePaths, run_dir: str, state: dict[str, Any]) -> bool:
+def _export_complete(paths: PipelinePaths, run_dir: str, runner: StageRunner) -> bool:
     from bertforge.training.hf_interop import HF_CONFIG_NAME
 
     files = (HF_CONFIG_NAME, "model.safetensors")
     if not all(os.path.isfile(os.path.join(paths.hf, name)) for name in files):
         return False
-    recorded = state["stages"].get("export", {}).get("source")
+    recorded = (runner.recorded("export") or {}).get("source")
     return recorded is not None and recorded == _export_source(run_dir)
 
 
@@ -539,65 +405,10 @@ def _export(paths: PipelinePaths, run_dir: str) -> dict[str, Any]:
 def run_pipeline(config: PipelineConfig, toml_text: str = "") -> dict[str, Any]:
     """Run every stage that is not done; returns {"ran": [...], "skipped": [...], ...}."""
     paths = PipelinePaths(config.workdir)
-    ran, skipped = [], []
-    with exclusive_directory(paths.root, "pipeline"):
-        state = _load_or_create_state(paths, config, toml_text)
-        stages = build_stages(config, paths, state)
-        for number, stage in enumerate(stages, start=1):
-            label = f"[{number}/{len(stages)}] {stage.name}"
-            if stage.is_done():
-                _say(f"{label}: output complete, skipping")
-                skipped.append(stage.name)
-                continue
-            _say(f"{label}: starting")
-            started = time.time()
-            with heartbeat("pipeline", label, every_seconds=60.0):
-                record = stage.run()
-            record["seconds"] = round(time.time() - started, 1)
-            state["stages"][stage.name] = record
-            write_json_atomic(paths.state, state)
-            ran.append(stage.name)
-            _say(f"{label}: finished in {record['seconds']} s")
-    _say(f"done: Hugging Face export in {paths.hf}")
-    return {"workdir": paths.root, "hf_dir": paths.hf, "ran": ran, "skipped": skipped}
-
-
-def _say(message: str) -> None:
-    print(f"[pipeline] {message}", flush=True)
-
-
-def _load_or_create_state(
-    paths: PipelinePaths, config: PipelineConfig, toml_text: str
-) -> dict[str, Any]:
-    wanted = config.settings()
-    if os.path.exists(paths.state):
-        with open(paths.state, encoding="utf-8") as f:
-            state = json.load(f)
-        changed = differing_keys(state["settings"], wanted)
-        if changed:
-            shown = ", ".join(changed[:12]) + (f" and {len(changed) - 12} more"
-                                               if len(changed) > 12 else "")
-            raise ValueError(
-                f"{paths.root} holds a pipeline made from a different configuration "
-                f"(differs in: {shown}); use another workdir, or delete it to start over"
-            )
-        state["settings"] = wanted  # the how-to-run keys may have changed: record this run's
-        state["toml"] = toml_text or state.get("toml", "")
-    else:
-        _refuse_foreign_directory(paths)
-        state = {"version": STATE_VERSION, "toml": toml_text, "settings": wanted, "stages": {}}
-    write_json_atomic(paths.state, state)
-    return state
-
-
-def _refuse_foreign_directory(paths: PipelinePaths) -> None:
-    """Without pipeline.json every output in the workdir would be someone else's: never reuse
-    (or clear) them."""
-    if [name for name in os.listdir(paths.root) if name != LOCK_NAME]:
-        raise ValueError(f"workdir {paths.root} is not empty and holds no {STATE_NAME}; "
-                         "choose an empty or new workdir")
-
-
-# --- helpers shared in spirit with cluster/demo.py ---------------------------------------------
-
-
+    with StageRunner(paths.root, "pipeline", config.settings(), ignored=HOW_TO_RUN_KEYS,
+                     dir_flag="workdir") as runner:
+        runner.state["toml"] = toml_text or runner.state.get("toml", "")
+        runner.save()
+        outcome = runner.run(build_stages(config, paths, runner))
+        runner.say(f"done: Hugging Face export in {paths.hf}")
+    return {"workdir": paths.root, "hf_dir": paths.hf, **outcome}

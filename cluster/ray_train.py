@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -11,33 +11,46 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from bertforge.cluster.config_fields import HELP
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.config import TrainConfig
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass
 class LaunchConfig:
-    num_workers: int = 2
-    use_gpu: bool = False
-    cpus_per_worker: int = 1
-    address: str | None = None  # None: start a local Ray bound to 127.0.0.1
-    max_failures: int = 0
+    """Where and on how many workers training runs; `bertforge train` flags and the pipeline
+    file's [cluster] table are generated from these fields (`bertforge.cluster.config_fields`)."""
+
+    workers: int = field(default=2, metadata={HELP: "Ray Train workers (one process each)"})
+    gpu: bool = field(default=False, metadata={HELP: "one GPU per worker"})
+    cpus_per_worker: int = field(default=1, metadata={HELP: "CPUs (and torch threads) per worker"})
+    address: str | None = field(default=None, metadata={
+        HELP: "Ray cluster address, 'auto' on a cluster node (default: a private local Ray on "
+        "127.0.0.1)"})
+    max_failures: int = field(default=3, metadata={
+        HELP: "worker-group restarts from the newest checkpoint before giving up"})
     # Where Ray Train persists every rank's checkpoint files (gs://, s3://, or a path all nodes
     # share); None: the run directory itself must be shared storage.
-    storage: str | None = None
+    storage: str | None = field(default=None, metadata={
+        HELP: "persist every rank's checkpoints to this URI (gs://, s3://) or shared path and "
+        "restore from it on restart; without it the run directory must be shared"})
     # PACK fills a node before the next (fast collectives); SPREAD puts workers on
     # different nodes (one GPU per node, or testing what crosses the network).
-    placement_strategy: str = "PACK"
+    placement_strategy: str = field(default="PACK", metadata={
+        HELP: "SPREAD puts workers on different nodes", "choices": PLACEMENT_STRATEGIES})
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ValueError(f"num_workers must be at least 1, got {self.num_workers}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.max_failures < 0:
             raise ValueError(f"max_failures must be at least 0, got {self.max_failures}")
-        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"unknown placement strategy {self.placement_strategy!r}")
         if self.cpus_per_worker < 1:
             raise ValueError(f"cpus_per_worker must be at least 1, got {self.cpus_per_worker}")
+        self.address = self.address or None  # "" (a TOML file's "none") is a local Ray too
 
 
 def connect(launch: LaunchConfig) -> None:
@@ -51,7 +64,7 @@ def connect(launch: LaunchConfig) -> None:
         return
     _bind_to_loopback()
     ray.init(
-        num_cpus=max(os.cpu_count() or 1, launch.num_workers * launch.cpus_per_worker),
+        num_cpus=max(os.cpu_count() or 1, launch.workers * launch.cpus_per_worker),
         # Ray Train's controller polls the state API, which the dashboard serves (127.0.0.1).
         include_dashboard=True,
         dashboard_host="127.0.0.1",
@@ -73,7 +86,7 @@ def _bind_to_loopback() -> None:
 
 
 def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
-    """Run training on `launch.num_workers` Ray workers; returns the final checkpoint's metadata.
+    """Run training on `launch.workers` Ray workers; returns the final checkpoint's metadata.
 
     Ray Train V2 keeps only metrics attached to Ray checkpoints, so the outcome is read from
     the run directory, where the loop commits its checkpoints.
@@ -85,11 +98,11 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
         _worker_main,
         train_loop_config={"train": cfg.to_dict(), "threads": launch.cpus_per_worker,
                            "persist": bool(launch.storage)},
-        torch_config=TorchConfig(backend="nccl" if launch.use_gpu else "gloo"),
+        torch_config=TorchConfig(backend="nccl" if launch.gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=launch.num_workers,
-            use_gpu=launch.use_gpu,
-            resources_per_worker=None if launch.use_gpu else {"CPU": launch.cpus_per_worker},
+            num_workers=launch.workers,
+            use_gpu=launch.gpu,
+            resources_per_worker=None if launch.gpu else {"CPU": launch.cpus_per_worker},
             placement_strategy=launch.placement_strategy,
         ),
         run_config=_run_config(cfg, launch),

@@ -1,5 +1,16 @@
-"""What the demo and the pipeline share: one run per directory, progress while a stage works,
-fresh output directories and atomic JSON records."""
+"""The one stage runner behind `demo` and `pipeline` (and the coming `finetune` and `glue`).
+
+A job is a list of `Stage`s run in one directory:
+- one run per directory at a time (`exclusive_directory`);
+- a state file (`STATE.json`) records the job's settings and each finished stage; a directory
+  whose recorded settings differ is refused, naming the keys, and a non-empty directory without
+  a state file is someone else's and is never written into;
+- a stage is skipped when done: by default when the state records it, or by its own check of its
+  outputs (a deleted output is then rebuilt);
+- a stage that is not done runs from its start; stages that resume (training) do so themselves;
+- progress: a line when a stage starts and ends, and a heartbeat while it works.
+Run the same command again after any failure.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +20,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 LOCK_NAME = ".lock"
@@ -63,3 +75,124 @@ def write_json_atomic(path: str, data: dict[str, Any]) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, default=str)
     os.replace(tmp, path)
+
+
+@dataclass
+class Stage:
+    name: str
+    run: Callable[[], dict[str, Any]]  # returns the stage's record for the state file
+    # From the outputs on disk; None: done once the state file records the stage.
+    is_done: Callable[[], bool] | None = None
+
+
+class StageRunner:
+    """Runs a job's stages in `root`: `with StageRunner(...) as runner: runner.run(stages)`.
+
+    `settings` are what a later run must match to reuse this directory's outputs; keys under
+    `ignored` (dotted prefixes such as "cluster") only say how to run and may change.
+    """
+
+    def __init__(self, root: str, command: str, settings: dict[str, Any], *,
+                 ignored: tuple[str, ...] = (), heartbeat_seconds: float = 60.0,
+                 skip_message: str = "output complete, skipping", dir_flag: str = "directory"):
+        self.root = os.path.abspath(root)
+        self.command = command
+        self.settings = json.loads(json.dumps(settings))  # as they read back from the file
+        self.ignored = ignored
+        self.heartbeat_seconds = heartbeat_seconds
+        self.skip_message = skip_message
+        self.dir_flag = dir_flag
+        self.state_path = os.path.join(self.root, f"{command}.json")
+        self.state: dict[str, Any] = {}
+        self._lock = None
+
+    def __enter__(self) -> StageRunner:
+        self._refuse_foreign_directory()
+        self._lock = exclusive_directory(self.root, self.command)
+        self._lock.__enter__()
+        self.state = self._load_or_create_state()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._lock.__exit__(*exc_info)
+
+    def recorded(self, stage: str) -> dict[str, Any] | None:
+        return self.state["stages"].get(stage)
+
+    def save(self) -> None:
+        write_json_atomic(self.state_path, self.state)
+
+    def run(self, stages: list[Stage]) -> dict[str, list[str]]:
+        """Every stage that is not done, in order; {"ran": [...], "skipped": [...]}."""
+        ran, skipped = [], []
+        for number, stage in enumerate(stages, start=1):
+            label = f"[{number}/{len(stages)}] {stage.name}"
+            done = stage.is_done() if stage.is_done else stage.name in self.state["stages"]
+            if done:
+                self.say(f"{label}: {self.skip_message}")
+                skipped.append(stage.name)
+                continue
+            self.say(f"{label}: starting")
+            started = time.time()
+            with heartbeat(self.command, label, every_seconds=self.heartbeat_seconds):
+                record = stage.run()
+            record["seconds"] = round(time.time() - started, 1)
+            self.state["stages"][stage.name] = record
+            self.save()
+            ran.append(stage.name)
+            self.say(f"{label}: finished in {record['seconds']} s")
+        return {"ran": ran, "skipped": skipped}
+
+    def say(self, message: str) -> None:
+        print(f"[{self.command}] {message}", flush=True)
+
+    def _refuse_foreign_directory(self) -> None:
+        """Without a state file every file in the directory is someone else's: never reuse
+        (or clear) them."""
+        if not os.path.isdir(self.root) or os.path.exists(self.state_path):
+            return
+        if [name for name in os.listdir(self.root) if name != LOCK_NAME]:
+            raise ValueError(f"{self.root} is not empty and holds no bertforge {self.command} "
+                             f"({os.path.basename(self.state_path)}); choose an empty or new "
+                             f"{self.dir_flag}")
+
+    def _load_or_create_state(self) -> dict[str, Any]:
+        if not os.path.exists(self.state_path):
+            state = {"settings": self.settings, "stages": {}}
+            write_json_atomic(self.state_path, state)
+            return state
+        with open(self.state_path, encoding="utf-8") as f:
+            state = json.load(f)
+        changed = differing_keys(state["settings"], self.settings, self.ignored)
+        if changed:
+            shown = ", ".join(changed[:12]) + (f" and {len(changed) - 12} more"
+                                               if len(changed) > 12 else "")
+            raise ValueError(
+                f"{self.root} holds a {self.command} made with other settings (differs in: "
+                f"{shown}); use another {self.dir_flag}, or delete it to start over"
+            )
+        state["settings"] = self.settings  # the ignored keys may have changed: this run's
+        write_json_atomic(self.state_path, state)
+        return state
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def differing_keys(
+    recorded: dict[str, Any], wanted: dict[str, Any], ignored: tuple[str, ...] = ()
+) -> list[str]:
+    """Dotted keys whose values differ, leaving out those under an `ignored` prefix."""
+    old, new = _flatten(recorded), _flatten(wanted)
+
+    def is_ignored(key: str) -> bool:
+        return any(key == k or key.startswith(f"{k}.") for k in ignored)
+
+    return sorted(k for k in set(old) | set(new)
+                  if not is_ignored(k) and old.get(k) != new.get(k))

@@ -17,6 +17,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import apache_beam as beam
@@ -25,25 +26,26 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, TestOptions
 from apache_beam.pvalue import AsSingleton
 
-from bertforge.pipelines import manifest
 from bertforge.pipelines.beam_common import METRICS_NAMESPACE, NO_DOCUMENTS_MESSAGE, REJECTS
-from bertforge.pipelines.create_instances import (  # noqa: F401  (re-exported: the job's public names)
+from bertforge.pipelines.contract import manifest
+from bertforge.pipelines.contract.tokenization import parse_vocab
+from bertforge.pipelines.filesystem import read_bytes
+from bertforge.pipelines.instances.create_instances import (  # noqa: F401  (re-exported: the job's public names)
     CreatePretrainingInstances,
     Doc,
     pool_of,
     split_of,
 )
-from bertforge.pipelines.filesystem import read_bytes
 from bertforge.pipelines.prepare_options import (  # noqa: F401
     PrepareConfig,
     PrepareOptions,
-    check_argv,
+    check_beam_args,
     help_text,
+    parse_argv,
 )
-from bertforge.pipelines.read_inputs import ReadInputs, match_inputs
-from bertforge.pipelines.tokenization import parse_vocab
-from bertforge.pipelines.write_manifest import WriteManifest, write_rejects_file
-from bertforge.pipelines.write_shards import WriteShards
+from bertforge.pipelines.read.read_inputs import ReadInputs, match_inputs
+from bertforge.pipelines.write.write_manifest import WriteManifest, write_rejects_file
+from bertforge.pipelines.write.write_shards import WriteShards
 
 logger = logging.getLogger(__name__)
 
@@ -123,17 +125,19 @@ def _summary(data_dir: str, seconds: float) -> dict[str, Any]:
     }
 
 
-def build_pipeline(argv: list[str]) -> tuple[beam.Pipeline, PrepareConfig]:
-    """The whole job on a new pipeline, not run: `run` runs it, the Dataflow test translates it."""
-    if any(a in ("-h", "--help") for a in argv):
-        print(help_text())
-        raise SystemExit(0)
-    check_argv(argv)
-    options = PipelineOptions(argv)
+def build_pipeline(
+    config: PrepareConfig, beam_args: Sequence[str] = ()
+) -> beam.Pipeline:
+    """The whole job on a new pipeline, not run: `run` runs it, the Dataflow test translates it.
+
+    `beam_args` are Beam's own flags (`--runner`, `--project`, `--direct_num_workers`, ...).
+    """
+    beam_args = list(beam_args)
+    check_beam_args(beam_args)
+    options = PipelineOptions(beam_args)
     standard = options.view_as(StandardOptions)
     if not standard.runner:
         standard.runner = "DirectRunner"  # Beam's default (Prism) downloads a binary: fails offline
-    config = PrepareConfig.from_options(options)
     files = match_inputs(config.inputs)
     vocab_bytes = read_bytes(config.vocab)
     logger.info(
@@ -146,13 +150,13 @@ def build_pipeline(argv: list[str]) -> tuple[beam.Pipeline, PrepareConfig]:
     _warn_on_casing_mismatch(parse_vocab(vocab_bytes), config.lower_case)
     pipeline = beam.Pipeline(runner=_local_runner(standard.runner), options=options)
     _ = pipeline | "PrepareDataset" >> PrepareDataset(config, files, vocab_bytes)
-    return pipeline, config
+    return pipeline
 
 
-def run(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the job; flags as `PrepareOptions` plus any Beam flags. Returns the manifest counts."""
+def run(config: PrepareConfig, beam_args: Sequence[str] = ()) -> dict[str, Any]:
+    """Run the job to completion; returns the manifest's counts and the Beam counters."""
     start = time.monotonic()
-    pipeline, config = build_pipeline(list(sys.argv[1:] if argv is None else argv))
+    pipeline = build_pipeline(config, beam_args)
     try:
         result = pipeline.run()
         result.wait_until_finish()
@@ -167,6 +171,16 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     summary["metrics"] = _counters(result)
     logger.info("prepare: done in %.1f s: %s", summary["seconds"], summary)
     return summary
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The command line (`bertforge prepare`, a Flex Template): the job's flags and Beam's."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        raise SystemExit(0)
+    config, beam_args = parse_argv(argv)
+    return run(config, beam_args)
 
 
 def _counters(result: beam.runners.runner.PipelineResult) -> dict[str, int]:
@@ -213,4 +227,4 @@ def _warn_on_casing_mismatch(vocab: dict[str, int], lower_case: bool) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    print(json.dumps(run(sys.argv[1:]), indent=2))
+    print(json.dumps(main(), indent=2))

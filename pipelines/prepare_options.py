@@ -1,8 +1,15 @@
-"""The preparation job's flags (`PrepareOptions`) and their validated form (`PrepareConfig`)."""
+"""The preparation job's configuration (`PrepareConfig`) and the flags generated from it.
+
+`PrepareConfig` is the one place an option is declared: its default, its validation and its help
+text. `PrepareOptions` (the Beam options the command line and a Flex Template parse) and the
+pipeline file's [prepare] table (`bertforge.cluster.pipeline`) are generated from its fields.
+Code calls the job with objects, `prepare.run(config, beam_args)`; argv exists only at the
+command line.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
@@ -18,101 +25,65 @@ def _parse_bool(value: str | bool) -> bool:
     raise ValueError(f"expected a boolean (true/false), got {value!r}")
 
 
-class PrepareOptions(PipelineOptions):
-    """The job's own flags; every other flag goes to Beam (`--runner`, `--direct_num_workers`...).
+# The shortest instance: [CLS] A [SEP] B [SEP] with one token on each side.
+MIN_SEQ_LENGTH = 5
 
-    Nothing is `required=True` here: Beam parses every PipelineOptions subclass for any pipeline in
-    the process, so a required flag would break unrelated pipelines. `PrepareConfig` validates.
-    """
 
-    @classmethod
-    def _add_argparse_args(cls, parser: Any) -> None:
-        parser.add_argument(
-            "--input",
-            action="append",
-            default=None,
-            help="corpus file, directory or glob (local, gs://, s3://); repeatable and/or "
-            "comma-separated. By extension: .jsonl/.json JSON Lines with 'text'; .parquet with a "
-            "'text' column; .xml MediaWiki dump; other: Google's one sentence per line. "
-            "A FORMAT: prefix forces a format (books:DIR/*.txt reads one book per file; formats: "
-            "jsonl, parquet, wiki, books, sentences). .gz/.bz2 are decompressed.",
-        )
-        parser.add_argument("--output", default=None, help="dataset directory to write")
-        parser.add_argument("--vocab", default=None, help="WordPiece vocab.txt")
-        parser.add_argument("--lower_case", type=_parse_bool, nargs="?", const=True, default=True)
-        parser.add_argument("--max_seq_length", type=int, default=128)
-        parser.add_argument("--short_seq_prob", type=float, default=0.1)
-        parser.add_argument(
-            "--dupe_factor",
-            type=int,
-            default=1,
-            help="passes over each document with different pairings. Google used 10 to get 10 "
-            "static maskings; masking here is dynamic (new every epoch), so 1 suffices.",
-        )
-        parser.add_argument("--seed", type=int, default=12345)
-        parser.add_argument("--validation_fraction", type=float, default=0.05)
-        parser.add_argument("--num_shards", type=int, default=4, help="train shards")
-        parser.add_argument(
-            "--num_validation_shards",
-            type=int,
-            default=0,
-            help="0 = max(1, num_shards // 10): the validation split is ~5%% of the data, so it "
-            "gets about a tenth of the shards, at least one",
-        )
-        parser.add_argument(
-            "--random_pool_size",
-            type=int,
-            default=512,
-            help="documents per random-B pool: bounds worker memory, not the corpus size",
-        )
-        parser.add_argument(
-            "--random_pool_chars",
-            type=int,
-            default=4_000_000,
-            help="characters of text per random-B pool (~1M tokens): with --random_pool_size, "
-            "bounds worker memory however large the documents are",
-        )
-        parser.add_argument(
-            "--rows_per_piece",
-            type=int,
-            default=8_192,
-            help="instances a worker sorts at once while writing a shard (rounded up to whole "
-            "4,096-row batches): bounds worker memory, whatever the shard size; no effect on the "
-            "output bytes",
-        )
+def _option(default: Any, help: str = "", **metadata: Any) -> Any:
+    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass(frozen=True)
 class PrepareConfig:
-    inputs: tuple[str, ...]
-    output: str
-    vocab: str
-    lower_case: bool = True
-    max_seq_length: int = 128
-    short_seq_prob: float = 0.1
-    dupe_factor: int = 1
-    seed: int = 12345
-    validation_fraction: float = 0.05
-    num_shards: int = 4
-    num_validation_shards: int = 0
-    random_pool_size: int = 512
-    random_pool_chars: int = 4_000_000
-    rows_per_piece: int = 8_192  # 2 x 4,096-row batches: ~2 MB of ids at 128 tokens
+    """The job's configuration: its flags (`PrepareOptions`), the pipeline file's [prepare]
+    table and the manifest's instance parameters are all generated from these fields."""
+
+    inputs: tuple[str, ...] = _option(
+        (), "corpus file, directory or glob (local, gs://, s3://); repeatable and/or "
+        "comma-separated. By extension: .jsonl/.json JSON Lines with 'text'; .parquet with a "
+        "'text' column; .xml MediaWiki dump; other: Google's one sentence per line. "
+        "A FORMAT: prefix forces a format (books:DIR/*.txt reads one book per file; formats: "
+        "jsonl, parquet, wiki, books, sentences). .gz/.bz2 are decompressed.", flag="--input")
+    output: str = _option("", "dataset directory to write")
+    vocab: str = _option("", "WordPiece vocab.txt")
+    lower_case: bool = _option(True, "lower-case and strip accents, as an uncased vocab needs")
+    max_seq_length: int = _option(128, "tokens per instance, [CLS] and [SEP]s included")
+    short_seq_prob: float = _option(0.1, "share of instances with a shorter random target length")
+    dupe_factor: int = _option(
+        1, "passes over each document with different pairings. Google used 10 to get 10 "
+        "static maskings; masking here is dynamic (new every epoch), so 1 suffices.")
+    seed: int = _option(12345, "every random choice hashes (seed, a stable key)")
+    validation_fraction: float = _option(0.05, "share of documents held out for validation")
+    num_shards: int = _option(4, "train shards")
+    num_validation_shards: int = _option(
+        0, "0 = max(1, num_shards // 10): the validation split is ~5% of the data, so it "
+        "gets about a tenth of the shards, at least one")
+    random_pool_size: int = _option(
+        512, "documents per random-B pool: bounds worker memory, not the corpus size")
+    random_pool_chars: int = _option(
+        4_000_000, "characters of text per random-B pool (~1M tokens): with "
+        "--random_pool_size, bounds worker memory however large the documents are")
+    # 2 x 4,096-row batches: ~2 MB of ids at 128 tokens
+    rows_per_piece: int = _option(
+        8_192, "instances a worker sorts at once while writing a shard (rounded up to whole "
+        "4,096-row batches): bounds worker memory, whatever the shard size; no effect on the "
+        "output bytes")
 
     def __post_init__(self) -> None:
         if not self.inputs:
-            raise ValueError("--input is required (a corpus file or glob)")
+            raise ValueError("inputs are required (--input: a corpus file or glob)")
         if not self.output:
-            raise ValueError("--output is required (the dataset directory)")
+            raise ValueError("output is required (the dataset directory)")
         if not self.vocab:
-            raise ValueError("--vocab is required (a WordPiece vocab.txt)")
-        if self.max_seq_length < 5:
-            raise ValueError(f"--max_seq_length must be at least 5, got {self.max_seq_length}")
+            raise ValueError("vocab is required (a WordPiece vocab.txt)")
+        if self.max_seq_length < MIN_SEQ_LENGTH:
+            raise ValueError(f"max_seq_length must be at least {MIN_SEQ_LENGTH} ([CLS] A [SEP] B "
+                             f"[SEP]), got {self.max_seq_length}")
         if not 0.0 <= self.short_seq_prob <= 1.0:
-            raise ValueError(f"--short_seq_prob must be in [0, 1], got {self.short_seq_prob}")
+            raise ValueError(f"short_seq_prob must be in [0, 1], got {self.short_seq_prob}")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ValueError(
-                f"--validation_fraction must be in [0, 1), got {self.validation_fraction}"
+                f"validation_fraction must be in [0, 1), got {self.validation_fraction}"
             )
         names = (
             "dupe_factor",
@@ -123,34 +94,22 @@ class PrepareConfig:
         )
         for name in names:
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_validation_shards < 0:
             raise ValueError(
-                f"--num_validation_shards must be >= 0, got {self.num_validation_shards}"
+                f"num_validation_shards must be >= 0, got {self.num_validation_shards}"
             )
 
     @classmethod
     def from_options(cls, options: PipelineOptions) -> PrepareConfig:
+        """The config from parsed flags; a flag left out keeps the field's default."""
         flags = options.view_as(PrepareOptions)
-        inputs = tuple(
-            p.strip() for entry in flags.input or () for p in entry.split(",") if p.strip()
+        values = {f.name: getattr(flags, f.name) for f in fields(cls)
+                  if getattr(flags, f.name, None) is not None}
+        values["inputs"] = tuple(
+            p.strip() for entry in values.get("inputs", ()) for p in entry.split(",") if p.strip()
         )
-        return cls(
-            inputs=inputs,
-            output=flags.output,
-            vocab=flags.vocab,
-            lower_case=flags.lower_case,
-            max_seq_length=flags.max_seq_length,
-            short_seq_prob=flags.short_seq_prob,
-            dupe_factor=flags.dupe_factor,
-            seed=flags.seed,
-            validation_fraction=flags.validation_fraction,
-            num_shards=flags.num_shards,
-            num_validation_shards=flags.num_validation_shards,
-            random_pool_size=flags.random_pool_size,
-            random_pool_chars=flags.random_pool_chars,
-            rows_per_piece=flags.rows_per_piece,
-        )
+        return cls(**values)
 
     def shards_per_split(self) -> dict[str, int]:
         """{split: number of shard files}; no validation split when its fraction is 0."""
@@ -166,6 +125,43 @@ class PrepareConfig:
             params.pop(key)
         params["num_validation_shards"] = self.shards_per_split().get("validation", 0)
         return params
+
+
+def job_flag(f: Any) -> str:
+    """`--max_seq_length`: the job's flags are spelled as Beam spells its own."""
+    return f.metadata.get("flag", f"--{f.name}")
+
+
+class PrepareOptions(PipelineOptions):
+    """The job's own flags, one per `PrepareConfig` field; every other flag goes to Beam
+    (`--runner`, `--direct_num_workers`...).
+
+    Nothing is `required=True` and no flag has a default here: Beam parses every
+    PipelineOptions subclass for any pipeline in the process, so a required flag would break
+    unrelated pipelines, and the dataclass holds the one default (shown in the help).
+    """
+
+    @classmethod
+    def _add_argparse_args(cls, parser: Any) -> None:
+        for f in fields(PrepareConfig):
+            default = f.default
+            help_text = f.metadata["help"]
+            if default not in ((), ""):
+                help_text += f" (default: {default})"
+            options: dict[str, Any] = {"dest": f.name, "default": None,
+                                       "help": help_text.replace("%", "%%")}
+            if f.type in ("bool", bool):
+                options.update(type=_parse_bool, nargs="?", const=True)
+            elif f.name == "inputs":
+                options["action"] = "append"
+            else:
+                options["type"] = {"int": int, "float": float, "str": str}[str(f.type)]
+            parser.add_argument(job_flag(f), **options)
+
+
+def job_flags() -> tuple[str, ...]:
+    """Every flag the job owns (`--input`, `--max_seq_length`, ...)."""
+    return tuple(job_flag(f) for f in fields(PrepareConfig))
 
 
 def _all_options_parser() -> Any:
@@ -196,6 +192,24 @@ def check_argv(argv: list[str]) -> None:
         raise ValueError(
             f"unexpected argument(s) {' '.join(unknown)}: flags look like --name=value"
         )
+
+
+def parse_argv(argv: list[str]) -> tuple[PrepareConfig, list[str]]:
+    """The command line split into the job's config and the flags that go to Beam."""
+    check_argv(argv)
+    parser = _BeamArgumentParser(allow_abbrev=False, add_help=False)
+    PrepareOptions._add_argparse_args(parser)
+    _, beam_args = parser.parse_known_args(argv)
+    return PrepareConfig.from_options(PipelineOptions(argv)), beam_args
+
+
+def check_beam_args(beam_args: list[str]) -> None:
+    """Beam's own flags only: the job's options come from the config object."""
+    owned = [a for a in beam_args if a.split("=", 1)[0] in job_flags()]
+    if owned:
+        raise ValueError(f"Beam arguments must not set the job's own options "
+                         f"({', '.join(owned)}): they come from the configuration")
+    check_argv(beam_args)
 
 
 def help_text() -> str:

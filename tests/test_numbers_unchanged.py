@@ -64,15 +64,16 @@ def _sha256(path: str) -> str:
 @pytest.mark.slow
 def test_prepared_shards_are_byte_identical_to_the_recorded_ones(tmp_path):
     from bertforge.pipelines.prepare import run
+    from bertforge.pipelines.prepare_options import PrepareConfig
 
     corpus = tmp_path / "corpus.jsonl"
     _golden_corpus(str(corpus))
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(google_layout_vocab()) + "\n", encoding="utf-8")
     output = tmp_path / "shards"
-    run([f"--input={corpus}", f"--output={output}", f"--vocab={vocab}",
-         "--max_seq_length=48", "--dupe_factor=2", "--num_shards=2", "--seed=99",
-         "--validation_fraction=0.2", "--runner=DirectRunner"])
+    run(PrepareConfig(inputs=(str(corpus),), output=str(output), vocab=str(vocab),
+                      max_seq_length=48, dupe_factor=2, num_shards=2, seed=99,
+                      validation_fraction=0.2))
     shards = {
         os.path.relpath(os.path.join(d, name), output): _sha256(os.path.join(d, name))
         for d, _, names in os.walk(output) for name in names if name.endswith(".arrow")
@@ -92,12 +93,13 @@ def _batches_digest(batches) -> str:
 
 
 def test_loader_batches_are_identical_to_the_recorded_ones(tmp_path):
-    from bertforge.training.data import PretrainingLoader
+    from bertforge.training.data import MaskingOptions, PretrainingLoader
 
     data = write_dataset(str(tmp_path / "data"), {"train": [40, 33]}, max_seq_length=64, seed=5)
     batches = []
     for whole_word in (False, True):
-        loader = PretrainingLoader(data, batch_size=6, seed=11, whole_word=whole_word, prefetch=0)
+        masking = MaskingOptions(whole_word=whole_word)
+        loader = PretrainingLoader(data, batch_size=6, seed=11, masking=masking, prefetch=0)
         loader.set_epoch(1)
         batches += list(loader)
     assert _batches_digest(batches) == EXPECTED_BATCHES

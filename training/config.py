@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -11,50 +12,77 @@ DECAYS = ("linear", "polynomial")
 OPTIMIZERS = ("adamw", "lamb")
 
 
+def _field(default: Any = None, help: str = "", **metadata: Any) -> Any:
+    """A config field with its help text, which `bertforge train --help` shows as it is."""
+    metadata["help"] = help
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class TrainConfig:
-    data_dir: str
-    run_dir: str
+    """Everything one training run needs; `bertforge train` flags and the pipeline file's phase
+    overrides are generated from these fields (`bertforge.cluster.config_fields`)."""
+
+    data_dir: str = _field(help="prepared shard directory")
+    run_dir: str = _field(help="checkpoints, metrics and TensorBoard go here")
     # BertConfig fields except vocab_size, which always comes from the dataset's vocab.
-    model: dict[str, Any] = field(default_factory=lambda: {"preset": "tiny"})
-    max_steps: int = 1000
-    micro_batch_size: int = 32  # per rank
+    model: dict[str, Any] = _field({"preset": "tiny"}, help="BertConfig fields: a preset "
+                                   "(tiny, mini, base, large) and any field to override")
+    max_steps: int = _field(1000, "optimizer steps", aliases=("--steps",))
+    micro_batch_size: int = _field(32, "sequences per worker per micro-step",
+                                   aliases=("--batch-size",))
     # With global_batch_size set, accumulation is derived from it and the live world size
     # (so a resume on fewer workers keeps the same optimizer step); otherwise it is this.
-    gradient_accumulation_steps: int = 1
-    global_batch_size: int | None = None
-    learning_rate: float = 1e-4
-    warmup_steps: int = 100
-    decay: str = "linear"
-    decay_power: float = 1.0  # polynomial decay only
-    optimizer: str = "adamw"  # "lamb": ZeRO stage 0 only (see training.optim)
-    weight_decay: float = 0.01
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-6
-    gradient_clipping: float = 1.0
-    zero_stage: int = 2
-    precision: str = "bf16"
-    activation_checkpointing: bool = False  # recompute each encoder layer in backward
-    seed: int = 12345
-    mask_prob: float = 0.15
-    max_predictions: int | None = None  # None: 20 at 128 tokens, 80 at 512 (Google's values)
-    whole_word_masking: bool = False
-    log_every: int = 10
-    eval_every: int = 0  # steps between validation passes; 0: never during training
-    eval_batches: int = 50  # cap per pass (global batches); 0: the whole validation split
+    gradient_accumulation_steps: int = _field(1, "micro-steps per optimizer step "
+                                              "(ignored when --global-batch-size is given)",
+                                              aliases=("--grad-accum",))
+    global_batch_size: int | None = _field(help="sequences per optimizer step; accumulation "
+                                           "follows from the number of workers")
+    learning_rate: float = _field(1e-4, "peak learning rate", aliases=("--lr",))
+    warmup_steps: int | None = _field(help="linear warm-up steps (default: 10% of max_steps)")
+    decay: str = _field("linear", "decay after warm-up", choices=DECAYS)
+    decay_power: float = _field(1.0, "exponent of the polynomial decay")
+    optimizer: str = _field("adamw", "lamb needs zero_stage 0 (see training.optim)",
+                            choices=OPTIMIZERS)
+    weight_decay: float = _field(0.01, "decoupled weight decay (not on biases and LayerNorm)")
+    adam_betas: tuple[float, float] = _field((0.9, 0.999), "Adam's beta1 and beta2")
+    adam_eps: float = _field(1e-6, "Adam's epsilon")
+    gradient_clipping: float = _field(1.0, "global gradient-norm clip")
+    zero_stage: int = _field(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3))
+    precision: str = _field("bf16", "mixed precision of the engine", choices=PRECISIONS)
+    activation_checkpointing: bool = _field(False, "recompute each encoder layer in backward")
+    seed: int = _field(12345, "model initialisation, masking and data order")
+    mask_prob: float = _field(0.15, "share of tokens to predict")
+    max_predictions: int | None = _field(help="masked positions per sequence (default: the "
+                                         "dataset's, 20 at 128 tokens and 80 at 512)")
+    whole_word_masking: bool = _field(False, "mask every piece of a chosen word")
+    log_every: int | None = _field(help="steps between log lines (default: max_steps/20, "
+                                   "at most 50)")
+    eval_every: int = _field(0, "steps between validation passes; 0: never during training")
+    eval_batches: int = _field(50, "global batches per validation pass; 0: the whole split")
     # Dense peak TFLOP/s of one device, for MFU; None logs no MFU. E.g. 989 for an H100 SXM
     # in bf16, 312 for an A100 in bf16.
-    peak_tflops: float | None = None
+    peak_tflops: float | None = _field(help="per-device peak for MFU, e.g. 989 for an H100 "
+                                       "in bf16")
     # Warm start of a fresh run: a checkpoint, a run directory (its newest checkpoint) or a
     # Hugging Face directory. Weights only: optimizer, schedule and data start anew.
-    init_from: str | None = None
-    checkpoint_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2
-    resume: bool = True  # continue from the newest complete checkpoint in run_dir if any
-    dataloader_prefetch: int = 2
+    init_from: str | None = _field(help="warm-start weights: a checkpoint, a run directory or "
+                                   "a Hugging Face directory")
+    checkpoint_every: int = _field(0, "steps between checkpoints; 0: only at the end")
+    keep_checkpoints: int = _field(2, "newest checkpoints kept")
+    resume: bool = _field(True, "continue from the newest complete checkpoint in run_dir")
+    dataloader_prefetch: int = _field(2, "batches prepared ahead by the loader thread")
 
     def __post_init__(self) -> None:
+        if not self.data_dir or not self.run_dir:
+            raise ValueError("data_dir and run_dir are required")
         self.adam_betas = tuple(self.adam_betas)
+        if self.warmup_steps is None:
+            self.warmup_steps = self.max_steps // 10
+        if self.log_every is None:
+            self.log_every = max(1, min(50, self.max_steps // 20))
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.decay not in DECAYS:

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 def small_demo(output) -> DemoConfig:
     return DemoConfig(
-        output=str(output), corpus_bytes=400_000, vocab_size=2000, num_shards=2,
+        output=str(output), corpus_mb=0.4, vocab_size=2000, num_shards=2,
         max_steps=24, micro_batch_size=16, learning_rate=1e-3,
     )
 
@@ -45,7 +45,7 @@ def test_summary_has_every_number_and_training_lowered_the_loss(finished_demo):
 def test_shards_follow_the_contract_with_a_document_held_out_split(finished_demo):
     import pyarrow as pa
 
-    from bertforge.pipelines.manifest import read_manifest
+    from bertforge.pipelines.contract.manifest import read_manifest
 
     output, _ = finished_demo
     manifest = read_manifest(str(output / "shards"))

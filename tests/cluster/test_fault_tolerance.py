@@ -51,13 +51,13 @@ def test_killed_worker_restarts_and_final_weights_equal_uninterrupted_run(tmp_pa
     data = write_dataset(str(tmp_path / "shards"), {"train": [200, 200], "validation": [20]},
                          max_seq_length=64)
     try:
-        train_on_ray(recipe(data, tmp_path / "straight"), LaunchConfig(num_workers=2))
+        train_on_ray(recipe(data, tmp_path / "straight"), LaunchConfig(workers=2))
         killed: list = []
         killer = threading.Thread(
             target=kill_a_worker_after, args=(tmp_path / "faulty", KILL_AT_STEP, killed))
         killer.start()
         outcome = train_on_ray(recipe(data, tmp_path / "faulty"),
-                               LaunchConfig(num_workers=2, max_failures=2))
+                               LaunchConfig(workers=2, max_failures=2))
         killer.join()
     finally:
         ray.shutdown()

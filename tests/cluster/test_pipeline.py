@@ -9,13 +9,13 @@ import pytest
 
 from bertforge.cluster.cli import main
 from bertforge.cluster.pipeline import (
+    HOW_TO_RUN_KEYS,
     PipelineConfig,
-    _load_or_create_state,
-    differing_keys,
-    exclusive_directory,
+    PipelinePaths,
     load_config,
     run_pipeline,
 )
+from bertforge.cluster.stage_runner import StageRunner, differing_keys, exclusive_directory
 
 MINIMAL = {
     "workdir": "work",
@@ -45,7 +45,7 @@ def test_relative_paths_are_relative_to_the_config_file(tmp_path):
                     '[phase1]\nrecipe = "bert_tiny_phase1"\nmax_seq_length = 64\n')
     config, text = load_config(str(path))
     assert config.workdir == str(tmp_path / "work")
-    assert config.prepare.inputs == (f"books:{tmp_path}/conf/corpus/*.txt",
+    assert config.prepare.options.inputs == (f"books:{tmp_path}/conf/corpus/*.txt",
                                      f"{tmp_path}/conf/a.jsonl")
     assert text.startswith("workdir")
     recipes = config.train_configs()
@@ -66,9 +66,9 @@ def test_phase2_warm_starts_from_phase1s_run(tmp_path):
     ({"cluster__nodes": 3}, "unknown key(s) in [cluster]: nodes"),
     ({"cluster__workers": "2"}, "cluster.workers must be int"),
     ({"cluster__workers": True}, "cluster.workers must be int"),
-    ({"cluster__workers": 0}, "cluster.workers must be at least 1"),
-    ({"phase1__recipe": "bert_huge"}, "phase1.recipe: unknown recipe 'bert_huge'"),
-    ({"phase1__overrides": {"max_stepz": 3}}, "phase1.overrides: unknown or pipeline-owned "
+    ({"cluster__workers": 0}, "cluster: workers must be at least 1"),
+    ({"phase1__recipe": "bert_huge"}, "phase1: unknown recipe 'bert_huge'"),
+    ({"phase1__overrides": {"max_stepz": 3}}, "phase1: overrides: unknown or pipeline-owned "
                                               "key(s) max_stepz"),
     ({"phase1__overrides": {"data_dir": "x"}}, "pipeline-owned key(s) data_dir"),
     ({"phase1__overrides": {"max_steps": 0}}, "phase1: max_steps must be at least 1"),
@@ -76,14 +76,23 @@ def test_phase2_warm_starts_from_phase1s_run(tmp_path):
     ({"phase2": {"recipe": "bert_tiny_phase2"}}, "phase2.max_seq_length is required"),
     ({"phase2": {"recipe": "bert_tiny_phase2", "max_seq_length": 128,
                  "overrides": {"init_from": "x"}}}, "pipeline-owned key(s) init_from"),
-    ({"prepare__num_shards": 0}, "prepare.num_shards must be at least 1"),
+    ({"prepare__num_shards": 0}, "prepare: num_shards must be at least 1"),
     ({"prepare__inputs": []}, "prepare.inputs is required"),
-    ({"prepare__beam_args": ["--output=/elsewhere"]}, "must not set --output=/elsewhere"),
+    ({"prepare__beam_args": ["--output=/elsewhere"]},
+     "must not set the job's own options (--output=/elsewhere)"),
     ({"prepare__beam_args": ["--direct_num_worker=2"]}, "prepare.beam_args: unknown flag"),
     ({"vocab__path": "v.txt", "vocab__size": 100}, "vocab.path uses an existing vocab"),
-    ({"vocab__size": 3}, "vocab.size must be at least 6"),
+    ({"vocab__size": 3}, "vocab: size must be at least 6"),
     ({"vocab__lowercase": True}, "unknown key(s) in [vocab]: lowercase"),
     ({"workdir": "gs://bucket/work"}, "workdir must be a local or mounted path"),
+    # One validation of the length, the job's own, for every phase.
+    ({"phase1__max_seq_length": 4}, "max_seq_length must be at least 5 ([CLS] A [SEP] B [SEP]), "
+                                    "got 4"),
+    ({"phase2": {"recipe": "bert_tiny_phase2", "max_seq_length": 3}},
+     "max_seq_length must be at least 5 ([CLS] A [SEP] B [SEP]), got 3"),
+    ({"prepare__max_seq_length": 64}, "unknown key(s) in [prepare]: max_seq_length"),
+    ({"prepare__random_pool_chars": 0}, "prepare: random_pool_chars must be at least 1"),
+    ({"cluster__placement_strategy": "ANY"}, "cluster: unknown placement strategy 'ANY'"),
 ])
 def test_configuration_errors_name_the_key(tmp_path, changes, message):
     with pytest.raises(ValueError) as error:
@@ -116,34 +125,41 @@ def test_missing_sections_and_bad_toml_are_clear_errors(tmp_path, capsys):
 
 def test_a_changed_configuration_is_refused_naming_the_keys(tmp_path):
     config = config_of(tmp_path, phase1__overrides={"max_steps": 8})
-    from bertforge.cluster.pipeline import PipelinePaths
-
     paths = PipelinePaths(config.workdir)
-    os.makedirs(paths.root)
-    _load_or_create_state(paths, config, "")
+
+    def enter(config: PipelineConfig) -> None:
+        with StageRunner(paths.root, "pipeline", config.settings(), ignored=HOW_TO_RUN_KEYS):
+            pass
+
+    enter(config)
     # How to run may change (prepare locally, train on a cluster); what to make may not.
-    _load_or_create_state(paths, config_of(tmp_path, phase1__overrides={"max_steps": 8},
-                                           cluster__workers=4), "")
+    enter(config_of(tmp_path, phase1__overrides={"max_steps": 8}, cluster__workers=4,
+                    prepare__rows_per_piece=64))
     changed = config_of(tmp_path, phase1__overrides={"max_steps": 9}, prepare__dupe_factor=2)
     with pytest.raises(ValueError) as error:
-        _load_or_create_state(paths, changed, "")
+        enter(changed)
     message = str(error.value)
-    assert "different configuration" in message
+    assert "made with other settings" in message
     assert "config.phase1.overrides.max_steps" in message
-    assert "recipes.phase1.max_steps" in message and "config.prepare.dupe_factor" in message
+    assert "recipes.phase1.max_steps" in message
+    assert "config.prepare.options.dupe_factor" in message
 
 
 def test_differing_keys_ignore_how_to_run():
-    old = {"config": {"cluster": {"workers": 2}, "prepare": {"beam_args": ["a"], "seed": 1}}}
-    new = {"config": {"cluster": {"workers": 8}, "prepare": {"beam_args": [], "seed": 2}}}
-    assert differing_keys(old, new) == ["config.prepare.seed"]
+    old = {"config": {"cluster": {"workers": 2},
+                      "prepare": {"beam_args": ["a"], "options": {"seed": 1}}}}
+    new = {"config": {"cluster": {"workers": 8},
+                      "prepare": {"beam_args": [], "options": {"seed": 2}}}}
+    assert differing_keys(old, new, HOW_TO_RUN_KEYS) == ["config.prepare.options.seed"]
+    assert differing_keys(old, new) == ["config.cluster.workers", "config.prepare.beam_args",
+                                        "config.prepare.options.seed"]
 
 
 def test_a_foreign_workdir_and_a_concurrent_run_are_refused(tmp_path):
     config = config_of(tmp_path)
     os.makedirs(config.workdir)
     (tmp_path / "work" / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="holds no pipeline.json"):
+    with pytest.raises(ValueError, match="holds no bertforge pipeline"):
         run_pipeline(config)
     with exclusive_directory(str(tmp_path / "locked"), "pipeline"):
         with pytest.raises(ValueError, match="another bertforge pipeline is running"):

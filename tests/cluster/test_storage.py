@@ -41,14 +41,14 @@ def test_restart_restores_from_storage_when_local_checkpoints_are_gone(tmp_path,
     data = write_dataset(str(tmp_path / "shards"), {"train": [200, 200], "validation": [20]},
                          max_seq_length=64)
     try:
-        train_on_ray(recipe(data, tmp_path / "straight"), LaunchConfig(num_workers=2))
+        train_on_ray(recipe(data, tmp_path / "straight"), LaunchConfig(workers=2))
         killed: list = []
         killer = threading.Thread(target=kill_worker_and_lose_local_checkpoints,
                                   args=(tmp_path / "faulty", killed))
         killer.start()
         outcome = train_on_ray(
             recipe(data, tmp_path / "faulty"),
-            LaunchConfig(num_workers=2, max_failures=2, storage=str(tmp_path / "storage")),
+            LaunchConfig(workers=2, max_failures=2, storage=str(tmp_path / "storage")),
         )
         killer.join()
     finally:

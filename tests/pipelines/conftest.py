@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from bertforge.pipelines.docstring_corpus import write_docstring_corpus
+from bertforge.pipelines.instances.sentences import split_sentences
 from bertforge.pipelines.prepare import run
-from bertforge.pipelines.sentences import split_sentences
+from bertforge.pipelines.prepare_options import PrepareConfig
 from bertforge.pipelines.vocab import train_wordpiece_vocab
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -86,25 +87,24 @@ def corpus_files(tmp_path_factory, docstring_corpus) -> list[str]:
     return [str(root / "*.jsonl"), str(root / "books.txt") + "," + str(root / "*.gz")]
 
 
-def prepare_argv(inputs: list[str], output: str, vocab: str, *extra: str) -> list[str]:
-    return [
-        *(f"--input={pattern}" for pattern in inputs),
-        f"--output={output}",
-        f"--vocab={vocab}",
-        f"--seed={SEED}",
-        f"--validation_fraction={VALIDATION_FRACTION}",
-        f"--max_seq_length={MAX_SEQ_LENGTH}",
-        f"--num_shards={NUM_SHARDS}",
-        "--num_validation_shards=2",
-        "--random_pool_size=40",
-        "--dupe_factor=2",
-        "--runner=DirectRunner",
-        *extra,
-    ]
+def prepare_config(inputs: list[str], output: str, vocab: str, **overrides) -> PrepareConfig:
+    """The test dataset's parameters; keywords override fields."""
+    return PrepareConfig(**{
+        # The command line's comma-separated lists are its own (see test_config_fields).
+        "inputs": tuple(p for entry in inputs for p in entry.split(",")), "output": output,
+        "vocab": vocab, "seed": SEED,
+        "validation_fraction": VALIDATION_FRACTION, "max_seq_length": MAX_SEQ_LENGTH,
+        "num_shards": NUM_SHARDS, "num_validation_shards": 2, "random_pool_size": 40,
+        "dupe_factor": 2, **overrides,
+    })
+
+
+# Two Beam worker processes, as a local run on a real machine uses.
+TWO_WORKERS = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
 
 
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory, corpus_files, small_vocab):
     output = str(tmp_path_factory.mktemp("dataset") / "data")
-    summary = run(prepare_argv(corpus_files, output, small_vocab))
+    summary = run(prepare_config(corpus_files, output, small_vocab))
     return output, summary

@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from bertforge.pipelines import manifest
-from bertforge.pipelines.prepare import run
+from bertforge.pipelines.contract import manifest
+from bertforge.pipelines.prepare import main, run
 
-from .conftest import prepare_argv, write_jsonl
+from .conftest import prepare_config, write_jsonl
 
 # 50 MB would take ~10 s of sentence splitting alone; 6 MB shows the same bound in a test.
 LONG_LINE_BYTES = 6_000_000
@@ -47,7 +47,7 @@ def bad_dir(tmp_path_factory, docstring_corpus):
 
 def test_bad_inputs_complete_and_are_counted(bad_dir, small_vocab, tmp_path):
     output = str(tmp_path / "out")
-    summary = run(prepare_argv([str(bad_dir)], output, small_vocab))
+    summary = run(prepare_config([str(bad_dir)], output, small_vocab))
     found = manifest.read_manifest(output)
     rejected, repaired = found.counts["rejected"], found.counts["repaired"]
     for reason in ("empty_file", "binary_file", "malformed_xml", "empty_page"):
@@ -67,11 +67,14 @@ def test_unknown_flags_and_missing_paths_are_one_clear_line(tmp_path, small_voca
     good = tmp_path / "g.jsonl"
     write_jsonl(good, [{"text": "One. Two."}])
     with pytest.raises(ValueError, match=r"unknown flag\(s\) --bogus"):
-        run(prepare_argv([str(good)], str(tmp_path / "o"), small_vocab, "--bogus=1"))
+        main([f"--input={good}", f"--output={tmp_path / 'o'}", f"--vocab={small_vocab}",
+              "--bogus=1"])
+    with pytest.raises(ValueError, match="must not set the job's own options"):
+        run(prepare_config([str(good)], str(tmp_path / "o"), small_vocab), ["--num_shards=2"])
     with pytest.raises(ValueError, match="matches no file"):
-        run(prepare_argv([str(tmp_path / "missing.xml")], str(tmp_path / "o"), small_vocab))
+        run(prepare_config([str(tmp_path / "missing.xml")], str(tmp_path / "o"), small_vocab))
     with pytest.raises(ValueError, match="cannot read"):
-        run(prepare_argv([str(good)], str(tmp_path / "o"), str(tmp_path / "no-vocab.txt")))
+        run(prepare_config([str(good)], str(tmp_path / "o"), str(tmp_path / "no-vocab.txt")))
 
 
 def test_nothing_usable_is_an_error(tmp_path, small_vocab):
@@ -79,4 +82,4 @@ def test_nothing_usable_is_an_error(tmp_path, small_vocab):
     (tmp_path / "in" / "empty.txt").write_bytes(b"")
     (tmp_path / "in" / "bin.txt").write_bytes(b"\x00" * 100)
     with pytest.raises(ValueError, match="no usable document remains"):
-        run(prepare_argv([str(tmp_path / "in")], str(tmp_path / "out"), small_vocab))
+        run(prepare_config([str(tmp_path / "in")], str(tmp_path / "out"), small_vocab))

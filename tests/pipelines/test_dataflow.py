@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from bertforge.pipelines.prepare import build_pipeline
+from bertforge.pipelines.prepare_options import PrepareConfig
 
 from .conftest import shared_data_file
 
@@ -20,11 +21,11 @@ def test_dataflow_dry_run_translates_the_whole_job(tmp_path, corpus_files, small
         reason="apache-beam[gcp] is not installed (pip install -e '.[dataflow]')",
     )
     dump = shared_data_file("enwiki-pages-articles-sample.xml.bz2")
-    argv = [
-        *(f"--input={p}" for p in corpus_files),
-        f"--input={dump}",
-        f"--output={tmp_path / 'out'}",
-        f"--vocab={small_vocab}",
+    config = PrepareConfig(
+        inputs=(*(p for entry in corpus_files for p in entry.split(",")), str(dump)),
+        output=str(tmp_path / "out"), vocab=small_vocab,
+    )
+    beam_args = [
         "--runner=DataflowRunner",
         "--dry_run=True",
         "--project=test-project",
@@ -33,7 +34,7 @@ def test_dataflow_dry_run_translates_the_whole_job(tmp_path, corpus_files, small
         f"--sdk_container_image={IMAGE}",
         "--sdk_location=container",
     ]
-    pipeline, _ = build_pipeline(argv)
+    pipeline = build_pipeline(config, beam_args)
     result = pipeline.run()
     job = result.job  # the Dataflow job request, built but not sent
     names = {t.unique_name for t in job.proto_pipeline.components.transforms.values()}

@@ -16,21 +16,24 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from bertforge.pipelines import manifest, shards
+from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.prepare import (
     CreatePretrainingInstances,
     PrepareConfig,
+    main,
     pool_of,
     run,
     split_of,
 )
+from bertforge.pipelines.write import shards
 
 from .conftest import (
     MAX_SEQ_LENGTH,
     NUM_SHARDS,
     SEED,
+    TWO_WORKERS,
     VALIDATION_FRACTION,
-    prepare_argv,
+    prepare_config,
     write_jsonl,
 )
 
@@ -191,18 +194,19 @@ def test_no_usable_document_is_a_clear_error(tmp_path, small_vocab):
     write_jsonl(corpus, ["not json", {"text": "Only one sentence here."}])
     output = tmp_path / "out"
     with pytest.raises(ValueError, match="no usable document remains"):
-        run(prepare_argv([str(corpus)], str(output), small_vocab))
+        run(prepare_config([str(corpus)], str(output), small_vocab))
     assert not (output / manifest.MANIFEST_NAME).exists()
 
 
 def test_missing_inputs_are_a_clear_error(tmp_path, small_vocab):
     pattern = str(tmp_path / "nowhere-*.jsonl")
     with pytest.raises(ValueError, match="nowhere-"):
-        run(prepare_argv([pattern], str(tmp_path / "out"), small_vocab))
-    with pytest.raises(ValueError, match="max_seq_length"):
-        run(prepare_argv([pattern], str(tmp_path / "out"), small_vocab, "--max_seq_length=4"))
-    with pytest.raises(ValueError, match="--input is required"):
-        run([f"--output={tmp_path}", f"--vocab={small_vocab}"])
+        run(prepare_config([pattern], str(tmp_path / "out"), small_vocab))
+    with pytest.raises(ValueError, match="max_seq_length must be at least 5"):
+        main([f"--input={pattern}", f"--output={tmp_path}", f"--vocab={small_vocab}",
+              "--max_seq_length=4"])
+    with pytest.raises(ValueError, match="inputs are required"):
+        main([f"--output={tmp_path}", f"--vocab={small_vocab}"])
 
 
 @pytest.mark.slow
@@ -221,18 +225,10 @@ def test_shards_are_byte_identical_across_workers_and_runs(
     expected = files(data_dir)
     assert len([p for p in expected if p.endswith(".arrow")]) == NUM_SHARDS + 2
     two_workers = str(tmp_path / "two")
-    run(
-        prepare_argv(
-            corpus_files,
-            two_workers,
-            small_vocab,
-            "--direct_num_workers=2",
-            "--direct_running_mode=multi_processing",
-        )
-    )
+    run(prepare_config(corpus_files, two_workers, small_vocab), TWO_WORKERS)
     assert files(two_workers) == expected
     again = str(tmp_path / "again")
-    run(prepare_argv(corpus_files, again, small_vocab))
+    run(prepare_config(corpus_files, again, small_vocab))
     assert files(again) == expected
 
 
@@ -251,7 +247,7 @@ def _synthetic_vocab() -> bytes:
 
 def _synthetic_documents():
     """Document n repeats the word `wn`: every token says which document it came from."""
-    from bertforge.pipelines.readers import RawDocument
+    from bertforge.pipelines.read.records import RawDocument
 
     rng = random.Random(0)
     docs = []
@@ -335,15 +331,15 @@ def test_shards_written_in_pieces_equal_shards_written_whole(
         return found
 
     whole, pieces = str(tmp_path / "whole"), str(tmp_path / "pieces")
-    run(prepare_argv(corpus_files, whole, small_vocab, "--rows_per_piece=1000000"))
-    run(prepare_argv(corpus_files, pieces, small_vocab, "--rows_per_piece=8"))
+    run(prepare_config(corpus_files, whole, small_vocab, rows_per_piece=1_000_000))
+    run(prepare_config(corpus_files, pieces, small_vocab, rows_per_piece=8))
     assert shard_bytes(pieces) == shard_bytes(whole)
     num_rows = manifest.read_manifest(pieces).splits["train"].shards[0].num_rows
     assert num_rows > 3 * 8  # so each train shard really had several pieces
 
 
 def test_pools_are_bounded_by_documents_and_by_text():
-    from bertforge.pipelines.create_instances import num_pools
+    from bertforge.pipelines.instances.create_instances import num_pools
 
     assert num_pools(100, 512) == 1
     assert num_pools(1_000, 512) == 2

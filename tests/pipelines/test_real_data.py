@@ -13,11 +13,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from bertforge.pipelines import manifest
+from bertforge.pipelines.contract import manifest
+from bertforge.pipelines.contract.tokenization import load_tokenizer
 from bertforge.pipelines.prepare import run
-from bertforge.pipelines.tokenization import load_tokenizer
+from bertforge.pipelines.prepare_options import PrepareConfig
 
-from .conftest import SHARED_DATA
+from .conftest import SHARED_DATA, TWO_WORKERS
 
 DUMPS = (
     "enwiki-wikibrain-en_test.xml.bz2",  # schema 0.8
@@ -47,19 +48,13 @@ def _inputs(root: Path) -> list[str]:
     return [",".join(str(SHARED_DATA / d) for d in DUMPS), f"books:{books}/*.txt"]
 
 
-def _argv(inputs: list[str], output: str, *extra: str) -> list[str]:
-    return [
-        *(f"--input={i}" for i in inputs),
-        f"--output={output}",
-        f"--vocab={SHARED_DATA / 'bert-base-uncased-vocab.txt'}",
-        f"--max_seq_length={MAX_SEQ_LENGTH}",
-        "--validation_fraction=0.1",
-        "--num_shards=4",
-        "--random_pool_size=16",
-        "--seed=3",
-        "--runner=DirectRunner",
-        *extra,
-    ]
+def _config(inputs: list[str], output: str, **overrides) -> PrepareConfig:
+    return PrepareConfig(**{
+        "inputs": tuple(inputs), "output": output,
+        "vocab": str(SHARED_DATA / "bert-base-uncased-vocab.txt"),
+        "max_seq_length": MAX_SEQ_LENGTH, "validation_fraction": 0.1, "num_shards": 4,
+        "random_pool_size": 16, "seed": 3, **overrides,
+    })
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +65,7 @@ def real_inputs(tmp_path_factory) -> list[str]:
 @pytest.fixture(scope="module")
 def real_dataset(tmp_path_factory, real_inputs) -> str:
     output = str(tmp_path_factory.mktemp("real-out") / "data")
-    run(_argv(real_inputs, output))
+    run(_config(real_inputs, output))
     return output
 
 
@@ -137,7 +132,7 @@ def test_google_instance_statistics(real_dataset, real_inputs, tmp_path):
     short = (lengths < MAX_SEQ_LENGTH // 2).mean()
     # ...except with short_seq_prob = 0.1, when the target is uniform in [2, 125].
     no_short = str(tmp_path / "no-short")
-    run(_argv(real_inputs, no_short, "--short_seq_prob=0"))
+    run(_config(real_inputs, no_short, short_seq_prob=0.0))
     lengths0, _ = _lengths_and_labels(no_short)
     short0 = (lengths0 < MAX_SEQ_LENGTH // 2).mean()
     assert full > 0.6
@@ -148,14 +143,7 @@ def test_google_instance_statistics(real_dataset, real_inputs, tmp_path):
 @pytest.mark.slow
 def test_byte_identical_for_one_and_two_workers(real_dataset, real_inputs, tmp_path):
     two = str(tmp_path / "two")
-    run(
-        _argv(
-            real_inputs,
-            two,
-            "--direct_num_workers=2",
-            "--direct_running_mode=multi_processing",
-        )
-    )
+    run(_config(real_inputs, two), TWO_WORKERS)
 
     def files(root: str) -> dict[str, bytes]:
         return {

@@ -1,0 +1,124 @@
+"""One source of truth per job's configuration: every field of every job's config reaches the
+command line and the pipeline file, with its help, and a flag's value reaches the config."""
+
+import dataclasses
+
+import pytest
+
+from bertforge.cluster.cli import TRAIN_FIELDS_SET_BY_HAND, build_parser, train_config_from_args
+from bertforge.cluster.demo import DemoConfig
+from bertforge.cluster.pipeline import (
+    _OWNED_PREPARE_FIELDS,
+    _OWNED_TRAIN_FIELDS,
+    PhaseSection,
+    PipelineConfig,
+)
+from bertforge.cluster.ray_train import LaunchConfig
+from bertforge.pipelines.prepare_options import PrepareConfig, PrepareOptions, parse_argv
+from bertforge.training.config import TrainConfig
+
+# The hand-written flags of the TrainConfig fields that have no generated one.
+HAND_FLAGS = {"data_dir": "--data", "run_dir": "--run-dir", "model": "--preset",
+              "resume": "--resume"}
+
+
+def _subparser(name: str):
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command")
+    return commands.choices[name]
+
+
+def _flags_by_dest(parser) -> dict[str, set[str]]:
+    flags: dict[str, set[str]] = {}
+    for action in parser._actions:
+        flags.setdefault(action.dest, set()).update(action.option_strings)
+    return flags
+
+
+@pytest.mark.parametrize("cls", [TrainConfig, LaunchConfig, PrepareConfig, DemoConfig])
+def test_every_field_has_help_text(cls):
+    missing = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("help")]
+    assert not missing, f"{cls.__name__} fields without help: {missing}"
+
+
+def test_every_training_and_launch_field_has_a_train_flag():
+    flags = _flags_by_dest(_subparser("train"))
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in TRAIN_FIELDS_SET_BY_HAND:
+            assert HAND_FLAGS[f.name] in {s for fs in flags.values() for s in fs}, f.name
+        else:
+            assert flags.get(f.name), f"TrainConfig.{f.name} has no `bertforge train` flag"
+    for f in dataclasses.fields(LaunchConfig):
+        assert flags.get(f.name), f"LaunchConfig.{f.name} has no `bertforge train` flag"
+    assert set(TRAIN_FIELDS_SET_BY_HAND) == set(HAND_FLAGS)
+
+
+def test_every_demo_field_has_a_demo_flag():
+    flags = _flags_by_dest(_subparser("demo"))
+    for f in dataclasses.fields(DemoConfig):
+        assert flags.get(f.name), f"DemoConfig.{f.name} has no `bertforge demo` flag"
+
+
+def test_every_prepare_field_has_a_job_flag_and_a_pipeline_key_or_owner(tmp_path):
+    from apache_beam.options.pipeline_options import _BeamArgumentParser
+
+    parser = _BeamArgumentParser(allow_abbrev=False)
+    PrepareOptions._add_argparse_args(parser)
+    flags = _flags_by_dest(parser)
+    table = {"inputs": ["a.jsonl"]}
+    for f in dataclasses.fields(PrepareConfig):
+        assert flags.get(f.name), f"PrepareConfig.{f.name} has no `bertforge prepare` flag"
+        if f.name not in _OWNED_PREPARE_FIELDS:
+            table[f.name] = getattr(PrepareConfig(inputs=("x",), output="o", vocab="v"), f.name)
+    # Every field not owned by the pipeline is a key of its [prepare] table.
+    config = PipelineConfig.from_dict(
+        {"workdir": "w", "prepare": table,
+         "phase1": {"recipe": "bert_tiny_phase1", "max_seq_length": 64}}, str(tmp_path))
+    assert config.prepare.options.max_seq_length == 64
+
+
+def test_every_training_field_is_a_phase_override_or_owned_by_the_pipeline():
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in _OWNED_TRAIN_FIELDS:
+            continue
+        value = getattr(TrainConfig(data_dir="d", run_dir="r"), f.name)
+        PhaseSection("phase1", "bert_tiny_phase1", 64, {f.name: value})  # no error
+
+
+def test_every_launch_field_is_a_cluster_key(tmp_path):
+    table = {f.name: getattr(LaunchConfig(), f.name) for f in dataclasses.fields(LaunchConfig)}
+    table["address"] = ""  # TOML has no null: "" is a local Ray
+    table["storage"] = "gs://bucket/runs"
+    config = PipelineConfig.from_dict(
+        {"workdir": "w", "prepare": {"inputs": ["a"]}, "cluster": table,
+         "phase1": {"recipe": "bert_tiny_phase1", "max_seq_length": 64}}, str(tmp_path))
+    assert config.cluster.address is None and config.cluster.storage == "gs://bucket/runs"
+
+
+def test_train_flags_reach_the_config_and_leave_the_rest_to_the_recipe():
+    args = build_parser().parse_args([
+        "train", "--data", "d", "--run-dir", "r", "--recipe", "bert_base_phase1",
+        "--steps", "7000", "--adam-betas", "0.8", "0.9", "--whole-word-masking",
+        "--resume", "never", "--workers", "4", "--no-gpu",
+    ])
+    cfg = train_config_from_args(args)
+    assert cfg.max_steps == 7000 and cfg.adam_betas == (0.8, 0.9) and cfg.whole_word_masking
+    assert not cfg.resume
+    assert cfg.global_batch_size == 4096  # the recipe's, no flag given
+    assert cfg.warmup_steps == 3000  # the recipe's, not the default of 10 % of max_steps
+    plain = train_config_from_args(build_parser().parse_args(
+        ["train", "--data", "d", "--run-dir", "r", "--max-steps", "300"]))
+    assert plain.warmup_steps == 30 and plain.log_every == 15  # the one default of each
+    assert args.workers == 4 and args.gpu is False
+
+
+def test_prepare_argv_splits_into_the_config_and_beams_flags():
+    config, beam_args = parse_argv([
+        "--input=a.jsonl,b.jsonl", "--input", "c.xml", "--output=o", "--vocab=v",
+        "--lower_case=false", "--num_shards=9", "--runner=DirectRunner",
+        "--direct_num_workers=2",
+    ])
+    assert config.inputs == ("a.jsonl", "b.jsonl", "c.xml")
+    assert config.num_shards == 9 and not config.lower_case
+    assert config.max_seq_length == PrepareConfig.max_seq_length  # the dataclass's default
+    assert beam_args == ["--runner=DirectRunner", "--direct_num_workers=2"]
