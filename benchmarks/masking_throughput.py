@@ -32,13 +32,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bertforge.training.data import (  # noqa: E402
+    MaskingOptions,
     PretrainingCollator,
     PretrainingLoader,
-    bucket_order,
-    even_bucket_boundaries,
     padded_width,
     rows_from_sequences,
 )
+from bertforge.training.data.order import bucket_order, even_bucket_boundaries  # noqa: E402
 from bertforge.training.masking import MaskingVocab, default_max_predictions  # noqa: E402
 
 SHORT_SEQ_PROB = 0.1  # Google: 10 % of instances get a random shorter target length
@@ -76,9 +76,8 @@ def make_samples(tokens: list[str], num: int, max_seq_length: int, seed: int = 0
 def ours(samples, tokens: list[str], max_seq_length: int, whole_word: bool) -> Callable:
     collator = PretrainingCollator(
         MaskingVocab.from_tokens(tokens),
+        MaskingOptions(default_max_predictions(max_seq_length), whole_word=whole_word),
         seed=0,
-        max_predictions=default_max_predictions(max_seq_length),
-        whole_word=whole_word,
     )
     pad_id = tokens.index("[PAD]")
     ids, num_a, nsp = zip(*samples, strict=True)

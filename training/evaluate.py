@@ -68,9 +68,9 @@ def evaluate_checkpoint(
     seed: int = 0, mask_prob: float = 0.15, max_predictions: int | None = None,
 ) -> EvalResult:
     """Score a checkpoint on a split with fixed masks (seed, epoch 0), in this process."""
-    from bertforge.pipelines.manifest import read_manifest
+    from bertforge.pipelines.contract.manifest import read_manifest
     from bertforge.training.checkpoint import load_model
-    from bertforge.training.data import PretrainingLoader, token_frequencies
+    from bertforge.training.data import MaskingOptions, PretrainingLoader, token_frequencies
     from bertforge.training.masking import default_max_predictions
 
     model, metadata = load_model(checkpoint_path)
@@ -79,8 +79,10 @@ def evaluate_checkpoint(
         raise ValueError(f"{data_dir} uses another vocabulary than checkpoint {checkpoint_path}")
     max_seq_length = manifest.instance_params["max_seq_length"]
     loader = PretrainingLoader(
-        data_dir, split, batch_size=batch_size, seed=seed, drop_last=False, mask_prob=mask_prob,
-        max_predictions=max_predictions or default_max_predictions(max_seq_length, mask_prob),
+        data_dir, split, batch_size=batch_size, seed=seed, drop_last=False,
+        masking=MaskingOptions(
+            max_predictions or default_max_predictions(max_seq_length, mask_prob), mask_prob
+        ),
     )
     baseline_token_id = most_frequent_token(token_frequencies(data_dir, "train"), data_dir)
     return evaluate(model, loader, baseline_token_id=baseline_token_id)
@@ -88,7 +90,7 @@ def evaluate_checkpoint(
 
 def most_frequent_token(frequencies, data_dir: str) -> int:
     """The most frequent non-special training token: the MLM baseline's constant guess."""
-    from bertforge.pipelines.tokenization import SPECIAL_TOKENS, read_vocab
+    from bertforge.pipelines.contract.tokenization import SPECIAL_TOKENS, read_vocab
 
     counts = frequencies.copy()
     vocab = read_vocab(f"{data_dir}/vocab.txt")

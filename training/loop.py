@@ -13,10 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bertforge.pipelines.manifest import VOCAB_NAME, read_manifest
+from bertforge.pipelines.contract.manifest import VOCAB_NAME, read_manifest
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
-from bertforge.training.data import PretrainingLoader
+from bertforge.training.data import MaskingOptions, PretrainingLoader
 from bertforge.training.engine import build_engine, ensure_process_group
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, training_flops_per_batch
@@ -75,18 +75,17 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         # Only a fresh run warm-starts; a resumed one has its own, newer weights.
         load_initial_weights(model, cfg.init_from, manifest.tokenizer.vocab_sha256)
     engine = build_engine(model, cfg, world_size, load_universal=universal)
+    masking = MaskingOptions(max_predictions, cfg.mask_prob, cfg.whole_word_masking)
     loader = PretrainingLoader(
         cfg.data_dir, "train", batch_size=cfg.micro_batch_size, seed=cfg.seed,
-        rank=rank, world_size=world_size, max_predictions=max_predictions,
-        mask_prob=cfg.mask_prob, whole_word=cfg.whole_word_masking,
-        prefetch=cfg.dataloader_prefetch,
+        rank=rank, world_size=world_size, masking=masking, prefetch=cfg.dataloader_prefetch,
         gradient_accumulation_steps=accumulation,  # epochs end on an optimizer step
     )
     step = _maybe_resume(engine, loader, cfg, resume_from, manifest.tokenizer.vocab_sha256,
                          universal)
     if rank == 0:
         _write_run_config(cfg, model_config, world_size)
-    validation = _Validation.create(cfg, rank, world_size, max_predictions)
+    validation = _Validation.create(cfg, rank, world_size, masking)
 
     logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps)
     metadata = {
@@ -296,7 +295,7 @@ class _Validation:
         self.start_state = loader.state_dict()
 
     @classmethod
-    def create(cls, cfg: TrainConfig, rank: int, world_size: int, max_predictions: int):
+    def create(cls, cfg: TrainConfig, rank: int, world_size: int, masking: MaskingOptions):
         if not cfg.eval_every:
             return None
         from bertforge.training.data import token_frequencies
@@ -305,8 +304,7 @@ class _Validation:
         # zero rows (NaN NSP loss) and, under ZeRO-3, every rank joins every parameter gather.
         loader = PretrainingLoader(
             cfg.data_dir, "validation", batch_size=cfg.micro_batch_size, seed=cfg.seed,
-            rank=rank, world_size=world_size, max_predictions=max_predictions,
-            mask_prob=cfg.mask_prob, whole_word=cfg.whole_word_masking, prefetch=0,
+            rank=rank, world_size=world_size, masking=masking, prefetch=0,
         )
         # The baseline guess from the validation tokens: the train split may be terabytes.
         baseline = most_frequent_token(token_frequencies(cfg.data_dir, "validation"), cfg.data_dir)

@@ -7,7 +7,7 @@ tokens per row and the labelled positions per row, so those follow the real pipe
   instances): `max_num_tokens = max_seq_length - 3`; with p `short_seq_prob` (0.1) the target
   is uniform on [2, max_num_tokens], else max_num_tokens; a row is `[CLS] A [SEP] B [SEP]`
   with A + B = target tokens and the split uniform on [1, target - 1];
-- masking by the loader's own collator (`training.data.PretrainingCollator`): 15 % of the
+- masking by the loader's own collator (`training.data.collate.PretrainingCollator`): 15 % of the
   tokens, at most Google's 20 (128 tokens) / 80 (512) predictions per row, 80/10/10;
 - padding by the loader's own rule: each batch to its longest row, rounded up to 8.
 
@@ -22,7 +22,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bertforge.training.data import PretrainingCollator, RowBatch, rows_from_sequences
+from bertforge.training.data import (
+    MaskingOptions,
+    PretrainingCollator,
+    RowBatch,
+    rows_from_sequences,
+)
 from bertforge.training.masking import MaskingVocab, default_max_predictions
 
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(5)
@@ -81,10 +86,10 @@ def synthetic_batches(
 ) -> list[dict[str, torch.Tensor]]:
     """`num_batches` distinct masked batches with the loader's names and layout."""
     rng = np.random.default_rng([seed, max_seq_length])
-    collator = PretrainingCollator(
-        synthetic_masking_vocab(vocab_size), seed=seed, mask_prob=mask_prob,
-        max_predictions=max_predictions or default_max_predictions(max_seq_length, mask_prob),
+    masking = MaskingOptions(
+        max_predictions or default_max_predictions(max_seq_length, mask_prob), mask_prob
     )
+    collator = PretrainingCollator(synthetic_masking_vocab(vocab_size), masking, seed=seed)
     return [
         collator(synthetic_rows(rng, batch_size, max_seq_length, vocab_size,
                                 short_seq_prob=short_seq_prob, first_index=i * batch_size),

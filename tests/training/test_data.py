@@ -12,9 +12,11 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from bertforge.pipelines import manifest as manifest_lib
+from bertforge.pipelines.contract import manifest as manifest_lib
 from bertforge.training.data import (
+    BucketingOptions,
     PretrainingLoader,
+    ReadOptions,
     download_split,
     padded_width,
     rows_from_sequences,
@@ -283,14 +285,16 @@ def test_row_count_and_checksum_mismatch(damaged, tmp_path):
     shutil.copy(shard_path(other), path)  # right row count, other content
     PretrainingLoader(damaged, batch_size=4, seed=0)  # unnoticed without hashing
     with pytest.raises(ValueError, match=f"{os.path.basename(path)} does not match its sha256"):
-        PretrainingLoader(damaged, batch_size=4, seed=0, verify_checksums=True)
+        PretrainingLoader(damaged, batch_size=4, seed=0, read=ReadOptions(verify_checksums=True))
 
 
 def test_vocabulary_mismatch(dataset_dir):
     sha = manifest_lib.read_manifest(dataset_dir).tokenizer.vocab_sha256
-    PretrainingLoader(dataset_dir, batch_size=4, seed=0, expected_vocab_sha256=sha)
+    same = ReadOptions(expected_vocab_sha256=sha)
+    other = ReadOptions(expected_vocab_sha256="0" * 64)
+    PretrainingLoader(dataset_dir, batch_size=4, seed=0, read=same)
     with pytest.raises(ValueError, match="does not match the model's"):
-        PretrainingLoader(dataset_dir, batch_size=4, seed=0, expected_vocab_sha256="0" * 64)
+        PretrainingLoader(dataset_dir, batch_size=4, seed=0, read=other)
 
 
 def test_remote_dataset_is_copied_then_mapped(dataset_dir, tmp_path):
@@ -340,9 +344,8 @@ def test_same_epoch_repeats_its_masks(dataset_dir):
 def test_filesystem_instead_of_a_uri(dataset_dir, tmp_path):
     # A filesystem object carries what a URI cannot (credentials, endpoints, a sub-tree).
     remote = pafs.SubTreeFileSystem(os.path.abspath(dataset_dir), pafs.LocalFileSystem())
-    loader = PretrainingLoader(
-        "", batch_size=8, seed=1, filesystem=remote, cache_dir=str(tmp_path / "cache")
-    )
+    read = ReadOptions(filesystem=remote, cache_dir=str(tmp_path / "cache"))
+    loader = PretrainingLoader("", batch_size=8, seed=1, read=read)
     assert_batches_equal(
         all_batches(loader), all_batches(PretrainingLoader(dataset_dir, batch_size=8, seed=1))
     )
@@ -373,7 +376,7 @@ def test_epoch_ends_at_the_last_full_optimizer_step(dataset_dir):
         PretrainingLoader(dataset_dir, batch_size=4, seed=0, gradient_accumulation_steps=0)
 
 
-BUCKETS = {"bucket_boundaries": (16, 32, 48), "bucket_window": 2}
+BUCKETS = {"bucketing": BucketingOptions(boundaries=(16, 32, 48), window=2)}
 
 
 @pytest.mark.parametrize("options", [{}, BUCKETS], ids=["plain", "bucketed"])
@@ -494,8 +497,7 @@ def test_bucketed_order_is_the_reference(dataset_dir, batch_size, accumulation, 
         batch_size=batch_size,
         seed=7,
         gradient_accumulation_steps=accumulation,
-        bucket_boundaries=(16, 32, 48),
-        bucket_window=window,
+        bucketing=BucketingOptions(boundaries=(16, 32, 48), window=window),
         drop_last=drop_last,
     )
     np.testing.assert_array_equal(loader.sample_lengths(), lengths)
@@ -518,8 +520,7 @@ def test_bucketing_keeps_global_batches_for_any_world_size(dataset_dir):
                 seed=2,
                 rank=r,
                 world_size=world_size,
-                num_buckets=4,
-                bucket_window=3,
+                bucketing=BucketingOptions(num_buckets=4, window=3),
             )
             for r in range(world_size)
         ]
@@ -566,7 +567,7 @@ def test_bucketing_saves_padding(dataset_dir):
 
     # 70 rows of 8..61 tokens; bins a multiple of 8 wide, 8 steps of 4 sorted together.
     plain = padded_and_real()
-    bucketed = padded_and_real(bucket_boundaries=tuple(range(8, 64, 8)), bucket_window=8)
+    bucketed = padded_and_real(bucketing=BucketingOptions(tuple(range(8, 64, 8)), window=8))
     waste_plain = 1 - plain[1] / plain[0]
     waste_bucketed = 1 - bucketed[1] / bucketed[0]
     assert waste_bucketed < 0.5 * waste_plain, (waste_plain, waste_bucketed)  # 15 % vs 38 %
@@ -577,20 +578,21 @@ def test_bucketing_options_are_checked(dataset_dir):
         return PretrainingLoader(dataset_dir, batch_size=4, seed=0, **options)
 
     for options, message in (
-        ({"bucket_boundaries": (32, 16)}, "strictly increasing"),
-        ({"bucket_boundaries": (0, 16)}, "positive"),
-        ({"bucket_boundaries": ()}, "strictly increasing"),
-        ({"bucket_boundaries": (16,), "num_buckets": 2}, "not both"),
+        ({"boundaries": (32, 16)}, "strictly increasing"),
+        ({"boundaries": (0, 16)}, "positive"),
+        ({"boundaries": ()}, "strictly increasing"),
+        ({"boundaries": (16,), "num_buckets": 2}, "not both"),
+        ({}, "needs boundaries or num_buckets"),
         ({"num_buckets": 1}, "num_buckets must be >= 2"),
-        ({"bucket_boundaries": (16,), "bucket_window": 0}, "bucket_window"),
+        ({"boundaries": (16,), "window": 0}, "window must be >= 1"),
     ):
         with pytest.raises(ValueError, match=message):
-            loader(**options)
+            BucketingOptions(**options)
     state = loader(**BUCKETS).state_dict()
     with pytest.raises(ValueError, match="length bucketing"):
         loader().load_state_dict(state)
     with pytest.raises(ValueError, match="length bucketing"):
-        loader(bucket_boundaries=(16, 32, 48), bucket_window=3).load_state_dict(state)
+        loader(bucketing=BucketingOptions((16, 32, 48), window=3)).load_state_dict(state)
     other_step = PretrainingLoader(
         dataset_dir, batch_size=4, seed=0, gradient_accumulation_steps=2, **BUCKETS
     )

@@ -1,0 +1,69 @@
+"""Collation: unmasked rows in, masked Hugging Face tensors out.
+
+Masks are dynamic (DESIGN, "Determinism"): drawn per (seed, epoch, sample index) at load time,
+so every epoch masks a sample anew and the same sample masks the same way in any batch, on any
+rank, in any order. The rules themselves are `training.masking`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bertforge.training.data.rows import RowBatch
+from bertforge.training.masking import MaskingVocab, SampleStreams, mask_batch
+
+
+@dataclass(frozen=True)
+class MaskingOptions:
+    """What is masked (see `training.masking`); the defaults are Google's."""
+
+    # Predictions per sequence at most; None: the dataset's default (20 at 128 tokens, 80 at 512).
+    max_predictions: int | None = None
+    mask_prob: float = 0.15
+    whole_word: bool = False  # the 80/10/10 choice per word, not per piece
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        if self.max_predictions is not None and self.max_predictions < 1:
+            raise ValueError(f"max_predictions must be >= 1, got {self.max_predictions}")
+
+
+class PretrainingCollator:
+    """Masks a `RowBatch` (dynamically: per (seed, epoch, sample index)) into HF tensors."""
+
+    def __init__(self, vocab: MaskingVocab, masking: MaskingOptions, *, seed: int):
+        if masking.max_predictions is None:
+            raise ValueError("the collator needs max_predictions (the dataset's default is "
+                             "filled in by the loader)")
+        self.vocab = vocab
+        self.masking = masking
+        self.seed = seed
+
+    def __call__(self, rows: RowBatch, epoch: int) -> dict[str, torch.Tensor]:
+        # A SampleStreams per call keeps this thread-safe; building one costs ~10 us.
+        uniforms = SampleStreams(self.seed, epoch).batch_uniforms(
+            rows.sample_indices, rows.lengths, rows.input_ids.shape[1]
+        )
+        masked, labels = mask_batch(
+            rows.input_ids,
+            rows.lengths,
+            uniforms,
+            self.vocab,
+            max_predictions=self.masking.max_predictions,
+            mask_prob=self.masking.mask_prob,
+            whole_word=self.masking.whole_word,
+        )
+        positions = np.arange(rows.input_ids.shape[1])
+        real = positions < rows.lengths[:, None]
+        segment_b = real & (positions >= rows.num_a_tokens[:, None])
+        return {
+            "input_ids": torch.from_numpy(masked),
+            "token_type_ids": torch.from_numpy(segment_b.astype(np.int64)),
+            "attention_mask": torch.from_numpy(real.astype(np.int64)),
+            "labels": torch.from_numpy(labels),
+            "next_sentence_label": torch.from_numpy(rows.next_sentence_label),
+        }

@@ -1,0 +1,81 @@
+"""Remote datasets (gs://, s3://, ...): copied once into a local cache, then memory-mapped.
+
+Memory-mapping needs a local file; copying a split once keeps the loader's memory flat for
+remote data too, and keeps every later epoch off the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+import pyarrow.fs as pafs
+
+from bertforge.pipelines.contract import manifest as manifest_lib
+
+
+def local_dataset_dir(
+    data_dir: str,
+    split: str,
+    cache_dir: str | None,
+    filesystem: pafs.FileSystem | None = None,
+) -> str:
+    """`data_dir` itself when local; else a local copy of its manifest, vocab and split.
+
+    `filesystem` (with `data_dir` a path in it) replaces resolving a URI: for stores that need
+    options a URI cannot carry (credentials, an S3 endpoint, a sub-tree).
+    """
+    if filesystem is None:
+        if "://" not in data_dir:
+            return data_dir
+        filesystem, data_dir = pafs.FileSystem.from_uri(data_dir)
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return data_dir
+    return download_split(filesystem, data_dir, split, cache_dir)
+
+
+def download_split(
+    filesystem: pafs.FileSystem, root: str, split: str, cache_dir: str | None = None
+) -> str:
+    """Copy a dataset's manifest, vocab and one split's shards to a local directory.
+
+    The copy lives under `cache_dir/<hash of the manifest>`, so a re-prepared dataset never
+    mixes with an old copy; a shard already there with the right size is not fetched again,
+    and each copy lands under a temporary name first, so an interrupted one never counts.
+    """
+    manifest_path = f"{root.rstrip('/')}/{manifest_lib.MANIFEST_NAME}"
+    try:
+        with filesystem.open_input_stream(manifest_path) as stream:
+            manifest_bytes = stream.read()
+    except FileNotFoundError as error:
+        raise FileNotFoundError(
+            f"{manifest_path} not found: not a prepared dataset, or its preparation did not "
+            "finish (the manifest is written last)"
+        ) from error
+    cache_root = cache_dir or os.path.join(tempfile.gettempdir(), "bertforge-datasets")
+    target = os.path.join(cache_root, hashlib.sha256(manifest_bytes).hexdigest()[:16])
+    os.makedirs(target, exist_ok=True)
+    manifest = manifest_lib.Manifest.from_dict(json.loads(manifest_bytes))
+    if split not in manifest.splits:
+        raise ValueError(f"{root} has no split {split!r} (it has {sorted(manifest.splits)})")
+    shard_paths = [entry.path for entry in manifest.splits[split].shards]
+    for relative in [manifest_lib.VOCAB_NAME, *shard_paths]:
+        _fetch(filesystem, f"{root.rstrip('/')}/{relative}", os.path.join(target, relative))
+    manifest_lib.write_manifest(target, manifest)  # last, as in the original
+    return target
+
+
+def _fetch(filesystem: pafs.FileSystem, source: str, destination: str) -> None:
+    info = filesystem.get_file_info(source)
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"shard or vocabulary {source} is missing (the manifest lists it)")
+    if os.path.exists(destination) and os.path.getsize(destination) == info.size:
+        return
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
+    partial = destination + ".partial"
+    with filesystem.open_input_stream(source) as stream, open(partial, "wb") as out:
+        while chunk := stream.read(1 << 24):
+            out.write(chunk)
+    os.replace(partial, destination)
