@@ -214,7 +214,7 @@ def batch_counts(batch: dict[str, torch.Tensor], model_config: BertConfig) -> di
 def make_batches(case: Case, args: argparse.Namespace, rank: int, world_size: int):
     """(batches on the CPU, vocab size, description of the data)."""
     if case.data_dir is None:
-        from bertforge.training.synthetic import synthetic_batches
+        from tests.support.synthetic import synthetic_batches
 
         batches = synthetic_batches(
             args.num_batches, case.micro_batch, case.seq_len, args.vocab_size,

@@ -19,8 +19,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bertforge.cluster.local_cluster import LocalRayCluster  # noqa: E402
 from bertforge.training.metrics import read_metrics  # noqa: E402
+from tests.support.local_cluster import LocalRayCluster  # noqa: E402
 
 
 def run_layout(data: str, node_cpus: list[int], steps: int, batch_size: int) -> float:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from bertforge.cluster.local_cluster import LocalRayCluster
+from tests.support.local_cluster import LocalRayCluster
 
 
 @pytest.fixture(scope="module")

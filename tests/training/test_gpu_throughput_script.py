@@ -14,7 +14,7 @@ import torch
 
 from bertforge.training.masking import IGNORE_INDEX
 from bertforge.training.model import BertConfig
-from bertforge.training.synthetic import instance_token_counts, synthetic_batches
+from tests.support.synthetic import instance_token_counts, synthetic_batches
 from tests.training.conftest import google_layout_vocab, write_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
