@@ -122,7 +122,7 @@ class Case:
 
 def plan_cases(args: argparse.Namespace) -> list[Case]:
     if args.data:
-        from bertforge.pipelines.manifest import read_manifest
+        from bertforge.pipelines.contract.manifest import read_manifest
 
         lengths = [read_manifest(d).instance_params["max_seq_length"] for d in args.data]
     else:

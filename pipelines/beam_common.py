@@ -5,7 +5,7 @@ from __future__ import annotations
 from apache_beam.metrics import Metrics
 from apache_beam.pvalue import TaggedOutput
 
-from bertforge.pipelines.records import Reject
+from bertforge.pipelines.read.records import Reject
 
 METRICS_NAMESPACE = "bertforge.prepare"
 REJECTS = "rejects"  # the tag of every step's side output of `Reject`s

@@ -14,8 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from bertforge.pipelines import manifest
-from bertforge.pipelines.tokenization import load_tokenizer
+from bertforge.pipelines.contract import manifest
+from bertforge.pipelines.contract.tokenization import load_tokenizer
 
 NUM_LENGTH_BINS = 8
 

@@ -1,7 +1,7 @@
 """WordPiece vocabulary training with `tokenizers`, written in Google's `vocab.txt` layout.
 
 The trainer is `BertWordPieceTokenizer`'s: the same normalizer (clean text, CJK spacing, accents
-stripped exactly when lower-casing) and pre-tokenizer that `pipelines.tokenization` and
+stripped exactly when lower-casing) and pre-tokenizer that `pipelines.contract.tokenization` and
 `transformers.BertTokenizerFast` use, so the learned pieces are the ones encoding will look up.
 """
 
@@ -13,8 +13,8 @@ import os
 
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from bertforge.pipelines.input_files import iter_texts
-from bertforge.pipelines.tokenization import SPECIAL_TOKENS
+from bertforge.pipelines.contract.tokenization import SPECIAL_TOKENS
+from bertforge.pipelines.read.input_files import iter_texts
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, processors
 
-from bertforge.pipelines.tokenization import SPECIAL_TOKENS, load_tokenizer, read_vocab
+from bertforge.pipelines.contract.tokenization import SPECIAL_TOKENS, load_tokenizer, read_vocab
 from bertforge.training.model import BertConfig
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -226,7 +226,7 @@ def _tokenizer_config(lower_case: bool, model_max_length: int) -> dict:
         "tokenizer_class": "BertTokenizer",
         "do_lower_case": lower_case,
         "tokenize_chinese_chars": True,
-        # None = follow do_lower_case, the same rule pipelines.tokenization applies.
+        # None = follow do_lower_case, the same rule pipelines.contract.tokenization applies.
         "strip_accents": None,
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": True,

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from bertforge.pipelines.manifest import sha256_file
+from bertforge.pipelines.contract.manifest import sha256_file
 from bertforge.training import checkpoint
 from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES, import_hf_state_dict
 from bertforge.training.model import BertConfig, BertForPreTraining

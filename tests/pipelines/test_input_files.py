@@ -9,10 +9,10 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bertforge.pipelines.input_files import open_local, read_file
-from bertforge.pipelines.readers import format_of, split_format
-from bertforge.pipelines.records import RawDocument, Reject
-from bertforge.pipelines.sentences import bound_sentence_length, split_sentences
+from bertforge.pipelines.instances.sentences import bound_sentence_length, split_sentences
+from bertforge.pipelines.read.input_files import open_local, read_file
+from bertforge.pipelines.read.readers import format_of, split_format
+from bertforge.pipelines.read.records import RawDocument, Reject
 
 from .conftest import shared_data_file
 

@@ -1,4 +1,4 @@
-from bertforge.pipelines import manifest
+from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.inspect_shards import format_report, inspect_dataset
 
 

@@ -2,8 +2,8 @@ import gzip
 import io
 import json
 
-from bertforge.pipelines.input_files import iter_texts
-from bertforge.pipelines.readers import (
+from bertforge.pipelines.read.input_files import iter_texts
+from bertforge.pipelines.read.readers import (
     RawDocument,
     Reject,
     doc_id_prefixes,

@@ -1,4 +1,4 @@
-from bertforge.pipelines.sentences import split_paragraphs, split_sentences
+from bertforge.pipelines.instances.sentences import split_paragraphs, split_sentences
 
 
 def test_splits_sentences_and_knows_abbreviations():

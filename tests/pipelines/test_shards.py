@@ -5,9 +5,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from bertforge.pipelines import manifest
-from bertforge.pipelines import shards as shards_module
-from bertforge.pipelines.shards import (
+from bertforge.pipelines.contract import manifest
+from bertforge.pipelines.write import shards as shards_module
+from bertforge.pipelines.write.shards import (
     boundary_ranks,
     bucket_of,
     concat_shard,

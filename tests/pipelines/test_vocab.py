@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from bertforge.pipelines.sentences import split_sentences
-from bertforge.pipelines.tokenization import SPECIAL_TOKENS, load_tokenizer
+from bertforge.pipelines.contract.tokenization import SPECIAL_TOKENS, load_tokenizer
+from bertforge.pipelines.instances.sentences import split_sentences
 from bertforge.pipelines.vocab import train_wordpiece_vocab
 
 from .conftest import shared_data_file

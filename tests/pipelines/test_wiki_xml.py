@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from bertforge.pipelines import wiki_xml
-from bertforge.pipelines.input_files import open_local, read_file
-from bertforge.pipelines.records import RawDocument, Reject
+from bertforge.pipelines.read import wiki_xml
+from bertforge.pipelines.read.input_files import open_local, read_file
+from bertforge.pipelines.read.records import RawDocument, Reject
 
 from .conftest import shared_data_file
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bertforge.pipelines.input_files import open_local, read_file
-from bertforge.pipelines.records import RawDocument
-from bertforge.pipelines.wikitext import wikitext_to_paragraphs
+from bertforge.pipelines.read.input_files import open_local, read_file
+from bertforge.pipelines.read.records import RawDocument
+from bertforge.pipelines.read.wikitext import wikitext_to_paragraphs
 
 from .conftest import shared_data_file
 

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from bertforge.pipelines import manifest as manifest_lib
+from bertforge.pipelines.contract import manifest as manifest_lib
 
 NUM_WORDS = 120
 NUM_PIECES = 40

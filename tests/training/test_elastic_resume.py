@@ -62,7 +62,7 @@ def run_on(world_size: int, cfg=None, jobs: list | None = None) -> None:
 def loaded_optimizer_state(cfg, path: str, *, universal: bool) -> dict[str, torch.Tensor]:
     """Collective: a fresh engine loads `path` as the loop's resume does; its full (unsharded)
     fp32 master weights, Adam moments and step counters."""
-    from bertforge.pipelines.manifest import read_manifest
+    from bertforge.pipelines.contract.manifest import read_manifest
     from bertforge.training.engine import build_engine, ensure_process_group
     from bertforge.training.loop import resolve_model_config
     from bertforge.training.model import BertForPreTraining

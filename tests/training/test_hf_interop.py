@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import bertforge.training.hf_interop as hf_interop
-from bertforge.pipelines.tokenization import load_tokenizer
+from bertforge.pipelines.contract.tokenization import load_tokenizer
 from bertforge.training.hf_interop import (
     config_from_hf_dict,
     export_hf_directory,

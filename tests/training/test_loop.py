@@ -90,7 +90,7 @@ def test_vocabulary_mismatch_on_resume_is_refused(dataset, tmp_path):
                           max_seq_length=64, seed=3)
     with open(os.path.join(other, "vocab.txt"), "a") as f:
         f.write("extra\n")
-    from bertforge.pipelines import manifest as manifest_lib
+    from bertforge.pipelines.contract import manifest as manifest_lib
 
     manifest = manifest_lib.read_manifest(other)
     manifest.tokenizer.vocab_sha256 = manifest_lib.sha256_file(os.path.join(other, "vocab.txt"))

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from bertforge.pipelines.manifest import read_manifest
+from bertforge.pipelines.contract.manifest import read_manifest
 from bertforge.training import checkpoint, recipes
 from bertforge.training.data import PretrainingLoader
 from bertforge.training.export import export_checkpoint

@@ -19,8 +19,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from typing import BinaryIO, NamedTuple
 
-from bertforge.pipelines.records import RawDocument, Reject
-from bertforge.pipelines.wikitext import wikitext_to_paragraphs
+from bertforge.pipelines.read.records import RawDocument, Reject
+from bertforge.pipelines.read.wikitext import wikitext_to_paragraphs
 
 PAGE_OPEN = b"<page>"
 PAGE_CLOSE = b"</page>"

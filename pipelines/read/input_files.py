@@ -16,8 +16,8 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-from bertforge.pipelines import readers
-from bertforge.pipelines.records import RawDocument, Reject
+from bertforge.pipelines.read import readers
+from bertforge.pipelines.read.records import RawDocument, Reject
 
 SNIFF_BYTES = 8192
 # Text has no NUL and few control characters; 10 % of them (tabs/newlines excepted) means binary.

@@ -22,16 +22,16 @@ from typing import NamedTuple
 import apache_beam as beam
 import numpy as np
 
-from bertforge.pipelines import shards
 from bertforge.pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, reject
-from bertforge.pipelines.records import RawDocument
-from bertforge.pipelines.sentences import (
+from bertforge.pipelines.contract.tokenization import parse_vocab, tokenizer_from_vocab
+from bertforge.pipelines.instances.sentences import (
     MAX_SENTENCE_CHARS,
     PARAGRAPH_BREAK,
     bound_sentence_length,
     split_sentences,
 )
-from bertforge.pipelines.tokenization import parse_vocab, tokenizer_from_vocab
+from bertforge.pipelines.read.records import RawDocument
+from bertforge.pipelines.write import shards
 
 logger = logging.getLogger(__name__)
 

@@ -25,19 +25,19 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.pvalue import AsDict
 
-from bertforge.pipelines import shards
 from bertforge.pipelines.beam_common import REJECTS, count, reject
-from bertforge.pipelines.instance_batch import InstanceBatch
-from bertforge.pipelines.instances import (
+from bertforge.pipelines.contract.tokenization import parse_vocab
+from bertforge.pipelines.instances.instance_batch import InstanceBatch
+from bertforge.pipelines.instances.instances import (
     create_instances_from_document,
     document_rng,
     stable_hash,
     stable_hash_encoding,
     unit_interval,
 )
+from bertforge.pipelines.instances.tokenize_documents import Doc, TokenizeDocuments
 from bertforge.pipelines.prepare_options import PrepareConfig
-from bertforge.pipelines.tokenization import parse_vocab
-from bertforge.pipelines.tokenize_documents import Doc, TokenizeDocuments
+from bertforge.pipelines.write import shards
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class CreateInstancesFromPool(beam.DoFn):
     """((split, pool), documents) -> `InstanceBatch`es of the pool's instances.
 
     A row's sort key starts with `stable_hash(seed, "order", doc_id, dupe, number)`: a uniform
-    shuffle that any worker computes the same way (see `pipelines.shards`).
+    shuffle that any worker computes the same way (see `pipelines.write.shards`).
     """
 
     def __init__(self, config: PrepareConfig, vocab: dict[str, int]):

@@ -9,11 +9,11 @@ from collections import Counter
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 
-from bertforge.pipelines import manifest
 from bertforge.pipelines.beam_common import NO_DOCUMENTS_MESSAGE
+from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.filesystem import write_bytes
 from bertforge.pipelines.prepare_options import PrepareConfig
-from bertforge.pipelines.records import REPAIRED_REASONS, Reject
+from bertforge.pipelines.read.records import REPAIRED_REASONS, Reject
 
 logger = logging.getLogger(__name__)
 

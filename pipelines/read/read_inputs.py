@@ -15,11 +15,11 @@ from typing import NamedTuple
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 
-from bertforge.pipelines import readers, wiki_xml
 from bertforge.pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, count, reject_output
 from bertforge.pipelines.filesystem import open_raw
-from bertforge.pipelines.input_files import read_file
-from bertforge.pipelines.records import Reject
+from bertforge.pipelines.read import readers, wiki_xml
+from bertforge.pipelines.read.input_files import read_file
+from bertforge.pipelines.read.records import Reject
 
 logger = logging.getLogger(__name__)
 

@@ -3,13 +3,13 @@
 A reader takes (path, doc_id prefix, decompressed binary stream), so the same code serves the Beam
 job (files opened through Beam's `FileSystems`: local, gs://, s3://) and the vocabulary trainer
 (plain `open`). Opening, decompression, and the checks every file gets (empty, binary, truncated)
-live in `pipelines.input_files`. Adding a format is a function plus one entry in `FORMATS`.
+live in `input_files`. Adding a format is a function plus one entry in `FORMATS`.
 
 | format | chosen by | one document is |
 |---|---|---|
 | `jsonl` | `.jsonl`, `.json` | a line's object: `text`, optional `doc_id` (or `id`, as in HF) |
 | `parquet` | `.parquet` | a row: `text` column, optional `doc_id`/`id`; read batch by batch |
-| `wiki` | `.xml` (`.xml.bz2`, `.xml.gz`) | an article of a MediaWiki dump (`pipelines.wiki_xml`) |
+| `wiki` | `.xml` (`.xml.bz2`, `.xml.gz`) | an article of a MediaWiki dump (`wiki_xml`) |
 | `books` | `books:` prefix only | a whole file; paragraphs on blank lines, wrapped lines joined |
 | `sentences` | any other name | Google's: a sentence per line, a blank line between documents |
 
@@ -27,8 +27,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 
-from bertforge.pipelines.records import RawDocument, Reject
-from bertforge.pipelines.wiki_xml import read_wiki_xml
+from bertforge.pipelines.read.records import RawDocument, Reject
+from bertforge.pipelines.read.wiki_xml import read_wiki_xml
 
 COMPRESSION_SUFFIXES = (".gz", ".bz2")
 BOM = "\ufeff"
@@ -130,8 +130,8 @@ def read_sentence_per_line(
 def read_book(path: str, doc_id_prefix: str, stream: BinaryIO) -> Iterator[RawDocument | Reject]:
     """The whole file is one document (a book); CRLF and a BOM are fine.
 
-    Paragraph and sentence boundaries are found later (`pipelines.sentences`): blank lines end a
-    paragraph, and hard-wrapped lines inside one are joined.
+    Paragraph and sentence boundaries are found later (`pipelines.instances.sentences`): blank
+    lines end a paragraph, and hard-wrapped lines inside one are joined.
     """
     text, repair = decode(stream.read(), path, doc_id_prefix)
     text = text.replace("\r\n", "\n").replace("\r", "\n")

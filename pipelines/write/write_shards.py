@@ -1,4 +1,4 @@
-"""Instance batches -> shard files in exact global order (the Beam side of `pipelines.shards`).
+"""Instance batches -> shard files in exact global order (the Beam side of `shards`).
 
 Memory per worker is bounded by the piece size, not the shard size: rows are grouped by
 piece (at most `rows_per_piece` consecutive ranks of one shard), each piece is sorted and written
@@ -17,10 +17,11 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import AsSingleton
 
-from bertforge.pipelines import manifest, shards
 from bertforge.pipelines.beam_common import count
+from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.filesystem import sha256_of
-from bertforge.pipelines.instance_batch import InstanceBatch, concat, count_before
+from bertforge.pipelines.instances.instance_batch import InstanceBatch, concat, count_before
+from bertforge.pipelines.write import shards
 
 logger = logging.getLogger(__name__)
 

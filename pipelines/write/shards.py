@@ -28,7 +28,7 @@ from typing import BinaryIO
 import numpy as np
 import pyarrow as pa
 
-from bertforge.pipelines import manifest
+from bertforge.pipelines.contract import manifest
 
 BUCKET_BITS = 16
 ROWS_PER_BATCH = 4096  # fixed, so the file bytes depend on the rows only

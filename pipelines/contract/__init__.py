@@ -1,0 +1,9 @@
+"""The dataset contract: what the preparation job writes and training reads back.
+
+Free of Beam (and of torch), so that `training/` can import it without pulling in the job; a test
+holds that (tests/pipelines/test_contract.py).
+
+- `manifest`: the shard directory (`manifest.json`, `vocab.txt`, splits, shard entries) and the
+  shard schema (column names and types);
+- `tokenization`: the vocabulary and WordPiece tokenization, equal to `BertTokenizerFast`.
+"""
