@@ -14,6 +14,8 @@ from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
 
+from bertforge.pipelines.instances.instances import MIN_SEQ_LENGTH
+
 
 def _parse_bool(value: str | bool) -> bool:
     if isinstance(value, bool):
@@ -23,10 +25,6 @@ def _parse_bool(value: str | bool) -> bool:
     if value.lower() in ("0", "false", "no", "n", "off"):
         return False
     raise ValueError(f"expected a boolean (true/false), got {value!r}")
-
-
-# The shortest instance: [CLS] A [SEP] B [SEP] with one token on each side.
-MIN_SEQ_LENGTH = 5
 
 
 def _option(default: Any, help: str = "", **metadata: Any) -> Any:

@@ -29,6 +29,9 @@ RANDOM_NEXT_PROB = 0.5
 # Google retries this often to draw a document other than the current one.
 MAX_RANDOM_DOCUMENT_TRIES = 10
 
+# The shortest instance: [CLS] A [SEP] B [SEP] with one token on each side.
+MIN_SEQ_LENGTH = 5
+
 
 class Instance(NamedTuple):
     input_ids: list[int]  # [CLS] A [SEP] B [SEP], no padding; the type of the sentences given
@@ -152,10 +155,9 @@ def create_instances_from_document(
 
     Sentences must be non-empty. `documents` is the pool random segments are drawn from.
     """
-    if max_seq_length < 5:
-        raise ValueError(
-            f"max_seq_length must be at least 5 ([CLS] a [SEP] b [SEP]): {max_seq_length}"
-        )
+    if max_seq_length < MIN_SEQ_LENGTH:  # PrepareConfig checks the job's; this, direct callers
+        raise ValueError(f"max_seq_length must be at least {MIN_SEQ_LENGTH} ([CLS] A [SEP] B "
+                         f"[SEP]), got {max_seq_length}")
     document = documents[doc_index]
     # [CLS], [SEP], [SEP]: 128 - 3 = 125 tokens of text at max_seq_length 128.
     max_num_tokens = max_seq_length - 3
