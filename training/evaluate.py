@@ -68,21 +68,17 @@ def evaluate_checkpoint(
     seed: int = 0, mask_prob: float = 0.15, max_predictions: int | None = None,
 ) -> EvalResult:
     """Score a checkpoint on a split with fixed masks (seed, epoch 0), in this process."""
-    from bertforge.pipelines.contract.manifest import read_manifest
     from bertforge.training.checkpoint import load_model
     from bertforge.training.data import MaskingOptions, PretrainingLoader, token_frequencies
-    from bertforge.training.masking import default_max_predictions
+    from bertforge.training.dataset_facts import DatasetFacts
 
     model, metadata = load_model(checkpoint_path)
-    manifest = read_manifest(data_dir)
-    if manifest.tokenizer.vocab_sha256 != metadata["vocab_sha256"]:
+    if DatasetFacts.read(data_dir).vocab_sha256 != metadata["vocab_sha256"]:
         raise ValueError(f"{data_dir} uses another vocabulary than checkpoint {checkpoint_path}")
-    max_seq_length = manifest.instance_params["max_seq_length"]
+    # max_predictions None: the loader takes the data's default (20 at 128 tokens, 80 at 512).
     loader = PretrainingLoader(
         data_dir, split, batch_size=batch_size, seed=seed, drop_last=False,
-        masking=MaskingOptions(
-            max_predictions or default_max_predictions(max_seq_length, mask_prob), mask_prob
-        ),
+        masking=MaskingOptions(max_predictions, mask_prob),
     )
     baseline_token_id = most_frequent_token(token_frequencies(data_dir, "train"), data_dir)
     return evaluate(model, loader, baseline_token_id=baseline_token_id)

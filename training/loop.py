@@ -13,14 +13,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bertforge.pipelines.contract.manifest import VOCAB_NAME, read_manifest
+from bertforge.pipelines.contract.manifest import VOCAB_NAME
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
 from bertforge.training.data import MaskingOptions, PretrainingLoader
+from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.engine import build_engine, ensure_process_group
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, training_flops_per_batch
-from bertforge.training.masking import default_max_predictions
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining
 from bertforge.training.warm_start import load_initial_weights
@@ -55,11 +55,12 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     """Train to cfg.max_steps, resuming from the newest complete checkpoint when cfg.resume."""
     ensure_process_group()
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    manifest = read_manifest(cfg.data_dir)
-    model_config = resolve_model_config(cfg.model, manifest.tokenizer.vocab_size)
-    max_seq_length = manifest.instance_params["max_seq_length"]
-    check_positions(max_seq_length, model_config, cfg.data_dir)
-    max_predictions = cfg.max_predictions or default_max_predictions(max_seq_length, cfg.mask_prob)
+    facts = DatasetFacts.read(cfg.data_dir)
+    model_config = resolve_model_config(cfg.model, facts.vocab_size)
+    check_positions(facts.max_seq_length, model_config, cfg.data_dir)
+    # max_predictions None: the data's default (20 at 128 tokens, 80 at 512).
+    masking = MaskingOptions(cfg.max_predictions, cfg.mask_prob, cfg.whole_word_masking)
+    masking = masking.for_dataset(facts)
     accumulation = cfg.accumulation_steps(world_size)  # validates the batch arithmetic
     if rank == 0:
         _print_recipe(cfg, model_config, world_size)
@@ -73,31 +74,29 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     model.gradient_checkpointing = cfg.activation_checkpointing
     if resume_from is None and cfg.init_from:
         # Only a fresh run warm-starts; a resumed one has its own, newer weights.
-        load_initial_weights(model, cfg.init_from, manifest.tokenizer.vocab_sha256)
+        load_initial_weights(model, cfg.init_from, facts.vocab_sha256)
     engine = build_engine(model, cfg, world_size, load_universal=universal)
-    masking = MaskingOptions(max_predictions, cfg.mask_prob, cfg.whole_word_masking)
     loader = PretrainingLoader(
         cfg.data_dir, "train", batch_size=cfg.micro_batch_size, seed=cfg.seed,
         rank=rank, world_size=world_size, masking=masking, prefetch=cfg.dataloader_prefetch,
         gradient_accumulation_steps=accumulation,  # epochs end on an optimizer step
     )
-    step = _maybe_resume(engine, loader, cfg, resume_from, manifest.tokenizer.vocab_sha256,
-                         universal)
+    step = _maybe_resume(engine, loader, cfg, resume_from, facts.vocab_sha256, universal)
     if rank == 0:
         _write_run_config(cfg, model_config, world_size)
     validation = _Validation.create(cfg, rank, world_size, masking)
 
     logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps)
     metadata = {
-        "vocab_sha256": manifest.tokenizer.vocab_sha256,
-        "lower_case": manifest.tokenizer.lower_case,
+        "vocab_sha256": facts.vocab_sha256,
+        "lower_case": facts.lower_case,
         "model_config": model_config.to_dict(),
-        "max_seq_length": max_seq_length,
+        "max_seq_length": facts.max_seq_length,
         "data_dir": os.path.abspath(cfg.data_dir),
         "world_size": world_size,
         "zero_stage": cfg.zero_stage,
     }
-    client_state = {"vocab_sha256": manifest.tokenizer.vocab_sha256, "config": cfg.to_dict()}
+    client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
     batches = _endless(loader)
     first_loss = last_loss = None
     window = _Window(model_config, cfg.peak_tflops, world_size)

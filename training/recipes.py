@@ -48,7 +48,6 @@ def bert_large_phase1(data_dir: str, run_dir: str, **overrides: Any) -> TrainCon
     return _recipe(data_dir, run_dir, dict(
         model={"preset": "large"}, global_batch_size=4096, micro_batch_size=64,
         max_steps=56_250, warmup_steps=3_000, learning_rate=6e-4,
-        max_predictions=20,
     ), overrides)
 
 
@@ -61,7 +60,7 @@ def bert_large_phase2(data_dir: str, run_dir: str, init_from: str, **overrides: 
     return _recipe(data_dir, run_dir, dict(
         model={"preset": "large"}, global_batch_size=2048, micro_batch_size=16,
         max_steps=12_500, warmup_steps=1_250, learning_rate=4e-4,
-        max_predictions=80, init_from=init_from,
+        init_from=init_from,
     ), overrides)
 
 
@@ -70,7 +69,6 @@ def bert_base_phase1(data_dir: str, run_dir: str, **overrides: Any) -> TrainConf
     return _recipe(data_dir, run_dir, dict(
         model={"preset": "base"}, global_batch_size=4096, micro_batch_size=128,
         max_steps=56_250, warmup_steps=3_000, learning_rate=1e-3,
-        max_predictions=20,
     ), overrides)
 
 
@@ -79,7 +77,7 @@ def bert_base_phase2(data_dir: str, run_dir: str, init_from: str, **overrides: A
     return _recipe(data_dir, run_dir, dict(
         model={"preset": "base"}, global_batch_size=2048, micro_batch_size=32,
         max_steps=12_500, warmup_steps=1_250, learning_rate=5e-4,
-        max_predictions=80, init_from=init_from,
+        init_from=init_from,
     ), overrides)
 
 

@@ -37,7 +37,8 @@ def test_full_size_recipes_keep_their_global_batch_on_any_dividing_world(name):
     phase2 = getattr(recipes, f"{name}_phase2")("d", "r", init_from="r1")
     assert phase1.global_batch(8) == phase1.global_batch(32) == 4096
     assert phase2.global_batch(8) == 2048 and phase2.init_from == "r1"
-    assert (phase1.max_predictions, phase2.max_predictions) == (20, 80)
+    # Masked positions per sequence come from the data: 20 at 128 tokens, 80 at 512.
+    assert phase1.max_predictions is None and phase2.max_predictions is None
     with pytest.raises(ValueError, match="not a multiple"):
         phase1.accumulation_steps(3)
     assert recipes.bert_base_phase1("d", "r", max_steps=10, warmup_steps=1).max_steps == 10

@@ -7,12 +7,13 @@ rank, in any order. The rules themselves are `training.masking`'s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from bertforge.training.data.rows import RowBatch
+from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.masking import MaskingVocab, SampleStreams, mask_batch
 
 
@@ -31,14 +32,20 @@ class MaskingOptions:
         if self.max_predictions is not None and self.max_predictions < 1:
             raise ValueError(f"max_predictions must be >= 1, got {self.max_predictions}")
 
+    def for_dataset(self, facts: DatasetFacts) -> MaskingOptions:
+        """These options with max_predictions, when unset, the dataset's default."""
+        if self.max_predictions is not None:
+            return self
+        return replace(self, max_predictions=facts.default_max_predictions(self.mask_prob))
+
 
 class PretrainingCollator:
     """Masks a `RowBatch` (dynamically: per (seed, epoch, sample index)) into HF tensors."""
 
     def __init__(self, vocab: MaskingVocab, masking: MaskingOptions, *, seed: int):
         if masking.max_predictions is None:
-            raise ValueError("the collator needs max_predictions (the dataset's default is "
-                             "filled in by the loader)")
+            raise ValueError("the collator needs max_predictions: take the dataset's default "
+                             "with MaskingOptions.for_dataset")
         self.vocab = vocab
         self.masking = masking
         self.seed = seed

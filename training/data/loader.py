@@ -29,7 +29,8 @@ from bertforge.training.data.order import DEFAULT_BUCKET_WINDOW, BucketingOption
 from bertforge.training.data.prefetch import BatchIterator
 from bertforge.training.data.resume import loader_state, resume_position
 from bertforge.training.data.split import ReadOptions, open_split
-from bertforge.training.masking import MaskingVocab, default_max_predictions
+from bertforge.training.dataset_facts import DatasetFacts
+from bertforge.training.masking import MaskingVocab
 
 
 class PretrainingLoader:
@@ -78,6 +79,8 @@ class PretrainingLoader:
         _check_layout(batch_size, rank, world_size, gradient_accumulation_steps, prefetch, seed)
         opened = open_split(data_dir, split, read or ReadOptions())
         self.manifest, self._rows = opened.manifest, opened.rows
+        self.facts = DatasetFacts.from_manifest(opened.manifest, data_dir)
+        self.max_seq_length = self.facts.max_seq_length
         self.split = split
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.global_batch_size = batch_size * world_size
@@ -86,18 +89,12 @@ class PretrainingLoader:
         self.step_batch_size = self.global_batch_size * gradient_accumulation_steps
         self.seed, self.drop_last, self.prefetch = seed, drop_last, prefetch
         self.pad_id = opened.vocab_tokens.index("[PAD]")
-        masking = masking or MaskingOptions()
-        self.max_seq_length = _max_seq_length(self.manifest, masking.max_predictions)
         self.bucket_boundaries = None if bucketing is None else bucketing.edges(self.max_seq_length)
         self.bucket_window = DEFAULT_BUCKET_WINDOW if bucketing is None else bucketing.window
-        if masking.max_predictions is None:
-            masking = MaskingOptions(
-                default_max_predictions(self.max_seq_length, masking.mask_prob),
-                masking.mask_prob,
-                masking.whole_word,
-            )
         self.collator = PretrainingCollator(
-            MaskingVocab.from_tokens(opened.vocab_tokens), masking, seed=seed
+            MaskingVocab.from_tokens(opened.vocab_tokens),
+            (masking or MaskingOptions()).for_dataset(self.facts),
+            seed=seed,
         )
         if len(self) == 0:
             raise ValueError(
@@ -236,10 +233,3 @@ def _check_layout(
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if not 0 <= seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-
-
-def _max_seq_length(manifest, max_predictions: int | None) -> int | None:
-    length = manifest.instance_params.get("max_seq_length")
-    if length is None and max_predictions is None:
-        raise ValueError("the manifest has no max_seq_length: pass max_predictions explicitly")
-    return None if length is None else int(length)
