@@ -50,14 +50,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import _checkout  # bertforge, tests.support from this checkout
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from bertforge.training.flops import mfu, training_flops_per_batch
+from bertforge.training.model import IGNORE_INDEX, PRESETS, BertConfig
 
-from bertforge.training.flops import mfu, training_flops_per_batch  # noqa: E402
-from bertforge.training.model import IGNORE_INDEX, PRESETS, BertConfig  # noqa: E402
+REPO = _checkout.REPO
 
 # Dense (no sparsity) bf16 tensor-core peak of one GPU, TFLOP/s, from NVIDIA's datasheets;
 # the first name contained in torch.cuda.get_device_name() wins, so specific names go first.

@@ -21,25 +21,23 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 
+import _checkout  # noqa: F401  (bertforge, tests.support from this checkout)
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bertforge.training.data import (  # noqa: E402
+from bertforge.training.data import (
     MaskingOptions,
     PretrainingCollator,
     PretrainingLoader,
     padded_width,
     rows_from_sequences,
 )
-from bertforge.training.data.order import bucket_order, even_bucket_boundaries  # noqa: E402
-from bertforge.training.masking import MaskingVocab, default_max_predictions  # noqa: E402
+from bertforge.training.data.order import bucket_order, even_bucket_boundaries
+from bertforge.training.masking import MaskingVocab, default_max_predictions
 
 SHORT_SEQ_PROB = 0.1  # Google: 10 % of instances get a random shorter target length
 # (micro-batch per rank, step batch): padding is per rank's batch; bucketing cuts step batches.

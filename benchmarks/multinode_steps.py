@@ -16,11 +16,12 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import _checkout  # bertforge, tests.support from this checkout
 
-from bertforge.training.metrics import read_metrics  # noqa: E402
-from tests.support.local_cluster import LocalRayCluster  # noqa: E402
+from bertforge.training.metrics import read_metrics
+from tests.support.local_cluster import LocalRayCluster
+
+REPO = _checkout.REPO
 
 
 def run_layout(data: str, node_cpus: list[int], steps: int, batch_size: int) -> float:

@@ -33,14 +33,13 @@ import tempfile
 import threading
 import time
 
+import _checkout  # noqa: F401  (bertforge, tests.support from this checkout)
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bertforge.pipelines.contract.tokenization import load_tokenizer  # noqa: E402
-from bertforge.pipelines.instances.sentences import split_sentences  # noqa: E402
-from bertforge.pipelines.read.input_files import open_local, read_file  # noqa: E402
-from bertforge.pipelines.read.records import RawDocument  # noqa: E402
+from bertforge.pipelines.contract.tokenization import load_tokenizer
+from bertforge.pipelines.instances.sentences import split_sentences
+from bertforge.pipelines.read.input_files import open_local, read_file
+from bertforge.pipelines.read.records import RawDocument
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared")
 DATA = os.path.join(SHARED, "data")

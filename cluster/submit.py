@@ -3,14 +3,23 @@
 Uses the Ray Jobs API (`JobSubmissionClient`): the job's code travels as a working directory
 (with excludes) or lives in a container image; logs are followed until the job ends and the
 job's final status becomes the exit code, so a scheduler or CI can act on it.
+
+When the working directory is a bertforge checkout, its `pipelines/`, `training/` and `cluster/`
+also travel as the package `bertforge` (runtime_env `py_modules`, see `staged_package`), so the
+job runs the uploaded code rather than the bertforge installed on the cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +29,8 @@ DEFAULT_EXCLUDES = (
     ".venv", ".git", "**/__pycache__", "*.arrow", "runs", "bertforge-demo", "*.pt",
     "*.safetensors",
 )
+# The folders setup.py installs as bertforge.<folder> (package-dir).
+PACKAGE_FOLDERS = ("pipelines", "training", "cluster")
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 TERMINAL = set(EXIT_CODES)
 
@@ -44,16 +55,65 @@ class SubmitConfig:
         if self.working_dir and not os.path.isdir(self.working_dir):
             raise ValueError(f"working directory {self.working_dir} does not exist")
 
-    def runtime_env(self) -> dict[str, Any]:
+    def runtime_env(self, package_dir: str | None = None) -> dict[str, Any]:
+        """`package_dir`: a staged `bertforge/` directory (`staged_package`) to ship as
+        py_modules; Ray applies the same excludes to it as to the working dir."""
         env: dict[str, Any] = {}
         if self.image:
             env["image_uri"] = self.image
         if self.working_dir:
             env["working_dir"] = os.path.abspath(self.working_dir)
             env["excludes"] = list(self.excludes)
+        if package_dir:
+            env["py_modules"] = [os.path.abspath(package_dir)]
         if self.env_vars:
             env["env_vars"] = dict(self.env_vars)
         return env
+
+
+def is_bertforge_checkout(path: str) -> bool:
+    """A directory holding bertforge's own sources: the three package folders and a
+    pyproject.toml naming the distribution (a project of the user's own with a `training/`
+    folder is not one, and must not replace the installed bertforge)."""
+    if not all(os.path.isfile(os.path.join(path, folder, "__init__.py"))
+               for folder in PACKAGE_FOLDERS):
+        return False
+    try:
+        with open(os.path.join(path, "pyproject.toml"), encoding="utf-8") as f:
+            return re.search(r'^name\s*=\s*"bertforge"\s*$', f.read(), re.M) is not None
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def staged_package(working_dir: str | None) -> Iterator[str | None]:
+    """A temporary `bertforge/` holding copies of the checkout's package folders (None when the
+    working dir is not a bertforge checkout); it lives until the job is submitted (the client
+    uploads it during `submit_job`).
+
+    Why: the uploaded working dir goes on the job's PYTHONPATH as it is, so its `training/` is
+    `training`, never `bertforge.training`, which resolves to the cluster's installed package.
+    Ray uploads each py_modules directory with its own name and puts its parent first on
+    PYTHONPATH in the driver and every worker, ahead of site-packages. `bertforge` is a
+    namespace package (no `__init__.py`, here or installed), so `bertforge.__path__` lists the
+    uploaded portion first and `bertforge.training` is imported from it.
+    """
+    if not working_dir or not is_bertforge_checkout(working_dir):
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="bertforge-submit-") as tmp:
+        package = os.path.join(tmp, "bertforge")
+        os.mkdir(package)
+        for folder in PACKAGE_FOLDERS:
+            shutil.copytree(os.path.join(working_dir, folder), os.path.join(package, folder),
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        # Ray matches excludes and ignore files relative to the uploaded directory, and inside
+        # bertforge/ the folders sit where they sit in the checkout: the checkout's ignore files
+        # at its root select the same files.
+        for ignore_file in (".gitignore", ".rayignore"):
+            if os.path.isfile(os.path.join(working_dir, ignore_file)):
+                shutil.copy(os.path.join(working_dir, ignore_file), package)
+        yield package
 
 
 def describe_runtime_env(runtime_env: dict[str, Any]) -> dict[str, Any]:
@@ -92,13 +152,17 @@ def cluster_token() -> str | None:
 def submit(config: SubmitConfig) -> int:
     """Submit, then (with follow) stream logs and return the exit code of the final status."""
     client = jobs_client(config.address)
-    runtime_env = config.runtime_env()
-    job_id = _submit_when_ready(
-        client,
-        entrypoint=" ".join(config.entrypoint),
-        submission_id=config.submission_id,
-        runtime_env=runtime_env,
-    )
+    with staged_package(config.working_dir) as package_dir:
+        runtime_env = config.runtime_env(package_dir)
+        job_id = _submit_when_ready(
+            client,
+            entrypoint=" ".join(config.entrypoint),
+            submission_id=config.submission_id,
+            runtime_env=runtime_env,
+        )
+    if package_dir:
+        runtime_env["py_modules"] = [
+            f"bertforge ({', '.join(PACKAGE_FOLDERS)} of {os.path.abspath(config.working_dir)})"]
     print(f"[submit] job {job_id} submitted to {config.address} "
           f"(runtime env {describe_runtime_env(runtime_env)})", flush=True)
     if not config.follow:

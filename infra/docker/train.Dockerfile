@@ -47,14 +47,19 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 # no DeepSpeed CUDA op is needed; any that is compiles just in time (then use a -devel base).
 RUN DS_BUILD_OPS=0 pip install --no-build-isolation "deepspeed>=0.16"
 
-WORKDIR /opt/bertforge
-COPY pyproject.toml README.md ./
+# Installed as the package `bertforge` (bertforge.pipelines, .training, .cluster); the sources
+# are removed, so nothing but site-packages provides it (`bertforge submit --working-dir` ships
+# a checkout's code as runtime_env py_modules, which take precedence over it).
+WORKDIR /tmp/bertforge
+COPY pyproject.toml setup.py README.md ./
 COPY pipelines ./pipelines
 COPY training ./training
 COPY cluster ./cluster
 RUN pip install . ${CLOUD_SDKS} \
-    && python -c "import torch, deepspeed, ray.train, cluster.cli; print('torch', torch.__version__)" \
+    && cd / && rm -rf /tmp/bertforge \
+    && python -c "import torch, deepspeed, ray.train, bertforge.cluster.cli; print('torch', torch.__version__)" \
     && bertforge --help > /dev/null
+WORKDIR /
 
 # A non-root user (uid 1000, the same as Ray's own images and KubeRay's examples); the venv
 # stays root-owned, so the code in the image cannot be changed at run time.

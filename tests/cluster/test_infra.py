@@ -4,17 +4,23 @@ holds a credential, and a local Ray listens on the loopback address only."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib
+import importlib.util
 import io
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from bertforge.cluster.cli import build_parser
+from tests.test_namespace import FOLDERS, SOURCES
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -119,7 +125,8 @@ def _all_commands() -> list[tuple[str, list[str]]]:
 
 
 def _check_command(argv: list[str]) -> None:
-    """Parse like `cluster.cli.main` does; `prepare` flags go through the Beam job's checks."""
+    """Parse like `bertforge.cluster.cli.main` does; `prepare` flags go through the Beam
+    job's checks."""
     parser = build_parser()
     err = io.StringIO()
     try:
@@ -286,6 +293,65 @@ def test_launcher_config_is_valid_with_a_gpu_worker_and_a_private_dashboard(name
 
 # --- images and secrets -----------------------------------------------------------------------
 
+DOCKERFILES = {"dataflow": INFRA / "dataflow" / "Dockerfile",
+               "train": INFRA / "docker" / "train.Dockerfile"}
+
+
+def _instructions(path: Path, name: str) -> list[list[str]]:
+    """The arguments of every `NAME ...` instruction (continuations joined)."""
+    return [shlex.split(line)[1:] for line in _logical_lines(path.read_text())
+            if line.startswith(name + " ")]
+
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_images_install_the_package_bertforge_and_check_it(kind):
+    dockerfile = DOCKERFILES[kind]
+    text = dockerfile.read_text()
+    copied = {source for args in _instructions(dockerfile, "COPY")
+              for source in [a for a in args if not a.startswith("--")][:-1]}
+    # The files a wheel is built from (tests/test_namespace.py builds one from exactly these).
+    assert set(SOURCES) <= copied
+    ignore = Path(f"{dockerfile}.dockerignore").read_text().splitlines()
+    for source in SOURCES:
+        assert f"!{source}" in ignore or f"!{source}/**" in ignore, (dockerfile.name, source)
+    env = [arg for args in _instructions(dockerfile, "ENV") for arg in args]
+    assert not any("PYTHONPATH" in arg for arg in env)  # the installed package is what runs
+    # The build's import check names modules of the package, and they exist.
+    checks = re.findall(r'python -c "import ([^;"]+)', text)
+    assert checks
+    names = [name.strip() for check in checks for name in check.split(",")]
+    assert any(name.startswith("bertforge.") for name in names)
+    for name in names:
+        assert name.split(".")[0] not in FOLDERS, name
+        if name.startswith("bertforge."):
+            assert importlib.util.find_spec(name) is not None, name
+
+
+def test_flex_template_runs_the_installed_prepare_job(tmp_path):
+    dockerfile = DOCKERFILES["dataflow"]
+    [py_file] = re.findall(r"^ENV FLEX_TEMPLATE_PYTHON_PY_FILE=(\S+)$", dockerfile.read_text(),
+                           re.M)
+    [source] = [args[0] for args in _instructions(dockerfile, "COPY") if args[-1] == py_file]
+    # The launcher runs `python FILE --param=value ...`; from elsewhere than the checkout.
+    done = subprocess.run([sys.executable, str(ROOT / source), "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--input" in done.stdout and "--output" in done.stdout
+
+
+def test_readme_python_examples_import_what_they_name():
+    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"), re.M | re.S)
+    imports = [node for block in blocks for node in ast.walk(ast.parse(block))
+               if isinstance(node, ast.ImportFrom | ast.Import)]
+    assert imports
+    for node in imports:
+        for module, names in ([(node.module, [a.name for a in node.names])]
+                              if isinstance(node, ast.ImportFrom)
+                              else [(a.name, []) for a in node.names]):
+            assert module.split(".")[0] not in FOLDERS, f"README: {module} (bertforge.{module}?)"
+            imported = importlib.import_module(module)
+            assert all(hasattr(imported, name) for name in names), (module, names)
+
 
 def test_training_image_is_cuda_non_root_without_entrypoint():
     text = (INFRA / "docker" / "train.Dockerfile").read_text()
@@ -343,7 +409,7 @@ def test_local_ray_listens_on_loopback_only(monkeypatch, tmp_path):
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
                        os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1"))
-    connect(LaunchConfig(num_workers=1))
+    connect(LaunchConfig(workers=1))
     try:
         me = psutil.Process()
         processes = [me] + me.children(recursive=True)

@@ -1,9 +1,18 @@
 """`bertforge submit` against a real `ray start --head` on 127.0.0.1."""
 
+import os
+import shutil
+
 import pytest
 
 from bertforge.cluster.cli import main
-from bertforge.cluster.submit import SubmitConfig, describe_runtime_env
+from bertforge.cluster.submit import (
+    PACKAGE_FOLDERS,
+    SubmitConfig,
+    describe_runtime_env,
+    is_bertforge_checkout,
+    staged_package,
+)
 from tests.training.conftest import write_dataset
 
 pytestmark = pytest.mark.slow
@@ -27,6 +36,71 @@ def test_training_job_runs_to_success_with_logs_followed(ray_head, tmp_path, cap
     assert "[train] step 4/4" in out  # the job's own logs reached us
     assert "hunter2" not in out  # credentials never printed
     assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "COMMITTED").exists()
+
+
+# Run by the job from its working dir: which bertforge do the driver and a Ray worker import?
+PROBE = """
+import os
+import ray
+import bertforge.training as training
+
+@ray.remote
+def in_a_worker():
+    import bertforge.training as training
+    return training.UPLOADED, os.listdir(os.path.dirname(training.__file__))
+
+ray.init()
+marker, files = ray.get(in_a_worker.remote())
+print("driver:", training.UPLOADED, "worker:", marker, "arrow:", "big.arrow" in files)
+"""
+
+
+def _checkout_copy(root) -> str:
+    """A bertforge checkout whose training/ differs from the installed one: it alone has
+    UPLOADED (and a file the default excludes keep out)."""
+    os.makedirs(root)
+    shutil.copy(os.path.join(REPO, "pyproject.toml"), root)
+    for folder in PACKAGE_FOLDERS:
+        shutil.copytree(os.path.join(REPO, folder), os.path.join(root, folder),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    with open(os.path.join(root, "training", "__init__.py"), "a", encoding="utf-8") as f:
+        f.write('\nUPLOADED = "from-the-working-dir"\n')
+    with open(os.path.join(root, "training", "big.arrow"), "wb") as f:
+        f.write(b"not uploaded")
+    with open(os.path.join(root, "probe.py"), "w", encoding="utf-8") as f:
+        f.write(PROBE)
+    return str(root)
+
+
+def test_job_runs_the_uploaded_checkout_not_the_installed_package(ray_head, tmp_path, capsys):
+    url, _ = ray_head
+    checkout = _checkout_copy(tmp_path / "checkout")
+    code = main(["submit", "--address", url, "--working-dir", checkout, "--",
+                 "python", "probe.py"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "driver: from-the-working-dir worker: from-the-working-dir arrow: False" in out
+    assert f"bertforge (pipelines, training, cluster of {checkout})" in out
+
+
+def test_only_a_bertforge_checkout_is_shipped_as_the_package(tmp_path):
+    assert is_bertforge_checkout(REPO)
+    own = tmp_path / "own"  # a user's project with folders of the same names
+    for folder in PACKAGE_FOLDERS:
+        (own / folder).mkdir(parents=True)
+        (own / folder / "__init__.py").write_text("")
+    (own / "pyproject.toml").write_text('[project]\nname = "my-bert"\n')
+    assert not is_bertforge_checkout(str(own))
+    with staged_package(str(own)) as package:
+        assert package is None
+    assert "py_modules" not in SubmitConfig(["x"], working_dir=str(own)).runtime_env()
+    with staged_package(REPO) as package:
+        assert os.path.basename(package) == "bertforge"
+        assert not os.path.exists(os.path.join(package, "__init__.py"))  # a namespace portion
+        assert sorted(os.listdir(package)) == sorted([*PACKAGE_FOLDERS, ".gitignore"])
+        env = SubmitConfig(["x"], working_dir=REPO).runtime_env(package)
+        assert env["py_modules"] == [package] and env["working_dir"] == REPO
+    assert not os.path.exists(package)
 
 
 def test_failing_job_gives_a_failing_exit_code(ray_head, capsys):
