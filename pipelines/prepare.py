@@ -5,10 +5,16 @@
     rejects --WriteRejects--> rejects.jsonl
     all of the above --WriteManifest--> vocab.txt, manifest.json (last)
 
-One module per concern: `prepare_options` (flags, config), `read_inputs` (files -> documents),
-`create_instances` (documents -> instances), `write_shards` (global order, shard files),
-`write_manifest` (rejects, manifest). Every decision hashes (seed, a stable key), and every group
-is sorted before use, so shards are byte-identical for any runner and number of workers.
+One sub-package per stage, in the order the data flows: `read/` (files -> raw documents:
+`read_inputs.ReadInputs`), `instances/` (documents -> sentence-pair instances:
+`create_instances.CreatePretrainingInstances`), `write/` (global order and shard files:
+`write_shards.WriteShards`; rejects, vocab and manifest: `write_manifest.WriteManifest`).
+`contract/` (`manifest`, `tokenization`) is what training reads back and imports no Beam;
+`prepare_options` holds the config (`PrepareConfig`) and the flags generated from it,
+`beam_common` the metrics namespace and rejects output shared by every step.
+
+Every decision hashes (seed, a stable key), and every group is sorted before use, so shards are
+byte-identical for any runner and number of workers.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def _inputs(root: Path) -> list[str]:
 
 def _config(inputs: list[str], output: str, **overrides) -> PrepareConfig:
     return PrepareConfig(**{
-        "inputs": tuple(inputs), "output": output,
+        "inputs": tuple(p for entry in inputs for p in entry.split(",")), "output": output,
         "vocab": str(SHARED_DATA / "bert-base-uncased-vocab.txt"),
         "max_seq_length": MAX_SEQ_LENGTH, "validation_fraction": 0.1, "num_shards": 4,
         "random_pool_size": 16, "seed": 3, **overrides,
