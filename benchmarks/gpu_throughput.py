@@ -6,7 +6,7 @@ optimizer and schedule the loop uses) from the `bert_large_phase1` recipe's sett
 bf16), with ZeRO-2, micro-batch size and accumulation 1 overridden; each step is the loop's
 `engine(**batch)`, `engine.backward(loss)`, `engine.step()` (an optimizer step every time).
 
-Batches: synthetic ones shaped like real pretraining data (`training.synthetic`: Google's
+Batches: synthetic ones shaped like real pretraining data (`tests/support/synthetic.py`: Google's
 length rule with short_seq_prob 0.1, the loader's masking, 15 % at most 20 predictions at 128
 and 80 at 512, the loader's padding), or with `--data DIR` (repeatable) the first batches of a
 prepared shard directory through `training.data.PretrainingLoader` (its max_seq_length is then
@@ -122,9 +122,9 @@ class Case:
 
 def plan_cases(args: argparse.Namespace) -> list[Case]:
     if args.data:
-        from bertforge.pipelines.contract.manifest import read_manifest
+        from bertforge.training.dataset_facts import DatasetFacts
 
-        lengths = [read_manifest(d).instance_params["max_seq_length"] for d in args.data]
+        lengths = [DatasetFacts.read(d).max_seq_length for d in args.data]
     else:
         lengths = [int(x) for x in args.seq_lens.split(",") if x.strip()]
     if args.micro_batch is None:

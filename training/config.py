@@ -98,6 +98,8 @@ class TrainConfig:
             raise ValueError(f"learning_rate must be positive, got {self.learning_rate}")
         if not 0 < self.mask_prob < 1:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        if self.max_predictions is not None and self.max_predictions < 1:
+            raise ValueError(f"max_predictions must be at least 1, got {self.max_predictions}")
         if self.keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be at least 1")
         self._check_optimizer()
