@@ -322,7 +322,7 @@ def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
         from bertforge.pipelines.read.readers import split_format
         from bertforge.pipelines.vocab import train_wordpiece_vocab
 
-        inputs = config.vocab.inputs or config.prepare.inputs
+        inputs = config.vocab.inputs or config.prepare.options.inputs
         train_wordpiece_vocab([split_format(p)[1] for p in inputs], tmp,
                               vocab_size=config.vocab.size, lower_case=config.vocab.lower_case)
         source = "trained"
