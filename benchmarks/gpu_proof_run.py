@@ -1,0 +1,167 @@
+"""Issue 11, item 6: the real training loop on BERT-large on a GPU, end to end, without Ray.
+
+What runs is `bertforge train`'s own loop (`bertforge.training.loop.train`), single process (or
+under the `deepspeed` launcher), on a prepared shard directory on disk:
+
+1. train to `--steps // 2` and commit a checkpoint there;
+2. run the same command again to `--steps`: it must resume from that checkpoint (the first step
+   it logs is past it), as `--resume auto` does after a failure;
+3. export the final checkpoint to a Hugging Face directory (`bertforge export`'s code);
+4. assert the loss fell: the mean of the last tenth of logged steps is below the mean of the
+   first tenth by at least `--min-drop` (nats).
+
+It writes `gpu_proof_run-DEVICE-DATE.json` and `.md` to `--output-dir` (the device's name, the
+date, the commit, the resolved recipe, the logged losses, tokens/s and MFU of the loop itself)
+and exits 1 when an assertion fails. The data should be real text (a random-token dataset has
+nothing to learn); `benchmarks/README.md` says how to prepare shards here and carry them.
+
+    python3 benchmarks/gpu_proof_run.py --data .gpu-data/shards-128 --output-dir $OUT
+    python3 benchmarks/gpu_proof_run.py --data DIR --preset tiny --steps 40 --precision fp32 \\
+        --micro-batch 8 --lr 3e-3 --min-drop 0.05 --output-dir /tmp/proof   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import _checkout  # noqa: F401  (bertforge from this checkout where it is not installed)
+
+from bertforge.training.config import TrainConfig
+from bertforge.training.export import export_checkpoint
+from bertforge.training.loop import train
+from bertforge.training.metrics import read_metrics
+from bertforge.training.recipes import bert_large_phase1
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Dense bf16 peak TFLOP/s per device (NVIDIA datasheets), for the loop's MFU.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="prepared shard directory (real text)")
+    parser.add_argument("--output-dir", required=True, help="results and the run directory")
+    parser.add_argument("--preset", default="large", help="model size (large, base, tiny)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps in all")
+    parser.add_argument("--micro-batch", type=int, default=64, help="sequences per step")
+    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--zero-stage", type=int, default=None,
+                        help="default: the recipe's for the live world size")
+    parser.add_argument("--min-drop", type=float, default=0.5,
+                        help="nats the loss must fall from the first to the last tenth")
+    return parser.parse_args(argv)
+
+
+def recipe(args: argparse.Namespace, run_dir: str, max_steps: int) -> TrainConfig:
+    """bert_large_phase1's settings at a proof run's size: no accumulation, a short warm-up."""
+    overrides = dict(
+        model={"preset": args.preset}, max_steps=max_steps, micro_batch_size=args.micro_batch,
+        global_batch_size=None, gradient_accumulation_steps=1, learning_rate=args.lr,
+        warmup_steps=max(1, args.steps // 10), precision=args.precision, log_every=1,
+        checkpoint_every=args.steps // 2, keep_checkpoints=2, eval_every=0, resume=True,
+        peak_tflops=_peak_tflops(),
+    )
+    if args.zero_stage is not None:
+        overrides["zero_stage"] = args.zero_stage
+    return bert_large_phase1(args.data, run_dir, **overrides)
+
+
+def _peak_tflops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(args: argparse.Namespace) -> dict:
+    run_dir = os.path.join(args.output_dir, "run")
+    half = args.steps // 2
+    first = train(recipe(args, run_dir, half))
+    second = train(recipe(args, run_dir, args.steps))
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    resumed_at = min((r["step"] for r in records if r["step"] > half), default=None)
+    hf_dir = export_checkpoint(run_dir, os.path.join(args.output_dir, "hf"))
+    by_step = {r["step"]: r for r in records}
+    steps = sorted(by_step)
+    tenth = max(1, len(steps) // 10)
+    loss_start = statistics.mean(by_step[s]["loss"] for s in steps[:tenth])
+    loss_end = statistics.mean(by_step[s]["loss"] for s in steps[-tenth:])
+    timed = [by_step[s] for s in steps[tenth:]]  # the first steps include compilation
+    checks = {
+        "checkpoint_at_half": first.global_step == half,
+        "resumed_past_half": resumed_at == half + 1,
+        "reached_steps": second.global_step == args.steps,
+        "export_written": os.path.isfile(os.path.join(hf_dir, "model.safetensors")),
+        "loss_fell": loss_start - loss_end >= args.min_drop,
+    }
+    return {
+        "device": _device_name(),
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+        "recipe": recipe(args, run_dir, args.steps).to_dict(),
+        "loss_first_tenth": loss_start,
+        "loss_last_tenth": loss_end,
+        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed),
+        "mfu_median": (statistics.median(r["mfu"] for r in timed)
+                       if timed and "mfu" in timed[0] else None),
+        "losses": {s: by_step[s]["loss"] for s in steps},
+        "checks": checks,
+        "passed": all(checks.values()),
+    }
+
+
+def write_results(result: dict, output_dir: str) -> str:
+    name = result["device"].replace(" ", "-")
+    stem = os.path.join(output_dir, f"gpu_proof_run-{name}-{result['date']}")
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    mfu = result["mfu_median"]
+    lines = [
+        f"# Real-loop proof run: {result['device']}, {result['date']}, commit {result['commit']}",
+        "",
+        "| measure | value |", "|---|---|",
+        f"| loss, first tenth of steps | {result['loss_first_tenth']:.3f} |",
+        f"| loss, last tenth of steps | {result['loss_last_tenth']:.3f} |",
+        f"| tokens/s (median step, loop's own metric) | {result['tokens_per_s_median']:,.0f} |",
+        f"| MFU (median step, computed FLOPs) | {'n/a' if mfu is None else f'{mfu:.1%}'} |",
+        *(f"| {name} | {'yes' if ok else 'NO'} |" for name, ok in result["checks"].items()),
+    ]
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return stem
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.output_dir, exist_ok=True)
+    result = run(args)
+    write_results(result, args.output_dir)
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
