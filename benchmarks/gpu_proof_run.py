@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default: the recipe's for the live world size")
     parser.add_argument("--min-drop", type=float, default=0.5,
                         help="nats the loss must fall from the first to the last tenth")
+    parser.add_argument("--commit", default=None,
+                        help="the source commit to record when the tree has no .git")
     return parser.parse_args(argv)
 
 
@@ -88,7 +90,9 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def _commit() -> str:
+def _commit(given: str | None) -> str:
+    if given:
+        return given
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
                               capture_output=True, text=True).stdout.strip()
@@ -120,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "device": _device_name(),
         "date": datetime.date.today().isoformat(),
-        "commit": _commit(),
+        "commit": _commit(args.commit),
         "recipe": recipe(args, run_dir, args.steps).to_dict(),
         "loss_first_tenth": loss_start,
         "loss_last_tenth": loss_end,
