@@ -54,9 +54,15 @@ class Linear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _ONEDNN_LINEAR and plain_fp32_cpu(x) and self.weight.dtype == torch.float32:
-            return _OneDnnLinear.apply(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear`, through oneDNN for fp32 on a CPU (see `Linear`); also for row blocks of a
+    layer's weight, such as the query rows of a fused QKV projection."""
+    if _ONEDNN_LINEAR and plain_fp32_cpu(x) and weight.dtype == torch.float32:
+        return _OneDnnLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _onednn_linear(

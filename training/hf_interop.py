@@ -1,7 +1,11 @@
 """Hugging Face interop: our `BertForPreTraining` state dict <-> a `transformers` directory.
 
-The name map is literal on purpose. Our parameter names equal Hugging Face's today, but a map
-written out makes a rename on either side fail loudly here instead of loading silently wrong.
+The name map is literal on purpose: a rename on either side fails loudly here instead of loading
+silently wrong. Two layouts differ from Hugging Face's, and only here are they converted:
+- each layer's fused `attention.self.qkv` ([3H, H], [3H]) is HF's `query`, `key` and `value`
+  stacked along dim 0 in that order: split on export, concatenated on import;
+- the word embeddings and the MLM bias hold `padded_vocab_size` rows (a multiple of 64): export
+  keeps the first `vocab_size`, import appends zero rows.
 Wrapper prefixes (`module.` from DDP/DeepSpeed, `_orig_mod.` from `torch.compile`) are stripped
 by name, never by guessing.
 
@@ -18,6 +22,7 @@ import tempfile
 from collections.abc import Mapping
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, processors
 
@@ -34,14 +39,15 @@ _EMBEDDING_NAMES = {
     "bert.embeddings.LayerNorm.weight": "bert.embeddings.LayerNorm.weight",
     "bert.embeddings.LayerNorm.bias": "bert.embeddings.LayerNorm.bias",
 }
-# Ours -> Hugging Face, relative to `bert.encoder.layer.{i}.` on both sides.
+# Ours -> Hugging Face, relative to `bert.encoder.layer.{i}.` on both sides. A tuple: our
+# tensor is those of Hugging Face concatenated along dim 0, in that order.
 _LAYER_NAMES = {
-    "attention.self.query.weight": "attention.self.query.weight",
-    "attention.self.query.bias": "attention.self.query.bias",
-    "attention.self.key.weight": "attention.self.key.weight",
-    "attention.self.key.bias": "attention.self.key.bias",
-    "attention.self.value.weight": "attention.self.value.weight",
-    "attention.self.value.bias": "attention.self.value.bias",
+    "attention.self.qkv.weight": (
+        "attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight",
+    ),
+    "attention.self.qkv.bias": (
+        "attention.self.query.bias", "attention.self.key.bias", "attention.self.value.bias",
+    ),
     "attention.output.dense.weight": "attention.output.dense.weight",
     "attention.output.dense.bias": "attention.output.dense.bias",
     "attention.output.LayerNorm.weight": "attention.output.LayerNorm.weight",
@@ -74,6 +80,8 @@ _TIED_SOURCES = {
     "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
     "cls.predictions.decoder.bias": "cls.predictions.bias",
 }
+# Ours with padded_vocab_size rows inside the model and vocab_size outside.
+_VOCAB_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias")
 # Google's TF-converted checkpoints (e.g. the original bert-base-uncased pytorch_model.bin)
 # name LayerNorm parameters gamma/beta; transformers renames them on load, and so do we.
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
@@ -82,13 +90,16 @@ HF_CONFIG_NAME = "config.json"
 HF_WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
 
 
-def hf_name_map(num_hidden_layers: int) -> dict[str, str]:
-    """Our parameter name -> Hugging Face's, for every stored (untied) tensor."""
-    names = dict(_EMBEDDING_NAMES)
+def hf_name_map(num_hidden_layers: int) -> dict[str, tuple[str, ...]]:
+    """Our parameter name -> Hugging Face's, for every stored (untied) tensor: one name, or the
+    names whose tensors ours concatenates along dim 0 (the fused QKV)."""
+    names = {ours: (hf,) for ours, hf in _EMBEDDING_NAMES.items()}
     for index in range(num_hidden_layers):
         prefix = f"bert.encoder.layer.{index}."
-        names.update({prefix + ours: prefix + hf for ours, hf in _LAYER_NAMES.items()})
-    names.update(_HEAD_NAMES)
+        for ours, hf in _LAYER_NAMES.items():
+            parts = (hf,) if isinstance(hf, str) else hf
+            names[prefix + ours] = tuple(prefix + part for part in parts)
+    names.update({ours: (hf,) for ours, hf in _HEAD_NAMES.items()})
     return names
 
 
@@ -112,36 +123,56 @@ def _check_names(present: set[str], expected: set[str], what: str) -> None:
 def to_hf_state_dict(
     state_dict: Mapping[str, torch.Tensor], config: BertConfig
 ) -> dict[str, torch.Tensor]:
-    """Our state dict -> Hugging Face names, tied tensors left out, fp32, contiguous, on CPU."""
+    """Our state dict -> Hugging Face names and shapes (fused QKV split, vocabulary padding
+    rows dropped), tied tensors left out, fp32, contiguous, on CPU."""
     names = hf_name_map(config.num_hidden_layers)
     stripped = {strip_wrapper_prefixes(name): tensor for name, tensor in state_dict.items()}
     for tied in _TIED_NAMES:
         stripped.pop(tied, None)
     _check_names(set(stripped), set(names), "state dict")
-    # Export in fp32: bf16 copies of the master weights would lose precision for fine-tuning.
-    return {
-        names[ours]: tensor.detach().to("cpu", torch.float32).contiguous().clone()
-        for ours, tensor in stripped.items()
-    }
+    hf_state_dict = {}
+    for ours, tensor in stripped.items():
+        if ours in _VOCAB_ROWS:
+            tensor = tensor[: config.vocab_size]
+        parts = tensor.chunk(len(names[ours])) if len(names[ours]) > 1 else (tensor,)
+        for hf_name, part in zip(names[ours], parts, strict=True):
+            # fp32: bf16 copies of the master weights would lose precision for fine-tuning.
+            hf_state_dict[hf_name] = part.detach().to("cpu", torch.float32).contiguous().clone()
+    return hf_state_dict
 
 
 def from_hf_state_dict(
     hf_state_dict: Mapping[str, torch.Tensor], config: BertConfig
 ) -> dict[str, torch.Tensor]:
-    """Hugging Face state dict -> ours, tied names filled in so `load_state_dict` is strict."""
-    names = {hf: ours for ours, hf in hf_name_map(config.num_hidden_layers).items()}
+    """Hugging Face state dict -> ours (QKV fused, vocabulary rows padded with zeros), tied
+    names filled in so `load_state_dict` is strict."""
+    names = hf_name_map(config.num_hidden_layers)
     renamed = _canonical_names(hf_state_dict)
     # Buffers (position_ids) are not parameters; stored tied copies must really be copies.
     renamed.pop("bert.embeddings.position_ids", None)
     tied_copies = {name: renamed.pop(name) for name in _TIED_NAMES.values() if name in renamed}
-    _check_names(set(renamed), set(names), "Hugging Face state dict")
-    ours = {names[hf_name]: tensor for hf_name, tensor in renamed.items()}
+    _check_names(set(renamed), {hf for parts in names.values() for hf in parts},
+                 "Hugging Face state dict")
+    ours = {name: torch.cat([renamed[hf] for hf in parts]) if len(parts) > 1 else renamed[parts[0]]
+            for name, parts in names.items()}
     for tied, source in _TIED_SOURCES.items():
         copy = tied_copies.get(_TIED_NAMES[tied])
         if copy is not None and not torch.equal(copy, ours[source]):
             raise ValueError(f"{tied} differs from {source}: untied checkpoints are unsupported")
+    for name in _VOCAB_ROWS:
+        ours[name] = _pad_vocab_rows(ours[name], config, name)
+    for tied, source in _TIED_SOURCES.items():
         ours[tied] = ours[source]
     return ours
+
+
+def _pad_vocab_rows(tensor: torch.Tensor, config: BertConfig, name: str) -> torch.Tensor:
+    """[vocab_size, ...] -> [padded_vocab_size, ...], zero rows appended (none need init)."""
+    if tensor.shape[0] != config.vocab_size:
+        raise ValueError(f"{name} has {tensor.shape[0]} rows, the config's vocab_size is "
+                         f"{config.vocab_size}")
+    extra = config.padded_vocab_size - config.vocab_size
+    return F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, extra))
 
 
 def _canonical_names(hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -35,10 +35,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bertforge.training.cpu_kernels import Dropout, Linear, scaled_dot_product_attention
+from bertforge.training.cpu_kernels import Dropout, Linear, linear, scaled_dot_product_attention
 
 # Hugging Face's (and PyTorch's cross_entropy default) marker for "not predicted".
 IGNORE_INDEX = -100
+# The model holds its vocabulary rows padded to a multiple of this (see padded_vocab_size).
+VOCAB_MULTIPLE = 64
 
 
 @dataclass
@@ -89,6 +91,14 @@ class BertConfig:
     @property
     def head_size(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """vocab_size rounded up to a multiple of 64 (30,522 -> 30,528): the rows of the word
+        embeddings, the tied decoder and its bias inside the model. The decoder GEMM's N is then
+        a multiple of the 8 that tensor cores need and of cuBLAS's 64-wide tiles; the padding
+        rows never leave the model (logits are cut back to vocab_size, exports strip them)."""
+        return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -173,10 +183,11 @@ class BertSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_size = config.head_size
+        self.hidden_size = config.hidden_size
         self.dropout_prob = config.attention_probs_dropout_prob
-        self.query = Linear(config.hidden_size, config.hidden_size)
-        self.key = Linear(config.hidden_size, config.hidden_size)
-        self.value = Linear(config.hidden_size, config.hidden_size)
+        # Q, K and V as one [3H, H] GEMM (rows: query, key, value): one kernel that reads the
+        # input once instead of three. hf_interop splits it into HF's query/key/value and back.
+        self.qkv = Linear(config.hidden_size, 3 * config.hidden_size)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         batch_size, seq_len, _ = x.shape
@@ -187,9 +198,14 @@ class BertSelfAttention(nn.Module):
         queries: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of `queries` (default: every position of `hidden`) over all of `hidden`."""
-        query = self._split_heads(self.query(hidden if queries is None else queries))
-        key = self._split_heads(self.key(hidden))
-        value = self._split_heads(self.value(hidden))
+        if queries is None:
+            query, key, value = self.qkv(hidden).split(self.hidden_size, dim=-1)
+        else:
+            # Queries at a few rows only: the query block on those, key and value on all.
+            weight, bias, h = self.qkv.weight, self.qkv.bias, self.hidden_size
+            query = linear(queries, weight[:h], bias[:h])
+            key, value = linear(hidden, weight[h:], bias[h:]).split(h, dim=-1)
+        query, key, value = (self._split_heads(x) for x in (query, key, value))
         attn_mask = None
         if key_padding is not None:
             # Built in the query's dtype (bf16 under autocast): SDPA wants them equal, and
@@ -361,9 +377,12 @@ class BertLMPredictionHead(nn.Module):
         self.decoder = Linear(config.hidden_size, config.vocab_size)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.decoder.bias = self.bias
+        self.vocab_size = config.vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.transform(hidden))
+        # The decoder computes padded_vocab_size logits; the padding ones are cut here, so no
+        # loss, argmax or caller ever sees them (and they get no gradient).
+        return self.decoder(self.transform(hidden))[..., : self.vocab_size]
 
 
 class BertPreTrainingHeads(nn.Module):
@@ -383,6 +402,7 @@ class BertForPreTraining(nn.Module):
         self.cls = BertPreTrainingHeads(config)
         self.tie_weights()
         self.apply(self._init_weights)
+        self._pad_vocab()
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -399,13 +419,37 @@ class BertForPreTraining(nn.Module):
         self.cls.predictions.decoder.bias = self.cls.predictions.bias
 
     @torch.no_grad()
+    def _pad_vocab(self) -> None:
+        """Zero rows from vocab_size to padded_vocab_size in the word embeddings (the tied
+        decoder's weight) and the decoder bias, added after the init so that not one random draw
+        moves: a seed gives the weights of the unpadded model (Hugging Face's). They stay zero:
+        no input id reaches them, the head cuts their logits (no gradient), and weight decay
+        keeps zero at zero."""
+        extra = self.config.padded_vocab_size - self.config.vocab_size
+        if extra == 0:
+            return
+        embeddings = self.bert.embeddings.word_embeddings
+        embeddings.weight = nn.Parameter(F.pad(embeddings.weight, (0, 0, 0, extra)))
+        embeddings.num_embeddings += extra
+        head = self.cls.predictions
+        head.bias = nn.Parameter(F.pad(head.bias, (0, extra)))
+        head.decoder.out_features += extra
+        self.tie_weights()
+
+    def _is_fused_qkv(self, module: nn.Module) -> bool:
+        return any(module is layer.attention.self.qkv for layer in self.bert.encoder.layer)
+
+    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Hugging Face's init: N(0, initializer_range) weights, zero biases, unit LayerNorm."""
         std = self.config.initializer_range
         if module is self.cls.predictions.decoder:
             return  # tied: its weight is the word embedding, initialised (pad row zeroed) there
         if isinstance(module, nn.Linear):
-            module.weight.normal_(mean=0.0, std=std)
+            # The fused QKV weight draws its query, key and value blocks one after another, as
+            # three [H, H] Linears do: a seed gives the same weights as the unfused model.
+            for block in module.weight.chunk(3 if self._is_fused_qkv(module) else 1):
+                block.normal_(mean=0.0, std=std)
             if module.bias is not None:
                 module.bias.zero_()
         elif isinstance(module, nn.Embedding):
@@ -511,5 +555,10 @@ def _total_loss(
 
 
 def num_parameters(model: nn.Module) -> int:
-    """Distinct parameters (the tied decoder counts once), as papers and Hugging Face count them."""
-    return sum(parameter.numel() for parameter in model.parameters())
+    """Distinct parameters (the tied decoder counts once), as papers and Hugging Face count them:
+    without the vocabulary padding rows (padded_vocab_size - vocab_size) x (hidden + bias)."""
+    count = sum(parameter.numel() for parameter in model.parameters())
+    if isinstance(model, BertForPreTraining):
+        config = model.config
+        count -= (config.padded_vocab_size - config.vocab_size) * (config.hidden_size + 1)
+    return count

@@ -44,8 +44,11 @@ def vocab_path(tmp_path) -> str:
 
 def trained_tiny_model(steps: int = 3) -> BertForPreTraining:
     """bert_tiny on the test vocab after a few AdamW steps, so no tensor is at its init value."""
+    return trained_tiny_model_of(bert_tiny(vocab_size=len(VOCAB)), steps)
+
+
+def trained_tiny_model_of(config: BertConfig, steps: int = 3) -> BertForPreTraining:
     torch.manual_seed(0)
-    config = bert_tiny(vocab_size=len(VOCAB))
     model = BertForPreTraining(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = random_batch(config, batch_size=4, seq_len=16)
@@ -63,7 +66,33 @@ def test_name_map_covers_every_stored_tensor_of_both_sides() -> None:
     tied = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
     assert set(names) == ours - tied
     hf_model = transformers.BertForPreTraining(transformers.BertConfig(**config.to_dict()))
-    assert set(names.values()) == set(hf_model.state_dict()) - tied
+    hf_names = [hf for parts in names.values() for hf in parts]
+    assert len(hf_names) == len(set(hf_names))  # each HF tensor comes from one of ours
+    assert set(hf_names) == set(hf_model.state_dict()) - tied
+
+
+def test_fused_qkv_and_vocabulary_padding_convert_both_ways() -> None:
+    """Export splits QKV in query, key, value order and drops the padding rows; import
+    concatenates and pads with zeros: a round trip gives the model's own tensors."""
+    config = BertConfig(50, 32, 1, 2, 64)
+    model = trained_tiny_model_of(config)
+    state_dict = model.state_dict()
+    exported = to_hf_state_dict(state_dict, config)
+    qkv = state_dict["bert.encoder.layer.0.attention.self.qkv.weight"]
+    for index, part in enumerate(("query", "key", "value")):
+        block = exported[f"bert.encoder.layer.0.attention.self.{part}.weight"]
+        assert torch.equal(block, qkv[index * 32 : (index + 1) * 32])
+    assert exported["bert.embeddings.word_embeddings.weight"].shape == (50, 32)
+    assert exported["cls.predictions.bias"].shape == (50,)
+    imported = from_hf_state_dict(exported, config)
+    for name, tensor in state_dict.items():
+        assert torch.equal(imported[name], tensor), name
+    assert imported["bert.embeddings.word_embeddings.weight"].shape == (64, 32)
+    assert imported["cls.predictions.decoder.weight"] is imported[
+        "bert.embeddings.word_embeddings.weight"]
+    wrong = {**exported, "cls.predictions.bias": torch.zeros(64)}
+    with pytest.raises(ValueError, match="64 rows.*vocab_size is 50"):
+        from_hf_state_dict(wrong, config)
 
 
 def test_wrapper_prefixes_are_stripped() -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import transformers
 
 from bertforge.training import model as model_module
-from bertforge.training.hf_interop import from_hf_state_dict
+from bertforge.training.hf_interop import from_hf_state_dict, hf_name_map, to_hf_state_dict
 from bertforge.training.model import (
     IGNORE_INDEX,
     PRESETS,
@@ -99,10 +99,21 @@ def test_parity_with_hugging_face(name: str) -> None:
     assert torch.allclose(sparse.loss, sparse.mlm_loss + sparse.nsp_loss)
 
 
-def test_state_dict_names_equal_hugging_face() -> None:
+def test_state_dict_names_equal_hugging_face_but_the_fused_qkv() -> None:
+    """Our names are HF's, in HF's order, but for the fused QKV, which stands for HF's query,
+    key and value."""
     config = BertConfig(50, 32, 2, 2, 64)
     hf_model = transformers.BertForPreTraining(transformers.BertConfig(**config.to_dict()))
-    assert list(BertForPreTraining(config).state_dict()) == list(hf_model.state_dict())
+    names = hf_name_map(config.num_hidden_layers)
+    tied = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
+    ours = [name for name in BertForPreTraining(config).state_dict() if name not in tied]
+    theirs = [name for name in hf_model.state_dict() if name not in tied]
+    assert sorted(hf for name in ours for hf in names[name]) == sorted(theirs)
+    assert [n for n in ours if ".qkv." not in n] == [n for n in theirs if ".self." not in n]
+    assert [name for name in ours if len(names[name]) > 1] == [
+        f"bert.encoder.layer.{i}.attention.self.qkv.{kind}" for i in (0, 1)
+        for kind in ("weight", "bias")
+    ]
 
 
 def test_sparse_logits_are_full_logits_at_labelled_positions_in_row_major_order() -> None:
@@ -147,10 +158,58 @@ def test_decoder_is_tied_to_word_embeddings_and_stays_tied_through_training() ->
     optimizer.step()
     decoder = model.cls.predictions.decoder.weight
     assert decoder.data_ptr() == model.bert.embeddings.word_embeddings.weight.data_ptr()
-    # The tied tensor counts once: 50 x 32 embeddings, not twice.
+    # The tied tensor counts once: 50 x 32 embeddings, not twice; nor do the 14 padding rows
+    # (64 - 50) of the embeddings and the MLM bias count.
     stored = model.state_dict().items()
     untied = [t for n, t in stored if not n.startswith("cls.predictions.decoder")]
-    assert num_parameters(model) == sum(t.numel() for t in untied)
+    assert num_parameters(model) == sum(t.numel() for t in untied) - 14 * (32 + 1)
+
+
+@pytest.mark.parametrize("vocab_size, padded", [(50, 64), (128, 128), (30522, 30528)])
+def test_vocabulary_is_padded_inside_only(vocab_size: int, padded: int) -> None:
+    """Embedding and decoder rows padded to a multiple of 64; logits stay vocab_size wide and the
+    padding rows stay zero through training (no gradient reaches them, decay keeps 0 at 0)."""
+    config = BertConfig(vocab_size, 32, 1, 2, 64)
+    assert config.padded_vocab_size == padded
+    model = BertForPreTraining(config)
+    embeddings = model.bert.embeddings.word_embeddings
+    assert embeddings.weight.shape == (padded, 32) and embeddings.num_embeddings == padded
+    assert model.cls.predictions.bias.shape == (padded,)
+    assert model.cls.predictions.decoder.weight is embeddings.weight
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    batch = random_batch(config, batch_size=2, seq_len=8)
+    for _ in range(2):
+        optimizer.zero_grad()
+        out = model(**batch)
+        out.loss.backward()
+        optimizer.step()
+    assert out.prediction_logits.shape[-1] == vocab_size
+    assert model(batch["input_ids"]).prediction_logits.shape == (2, 8, vocab_size)
+    assert torch.all(embeddings.weight[vocab_size:] == 0)
+    assert torch.all(model.cls.predictions.bias[vocab_size:] == 0)
+
+
+def test_fused_qkv_is_three_projections_also_for_a_subset_of_queries() -> None:
+    config = BertConfig(50, 32, 1, 4, 64, attention_probs_dropout_prob=0.0)
+    attention = model_module.BertSelfAttention(config)
+    hidden = torch.randn(2, 6, 32)
+    rows = torch.tensor([[0, 3], [0, 5]])
+    weight, bias = attention.qkv.weight, attention.qkv.bias
+    query, key, value = (
+        F.linear(hidden, w, b) for w, b in zip(weight.chunk(3), bias.chunk(3), strict=True)
+    )
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.view(2, -1, 4, 8).transpose(1, 2)
+
+    expected = F.scaled_dot_product_attention(heads(query), heads(key), heads(value))
+    expected = expected.transpose(1, 2).reshape(2, 6, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(attention(hidden, None), expected)
+        queries = model_module.gather_positions(hidden, rows)
+        torch.testing.assert_close(
+            attention(hidden, None, queries), model_module.gather_positions(expected, rows)
+        )
 
 
 def test_init_matches_hugging_face_scheme() -> None:
@@ -221,10 +280,18 @@ def test_gradients_match_hugging_face() -> None:
     hf_model(**batch).loss.backward()
     ours(**batch).loss.backward()
     hf_grads = {name: p.grad for name, p in hf_model.named_parameters()}
-    for name, parameter in ours.named_parameters():
+    # Our gradients in HF's names and shapes (QKV split, vocabulary padding rows dropped).
+    our_grads = to_hf_state_dict({n: p.grad for n, p in ours.named_parameters()}, config)
+    assert our_grads.keys() == hf_grads.keys()
+    for name, grad in our_grads.items():
         torch.testing.assert_close(
-            parameter.grad, hf_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            grad, hf_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
         )
+    # The vocabulary padding rows get no gradient, from either side of the tie.
+    embeddings = ours.bert.embeddings.word_embeddings.weight
+    assert embeddings.shape[0] == config.padded_vocab_size == 128
+    assert torch.all(embeddings.grad[config.vocab_size :] == 0)
+    assert torch.all(ours.cls.predictions.bias.grad[config.vocab_size :] == 0)
 
 
 def test_all_ones_attention_mask_is_dropped_with_the_same_numbers(monkeypatch) -> None:
