@@ -11,6 +11,7 @@ accepts unchanged. One module per step of the way:
     rows       the padded, unmasked rows of one batch
     order      the epoch's permutation, optionally bucketed by length
     collate    rows -> masked tensors (dynamic masking per sample and epoch)
+    packing    masked rows -> several instances a row (block-diagonal attention), opt-in
     prefetch   a background thread preparing the next batches
     resume     the loader's position as a state dict
     loader     `PretrainingLoader`, which wires them for one rank
@@ -22,12 +23,14 @@ from bertforge.training.data.download import download_split
 from bertforge.training.data.frequencies import token_frequencies
 from bertforge.training.data.loader import PretrainingLoader
 from bertforge.training.data.order import BucketingOptions
+from bertforge.training.data.packing import PackingOptions
 from bertforge.training.data.rows import RowBatch, padded_width, rows_from_sequences
 from bertforge.training.data.split import ReadOptions
 
 __all__ = [
     "BucketingOptions",
     "MaskingOptions",
+    "PackingOptions",
     "PretrainingCollator",
     "PretrainingLoader",
     "ReadOptions",

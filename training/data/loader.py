@@ -26,6 +26,7 @@ import torch
 
 from bertforge.training.data.collate import MaskingOptions, PretrainingCollator
 from bertforge.training.data.order import DEFAULT_BUCKET_WINDOW, BucketingOptions, epoch_order
+from bertforge.training.data.packing import PackingOptions, pack_batch, step_groups
 from bertforge.training.data.prefetch import BatchIterator
 from bertforge.training.data.resume import loader_state, resume_position
 from bertforge.training.data.split import ReadOptions, open_split
@@ -54,6 +55,11 @@ class PretrainingLoader:
         masking: masking rules; max_predictions None takes the dataset's default.
         bucketing: length bucketing (batches of rows of similar length); None turns it off.
         read: checks on open and where a remote dataset comes from (see `ReadOptions`).
+        packing: several instances a row (see `training.data.packing`); None: one a row. A
+            batch stays `batch_size` instances, each masked as unpacked. With
+            `packing.regroup` the instances of each optimizer step are regrouped into global
+            and micro-batches that pack well (the step's samples unchanged); without, a
+            micro-batch holds the instances it holds unpacked, only laid out otherwise.
 
     Iterating yields the batches of the current epoch from the current position and stops at
     the end of the epoch; `set_epoch` moves to another. `state_dict()` counts the batches handed
@@ -75,6 +81,7 @@ class PretrainingLoader:
         masking: MaskingOptions | None = None,
         bucketing: BucketingOptions | None = None,
         read: ReadOptions | None = None,
+        packing: PackingOptions | None = None,
     ):
         _check_layout(batch_size, rank, world_size, gradient_accumulation_steps, prefetch, seed)
         opened = open_split(data_dir, split, read or ReadOptions())
@@ -89,6 +96,10 @@ class PretrainingLoader:
         self.step_batch_size = self.global_batch_size * gradient_accumulation_steps
         self.seed, self.drop_last, self.prefetch = seed, drop_last, prefetch
         self.pad_id = opened.vocab_tokens.index("[PAD]")
+        self.packing = packing
+        if packing is not None and bucketing is not None:
+            raise ValueError("packing and length bucketing do not combine: bucketing puts rows "
+                             "of one length together, packing wants long and short rows mixed")
         self.bucket_boundaries = None if bucketing is None else bucketing.edges(self.max_seq_length)
         self.bucket_window = DEFAULT_BUCKET_WINDOW if bucketing is None else bucketing.window
         self.collator = PretrainingCollator(
@@ -103,8 +114,10 @@ class PretrainingLoader:
                 f"{gradient_accumulation_steps} accumulation = {self.step_batch_size}); use "
                 "drop_last=False for evaluation"
             )
-        # Read once, before any prefetch thread: the bins of every epoch come from them.
-        self._lengths = self._rows.row_lengths() if self.bucket_boundaries else None
+        # Read once, before any prefetch thread: the bins or groups of every epoch need them.
+        needs_lengths = self.bucket_boundaries is not None or self.regroups
+        self._lengths = self._rows.row_lengths() if needs_lengths else None
+        self._step_cache: tuple[np.ndarray, int, np.ndarray] | None = None
         self._epoch, self._batches_consumed = 0, 0
         self._live: weakref.ref[BatchIterator] | None = None
 
@@ -140,6 +153,11 @@ class PretrainingLoader:
         if self.drop_last:
             return self.num_samples // self.step_batch_size * self.gradient_accumulation_steps
         return -(-self.num_samples // self.global_batch_size)
+
+    @property
+    def regroups(self) -> bool:
+        """Whether each optimizer step's instances are regrouped for packing."""
+        return self.packing is not None and self.packing.regroup
 
     def sample_lengths(self) -> np.ndarray:
         """Tokens of every sample of the split, by global index (from the shard offsets)."""
@@ -200,14 +218,40 @@ class PretrainingLoader:
         """This rank's sample indices in global batch `global_batch` of an epoch order."""
         start = global_batch * self.global_batch_size
         members = order[start : start + self.global_batch_size].astype(np.int64)
-        if len(members) == self.global_batch_size:
-            return members[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        return np.array_split(members, self.world_size)[self.rank]  # the partial last batch
+        if len(members) < self.global_batch_size:
+            return np.array_split(members, self.world_size)[self.rank]  # the partial last batch
+        if self.regroups:
+            members = self._regrouped(order, global_batch)
+        return members[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+
+    def _regrouped(self, order: np.ndarray, global_batch: int) -> np.ndarray:
+        """Global batch `global_batch` after its optimizer step's regrouping for packing (a
+        step cut short by the epoch's end stays as it is). Cached per step: each of its
+        `gradient_accumulation_steps` global batches needs the same regrouping."""
+        step, within = divmod(global_batch, self.gradient_accumulation_steps)
+        start = step * self.step_batch_size
+        members = order[start : start + self.step_batch_size].astype(np.int64)
+        if len(members) == self.step_batch_size:
+            cached = self._step_cache  # one read: the prefetch thread may replace it
+            if cached is not None and cached[0] is order and cached[1] == step:
+                members = cached[2]
+            else:
+                members = members[step_groups(
+                    self.sample_lengths()[members].astype(np.int64), self.max_seq_length,
+                    self.packing.max_per_row, self.global_batch_size, self.batch_size,
+                )]
+                self._step_cache = (order, step, members)
+        first = within * self.global_batch_size
+        return members[first : first + self.global_batch_size]
 
     def make_batch(self, order: np.ndarray, epoch: int, global_batch: int) -> dict[str, Any]:
-        """Batch `global_batch` of an epoch, for this rank: gather, pad, mask."""
+        """Batch `global_batch` of an epoch, for this rank: gather, pad, mask (and pack)."""
         rows = self._rows.gather(self.rank_indices(order, global_batch), self.pad_id)
-        return self.collator(rows, epoch)
+        batch = self.collator(rows, epoch)
+        if self.packing is None:
+            return batch
+        return pack_batch(batch, pad_id=self.pad_id, row_length=self.max_seq_length,
+                          max_per_row=self.packing.max_per_row)
 
     def _close_live(self) -> None:
         live = self._live() if self._live is not None else None

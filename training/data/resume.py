@@ -35,6 +35,7 @@ def loader_state(loader: PretrainingLoader) -> dict[str, Any]:
         "split": loader.split,
         "bucket_boundaries": _as_list(loader.bucket_boundaries),
         "bucket_window": loader.bucket_window,
+        "packing_groups": _as_list(_grouping(loader)),
     }
 
 
@@ -54,6 +55,7 @@ def resume_position(loader: PretrainingLoader, state: dict[str, Any]) -> tuple[i
         epoch, samples = epoch + 1, 0
     if samples % loader.global_batch_size:
         raise ValueError(_boundary_error(loader, samples, epoch, state["global_batch_size"]))
+    _check_same_grouping(loader, state, samples)
     return epoch, samples // loader.global_batch_size
 
 
@@ -98,6 +100,33 @@ def _check_same_order(loader: PretrainingLoader, state: dict[str, Any]) -> None:
             f"{loader.step_batch_size} ({loader.batch_size} x {loader.world_size} ranks x "
             f"{loader.gradient_accumulation_steps} accumulation): keep micro-batch x ranks x "
             "gradient_accumulation_steps the same"
+        )
+
+
+def _grouping(loader: PretrainingLoader) -> tuple[int, int, int] | None:
+    """What shapes the regrouping of a step's samples for packing: the global batches of a
+    step depend on (max_per_row, step batch, global batch) (see `training.data.packing`)."""
+    if not loader.regroups:
+        return None
+    return (loader.packing.max_per_row, loader.step_batch_size, loader.global_batch_size)
+
+
+def _check_same_grouping(loader: PretrainingLoader, state: dict[str, Any], samples: int) -> None:
+    """Regrouping reorders samples within a step only: a position at a step boundary (of
+    each layout that regroups) has consumed the same samples whatever the grouping; one
+    inside a step resumes only under the same grouping."""
+    saved = state.get("packing_groups")
+    mine = _grouping(loader)
+    saved = None if saved is None else tuple(saved)
+    if saved == mine:
+        return
+    steps = [key[1] for key in (saved, mine) if key is not None]
+    if any(samples % step for step in steps):
+        raise ValueError(
+            f"cannot resume after {samples} samples: the saved loader regrouped steps for "
+            f"packing as (max_per_row, step batch, global batch) = {saved}, this loader as "
+            f"{mine}; that resumes only at a boundary of their optimizer steps ({steps} "
+            "samples): keep the packing options and the batch layout"
         )
 
 
