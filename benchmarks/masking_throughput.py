@@ -9,8 +9,11 @@ per-sample masks keyed by (seed, epoch, index)); Hugging Face's with
 
 The second table is the share of padded positions per batch (padding / all positions) over
 one epoch, with and without the loader's length bucketing (`bucket_order`, the same function the
-loader calls), on Google-like lengths (short_seq_prob 0.1) and, with `--data-dir`, on a prepared
-dataset's real lengths.
+loader calls), and with packing (`training.data.packing`, the loader's functions: up to 3
+instances a row of max_seq_length; "packed": each micro-batch packed alone; "regrouped": the
+loader's default, instances regrouped within each optimizer step so that micro-batches pack
+well), on Google-like lengths (short_seq_prob 0.1) and, with `--data-dir`, on a prepared
+dataset's real lengths. Rows count at their padded width (a multiple of 8) in every column.
 
     python benchmarks/masking_throughput.py [--vocab vocab.txt] [--batch-size 64]
         [--data-dir work/shards] [--skip-throughput]
@@ -37,6 +40,7 @@ from bertforge.training.data import (
     rows_from_sequences,
 )
 from bertforge.training.data.order import bucket_order, even_bucket_boundaries
+from bertforge.training.data.packing import DEFAULT_MAX_PER_ROW, pack_layout, step_groups
 from bertforge.training.masking import MaskingVocab, default_max_predictions
 
 SHORT_SEQ_PROB = 0.1  # Google: 10 % of instances get a random shorter target length
@@ -144,9 +148,30 @@ def bucketed_share(
     return padding_share(order, lengths, micro)
 
 
+def packed_share(
+    lengths: np.ndarray, max_length: int, micro: int, step: int, regroup: bool
+) -> float:
+    """The padding share of epoch 0's order (seed 0) packed as the loader packs it, over the
+    full optimizer steps (one rank: the global batch is the micro-batch)."""
+    order = np.random.default_rng([0, 0]).permutation(len(lengths))
+    positions = real = 0
+    for start in range(0, len(order) // step * step, step):
+        members = order[start : start + step]
+        if regroup:
+            members = members[step_groups(lengths[members], max_length, DEFAULT_MAX_PER_ROW,
+                                          micro, micro)]
+        for first in range(0, step, micro):
+            part = lengths[members[first : first + micro]]
+            layout = pack_layout(part, max_length, DEFAULT_MAX_PER_ROW)
+            positions += layout.num_rows * layout.width
+            real += int(part.sum())
+    return 1.0 - real / positions
+
+
 def padding_table(datasets: dict[str, tuple[np.ndarray, int]]) -> None:
     print("\npadded share of batch positions, one epoch (lower is better)")
     columns = ["none"] + [f"{bins} bins, w{window}" for bins, window in PADDING_BUCKETINGS]
+    columns += ["packed", "regrouped"]
     print(f"{'lengths':<26} {'micro/step':>10} " + " ".join(f"{c:>13}" for c in columns))
     for name, (lengths, max_length) in datasets.items():
         for micro, step in PADDING_LAYOUTS:
@@ -157,6 +182,8 @@ def padding_table(datasets: dict[str, tuple[np.ndarray, int]]) -> None:
                 bucketed_share(lengths, max_length, micro, step, bins, window)
                 for bins, window in PADDING_BUCKETINGS
             ]
+            shares += [packed_share(lengths, max_length, micro, step, regroup)
+                       for regroup in (False, True)]
             print(
                 f"{name:<26} {f'{micro}/{step}':>10} "
                 + " ".join(f"{share:>12.1%} " for share in shares)

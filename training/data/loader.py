@@ -159,6 +159,23 @@ class PretrainingLoader:
         """Whether each optimizer step's instances are regrouped for packing."""
         return self.packing is not None and self.packing.regroup
 
+    @property
+    def max_predictions_per_row(self) -> int:
+        """The most labelled positions a row of this loader's batches can hold: what a model's
+        fixed-width sparse MLM head needs (`BertForPreTraining.max_predictions`).
+
+        One instance a row: max_predictions (P). A packed row of at most S tokens and K
+        instances: an instance of n tokens has min(P, max(1, round(p x n))) <= p x n + 1
+        labels, so the row at most p x S + K: 19 + 3 = 22 at 128 tokens (P 20), 76 + 3 = 79
+        at 512 (P 80); not K x P (60, 240), which would run the head on ~3x the slots.
+        """
+        per_instance = self.collator.masking.max_predictions
+        if self.packing is None:
+            return per_instance
+        slots = self.packing.max_per_row
+        bound = int(self.collator.masking.mask_prob * self.max_seq_length + 1e-6) + slots
+        return min(slots * per_instance, bound, self.max_seq_length)
+
     def sample_lengths(self) -> np.ndarray:
         """Tokens of every sample of the split, by global index (from the shard offsets)."""
         if self._lengths is None:
