@@ -58,6 +58,10 @@ class TrainConfig:
     max_predictions: int | None = _field(help="masked positions per sequence (default: the "
                                          "dataset's, 20 at 128 tokens and 80 at 512)")
     whole_word_masking: bool = _field(False, "mask every piece of a chosen word")
+    # Packing (training.data.packing): up to 3 instances a row, attention within each; the
+    # micro-batch stays micro_batch_size instances (fewer rows), masked as unpacked.
+    packing: bool = _field(False, "pack several instances a row (block-diagonal attention, "
+                           "positions restarting per instance): almost no padding")
     log_every: int | None = _field(help="steps between log lines (default: max_steps/20, "
                                    "at most 50)")
     eval_every: int = _field(0, "steps between validation passes; 0: never during training")

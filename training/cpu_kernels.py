@@ -187,8 +187,11 @@ def cpu_attention_with_dropout(
     if attn_mask is None:
         bias, beta = query.new_zeros(()), 0.0
     else:
-        # [B, 1, 1, L] -> [B * H, 1, L], broadcast over query positions.
-        bias = attn_mask.expand(batch_size, num_heads, 1, seq_len).reshape(-1, 1, seq_len)
+        # [B, 1, 1, L] -> [B * H, 1, L], broadcast over query positions; a packed batch's
+        # [B, 1, Lq, L] (a row per query) -> [B * H, Lq, L].
+        mask_rows = attn_mask.shape[2]
+        bias = attn_mask.expand(batch_size, num_heads, mask_rows, seq_len)
+        bias = bias.reshape(-1, mask_rows, seq_len)
         beta = 1.0
     scores = torch.baddbmm(
         bias, flat_query, flat_key.transpose(1, 2), beta=beta, alpha=head_size**-0.5

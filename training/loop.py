@@ -16,7 +16,7 @@ import torch.distributed as dist
 from bertforge.pipelines.contract.manifest import VOCAB_NAME
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
-from bertforge.training.data import MaskingOptions, PretrainingLoader
+from bertforge.training.data import MaskingOptions, PackingOptions, PretrainingLoader
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.engine import build_engine, ensure_process_group
 from bertforge.training.evaluate import evaluate, most_frequent_token
@@ -79,6 +79,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     loader = PretrainingLoader(
         cfg.data_dir, "train", batch_size=cfg.micro_batch_size, seed=cfg.seed,
         rank=rank, world_size=world_size, masking=masking, prefetch=cfg.dataloader_prefetch,
+        packing=PackingOptions() if cfg.packing else None,
         gradient_accumulation_steps=accumulation,  # epochs end on an optimizer step
     )
     step = _maybe_resume(engine, loader, cfg, resume_from, facts.vocab_sha256, universal)
@@ -237,7 +238,9 @@ class _Window:
     def add(self, out, batch: dict[str, torch.Tensor]) -> None:
         self.sums += torch.tensor([
             out.loss.item(), out.mlm_loss.item(), out.nsp_loss.item(), 1.0,
-            batch["attention_mask"].sum().item(), batch["input_ids"].shape[0],
+            # Instances, not rows: a packed row holds several (their NSP slots are labelled).
+            batch["attention_mask"].sum().item(),
+            (batch["next_sentence_label"] != IGNORE_INDEX).sum().item(),
             float(self._batch_flops(batch)),
         ], dtype=torch.float64)
 

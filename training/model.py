@@ -168,8 +168,13 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def forward(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`position_ids` [B, S] (packed rows: restarting at each instance); default 0..S-1."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         embeddings = (
             self.word_embeddings(input_ids)
             + self.token_type_embeddings(token_type_ids)
@@ -242,6 +247,10 @@ class BertAttention(nn.Module):
     ) -> torch.Tensor:
         queries = None if rows is None else gather_positions(hidden, rows)
         residual = hidden if queries is None else queries
+        if rows is not None and key_padding is not None and key_padding.shape[2] > 1:
+            # A packed batch's mask has a row per query ([B, 1, S, S]): keep the queries' rows.
+            index = rows[:, None, :, None].expand(-1, 1, -1, key_padding.shape[3])
+            key_padding = key_padding.gather(2, index)
         return self.output(self.self(hidden, key_padding, queries), residual)
 
 
@@ -318,9 +327,10 @@ class BertPooler(nn.Module):
         super().__init__()
         self.dense = Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, sequence_output: torch.Tensor) -> torch.Tensor:
-        # The [CLS] position summarises the pair for NSP.
-        return torch.tanh(self.dense(sequence_output[:, 0]))
+    def forward(self, cls_output: torch.Tensor) -> torch.Tensor:
+        """The [CLS] outputs, [B, H] (or [B, K, H], K instances a packed row), summarise each
+        pair for NSP."""
+        return torch.tanh(self.dense(cls_output))
 
 
 class BertModel(nn.Module):
@@ -336,25 +346,63 @@ class BertModel(nn.Module):
         token_type_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         last_rows: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cls_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """With `last_rows` ([B, R], column 0 = position 0 for the pooler) the sequence output
-        holds only those positions, [B, R, H]."""
-        key_padding = _key_padding(attention_mask)
-        embeddings = self.embeddings(input_ids, token_type_ids)
+        """With `last_rows` ([B, R]) the sequence output holds only those positions, [B, R, H];
+        its first column(s) must be the [CLS] position(s) the pooler reads: position 0, or a
+        packed batch's `cls_positions` ([B, K]).
+
+        Packed rows (several instances a row, see `training.data.packing`) come with
+        `position_ids` restarting at each instance: attention stays within an instance, and
+        the pooled output is [B, K, H], one per instance slot."""
+        if position_ids is None:
+            key_padding = _key_padding(attention_mask)
+        else:  # [B, 1, S, S]: block-diagonal over the instances of each row
+            key_padding = _instance_mask(attention_mask, position_ids)
+        embeddings = self.embeddings(input_ids, token_type_ids, position_ids)
         sequence_output = self.encoder(embeddings, key_padding, last_rows)
-        return sequence_output, self.pooler(sequence_output)
+        if cls_positions is None:
+            cls_output = sequence_output[:, 0]
+        elif last_rows is None:
+            cls_output = gather_positions(sequence_output, cls_positions)
+        else:
+            cls_output = sequence_output[:, : cls_positions.shape[1]]
+        return sequence_output, self.pooler(cls_output)
 
 
 def _key_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """[B, S] with 1 = real token -> [B, 1, 1, S] True where a key must be ignored (broadcast
     over heads and query positions), or None when nothing is padded: no mask to build and add
     in every layer, and SDPA may take its fused kernels. Checked on a CPU only, where it costs
-    nothing; on a GPU it would be a host sync per step, so the mask stays."""
+    nothing; on a GPU it would be a host sync per step, so the mask stays. Packed rows take
+    `_instance_mask` instead."""
     if attention_mask is None:
         return None
     if attention_mask.device.type == "cpu" and bool(attention_mask.all()):
         return None
     return (attention_mask == 0)[:, None, None, :]
+
+
+def _instance_mask(
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """Block-diagonal attention for packed rows: [B, 1, S, S], True where query q must ignore
+    key k, i.e. where they belong to different instances.
+
+    An instance starts where its position is 0, so the instance of a real token is the count
+    of real position-0 tokens up to it (1, 2, ...), and padding is instance 0: a real token
+    never sees padding or another instance, and a padding query sees the padding only (never
+    an empty row, which would make the softmax NaN). Built on the device from the batch, no
+    host sync; one mask for every layer. On a GPU, SDPA takes its memory-efficient kernel (a
+    fused kernel with dropout) with this mask; FlexAttention and `varlen_attn` would skip the
+    masked blocks but take no attention dropout, which BERT trains with.
+    """
+    real = torch.ones_like(position_ids, dtype=torch.bool)
+    if attention_mask is not None:
+        real = attention_mask != 0
+    instance = torch.cumsum((position_ids == 0) & real, dim=1) * real
+    return (instance[:, :, None] != instance[:, None, :])[:, None]
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -484,27 +532,43 @@ class BertForPreTraining(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         next_sentence_label: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cls_positions: torch.Tensor | None = None,
     ) -> PreTrainingOutput:
-        self._check_inputs(input_ids, token_type_ids, attention_mask, labels)
+        """A batch by its Hugging Face names; a packed batch (`training.data.packing`) adds
+        `position_ids` and `cls_positions` ([B, K]), and its `next_sentence_label` is [B, K]
+        (IGNORE_INDEX for empty slots): NSP logits are then [B, K, 2]. The losses are the
+        same means over labelled tokens and instances as one instance a row."""
+        self._check_inputs(input_ids, token_type_ids, attention_mask, labels, position_ids)
+        _check_packed(position_ids, cls_positions, next_sentence_label)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         mlm_loss = nsp_loss = None
+        packed = {"position_ids": position_ids, "cls_positions": cls_positions}
         if labels is None:
-            sequence_output, pooled_output = self.bert(input_ids, token_type_ids, attention_mask)
+            sequence_output, pooled_output = self.bert(
+                input_ids, token_type_ids, attention_mask, **packed
+            )
             prediction_logits = self.cls.predictions(sequence_output)
         else:
             rows, labelled = output_rows(labels)
+            num_cls = 1
+            if cls_positions is not None:  # a packed row's [CLS]s in place of position 0
+                rows = torch.cat([cls_positions, rows[:, 1:]], dim=1)
+                num_cls = cls_positions.shape[1]
             sequence_output, pooled_output = self.bert(
-                input_ids, token_type_ids, attention_mask, last_rows=rows
+                input_ids, token_type_ids, attention_mask, last_rows=rows, **packed
             )
-            # Column 0 is [CLS]; then each row's labelled positions in order (row-major).
+            # First the [CLS] column(s); then each row's labelled positions in order.
             prediction_logits, mlm_loss = self._sparse_mlm(
-                sequence_output[:, 1:][labelled], labels[labels != IGNORE_INDEX]
+                sequence_output[:, num_cls:][labelled], labels[labels != IGNORE_INDEX]
             )
         seq_relationship_logits = self.cls.seq_relationship(pooled_output)
         if next_sentence_label is not None:
+            # Packed: one per instance slot, empty slots IGNORE_INDEX: the mean over instances.
             nsp_loss = F.cross_entropy(
-                seq_relationship_logits.float(), next_sentence_label.reshape(-1).long()
+                seq_relationship_logits.float().reshape(-1, 2),
+                next_sentence_label.reshape(-1).long(),
             )
         return PreTrainingOutput(
             loss=_total_loss(mlm_loss, nsp_loss),
@@ -526,6 +590,25 @@ class BertForPreTraining(nn.Module):
             return prediction_logits, prediction_logits.float().sum() * 0.0
         # fp32 softmax: bf16's 8-bit mantissa makes a log-sum-exp over 30k logits noisy.
         return prediction_logits, F.cross_entropy(prediction_logits.float(), targets)
+
+
+def _check_packed(
+    position_ids: torch.Tensor | None, cls_positions: torch.Tensor | None,
+    next_sentence_label: torch.Tensor | None,
+) -> None:
+    """A packed batch comes whole: positions restarting per instance, and per instance slot
+    its [CLS] position and NSP label."""
+    if cls_positions is None:
+        return
+    if position_ids is None:
+        raise ValueError("cls_positions (a packed batch) needs position_ids")
+    if cls_positions.dim() != 2 or cls_positions.shape[0] != position_ids.shape[0]:
+        raise ValueError(f"cls_positions must be [batch, instances a row], got shape "
+                         f"{tuple(cls_positions.shape)}")
+    if next_sentence_label is not None and next_sentence_label.shape != cls_positions.shape:
+        raise ValueError(f"a packed batch's next_sentence_label must be shaped like "
+                         f"cls_positions {tuple(cls_positions.shape)}, got "
+                         f"{tuple(next_sentence_label.shape)}")
 
 
 def output_rows(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
