@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default: the recipe's for the live world size")
     parser.add_argument("--min-drop", type=float, default=0.5,
                         help="nats the loss must fall from the first to the last tenth")
+    parser.add_argument("--packing", action="store_true",
+                        help="several instances a row (TrainConfig.packing)")
     parser.add_argument("--commit", default=None,
                         help="the source commit to record when the tree has no .git")
     return parser.parse_args(argv)
@@ -68,7 +70,7 @@ def recipe(args: argparse.Namespace, run_dir: str, max_steps: int) -> TrainConfi
         global_batch_size=None, gradient_accumulation_steps=1, learning_rate=args.lr,
         warmup_steps=max(1, args.steps // 10), precision=args.precision, log_every=1,
         checkpoint_every=args.steps // 2, keep_checkpoints=2, eval_every=0, resume=True,
-        peak_tflops=_peak_tflops(),
+        peak_tflops=_peak_tflops(), packing=args.packing,
     )
     if args.zero_stage is not None:
         overrides["zero_stage"] = args.zero_stage
