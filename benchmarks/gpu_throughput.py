@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from bertforge.training.flops import mfu, training_flops_per_batch
+from bertforge.training.masking import default_max_predictions
 from bertforge.training.model import IGNORE_INDEX, PRESETS, BertConfig
 
 REPO = _checkout.REPO
@@ -189,8 +190,13 @@ def matmul_tflops(device: str, repeats: int = 10) -> dict[str, Any]:
     return {"n": n, "dtype": "bf16", "tflops": 2 * n**3 / seconds / 1e12}
 
 
-def batch_counts(batch: dict[str, torch.Tensor], model_config: BertConfig) -> dict[str, int]:
-    """Tokens and training FLOPs of one batch (see the module docstring for the two FLOPs)."""
+def batch_counts(
+    batch: dict[str, torch.Tensor], model_config: BertConfig, max_predictions: int | None = None
+) -> dict[str, int]:
+    """Tokens and training FLOPs of one batch (see the module docstring for the two FLOPs).
+
+    `max_predictions`: the model's (its last layer then runs 1 + min(it, width) rows a
+    sequence, training.model.output_rows); None: 1 + the most labels in a row."""
     batch_size, width = batch["input_ids"].shape
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     labelled = (batch["labels"] != IGNORE_INDEX).sum(dim=1).tolist()
@@ -199,7 +205,9 @@ def batch_counts(batch: dict[str, torch.Tensor], model_config: BertConfig) -> di
                  intermediate_size=c.intermediate_size, vocab_size=c.vocab_size)
     computed = training_flops_per_batch(
         **shape, batch_size=batch_size, seq_len=width, num_predictions=sum(labelled),
-        last_layer_rows=1 + max(labelled),  # as the model runs it (training.model.output_rows)
+        # As the model runs it (training.model.output_rows).
+        last_layer_rows=1 + (max(labelled) if max_predictions is None
+                             else min(max_predictions, width)),
     )
     needed = sum(
         training_flops_per_batch(**shape, batch_size=1, seq_len=int(length),
@@ -261,10 +269,13 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     memory_before = torch.cuda.memory_allocated() / GIB if args.device == "cuda" else None
     cpu_batches, vocab_size, data = make_batches(case, args, rank, world_size)
     model_config = BertConfig.preset(args.config, vocab_size=vocab_size)
-    counts = [batch_counts(b, model_config) for b in cpu_batches]
+    # The loader's bound on labels per row, as the loop sets it: a fixed-width sparse head.
+    max_predictions = default_max_predictions(case.seq_len)
+    counts = [batch_counts(b, model_config, max_predictions) for b in cpu_batches]
     torch.manual_seed(cfg.seed)
     model = BertForPreTraining(model_config)
     model.gradient_checkpointing = cfg.activation_checkpointing
+    model.max_predictions = max_predictions
     parameters = num_parameters(model)
     engine = build_engine(model, cfg, world_size)
     if args.compile:

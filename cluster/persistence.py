@@ -17,8 +17,6 @@ import shutil
 import tempfile
 from typing import Any
 
-import torch.distributed as dist
-
 from bertforge.training.checkpoint import (
     COMMIT_MARKER,
     METADATA_NAME,
@@ -26,6 +24,7 @@ from bertforge.training.checkpoint import (
     committed_steps,
     tag_for_step,
 )
+from bertforge.training.distributed import barrier
 from bertforge.training.metrics import console
 
 # DeepSpeed and our RNG files carry the data-parallel rank that wrote them; the rest (model
@@ -68,13 +67,14 @@ def restore_latest(run_dir: str) -> int | None:
     Collective. The local rank 0 of each node downloads; the others wait at the barrier.
     """
     import ray.train
+    import ray.train.torch
 
     checkpoint = ray.train.get_checkpoint()
     step = None
     if checkpoint is not None and ray.train.get_context().get_local_rank() == 0:
         step = _download_if_newer(checkpoint, run_dir)
-    if dist.is_initialized():
-        dist.barrier()
+    # Before the engine exists: the device Ray Train gave this worker (its GPU under NCCL).
+    barrier(ray.train.torch.get_device())
     return step
 
 

@@ -35,9 +35,14 @@ EXPECTED_SHARDS = {
 }
 # sha256 over every tensor of the first batches (see `_batches_digest`).
 EXPECTED_BATCHES = "122623e7b2c2dcfc657ecc7fab98b5e9601b8bf361acfcd20a58dff3daa0c5bf"
-# Total loss at steps 1..6 of `_golden_run`.
-EXPECTED_LOSSES = [6.271523475646973, 6.272679805755615, 6.285977840423584,
-                   6.253641605377197, 6.252436637878418, 6.268671989440918]
+# Total loss at steps 1..6 of `_golden_run`. Re-recorded by issue 11 (fixed-width sparse head):
+# the last layer now runs 1 + max_predictions rows per sequence (here 1 + 10) instead of 1 + the
+# batch's most labels, so its dropout draws masks of another shape and the random stream moves
+# on from there. The math is unchanged: with dropout 0 the old and new curves are bitwise equal
+# (6.269112586975098, 6.2716755867004395, 6.2864089012146, ...), and
+# tests/training/test_host_sync.py holds the fixed-width head to the exact one.
+EXPECTED_LOSSES = [6.271517276763916, 6.281219482421875, 6.287517547607422,
+                   6.259495735168457, 6.234986305236816, 6.258708953857422]
 
 
 def _golden_corpus(path: str) -> None:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bertforge.training.distributed import barrier
+
 CHECKPOINTS_DIR = "checkpoints"
 COMMIT_MARKER = "COMMITTED"
 METADATA_NAME = "bertforge.json"
@@ -82,11 +84,11 @@ def save(
         with open(os.path.join(path, METADATA_NAME), "w", encoding="utf-8") as f:
             json.dump({**metadata, "global_step": step}, f, indent=2, sort_keys=True)
         shutil.copyfile(vocab_path, os.path.join(path, "vocab.txt"))
-    _barrier()  # every rank's files are on disk before the marker says so
+    barrier(engine.device)  # every rank's files are on disk before the marker says so
     if rank == 0:
         _write_marker(path, {"step": step, "time": time.time()})
         _prune(run_dir, keep)
-    _barrier()
+    barrier(engine.device)
     return path
 
 
@@ -100,7 +102,10 @@ def load(engine, checkpoint_path: str, *, universal: bool = False) -> dict[str, 
     """
     if not os.path.exists(os.path.join(checkpoint_path, COMMIT_MARKER)):
         raise ValueError(f"{checkpoint_path} is not a complete checkpoint (no {COMMIT_MARKER})")
-    deepspeed_path = convert_to_universal(checkpoint_path) if universal else checkpoint_path
+    deepspeed_path = (
+        convert_to_universal(checkpoint_path, device=engine.device) if universal
+        else checkpoint_path
+    )
     verify_safe_to_unpickle(deepspeed_path)
     root, tag = os.path.split(deepspeed_path.rstrip("/"))
     _, client_state = engine.load_checkpoint(root, tag=tag)
@@ -118,14 +123,15 @@ def universal_path(checkpoint_path: str) -> str:
     return checkpoint_path.rstrip("/") + UNIVERSAL_SUFFIX
 
 
-def convert_to_universal(checkpoint_path: str) -> str:
+def convert_to_universal(checkpoint_path: str, *, device: torch.device | None = None) -> str:
     """Collective: the universal form of a ZeRO >= 1 checkpoint, made once; returns its path.
 
     One process per node converts (local rank 0, so each node's own disk has it when the run
     directory is not shared) while the others wait at the barrier. The conversion is written
     into a staging directory and renamed into place with its own commit marker, so a kill
     mid-way never leaves a half-written conversion that a later resume would load. Where two
-    nodes share the disk, the second rename fails and its copy is dropped.
+    nodes share the disk, the second rename fails and its copy is dropped. `device`: the
+    engine's, where the barrier runs under NCCL (training.distributed.barrier).
     """
     target = universal_path(checkpoint_path)
     if _local_rank() == 0 and not os.path.exists(os.path.join(target, COMMIT_MARKER)):
@@ -147,7 +153,7 @@ def convert_to_universal(checkpoint_path: str) -> str:
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    _barrier()
+    barrier(device)
     if not os.path.exists(os.path.join(target, COMMIT_MARKER)):
         raise ValueError(f"the universal conversion of {checkpoint_path} is missing at {target}")
     return target
@@ -296,11 +302,6 @@ def _prune(run_dir: str, keep: int) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         elif name.startswith(_UNIVERSAL_STAGING_PREFIX):  # a conversion killed mid-way
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def load_model(checkpoint_path: str):

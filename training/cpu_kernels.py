@@ -139,7 +139,8 @@ def _cpu_dropout_mask(like: torch.Tensor, p: float) -> torch.Tensor:
     numel = like.numel()
     # from=-2**63, to=None: the full 64-bit range, so every lane (sign bit included) is uniform;
     # the default range [0, 2**63) would leave one lane in four non-negative.
-    words = torch.empty((numel + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
+    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=like.device)
+    words.random_(-(2**63), None)
     return _mask_from_lanes(words.view(torch.int16)[:numel].view(like.shape), p, like.dtype)
 
 
@@ -147,7 +148,8 @@ def _mask_from_lanes(lanes: torch.Tensor, p: float, dtype: torch.dtype) -> torch
     """Uniform int16 lanes -> 0 for the round(p x 65536) lowest values, 1/(1-p) for the rest."""
     threshold = round(p * 65536) - 32768
     # A comparison written straight into a float tensor: 1.0 kept, 0.0 dropped, in one pass.
-    mask = torch.ge(lanes, threshold, out=torch.empty(lanes.shape, dtype=dtype))
+    out = torch.empty(lanes.shape, dtype=dtype, device=lanes.device)
+    mask = torch.ge(lanes, threshold, out=out)
     return mask.mul_(1.0 / (1.0 - p))
 
 

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from bertforge.training.distributed import all_reduce_sum
+
 
 @dataclass
 class EvalResult:
@@ -26,28 +28,35 @@ class EvalResult:
 def evaluate(model, batches, *, baseline_token_id: int, device: str = "cpu") -> EvalResult:
     """Accuracy over every batch of `batches`; sums are all-reduced when running distributed.
 
-    The baseline is scored on exactly the positions the model is scored on.
+    The baseline is scored on exactly the positions the model is scored on. Counts and loss
+    sums stay on `device` (the model's: NCCL takes no CPU tensor) and are read once at the
+    end, so no batch waits for the one before it to be read back.
     """
+    device = torch.device(device)
     was_training = model.training
     model.eval()
-    # correct MLM, predictions, baseline correct, correct NSP, sequences, MLM loss sum, NSP loss sum
-    totals = torch.zeros(7, dtype=torch.float64)
+    # correct MLM, predictions, baseline correct, correct NSP, instances, MLM and NSP loss sums
+    totals = torch.zeros(7, dtype=torch.float64, device=device)
     for batch in batches:
         batch = {name: tensor.to(device) for name, tensor in batch.items()}
         out = model(**batch)
-        targets = batch["labels"][batch["labels"] != -100]
-        num_seq = batch["input_ids"].shape[0]
-        totals += torch.tensor([
-            (out.prediction_logits.argmax(-1) == targets).sum().item(),
-            targets.numel(),
-            (targets == baseline_token_id).sum().item(),
-            (out.seq_relationship_logits.argmax(-1) == batch["next_sentence_label"]).sum().item(),
-            num_seq,
-            out.mlm_loss.float().item() * targets.numel(),
-            out.nsp_loss.float().item() * num_seq,
-        ], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals)
+        # Targets in the logits' layout ([N], or [B, W] with unfilled slots -100: see
+        # training.model.PreTrainingOutput); NSP labels are [B], or [B, K] with empty slots
+        # -100 in a packed batch. An argmax or the baseline id never equals -100.
+        targets, nsp_targets = out.prediction_labels, batch["next_sentence_label"]
+        predicted, instances = (targets != -100).sum(), (nsp_targets != -100).sum()
+        values = (
+            (out.prediction_logits.argmax(-1) == targets).sum(),
+            predicted,
+            (targets == baseline_token_id).sum(),
+            (out.seq_relationship_logits.argmax(-1) == nsp_targets).sum(),
+            instances,
+            out.mlm_loss.double() * predicted,
+            out.nsp_loss.double() * instances,
+        )
+        totals += torch.stack([value.double() for value in values])
+    if dist.is_initialized():  # with one rank too: the same code path on any world size
+        all_reduce_sum(totals, device)
     model.train(was_training)
     correct, predicted, baseline, nsp_correct, sequences, mlm_loss, nsp_loss = totals.tolist()
     if predicted == 0:
@@ -81,6 +90,8 @@ def evaluate_checkpoint(
         masking=MaskingOptions(max_predictions, mask_prob),
     )
     baseline_token_id = most_frequent_token(token_frequencies(data_dir, "train"), data_dir)
+    # The loader's bound on labels per row: the fixed-width sparse head (no host sync).
+    model.max_predictions = loader.max_predictions_per_row
     return evaluate(model, loader, baseline_token_id=baseline_token_id)
 
 

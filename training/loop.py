@@ -18,9 +18,10 @@ from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
 from bertforge.training.data import MaskingOptions, PackingOptions, PretrainingLoader
 from bertforge.training.dataset_facts import DatasetFacts
+from bertforge.training.distributed import all_reduce_sum
 from bertforge.training.engine import build_engine, ensure_process_group
 from bertforge.training.evaluate import evaluate, most_frequent_token
-from bertforge.training.flops import mfu, training_flops_per_batch
+from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining
 from bertforge.training.warm_start import load_initial_weights
@@ -82,6 +83,9 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         packing=PackingOptions() if cfg.packing else None,
         gradient_accumulation_steps=accumulation,  # epochs end on an optimizer step
     )
+    # The loader's bound on labels per row: the sparse head runs on that many slots, so a step
+    # never waits for the device to say how many labels a batch holds.
+    model.max_predictions = loader.max_predictions_per_row
     step = _maybe_resume(engine, loader, cfg, resume_from, facts.vocab_sha256, universal)
     if rank == 0:
         _write_run_config(cfg, model_config, world_size)
@@ -100,7 +104,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
     batches = _endless(loader)
     first_loss = last_loss = None
-    window = _Window(model_config, cfg.peak_tflops, world_size)
+    window = _Window(model_config, cfg.peak_tflops, world_size, engine.device,
+                     loader.max_predictions_per_row)
     started = time.time()
     total_tokens = 0
     while step < cfg.max_steps:
@@ -219,50 +224,74 @@ def _endless(loader: PretrainingLoader) -> Iterator[dict[str, torch.Tensor]]:
 
 
 class _Window:
-    """Loss and throughput since the last log line, summed over all ranks."""
+    """Loss and throughput since the last log line, summed over all ranks.
 
-    def __init__(self, model_config: BertConfig, peak_tflops: float | None, world_size: int):
+    Nothing is read back from the device per micro-step: losses and counts accumulate in a
+    tensor on the engine's device and the host keeps only what shapes tell (micro-batches,
+    FLOPs but the head's); `reduce` all-reduces both at once and reads the result: one host
+    sync per log interval. (The `.item()`s this replaced were 6 syncs per micro-step, each
+    draining the GPU's queue and idling it while Python caught up.)
+    """
+
+    def __init__(
+        self, model_config: BertConfig, peak_tflops: float | None, world_size: int,
+        device: torch.device, max_predictions: int,
+    ):
         self.model_config = model_config
         self.peak_tflops = peak_tflops
         self.world_size = world_size
+        self.device = device  # NCCL takes no CPU tensor: the sums live where the engine trains
+        self.max_predictions = max_predictions  # the model's sparse-head slots a row
+        # The head's FLOPs are linear in the labels, so they are counted on the device:
+        # 3 x (2h^2 + 2hV) per prediction (~194 MFLOP for BERT-large).
+        self.flops_per_prediction = 3 * mlm_head_flops(
+            hidden_size=model_config.hidden_size, vocab_size=model_config.vocab_size,
+            num_predictions=1,
+        )
         self._reset()
 
     def _reset(self) -> None:
-        # loss, mlm, nsp, micro-batches, tokens, sequences, FLOPs
-        self.sums = torch.zeros(7, dtype=torch.float64)
+        # On the device: loss, mlm, nsp (sums over micro-batches), real tokens, sequences
+        # (instances: a packed row holds several, each with its NSP label), predictions.
+        self.device_sums = torch.zeros(6, dtype=torch.float64, device=self.device)
+        # On the host, from shapes: micro-batches, FLOPs without the MLM head's.
+        self.host_sums = [0, 0]
         self.restart_clock()
 
     def restart_clock(self) -> None:
         self.started = time.time()
 
     def add(self, out, batch: dict[str, torch.Tensor]) -> None:
-        self.sums += torch.tensor([
-            out.loss.item(), out.mlm_loss.item(), out.nsp_loss.item(), 1.0,
-            # Instances, not rows: a packed row holds several (their NSP slots are labelled).
-            batch["attention_mask"].sum().item(),
-            (batch["next_sentence_label"] != IGNORE_INDEX).sum().item(),
-            float(self._batch_flops(batch)),
-        ], dtype=torch.float64)
+        values = (out.loss, out.mlm_loss, out.nsp_loss, batch["attention_mask"].sum(),
+                  (batch["next_sentence_label"] != IGNORE_INDEX).sum(),
+                  (batch["labels"] != IGNORE_INDEX).sum())
+        self.device_sums += torch.stack([value.detach().double() for value in values])
+        self.host_sums[0] += 1
+        self.host_sums[1] += self._flops_without_head(batch)
 
-    def _batch_flops(self, batch: dict[str, torch.Tensor]) -> int:
-        """FLOPs of this micro-batch at its real padded width and label count, not the
-        dataset's maximum: the loader pads each batch only to its longest row."""
+    def _flops_without_head(self, batch: dict[str, torch.Tensor]) -> int:
+        """FLOPs of a micro-batch at its real padded width (the loader pads each batch only
+        to its longest row), the MLM head apart: that one is the device's count of labels
+        x `flops_per_prediction`, the head running on the labelled positions only."""
         batch_size, width = batch["input_ids"].shape
-        labelled_per_row = (batch["labels"] != IGNORE_INDEX).sum(dim=1)
+        # The last layer runs on the [CLS] column(s) + the head's slots (model.output_rows).
+        num_cls = batch["cls_positions"].shape[1] if "cls_positions" in batch else 1
         c = self.model_config
         return training_flops_per_batch(
             num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
-            batch_size=batch_size, seq_len=width,
-            num_predictions=int(labelled_per_row.sum().item()),
-            # The last layer runs on [CLS] + the labelled positions (training.model.output_rows).
-            last_layer_rows=1 + int(labelled_per_row.max().item()) if batch_size else 0,
+            batch_size=batch_size, seq_len=width, num_predictions=0,
+            last_layer_rows=num_cls + min(self.max_predictions, width) if batch_size else 0,
         )
 
     def reduce(self, engine) -> dict[str, Any]:
-        sums = self.sums.clone()
-        dist.all_reduce(sums)
-        loss, mlm, nsp, micro_batches, tokens, sequences, flops = sums.tolist()
+        host = torch.tensor(self.host_sums, dtype=torch.float64, device=self.device)
+        sums = all_reduce_sum(torch.cat([self.device_sums, host]), self.device)
+        values = sums.tolist()  # the one host sync of the interval
+        loss, mlm, nsp, tokens, sequences, predictions, micro_batches, flops = values
+        flops += predictions * self.flops_per_prediction
+        # Timed after the sync: the interval's queued GPU work is done, and none of it is
+        # counted in the next interval.
         seconds = max(time.time() - self.started, 1e-9)
         self._reset()
         tflops = flops / seconds / 1e12  # all ranks together

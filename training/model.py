@@ -147,13 +147,18 @@ PRESETS: dict[str, Callable[[int], BertConfig]] = {
 
 @dataclass
 class PreTrainingOutput:
-    """`prediction_logits` is [num_predicted, vocab] when labels were given, else [B, S, vocab]."""
+    """`prediction_logits` without labels: [B, S, vocab]. With labels, at the labelled
+    positions only, row-major (batch, position), and `prediction_labels` their targets:
+    [num_predicted, vocab] and [num_predicted] when the model's `max_predictions` is unset;
+    [B, W, vocab] and [B, W] with it set (W = min(max_predictions, S): each row's labelled
+    positions in order, then padding slots whose label is IGNORE_INDEX)."""
 
     loss: torch.Tensor | None
     mlm_loss: torch.Tensor | None
     nsp_loss: torch.Tensor | None
     prediction_logits: torch.Tensor
     seq_relationship_logits: torch.Tensor
+    prediction_labels: torch.Tensor | None = None
 
 
 class BertEmbeddings(nn.Module):
@@ -443,6 +448,12 @@ class BertPreTrainingHeads(nn.Module):
 class BertForPreTraining(nn.Module):
     """BERT with the MLM and NSP heads; `forward` takes a batch by its Hugging Face names."""
 
+    # The most labelled positions a row can have (the loader's max_predictions). Set, the
+    # sparse MLM head and the last layer run on a fixed number of slots per row and forward
+    # never waits for the device; unset (Hugging Face's contract: logits of exactly the
+    # labelled positions), forward reads the most labels in a row back from the device.
+    max_predictions: int | None = None
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.config = config
@@ -551,7 +562,7 @@ class BertForPreTraining(nn.Module):
             )
             prediction_logits = self.cls.predictions(sequence_output)
         else:
-            rows, labelled = output_rows(labels)
+            rows, prediction_labels = output_rows(labels, self.max_predictions)
             num_cls = 1
             if cls_positions is not None:  # a packed row's [CLS]s in place of position 0
                 rows = torch.cat([cls_positions, rows[:, 1:]], dim=1)
@@ -559,10 +570,15 @@ class BertForPreTraining(nn.Module):
             sequence_output, pooled_output = self.bert(
                 input_ids, token_type_ids, attention_mask, last_rows=rows, **packed
             )
-            # First the [CLS] column(s); then each row's labelled positions in order.
+            # First the [CLS] column(s); then each row's labelled positions in order, padding.
             prediction_logits, mlm_loss = self._sparse_mlm(
-                sequence_output[:, num_cls:][labelled], labels[labels != IGNORE_INDEX]
+                sequence_output[:, num_cls:], prediction_labels
             )
+            if self.max_predictions is None:  # exactly the labelled positions, [N, vocab]
+                real = prediction_labels != IGNORE_INDEX
+                prediction_logits, prediction_labels = (
+                    prediction_logits[real], prediction_labels[real]
+                )
         seq_relationship_logits = self.cls.seq_relationship(pooled_output)
         if next_sentence_label is not None:
             # Packed: one per instance slot, empty slots IGNORE_INDEX: the mean over instances.
@@ -576,20 +592,28 @@ class BertForPreTraining(nn.Module):
             nsp_loss=nsp_loss,
             prediction_logits=prediction_logits,
             seq_relationship_logits=seq_relationship_logits,
+            prediction_labels=None if labels is None else prediction_labels,
         )
 
     def _sparse_mlm(
-        self, predicted_output: torch.Tensor, targets: torch.Tensor
+        self, slot_output: torch.Tensor, targets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MLM logits and mean loss at the labelled positions only, row-major (batch, position)."""
-        prediction_logits = self.cls.predictions(predicted_output)
+        """MLM logits [B, W, vocab] at the slots of `output_rows`, and the mean loss over the
+        slots whose target is not IGNORE_INDEX (padding slots add 0 to the sum, no gradient).
+
+        Sum / count rather than cross_entropy's mean: the same number, and with no labels at
+        all a zero loss still connected to the graph, where the mean over no elements is NaN
+        and would poison the optimizer state.
+        """
+        prediction_logits = self.cls.predictions(slot_output)
         targets = targets.long()
-        if targets.numel() == 0:
-            # Nothing to predict: a zero loss still connected to the graph, where Hugging Face's
-            # mean over no elements would give NaN and poison the optimizer state.
-            return prediction_logits, prediction_logits.float().sum() * 0.0
         # fp32 softmax: bf16's 8-bit mantissa makes a log-sum-exp over 30k logits noisy.
-        return prediction_logits, F.cross_entropy(prediction_logits.float(), targets)
+        loss_sum = F.cross_entropy(
+            prediction_logits.float().flatten(0, 1), targets.flatten(),
+            ignore_index=IGNORE_INDEX, reduction="sum",
+        )
+        num_predicted = (targets != IGNORE_INDEX).sum()
+        return prediction_logits, loss_sum / num_predicted.clamp(min=1)
 
 
 def _check_packed(
@@ -611,22 +635,41 @@ def _check_packed(
                          f"{tuple(next_sentence_label.shape)}")
 
 
-def output_rows(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions the heads read: [B, 1 + max labels per row] = [CLS], then each row's
-    labelled positions in increasing order, padded with position 0; and which are real.
+def output_rows(
+    labels: torch.Tensor, max_predictions: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions the heads read, [B, 1 + W]: [CLS] (position 0), then each row's labelled
+    positions in increasing order, then position 0 again in the slots a row does not fill;
+    and the labels at the W slots, [B, W], IGNORE_INDEX at the unfilled ones.
 
     Only these need the last encoder layer's output: its queries, attention output and FFN
-    run on ~21 of 128 positions (keys and values still on all), which saves ~70 % of that
-    layer, ~6 % of BERT-base's step. The width is data-dependent: one device sync.
+    run on 21 of 128 positions (keys and values still on all), which saves ~70 % of that
+    layer, ~6 % of BERT-base's step.
+
+    W = min(max_predictions, S) comes from shapes alone: no device value is read, nothing is
+    indexed by a mask, so a GPU step never waits here (Google's BERT gathers a fixed
+    max_predictions_per_seq the same way). The unfilled slots cost little: at 128 tokens
+    rows are mostly full (round(0.15 x 126) = 19 of 20 slots used). Without max_predictions
+    W is the most labels in a row, read from the device: one host sync.
     """
     labelled = labels != IGNORE_INDEX
     counts = labelled.sum(dim=1)
-    width = int(counts.max()) if labels.numel() else 0
+    if max_predictions is None:
+        width = int(counts.max()) if labels.numel() else 0
+    else:
+        width = min(max_predictions, labels.shape[1])
+        # More labels in a row than slots would drop some silently. Checked on the device
+        # (on a GPU a device-side assert; no host sync): the loader never exceeds its bound.
+        torch._assert_async(
+            (counts <= width).all(), f"a row has more than max_predictions={width} labels"
+        )
     # A stable sort of "not labelled" flags puts the labelled positions first, in order.
     order = torch.sort((~labelled).to(torch.uint8), dim=1, stable=True).indices[:, :width]
     real = torch.arange(width, device=labels.device) < counts[:, None]
-    cls = torch.zeros(labels.shape[0], 1, dtype=order.dtype, device=labels.device)
-    return torch.cat([cls, torch.where(real, order, 0)], dim=1), real
+    positions = torch.where(real, order, 0)
+    targets = torch.where(real, labels.gather(1, positions), IGNORE_INDEX)
+    cls = torch.zeros(labels.shape[0], 1, dtype=positions.dtype, device=labels.device)
+    return torch.cat([cls, positions], dim=1), targets
 
 
 def _total_loss(
