@@ -110,7 +110,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     total_tokens = 0
     while step < cfg.max_steps:
         for _ in range(accumulation):
-            batch = {k: v.to(engine.device) for k, v in next(batches).items()}
+            batch = _to_device(next(batches), engine.device)
             out = engine(**batch)
             engine.backward(out.loss)
             engine.step()
@@ -221,6 +221,20 @@ def _endless(loader: PretrainingLoader) -> Iterator[dict[str, torch.Tensor]]:
                 f"({loader.batch_size} x {loader.world_size})"
             )
         loader.set_epoch(loader.epoch + 1)
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch on the engine's device, without waiting for the GPU.
+
+    From pageable memory a copy to CUDA ends in cudaStreamSynchronize: the host would wait for
+    the running step to drain at every micro-step. From pinned memory with non_blocking it is
+    queued behind that step. Pinning 4 x 256 x 128 x 8 B = ~1 MB a micro-batch is a memcpy;
+    torch's caching host allocator reuses its pinned blocks once their copies are done.
+    """
+    if torch.device(device).type != "cuda":
+        return {name: tensor.to(device) for name, tensor in batch.items()}
+    return {name: tensor.pin_memory().to(device, non_blocking=True)
+            for name, tensor in batch.items()}
 
 
 class _Window:
