@@ -254,7 +254,9 @@ def load_fp32_state_dict(checkpoint_path: str) -> dict[str, torch.Tensor]:
     if not os.path.exists(os.path.join(checkpoint_path, COMMIT_MARKER)):
         raise ValueError(f"{checkpoint_path} is not a complete checkpoint (no {COMMIT_MARKER})")
     verify_safe_to_unpickle(checkpoint_path)
-    if _is_zero_checkpoint(checkpoint_path):
+    if _is_bf16_optimizer_checkpoint(checkpoint_path):
+        state = _fp32_state_dict_from_bf16_optimizer(checkpoint_path)
+    elif _is_zero_checkpoint(checkpoint_path):
         state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
     else:  # ZeRO stage 0: the module states file holds the full weights
         files = [f for f in os.listdir(checkpoint_path) if f.endswith("model_states.pt")]
@@ -267,6 +269,58 @@ def load_fp32_state_dict(checkpoint_path: str) -> dict[str, torch.Tensor]:
 def _is_zero_checkpoint(checkpoint_path: str) -> bool:
     return any(name.endswith("_optim_states.pt") and "zero" in name
                for name in os.listdir(checkpoint_path))
+
+
+_BF16_OPTIMIZER_FILE = re.compile(r"^bf16_zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+def _bf16_optimizer_files(checkpoint_path: str) -> list[str]:
+    """The per-rank optimizer files that bf16 engines write, in rank order."""
+    ranked = [(int(m.group(1)), name) for name in os.listdir(checkpoint_path)
+              if (m := _BF16_OPTIMIZER_FILE.match(name))]
+    return [os.path.join(checkpoint_path, name) for _, name in sorted(ranked)]
+
+
+def _is_bf16_optimizer_checkpoint(checkpoint_path: str) -> bool:
+    """Saved by DeepSpeed's BF16_Optimizer (ZeRO-1 under bf16 with fp32 gradient
+    accumulation, training.engine): its state names no ZeRO stage, unlike the ZeRO
+    optimizers' files of the same name."""
+    files = _bf16_optimizer_files(checkpoint_path)
+    if not files:
+        return False
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        blob = torch.load(files[0], weights_only=True, mmap=True, map_location="cpu")
+    state = blob["optimizer_state_dict"]
+    return "zero_stage" not in state and "param_slice_mappings" in state
+
+
+def _fp32_state_dict_from_bf16_optimizer(checkpoint_path: str) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a BF16_Optimizer checkpoint, which zero_to_fp32 does not read.
+
+    Each rank's file holds its flat fp32 partition of every parameter group and, per parameter,
+    the (start, numel) of its fragment in that partition; the partitions are consecutive slices
+    of the flat group, so a parameter is its fragments in rank order.
+    """
+    fragments: dict[str, list[torch.Tensor]] = {}
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        for path in _bf16_optimizer_files(checkpoint_path):
+            blob = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+            optimizer_state = blob["optimizer_state_dict"]
+            for partition, addresses in zip(optimizer_state["single_partition_of_fp32_groups"],
+                                            optimizer_state["param_slice_mappings"], strict=True):
+                for name, address in addresses.items():
+                    fragment = partition.narrow(0, address.start, address.numel)
+                    fragments.setdefault(name, []).append(fragment)
+        files = [f for f in os.listdir(checkpoint_path) if f.endswith("model_states.pt")]
+        model_states = torch.load(os.path.join(checkpoint_path, sorted(files)[0]),
+                                  weights_only=True, mmap=True, map_location="cpu")
+    state = {}
+    for group in model_states["param_shapes"]:
+        for name, shape in group.items():
+            state[name] = torch.cat(fragments[name]).view(shape)
+    for alias, source in model_states["shared_params"].items():  # the tied decoder
+        state[alias] = state[source]
+    return state
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

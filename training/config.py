@@ -50,9 +50,16 @@ class TrainConfig:
     adam_betas: tuple[float, float] = _field((0.9, 0.999), "Adam's beta1 and beta2")
     adam_eps: float = _field(1e-6, "Adam's epsilon")
     gradient_clipping: float = _field(1.0, "global gradient-norm clip")
-    zero_stage: int = _field(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3))
+    # None: decided when training starts, from the live world size, the precision and the
+    # device's memory (training.recipes.default_zero_stage); a resumed run keeps its own.
+    zero_stage: int | None = _field(help="DeepSpeed ZeRO stage (default: decided at start: "
+                                    "1 on several workers; on one, 0 in fp32 and 1 under bf16 "
+                                    "(DeepSpeed's fp32-accumulating path); 2/3 only when the "
+                                    "GPU's memory needs it)", choices=(0, 1, 2, 3))
     precision: str = _field("bf16", "mixed precision of the engine", choices=PRECISIONS)
     activation_checkpointing: bool = _field(False, "recompute each encoder layer in backward")
+    compile: bool = _field(False, "torch.compile the model inside the engine (in place: "
+                           "state-dict names keep no _orig_mod. prefix)")
     seed: int = _field(12345, "model initialisation, masking and data order")
     mask_prob: float = _field(0.15, "share of tokens to predict")
     max_predictions: int | None = _field(help="masked positions per sequence (default: the "
@@ -91,7 +98,7 @@ class TrainConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.decay not in DECAYS:
             raise ValueError(f"decay must be one of {DECAYS}, got {self.decay!r}")
-        if self.zero_stage not in (0, 1, 2, 3):
+        if self.zero_stage not in (None, 0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps", "log_every"):
             if getattr(self, name) < 1:
@@ -112,7 +119,7 @@ class TrainConfig:
     def _check_optimizer(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.optimizer == "lamb" and self.zero_stage != 0:
+        if self.optimizer == "lamb" and self.zero_stage not in (None, 0):  # None: 0 for LAMB
             # ZeRO >= 1 hands the optimizer flat partitions that cut across parameters, so
             # LAMB's per-layer trust ratio ||w|| / ||update|| would be computed over slices of
             # several layers: silently wrong. DeepSpeed's FusedLamb is CUDA-only besides.

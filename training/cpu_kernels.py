@@ -35,7 +35,14 @@ def plain_fp32_cpu(tensor: torch.Tensor) -> bool:
         tensor.device.type == "cpu"
         and tensor.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()  # see `eager_cpu`
     )
+
+
+def eager_cpu(tensor: torch.Tensor) -> bool:
+    """On a CPU and not being traced by torch.compile, which generates its own fused kernels
+    (the oneDNN linear among them): there the fast paths here would only break its graph."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +132,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu":
+    if not eager_cpu(x):
         return F.dropout(x, p, training=True)
     return x * _cpu_dropout_mask(x, p)
 

@@ -19,11 +19,11 @@ from bertforge.training.config import TrainConfig
 from bertforge.training.data import MaskingOptions, PackingOptions, PretrainingLoader
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.distributed import all_reduce_sum
-from bertforge.training.engine import build_engine, ensure_process_group
+from bertforge.training.engine import build_engine, ensure_process_group, resolve_zero_stage
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
 from bertforge.training.metrics import MetricsLogger, console
-from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining
+from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining, num_parameters
 from bertforge.training.warm_start import load_initial_weights
 
 # Called on every rank after each committed checkpoint with {"step", "checkpoint_path", ...}.
@@ -63,13 +63,17 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     masking = MaskingOptions(cfg.max_predictions, cfg.mask_prob, cfg.whole_word_masking)
     masking = masking.for_dataset(facts)
     accumulation = cfg.accumulation_steps(world_size)  # validates the batch arithmetic
+    resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
+    saved = checkpoint.read_metadata(resume_from) if resume_from is not None else None
+    # zero_stage None: decided here, where the world size is known; a resume keeps its own.
+    # From here on cfg names the stage: the printed recipe, config.json, checkpoint metadata.
+    cfg = resolve_zero_stage(cfg, world_size, num_parameters=count_parameters(model_config),
+                             saved_stage=None if saved is None else saved.get("zero_stage"))
     if rank == 0:
         _print_recipe(cfg, model_config, world_size)
 
-    resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
     # Another number of workers under ZeRO >= 1: load through DeepSpeed's universal format.
-    universal = resume_from is not None and check_world_size_change(
-        checkpoint.read_metadata(resume_from), cfg, resume_from)
+    universal = saved is not None and check_world_size_change(saved, cfg, resume_from)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = BertForPreTraining(model_config)
     model.gradient_checkpointing = cfg.activation_checkpointing
@@ -143,6 +147,12 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         tokens_per_second=total_tokens / seconds if seconds > 0 else 0.0,
         train_seconds=seconds,
     )
+
+
+def count_parameters(model_config: BertConfig) -> int:
+    """The model's parameter count, from a model on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return num_parameters(BertForPreTraining(model_config))
 
 
 def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str) -> None:

@@ -35,7 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bertforge.training.cpu_kernels import Dropout, Linear, linear, scaled_dot_product_attention
+from bertforge.training.cpu_kernels import (
+    Dropout,
+    Linear,
+    eager_cpu,
+    linear,
+    scaled_dot_product_attention,
+)
 
 # Hugging Face's (and PyTorch's cross_entropy default) marker for "not predicted".
 IGNORE_INDEX = -100
@@ -146,7 +152,7 @@ PRESETS: dict[str, Callable[[int], BertConfig]] = {
 
 
 @dataclass
-class PreTrainingOutput:
+class PreTrainingOutput(dict):
     """`prediction_logits` without labels: [B, S, vocab]. With labels, at the labelled
     positions only, row-major (batch, position), and `prediction_labels` their targets:
     [num_predicted, vocab] and [num_predicted] when the model's `max_predictions` is unset;
@@ -159,6 +165,14 @@ class PreTrainingOutput:
     prediction_logits: torch.Tensor
     seq_relationship_logits: torch.Tensor
     prediction_labels: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # Also a dict of its fields, as Hugging Face's ModelOutput: DeepSpeed 0.19 runs its
+        # backward prologue from hooks on the output's tensors, found through tensors, tuples,
+        # lists and dicts only. Without them its BF16_Optimizer (ZeRO-1 under bf16 with fp32
+        # accumulation) never clears the bf16 gradients between micro-steps and adds earlier
+        # micro-batches again: g0 + g1/2 instead of (g0 + g1)/2 over two (measured).
+        self.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
 
 
 class BertEmbeddings(nn.Module):
@@ -384,7 +398,8 @@ def _key_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     `_instance_mask` instead."""
     if attention_mask is None:
         return None
-    if attention_mask.device.type == "cpu" and bool(attention_mask.all()):
+    # Not under torch.compile: reading the mask's value would break the graph there.
+    if eager_cpu(attention_mask) and bool(attention_mask.all()):
         return None
     return (attention_mask == 0)[:, None, None, :]
 

@@ -18,6 +18,35 @@ stability at large batch, and the same sequence budget as Google:
 The global batch is fixed; accumulation follows from the live world size (e.g. 4,096 = 64 micro
 x 8 accumulation x 8 GPUs), so the same recipe runs, and resumes, on any worker count that
 divides it. Every keyword overrides a field, e.g. `bert_base_phase1(d, r, max_steps=100)`.
+
+ZeRO stage: the full-size recipes leave it to the hardware (`zero_stage=None`), decided when
+training starts by `default_zero_stage` from the live world size, the precision and the GPU's
+memory; `--zero-stage` (or `zero_stage=`) overrides it, and the stage used is recorded in the
+run's config.json and each checkpoint's bertforge.json (a resumed run keeps it). BERT's model
+states are small next to a GPU. BERT-large, 335M parameters, bf16 with AdamW:
+
+    bf16 weights         335M x 2 B = 0.67 GB
+    bf16 gradients       335M x 2 B = 0.67 GB
+    fp32 master weights  335M x 4 B = 1.34 GB
+    Adam moments m, v    335M x 8 B = 2.68 GB
+                                      ------- 5.4 GB
+    fp32 gradient accumulation buffer 1.34 GB (grad_accum_dtype fp32, see training.engine)
+                                      ------- 6.7 GB per GPU unsharded: 8 % of an 80 GB GPU
+
+So nothing needs sharding for memory; what matters is communication:
+- one GPU: no ZeRO partitioning, the DDP-like path. In fp32 that is stage 0. Under bf16 it is
+  stage 1: DeepSpeed 0.19 accumulates gradients in fp32 only through a ZeRO optimizer (stage 0
+  with bf16 and grad_accum_dtype fp32 raises NotImplementedError), and stage 1 under bf16 with
+  fp32 accumulation is its BF16_Optimizer, which on one rank shards nothing: fp32 master
+  weights, moments and gradient buffer whole, as in DDP;
+- several GPUs: stage 1 (optimizer state sharded: 12 B x 335M / 8 GPUs = 0.5 GB each instead of
+  4 GB) with `overlap_comm`. Gradients are reduced once per optimizer step, at the end of the
+  accumulation: the phase-1 recipe's 4,096 = 64 micro x 8 accumulation x 8 GPUs reduces 1.3 GB
+  of fp32 gradients once per 8 micro-steps, where ZeRO-2 would reduce-scatter after every one.
+  (Under bf16 the BF16_Optimizer does that reduction after backward; `overlap_comm` overlaps it
+  for the fp32 and fp16 ZeRO-1 optimizer.)
+- ZeRO-2, then ZeRO-3, only when the model states at stage 1 would take more than half of the
+  device's memory (the rest is for activations): never for BERT on a 16 GB or larger GPU.
 """
 
 from __future__ import annotations
@@ -26,13 +55,67 @@ from typing import Any
 
 from bertforge.training.config import TrainConfig
 
-# Shared by every full-size recipe: Google's masking and decay, bf16 and ZeRO-1 (optimizer
-# state sharded; gradients need no sharding at these sizes).
+# Shared by every full-size recipe: Google's masking and decay, bf16, and the ZeRO stage that
+# fits the hardware (None: `default_zero_stage` at start).
 _COMMON: dict[str, Any] = dict(
     decay="linear", weight_decay=0.01, adam_betas=(0.9, 0.98), adam_eps=1e-6,
-    gradient_clipping=1.0, zero_stage=1, precision="bf16", optimizer="adamw",
+    gradient_clipping=1.0, zero_stage=None, precision="bf16", optimizer="adamw",
     log_every=50, checkpoint_every=1000, keep_checkpoints=3, eval_every=2000, eval_batches=100,
 )
+
+# Share of the device's memory that model states (weights, gradients, optimizer) may take;
+# the rest is for activations (BERT-large at 64 x 128 tokens in bf16: ~10 GB).
+MODEL_STATE_MEMORY_SHARE = 0.5
+
+
+def model_state_bytes(
+    num_parameters: int, *, precision: str, zero_stage: int, world_size: int
+) -> float:
+    """Bytes of weights, gradients and AdamW state per rank (the table in the module docstring).
+
+    Per parameter: weights w (2 B in bf16/fp16, 4 in fp32), gradients g (2 or 4) and, under bf16
+    at stage >= 1, a 4 B fp32 accumulation buffer a; optimizer o = fp32 moments 8 B, plus a 4 B
+    fp32 master copy in bf16/fp16. Stage 1 shards o, stage 2 also g + a, stage 3 also w.
+    """
+    low_precision = precision in ("bf16", "fp16")
+    w = g = 2 if low_precision else 4
+    a = 4 if precision == "bf16" and zero_stage >= 1 else 0
+    o = 8 + (4 if low_precision else 0)
+    n = world_size
+    per_parameter = {
+        0: w + g + a + o,
+        1: w + g + a + o / n,
+        2: w + (g + a + o) / n,
+        3: (w + g + a + o) / n,
+    }[zero_stage]
+    return num_parameters * per_parameter
+
+
+def default_zero_stage(
+    *, world_size: int, precision: str, optimizer: str = "adamw",
+    num_parameters: int | None = None, device_memory_bytes: int | None = None,
+) -> int:
+    """The ZeRO stage for a run that does not name one (see the module docstring):
+
+    - LAMB: 0 (ZeRO's flat partitions break its per-layer trust ratios; training.optim);
+    - one rank: 0, or 1 under bf16, DeepSpeed's only fp32-accumulating bf16 path (which
+      shards nothing on one rank);
+    - several ranks: 1 (with overlap_comm, set by training.engine);
+    - then, on several ranks, 2 and 3 while the model states would exceed
+      MODEL_STATE_MEMORY_SHARE of `device_memory_bytes` (unknown, e.g. on a CPU: no
+      escalation; on one rank sharding saves nothing).
+    """
+    if optimizer == "lamb":
+        return 0
+    stage = 1 if world_size > 1 or precision == "bf16" else 0
+    if num_parameters is None or device_memory_bytes is None or world_size == 1:
+        return stage
+    budget = MODEL_STATE_MEMORY_SHARE * device_memory_bytes
+    while stage < 3 and model_state_bytes(
+        num_parameters, precision=precision, zero_stage=stage, world_size=world_size
+    ) > budget:
+        stage += 1
+    return stage
 
 
 def _recipe(data_dir: str, run_dir: str, values: dict[str, Any], overrides: dict[str, Any]):

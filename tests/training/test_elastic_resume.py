@@ -262,3 +262,18 @@ def test_pruning_drops_the_conversions_of_pruned_checkpoints_and_killed_conversi
     assert sorted(os.listdir(root)) == ["step_00000002", "step_00000002.universal",
                                         "step_00000003", "step_00000003.universal"]
     assert checkpoint.committed_steps(str(tmp_path)) == [2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp32_weights_of_a_two_worker_checkpoint_are_its_master_weights(two_worker_runs, stage):
+    """load_fp32_state_dict (export, evaluation, warm start) reassembles the fp32 masters of
+    ZeRO 1-3 shards, ZeRO-1 under bf16 (DeepSpeed's BF16_Optimizer) included. (Stage 0 under
+    bf16 reads the module's bf16 weights: its masters sit in an unnamed optimizer list.)"""
+    reference, state_file = two_worker_runs[stage]
+    step3 = os.path.join(checkpoint.checkpoints_root(reference.run_dir), checkpoint.tag_for_step(3))
+    masters = {key[: -len("/fp32")]: t for key, t in torch.load(state_file, weights_only=True)
+               .items() if key.endswith("/fp32")}
+    state = checkpoint.load_fp32_state_dict(step3)
+    for name, tensor in masters.items():
+        assert torch.equal(state[name], tensor), name

@@ -1,0 +1,78 @@
+"""`compile`: torch.compile in the loop itself, one graph per step (no breaks), plain names."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from bertforge.training import checkpoint
+from bertforge.training.model import BertConfig, BertForPreTraining
+from tests.training.test_model import random_batch
+
+
+def _graph_breaks(model, batch) -> tuple[int, list[str]]:
+    explanation = torch._dynamo.explain(model)(**batch)
+    return explanation.graph_break_count, [str(b.reason) for b in explanation.break_reasons]
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "bf16", "unpadded"])
+def test_the_model_traces_as_one_graph(mode):
+    """What `compile` wraps: a padded pair batch with labels through the sparse head (fixed
+    max_predictions), in training and evaluation, fp32 and bf16 weights: no graph break.
+    On the CPU the eager fast paths (oneDNN linear, lane dropout, the all-ones mask check)
+    step aside under tracing; on a GPU they are not taken at all."""
+    torch.manual_seed(0)
+    config = BertConfig(99, 32, 2, 2, 64)
+    model = BertForPreTraining(config)
+    model.max_predictions = 20
+    batch = random_batch(config, batch_size=4, seq_len=20)
+    if mode == "eval":
+        model.eval()
+    elif mode == "bf16":
+        model = model.bfloat16()
+    elif mode == "unpadded":
+        batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    count, reasons = _graph_breaks(model, batch)
+    assert count == 0, reasons
+
+
+@pytest.mark.slow
+def test_compile_in_the_loop_follows_eager_without_graph_breaks_and_keeps_plain_names(tmp_path):
+    """`--compile` in the real loop (fp32, no dropout so that both runs draw nothing): the
+    eager run's losses to rounding, no graph break, a bounded number of graphs over 8 steps of
+    varying batch width, and checkpoints and exports with plain parameter names."""
+    from bertforge.training.export import export_checkpoint
+    from bertforge.training.loop import train
+    from bertforge.training.metrics import read_metrics
+    from tests.training.conftest import write_dataset
+    from tests.training.test_loop import TINY, config
+
+    data = write_dataset(str(tmp_path / "data"), {"train": [96]}, max_seq_length=64)
+    no_dropout = {**TINY, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    common = dict(model=no_dropout, precision="fp32", zero_stage=0, max_steps=8,
+                  learning_rate=3e-3)
+    train(config(data, tmp_path / "eager", **common))
+    torch._dynamo.reset()
+    counters.clear()
+    run = train(config(data, tmp_path / "compiled", compile=True, **common))
+
+    def losses(run_dir) -> list[float]:
+        return [r["loss"] for r in read_metrics(str(run_dir)) if "loss" in r]
+
+    assert len(losses(tmp_path / "compiled")) == 8
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
+    assert dict(counters["graph_break"]) == {}
+    # Batches are padded to their longest row, so widths vary: a static graph, then one with
+    # a dynamic width, not a recompilation per step.
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    # nn.Module.compile works in place: no `_orig_mod.` in the checkpoint or the export.
+    states = torch.load(os.path.join(run.checkpoint_path, "mp_rank_00_model_states.pt"),
+                        weights_only=False)
+    assert states["module"] and not any("_orig_mod" in name for name in states["module"])
+    checkpoint.load_model(run.checkpoint_path)  # strict names
+    export_checkpoint(run.checkpoint_path, str(tmp_path / "hf"))
+    assert os.path.exists(tmp_path / "hf" / "model.safetensors")

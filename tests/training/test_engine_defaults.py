@@ -1,0 +1,176 @@
+"""ZeRO stage defaults that fit the hardware and fp32 gradient accumulation under bf16."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from bertforge.training import checkpoint, recipes
+from bertforge.training.config import TrainConfig
+from bertforge.training.engine import build_engine, deepspeed_config, resolve_zero_stage
+from bertforge.training.loop import train
+from bertforge.training.model import BertConfig, BertForPreTraining
+from tests.training.test_loop import config
+
+BERT_LARGE = 335_000_000
+GB = 1e9
+
+
+def test_bert_large_model_states_take_6_7_gb_per_gpu_unsharded():
+    """The module docstring's table: 2 + 2 + 4 + 4 + 8 bytes per parameter under bf16."""
+    state = recipes.model_state_bytes(BERT_LARGE, precision="bf16", zero_stage=1, world_size=1)
+    assert state / GB == pytest.approx(6.7)
+    no_accumulation_buffer = recipes.model_state_bytes(
+        BERT_LARGE, precision="bf16", zero_stage=0, world_size=1)
+    assert no_accumulation_buffer / GB == pytest.approx(5.36)
+    # Stage 1 on 8 GPUs shards the 12 B of master weights and moments: 0.5 GB each.
+    sharded = recipes.model_state_bytes(BERT_LARGE, precision="bf16", zero_stage=1, world_size=8)
+    assert (state - sharded) / GB == pytest.approx(12 * BERT_LARGE * 7 / 8 / GB)
+
+
+@pytest.mark.parametrize("world_size, precision, optimizer, expected", [
+    (1, "fp32", "adamw", 0),   # DDP-like, nothing to shard
+    (1, "bf16", "adamw", 1),   # BF16_Optimizer: fp32 accumulation, shards nothing on one rank
+    (8, "bf16", "adamw", 1),
+    (8, "fp32", "adamw", 1),
+    (8, "bf16", "lamb", 0),    # LAMB needs whole parameters
+])
+def test_default_zero_stage_follows_the_world_size(world_size, precision, optimizer, expected):
+    stage = recipes.default_zero_stage(
+        world_size=world_size, precision=precision, optimizer=optimizer,
+        num_parameters=BERT_LARGE, device_memory_bytes=80 * 2**30,
+    )
+    assert stage == expected
+
+
+def test_zero_2_and_3_only_when_the_model_states_do_not_fit():
+    def stage(num_parameters: int, world_size: int = 8, memory_gb: float = 80) -> int:
+        return recipes.default_zero_stage(
+            world_size=world_size, precision="bf16", num_parameters=num_parameters,
+            device_memory_bytes=int(memory_gb * 2**30))
+
+    assert stage(BERT_LARGE, memory_gb=16) == 1
+    # 5B parameters x (8 + 12/8) B = 47.5 GB > 40 GB; x (2 + 18/8) B = 21 GB fits.
+    assert stage(5_000_000_000) == 2
+    assert stage(20_000_000_000) == 3  # x (2 + 18/8) B = 85 GB > 40 GB
+    assert stage(20_000_000_000, world_size=1) == 1  # one rank: sharding saves nothing
+    # Unknown device memory (a CPU): no escalation.
+    assert recipes.default_zero_stage(world_size=8, precision="bf16",
+                                      num_parameters=10**12) == 1
+
+
+def test_full_size_recipes_leave_the_stage_to_the_hardware_and_small_ones_keep_theirs():
+    assert recipes.bert_large_phase1("d", "r").zero_stage is None
+    assert recipes.bert_base_phase2("d", "r", init_from="x").zero_stage is None
+    assert recipes.bert_large_phase1("d", "r", zero_stage=2).zero_stage == 2  # override
+    assert recipes.bert_tiny_phase1("d", "r").zero_stage == 0
+    assert recipes.demo_recipe("d", "r").zero_stage == 2
+    assert TrainConfig(data_dir="d", run_dir="r").zero_stage is None
+
+
+def test_resolution_keeps_an_explicit_stage_and_a_resumed_run_s_own():
+    auto = TrainConfig(data_dir="d", run_dir="r", precision="bf16")
+    assert resolve_zero_stage(auto, 1).zero_stage == 1
+    assert resolve_zero_stage(auto, 4).zero_stage == 1
+    fp32 = TrainConfig(data_dir="d", run_dir="r", precision="fp32")
+    assert resolve_zero_stage(fp32, 1).zero_stage == 0
+    # A run saved under stage 0 on one GPU keeps stage 0 on four (its state loads anywhere).
+    assert resolve_zero_stage(fp32, 4, saved_stage=0).zero_stage == 0
+    explicit = TrainConfig(data_dir="d", run_dir="r", zero_stage=3)
+    assert resolve_zero_stage(explicit, 1, saved_stage=1).zero_stage == 3
+    lamb = TrainConfig(data_dir="d", run_dir="r", optimizer="lamb")
+    assert resolve_zero_stage(lamb, 8).zero_stage == 0
+    with pytest.raises(ValueError, match="lamb"):
+        TrainConfig(data_dir="d", run_dir="r", optimizer="lamb", zero_stage=1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_accumulates_gradients_in_fp32_where_deepspeed_can(stage):
+    ds = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", zero_stage=stage), 2)
+    if stage == 0:  # DeepSpeed 0.19: bf16 + fp32 accumulation at stage 0 is NotImplementedError
+        assert "data_types" not in ds
+    else:
+        assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert ds["zero_optimization"].get("overlap_comm", False) == (stage in (1, 2))
+    fp32 = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", zero_stage=stage,
+                                        precision="fp32"), 2)
+    assert "data_types" not in fp32  # the model dtype is fp32 already
+    one_rank = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", zero_stage=stage), 1)
+    assert "overlap_comm" not in one_rank["zero_optimization"]  # nothing to overlap
+
+
+def test_default_config_on_one_and_on_eight_ranks():
+    cfg = TrainConfig(data_dir="d", run_dir="r", micro_batch_size=8, global_batch_size=64)
+    one, eight = deepspeed_config(cfg, 1), deepspeed_config(cfg, 8)
+    assert one["zero_optimization"] == {"stage": 1}
+    assert eight["zero_optimization"] == {"stage": 1, "overlap_comm": True}
+    assert one["data_types"] == eight["data_types"] == {"grad_accum_dtype": "fp32"}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_engine_accumulates_the_mean_gradient_in_fp32_and_trains(stage):
+    """The built engine: DeepSpeed's data types and buffers say fp32 accumulation; after two
+    micro-batches it holds their mean gradient (an fp32 model's, up to bf16 rounding), not
+    the first counted twice; and a few optimizer steps lower the loss of a fixed batch."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from bertforge.training.engine import ensure_process_group
+    from tests.training.test_model import random_batch
+
+    ensure_process_group()
+    model_config = BertConfig(64, 32, 1, 2, 64, hidden_dropout_prob=0.0,
+                              attention_probs_dropout_prob=0.0)
+    cfg = TrainConfig(data_dir="d", run_dir="r", zero_stage=stage, micro_batch_size=4,
+                      gradient_accumulation_steps=2, learning_rate=1e-2, warmup_steps=0,
+                      max_steps=4, gradient_clipping=0.0)
+    torch.manual_seed(0)
+    reference = BertForPreTraining(model_config)
+    torch.manual_seed(0)
+    engine = build_engine(BertForPreTraining(model_config), cfg, world_size=1)
+    assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    if stage == 1:
+        assert type(engine.optimizer).__name__ == "BF16_Optimizer"
+        assert all(buffer.dtype == torch.float32
+                   for buffer in engine.optimizer.fp32_groups_gradients_flat)
+    else:
+        assert engine.optimizer.gradient_accumulation_dtype == torch.float32
+
+    micro_batches = [random_batch(model_config, batch_size=4, seq_len=12, seed=s) for s in (0, 1)]
+    parameters = list(reference.parameters())
+    per_batch = [torch.autograd.grad(reference(**b).loss, parameters) for b in micro_batches]
+    for batch in micro_batches:
+        engine.backward(engine(**batch).loss)
+    for (name, param), g0, g1 in zip(engine.module.named_parameters(), *per_batch, strict=True):
+        mean, accumulated = (g0 + g1) / 2, safe_get_full_grad(param).float()
+        assert accumulated.dtype == torch.float32
+        assert (accumulated - mean).norm() <= 0.05 * mean.norm() + 1e-6, name
+    engine.step()
+
+    batch = micro_batches[0]
+    losses = []
+    for _ in range(6):
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_the_stage_decided_at_start_is_recorded_and_a_resume_keeps_its_own(tmp_path):
+    from tests.training.conftest import write_dataset
+
+    data = write_dataset(str(tmp_path / "data"), {"train": [48]}, max_seq_length=64)
+    auto = train(config(data, tmp_path / "auto", zero_stage=None, max_steps=2))
+    with open(os.path.join(tmp_path / "auto", "config.json")) as f:
+        assert json.load(f)["train"]["zero_stage"] == 1  # bf16 on one worker
+    assert checkpoint.read_metadata(auto.checkpoint_path)["zero_stage"] == 1
+    # Saved under an explicit stage 2, resumed with none named: it stays at 2 (its optimizer
+    # state is laid out for stage 2), not the default 1.
+    train(config(data, tmp_path / "two", zero_stage=2, max_steps=2))
+    resumed = train(config(data, tmp_path / "two", zero_stage=None, max_steps=3))
+    assert resumed.global_step == 3
+    assert checkpoint.read_metadata(resumed.checkpoint_path)["zero_stage"] == 2
