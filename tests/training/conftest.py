@@ -135,3 +135,20 @@ def read_split_rows(data_dir: str, split: str) -> list[tuple[np.ndarray, int, in
 def dataset_dir(tmp_path_factory) -> str:
     """Read-only shared dataset: 70 train rows in 3 shards, 13 validation rows."""
     return write_dataset(str(tmp_path_factory.mktemp("dataset")))
+
+
+def reference_and_resumed(data_dir: str, options: dict, epoch: int, num_batches: int):
+    """(every batch of an uninterrupted epoch, a loader resumed after `num_batches` of it)."""
+    from bertforge.training.data import PretrainingLoader
+
+    reference = PretrainingLoader(data_dir, **options)
+    reference.set_epoch(epoch)
+    want = list(reference)
+    interrupted = PretrainingLoader(data_dir, **options)
+    interrupted.set_epoch(epoch)
+    iterator = iter(interrupted)
+    for _ in range(num_batches):
+        next(iterator)
+    resumed = PretrainingLoader(data_dir, **options)
+    resumed.load_state_dict(interrupted.state_dict())
+    return want, resumed

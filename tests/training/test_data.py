@@ -23,7 +23,7 @@ from bertforge.training.data import (
     token_frequencies,
 )
 from bertforge.training.masking import IGNORE_INDEX
-from tests.training.conftest import read_split_rows, write_dataset
+from tests.training.conftest import read_split_rows, reference_and_resumed, write_dataset
 
 KEYS = ("input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label")
 
@@ -532,21 +532,13 @@ def test_bucketing_keeps_global_batches_for_any_world_size(dataset_dir):
 
 def test_bucketing_resumes_exactly_and_masks_follow_the_sample(dataset_dir):
     options = dict(batch_size=4, seed=5, prefetch=3, **BUCKETS)
-    reference = PretrainingLoader(dataset_dir, **options)
-    reference.set_epoch(2)
-    want = all_batches(reference)
-    interrupted = PretrainingLoader(dataset_dir, **options)
-    interrupted.set_epoch(2)
-    iterator = iter(interrupted)
-    for _ in range(5):
-        next(iterator)
-    resumed = PretrainingLoader(dataset_dir, **options)
-    resumed.load_state_dict(interrupted.state_dict())
+    want, resumed = reference_and_resumed(dataset_dir, options, epoch=2, num_batches=5)
     assert_batches_equal(all_batches(resumed), want[5:])
     # Bucketing moves samples, not masks: a sample is masked the same in either order.
     plain = PretrainingLoader(dataset_dir, batch_size=4, seed=5)
     plain.set_epoch(2)
     by_index = {}
+    reference = PretrainingLoader(dataset_dir, **options)  # its order, for the sample indices
     for loader, batches in ((plain, all_batches(plain)), (reference, want)):
         order = loader.epoch_order(2)
         for g, batch in enumerate(batches):

@@ -9,6 +9,7 @@ import torch
 from bertforge.training.data import BucketingOptions, PackingOptions, PretrainingLoader
 from bertforge.training.data.packing import pack_layout, packing_groups, step_groups
 from bertforge.training.masking import IGNORE_INDEX
+from tests.training.conftest import reference_and_resumed
 
 PACKED_KEYS = ("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids",
                "cls_positions", "next_sentence_label")
@@ -228,16 +229,8 @@ def test_regrouping_keeps_global_batches_for_any_world_size(dataset_dir):
 def test_packed_loader_resumes_exactly(dataset_dir, regroup):
     options = dict(batch_size=4, seed=5, prefetch=3, gradient_accumulation_steps=2,
                    packing=PackingOptions(regroup=regroup))
-    reference = PretrainingLoader(dataset_dir, **options)
-    reference.set_epoch(2)
-    want = all_batches(reference)
-    interrupted = PretrainingLoader(dataset_dir, **options)
-    interrupted.set_epoch(2)
-    iterator = iter(interrupted)
-    for _ in range(5):  # inside an optimizer step: the same grouping resumes there too
-        next(iterator)
-    resumed = PretrainingLoader(dataset_dir, **options)
-    resumed.load_state_dict(interrupted.state_dict())
+    # After 5 batches: inside an optimizer step, where the same grouping resumes too.
+    want, resumed = reference_and_resumed(dataset_dir, options, epoch=2, num_batches=5)
     rest = all_batches(resumed)
     assert len(rest) == len(want) - 5
     for a, b in zip(rest, want[5:], strict=True):
