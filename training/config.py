@@ -85,6 +85,10 @@ class TrainConfig:
     keep_checkpoints: int = _field(2, "newest checkpoints kept")
     resume: bool = _field(True, "continue from the newest complete checkpoint in run_dir")
     dataloader_prefetch: int = _field(2, "batches prepared ahead by the loader thread")
+    # Rows are validated as they are read either way (training.data.integrity).
+    verify_checksums: bool = _field(True, "hash every shard against the manifest's sha256 "
+                                    "once per process, beside training (a mismatch stops the "
+                                    "run before its next checkpoint)")
 
     def __post_init__(self) -> None:
         if not self.data_dir or not self.run_dir:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bertforge.pipelines.contract.manifest import Manifest, read_manifest
+from bertforge.training.errors import as_user_error
 from bertforge.training.masking import default_max_predictions
 
 
@@ -23,8 +24,12 @@ class DatasetFacts:
 
     @classmethod
     def read(cls, data_dir: str) -> DatasetFacts:
-        """The facts of a local dataset directory (its `manifest.json`)."""
-        return cls.from_manifest(read_manifest(data_dir), data_dir)
+        """The facts of a local dataset directory (its `manifest.json`); a missing or
+        malformed manifest is a user error (`training.errors`), never retried."""
+        try:
+            return cls.from_manifest(read_manifest(data_dir), data_dir)
+        except (ValueError, FileNotFoundError) as error:
+            raise as_user_error(error) from error
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, data_dir: str = "the dataset") -> DatasetFacts:

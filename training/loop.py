@@ -16,7 +16,12 @@ import torch.distributed as dist
 from bertforge.pipelines.contract.manifest import VOCAB_NAME
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
-from bertforge.training.data import MaskingOptions, PackingOptions, PretrainingLoader
+from bertforge.training.data import (
+    MaskingOptions,
+    PackingOptions,
+    PretrainingLoader,
+    ReadOptions,
+)
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.distributed import all_reduce_sum
 from bertforge.training.engine import build_engine, ensure_process_group, resolve_zero_stage
@@ -24,7 +29,7 @@ from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining, num_parameters
-from bertforge.training.warm_start import load_initial_weights
+from bertforge.training.warm_start import check_resume_architecture, load_initial_weights
 
 # Called on every rank after each committed checkpoint with {"step", "checkpoint_path", ...}.
 ReportFn = Callable[[dict[str, Any]], None]
@@ -65,6 +70,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     accumulation = cfg.accumulation_steps(world_size)  # validates the batch arithmetic
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
     saved = checkpoint.read_metadata(resume_from) if resume_from is not None else None
+    if saved is not None:  # before any engine: a raw 'size mismatch' would say much less
+        check_resume_architecture(saved, model_config, resume_from)
     # zero_stage None: decided here, where the world size is known; a resume keeps its own.
     # From here on cfg names the stage: the printed recipe, config.json, checkpoint metadata.
     cfg = resolve_zero_stage(cfg, world_size, num_parameters=count_parameters(model_config),
@@ -86,6 +93,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         rank=rank, world_size=world_size, masking=masking, prefetch=cfg.dataloader_prefetch,
         packing=PackingOptions() if cfg.packing else None,
         gradient_accumulation_steps=accumulation,  # epochs end on an optimizer step
+        read=ReadOptions(verify_checksums=cfg.verify_checksums),
     )
     # The loader's bound on labels per row: the sparse head runs on that many slots, so a step
     # never waits for the device to say how many labels a batch holds.
@@ -130,6 +138,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
             logger.log(step, validation.run(engine))
             window.restart_clock()  # evaluation time is no training throughput
         if step == cfg.max_steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+            loader.wait_for_checksums()  # no checkpoint from shards not yet verified
             client_state.update(loader=loader.state_dict(), global_step=step)
             path = checkpoint.save(
                 engine, cfg.run_dir, step, client_state, metadata=metadata,
@@ -360,6 +369,7 @@ class _Validation:
         loader = PretrainingLoader(
             cfg.data_dir, "validation", batch_size=cfg.micro_batch_size, seed=cfg.seed,
             rank=rank, world_size=world_size, masking=masking, prefetch=0,
+            read=ReadOptions(verify_checksums=cfg.verify_checksums),
         )
         # The baseline guess from the validation tokens: the train split may be terabytes.
         baseline = most_frequent_token(token_frequencies(cfg.data_dir, "validation"), cfg.data_dir)

@@ -12,6 +12,7 @@ import torch
 
 from bertforge.pipelines.contract.manifest import sha256_file
 from bertforge.training import checkpoint
+from bertforge.training.errors import UserInputError
 from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES, import_hf_state_dict
 from bertforge.training.model import BertConfig, BertForPreTraining
 
@@ -62,15 +63,32 @@ def read_initial_weights(source: str) -> tuple[BertConfig, dict[str, torch.Tenso
     return config, {name: tensor.float() for name, tensor in state.items()}, vocab_sha256
 
 
-def check_architecture(source: BertConfig, target: BertConfig, source_name: str) -> None:
-    """A clear error naming every architecture field that differs."""
-    differences = [
+def architecture_differences(source: BertConfig, target: BertConfig) -> list[str]:
+    """'hidden_size 128 != 256' for every architecture field that differs (source first)."""
+    return [
         f"{name} {getattr(source, name)} != {getattr(target, name)}"
         for name in ARCHITECTURE_FIELDS
         if getattr(source, name) != getattr(target, name)
     ]
+
+
+def check_architecture(source: BertConfig, target: BertConfig, source_name: str) -> None:
+    """A clear error naming every architecture field that differs."""
+    differences = architecture_differences(source, target)
     if differences:
-        raise ValueError(
+        raise UserInputError(
             f"init_from {source_name} has another architecture than the recipe's model: "
             + ", ".join(differences)
+        )
+
+
+def check_resume_architecture(saved: dict, target: BertConfig, checkpoint_path: str) -> None:
+    """A resume loads the checkpoint's shapes: refuse a requested model of another architecture
+    (`saved`: the checkpoint's bertforge.json) in one line, before any engine is built."""
+    differences = architecture_differences(BertConfig.from_dict(saved["model_config"]), target)
+    if differences:
+        raise UserInputError(
+            f"cannot resume {checkpoint_path}: another architecture than the requested model "
+            f"(checkpoint != requested: {', '.join(differences)}); use the run's own model, "
+            "or another --run-dir (or --resume never) for a new run"
         )

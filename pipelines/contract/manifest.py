@@ -123,8 +123,14 @@ def read_manifest(data_dir: str) -> Manifest:
             f"{path} not found: {data_dir} is not a prepared dataset, or its preparation "
             "did not finish (the manifest is written last)"
         )
-    with open(path, encoding="utf-8") as f:
-        return Manifest.from_dict(json.load(f))
+    try:
+        with open(path, encoding="utf-8") as f:
+            return Manifest.from_dict(json.load(f))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        # JSONDecodeError and UnicodeDecodeError are ValueErrors; a missing key or a value of
+        # the wrong shape is a KeyError/TypeError: all say "this file is not a manifest".
+        what = f"missing key {error}" if isinstance(error, KeyError) else str(error)
+        raise ValueError(f"{path} is not a valid bertforge manifest ({what})") from error
 
 
 def write_manifest(data_dir: str, manifest: Manifest) -> str:

@@ -283,9 +283,11 @@ def test_row_count_and_checksum_mismatch(damaged, tmp_path):
         PretrainingLoader(damaged, batch_size=4, seed=0)
     other = write_dataset(str(tmp_path / "same-size"), {"train": [23, 17, 30]}, seed=9)
     shutil.copy(shard_path(other), path)  # right row count, other content
-    PretrainingLoader(damaged, batch_size=4, seed=0)  # unnoticed without hashing
+    unhashed = ReadOptions(verify_checksums=False)
+    PretrainingLoader(damaged, batch_size=4, seed=0, read=unhashed)  # unnoticed without hashing
+    loader = PretrainingLoader(damaged, batch_size=4, seed=0)  # hashing in the background
     with pytest.raises(ValueError, match=f"{os.path.basename(path)} does not match its sha256"):
-        PretrainingLoader(damaged, batch_size=4, seed=0, read=ReadOptions(verify_checksums=True))
+        loader.wait_for_checksums()
 
 
 def test_vocabulary_mismatch(dataset_dir):

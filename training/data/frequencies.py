@@ -14,7 +14,7 @@ def token_frequencies(data_dir: str, split: str = "train") -> np.ndarray:
     The baseline of masked-LM accuracy: always guessing the most frequent token.
     """
     local_dir = local_dataset_dir(data_dir, split, None)
-    manifest, rows = open_split_rows(local_dir, split, verify_checksums=False)
+    manifest, rows = open_split_rows(local_dir, split)
     counts = np.zeros(manifest.tokenizer.vocab_size, dtype=np.int64)
     for token_ids in rows.iter_token_ids():
         if len(token_ids) and int(token_ids.max()) >= len(counts):

@@ -54,7 +54,9 @@ class PretrainingLoader:
         prefetch: batches prepared ahead by a background thread; 0 prepares them inline.
         masking: masking rules; max_predictions None takes the dataset's default.
         bucketing: length bucketing (batches of rows of similar length); None turns it off.
-        read: checks on open and where a remote dataset comes from (see `ReadOptions`).
+        read: checks on open and where a remote dataset comes from (see `ReadOptions`): by
+            default every shard's sha256 is verified in the background. Every row read is
+            validated either way (`training.data.integrity`).
         packing: several instances a row (see `training.data.packing`); None: one a row. A
             batch stays `batch_size` instances, each masked as unpacked. With
             `packing.regroup` the instances of each optimizer step are regrouped into global
@@ -86,6 +88,7 @@ class PretrainingLoader:
         _check_layout(batch_size, rank, world_size, gradient_accumulation_steps, prefetch, seed)
         opened = open_split(data_dir, split, read or ReadOptions())
         self.manifest, self._rows = opened.manifest, opened.rows
+        self._rules, self._checksums = opened.rules, opened.checksums
         self.facts = DatasetFacts.from_manifest(opened.manifest, data_dir)
         self.max_seq_length = self.facts.max_seq_length
         self.split = split
@@ -176,6 +179,12 @@ class PretrainingLoader:
         bound = int(self.collator.masking.mask_prob * self.max_seq_length + 1e-6) + slots
         return min(slots * per_instance, bound, self.max_seq_length)
 
+    def wait_for_checksums(self) -> None:
+        """Block until every shard of the split is hashed; raise naming a file that does not
+        match the manifest. The loop calls it before committing a checkpoint."""
+        if self._checksums is not None:
+            self._checksums.wait()
+
     def sample_lengths(self) -> np.ndarray:
         """Tokens of every sample of the split, by global index (from the shard offsets)."""
         if self._lengths is None:
@@ -263,7 +272,9 @@ class PretrainingLoader:
 
     def make_batch(self, order: np.ndarray, epoch: int, global_batch: int) -> dict[str, Any]:
         """Batch `global_batch` of an epoch, for this rank: gather, pad, mask (and pack)."""
-        rows = self._rows.gather(self.rank_indices(order, global_batch), self.pad_id)
+        if self._checksums is not None:
+            self._checksums.raise_if_failed()  # a shard's hash came back wrong meanwhile
+        rows = self._rows.gather(self.rank_indices(order, global_batch), self.pad_id, self._rules)
         batch = self.collator(rows, epoch)
         if self.packing is None:
             return batch

@@ -15,7 +15,9 @@ import numpy as np
 import pyarrow as pa
 
 from bertforge.pipelines.contract import manifest as manifest_lib
+from bertforge.training.data.integrity import RowRules, check_rows
 from bertforge.training.data.rows import RowBatch, padded_width
+from bertforge.training.errors import MissingInputError, UserInputError
 
 REQUIRED_COLUMNS = (
     manifest_lib.INPUT_IDS,
@@ -32,6 +34,8 @@ class Segment:
     values: np.ndarray  # flat token ids (uint16, or int32 for large vocabularies)
     num_a_tokens: np.ndarray
     next_sentence_label: np.ndarray
+    path: str = ""  # the shard file, for error messages
+    first_row: int = 0  # this record batch's first row within the file
 
 
 class ShardRows:
@@ -45,8 +49,18 @@ class ShardRows:
     def num_rows(self) -> int:
         return int(self._starts[-1])
 
-    def gather(self, indices: np.ndarray, pad_id: int) -> RowBatch:
-        """The rows `indices`, in that order, padded; reads only the pages those rows live on."""
+    def locate(self, index: int) -> str:
+        """'shard FILE row N' of a global row index (N counts from 0 within the file)."""
+        segment_index = int(np.searchsorted(self._starts, index, side="right")) - 1
+        segment = self._segments[segment_index]
+        row = segment.first_row + index - int(self._starts[segment_index])
+        return f"shard {segment.path} row {row}"
+
+    def gather(self, indices: np.ndarray, pad_id: int, rules: RowRules | None = None) -> RowBatch:
+        """The rows `indices`, in that order, padded; reads only the pages those rows live on.
+
+        With `rules`, every row is checked (`training.data.integrity`) before it is returned.
+        """
         indices = np.asarray(indices, dtype=np.int64)
         segment_of = np.searchsorted(self._starts, indices, side="right") - 1
         local = indices - self._starts[segment_of]
@@ -59,14 +73,19 @@ class ShardRows:
             lengths[rows] = segment.offsets[at + 1] - begins[rows]
             num_a[rows] = segment.num_a_tokens[at]
             nsp[rows] = segment.next_sentence_label[at]
-        input_ids = np.full((len(indices), padded_width(int(lengths.max(initial=0)))), pad_id)
+        # A corrupt offset can claim any length: allocate no wider than a valid row can be.
+        widths = lengths if rules is None else np.clip(lengths, 0, rules.max_seq_length)
+        input_ids = np.full((len(indices), padded_width(int(widths.max(initial=0)))), pad_id)
         positions = np.arange(input_ids.shape[1])
         for segment_index, rows in groups:
             values = self._segments[segment_index].values
-            flat = np.minimum(begins[rows, None] + positions, len(values) - 1)
-            real = positions < lengths[rows, None]
+            flat = np.clip(begins[rows, None] + positions, 0, len(values) - 1)
+            real = positions < widths[rows, None]
             input_ids[rows] = np.where(real, values[flat], pad_id)
-        return RowBatch(input_ids.astype(np.int64, copy=False), lengths, num_a, nsp, indices)
+        batch = RowBatch(input_ids.astype(np.int64, copy=False), lengths, num_a, nsp, indices)
+        if rules is not None:
+            check_rows(batch, rules, self.locate)
+        return batch
 
     def row_lengths(self) -> np.ndarray:
         """Tokens of every row in global order, from the list offsets alone (no token reads)."""
@@ -90,7 +109,7 @@ def _group_by(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
 def open_shard(path: str, expected_rows: int) -> list[Segment]:
     """Memory-map one shard and check it; every error names the file."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"shard {path} is missing (the manifest lists it)")
+        raise MissingInputError(f"shard {path} is missing (the manifest lists it)")
     try:
         with pa.memory_map(path) as source:
             # Buffers keep the mapping alive after the file closes: no descriptor per shard.
@@ -98,22 +117,24 @@ def open_shard(path: str, expected_rows: int) -> list[Segment]:
             schema = reader.schema
             batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     except (pa.ArrowException, OSError) as error:
-        raise ValueError(
+        raise UserInputError(
             f"shard {path} is corrupt or truncated: not a readable Arrow IPC file ({error})"
         ) from error
     missing = [name for name in REQUIRED_COLUMNS if name not in schema.names]
     if missing:
-        raise ValueError(f"shard {path} lacks the columns {missing} (has {schema.names})")
+        raise UserInputError(f"shard {path} lacks the columns {missing} (has {schema.names})")
     num_rows = sum(batch.num_rows for batch in batches)
     if num_rows != expected_rows:
-        raise ValueError(
+        raise UserInputError(
             f"shard {path} has {num_rows} rows but the manifest says {expected_rows}: "
             "it is truncated or was replaced after preparation"
         )
-    return [_segment(path, batch) for batch in batches if batch.num_rows]
+    firsts = np.cumsum([0] + [batch.num_rows for batch in batches])
+    return [_segment(path, batch, int(first))
+            for batch, first in zip(batches, firsts, strict=False) if batch.num_rows]
 
 
-def _segment(path: str, batch: pa.RecordBatch) -> Segment:
+def _segment(path: str, batch: pa.RecordBatch, first_row: int) -> Segment:
     ids = batch.column(manifest_lib.INPUT_IDS)
     try:
         return Segment(
@@ -123,6 +144,8 @@ def _segment(path: str, batch: pa.RecordBatch) -> Segment:
             next_sentence_label=batch.column(manifest_lib.NEXT_SENTENCE_LABEL).to_numpy(
                 zero_copy_only=True
             ),
+            path=path,
+            first_row=first_row,
         )
     except (pa.ArrowException, AttributeError) as error:
-        raise ValueError(f"shard {path} has unexpected column types ({error})") from error
+        raise UserInputError(f"shard {path} has unexpected column types ({error})") from error

@@ -1,0 +1,26 @@
+"""Errors that retrying cannot fix: bad data, a bad config, another architecture.
+
+A worker that raises one of these fails the same way on every attempt, so the launcher ends
+the run at once instead of spending its restarts (`cluster.failure_policy`); only crashes and
+lost nodes are worth a retry. They are `ValueError`s, so the command line prints them as one
+line like any other user error.
+"""
+
+from __future__ import annotations
+
+
+class UserInputError(ValueError):
+    """The run's inputs (data, vocabulary, config, run directory) are wrong: do not retry."""
+
+
+class MissingInputError(UserInputError, FileNotFoundError):
+    """A file the inputs name does not exist (also a FileNotFoundError)."""
+
+
+def as_user_error(error: Exception) -> UserInputError:
+    """`error` as a UserInputError with the same message (a missing file stays one)."""
+    if isinstance(error, UserInputError):
+        return error
+    if isinstance(error, FileNotFoundError):
+        return MissingInputError(str(error))
+    return UserInputError(str(error))
