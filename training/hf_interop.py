@@ -125,13 +125,27 @@ def to_hf_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Our state dict -> Hugging Face names and shapes (fused QKV split, vocabulary padding
     rows dropped), tied tensors left out, fp32, contiguous, on CPU."""
-    names = hf_name_map(config.num_hidden_layers)
     stripped = {strip_wrapper_prefixes(name): tensor for name, tensor in state_dict.items()}
     for tied in _TIED_NAMES:
         stripped.pop(tied, None)
-    _check_names(set(stripped), set(names), "state dict")
+    return rename_to_hf(stripped, hf_name_map(config.num_hidden_layers), config)
+
+
+def encoder_name_map(num_hidden_layers: int, *, pooler: bool = True) -> dict[str, tuple[str, ...]]:
+    """`hf_name_map` restricted to the encoder (`bert.*`): what a task head sits on."""
+    return {ours: hf for ours, hf in hf_name_map(num_hidden_layers).items()
+            if ours.startswith("bert.") and (pooler or not ours.startswith("bert.pooler."))}
+
+
+def rename_to_hf(
+    state_dict: Mapping[str, torch.Tensor], names: Mapping[str, tuple[str, ...]],
+    config: BertConfig,
+) -> dict[str, torch.Tensor]:
+    """Tensors named as `names`' keys -> Hugging Face names and shapes (fused QKV split,
+    vocabulary padding rows dropped), fp32, contiguous, on CPU; exactly `names` must be there."""
+    _check_names(set(state_dict), set(names), "state dict")
     hf_state_dict = {}
-    for ours, tensor in stripped.items():
+    for ours, tensor in state_dict.items():
         if ours in _VOCAB_ROWS:
             tensor = tensor[: config.vocab_size]
         parts = tensor.chunk(len(names[ours])) if len(names[ours]) > 1 else (tensor,)
@@ -146,23 +160,33 @@ def from_hf_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Hugging Face state dict -> ours (QKV fused, vocabulary rows padded with zeros), tied
     names filled in so `load_state_dict` is strict."""
-    names = hf_name_map(config.num_hidden_layers)
-    renamed = _canonical_names(hf_state_dict)
+    renamed = canonical_names(hf_state_dict)
     # Buffers (position_ids) are not parameters; stored tied copies must really be copies.
     renamed.pop("bert.embeddings.position_ids", None)
     tied_copies = {name: renamed.pop(name) for name in _TIED_NAMES.values() if name in renamed}
-    _check_names(set(renamed), {hf for parts in names.values() for hf in parts},
-                 "Hugging Face state dict")
-    ours = {name: torch.cat([renamed[hf] for hf in parts]) if len(parts) > 1 else renamed[parts[0]]
-            for name, parts in names.items()}
+    ours = rename_from_hf(renamed, hf_name_map(config.num_hidden_layers), config)
     for tied, source in _TIED_SOURCES.items():
         copy = tied_copies.get(_TIED_NAMES[tied])
-        if copy is not None and not torch.equal(copy, ours[source]):
+        if copy is not None and not torch.equal(copy, ours[source][: copy.shape[0]]):
             raise ValueError(f"{tied} differs from {source}: untied checkpoints are unsupported")
-    for name in _VOCAB_ROWS:
-        ours[name] = _pad_vocab_rows(ours[name], config, name)
     for tied, source in _TIED_SOURCES.items():
         ours[tied] = ours[source]
+    return ours
+
+
+def rename_from_hf(
+    hf_state_dict: Mapping[str, torch.Tensor], names: Mapping[str, tuple[str, ...]],
+    config: BertConfig,
+) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors (canonical names) -> ours as `names` maps them: QKV fused,
+    vocabulary rows padded with zeros; exactly the Hugging Face names of `names` must be there."""
+    _check_names(set(hf_state_dict), {hf for parts in names.values() for hf in parts},
+                 "Hugging Face state dict")
+    ours = {name: torch.cat([hf_state_dict[hf] for hf in parts]) if len(parts) > 1
+            else hf_state_dict[parts[0]] for name, parts in names.items()}
+    for name in _VOCAB_ROWS:
+        if name in ours:
+            ours[name] = _pad_vocab_rows(ours[name], config, name)
     return ours
 
 
@@ -175,7 +199,7 @@ def _pad_vocab_rows(tensor: torch.Tensor, config: BertConfig, name: str) -> torc
     return F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, extra))
 
 
-def _canonical_names(hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def canonical_names(hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Wrapper prefixes stripped and legacy gamma/beta renamed, nothing else touched."""
     return {
         _legacy_to_current(strip_wrapper_prefixes(name)): tensor
@@ -274,17 +298,18 @@ def _write_json(path: str, values: dict) -> None:
 def _write_hf_files(
     directory: str,
     hf_state_dict: dict[str, torch.Tensor],
-    config: BertConfig,
+    config_dict: dict,
     vocab_path: str,
     lower_case: bool,
+    model_max_length: int,
 ) -> None:
-    _write_json(os.path.join(directory, HF_CONFIG_NAME), hf_config_dict(config))
+    _write_json(os.path.join(directory, HF_CONFIG_NAME), config_dict)
     # transformers refuses a safetensors file whose metadata lacks format=pt.
     weights_path = os.path.join(directory, "model.safetensors")
     save_file(hf_state_dict, weights_path, {"format": "pt"})
     os.chmod(weights_path, 0o644)
     shutil.copyfile(vocab_path, os.path.join(directory, "vocab.txt"))
-    tokenizer_config = _tokenizer_config(lower_case, config.max_position_embeddings)
+    tokenizer_config = _tokenizer_config(lower_case, model_max_length)
     _write_json(os.path.join(directory, "tokenizer_config.json"), tokenizer_config)
     _write_json(os.path.join(directory, "special_tokens_map.json"), _special_tokens_map())
     with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
@@ -300,7 +325,25 @@ def export_hf_directory(
     *,
     overwrite: bool = False,
 ) -> str:
-    """Write a Hugging Face `BertForPreTraining` + tokenizer directory; returns its path.
+    """Write a Hugging Face `BertForPreTraining` + tokenizer directory; returns its path."""
+    return write_hf_directory(
+        to_hf_state_dict(state_dict, config), hf_config_dict(config), config,
+        vocab_path, lower_case, output_dir, overwrite=overwrite,
+    )
+
+
+def write_hf_directory(
+    hf_state_dict: dict[str, torch.Tensor],
+    config_dict: dict,
+    config: BertConfig,
+    vocab_path: str,
+    lower_case: bool,
+    output_dir: str,
+    *,
+    overwrite: bool = False,
+) -> str:
+    """A Hugging Face model + tokenizer directory: `config_dict` as config.json and
+    `hf_state_dict` (Hugging Face's names) as model.safetensors; returns its path.
 
     Files go to a sibling temp directory renamed into place at the end, so a crash leaves
     either no `output_dir` or a complete one (with `overwrite`, the old one until the swap).
@@ -312,14 +355,14 @@ def export_hf_directory(
     output_dir = os.path.abspath(output_dir)
     if os.path.exists(output_dir) and not overwrite:
         raise FileExistsError(f"{output_dir} exists; pass overwrite=True to replace it")
-    hf_state_dict = to_hf_state_dict(state_dict, config)
     parent = os.path.dirname(output_dir)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.", dir=parent)
     try:
         # mkdtemp makes it 0700 and safetensors writes 0600: a model directory is for sharing.
         os.chmod(staging, 0o755)
-        _write_hf_files(staging, hf_state_dict, config, vocab_path, lower_case)
+        _write_hf_files(staging, hf_state_dict, config_dict, vocab_path, lower_case,
+                        config.max_position_embeddings)
         _replace_directory(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -354,7 +397,7 @@ def load_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
 
 def infer_config(hf_state_dict: Mapping[str, torch.Tensor]) -> BertConfig:
     """Shapes give every size but the head count; BERT's heads are 64 wide in every release."""
-    by_name = _canonical_names(hf_state_dict)
+    by_name = canonical_names(hf_state_dict)
     shaped_by = (
         "bert.embeddings.word_embeddings.weight",
         "bert.embeddings.position_embeddings.weight",

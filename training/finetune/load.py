@@ -1,0 +1,146 @@
+"""MODEL for fine-tuning: a bertforge checkpoint, a run directory, or a Hugging Face BERT directory.
+
+Whatever the source, the result is the encoder in our names (`bert.*`, fused QKV, vocabulary rows
+as the pretraining model holds them), its config, the vocabulary and casing to tokenize with, and
+where it came from (results.json records that). Checkpoints go through `training.warm_start`; a
+Hugging Face directory may be a pretraining export, `bert-base-uncased` as downloaded, a bare
+`BertModel` save (no `bert.` prefix) or an earlier fine-tuned export: only its encoder is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, NamedTuple
+
+import torch
+
+from bertforge.pipelines.contract.manifest import sha256_file
+from bertforge.pipelines.contract.tokenization import read_vocab
+from bertforge.training import checkpoint
+from bertforge.training.hf_interop import (
+    HF_CONFIG_NAME,
+    HF_WEIGHTS_NAMES,
+    canonical_names,
+    config_from_hf_dict,
+    encoder_name_map,
+    load_hf_weights,
+    rename_from_hf,
+)
+from bertforge.training.model import BertConfig
+from bertforge.training.warm_start import read_initial_weights
+
+CHECKPOINT, RUN_DIR, HF_DIR = "checkpoint", "run_dir", "hf_dir"
+_WHAT_WE_TAKE = ("a bertforge checkpoint, a run directory with one, or a Hugging Face BERT "
+                 f"directory ({HF_CONFIG_NAME}, {HF_WEIGHTS_NAMES[0]} and vocab.txt)")
+
+
+class PretrainedModel(NamedTuple):
+    config: BertConfig
+    state_dict: dict[str, torch.Tensor] | None  # None with random_init: the loop draws it
+    vocab_path: str
+    lower_case: bool
+    provenance: dict[str, Any]
+
+
+def source_kind(source: str) -> str:
+    """checkpoint, run_dir or hf_dir; a clear error for anything else."""
+    if not os.path.isdir(source):
+        raise ValueError(f"model {source}: no such directory; give {_WHAT_WE_TAKE}")
+    if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)):
+        return CHECKPOINT
+    if checkpoint.latest_checkpoint(source) is not None:
+        return RUN_DIR  # checked before HF: a run directory holds a config.json too
+    if os.path.exists(os.path.join(source, HF_CONFIG_NAME)):
+        return HF_DIR
+    raise ValueError(f"model {source} is none of {_WHAT_WE_TAKE}")
+
+
+def load_pretrained(source: str, *, random_init: bool = False) -> PretrainedModel:
+    """The encoder of `source`; `random_init` keeps its architecture and vocabulary but none of
+    its weights (state_dict None), for comparing fine-tuning with and without pretraining."""
+    kind = source_kind(source)
+    loaded = _from_checkpoint(source, kind, random_init) if kind != HF_DIR else _from_hf_dir(
+        source, random_init)
+    num_tokens = len(read_vocab(loaded.vocab_path))
+    if num_tokens > loaded.config.vocab_size:
+        raise ValueError(f"model {source}: {loaded.vocab_path} has {num_tokens} tokens, more than "
+                         f"the model's vocab_size {loaded.config.vocab_size}")
+    return loaded
+
+
+def _from_checkpoint(source: str, kind: str, random_init: bool) -> PretrainedModel:
+    path = checkpoint.resolve_checkpoint(source)
+    metadata = checkpoint.read_metadata(path)
+    if random_init:
+        config, state = BertConfig.from_dict(metadata["model_config"]), None
+    else:
+        config, state, _ = read_initial_weights(path)
+    provenance = _provenance(source, kind, random_init, os.path.join(path, "vocab.txt"),
+                             step=metadata["global_step"], checkpoint=os.path.abspath(path))
+    return PretrainedModel(config, state, os.path.join(path, "vocab.txt"),
+                           bool(metadata["lower_case"]), provenance)
+
+
+def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:
+    config = _hf_config(source)
+    vocab_path = os.path.join(source, "vocab.txt")
+    if not os.path.exists(vocab_path):
+        raise ValueError(f"model {source} has no vocab.txt: a BERT directory brings its "
+                         "WordPiece vocabulary")
+    state = None if random_init else _hf_encoder(source, config)
+    provenance = _provenance(source, HF_DIR, random_init, vocab_path, step=None)
+    if state is not None and "bert.pooler.dense.weight" not in state:
+        provenance["pooler"] = "initialised randomly (the source has none)"
+    return PretrainedModel(config, state, vocab_path, _hf_lower_case(source), provenance)
+
+
+def _hf_config(source: str) -> BertConfig:
+    with open(os.path.join(source, HF_CONFIG_NAME), encoding="utf-8") as f:
+        try:
+            values = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"model {source}: {HF_CONFIG_NAME} is not JSON ({error})") from None
+    model_type = values.get("model_type")
+    if model_type != "bert":
+        raise ValueError(f"model {source} is not a BERT model: its {HF_CONFIG_NAME} says "
+                         f"model_type {model_type!r}; fine-tuning takes {_WHAT_WE_TAKE}")
+    try:
+        return config_from_hf_dict(values)
+    except ValueError as error:
+        raise ValueError(f"model {source}: {error}") from None
+
+
+def _hf_encoder(source: str, config: BertConfig) -> dict[str, torch.Tensor]:
+    """The `bert.*` tensors in our names, whatever head the directory was saved with."""
+    try:
+        tensors = canonical_names(load_hf_weights(source))
+    except ValueError as error:
+        raise ValueError(f"model {source}: {error}") from None
+    if not any(name.startswith("bert.") for name in tensors):
+        tensors = {f"bert.{name}": tensor for name, tensor in tensors.items()}  # a bare BertModel
+    encoder = {name: tensor for name, tensor in tensors.items()
+               if name.startswith("bert.") and name != "bert.embeddings.position_ids"}
+    has_pooler = "bert.pooler.dense.weight" in encoder
+    try:
+        state = rename_from_hf(encoder, encoder_name_map(config.num_hidden_layers,
+                                                         pooler=has_pooler), config)
+    except ValueError as error:
+        raise ValueError(f"model {source} does not hold a BERT encoder of its config.json's "
+                         f"shape: {error}") from None
+    return {name: tensor.float() for name, tensor in state.items()}
+
+
+def _hf_lower_case(source: str) -> bool:
+    """tokenizer_config.json's do_lower_case; BERT's default (uncased) without one."""
+    path = os.path.join(source, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return True
+    with open(path, encoding="utf-8") as f:
+        return bool(json.load(f).get("do_lower_case", True))
+
+
+def _provenance(source: str, kind: str, random_init: bool, vocab_path: str, *,
+                step: int | None, **extra: Any) -> dict[str, Any]:
+    return {"source": os.path.abspath(source), "kind": kind, "step": step,
+            "vocab_sha256": sha256_file(vocab_path), "random_init": random_init, **extra}
