@@ -1,7 +1,8 @@
 """`bertforge demo`: the whole chain on the built-in corpus, through the real engines.
 
 corpus (docstrings) -> WordPiece vocab -> Beam prepare (DirectRunner, 2 processes) ->
-Ray Train + DeepSpeed ZeRO-2 bf16 (2 CPU workers) -> evaluation -> Hugging Face export -> summary.
+Ray Train + DeepSpeed ZeRO-2 (2 CPU workers; bf16 where the CPU has it natively, else fp32) ->
+evaluation -> Hugging Face export -> summary.
 
 Each stage leaves a completion record in DIR; a second run into the same DIR reuses finished
 stages, resumes training from its newest checkpoint, and refuses a DIR made with other settings.
@@ -18,6 +19,7 @@ from typing import Any
 
 from bertforge.cluster.config_fields import HELP
 from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir
+from bertforge.training.config import PRECISIONS
 from bertforge.training.metrics import read_metrics
 
 DEFAULT_DEMO_DIR = "bertforge-demo"
@@ -45,6 +47,9 @@ class DemoConfig:
     micro_batch_size: int = _option(32, "sequences per worker per step (x 2 workers = 64)")
     learning_rate: float = _option(1e-3, "peak learning rate")
     seed: int = _option(12345, "data, masking and initialisation")
+    # auto: fp32 on a CPU without native bf16, where emulated bf16 is ~60x slower per matmul.
+    precision: str = _option("auto", "engine precision (auto: bf16 where native, else fp32)",
+                             choices=PRECISIONS)
 
     def __post_init__(self) -> None:
         if self.corpus_mb < 0.1:
@@ -134,7 +139,7 @@ def _train(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
     cfg = demo_recipe(
         paths.shards, paths.run, max_steps=config.max_steps,
         micro_batch_size=config.micro_batch_size, learning_rate=config.learning_rate,
-        seed=config.seed,
+        seed=config.seed, precision=config.precision,
     )
     step = train_on_ray(cfg, LaunchConfig(workers=config.train_workers)).get("step")
     if step != config.max_steps:

@@ -7,7 +7,9 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-PRECISIONS = ("bf16", "fp16", "fp32")
+# "auto": bf16 where the device computes it natively, else fp32 (training.precision decides it
+# when training starts, on the worker's device; the run's config.json records both).
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 DECAYS = ("linear", "polynomial")
 OPTIMIZERS = ("adamw", "lamb")
 
@@ -56,7 +58,8 @@ class TrainConfig:
                                     "1 on several workers; on one, 0 in fp32 and 1 under bf16 "
                                     "(DeepSpeed's fp32-accumulating path); 2/3 only when the "
                                     "GPU's memory needs it)", choices=(0, 1, 2, 3))
-    precision: str = _field("bf16", "mixed precision of the engine", choices=PRECISIONS)
+    precision: str = _field("auto", "mixed precision of the engine; auto: bf16 on a GPU or CPU "
+                            "with native bf16, else fp32", choices=PRECISIONS)
     activation_checkpointing: bool = _field(False, "recompute each encoder layer in backward")
     compile: bool = _field(False, "torch.compile the model inside the engine (in place: "
                            "state-dict names keep no _orig_mod. prefix)")

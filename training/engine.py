@@ -14,6 +14,7 @@ from deepspeed.accelerator import get_accelerator
 
 from bertforge.training.config import TrainConfig
 from bertforge.training.optim import Lamb
+from bertforge.training.precision import AUTO, resolve_precision, slow_precision_warning
 from bertforge.training.recipes import default_zero_stage
 from bertforge.training.schedule import lr_multiplier
 
@@ -30,8 +31,35 @@ def check_precision_supported(precision: str) -> None:
     if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
         raise ValueError(
             "precision fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 on this "
-            "machine; use bf16 on CPU"
+            "machine; use --precision auto on a CPU (bf16 where it is native, else fp32)"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionChoice:
+    """What the run asked for, what it runs in and why; recorded in config.json and checkpoints."""
+
+    requested: str
+    resolved: str
+    reason: str
+    warning: str | None  # bf16 on a CPU that emulates it: said once, by rank 0
+
+    def to_dict(self) -> dict[str, str | None]:
+        return dataclasses.asdict(self)
+
+
+def resolve_engine_precision(
+    cfg: TrainConfig, *, saved_precision: str | None = None
+) -> tuple[TrainConfig, PrecisionChoice]:
+    """`cfg` with "auto" resolved for this process's device (training.precision), and the choice.
+
+    `saved_precision`: a resumed checkpoint's; "auto" keeps it (its optimizer state is in it).
+    """
+    device_type = get_accelerator().device_name()
+    resolved, reason = resolve_precision(cfg.precision, device_type, saved=saved_precision)
+    choice = PrecisionChoice(cfg.precision, resolved, reason,
+                             slow_precision_warning(resolved, device_type))
+    return dataclasses.replace(cfg, precision=resolved), choice
 
 
 def resolve_zero_stage(
@@ -45,8 +73,10 @@ def resolve_zero_stage(
         return cfg
     stage = saved_stage
     if stage is None:
+        # The default stage depends on the precision; the loop has resolved "auto" already.
+        precision = resolve_engine_precision(cfg)[0].precision
         stage = default_zero_stage(
-            world_size=world_size, precision=cfg.precision, optimizer=cfg.optimizer,
+            world_size=world_size, precision=precision, optimizer=cfg.optimizer,
             num_parameters=num_parameters, device_memory_bytes=_device_memory_bytes(),
         )
     return dataclasses.replace(cfg, zero_stage=stage)
@@ -66,6 +96,8 @@ def deepspeed_config(
     `load_universal`: the resume loads a universal checkpoint (one saved under ZeRO >= 1 by
     another number of ranks, converted by training.checkpoint.convert_to_universal).
     """
+    if cfg.precision == AUTO:  # the loop resolves (and logs) it first; a direct call may not
+        cfg = resolve_engine_precision(cfg)[0]
     check_precision_supported(cfg.precision)
     stage = resolve_zero_stage(cfg, world_size).zero_stage
     zero: dict[str, Any] = {"stage": stage}

@@ -24,7 +24,13 @@ from bertforge.training.data import (
 )
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.distributed import all_reduce_sum
-from bertforge.training.engine import build_engine, ensure_process_group, resolve_zero_stage
+from bertforge.training.engine import (
+    PrecisionChoice,
+    build_engine,
+    ensure_process_group,
+    resolve_engine_precision,
+    resolve_zero_stage,
+)
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
 from bertforge.training.metrics import MetricsLogger, console
@@ -72,12 +78,18 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     saved = checkpoint.read_metadata(resume_from) if resume_from is not None else None
     if saved is not None:  # before any engine: a raw 'size mismatch' would say much less
         check_resume_architecture(saved, model_config, resume_from)
-    # zero_stage None: decided here, where the world size is known; a resume keeps its own.
-    # From here on cfg names the stage: the printed recipe, config.json, checkpoint metadata.
+    # precision "auto" and zero_stage None: decided here, on the worker's device and with the
+    # world size known; a resume keeps its own. From here on cfg names both: the printed
+    # recipe, config.json, checkpoint metadata.
+    cfg, precision = resolve_engine_precision(
+        cfg, saved_precision=None if saved is None else saved.get("precision"))
+    if saved is not None:
+        check_precision_change(saved, cfg, resume_from)
     cfg = resolve_zero_stage(cfg, world_size, num_parameters=count_parameters(model_config),
                              saved_stage=None if saved is None else saved.get("zero_stage"))
     if rank == 0:
         _print_recipe(cfg, model_config, world_size)
+        _print_precision(precision)
 
     # Another number of workers under ZeRO >= 1: load through DeepSpeed's universal format.
     universal = saved is not None and check_world_size_change(saved, cfg, resume_from)
@@ -100,7 +112,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     model.max_predictions = loader.max_predictions_per_row
     step = _maybe_resume(engine, loader, cfg, resume_from, facts.vocab_sha256, universal)
     if rank == 0:
-        _write_run_config(cfg, model_config, world_size)
+        _write_run_config(cfg, model_config, world_size, precision)
     validation = _Validation.create(cfg, rank, world_size, masking)
 
     logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps)
@@ -112,6 +124,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         "data_dir": os.path.abspath(cfg.data_dir),
         "world_size": world_size,
         "zero_stage": cfg.zero_stage,
+        "precision": cfg.precision,
+        "precision_requested": precision.requested,
     }
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
     batches = _endless(loader)
@@ -181,6 +195,27 @@ def _print_recipe(cfg: TrainConfig, model_config: BertConfig, world_size: int) -
         f"accumulation = {cfg.global_batch(world_size)} sequences per step):\n"
         f"{cfg.to_json()}\n[train] model: {json.dumps(model_config.to_dict(), sort_keys=True)}"
     )
+
+
+def _print_precision(choice: PrecisionChoice) -> None:
+    console(f"[train] precision {choice.resolved} (asked: {choice.requested}): {choice.reason}")
+    if choice.warning:
+        console(f"[train] WARNING: {choice.warning}")
+
+
+def check_precision_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -> None:
+    """A resume continues in the precision its checkpoint was trained in ("auto" keeps it).
+
+    DeepSpeed lays the optimizer state out per precision (bf16 at ZeRO >= 1 writes its
+    BF16_Optimizer's files), so another one cannot load it.
+    """
+    saved_precision = saved.get("precision")  # None: saved before precisions were recorded
+    if saved_precision not in (None, cfg.precision):
+        raise ValueError(
+            f"{path} was trained in {saved_precision}; resuming it in {cfg.precision} is not "
+            f"supported: give --precision {saved_precision} or auto (which keeps it), or start "
+            f"a new run with --init-from {path} to continue its weights in {cfg.precision}"
+        )
 
 
 def _maybe_resume(
@@ -393,8 +428,12 @@ class _Validation:
         }
 
 
-def _write_run_config(cfg: TrainConfig, model_config: BertConfig, world_size: int) -> None:
+def _write_run_config(
+    cfg: TrainConfig, model_config: BertConfig, world_size: int, precision: PrecisionChoice
+) -> None:
     os.makedirs(cfg.run_dir, exist_ok=True)
-    resolved = {"train": cfg.to_dict(), "model": model_config.to_dict(), "world_size": world_size}
+    # train.precision is the resolved one; "precision" also says what was asked for and why.
+    resolved = {"train": cfg.to_dict(), "model": model_config.to_dict(), "world_size": world_size,
+                "precision": precision.to_dict()}
     with open(os.path.join(cfg.run_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(resolved, f, indent=2, sort_keys=True)

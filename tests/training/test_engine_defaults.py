@@ -89,7 +89,8 @@ def test_resolution_keeps_an_explicit_stage_and_a_resumed_run_s_own():
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_accumulates_gradients_in_fp32_where_deepspeed_can(stage):
-    ds = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", zero_stage=stage), 2)
+    bf16 = dict(data_dir="d", run_dir="r", zero_stage=stage, precision="bf16")
+    ds = deepspeed_config(TrainConfig(**bf16), 2)
     if stage == 0:  # DeepSpeed 0.19: bf16 + fp32 accumulation at stage 0 is NotImplementedError
         assert "data_types" not in ds
     else:
@@ -98,12 +99,13 @@ def test_bf16_accumulates_gradients_in_fp32_where_deepspeed_can(stage):
     fp32 = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", zero_stage=stage,
                                         precision="fp32"), 2)
     assert "data_types" not in fp32  # the model dtype is fp32 already
-    one_rank = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", zero_stage=stage), 1)
+    one_rank = deepspeed_config(TrainConfig(**bf16), 1)
     assert "overlap_comm" not in one_rank["zero_optimization"]  # nothing to overlap
 
 
 def test_default_config_on_one_and_on_eight_ranks():
-    cfg = TrainConfig(data_dir="d", run_dir="r", micro_batch_size=8, global_batch_size=64)
+    cfg = TrainConfig(data_dir="d", run_dir="r", micro_batch_size=8, global_batch_size=64,
+                      precision="bf16")
     one, eight = deepspeed_config(cfg, 1), deepspeed_config(cfg, 8)
     assert one["zero_optimization"] == {"stage": 1}
     assert eight["zero_optimization"] == {"stage": 1, "overlap_comm": True}
@@ -123,7 +125,8 @@ def test_bf16_engine_accumulates_the_mean_gradient_in_fp32_and_trains(stage):
     ensure_process_group()
     model_config = BertConfig(64, 32, 1, 2, 64, hidden_dropout_prob=0.0,
                               attention_probs_dropout_prob=0.0)
-    cfg = TrainConfig(data_dir="d", run_dir="r", zero_stage=stage, micro_batch_size=4,
+    cfg = TrainConfig(data_dir="d", run_dir="r", zero_stage=stage, precision="bf16",
+                      micro_batch_size=4,
                       gradient_accumulation_steps=2, learning_rate=1e-2, warmup_steps=0,
                       max_steps=4, gradient_clipping=0.0)
     torch.manual_seed(0)

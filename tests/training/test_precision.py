@@ -1,0 +1,163 @@
+"""precision="auto": bf16 only where the device computes it natively; the choice is recorded."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bertforge.training import checkpoint
+from bertforge.training import precision as precision_lib
+from bertforge.training.config import TrainConfig
+from bertforge.training.engine import resolve_engine_precision
+from bertforge.training.loop import train
+from bertforge.training.precision import (
+    cpu_native_bf16,
+    resolve_precision,
+    slow_precision_warning,
+)
+from tests.training.conftest import write_dataset
+from tests.training.test_loop import config
+
+SAPPHIRE_RAPIDS = {"architecture": "x86_64", "avx2": True, "avx512_f": True,
+                   "avx512_bf16": True, "amx_tile": True, "amx_bf16": True}
+ZEN_2 = {"architecture": "x86_64", "avx2": True, "avx512_f": False, "avx512_bf16": False,
+         "amx_bf16": False}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    return write_dataset(str(root), {"train": [70, 60], "validation": [40]}, max_seq_length=64)
+
+
+def fake_cpu(monkeypatch, capabilities, *, onednn_bf16=True, aten="AVX512"):
+    """The three things torch is asked: cpuinfo's flags, oneDNN's bf16 path, ATen's level."""
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    monkeypatch.setattr(precision_lib, "_onednn_bf16_enabled", lambda: onednn_bf16)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: aten)
+
+
+def test_auto_is_bf16_on_a_cpu_with_native_bf16(monkeypatch):
+    fake_cpu(monkeypatch, SAPPHIRE_RAPIDS)
+    precision, reason = resolve_precision("auto", "cpu")
+    assert precision == "bf16" and "avx512_bf16/amx_bf16" in reason
+    assert slow_precision_warning("bf16", "cpu") is None
+
+
+def test_auto_is_fp32_on_an_avx2_cpu_and_explicit_bf16_is_warned_about(monkeypatch):
+    fake_cpu(monkeypatch, ZEN_2, onednn_bf16=False, aten="AVX2")
+    precision, reason = resolve_precision("auto", "cpu")
+    assert precision == "fp32" and "no native bf16" in reason
+    assert resolve_precision("bf16", "cpu") == ("bf16", "named explicitly")
+    warning = slow_precision_warning("bf16", "cpu")
+    assert "will be slow" in warning and "AVX512-BF16" in warning and "fp32" in warning
+    assert slow_precision_warning("fp32", "cpu") is None
+
+
+@pytest.mark.parametrize("onednn_bf16, aten, cap", [
+    (False, "AVX512", "ONEDNN_MAX_CPU_ISA"), (True, "AVX2", "ATEN_CPU_CAPABILITY"),
+])
+def test_a_capped_isa_makes_a_bf16_cpu_count_as_emulating(monkeypatch, onednn_bf16, aten, cap):
+    """ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY below AVX-512: torch's kernels emulate bf16
+    even on silicon that has it, so auto must not choose it."""
+    fake_cpu(monkeypatch, SAPPHIRE_RAPIDS, onednn_bf16=onednn_bf16, aten=aten)
+    native, reason = cpu_native_bf16()
+    assert not native and cap in reason
+    assert resolve_precision("auto", "cpu")[0] == "fp32"
+
+
+@pytest.mark.parametrize("supported, expected", [(True, "bf16"), (False, "fp32")])
+def test_auto_on_cuda_follows_the_gpu_and_never_picks_fp16(monkeypatch, supported, expected):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: asked.append(including_emulation)
+                        or supported)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some GPU")
+    precision, reason = resolve_precision("auto", "cuda")
+    assert precision == expected and "Some GPU" in reason
+    assert asked == [False]  # emulated bf16 (any GPU that can store it) does not count
+    assert slow_precision_warning("bf16", "cuda") is None
+
+
+def test_explicit_precisions_are_kept_and_a_resume_keeps_its_own():
+    assert resolve_precision("fp16", "cpu") == ("fp16", "named explicitly")
+    assert resolve_precision("fp32", "cuda") == ("fp32", "named explicitly")
+    assert resolve_precision("auto", "cpu", saved="bf16")[0] == "bf16"
+    assert resolve_precision("fp32", "cpu", saved="bf16")[0] == "fp32"  # the loop refuses it
+    assert resolve_precision("auto", "xpu")[0] == "fp32"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        resolve_precision("fp8", "cpu")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        TrainConfig(data_dir="d", run_dir="r", precision="fp8")
+    assert TrainConfig(data_dir="d", run_dir="r").precision == "auto"
+
+
+def test_the_engine_choice_carries_request_resolution_reason_and_warning(monkeypatch):
+    fake_cpu(monkeypatch, ZEN_2, onednn_bf16=False, aten="AVX2")
+    cfg, choice = resolve_engine_precision(TrainConfig(data_dir="d", run_dir="r"))
+    assert cfg.precision == "fp32" and choice.requested == "auto" and choice.warning is None
+    cfg, choice = resolve_engine_precision(TrainConfig(data_dir="d", run_dir="r",
+                                                       precision="bf16"))
+    assert cfg.precision == "bf16" and "will be slow" in choice.warning
+
+
+def test_the_isa_caps_are_honoured_by_torch_on_this_machine():
+    """The cap trick for reproducing an AVX2 CPU on a bigger one: with both variables set,
+    torch reports the capped level and auto picks fp32 whatever the silicon."""
+    code = ("import torch; from bertforge.training.precision import resolve_precision; "
+            "print(torch.backends.cpu.get_cpu_capability(), "
+            "resolve_precision('auto', 'cpu')[0])")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["AVX2", "fp32"]
+
+
+def test_loop_records_the_choice_warns_once_and_resumes_in_the_saved_precision(
+    dataset, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(precision_lib, "cpu_native_bf16", lambda: (False, "mocked: emulated"))
+    run_dir = tmp_path / "run"
+    train(config(dataset, run_dir, precision="bf16", zero_stage=None, max_steps=2))
+    out = capsys.readouterr().out
+    assert out.count("WARNING: precision bf16 on this CPU will be slow: mocked") == 1
+    recorded = json.loads((run_dir / "config.json").read_text())
+    assert recorded["precision"]["requested"] == "bf16"
+    assert recorded["train"]["precision"] == "bf16"
+    assert recorded["train"]["zero_stage"] == 1  # one rank under bf16: DeepSpeed's fp32 path
+
+    # "auto" resumes in the checkpoint's precision, whatever the device would choose now.
+    train(config(dataset, run_dir, precision="auto", zero_stage=None, max_steps=3))
+    assert "[train] precision bf16 (asked: auto): the resumed" in capsys.readouterr().out
+    metadata = checkpoint.read_metadata(checkpoint.latest_checkpoint(str(run_dir)))
+    assert (metadata["precision"], metadata["precision_requested"]) == ("bf16", "auto")
+    with pytest.raises(ValueError, match="trained in bf16; resuming it in fp32"):
+        train(config(dataset, run_dir, precision="fp32", zero_stage=None, max_steps=4))
+
+    fresh = tmp_path / "fresh"
+    train(config(dataset, fresh, precision="auto", zero_stage=None, max_steps=1, warmup_steps=0))
+    recorded = json.loads((fresh / "config.json").read_text())
+    assert recorded["precision"] == {"requested": "auto", "resolved": "fp32",
+                                     "reason": "mocked: emulated", "warning": None}
+    assert recorded["train"]["precision"] == "fp32" and recorded["train"]["zero_stage"] == 0
+    assert "WARNING" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("capabilities, stage, engine_keys", [
+    (SAPPHIRE_RAPIDS, 1, {"bf16", "data_types"}), (ZEN_2, 0, set()),
+])
+def test_the_zero_stage_and_deepspeed_config_follow_the_resolved_precision(
+    monkeypatch, capabilities, stage, engine_keys
+):
+    """On one rank: stage 1 under bf16 (DeepSpeed's fp32-accumulating path), 0 in fp32."""
+    from bertforge.training.engine import deepspeed_config, resolve_zero_stage
+
+    fake_cpu(monkeypatch, capabilities, onednn_bf16=capabilities is SAPPHIRE_RAPIDS)
+    cfg = TrainConfig(data_dir="d", run_dir="r")
+    assert resolve_zero_stage(cfg, 1).zero_stage == stage
+    ds = deepspeed_config(cfg, 1)
+    assert ds["zero_optimization"]["stage"] == stage
+    assert engine_keys == {"bf16", "data_types"} & set(ds)
