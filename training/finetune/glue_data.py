@@ -1,0 +1,118 @@
+"""Read a GLUE-format TSV into examples: tab-separated, NO quoting, one clear error per bad line.
+
+GLUE's files hold `"` inside the text (RTE, MRPC, STS-B): csv's default quoting would join rows, so
+every line is split on tabs and nothing else. Lines end in `\\n` only (a trailing `\\r` is dropped);
+`str.splitlines` is not used because it also breaks on characters such as U+2028 inside a sentence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bertforge.training.finetune.tasks import Column, TaskSpec
+
+
+@dataclass
+class Example:
+    text_a: str
+    text_b: str | None
+    label: int | float  # a label id (position in TaskSpec.labels), or the score of a regression
+    line: int  # 1-based line in its file, for error messages and predictions
+
+
+def read_lines(path: str) -> list[str]:
+    """The file's lines without line ends; a UTF-8 BOM (MRPC has one) and trailing blank lines
+    are dropped. Raises ValueError when the file holds no line at all."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path}, line {line}: not UTF-8 text ({error.reason})") from None
+    lines = [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise ValueError(f"{path}, line 1: the file is empty")
+    return lines
+
+
+def _resolve(column: Column, header: list[str] | None, num_fields: int, path: str) -> int:
+    """The field index of `column`, or a ValueError naming the file's first line."""
+    if isinstance(column, int):
+        if not 0 <= column < num_fields:
+            raise ValueError(
+                f"{path}, line 1: no column {column}: the lines have {num_fields} fields"
+                " (columns are 0-based)"
+            )
+        return column
+    if header is None or column not in header:
+        known = f"the header has {header}" if header is not None else "the file has no header"
+        raise ValueError(f"{path}, line 1: no column {column!r}: {known}")
+    return header.index(column)
+
+
+def _parse_label(field: str, spec: TaskSpec, path: str, line: int) -> int | float:
+    if spec.labels is not None:
+        value = field.strip()
+        if value not in spec.labels:
+            raise ValueError(
+                f"{path}, line {line}: unknown label {value!r}; task {spec.name} has labels"
+                f" {list(spec.labels)}"
+            )
+        return spec.labels.index(value)
+    try:
+        score = float(field)
+    except ValueError:
+        score = math.nan
+    if not math.isfinite(score):
+        raise ValueError(f"{path}, line {line}: label {field!r} is not a finite number")
+    return score
+
+
+def read_table(path: str, has_header: bool) -> tuple[list[str] | None, list[tuple[int, list[str]]]]:
+    """(header or None, [(line number, fields)]): every data line split on tabs, each with as
+    many fields as the header (or, without one, the first line)."""
+    lines = read_lines(path)
+    header = lines[0].split("\t") if has_header else None
+    first = 2 if has_header else 1  # line number of the first data line
+    data = lines[1:] if has_header else lines
+    if not data:
+        raise ValueError(f"{path}, line {first}: no examples after the header")
+    num_fields = len(header) if header is not None else len(data[0].split("\t"))
+    rows = []
+    for number, text in enumerate(data, start=first):
+        fields = text.split("\t")
+        if len(fields) != num_fields:
+            raise ValueError(
+                f"{path}, line {number}: {len(fields)} tab-separated fields, expected"
+                f" {num_fields} (GLUE files are split on tabs, with no quoting)"
+            )
+        rows.append((number, fields))
+    return header, rows
+
+
+def read_examples(path: str, spec: TaskSpec) -> list[Example]:
+    """Every data line of `path` as an Example (header skipped when `spec.has_header`)."""
+    header, rows = read_table(path, spec.has_header)
+    num_fields = len(rows[0][1])
+    text_fields = [_resolve(c, header, num_fields, path) for c in spec.text_columns]
+    label_field = _resolve(spec.label_column, header, num_fields, path)
+    examples = []
+    for number, fields in rows:
+        label = _parse_label(fields[label_field], spec, path, number)
+        text_b = fields[text_fields[1]] if len(text_fields) > 1 else None
+        examples.append(Example(fields[text_fields[0]], text_b, label, number))
+    return examples
+
+
+def read_label_set(path: str, spec: TaskSpec) -> tuple[str, ...]:
+    """The distinct labels of a file's label column, sorted (integers numerically): the label set
+    of a custom classification task whose labels the user did not list."""
+    header, rows = read_table(path, spec.has_header)
+    field = _resolve(spec.label_column, header, len(rows[0][1]), path)
+    values = {fields[field].strip() for _, fields in rows}
+    numeric = all(v.lstrip("-").isdigit() for v in values)
+    return tuple(sorted(values, key=int if numeric else str))
