@@ -14,8 +14,10 @@ METRICS_NAME = "metrics.jsonl"
 class MetricsLogger:
     """Rank 0 writes; other ranks get a logger that only keeps the records in memory."""
 
-    def __init__(self, run_dir: str, *, enabled: bool, max_steps: int) -> None:
+    def __init__(self, run_dir: str, *, enabled: bool, max_steps: int,
+                 prefix: str = "train") -> None:
         self.enabled = enabled
+        self.prefix = prefix  # the progress line's tag: [train], [finetune]
         self.max_steps = max_steps
         self.records: list[dict[str, Any]] = []
         self._start = time.time()
@@ -49,7 +51,7 @@ class MetricsLogger:
                 value = metrics[name]
                 shown = f"{value:.4g}" if isinstance(value, float) else str(value)
                 parts.append(f"{name} {shown}")
-        return "[train] " + " | ".join(parts)
+        return f"[{self.prefix}] " + " | ".join(parts)
 
     def close(self) -> None:
         if self._file is not None:

@@ -1,0 +1,162 @@
+"""The typed fine-tuning recipe; `bertforge finetune` flags are generated from these fields.
+
+Defaults are the BERT paper's: AdamW, batch 32, 3 epochs, 10 % linear warm-up then linear decay
+to zero, 128 tokens (384 with a 128 stride for SQuAD), lr 2e-5 ({2e-5, 3e-5, 5e-5} with --sweep).
+Weight decay 0.01 and Adam's epsilon 1e-6 are Google's `AdamWeightDecay` ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from bertforge.training.config import PRECISIONS, _field
+from bertforge.training.finetune.tasks import (
+    CUSTOM_TASK,
+    SQUAD_TASK,
+    canonical_task_name,
+    task_spec,
+)
+
+GLUE_MAX_SEQ_LENGTH = 128
+SQUAD_MAX_SEQ_LENGTH = 384
+# Fields a rerun into the same output may change: how to run or show it, and which (learning
+# rate, seed) runs to make (each run is recorded on its own, so a longer sweep reuses them).
+NOT_SETTINGS = ("output", "log_every", "keep_all_models", "learning_rate", "seeds", "sweep",
+                "sweep_learning_rates")
+
+
+@dataclass
+class FinetuneConfig:
+    """One fine-tuning job: a task, a pretrained model, and one run per (learning rate, seed)."""
+
+    task: str = _field(help="sst2, cola, mrpc, rte, stsb (any spelling: SST-2), squad, or custom")
+    model: str = _field(help="a bertforge checkpoint, a run directory (its newest checkpoint) or "
+                        "a Hugging Face BERT directory")
+    output: str = _field(help="results.json, dev predictions and the fine-tuned model go here")
+    train: str | None = _field(help="training file (default: the task's file under --data-root: "
+                               "glue/<Task>/train.tsv; squad: an article split of "
+                               "squad/dev-v1.1.json, the only SQuAD file there)")
+    dev: str | None = _field(help="dev file, scored after training (default: as --train)")
+    data_root: str | None = _field(help="the directory holding glue/ and squad/ (default: "
+                                   "../shared/data where it exists)")
+    text_columns: tuple[str, ...] = _field((), "custom task: one or two text columns, header "
+                                           "names or 0-based indices")
+    label_column: str | None = _field(help="custom task: the label column")
+    labels: tuple[str, ...] = _field((), "custom task: the label strings in id order (default: "
+                                     "those found in the train file)")
+    regression: bool = _field(False, "custom task: the label is a score (Pearson/Spearman)")
+    has_header: bool = _field(True, "custom task: the TSV's first line names the columns")
+    learning_rate: float = _field(2e-5, "peak learning rate (without --sweep)", aliases=("--lr",))
+    seeds: tuple[int, ...] = _field((12345,), "one run per seed (head init, dropout, order)")
+    sweep: bool = _field(False, "one run per learning rate in --sweep-learning-rates and seed; "
+                         "reports the best dev score, the median and the spread")
+    sweep_learning_rates: tuple[float, ...] = _field((2e-5, 3e-5, 5e-5), "the sweep's rates")
+    epochs: float = _field(3.0, "passes over the training examples")
+    max_steps: int | None = _field(help="stop after this many optimizer steps (default: epochs)")
+    batch_size: int = _field(32, "examples per optimizer step, over all workers")
+    eval_batch_size: int = _field(64, "examples per forward pass per worker on dev")
+    max_seq_length: int | None = _field(help="tokens per example (default: 128; squad 384)")
+    doc_stride: int = _field(128, "squad: context tokens between window starts")
+    max_query_length: int = _field(64, "squad: question tokens kept")
+    max_answer_length: int = _field(30, "squad: longest answer span predicted, in tokens")
+    squad_dev_fraction: float = _field(0.2, "squad without --train: the articles held out as dev")
+    warmup_fraction: float = _field(0.1, "share of the steps warming the learning rate up")
+    weight_decay: float = _field(0.01, "decoupled weight decay (not on biases and LayerNorm)")
+    adam_eps: float = _field(1e-6, "Adam's epsilon")
+    gradient_clipping: float = _field(1.0, "global gradient-norm clip")
+    max_train_examples: int | None = _field(help="train on a fixed random subset of this many "
+                                            "examples (the same for every seed)")
+    max_dev_examples: int | None = _field(help="score a fixed random subset of this many")
+    random_init: bool = _field(False, "the model's architecture and vocabulary with fresh "
+                               "weights: what pretraining is worth")
+    precision: str = _field("auto", "auto: bf16 where the device computes it natively, else "
+                            "fp32", choices=PRECISIONS)
+    zero_stage: int | None = _field(help="DeepSpeed ZeRO stage (default: as pretraining decides)",
+                                    choices=(0, 1, 2))
+    log_every: int | None = _field(help="steps between progress lines (default: steps/20)")
+    keep_all_models: bool = _field(False, "keep every sweep run's exported model, not only the "
+                                   "best one's")
+
+    def __post_init__(self) -> None:
+        if not self.task or not self.model or not self.output:
+            raise ValueError("task, model and output are required")
+        for name in ("text_columns", "labels", "seeds", "sweep_learning_rates"):
+            setattr(self, name, tuple(getattr(self, name)))
+        self.task = canonical_task_name(self.task)
+        if self.task not in (SQUAD_TASK, CUSTOM_TASK):
+            task_spec(self.task)  # a clear error listing the known tasks
+        self._check_custom()
+        self._check_numbers()
+
+    def _check_custom(self) -> None:
+        custom = (self.text_columns, self.label_column, self.labels, self.regression)
+        if self.task != CUSTOM_TASK:
+            if any(custom):
+                raise ValueError("--text-columns, --label-column, --labels and --regression are "
+                                 "for --task custom")
+            return
+        if not self.text_columns or self.label_column is None:
+            raise ValueError("--task custom needs --text-columns and --label-column")
+        if self.train is None or self.dev is None:
+            raise ValueError("--task custom needs --train and --dev")
+        if self.regression and self.labels:
+            raise ValueError("--regression takes no --labels")
+
+    def _check_numbers(self) -> None:
+        if not self.seeds:
+            raise ValueError("give at least one seed")
+        rates = self.sweep_learning_rates if self.sweep else (self.learning_rate,)
+        if not rates or min(rates) <= 0:
+            raise ValueError(f"learning rates must be positive, got {list(rates)}")
+        positive = ("batch_size", "eval_batch_size", "doc_stride", "max_query_length",
+                    "max_answer_length", "max_steps", "max_train_examples", "max_dev_examples",
+                    "max_seq_length", "log_every")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.epochs <= 0:
+            raise ValueError(f"epochs must be positive, got {self.epochs}")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+        if not 0 < self.squad_dev_fraction < 1:
+            raise ValueError(f"squad_dev_fraction must be in (0, 1), got {self.squad_dev_fraction}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+    @property
+    def is_squad(self) -> bool:
+        return self.task == SQUAD_TASK
+
+    @property
+    def seq_length(self) -> int:
+        """max_seq_length, or the task's default (128; 384 for SQuAD)."""
+        if self.max_seq_length is not None:
+            return self.max_seq_length
+        return SQUAD_MAX_SEQ_LENGTH if self.is_squad else GLUE_MAX_SEQ_LENGTH
+
+    def runs(self) -> list[tuple[float, int]]:
+        """(learning rate, seed) of every run, learning rates outermost."""
+        rates = self.sweep_learning_rates if self.sweep else (self.learning_rate,)
+        return list(itertools.product(rates, self.seeds))
+
+    def settings(self) -> dict[str, Any]:
+        """What a rerun into the same output must match to reuse finished runs."""
+        return {k: v for k, v in self.to_dict().items() if k not in NOT_SETTINGS}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FinetuneConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown fine-tuning config keys: {unknown}")
+        return cls(**data)

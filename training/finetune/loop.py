@@ -1,0 +1,244 @@
+"""One fine-tuning run (one learning rate, one seed) on DeepSpeed; every worker calls `finetune`.
+
+Runs under Ray Train (cluster/finetune.py), `torchrun`, the `deepspeed` launcher or alone, like
+the pretraining loop. The engine is pretraining's (`training.engine.build_engine`: AdamW without
+decay on biases and LayerNorm, linear warm-up then linear decay to zero, ZeRO and precision as
+pretraining decides them); only the data and the heads differ.
+
+Data order: each epoch is a permutation drawn from (seed, epoch); a global batch of batch_size
+examples is split across the ranks by stride, so every number of workers sees the same global
+batches. The last partial batch of an epoch is dropped (Google's `drop_remainder`).
+Dev is scored once, after training, sharded across the ranks; rank 0 writes the predictions,
+the Hugging Face export and `result.json` in cfg.output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from bertforge.training.config import TrainConfig
+from bertforge.training.distributed import all_reduce_sum, barrier
+from bertforge.training.engine import build_engine, ensure_process_group
+from bertforge.training.finetune.config import FinetuneConfig
+from bertforge.training.finetune.export import export_finetuned
+from bertforge.training.finetune.load import load_pretrained
+from bertforge.training.finetune.model import task_model
+from bertforge.training.finetune.task_data import TaskData, load_task_data
+from bertforge.training.metrics import MetricsLogger, console
+from bertforge.training.precision import resolve_precision
+
+RESULT_NAME = "result.json"
+HF_DIR_NAME = "hf"
+MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
+TRAIN_TARGETS = ("labels", "start_positions", "end_positions")
+
+ReportFn = Callable[[dict[str, Any]], None]
+
+
+def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str, Any]:
+    """Train on cfg.train at cfg.learning_rate with cfg.seeds[0], score cfg.dev, write the
+    outputs into cfg.output (rank 0); returns the run's record (also in output/result.json)."""
+    ensure_process_group()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    seed = cfg.seeds[0]
+    pretrained = load_pretrained(cfg.model, random_init=cfg.random_init)
+    data = load_task_data(cfg, pretrained.vocab_path, pretrained.lower_case)
+    steps_per_epoch, num_steps = count_steps(cfg, data.num_train_examples)
+    torch.manual_seed(seed)  # identical head (and random encoder) on every rank
+    model = task_model(pretrained.config, data.num_labels)
+    if pretrained.state_dict is None:
+        model.init_encoder_randomly()
+    else:
+        model.load_encoder(pretrained.state_dict)
+    engine_cfg = engine_config(cfg, num_steps, world_size)
+    if rank == 0:
+        console(f"[finetune] {cfg.task}: lr {cfg.learning_rate:g}, seed {seed}, "
+                f"{data.num_train_examples} train examples, {num_steps} steps of "
+                f"{cfg.batch_size} ({world_size} workers), {engine_cfg.precision}")
+    torch.manual_seed(seed + rank)  # dropout: a different mask on every rank
+    engine = build_engine(model, engine_cfg, world_size)
+    started = time.time()
+    last_loss = _train(engine, data, cfg, steps_per_epoch, num_steps, seed)
+    train_seconds = time.time() - started
+    metrics, predictions = evaluate(engine, data, cfg)
+    record = {
+        "task": cfg.task, "learning_rate": cfg.learning_rate, "seed": seed,
+        "metrics": metrics, "steps": num_steps, "epochs": num_steps / steps_per_epoch,
+        "train_examples": data.num_train_examples, "dev_examples": len(data.dev_examples),
+        "final_train_loss": last_loss, "train_seconds": round(train_seconds, 1),
+        "world_size": world_size, "precision": engine_cfg.precision,
+        "zero_stage": engine.zero_optimization_stage(), "model": pretrained.provenance,
+    }
+    if rank == 0:
+        record.update(_write_outputs(engine.module, cfg, data, pretrained, predictions))
+        _write_json(os.path.join(cfg.output, RESULT_NAME), record)
+    barrier(engine.device)
+    if report is not None:
+        report(record)
+    return record
+
+
+def count_steps(cfg: FinetuneConfig, num_examples: int) -> tuple[int, int]:
+    """(optimizer steps per epoch, total steps): epochs x full batches, or cfg.max_steps."""
+    steps_per_epoch = num_examples // cfg.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"{num_examples} training examples are fewer than one batch of "
+                         f"{cfg.batch_size}; lower --batch-size")
+    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    return steps_per_epoch, total
+
+
+def engine_config(cfg: FinetuneConfig, num_steps: int, world_size: int) -> TrainConfig:
+    """Pretraining's engine recipe for this run: DeepSpeed takes it through build_engine."""
+    if cfg.batch_size % world_size:
+        raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of the {world_size} "
+                         "workers; change --batch-size or --workers")
+    precision, _ = resolve_precision(cfg.precision, get_accelerator().device_name())
+    return TrainConfig(
+        data_dir=cfg.train, run_dir=cfg.output, max_steps=num_steps,
+        micro_batch_size=cfg.batch_size // world_size, gradient_accumulation_steps=1,
+        learning_rate=cfg.learning_rate, warmup_steps=int(cfg.warmup_fraction * num_steps),
+        decay="linear", optimizer="adamw", weight_decay=cfg.weight_decay, adam_eps=cfg.adam_eps,
+        gradient_clipping=cfg.gradient_clipping, zero_stage=cfg.zero_stage, precision=precision,
+        seed=cfg.seeds[0],
+    )
+
+
+def batch_indices(num_examples: int, batch_size: int, step: int, steps_per_epoch: int,
+                  seed: int, rank: int, world_size: int) -> np.ndarray:
+    """This rank's examples in optimizer step `step`: its stride of the global batch."""
+    epoch, index = divmod(step, steps_per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+    return order[index * batch_size:(index + 1) * batch_size][rank::world_size]
+
+
+def _train(engine, data: TaskData, cfg: FinetuneConfig, steps_per_epoch: int, num_steps: int,
+           seed: int) -> float | None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    log_every = cfg.log_every or max(1, min(50, num_steps // 20))
+    logger = MetricsLogger(cfg.output, enabled=rank == 0, max_steps=num_steps, prefix="finetune")
+    tensors = {k: v for k, v in data.train.items() if k in MODEL_INPUTS + TRAIN_TARGETS}
+    sums = torch.zeros(3, dtype=torch.float64, device=engine.device)  # loss, micro-steps, rows
+    window_start, last_loss = time.time(), None
+    engine.train()
+    for step in range(num_steps):
+        rows = torch.from_numpy(batch_indices(data.num_train_examples, cfg.batch_size, step,
+                                              steps_per_epoch, seed, rank, world_size))
+        batch = {k: v[rows].to(engine.device) for k, v in tensors.items()}
+        out = engine(**batch)
+        engine.backward(out["loss"])
+        engine.step()
+        sums += torch.stack([out["loss"].detach().double(), sums.new_tensor(1.0),
+                             sums.new_tensor(float(len(rows)))])
+        if step == 0 or (step + 1) % log_every == 0 or step + 1 == num_steps:
+            loss, micro_steps, examples = all_reduce_sum(sums, engine.device).tolist()
+            seconds = max(time.time() - window_start, 1e-9)
+            last_loss = loss / micro_steps
+            logger.log(step + 1, {"loss": last_loss, "lr": engine.get_lr()[0],
+                                  "seq_per_s": examples / seconds})
+            sums.zero_()
+            window_start = time.time()
+    logger.close()
+    return last_loss
+
+
+@torch.no_grad()
+def evaluate(engine, data: TaskData, cfg: FinetuneConfig) -> tuple[dict[str, float], Any]:
+    """Dev metrics and predictions: class ids or scores per example, or SQuAD's {id: answer
+    text}; on rank 0 (the others get ({}, None)). Each rank runs a contiguous share of rows."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    module = engine.module  # whole parameters under ZeRO 0-2; no collective per batch
+    module.eval()
+    num_rows = data.dev["input_ids"].shape[0]
+    bounds = np.linspace(0, num_rows, world_size + 1).astype(int)
+    outputs = []
+    for start in range(bounds[rank], bounds[rank + 1], cfg.eval_batch_size):
+        stop = min(start + cfg.eval_batch_size, bounds[rank + 1])
+        batch = {k: data.dev[k][start:stop].to(engine.device) for k in MODEL_INPUTS}
+        out = module(**batch)
+        outputs.append({k: v.float().cpu().numpy() for k, v in out.items() if k != "loss"})
+    module.train()
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, outputs)  # rank order: the dev rows in order
+    if rank != 0:
+        return {}, None
+    parts = [output for part in gathered for output in part]
+    logits = {k: np.concatenate([output[k] for output in parts]) for k in parts[0]}
+    return _score(data, cfg, logits)
+
+
+def _score(data: TaskData, cfg: FinetuneConfig, logits: dict[str, np.ndarray]):
+    from bertforge.training.finetune.metrics import squad_evaluate, task_metrics
+
+    if data.spec is None:
+        from bertforge.training.finetune.squad import postprocess_predictions
+
+        answers = postprocess_predictions(
+            data.dev_examples, data.dev, logits["start_logits"], logits["end_logits"],
+            max_answer_length=cfg.max_answer_length,
+        )
+        return squad_evaluate(data.dev_examples, answers), answers
+    if data.spec.is_regression:
+        predictions = logits["logits"][:, 0]
+    else:
+        predictions = logits["logits"].argmax(axis=-1)
+    labels = data.dev["labels"].numpy()
+    return task_metrics(data.spec, predictions, labels), predictions
+
+
+def _write_outputs(model, cfg: FinetuneConfig, data: TaskData, pretrained,
+                   predictions) -> dict[str, str]:
+    """Dev predictions and the Hugging Face export, in cfg.output; their paths."""
+    os.makedirs(cfg.output, exist_ok=True)
+    if data.spec is None:
+        predictions_path = os.path.join(cfg.output, "dev_predictions.json")
+        _write_json(predictions_path, predictions)  # the official {id: answer} format
+    else:
+        predictions_path = os.path.join(cfg.output, "dev_predictions.tsv")
+        write_glue_predictions(predictions_path, data, predictions)
+    hf_dir = export_finetuned(
+        model, pretrained.vocab_path, pretrained.lower_case,
+        os.path.join(cfg.output, HF_DIR_NAME), task=cfg.task, overwrite=True,
+        labels=None if data.spec is None else data.spec.labels,
+    )
+    return {"predictions": predictions_path, "hf_dir": hf_dir}
+
+
+def write_glue_predictions(path: str, data: TaskData, predictions: np.ndarray) -> None:
+    """line (in the dev file), prediction, label: label strings, or scores for a regression."""
+    labels = data.spec.labels
+
+    def shown(value) -> str:
+        return f"{float(value):.6g}" if labels is None else labels[int(value)]
+
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("line\tprediction\tlabel\n")
+        for example, prediction in zip(data.dev_examples, predictions, strict=True):
+            f.write(f"{example.line}\t{shown(prediction)}\t{shown(example.label)}\n")
+
+
+def _write_json(path: str, values: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(values, f, indent=2, default=_json_default)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
