@@ -60,7 +60,7 @@ class PrepareConfig:
         512, "documents per random-B pool: bounds worker memory, not the corpus size")
     random_pool_chars: int = _option(
         4_000_000, "characters of text per random-B pool (~1M tokens): with "
-        "--random_pool_size, bounds worker memory however large the documents are")
+        "--random-pool-size, bounds worker memory however large the documents are")
     # 2 x 4,096-row batches: ~2 MB of ids at 128 tokens
     rows_per_piece: int = _option(
         8_192, "instances a worker sorts at once while writing a shard (rounded up to whole "
@@ -126,8 +126,16 @@ class PrepareConfig:
 
 
 def job_flag(f: Any) -> str:
-    """`--max_seq_length`: the job's flags are spelled as Beam spells its own."""
-    return f.metadata.get("flag", f"--{f.name}")
+    """`--max-seq-length`: dashed, as every other bertforge command spells its flags."""
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def job_flag_spellings(f: Any) -> tuple[str, ...]:
+    """The dashed flag (first: --help shows it first), then Beam's spelling `--max_seq_length`,
+    which Dataflow templates and scripts written for Beam use."""
+    if "flag" in f.metadata:
+        return (f.metadata["flag"],)
+    return tuple(dict.fromkeys((job_flag(f), f"--{f.name}")))
 
 
 class PrepareOptions(PipelineOptions):
@@ -154,12 +162,13 @@ class PrepareOptions(PipelineOptions):
                 options["action"] = "append"
             else:
                 options["type"] = {"int": int, "float": float, "str": str}[str(f.type)]
-            parser.add_argument(job_flag(f), **options)
+            parser.add_argument(*job_flag_spellings(f), **options)
 
 
 def job_flags() -> tuple[str, ...]:
-    """Every flag the job owns (`--input`, `--max_seq_length`, ...)."""
-    return tuple(job_flag(f) for f in fields(PrepareConfig))
+    """Every flag the job owns, in both spellings (`--input`, `--max-seq-length`,
+    `--max_seq_length`, ...)."""
+    return tuple(flag for f in fields(PrepareConfig) for flag in job_flag_spellings(f))
 
 
 def _all_options_parser() -> Any:

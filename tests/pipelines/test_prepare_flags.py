@@ -1,0 +1,53 @@
+"""`bertforge prepare` flags: dashed like every other command, Beam's underscores accepted."""
+
+import dataclasses
+
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from bertforge.pipelines.prepare_options import (
+    PrepareConfig,
+    PrepareOptions,
+    check_beam_args,
+    help_text,
+    parse_argv,
+)
+
+REQUIRED = ["--input=a.jsonl", "--output=o", "--vocab=v"]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--max-seq-length=64", "--num-shards", "3", "--lower-case=false",
+     "--random-pool-chars=1000"],
+    ["--max_seq_length=64", "--num_shards", "3", "--lower_case=false",
+     "--random_pool_chars=1000"],
+])
+def test_both_spellings_reach_the_config(flags):
+    config, beam_args = parse_argv(REQUIRED + flags + ["--runner=DirectRunner"])
+    assert (config.max_seq_length, config.num_shards, config.lower_case,
+            config.random_pool_chars) == (64, 3, False, 1000)
+    assert beam_args == ["--runner=DirectRunner"]
+    # Beam's own parse (what a Flex Template launch and a worker see) agrees.
+    assert PipelineOptions(flags).view_as(PrepareOptions).max_seq_length == 64
+
+
+def test_help_shows_the_dashed_flag_first_for_every_option():
+    text = help_text()
+    for f in dataclasses.fields(PrepareConfig):
+        if f.name == "inputs":
+            assert "--input INPUTS" in text
+            continue
+        dashed, beam = "--" + f.name.replace("_", "-"), "--" + f.name
+        assert dashed in text, dashed
+        if beam != dashed:
+            assert text.index(dashed) < text.index(beam), f.name
+
+
+def test_beam_flags_stay_as_beam_spells_them_and_may_not_set_job_options():
+    _, beam_args = parse_argv(REQUIRED + ["--direct_num_workers=2"])
+    assert beam_args == ["--direct_num_workers=2"]
+    with pytest.raises(ValueError, match="unknown flag.*--direct-num-workers"):
+        parse_argv(REQUIRED + ["--direct-num-workers=2"])
+    for spelling in ("--num-shards=2", "--num_shards=2"):
+        with pytest.raises(ValueError, match="must not set the job's own options"):
+            check_beam_args([spelling])
