@@ -52,6 +52,9 @@ def _add_inspect(commands) -> None:
     p = commands.add_parser("inspect", help="statistics and sample pairs of a shard directory")
     p.add_argument("data_dir")
     p.add_argument("--samples", type=int, default=3, help="decoded pairs to show")
+    p.add_argument("--verify", action="store_true",
+                   help="check every file against the manifest (shards' sha256, rows, tokens; "
+                   "the vocabulary's sha256); exit 1 naming each bad file")
     p.set_defaults(handler=_run_inspect)
 
 
@@ -114,6 +117,9 @@ def _add_eval(commands) -> None:
     p.add_argument("--data", required=True, help="prepared shard directory")
     p.add_argument("--split", default="validation", choices=("train", "validation"))
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
+                   help="hash the shards against the manifest's sha256 (rows are validated "
+                   "either way)")
     p.set_defaults(handler=_run_eval)
 
 
@@ -163,10 +169,19 @@ def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
     print(json.dumps(counts, indent=2))
 
 
-def _run_inspect(args: argparse.Namespace) -> None:
+def _run_inspect(args: argparse.Namespace) -> int:
     from bertforge.pipelines.inspect_shards import format_report, inspect_dataset
+    from bertforge.pipelines.verify_shards import format_verification, verify_dataset
 
+    if args.verify:
+        verification = verify_dataset(args.data_dir)
+        if not verification.ok:
+            print(format_verification(args.data_dir, verification), file=sys.stderr)
+            return 1
     print(format_report(inspect_dataset(args.data_dir, num_samples=args.samples)))
+    if args.verify:
+        print(format_verification(args.data_dir, verification))
+    return 0
 
 
 def train_config_from_args(args: argparse.Namespace):
@@ -215,19 +230,23 @@ def _run_submit(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> None:
+    from bertforge.cluster.preflight import preflight_eval
     from bertforge.training.checkpoint import resolve_checkpoint
     from bertforge.training.evaluate import evaluate_checkpoint
 
+    preflight_eval(args.checkpoint, args.data, args.split)
     result = evaluate_checkpoint(
         resolve_checkpoint(args.checkpoint), args.data, split=args.split,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size, verify_checksums=args.verify_checksums,
     )
     print(json.dumps(result.to_dict(), indent=2))
 
 
 def _run_export(args: argparse.Namespace) -> None:
+    from bertforge.cluster.preflight import preflight_export
     from bertforge.training.export import export_checkpoint
 
+    preflight_export(args.checkpoint, args.output)
     print(export_checkpoint(args.checkpoint, args.output))
 
 

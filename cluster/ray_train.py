@@ -12,6 +12,8 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from bertforge.cluster.config_fields import HELP
+from bertforge.cluster.failure_policy import user_errors_fail_at_once
+from bertforge.cluster.preflight import preflight_train
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.config import TrainConfig
 
@@ -89,8 +91,10 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     """Run training on `launch.workers` Ray workers; returns the final checkpoint's metadata.
 
     Ray Train V2 keeps only metrics attached to Ray checkpoints, so the outcome is read from
-    the run directory, where the loop commits its checkpoints.
+    the run directory, where the loop commits its checkpoints. The inputs are checked here
+    first, before Ray starts (`cluster.preflight`); a user error inside a worker is not retried.
     """
+    preflight_train(cfg)
     connect(launch)
     run_dir = os.path.abspath(cfg.run_dir)
     cfg = TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir})
@@ -107,7 +111,8 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
         ),
         run_config=_run_config(cfg, launch),
     )
-    result = trainer.fit()
+    with user_errors_fail_at_once():
+        result = trainer.fit()
     if launch.storage:
         # The driver's node need not hold the files: the outcome is what storage registered.
         return {"step": result.metrics["step"], "checkpoint_path": result.checkpoint.path}

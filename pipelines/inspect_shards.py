@@ -16,13 +16,13 @@ import pyarrow.compute as pc
 
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.contract.tokenization import load_tokenizer
+from bertforge.pipelines.verify_shards import read_arrow_file
 
 NUM_LENGTH_BINS = 8
 
 
 def _read_shard(path: str) -> pa.Table:
-    with pa.memory_map(path) as source:
-        return pa.ipc.open_file(source).read_all()
+    return read_arrow_file(path)  # names the file when it is not Arrow
 
 
 def _length_histogram(lengths: np.ndarray, max_seq_length: int) -> list[dict[str, int]]:

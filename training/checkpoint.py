@@ -26,12 +26,14 @@ import re
 import shutil
 import tempfile
 import time
+import zipfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from bertforge.training.distributed import barrier
+from bertforge.training.errors import UserInputError
 
 CHECKPOINTS_DIR = "checkpoints"
 COMMIT_MARKER = "COMMITTED"
@@ -193,10 +195,17 @@ def verify_safe_to_unpickle(checkpoint_path: str) -> None:
     """
     with torch.serialization.safe_globals(_deepspeed_safe_globals()):
         for path in _pt_files(checkpoint_path):
+            if not zipfile.is_zipfile(path):
+                # torch.save has written zip archives since 1.6; anything else is a legacy or
+                # raw pickle, which neither mmap nor the restricted unpickler should be given.
+                raise UserInputError(
+                    f"{path} is not a torch zip checkpoint (a legacy or raw pickle); "
+                    "refusing to load it"
+                )
             try:
                 torch.load(path, weights_only=True, mmap=True, map_location="cpu")
             except pickle.UnpicklingError as error:
-                raise ValueError(
+                raise UserInputError(
                     f"{path} holds objects outside the types a checkpoint may contain; "
                     f"refusing to load it ({str(error).splitlines()[0]})"
                 ) from None

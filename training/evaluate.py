@@ -75,10 +75,16 @@ def evaluate(model, batches, *, baseline_token_id: int, device: str = "cpu") -> 
 def evaluate_checkpoint(
     checkpoint_path: str, data_dir: str, *, split: str = "validation", batch_size: int = 64,
     seed: int = 0, mask_prob: float = 0.15, max_predictions: int | None = None,
+    verify_checksums: bool = True,
 ) -> EvalResult:
     """Score a checkpoint on a split with fixed masks (seed, epoch 0), in this process."""
     from bertforge.training.checkpoint import load_model
-    from bertforge.training.data import MaskingOptions, PretrainingLoader, token_frequencies
+    from bertforge.training.data import (
+        MaskingOptions,
+        PretrainingLoader,
+        ReadOptions,
+        token_frequencies,
+    )
     from bertforge.training.dataset_facts import DatasetFacts
 
     model, metadata = load_model(checkpoint_path)
@@ -88,11 +94,14 @@ def evaluate_checkpoint(
     loader = PretrainingLoader(
         data_dir, split, batch_size=batch_size, seed=seed, drop_last=False,
         masking=MaskingOptions(max_predictions, mask_prob),
+        read=ReadOptions(verify_checksums=verify_checksums),
     )
     baseline_token_id = most_frequent_token(token_frequencies(data_dir, "train"), data_dir)
     # The loader's bound on labels per row: the fixed-width sparse head (no host sync).
     model.max_predictions = loader.max_predictions_per_row
-    return evaluate(model, loader, baseline_token_id=baseline_token_id)
+    result = evaluate(model, loader, baseline_token_id=baseline_token_id)
+    loader.wait_for_checksums()  # no numbers from shards whose bytes are not the manifest's
+    return result
 
 
 def most_frequent_token(frequencies, data_dir: str) -> int:

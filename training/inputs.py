@@ -1,0 +1,147 @@
+"""Checks of a run's inputs that need no engine: what the driver runs before Ray starts.
+
+Each check reads metadata only (the manifest, Arrow footers through a memory map, the
+vocabulary, a checkpoint's bertforge.json), so a whole pre-flight takes seconds even for a
+large dataset, and each failure is one `UserInputError` line naming the file or flag.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from bertforge.training import checkpoint
+from bertforge.training.data.split import (
+    open_split_rows,
+    read_dataset_manifest,
+    read_vocab_tokens,
+)
+from bertforge.training.dataset_facts import DatasetFacts
+from bertforge.training.errors import MissingInputError, UserInputError, as_user_error
+from bertforge.training.model import BertConfig
+from bertforge.training.warm_start import check_resume_architecture
+
+# Pseudo filesystems: a directory there can look creatable and writable and still not hold files.
+_REFUSED_ROOTS = ("/proc", "/sys", "/dev")
+
+
+def check_dataset(data_dir: str, splits: tuple[str, ...] = ("train",)) -> DatasetFacts:
+    """The dataset's facts once its manifest parses, names `splits`, every shard it lists
+    exists with its row count, and vocab.txt matches the manifest's hash and size."""
+    if "://" in data_dir:
+        return _check_remote_dataset(data_dir)
+    if not os.path.exists(data_dir):
+        raise MissingInputError(f"dataset {data_dir} does not exist")
+    if not os.path.isdir(data_dir):
+        raise UserInputError(f"dataset {data_dir} is a file, not a prepared dataset directory")
+    facts = DatasetFacts.read(data_dir)  # parses the manifest (user errors name it)
+    for split in splits:
+        open_split_rows(data_dir, split)  # footers and row counts only, memory-mapped
+    read_vocab_tokens(data_dir, read_dataset_manifest(data_dir).tokenizer)
+    return facts
+
+
+def _check_remote_dataset(data_dir: str) -> DatasetFacts:
+    """A gs:// or s3:// dataset: its manifest parses (the shards are checked once copied)."""
+    import json
+
+    import pyarrow.fs as pafs
+
+    from bertforge.pipelines.contract.manifest import MANIFEST_NAME, Manifest
+
+    path = f"{data_dir.rstrip('/')}/{MANIFEST_NAME}"
+    try:
+        filesystem, where = pafs.FileSystem.from_uri(path)
+        with filesystem.open_input_stream(where) as stream:
+            manifest = Manifest.from_dict(json.loads(stream.read()))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserInputError(
+            f"{path} could not be read as a bertforge manifest ({error})") from error
+    return DatasetFacts.from_manifest(manifest, data_dir)
+
+
+def check_run_dir(run_dir: str) -> str:
+    """`run_dir`, absolute, once it exists (created if need be) and a file can be written in it."""
+    path = os.path.abspath(run_dir)
+    root = next((r for r in _REFUSED_ROOTS if path == r or path.startswith(r + os.sep)), None)
+    if root is not None:
+        raise UserInputError(f"run directory {run_dir} is under {root}, a pseudo filesystem; "
+                             "give a directory on a real disk")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserInputError(f"run directory {run_dir} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        raise UserInputError(
+            f"run directory {run_dir} cannot be created or written ({error.strerror or error})"
+        ) from error
+    return path
+
+
+def check_resume(run_dir: str, model_config: BertConfig, vocab_sha256: str) -> str | None:
+    """The checkpoint a resume of `run_dir` would load (None: a fresh start), once its
+    architecture and vocabulary are those of the requested model and data."""
+    latest = checkpoint.latest_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+    if latest is None:
+        return None
+    saved = read_checkpoint_metadata(latest)
+    check_resume_architecture(saved, model_config, latest)
+    if saved.get("vocab_sha256") != vocab_sha256:
+        raise UserInputError(
+            f"cannot resume {latest}: it was trained with another vocabulary than the data "
+            f"(vocab sha256 {str(saved.get('vocab_sha256'))[:12]} vs {vocab_sha256[:12]}); "
+            "use the run's own dataset, or another --run-dir for a new run"
+        )
+    return latest
+
+
+def read_checkpoint_metadata(path: str) -> dict:
+    """A complete checkpoint's bertforge.json, as a user error when it cannot be read."""
+    try:
+        return checkpoint.read_metadata(path)
+    except (OSError, ValueError) as error:
+        raise as_user_error(error) from error
+
+
+def check_checkpoint(path: str) -> str:
+    """The complete checkpoint `path` names (itself, or a run directory's newest), readable."""
+    if not os.path.exists(path):
+        raise MissingInputError(f"checkpoint {path} does not exist")
+    try:
+        resolved = checkpoint.resolve_checkpoint(path)
+    except ValueError as error:
+        raise as_user_error(error) from error
+    read_checkpoint_metadata(resolved)
+    if not os.path.exists(os.path.join(resolved, "vocab.txt")):
+        raise MissingInputError(f"checkpoint {resolved} lacks its vocab.txt")
+    return resolved
+
+
+def check_model_source(source: str) -> str:
+    """A warm-start or fine-tuning source: a complete checkpoint, a run directory with one
+    (returns the checkpoint), or a Hugging Face directory with config.json and weights."""
+    from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES
+
+    if not os.path.isdir(source):
+        raise MissingInputError(f"model {source}: no such directory")
+    if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)) or (
+            checkpoint.latest_checkpoint(source) is not None):
+        return check_checkpoint(source)
+    if os.path.exists(os.path.join(source, HF_CONFIG_NAME)) and any(
+            os.path.exists(os.path.join(source, name)) for name in HF_WEIGHTS_NAMES):
+        return source
+    raise UserInputError(
+        f"model {source} is neither a complete checkpoint, a run directory with one, nor a "
+        f"Hugging Face directory ({HF_CONFIG_NAME} + {HF_WEIGHTS_NAMES[0]})")
+
+
+def check_output_dir(output: str) -> str:
+    """An export's output: a new directory in a parent that can be created and written."""
+    path = os.path.abspath(output)
+    if os.path.exists(path):
+        raise UserInputError(f"output {output} exists; give a new directory (an export never "
+                             "writes over one)")
+    check_run_dir(os.path.dirname(path))
+    return path
