@@ -276,13 +276,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    from bertforge.cluster.local_ray import driver_teardown
+
     try:
-        if args.command == "prepare":
-            status = args.handler(args, extra)
-        else:
-            if extra:
-                parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            status = args.handler(args)
+        # SIGTERM exits like Ctrl-C (locks released) and a local Ray this run started stops.
+        with driver_teardown():
+            if args.command == "prepare":
+                status = args.handler(args, extra)
+            else:
+                if extra:
+                    parser.error(f"unrecognized arguments: {' '.join(extra)}")
+                status = args.handler(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"bertforge {args.command}: error: {error}", file=sys.stderr)
         return 2

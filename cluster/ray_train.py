@@ -9,11 +9,14 @@ from typing import Any
 import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchTrainer
 
+from bertforge.cluster import local_ray
 from bertforge.cluster.config_fields import HELP
 from bertforge.cluster.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.preflight import preflight_train
+from bertforge.cluster.run_lock import exclusive_directory
+from bertforge.cluster.torch_store import NodeAddressTorchConfig
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.config import TrainConfig
 
@@ -64,27 +67,7 @@ def connect(launch: LaunchConfig) -> None:
         # directory) must reach the workers unchanged.
         ray.init(address=launch.address)
         return
-    _bind_to_loopback()
-    ray.init(
-        num_cpus=max(os.cpu_count() or 1, launch.workers * launch.cpus_per_worker),
-        # Ray Train's controller polls the state API, which the dashboard serves (127.0.0.1).
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        configure_logging=False,
-    )
-
-
-def _bind_to_loopback() -> None:
-    """Make a local Ray listen on 127.0.0.1 only, not on the machine's network address.
-
-    Ray maps 127.0.0.1 to the routable address unless it believes it is not a cluster (its
-    macOS/Windows mode); we set that mode in this process and, through the environment, in
-    the GCS, raylet and worker processes it starts.
-    """
-    from ray._private import ray_constants
-
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    local_ray.start(num_cpus=max(os.cpu_count() or 1, launch.workers * launch.cpus_per_worker))
 
 
 def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
@@ -95,14 +78,22 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     first, before Ray starts (`cluster.preflight`); a user error inside a worker is not retried.
     """
     preflight_train(cfg)
-    connect(launch)
     run_dir = os.path.abspath(cfg.run_dir)
-    cfg = TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir})
+    # One run per run directory (and per run in storage), taken before Ray starts.
+    storage_run = f"{launch.storage.rstrip('/')}/{os.path.basename(run_dir)}" \
+        if launch.storage else None
+    with exclusive_directory(run_dir, "train", storage=storage_run):
+        connect(launch)
+        return _fit(TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir}), launch)
+
+
+def _fit(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
+    run_dir = cfg.run_dir
     trainer = TorchTrainer(
         _worker_main,
         train_loop_config={"train": cfg.to_dict(), "threads": launch.cpus_per_worker,
                            "persist": bool(launch.storage)},
-        torch_config=TorchConfig(backend="nccl" if launch.gpu else "gloo"),
+        torch_config=NodeAddressTorchConfig(backend="nccl" if launch.gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=launch.workers,
             use_gpu=launch.gpu,

@@ -14,7 +14,6 @@ Run the same command again after any failure.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -25,22 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-LOCK_NAME = ".lock"
-
-
-@contextmanager
-def exclusive_directory(root: str, command: str) -> Iterator[None]:
-    """One run per directory at a time: a second concurrent run is refused, not interleaved.
-
-    flock is released by the kernel when the process dies, so a crash never leaves it stuck.
-    """
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, LOCK_NAME), "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"another bertforge {command} is running in {root}") from None
-        yield
+# One run per directory: the lock `train` takes too (host, pid, heartbeat; shared filesystems).
+from bertforge.cluster.run_lock import LOCK_NAME, exclusive_directory
 
 
 @contextmanager

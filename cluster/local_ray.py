@@ -1,0 +1,198 @@
+"""The private local Ray of a run without --address: loopback only, torn down, never left behind.
+
+- Everything listens on 127.0.0.1: Ray's own processes (its "not a cluster" mode, the
+  dashboard on 127.0.0.1), gloo's sockets (GLOO_SOCKET_IFNAME / TP_SOCKET_IFNAME: the loopback
+  interface) and torch's rendezvous store (`torch_store`), in the driver and every worker.
+- Its sessions live in their own folder (`ray_root()`: TMPDIR/bertforge_ray_UID), never in
+  /tmp/ray, so nothing here touches a Ray the user started with `ray start`.
+- Each start records the driver (pid, start time) and the Ray processes it spawned in
+  `ray_root()/drivers/`; the next start stops the processes of every recorded driver that is
+  dead (a SIGKILLed run's raylet agents outlive it) and keeps only the newest `KEEP_SESSIONS`
+  session folders that no live run uses. A live run's processes are never touched.
+- `driver_teardown()` turns SIGTERM/SIGHUP into a normal exit, so `finally` blocks run (the
+  run-directory lock is released) and Ray is shut down, as on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator
+
+KEEP_SESSIONS = 3
+_RECORD = None  # this driver's record file, once it started a local Ray
+
+
+def ray_root() -> str:
+    # Short: Ray's unix socket paths live under it and are limited to 107 characters.
+    return os.path.join(tempfile.gettempdir(), f"bertforge_ray_{os.getuid()}")
+
+
+def _loopback_interface() -> str:
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addresses):
+            return name
+    return "lo"
+
+
+def bind_to_loopback() -> None:
+    """Make a local Ray and its workers listen on 127.0.0.1 only, not on the machine's address.
+
+    Ray maps 127.0.0.1 to the routable address unless it believes it is not a cluster (its
+    macOS/Windows mode); we set that mode in this process and, through the environment, in
+    the GCS, raylet and worker processes it starts, which also inherit gloo's interface.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    interface = _loopback_interface()
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    os.environ["TP_SOCKET_IFNAME"] = interface
+
+
+def start(num_cpus: int) -> None:
+    """Clean up after dead runs, then start this driver's private Ray on 127.0.0.1."""
+    import ray
+
+    root = ray_root()
+    reap_dead_runs(root)
+    bind_to_loopback()
+    ray.init(
+        num_cpus=num_cpus,
+        # Ray Train's controller polls the state API, which the dashboard serves (127.0.0.1).
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        configure_logging=False,
+        _temp_dir=root,
+    )
+    _record_this_driver(root)
+
+
+def _process_key(process) -> dict:
+    return {"pid": process.pid, "started": process.create_time()}
+
+
+def _same_process(key: dict):
+    """The live process `key` names, or None (gone, or the pid reused by another process)."""
+    import psutil
+
+    try:
+        process = psutil.Process(key["pid"])
+        if abs(process.create_time() - key["started"]) < 1.0:
+            return process
+    except psutil.Error:
+        pass
+    return None
+
+
+def _record_this_driver(root: str) -> None:
+    import psutil
+    import ray
+
+    global _RECORD
+    me = psutil.Process()
+    record = {
+        "driver": _process_key(me),
+        "session_dir": ray._private.worker._global_node.get_session_dir_path(),
+        # GCS, raylet and the raylet's agents: started by ray.init, so our descendants.
+        "processes": [_process_key(p) for p in me.children(recursive=True)],
+    }
+    os.makedirs(os.path.join(root, "drivers"), exist_ok=True)
+    _RECORD = os.path.join(root, "drivers", f"{me.pid}.json")
+    with open(_RECORD, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+
+
+def _read_records(root: str) -> list[tuple[str, dict]]:
+    folder = os.path.join(root, "drivers")
+    records = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                records.append((path, json.load(f)))
+        except (OSError, ValueError):
+            continue
+    return records
+
+
+def reap_dead_runs(root: str | None = None, keep_sessions: int = KEEP_SESSIONS) -> list[int]:
+    """Stop the Ray processes of recorded drivers that died; bound the session folders.
+
+    Returns the pids stopped. Only processes a bertforge driver recorded as its own children are
+    ever signalled, and only once that driver is gone.
+    """
+    import psutil
+
+    root = root or ray_root()
+    live_sessions, orphans = set(), []
+    for path, record in _read_records(root):
+        if _same_process(record["driver"]) is not None:
+            live_sessions.add(record["session_dir"])
+            continue
+        orphans += [p for p in map(_same_process, record["processes"]) if p is not None]
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    for process in orphans:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(orphans, timeout=5)
+    for process in alive:  # the GCS server ignores SIGTERM
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    prune_sessions(root, keep_sessions, live_sessions)
+    return [p.pid for p in orphans]
+
+
+def prune_sessions(root: str, keep: int, live: set[str]) -> None:
+    """Delete all but the newest `keep` session folders, never one a live run uses."""
+    if not os.path.isdir(root):
+        return
+    # session_YYYY-MM-DD_HH-MM-SS_...: the names sort by start time.
+    sessions = sorted((os.path.join(root, name) for name in os.listdir(root)
+                       if name.startswith("session_2")), reverse=True)
+    for path in sessions[keep:]:
+        if path not in live:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def shutdown() -> None:
+    """Stop this driver's Ray (if any) and forget its record."""
+    global _RECORD
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    if _RECORD is not None:
+        with contextlib.suppress(OSError):
+            os.remove(_RECORD)
+        _RECORD = None
+        reap_dead_runs()  # and bound the session folders, ours now among them
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def driver_teardown() -> Iterator[None]:
+    """Around a command that may start Ray: SIGTERM/SIGHUP exit like Ctrl-C, Ray stops after."""
+    installed = {}
+    with contextlib.suppress(ValueError):  # not the main thread: leave the handlers alone
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            installed[signum] = signal.signal(signum, _exit_on_signal)
+    try:
+        yield
+    finally:
+        shutdown()
+        for signum, previous in installed.items():
+            signal.signal(signum, previous)

@@ -1,0 +1,331 @@
+"""One run per run directory: a lock file that also works on a shared filesystem and in storage.
+
+The lock is a small JSON file (`.lock`) naming its holder: host, pid (with the pid's start time
+and pid namespace, so a reused pid or another container is not taken for the holder), when it
+started, and a heartbeat timestamp a thread refreshes every `HEARTBEAT_SECONDS`.
+
+- Taking it is atomic on a local or shared (NFS) filesystem: the record is written to a private
+  temp file and published with `link()`, which fails when `.lock` exists and never shows a
+  half-written file (O_CREAT|O_EXCL where the filesystem has no hard links).
+- The holder is alive while, on the same host and pid namespace, its pid runs (the kernel
+  knows at once), or, seen from another host, its heartbeat is fresh (`STALE_AFTER_SECONDS`;
+  clocks of the nodes must agree to within a fraction of that). A dead holder's lock is taken
+  over with a message; a live holder's makes the new run fail at once, naming it.
+- Takeover renames the stale file away first, so of two runs taking over at once only one
+  removes it; both then race on the atomic create.
+- In object storage (`--storage gs://... / s3://...`, through pyarrow.fs) there is no
+  create-if-absent: the lock is written only if absent and read back after `SETTLE_SECONDS`;
+  the run that reads its own token holds it. Two runs whose existence checks fall within the
+  same second can both write; the later write wins and the earlier writer's read-back sees the
+  other's token, unless its write took longer than SETTLE_SECONDS to land. The heartbeat
+  re-reads the token and reports a lost lock.
+
+A crash leaves the file behind; the next run sees its holder dead and takes it over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+LOCK_NAME = ".lock"
+HEARTBEAT_SECONDS = 30.0
+STALE_AFTER_SECONDS = 120.0  # four missed heartbeats
+SETTLE_SECONDS = 1.0  # object storage: how long a write is given to land before reading back
+
+
+class RunDirectoryInUse(ValueError):
+    """Another live run holds the directory: a user error, shown in one line."""
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _process_start(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+@dataclass
+class Holder:
+    host: str
+    pid: int
+    pid_start: float | None
+    pid_namespace: str
+    started: float
+    heartbeat: float
+    command: str
+    token: str
+
+    @classmethod
+    def me(cls, command: str) -> Holder:
+        now = time.time()
+        return cls(host=socket.gethostname(), pid=os.getpid(),
+                   pid_start=_process_start(os.getpid()), pid_namespace=_pid_namespace(),
+                   started=now, heartbeat=now, command=command, token=uuid.uuid4().hex)
+
+    @classmethod
+    def parse(cls, text: str) -> Holder | None:
+        try:
+            return cls(**json.loads(text))
+        except (ValueError, TypeError):
+            return None
+
+    def dumps(self) -> str:
+        return json.dumps(asdict(self))
+
+    def is_alive(self, stale_after: float) -> bool:
+        if self.host == socket.gethostname() and self.pid_namespace == _pid_namespace():
+            start = _process_start(self.pid)
+            # A pid the kernel reused for another process started later: not the holder.
+            return start is not None and (self.pid_start is None
+                                          or abs(start - self.pid_start) < 1.0)
+        return time.time() - self.heartbeat < stale_after
+
+    def describe(self) -> str:
+        since = datetime.fromtimestamp(self.started, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        return (f"host {self.host}, pid {self.pid}, since {since}, "
+                f"heartbeat {max(0.0, time.time() - self.heartbeat):.0f} s ago")
+
+
+class _LocalFile:
+    """The lock file on a POSIX filesystem, local or shared."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, LOCK_NAME)
+
+    def __str__(self) -> str:
+        return self.directory
+
+    def create(self, text: str) -> bool:
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            tmp = self._write_private(text)
+        except OSError as error:
+            raise ValueError(f"cannot write the run lock in {self.directory}: "
+                             f"{error.strerror or error}") from None
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here (some FUSE/object-store mounts)
+            return self._create_exclusive(text)
+        finally:
+            os.unlink(tmp)
+
+    def _write_private(self, text: str) -> str:
+        tmp = os.path.join(self.directory, f"{LOCK_NAME}.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    def _create_exclusive(self, text: str) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        return True
+
+    def read(self) -> str | None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def age(self) -> float:
+        try:
+            return time.time() - os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    def replace(self, text: str) -> None:
+        os.replace(self._write_private(text), self.path)
+
+    def remove_if(self, expected: str) -> bool:
+        """Remove the file only if it still holds `expected`: rename it away first, so that of
+        two runs removing a stale lock at once only one does, and never a fresh one."""
+        aside = f"{self.path}.{uuid.uuid4().hex}.stale"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        with open(aside, encoding="utf-8") as f:
+            moved = f.read()
+        if moved != expected:  # a fresh lock was published meanwhile: put it back
+            with contextlib.suppress(OSError):
+                os.link(aside, self.path)
+            os.unlink(aside)
+            return False
+        os.unlink(aside)
+        return True
+
+
+class _StorageFile:
+    """The lock file in object storage (a pyarrow.fs URI): write if absent, then read back."""
+
+    def __init__(self, uri: str, filesystem=None) -> None:
+        from pyarrow import fs
+
+        self.fs, base = fs.FileSystem.from_uri(uri)
+        self.fs = filesystem or self.fs  # one shared instance (tests: a SubTreeFileSystem)
+        self.uri = uri
+        self.path = f"{base.rstrip('/')}/{LOCK_NAME}"
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def create(self, text: str) -> bool:
+        if self.read() is not None:
+            return False
+        self.replace(text)
+        time.sleep(SETTLE_SECONDS)
+        return self.read() == text
+
+    def read(self) -> str | None:
+        try:
+            with self.fs.open_input_stream(self.path) as f:
+                return f.read().decode("utf-8")
+        except FileNotFoundError:
+            return None
+
+    def age(self) -> float:
+        mtime = self.fs.get_file_info(self.path).mtime
+        return 0.0 if mtime is None else time.time() - mtime.timestamp()
+
+    def replace(self, text: str) -> None:
+        self.fs.create_dir(self.path.rsplit("/", 1)[0], recursive=True)
+        with self.fs.open_output_stream(self.path) as f:
+            f.write(text.encode("utf-8"))
+
+    def remove_if(self, expected: str) -> bool:
+        if self.read() != expected:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.delete_file(self.path)
+        return True
+
+
+def lock_file_for(location):
+    """The lock of a directory path, or of a pyarrow.fs URI (gs://, s3://, ...)."""
+    if not isinstance(location, str):
+        return location  # already a lock file
+    if "://" in location and not location.startswith("file://"):
+        return _StorageFile(location)
+    return _LocalFile(os.path.abspath(location.removeprefix("file://")))
+
+
+class RunLock:
+    """`with RunLock([run_dir], "train"):` one holder at a time across processes and hosts."""
+
+    def __init__(self, locations: list[str], command: str, *,
+                 heartbeat_seconds: float = HEARTBEAT_SECONDS,
+                 stale_after_seconds: float = STALE_AFTER_SECONDS) -> None:
+        self.files = [lock_file_for(location) for location in locations]
+        self.command = command
+        self.heartbeat_seconds = heartbeat_seconds
+        self.stale_after_seconds = stale_after_seconds
+        self.me = Holder.me(command)
+        self._held: list = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> RunLock:
+        try:
+            for lock in self.files:
+                self._acquire(lock)
+                self._held.append(lock)
+        except BaseException:
+            self._release()
+            raise
+        self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._release()
+
+    def _acquire(self, lock) -> None:
+        mine = self.me.dumps()
+        for _ in range(5):
+            if lock.create(mine):
+                return
+            text = lock.read()
+            if text is None:
+                continue  # released meanwhile: try again
+            holder = Holder.parse(text)
+            if holder is None:
+                # Being written (O_EXCL path), or a file of an older bertforge: stale once old.
+                if lock.age() < 5.0:
+                    time.sleep(0.5)
+                    continue
+                what = "an unreadable lock file"
+            elif holder.is_alive(self.stale_after_seconds):
+                raise RunDirectoryInUse(
+                    f"another bertforge {holder.command} is running in {lock} "
+                    f"({holder.describe()}); wait for it to end or choose another directory")
+            else:
+                what = f"the lock of a run that is gone ({holder.describe()})"
+            if lock.remove_if(text):
+                print(f"[{self.command}] taking over {what} in {lock}", flush=True)
+        raise RunDirectoryInUse(f"could not take the lock in {lock}: other runs keep taking it")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_seconds):
+            self.me.heartbeat = time.time()
+            for lock in list(self._held):
+                with contextlib.suppress(OSError):
+                    self._refresh(lock)
+
+    def _refresh(self, lock) -> None:
+        holder = Holder.parse(lock.read() or "")
+        if holder is None or holder.token != self.me.token:
+            print(f"[{self.command}] warning: the lock in {lock} was taken by "
+                  f"{holder.describe() if holder else 'another run'}; two runs may be writing",
+                  flush=True)
+            self._held.remove(lock)
+            return
+        lock.replace(self.me.dumps())
+
+    def _release(self) -> None:
+        for lock in reversed(self._held):
+            with contextlib.suppress(OSError):
+                text = lock.read() or ""
+                holder = Holder.parse(text)
+                if holder is not None and holder.token == self.me.token:
+                    lock.remove_if(text)
+        self._held = []
+
+
+@contextlib.contextmanager
+def exclusive_directory(root: str, command: str, *, storage: str | None = None,
+                        **timing: float) -> Iterator[RunLock]:
+    """One run of `command` in `root` (and, given, in the storage location) at a time."""
+    with RunLock([root] + ([storage] if storage else []), command, **timing) as lock:
+        yield lock

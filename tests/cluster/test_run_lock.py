@@ -1,0 +1,201 @@
+"""One run per run directory: the lock file (cluster/run_lock.py) alone, then two real
+`bertforge train` runs on one run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+from pyarrow import fs
+
+from bertforge.cluster.local_ray import ray_root
+from bertforge.cluster.run_lock import (
+    LOCK_NAME,
+    Holder,
+    RunDirectoryInUse,
+    RunLock,
+    _StorageFile,
+    exclusive_directory,
+)
+
+
+def lock_record(path) -> dict:
+    return json.loads((path / LOCK_NAME).read_text())
+
+
+def write_lock(path, **changes) -> None:
+    record = {**json.loads(Holder.me("train").dumps()), **changes}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / LOCK_NAME).write_text(json.dumps(record))
+
+
+def dead_pid() -> tuple[int, float]:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = psutil.Process(process.pid).create_time()
+    process.wait()
+    return process.pid, started
+
+
+def test_a_second_holder_is_refused_naming_the_first_and_the_lock_goes_with_the_first(tmp_path):
+    with exclusive_directory(str(tmp_path), "train"):
+        record = lock_record(tmp_path)
+        assert (record["host"], record["pid"]) == (socket.gethostname(), os.getpid())
+        with pytest.raises(RunDirectoryInUse) as refused:
+            with exclusive_directory(str(tmp_path), "train"):
+                pass
+        message = str(refused.value)
+        assert f"another bertforge train is running in {tmp_path}" in message
+        assert f"host {socket.gethostname()}, pid {os.getpid()}, since 20" in message
+        assert (tmp_path / LOCK_NAME).exists()  # the refused run left the holder's file alone
+    assert not (tmp_path / LOCK_NAME).exists()
+    with pytest.raises(KeyError):  # released on an error too
+        with exclusive_directory(str(tmp_path), "train"):
+            raise KeyError("boom")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_dead_holder_is_taken_over_with_a_message(tmp_path, capsys):
+    pid, started = dead_pid()
+    write_lock(tmp_path, pid=pid, pid_start=started, heartbeat=time.time() - 3600,
+               started=time.time() - 3600)
+    with exclusive_directory(str(tmp_path), "train"):
+        assert lock_record(tmp_path)["pid"] == os.getpid()
+    out = capsys.readouterr().out
+    assert f"taking over the lock of a run that is gone (host {socket.gethostname()}, pid {pid}" \
+        in out
+
+
+def test_a_reused_pid_does_not_keep_a_lock(tmp_path):
+    # The pid is alive (this process) but was started at another time: not the holder.
+    write_lock(tmp_path, pid_start=psutil.Process().create_time() - 1000)
+    with exclusive_directory(str(tmp_path), "train"):
+        pass
+
+
+def test_another_host_holds_while_its_heartbeat_is_fresh(tmp_path, capsys):
+    write_lock(tmp_path, host="node-7", pid=1, heartbeat=time.time() - 5)
+    with pytest.raises(RunDirectoryInUse, match=r"host node-7, pid 1, since .* heartbeat 5 s ago"):
+        with exclusive_directory(str(tmp_path), "train"):
+            pass
+    write_lock(tmp_path, host="node-7", pid=1, heartbeat=time.time() - 600)
+    with exclusive_directory(str(tmp_path), "train"):
+        assert lock_record(tmp_path)["host"] == socket.gethostname()
+    assert "taking over the lock of a run that is gone (host node-7" in capsys.readouterr().out
+
+
+def test_an_old_unreadable_lock_file_is_taken_over(tmp_path):
+    (tmp_path / LOCK_NAME).write_text("")  # an older bertforge's flock file
+    old = time.time() - 60
+    os.utime(tmp_path / LOCK_NAME, (old, old))
+    with exclusive_directory(str(tmp_path), "pipeline"):
+        assert lock_record(tmp_path)["command"] == "pipeline"
+
+
+def test_the_heartbeat_is_refreshed_and_a_lost_lock_reported(tmp_path, capsys):
+    with RunLock([str(tmp_path)], "train", heartbeat_seconds=0.05) as lock:
+        first = lock_record(tmp_path)["heartbeat"]
+        time.sleep(0.3)
+        assert lock_record(tmp_path)["heartbeat"] > first
+        lock.heartbeat_seconds = 0.6  # the next beat comes after our write, not during it
+        time.sleep(0.15)
+        write_lock(tmp_path, host="node-9", token="someone else")
+        time.sleep(1.0)
+        assert lock_record(tmp_path)["host"] == "node-9"  # never overwritten once lost
+        assert not lock._held
+    assert "was taken by host node-9" in capsys.readouterr().out
+    assert lock_record(tmp_path)["host"] == "node-9"  # and not removed on release
+
+
+def test_two_runs_racing_for_one_directory_get_one_lock(tmp_path):
+    outcomes: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def contend() -> None:
+        lock = RunLock([str(tmp_path)], "train")
+        lock.me.token += str(threading.get_ident())  # eight holders in one process
+        barrier.wait()
+        try:
+            lock.__enter__()
+            outcomes.append("held")
+        except RunDirectoryInUse:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=contend) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["held"] + ["refused"] * 7
+
+
+def test_a_lock_in_object_storage_is_written_read_back_and_refused_to_a_second_run(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr("bertforge.cluster.run_lock.SETTLE_SECONDS", 0.1)
+    # A pyarrow filesystem as --storage sees one: a URI, no create-if-absent, no links.
+    shared = fs.SubTreeFileSystem(str(tmp_path), fs.LocalFileSystem())
+
+    def storage_lock():
+        return _StorageFile("mock:///bucket/runs/r1", filesystem=shared)
+
+    with RunLock([storage_lock()], "train"):
+        assert json.loads((tmp_path / "bucket/runs/r1" / LOCK_NAME).read_text())["pid"] \
+            == os.getpid()
+        with pytest.raises(RunDirectoryInUse, match="running in mock:///bucket/runs/r1"):
+            with RunLock([storage_lock()], "train"):
+                pass
+    assert not (tmp_path / "bucket/runs/r1" / LOCK_NAME).exists()
+    pid, started = dead_pid()
+    write_lock(tmp_path / "bucket/runs/r1", pid=pid, pid_start=started)
+    with RunLock([storage_lock()], "train"):
+        pass
+
+
+def test_a_run_directory_that_cannot_hold_a_lock_is_a_one_line_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=f"cannot write the run lock in {tmp_path}/file/run"):
+        with exclusive_directory(str(tmp_path / "file" / "run"), "train"):
+            pass
+
+
+# --- two real `bertforge train` runs -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_second_train_on_a_run_directory_in_use_is_refused_at_once(tmp_path):
+    from tests.training.conftest import write_dataset
+
+    data = write_dataset(str(tmp_path / "shards"), {"train": [64], "validation": [8]})
+    run_dir = tmp_path / "run"
+    command = [os.path.join(os.path.dirname(sys.executable), "bertforge"), "train",
+               "--data", data, "--run-dir", str(run_dir), "--preset", "tiny",
+               "--precision", "fp32", "--max-steps", "100000", "--micro-batch-size", "2",
+               "--workers", "1", "--max-failures", "0", "--log-every", "1"]
+    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300  # Ray's start on a loaded 2-core machine can take minutes
+        while not (run_dir / "metrics.jsonl").exists():  # the first run is training
+            assert first.poll() is None and time.time() < deadline, "the first run did not train"
+            time.sleep(0.5)
+        started = time.time()
+        second = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        _, stderr = second.communicate(timeout=300)
+        seconds = time.time() - started
+    finally:
+        first.send_signal(signal.SIGTERM)  # the lock goes with a SIGTERMed run too
+        first.wait(timeout=120)
+    assert second.returncode == 2, stderr
+    assert (f"another bertforge train is running in {run_dir} (host {socket.gethostname()}, "
+            f"pid {first.pid}, since 20") in stderr
+    # Refused before Ray started: no session of its own (Ray names them ..._PID).
+    assert not [name for name in os.listdir(ray_root()) if name.endswith(f"_{second.pid}")]
+    assert seconds < 60  # the imports only: a few seconds on a quiet machine
+    assert not (run_dir / LOCK_NAME).exists()
