@@ -244,7 +244,11 @@ def test_postprocess_rules(tmp_path) -> None:
         start, end = torch.full((1, 16), -10.0), torch.full((1, 16), -10.0)
         start[0, list(start_peaks)] = torch.tensor(list(start_peaks.values()))
         end[0, list(end_peaks)] = torch.tensor(list(end_peaks.values()))
-        return postprocess_predictions(examples, features, start, end, **options)["q"]
+        ours = postprocess_predictions(examples, features, start, end, **options)["q"]
+        assert postprocess_predictions(  # numpy logits, as a loop gathers them, give the same
+            examples, features, start.numpy(), end.numpy(), **options
+        ) == {"q": ours}
+        return ours
 
     # The question, [CLS] and padding are never part of an answer, whatever their logits.
     assert answer({1: 100.0, 0: 100.0, 5: 5.0}, {2: 100.0, 15: 100.0, 6: 4.0}) == "Denver Broncos"

@@ -223,13 +223,15 @@ def best_spans(
 def postprocess_predictions(
     examples: Sequence[SquadExample],
     features: dict[str, torch.Tensor],
-    start_logits: torch.Tensor,
-    end_logits: torch.Tensor,
+    start_logits: torch.Tensor | np.ndarray,
+    end_logits: torch.Tensor | np.ndarray,
     n_best: int = 20,
     max_answer_length: int = 30,
 ) -> dict[str, str]:
     """{question id: answer text}: the best span over all windows of each example (run_qa's
-    n-best search, vectorised), cut from the context by the offsets; "" when none is valid."""
+    n-best search, vectorised), cut from the context by the offsets; "" when none is valid.
+    The logits are [F, max_seq_length] tensors or numpy arrays, in the features' row order."""
+    start_logits, end_logits = torch.as_tensor(start_logits), torch.as_tensor(end_logits)
     if start_logits.shape != features["input_ids"].shape or end_logits.shape != start_logits.shape:
         raise ValueError(
             f"logits of shape {tuple(start_logits.shape)}/{tuple(end_logits.shape)} for features"
