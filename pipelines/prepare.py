@@ -23,6 +23,7 @@ import json
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +50,7 @@ from bertforge.pipelines.prepare_options import (  # noqa: F401
     help_text,
     parse_argv,
 )
-from bertforge.pipelines.read.read_inputs import ReadInputs, match_inputs
+from bertforge.pipelines.read.read_inputs import FORMATS, ReadInputs, match_inputs
 from bertforge.pipelines.write.write_manifest import WriteManifest, write_rejects_file
 from bertforge.pipelines.write.write_shards import WriteShards
 
@@ -59,7 +60,9 @@ logger = logging.getLogger(__name__)
 class PrepareDataset(beam.PTransform):
     """The whole job on a pipeline: read, create instances, write shards, rejects and manifest."""
 
-    def __init__(self, config: PrepareConfig, files: list[tuple[str, str]], vocab_bytes: bytes):
+    def __init__(
+        self, config: PrepareConfig, files: list[tuple[str, str | None]], vocab_bytes: bytes
+    ):
         super().__init__()
         self._config = config
         self._files = files
@@ -105,6 +108,7 @@ class PrepareDataset(beam.PTransform):
                 AsSingleton(reject_counts),
                 AsSingleton(created["document_stats"]),
                 AsSingleton(num_input_records),
+                beam.pvalue.AsList(read[FORMATS]),
             )
         )
 
@@ -116,9 +120,11 @@ def _summary(data_dir: str, seconds: float) -> dict[str, Any]:
         )
     else:
         result = manifest.read_manifest(data_dir)
+    formats = Counter(entry["format"] for entry in result.input_files.values())
     return {
         "output": data_dir,
         "seconds": round(seconds, 2),
+        "input_formats": dict(sorted(formats.items())),
         **result.counts,
         "splits": {
             name: {

@@ -84,6 +84,9 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     created_by: str = "bertforge"
     extra: dict[str, Any] = field(default_factory=dict)
+    # Every input file read: {path: {"format": "wiki", "chosen_by": "prefix"|"name"|"content"}}.
+    # Absent from manifests written before it existed (read back as {}).
+    input_files: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -112,6 +115,7 @@ class Manifest:
             format_version=data["format_version"],
             created_by=data.get("created_by", "bertforge"),
             extra=data.get("extra", {}),
+            input_files=data.get("input_files", {}),
         )
 
 

@@ -6,6 +6,9 @@ Every file goes through `read_file`, which a Beam DoFn and the vocabulary traine
 - a truncated or corrupt compressed file keeps the records read before the damage and adds one
   `truncated_compressed_file` / `corrupt_compressed_file` reject;
 - `empty_file` for zero bytes or no record at all, `binary_file` for content that is not text.
+
+`detect_format` chooses a file's format before it is read: a format prefix, else its name, else
+its first decompressed bytes (`readers.choose_format`).
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ class PrefixedStream:
             data, self._head = self._head + self._stream.read(), b""
             return data
         data, self._head = self._head[:size], self._head[size:]
+        if len(data) < size:  # the head ran out: the rest from the stream, as a file would
+            data += self._stream.read(size - len(data))
         return data
 
     def readline(self, size: int = -1) -> bytes:
@@ -97,12 +102,46 @@ class LimitedStream:
         return True
 
 
+BZ2_MAGIC, GZIP_MAGIC = b"BZh", b"\x1f\x8b"
+
+
 def decompressing(path: str, raw) -> BinaryIO:
+    """`raw` decompressed by its extension, or by its magic bytes when the name says none (a
+    dump saved without its extension); a name that says neither compression keeps plain files
+    plain."""
     if path.endswith(".bz2"):
         return bz2.BZ2File(raw, "rb")  # type: ignore[return-value]
     if path.endswith(".gz"):
         return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
-    return raw
+    magic = raw.read(len(BZ2_MAGIC))
+    raw = PrefixedStream(magic, raw)
+    if magic == BZ2_MAGIC:
+        return bz2.BZ2File(raw, "rb")  # type: ignore[return-value]
+    if magic.startswith(GZIP_MAGIC):
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+    return raw  # type: ignore[return-value]
+
+
+def detect_format(path: str, forced: str | None, opener: Opener) -> readers.FormatChoice:
+    """The format to read `path` as (prefix, else name, else content) and how it was chosen.
+
+    Reads at most SNIFF_BYTES decompressed bytes (one bz2 block at most is decompressed); a
+    prefix is taken as given without opening the file.
+    """
+    if forced:
+        return readers.FormatChoice(forced, "prefix")
+    with opener(path) as raw:
+        magic = raw.read(len(readers.PARQUET_MAGIC))
+        if magic == readers.PARQUET_MAGIC:  # Parquet compresses inside: its magic is raw
+            head = magic
+        else:
+            stream = GuardedStream(decompressing(path, PrefixedStream(magic, raw)))
+            head = stream.read(SNIFF_BYTES)
+    return readers.choose_format(path, None, head)
+
+
+def format_mismatch(path: str, choice: readers.FormatChoice) -> Reject:
+    return Reject("format_mismatch", path, "", choice.mismatch)
 
 
 def looks_binary(head: bytes) -> bool:
@@ -174,12 +213,15 @@ def open_local(path: str) -> BinaryIO:
 def iter_texts(paths: list[str], formats: dict[str, str] | None = None) -> Iterator[str]:
     """Stream the texts of local corpus files (a text per record or per sentence line).
 
-    Used to train a vocabulary without ever holding the corpus in memory. Rejects are skipped.
+    Used to train a vocabulary without ever holding the corpus in memory. Rejects (a file whose
+    name and content disagree among them) are skipped.
     """
     formats = formats or {}
     for path, prefix in readers.doc_id_prefixes(paths).items():
-        fmt = readers.format_of(path, formats.get(path))
-        for item in read_file(path, prefix, fmt, open_local):
+        choice = detect_format(path, formats.get(path), open_local)
+        if choice.mismatch:
+            continue
+        for item in read_file(path, prefix, choice.fmt, open_local):
             if isinstance(item, Reject):
                 continue
             if item.text is not None:

@@ -14,33 +14,34 @@ from typing import NamedTuple
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
+from apache_beam.pvalue import TaggedOutput
 
 from bertforge.pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, count, reject_output
 from bertforge.pipelines.filesystem import open_raw
 from bertforge.pipelines.read import readers, wiki_xml
-from bertforge.pipelines.read.input_files import read_file
+from bertforge.pipelines.read.input_files import detect_format, format_mismatch, read_file
 from bertforge.pipelines.read.records import Reject
 
 logger = logging.getLogger(__name__)
 
 
+FORMATS = "formats"  # the tag of ReadFile's (path, format, chosen_by) per input file
+
+
 class InputFile(NamedTuple):
     path: str
     doc_id_prefix: str
-    fmt: str
+    forced: str | None  # a format prefix (`wiki:...`), or None: name, else content, decides
     byte_range: tuple[int, int] | None = None  # None: the whole file
 
 
-def _is_multistream_index(path: str) -> bool:
-    return os.path.basename(path).endswith("-multistream-index.txt.bz2")
-
-
-def match_inputs(patterns: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(file, format) of every file the patterns match, sorted; a clear error for a bad pattern.
+def match_inputs(patterns: tuple[str, ...]) -> list[tuple[str, str | None]]:
+    """(file, forced format or None) of every file the patterns match, sorted; a clear error
+    for a bad pattern. The format itself is chosen where the file is read (`detect_format`).
 
     A directory stands for the files in it. Multistream index files are not corpus: skipped.
     """
-    files: dict[str, str] = {}
+    files: dict[str, str | None] = {}
     for entry in patterns:
         forced, pattern = readers.split_format(entry)
         if FileSystems.exists(pattern) and _is_directory(pattern):
@@ -53,10 +54,10 @@ def match_inputs(patterns: tuple[str, ...]) -> list[tuple[str, str]]:
         if not matched:
             raise ValueError(f"--input {entry!r} matches no file")
         for path in matched:
-            if _is_multistream_index(path):
+            if wiki_xml.is_multistream_index(path):
                 logger.info("skipping %s: a multistream index, used to split its dump", path)
                 continue
-            files[path] = readers.format_of(path, forced)
+            files[path] = forced
     if not files:
         raise ValueError(f"--input {list(patterns)} matches no corpus file")
     return sorted(files.items())
@@ -66,22 +67,26 @@ def _is_directory(path: str) -> bool:
     return "://" not in path and os.path.isdir(path)
 
 
-def input_files(files: list[tuple[str, str]]) -> list[InputFile]:
+def input_files(files: list[tuple[str, str | None]]) -> list[InputFile]:
     prefixes = readers.doc_id_prefixes(path for path, _ in files)
-    return [InputFile(path, prefixes[path], fmt) for path, fmt in files]
+    return [InputFile(path, prefixes[path], forced) for path, forced in files]
 
 
 def split_multistream(item: tuple):
-    """A multistream dump with its index -> byte ranges; any other file -> itself."""
+    """A multistream dump with its index -> byte ranges; any other file -> itself.
+
+    Multistream dumps are named so (Wikimedia's names), so the name alone decides here.
+    """
     item = InputFile(*item)
-    index = wiki_xml.multistream_index_path(item.path) if item.fmt == "wiki" else None
+    is_wiki = readers.format_of(item.path, item.forced) == "wiki"
+    index = wiki_xml.multistream_index_path(item.path) if is_wiki else None
     if index is None or not FileSystems.exists(index):
         yield item
         return
     with open_raw(index) as raw, bz2.BZ2File(raw) as lines:
         offsets = wiki_xml.stream_offsets(iter(lines.readline, b""))
     size = FileSystems.match([item.path])[0].metadata_list[0].size_in_bytes
-    ranges = wiki_xml.plan_ranges(offsets, size)
+    ranges = wiki_xml.plan_ranges(offsets, size, wiki_xml.RANGE_BYTES)
     logger.info("%s: %d streams -> %d parallel ranges", item.path, len(offsets), len(ranges))
     for byte_range in ranges:
         yield item._replace(byte_range=byte_range)
@@ -92,8 +97,22 @@ class ReadFile(beam.DoFn):
 
     def process(self, item: InputFile):
         where = item.path if item.byte_range is None else f"{item.path}{list(item.byte_range)}"
+        # A byte range is sniffed at the file's start (its header stream): every range of a file
+        # gets the same format, and the first range alone reports it.
+        choice = detect_format(item.path, item.forced, open_raw)
+        if choice.mismatch:
+            logger.error("input %s: %s", item.path, choice.mismatch)
+            count("input_files")
+            if not item.byte_range or item.byte_range[0] == 0:
+                yield reject_output(format_mismatch(item.path, choice))
+            return
+        if not item.byte_range or item.byte_range[0] == 0:
+            logger.info("input %s: format %s (by %s)", item.path, choice.fmt, choice.chosen_by)
+            yield TaggedOutput(FORMATS, (item.path, choice.fmt, choice.chosen_by))
         num_documents = num_rejects = 0
-        for record in read_file(item.path, item.doc_id_prefix, item.fmt, open_raw, item.byte_range):
+        for record in read_file(
+            item.path, item.doc_id_prefix, choice.fmt, open_raw, item.byte_range
+        ):
             if isinstance(record, Reject):
                 num_rejects += 1
                 yield reject_output(record)
@@ -105,14 +124,15 @@ class ReadFile(beam.DoFn):
         count("input_files")
         count("input_documents", num_documents)
         logger.info(
-            "read %s (%s): %d documents, %d rejects", where, item.fmt, num_documents, num_rejects
+            "read %s (%s): %d documents, %d rejects", where, choice.fmt, num_documents, num_rejects
         )
 
 
 class ReadInputs(beam.PTransform):
-    """[(path, format)] -> {"documents": RawDocument, REJECTS: Reject}."""
+    """[(path, forced format)] -> {"documents": RawDocument, REJECTS: Reject,
+    FORMATS: (path, format, chosen_by) per file read}."""
 
-    def __init__(self, files: list[tuple[str, str]]):
+    def __init__(self, files: list[tuple[str, str | None]]):
         super().__init__()
         self._files = files
 
@@ -124,5 +144,6 @@ class ReadInputs(beam.PTransform):
             | "SpreadFiles" >> beam.Reshuffle()
             | "SplitMultistream" >> beam.FlatMap(split_multistream)
             | "SpreadRanges" >> beam.Reshuffle()
-            | "ReadFiles" >> beam.ParDo(ReadFile()).with_outputs(REJECTS, main="documents")
+            | "ReadFiles"
+            >> beam.ParDo(ReadFile()).with_outputs(REJECTS, FORMATS, main="documents")
         )

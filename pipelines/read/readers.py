@@ -5,16 +5,20 @@ job (files opened through Beam's `FileSystems`: local, gs://, s3://) and the voc
 (plain `open`). Opening, decompression, and the checks every file gets (empty, binary, truncated)
 live in `input_files`. Adding a format is a function plus one entry in `FORMATS`.
 
-| format | chosen by | one document is |
-|---|---|---|
-| `jsonl` | `.jsonl`, `.json` | a line's object: `text`, optional `doc_id` (or `id`, as in HF) |
-| `parquet` | `.parquet` | a row: `text` column, optional `doc_id`/`id`; read batch by batch |
-| `wiki` | `.xml` (`.xml.bz2`, `.xml.gz`) | an article of a MediaWiki dump (`wiki_xml`) |
-| `books` | `books:` prefix only | a whole file; paragraphs on blank lines, wrapped lines joined |
-| `sentences` | any other name | Google's: a sentence per line, a blank line between documents |
+| format | named by | or by content | one document is |
+|---|---|---|---|
+| `jsonl` | `.jsonl`, `.json` | a JSON object on line 1 | a line's object: `text`, `doc_id`/`id` |
+| `parquet` | `.parquet` | `PAR1` magic | a row: `text` column, `doc_id`/`id`; batch by batch |
+| `wiki` | `.xml`, `.xml-p1p41242` (a part) | `<mediawiki`, `<page>` | an article (`wiki_xml`) |
+| `books` | `books:` prefix only | - | a whole file; paragraphs on blank lines |
+| `sentences` | - | anything else | Google's: a sentence a line, blank lines between documents |
 
-`.txt` is ambiguous (a book, or Google's format), so books are named explicitly:
-`--input books:DIR/*.txt`. Any format can be forced the same way (`wiki:dump.bz2`).
+A name that does not say (`.txt`, no extension, anything else) is sniffed: the first decompressed
+bytes choose the format (`sniff_format`), plain text by default. A name whose format the content
+contradicts (a `.jsonl` holding XML) is refused as `format_mismatch`, never read as the wrong
+thing. `.txt` is ambiguous between a book and Google's format, so books are named explicitly:
+`--input books:DIR/*.txt`. Any format can be forced the same way (`wiki:dump.bz2`); a forced
+format is taken as given.
 
 Invalid UTF-8 is replaced (U+FFFD), not rejected: one bad byte must not cost a whole book. Each
 such record is listed as `invalid_utf8` among the *repaired* records (`records.REPAIRED_REASONS`).
@@ -24,8 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from bertforge.pipelines.read.records import RawDocument, Reject
 from bertforge.pipelines.read.wiki_xml import read_wiki_xml
@@ -36,7 +41,10 @@ PARQUET_BATCH_ROWS = 1024  # rows per record batch: bounds memory, whatever the 
 
 Reader = Callable[[str, str, BinaryIO], Iterator["RawDocument | Reject"]]
 
-__all__ = ["RawDocument", "Reject", "FORMATS", "format_of", "read_documents", "doc_id_prefixes"]
+__all__ = [
+    "RawDocument", "Reject", "FORMATS", "format_of", "choose_format", "sniff_format",
+    "read_documents", "doc_id_prefixes",
+]  # fmt: skip
 
 
 def iter_lines(stream: BinaryIO) -> Iterator[bytes]:
@@ -176,9 +184,13 @@ FORMATS: dict[str, Reader] = {
     "sentences": read_sentence_per_line,
 }
 EXTENSION_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".xml": "wiki"}
+# Wikimedia's split dumps: enwiki-20241101-pages-articles1.xml-p1p41242.bz2 (and -multistream1).
+WIKIMEDIA_PART = re.compile(r"\.xml-p\d+p\d+$")
 DEFAULT_FORMAT = "sentences"
 # Formats that read a raw seekable file rather than a decompressed, sniffed stream.
 RAW_FORMATS = frozenset({"parquet"})
+PARQUET_MAGIC = b"PAR1"
+_XML_DECLARATION = re.compile(rb"^<\?xml[^>]*\?>\s*")
 
 
 def format_extension(path: str) -> str:
@@ -201,8 +213,67 @@ def split_format(pattern: str) -> tuple[str | None, str]:
     return None, pattern
 
 
+def name_format(path: str) -> str | None:
+    """The format a file's name says, or None when it says none (`.txt`, no extension, ...)."""
+    extension = format_extension(path)
+    if WIKIMEDIA_PART.match(extension):
+        return "wiki"
+    return EXTENSION_FORMATS.get(extension)
+
+
 def format_of(path: str, forced: str | None = None) -> str:
-    return forced or EXTENSION_FORMATS.get(format_extension(path), DEFAULT_FORMAT)
+    """The format by prefix or name alone (content unseen): plain text when the name says none."""
+    return forced or name_format(path) or DEFAULT_FORMAT
+
+
+def sniff_format(head: bytes) -> str | None:
+    """The format the first bytes of a file show (decompressed, but raw for Parquet), or None.
+
+    `<mediawiki` (after an XML declaration) or `<page>` -> wiki; a first line that is a JSON
+    object -> jsonl (a line longer than `head` counts when it starts like one); `PAR1` -> parquet.
+    Plain text shows nothing: the caller's default applies.
+    """
+    if head.startswith(PARQUET_MAGIC):
+        return "parquet"
+    start = _XML_DECLARATION.sub(b"", head.lstrip(BOM.encode() + b" \t\r\n"))
+    if start.startswith((b"<mediawiki", b"<page>")):
+        return "wiki"
+    first_line, newline, _ = start.partition(b"\n")
+    if first_line.startswith(b"{"):
+        if not newline:
+            return "jsonl"  # one line longer than the head: cannot be parsed here
+        try:
+            return "jsonl" if isinstance(json.loads(first_line), dict) else None
+        except ValueError:
+            return None
+    return None
+
+
+class FormatChoice(NamedTuple):
+    fmt: str
+    chosen_by: str  # "prefix", "name" or "content"
+    mismatch: str = ""  # why the name and the content disagree ("": they agree)
+
+
+def choose_format(path: str, forced: str | None, head: bytes) -> FormatChoice:
+    """The format to read `path` as: the prefix, else the name, else the content (`head`).
+
+    A name that the content contradicts (a `.jsonl` that is XML) gives a `mismatch` to refuse,
+    never a silent reading as either format.
+    """
+    if forced:
+        return FormatChoice(forced, "prefix")
+    named, sniffed = name_format(path), sniff_format(head)
+    if named is None:
+        return FormatChoice(sniffed or DEFAULT_FORMAT, "content")
+    if sniffed is not None and sniffed != named:
+        return FormatChoice(
+            named,
+            "name",
+            f"named {named} ({format_extension(path)}) but its content is {sniffed}: rename it, "
+            f"or force a format with a prefix ({sniffed}:{path})",
+        )
+    return FormatChoice(named, "name")
 
 
 def read_documents(

@@ -159,16 +159,26 @@ def read_wiki_xml(
 
 # ------------------------------------------------------------------ multistream dumps in parallel
 
-MULTISTREAM_SUFFIX = "-multistream.xml.bz2"
+# X-multistream.xml.bz2 and Wikimedia's parts, X-multistream1.xml-p1p41242.bz2; their indexes are
+# X-multistream-index.txt.bz2 and X-multistream-index1.txt-p1p41242.bz2.
+_MULTISTREAM = re.compile(r"^(?P<stem>.*-multistream)(?P<part>\d*)\.xml(?P<pages>-p\d+p\d+)?\.bz2$")
+_MULTISTREAM_INDEX = re.compile(r"-multistream-index\d*\.txt(-p\d+p\d+)?\.bz2$")
 # Compressed bytes per parallel read: ~30 s of work per range on one core.
 RANGE_BYTES = 64 << 20
 
 
 def multistream_index_path(path: str) -> str | None:
-    """`X-multistream.xml.bz2` -> `X-multistream-index.txt.bz2` (Wikimedia's naming)."""
-    if not path.endswith(MULTISTREAM_SUFFIX):
+    """`X-multistream.xml.bz2` -> `X-multistream-index.txt.bz2`, and for a part,
+    `X-multistream1.xml-p1p41242.bz2` -> `X-multistream-index1.txt-p1p41242.bz2` (Wikimedia's
+    names); None for a file that is not named as a multistream dump."""
+    match = _MULTISTREAM.match(path)
+    if match is None:
         return None
-    return path[: -len(".xml.bz2")] + "-index.txt.bz2"
+    return f"{match['stem']}-index{match['part']}.txt{match['pages'] or ''}.bz2"
+
+
+def is_multistream_index(path: str) -> bool:
+    return _MULTISTREAM_INDEX.search(path) is not None
 
 
 def stream_offsets(index_lines: Iterator[bytes]) -> list[int]:

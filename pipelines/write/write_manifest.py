@@ -45,7 +45,9 @@ class WriteManifest(beam.DoFn):
         self._vocab_bytes = vocab_bytes
         self._vocab_size = vocab_size
 
-    def process(self, _, shard_entries, reject_counts, document_stats, num_input_records):
+    def process(
+        self, _, shard_entries, reject_counts, document_stats, num_input_records, input_formats=()
+    ):
         num_documents = sum(stats[0] for stats in document_stats.values())
         if num_documents == 0:
             raise ValueError(
@@ -62,6 +64,7 @@ class WriteManifest(beam.DoFn):
             reject_counts,
             document_stats,
             num_input_records,
+            input_formats,
         )
         if "://" in output:
             write_bytes(
@@ -81,7 +84,9 @@ def build_manifest(
     reject_counts: dict[str, dict[str, int]],
     document_stats: dict,
     num_input_records: int,
+    input_formats: list[tuple[str, str, str]] | tuple = (),
 ) -> manifest.Manifest:
+    """The manifest of a finished job; `input_formats`: (path, format, chosen_by) per file."""
     splits = {}
     for split in config.shards_per_split():
         entries = sorted(
@@ -119,4 +124,8 @@ def build_manifest(
         splits=splits,
         counts=counts,
         extra={"inputs": list(config.inputs)},
+        input_files={
+            path: {"format": fmt, "chosen_by": chosen_by}
+            for path, fmt, chosen_by in sorted(set(map(tuple, input_formats)))
+        },
     )
