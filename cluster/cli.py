@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(commands)
     _add_pipeline(commands)
     _add_demo(commands)
+    _add_finetune(commands)
     return parser
 
 
@@ -150,6 +151,24 @@ def _add_demo(commands) -> None:
     p.set_defaults(handler=_run_demo)
 
 
+def _add_finetune(commands) -> None:
+    from bertforge.cluster.config_fields import add_flags
+    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED
+    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.training.finetune.config import FinetuneConfig
+
+    p = commands.add_parser(
+        "finetune", help="fine-tune a pretrained BERT on a GLUE task or SQuAD",
+        description="MODEL is a bertforge checkpoint, a run directory or a Hugging Face BERT "
+        "directory. Writes OUTPUT/results.json, dev predictions and the fine-tuned model as a "
+        "Hugging Face directory; a rerun into the same OUTPUT reuses finished runs.",
+    )
+    add_flags(p.add_argument_group("fine-tuning (FinetuneConfig)"), FinetuneConfig)
+    add_flags(p.add_argument_group("where it runs (LaunchConfig)"), LaunchConfig,
+              skip=LAUNCH_FIELDS_UNUSED)
+    p.set_defaults(handler=_run_finetune)
+
+
 # --- handlers -----------------------------------------------------------------------------
 
 
@@ -262,6 +281,16 @@ def _run_demo(args: argparse.Namespace) -> None:
     from bertforge.cluster.demo import DemoConfig, run_demo
 
     run_demo(DemoConfig(**given_values(args, DemoConfig)))
+
+
+def _run_finetune(args: argparse.Namespace) -> None:
+    from bertforge.cluster.config_fields import given_values
+    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED, run_finetune
+    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.training.finetune.config import FinetuneConfig
+
+    cfg = FinetuneConfig(**given_values(args, FinetuneConfig))
+    run_finetune(cfg, LaunchConfig(**given_values(args, LaunchConfig, skip=LAUNCH_FIELDS_UNUSED)))
 
 
 def _configure_logging() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,21 +90,12 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
 
 def _fit(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     run_dir = cfg.run_dir
-    trainer = TorchTrainer(
+    result = run_on_ray(
         _worker_main,
-        train_loop_config={"train": cfg.to_dict(), "threads": launch.cpus_per_worker,
-                           "persist": bool(launch.storage)},
-        torch_config=NodeAddressTorchConfig(backend="nccl" if launch.gpu else "gloo"),
-        scaling_config=ScalingConfig(
-            num_workers=launch.workers,
-            use_gpu=launch.gpu,
-            resources_per_worker=None if launch.gpu else {"CPU": launch.cpus_per_worker},
-            placement_strategy=launch.placement_strategy,
-        ),
-        run_config=_run_config(cfg, launch),
+        {"train": cfg.to_dict(), "threads": launch.cpus_per_worker,
+         "persist": bool(launch.storage)},
+        launch, _run_config(cfg, launch),
     )
-    with user_errors_fail_at_once():
-        result = trainer.fit()
     if launch.storage:
         # The driver's node need not hold the files: the outcome is what storage registered.
         return {"step": result.metrics["step"], "checkpoint_path": result.checkpoint.path}
@@ -111,6 +103,29 @@ def _fit(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     if final is None:
         raise RuntimeError(f"training finished without a complete checkpoint in {run_dir}")
     return {"step": read_metadata(final)["global_step"], "checkpoint_path": final}
+
+
+def run_on_ray(
+    worker_fn: Callable[[dict[str, Any]], None], worker_config: dict[str, Any],
+    launch: LaunchConfig, run_config: RunConfig,
+) -> ray.train.Result:
+    """`worker_fn(worker_config)` on `launch.workers` Ray Train workers joined in a torch process
+    group (NCCL with --gpu, else gloo): pretraining's launch, and fine-tuning's. Ray must be
+    connected (`connect`); a user error in a worker is not retried."""
+    trainer = TorchTrainer(
+        worker_fn,
+        train_loop_config=worker_config,
+        torch_config=NodeAddressTorchConfig(backend="nccl" if launch.gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=launch.workers,
+            use_gpu=launch.gpu,
+            resources_per_worker=None if launch.gpu else {"CPU": launch.cpus_per_worker},
+            placement_strategy=launch.placement_strategy,
+        ),
+        run_config=run_config,
+    )
+    with user_errors_fail_at_once():
+        return trainer.fit()
 
 
 def _run_config(cfg: TrainConfig, launch: LaunchConfig) -> RunConfig:

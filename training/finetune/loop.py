@@ -54,7 +54,7 @@ def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str
     seed = cfg.seeds[0]
     pretrained = load_pretrained(cfg.model, random_init=cfg.random_init)
     data = load_task_data(cfg, pretrained.vocab_path, pretrained.lower_case)
-    steps_per_epoch, num_steps = count_steps(cfg, data.num_train_examples)
+    steps_per_epoch, num_steps = count_steps(cfg, data.num_train_rows)
     torch.manual_seed(seed)  # identical head (and random encoder) on every rank
     model = task_model(pretrained.config, data.num_labels)
     if pretrained.state_dict is None:
@@ -64,7 +64,8 @@ def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str
     engine_cfg = engine_config(cfg, num_steps, world_size)
     if rank == 0:
         console(f"[finetune] {cfg.task}: lr {cfg.learning_rate:g}, seed {seed}, "
-                f"{data.num_train_examples} train examples, {num_steps} steps of "
+                f"{data.num_train_examples} train examples ({data.num_train_rows} rows), "
+                f"{num_steps} steps of "
                 f"{cfg.batch_size} ({world_size} workers), {engine_cfg.precision}")
     torch.manual_seed(seed + rank)  # dropout: a different mask on every rank
     engine = build_engine(model, engine_cfg, world_size)
@@ -75,7 +76,8 @@ def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str
     record = {
         "task": cfg.task, "learning_rate": cfg.learning_rate, "seed": seed,
         "metrics": metrics, "steps": num_steps, "epochs": num_steps / steps_per_epoch,
-        "train_examples": data.num_train_examples, "dev_examples": len(data.dev_examples),
+        "train_examples": data.num_train_examples, "train_rows": data.num_train_rows,
+        "dev_examples": len(data.dev_examples),
         "final_train_loss": last_loss, "train_seconds": round(train_seconds, 1),
         "world_size": world_size, "precision": engine_cfg.precision,
         "zero_stage": engine.zero_optimization_stage(), "model": pretrained.provenance,
@@ -89,11 +91,11 @@ def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str
     return record
 
 
-def count_steps(cfg: FinetuneConfig, num_examples: int) -> tuple[int, int]:
+def count_steps(cfg: FinetuneConfig, num_rows: int) -> tuple[int, int]:
     """(optimizer steps per epoch, total steps): epochs x full batches, or cfg.max_steps."""
-    steps_per_epoch = num_examples // cfg.batch_size
+    steps_per_epoch = num_rows // cfg.batch_size
     if steps_per_epoch == 0:
-        raise ValueError(f"{num_examples} training examples are fewer than one batch of "
+        raise ValueError(f"{num_rows} training rows are fewer than one batch of "
                          f"{cfg.batch_size}; lower --batch-size")
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
     return steps_per_epoch, total
@@ -115,11 +117,11 @@ def engine_config(cfg: FinetuneConfig, num_steps: int, world_size: int) -> Train
     )
 
 
-def batch_indices(num_examples: int, batch_size: int, step: int, steps_per_epoch: int,
+def batch_indices(num_rows: int, batch_size: int, step: int, steps_per_epoch: int,
                   seed: int, rank: int, world_size: int) -> np.ndarray:
-    """This rank's examples in optimizer step `step`: its stride of the global batch."""
+    """This rank's rows in optimizer step `step`: its stride of the global batch."""
     epoch, index = divmod(step, steps_per_epoch)
-    order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+    order = np.random.default_rng([seed, epoch]).permutation(num_rows)
     return order[index * batch_size:(index + 1) * batch_size][rank::world_size]
 
 
@@ -133,7 +135,7 @@ def _train(engine, data: TaskData, cfg: FinetuneConfig, steps_per_epoch: int, nu
     window_start, last_loss = time.time(), None
     engine.train()
     for step in range(num_steps):
-        rows = torch.from_numpy(batch_indices(data.num_train_examples, cfg.batch_size, step,
+        rows = torch.from_numpy(batch_indices(data.num_train_rows, cfg.batch_size, step,
                                               steps_per_epoch, seed, rank, world_size))
         batch = {k: v[rows].to(engine.device) for k, v in tensors.items()}
         out = engine(**batch)

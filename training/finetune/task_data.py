@@ -33,6 +33,11 @@ class TaskData:
     num_train_examples: int
 
     @property
+    def num_train_rows(self) -> int:
+        """Model input rows: the examples, or SQuAD's windows (a long context gives several)."""
+        return int(self.train["input_ids"].shape[0])
+
+    @property
     def num_labels(self) -> int | None:
         """The classifier's width (1: regression); None: a span model (SQuAD)."""
         return None if self.spec is None else self.spec.num_labels

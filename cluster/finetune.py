@@ -1,0 +1,256 @@
+"""`bertforge finetune`: a pretrained BERT fine-tuned on a GLUE task or SQuAD, on Ray Train workers
+running DeepSpeed (the launch of pretraining, `ray_train.run_on_ray`).
+
+One run per (learning rate, seed): with --sweep every rate of {2e-5, 3e-5, 5e-5} times every seed,
+reported as papers report GLUE (the best dev score, the median and the spread). Each run is a
+stage of the stage runner, in DIR/runs/lr<rate>-seed<seed>/ (metrics.jsonl, dev predictions,
+result.json, the Hugging Face export); a rerun into the same DIR reuses finished runs, and may add
+seeds or rates. DIR/results.json holds the task, the best run's metrics, the sweep, the config and
+the model's provenance; DIR/hf links to the best run's export and DIR/dev_predictions.* is a copy
+of its predictions.
+
+Inputs are checked on the driver before Ray starts (the model directory, the data files and
+their lines), so a mistake is one line at once, not a failing worker group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bertforge.cluster.ray_train import LaunchConfig, connect, run_on_ray
+from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir, write_json_atomic
+from bertforge.training.finetune.config import FinetuneConfig
+from bertforge.training.finetune.load import load_pretrained
+from bertforge.training.finetune.loop import HF_DIR_NAME, RESULT_NAME
+from bertforge.training.finetune.task_data import is_squad_split
+from bertforge.training.finetune.tasks import glue_dir_files
+
+RESULTS_NAME = "results.json"
+RUNS_DIR = "runs"
+SQUAD_FILE = os.path.join("squad", "dev-v1.1.json")
+SQUAD_PRIMARY = "f1"
+# LaunchConfig fields `bertforge finetune` has no flag for: a fine-tuning run keeps no checkpoints.
+LAUNCH_FIELDS_UNUSED = ("storage",)
+
+
+def default_data_root() -> str | None:
+    """../shared/data from the working directory, else beside this checkout; None if neither."""
+    checkout = Path(__file__).resolve().parents[1]
+    for candidate in (Path("../shared/data"), checkout.parent / "shared" / "data"):
+        if candidate.is_dir():
+            return str(candidate.resolve())
+    return None
+
+
+def data_note(cfg: FinetuneConfig) -> str | None:
+    """Said in the output when train and dev are not two files of their own."""
+    if not is_squad_split(cfg):
+        return None
+    return (f"SQuAD: train and dev are a deterministic split by article of {cfg.train} "
+            f"({cfg.squad_dev_fraction:.0%} of the articles held out as dev; dev-v1.1.json is "
+            "the only SQuAD v1.1 file here): the scores are not the official dev set's")
+
+
+def resolve_data_files(cfg: FinetuneConfig) -> FinetuneConfig:
+    """`cfg` with absolute --train/--dev: the task's files under the data root when not given
+    (SQuAD: squad/dev-v1.1.json as both, split by article)."""
+    if cfg.train is not None and cfg.dev is not None:
+        return dataclasses.replace(cfg, train=os.path.abspath(cfg.train),
+                                   dev=os.path.abspath(cfg.dev))
+    if cfg.train is not None or (cfg.dev is not None and cfg.is_squad):
+        raise ValueError("give both --train and --dev, or neither (the task's default files)")
+    root = cfg.data_root or default_data_root()
+    if root is None:
+        raise ValueError(f"no --train/--dev for task {cfg.task}, and no data root: give them, "
+                         "or --data-root (a directory holding glue/ and squad/)")
+    if cfg.is_squad:
+        path = os.path.join(root, SQUAD_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: no such file (SQuAD v1.1 dev); give --train and --dev")
+        return dataclasses.replace(cfg, train=path, dev=path)
+    from bertforge.training.finetune.tasks import task_spec
+
+    train, dev = glue_dir_files(os.path.join(root, "glue"), task_spec(cfg.task))
+    dev = os.path.abspath(cfg.dev) if cfg.dev is not None else dev
+    return dataclasses.replace(cfg, train=os.path.abspath(train), dev=os.path.abspath(dev))
+
+
+def check_inputs(cfg: FinetuneConfig) -> dict[str, Any]:
+    """Read the model's config and vocabulary and every data line, as the workers will; clear
+    errors here, before Ray. Returns the model's provenance and the example counts."""
+    pretrained = load_pretrained(cfg.model, random_init=True)  # config and vocab, no weights
+    provenance = {**pretrained.provenance, "random_init": cfg.random_init}
+    if cfg.is_squad:
+        from bertforge.training.finetune.task_data import read_squad_split
+
+        train, dev = read_squad_split(cfg)
+    else:
+        from bertforge.training.finetune.glue_data import read_examples
+        from bertforge.training.finetune.task_data import resolve_spec, subsample
+
+        spec = resolve_spec(cfg)
+        train = subsample(read_examples(cfg.train, spec), cfg.max_train_examples)
+        dev = subsample(read_examples(cfg.dev, spec), cfg.max_dev_examples)
+    if cfg.seq_length > pretrained.config.max_position_embeddings:
+        raise ValueError(f"max_seq_length {cfg.seq_length} exceeds the model's "
+                         f"max_position_embeddings {pretrained.config.max_position_embeddings}")
+    return {"model": provenance, "num_train_examples": len(train), "num_dev_examples": len(dev)}
+
+
+def run_name(learning_rate: float, seed: int) -> str:
+    return f"lr{learning_rate:g}-seed{seed}"
+
+
+def run_finetune(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
+    """Fine-tune every (learning rate, seed) of `cfg` not done yet in cfg.output; write and
+    return results.json's content (see the module docstring)."""
+    started = time.time()
+    cfg = resolve_data_files(cfg)
+    cfg = dataclasses.replace(cfg, output=os.path.abspath(cfg.output))
+    facts = check_inputs(cfg)
+    if data_note(cfg):
+        print(f"[finetune] {data_note(cfg)}", flush=True)
+    names = [run_name(lr, seed) for lr, seed in cfg.runs()]
+    with StageRunner(cfg.output, "finetune", cfg.settings(), heartbeat_seconds=60.0,
+                     skip_message="done in an earlier run, reusing it",
+                     dir_flag="--output") as runner:
+        runner.run([
+            Stage(name, lambda lr=lr, seed=seed: _run_one(cfg, launch, lr, seed))
+            for name, (lr, seed) in zip(names, cfg.runs(), strict=True)
+        ])
+        records = [runner.recorded(name) for name in names]
+        results = summarise(cfg, launch, records, facts)
+        results["seconds"] = round(time.time() - started, 1)
+        _publish_best(cfg, results)
+        write_json_atomic(os.path.join(cfg.output, RESULTS_NAME), results)
+    print(summary_line(results), flush=True)
+    return results
+
+
+def _run_one(cfg: FinetuneConfig, launch: LaunchConfig, learning_rate: float,
+             seed: int) -> dict[str, Any]:
+    """One run on the workers; its record is the result.json its rank 0 wrote."""
+    import json
+
+    from ray.train import FailureConfig, RunConfig
+
+    run_dir = os.path.join(cfg.output, RUNS_DIR, run_name(learning_rate, seed))
+    fresh_dir(run_dir)  # a run that died part-way left nothing worth keeping
+    one = dataclasses.replace(cfg, learning_rate=learning_rate, seeds=(seed,), sweep=False,
+                              output=run_dir)
+    connect(launch)
+    run_on_ray(
+        _worker_main, {"finetune": one.to_dict(), "threads": launch.cpus_per_worker},
+        launch,
+        # Ray Train's own state in RUN/ray; a restarted worker group starts the run over.
+        RunConfig(name="ray", storage_path=run_dir,
+                  failure_config=FailureConfig(max_failures=launch.max_failures)),
+    )
+    with open(os.path.join(run_dir, RESULT_NAME), encoding="utf-8") as f:
+        return {**json.load(f), "run_dir": run_dir}
+
+
+def _worker_main(worker_config: dict[str, Any]) -> None:
+    """Entry point on every Ray worker: the process group is already set up by Ray Train."""
+    import torch
+
+    from bertforge.training.finetune.loop import finetune
+
+    torch.set_num_threads(worker_config["threads"])
+    finetune(FinetuneConfig.from_dict(worker_config["finetune"]))
+
+
+def primary_metric(cfg: FinetuneConfig) -> str:
+    if cfg.is_squad:
+        return SQUAD_PRIMARY
+    from bertforge.training.finetune.task_data import resolve_spec
+
+    return resolve_spec(cfg).primary_metric
+
+
+def sweep_statistics(scores: list[float]) -> dict[str, float]:
+    """Best, median and spread of the runs' dev scores (every GLUE metric: higher is better)."""
+    return {
+        "best": max(scores), "median": statistics.median(scores),
+        "mean": statistics.fmean(scores), "min": min(scores), "max": max(scores),
+        "std": statistics.pstdev(scores) if len(scores) > 1 else 0.0,
+    }
+
+
+def summarise(cfg: FinetuneConfig, launch: LaunchConfig, records: list[dict[str, Any]],
+              facts: dict[str, Any]) -> dict[str, Any]:
+    primary = primary_metric(cfg)
+    scores = [record["metrics"][primary] for record in records]
+    best = records[scores.index(max(scores))]  # the first of equal scores: runs() order
+    return {
+        "task": cfg.task,
+        "primary_metric": primary,
+        "score": best["metrics"][primary],
+        "metrics": best["metrics"],
+        "best_run": {key: best[key] for key in ("learning_rate", "seed", "run_dir", "hf_dir",
+                                                "predictions")},
+        "sweep": {
+            "num_runs": len(records), **sweep_statistics(scores),
+            "runs": [{"learning_rate": r["learning_rate"], "seed": r["seed"],
+                      "score": r["metrics"][primary], "metrics": r["metrics"],
+                      "train_seconds": r["train_seconds"], "run_dir": r["run_dir"]}
+                     for r in records],
+        },
+        "output": cfg.output,
+        "hf_dir": os.path.join(cfg.output, HF_DIR_NAME),
+        "predictions": os.path.join(cfg.output, os.path.basename(best["predictions"])),
+        "model": facts["model"],
+        "data": {"train": cfg.train, "dev": cfg.dev, "note": data_note(cfg),
+                 "num_train_examples": facts["num_train_examples"],
+                 "num_dev_examples": facts["num_dev_examples"]},
+        "training": {key: best[key] for key in ("steps", "epochs", "world_size", "precision",
+                                                "zero_stage", "final_train_loss")},
+        "train_seconds": round(sum(r["train_seconds"] for r in records), 1),
+        "config": cfg.to_dict(),
+        "launch": dataclasses.asdict(launch),
+    }
+
+
+def _publish_best(cfg: FinetuneConfig, results: dict[str, Any]) -> None:
+    """DIR/hf -> the best run's export, DIR/dev_predictions.* its predictions; the other runs'
+    exports are removed unless --keep-all-models."""
+    best = results["best_run"]
+    link = results["hf_dir"]
+    if os.path.lexists(link):
+        os.remove(link)
+    if os.path.isdir(best["hf_dir"]):
+        os.symlink(os.path.relpath(best["hf_dir"], cfg.output), link)
+    else:  # a sweep extended after an earlier one removed this run's export
+        print(f"[finetune] the best run's export {best['hf_dir']} was removed after an earlier "
+              "sweep; rerun into a new --output (or use --keep-all-models)", flush=True)
+        results["hf_dir"] = None
+    shutil.copyfile(best["predictions"], results["predictions"])
+    if cfg.keep_all_models:
+        return
+    for run in results["sweep"]["runs"]:
+        if run["run_dir"] != best["run_dir"]:
+            shutil.rmtree(os.path.join(run["run_dir"], HF_DIR_NAME), ignore_errors=True)
+
+
+def summary_line(results: dict[str, Any]) -> str:
+    """One line: the task, the best score and run, the sweep's spread, the model, the time."""
+    sweep, best, primary = results["sweep"], results["best_run"], results["primary_metric"]
+    line = (f"[finetune] {results['task']}: {primary} {results['score']:.4f} "
+            f"(lr {best['learning_rate']:g}, seed {best['seed']})")
+    if sweep["num_runs"] > 1:
+        line += (f"; {sweep['num_runs']} runs: median {sweep['median']:.4f}, "
+                 f"spread {sweep['min']:.4f}-{sweep['max']:.4f} (std {sweep['std']:.4f})")
+    others = ", ".join(f"{k} {v:.4f}" for k, v in results["metrics"].items() if k != primary)
+    if others:
+        line += f"; {others}"
+    model = results["model"]
+    origin = "random init of " if model["random_init"] else ""
+    line += (f"; from {origin}{model['source']} ({model['kind']}); "
+             f"{results['seconds']:.0f} s; {results['output']}/{RESULTS_NAME}")
+    return line
