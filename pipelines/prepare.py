@@ -33,6 +33,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, TestOptions
 from apache_beam.pvalue import AsSingleton
 
+from bertforge.pipelines import job_report
 from bertforge.pipelines.beam_common import METRICS_NAMESPACE, NO_DOCUMENTS_MESSAGE, REJECTS
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.contract.tokenization import parse_vocab
@@ -137,13 +138,16 @@ def _summary(data_dir: str, seconds: float) -> dict[str, Any]:
     }
 
 
-def build_pipeline(
-    config: PrepareConfig, beam_args: Sequence[str] = ()
-) -> beam.Pipeline:
+def build_pipeline(config: PrepareConfig, beam_args: Sequence[str] = ()) -> beam.Pipeline:
     """The whole job on a new pipeline, not run: `run` runs it, the Dataflow test translates it.
 
     `beam_args` are Beam's own flags (`--runner`, `--project`, `--direct_num_workers`, ...).
     """
+    return _build(config, beam_args)[0]
+
+
+def _build(config: PrepareConfig, beam_args: Sequence[str]) -> tuple[beam.Pipeline, list]:
+    """(the pipeline, the input files found)."""
     beam_args = list(beam_args)
     check_beam_args(beam_args)
     options = PipelineOptions(beam_args)
@@ -162,15 +166,27 @@ def build_pipeline(
     _warn_on_casing_mismatch(parse_vocab(vocab_bytes), config.lower_case)
     pipeline = beam.Pipeline(runner=_local_runner(standard.runner), options=options)
     _ = pipeline | "PrepareDataset" >> PrepareDataset(config, files, vocab_bytes)
-    return pipeline
+    return pipeline, files
 
 
-def run(config: PrepareConfig, beam_args: Sequence[str] = ()) -> dict[str, Any]:
-    """Run the job to completion; returns the manifest's counts and the Beam counters."""
+def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True) -> dict[str, Any]:
+    """Run the job to completion; returns the manifest's counts and the Beam counters.
+
+    With `--dry_run=True` nothing runs or is written: the report says what was checked. With
+    `wait=False` (Dataflow) the job is left running and the report says how to follow it.
+    """
     start = time.monotonic()
-    pipeline = build_pipeline(config, beam_args)
+    pipeline, files = _build(config, beam_args)
+    options = pipeline.options
+    runner = options.view_as(StandardOptions).runner
+    if options.view_as(TestOptions).dry_run:
+        return _dry_run(pipeline, runner, files, config.output)
     try:
         result = pipeline.run()
+        if not wait and hasattr(result, "job_id"):
+            report = job_report.submitted_report(result.job_id(), options, config.output)
+            logger.info("prepare: submitted %s", report)
+            return report
         result.wait_until_finish()
     except Exception as error:
         if NO_DOCUMENTS_MESSAGE in str(error):
@@ -185,14 +201,26 @@ def run(config: PrepareConfig, beam_args: Sequence[str] = ()) -> dict[str, Any]:
     return summary
 
 
+def _dry_run(pipeline: beam.Pipeline, runner: str, files: list, output: str) -> dict[str, Any]:
+    """Translate the job without running it (Dataflow: the job request, built and not sent)."""
+    if "Dataflow" in runner:
+        proto = pipeline.run().job.proto_pipeline
+    else:
+        proto = pipeline.to_runner_api()
+    report = job_report.dry_run_report(proto, runner, files, output)
+    logger.info("prepare: dry run, nothing written: %s", report)
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """The command line (`bertforge prepare`, a Flex Template): the job's flags and Beam's."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(help_text())
+        print(help_text() + job_report.NO_WAIT_HELP)
         raise SystemExit(0)
+    argv, no_wait = job_report.pop_no_wait(argv)
     config, beam_args = parse_argv(argv)
-    return run(config, beam_args)
+    return run(config, beam_args, wait=not no_wait)
 
 
 def _counters(result: beam.runners.runner.PipelineResult) -> dict[str, int]:

@@ -5,6 +5,8 @@ Needs `apache-beam[gcp]` (the `dataflow` extra); skipped, with the reason, witho
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bertforge.pipelines.prepare import build_pipeline
@@ -48,3 +50,47 @@ def test_dataflow_dry_run_translates_the_whole_job(tmp_path, corpus_files, small
     images = {env.payload for env in job.proto_pipeline.components.environments.values()}
     assert any(IMAGE.encode() in payload for payload in images)
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+def test_dataflow_dry_run_through_the_cli_exits_0_and_says_what_it_checked(
+    tmp_path, corpus_files, small_vocab, capsys
+):
+    pytest.importorskip(
+        "apache_beam.runners.dataflow.internal.apiclient",
+        reason="apache-beam[gcp] is not installed (pip install -e '.[dataflow]')",
+    )
+    from bertforge.cluster.cli import main as cli_main
+
+    output = tmp_path / "out"
+    argv = ["prepare", f"--output={output}", f"--vocab={small_vocab}"]
+    argv += [f"--input={entry}" for entry in corpus_files]
+    argv += [
+        "--runner", "DataflowRunner", "--dry_run=True", "--project=test-project",
+        "--region=us-central1", "--temp_location=gs://test-bucket/tmp",
+        f"--sdk_container_image={IMAGE}", "--sdk_location=container",
+    ]  # fmt: skip
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(printed[printed.index("{") :])
+    assert report["dry_run"] is True and report["worker_image"] == IMAGE
+    assert report["inputs_found"] == 4 and report["steps_translated"] > 50
+    assert "PrepareDataset/WriteManifest" in report["stages"]
+    assert not output.exists()  # nothing written, not even the output directory
+
+
+def test_no_wait_is_taken_out_of_the_job_flags_and_the_follow_commands():
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from bertforge.pipelines.job_report import pop_no_wait, submitted_report
+
+    assert pop_no_wait(["--input=x", "--no-wait", "--runner=DataflowRunner"]) == (
+        ["--input=x", "--runner=DataflowRunner"],
+        True,
+    )
+    assert pop_no_wait(["--input=x"]) == (["--input=x"], False)
+    options = PipelineOptions(["--project=p", "--region=europe-west4"])
+    report = submitted_report("2026-11-23_12_00_00-123", options, "gs://b/shards")
+    assert report["follow"] == (
+        "gcloud dataflow jobs show 2026-11-23_12_00_00-123 --project p --region europe-west4"
+    )
+    assert "jobs/europe-west4/2026-11-23_12_00_00-123?project=p" in report["console"]
