@@ -9,9 +9,35 @@ The rules are those of Google's `create_pretraining_data.py` (DESIGN, "Field fac
 - each predicted position (each predicted *word* with whole-word masking) becomes `[MASK]` with
   p 0.8, a random non-special token with p 0.1, and stays unchanged with p 0.1.
 
-Two deliberate departures from Google's code, both bugs there: with whole-word masking the
-80/10/10 draw is per word, not per piece; and a `##` piece never joins a word across a special
-token (Google glues a `##` piece after `[SEP]` to the last word of segment A).
+Departures from Google's code, all deliberate (the same list is in the README, "Masking"):
+
+1. Whole-word masking draws 80/10/10 once per word, not per piece. Google draws per piece, so
+   a word can come out half `[MASK]`, half visible, and its visible pieces give the masked ones
+   away: a bug there (DESIGN, "Field facts").
+2. With whole-word masking, a `##` piece never joins a word across a special token. Google's
+   candidate loop skips `[CLS]`/`[SEP]` but still appends a `##` piece to the last candidate
+   word, so a `##` piece right after `[SEP]` is glued to the last word of segment A and masked
+   with it: a bug there.
+3. Never predicted: `[PAD]`, `[UNK]`, `[MASK]` and every bracketed token (`[unused17]`), besides
+   `[CLS]`/`[SEP]`. Google excludes only `[CLS]` and `[SEP]`, so `[UNK]` is a masked-LM target
+   there: predicting "unknown" teaches nothing and spends a prediction slot (1 of 20 at 128
+   tokens) that a real token could use. `num_to_predict` still counts every token of the
+   sequence, specials included, exactly as Google's `len(tokens) * masked_lm_prob` does.
+4. The random replacement (the 10 % "random token") is drawn uniformly from the non-special
+   tokens only. Google draws `vocab_words[rng.randint(0, len(vocab_words) - 1)]` from the whole
+   vocabulary, so it can put `[CLS]`, `[SEP]`, `[PAD]`, `[MASK]` or an untrained `[unusedN]`
+   into a sentence: a `[SEP]` inside a segment contradicts the segment ids, and `[unused]`
+   embeddings are never trained.
+
+Besides, the data itself differs from Google's in two ways that shape what is masked: masks are
+drawn at load time, new every epoch (dynamic masking, as RoBERTa), instead of being fixed in the
+files by `dupe_factor` copies, so the shards stay small and no two epochs see the same masks; and
+prepare drops single-sentence documents (`too_few_sentences`), where Google makes pairs from them
+whose B is always random, which skews next-sentence labels towards "random" for no real pair.
+What is *not* a departure: the 80/10/10 treatment is one uniform per position (< 0.8 `[MASK]`,
+< 0.9 unchanged, else random) where Google draws twice (< 0.8, then < 0.5): the same
+probabilities; and the random streams are Philox per sample, not Python's `random`, so masks
+equal Google's in distribution, not bit for bit.
 
 Randomness. Every random number of a sample comes from its own Philox stream, keyed by
 (seed, epoch) with the global sample index in the counter, so a sample's mask depends on
