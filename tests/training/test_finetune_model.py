@@ -1,0 +1,216 @@
+"""Fine-tuning heads, MODEL loading and the Hugging Face export of a fine-tuned model.
+
+The export must load in `transformers.AutoModelForSequenceClassification` /
+`AutoModelForQuestionAnswering` with no missing or unexpected keys and give our logits (fp32,
+atol 1e-5); the losses must be Hugging Face's too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+from bertforge.training.finetune.export import export_finetuned
+from bertforge.training.finetune.load import load_pretrained
+from bertforge.training.finetune.model import (
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    task_model,
+)
+from bertforge.training.hf_interop import HF_CONFIG_NAME
+from tests.support.finetune_data import VOCAB, tiny_bert_dir, write_vocab
+from tests.training.test_model import random_batch
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory) -> str:
+    return tiny_bert_dir(str(tmp_path_factory.mktemp("model")))
+
+
+def trained(model: torch.nn.Module, batch: dict, steps: int = 3) -> torch.nn.Module:
+    """A few AdamW steps, so that no head or encoder tensor is at its initial value."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(**batch)["loss"].backward()
+        optimizer.step()
+    return model.eval()
+
+
+def inputs(config, seed: int = 0) -> dict[str, torch.Tensor]:
+    batch = random_batch(config, batch_size=4, seq_len=16, seed=seed)
+    return {k: batch[k] for k in ("input_ids", "token_type_ids", "attention_mask")}
+
+
+def load_in_transformers(auto_class, path: str):
+    model, info = auto_class.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
+@pytest.mark.parametrize("num_labels", [3, 1])
+def test_classifier_export_gives_our_logits_and_loss_in_transformers(bert_dir, tmp_path,
+                                                                     num_labels) -> None:
+    pretrained = load_pretrained(bert_dir)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(pretrained.config, num_labels)
+    model.load_encoder(pretrained.state_dict)
+    batch = inputs(pretrained.config)
+    labels = torch.tensor([0, 2, 1, 2]) if num_labels == 3 else torch.tensor([0.5, 3.0, 4.2, 1.0])
+    trained(model, {**batch, "labels": labels})
+    names = ("neg", "neutral", "pos") if num_labels == 3 else None
+    path = export_finetuned(model, pretrained.vocab_path, True, str(tmp_path / "hf"),
+                            labels=names, task="t")
+
+    hf = load_in_transformers(transformers.AutoModelForSequenceClassification, path)
+    assert type(hf).__name__ == "BertForSequenceClassification"
+    with torch.no_grad():
+        ours, theirs = model(**batch, labels=labels), hf(**batch, labels=labels)
+    torch.testing.assert_close(ours["logits"], theirs.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours["loss"], theirs.loss, atol=ATOL, rtol=0)
+    config = json.load(open(os.path.join(path, HF_CONFIG_NAME), encoding="utf-8"))
+    if num_labels == 3:
+        assert config["id2label"] == {"0": "neg", "1": "neutral", "2": "pos"}
+        assert config["problem_type"] == "single_label_classification"
+    else:
+        assert config["problem_type"] == "regression" and hf.config.num_labels == 1
+
+
+def test_question_answering_export_gives_our_logits_and_loss_in_transformers(bert_dir,
+                                                                             tmp_path) -> None:
+    pretrained = load_pretrained(bert_dir)
+    torch.manual_seed(0)
+    model = BertForQuestionAnswering(pretrained.config)
+    model.load_encoder(pretrained.state_dict)
+    batch = inputs(pretrained.config)
+    # The last position is outside the window (16): clamped and ignored, as Hugging Face's.
+    positions = {"start_positions": torch.tensor([1, 3, 0, 16]),
+                 "end_positions": torch.tensor([2, 5, 0, 17])}
+    trained(model, {**batch, **positions})
+    path = export_finetuned(model, pretrained.vocab_path, True, str(tmp_path / "hf"))
+
+    hf = load_in_transformers(transformers.AutoModelForQuestionAnswering, path)
+    with torch.no_grad():
+        ours, theirs = model(**batch, **positions), hf(**batch, **positions)
+    torch.testing.assert_close(ours["start_logits"], theirs.start_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours["end_logits"], theirs.end_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours["loss"], theirs.loss, atol=ATOL, rtol=0)
+
+
+def test_encoder_from_a_hugging_face_directory_is_its_bert_model(bert_dir) -> None:
+    """The loaded encoder gives transformers' BertModel outputs for the same directory."""
+    pretrained = load_pretrained(bert_dir)
+    assert pretrained.provenance["kind"] == "hf_dir" and pretrained.provenance["step"] is None
+    model = task_model(pretrained.config, 2)
+    model.load_encoder(pretrained.state_dict)
+    model.eval()
+    hf = transformers.BertModel.from_pretrained(bert_dir).eval()
+    batch = inputs(pretrained.config, seed=1)
+    with torch.no_grad():
+        ours = model.bert.pooler(model._encode(**batch)[:, 0])
+        theirs = hf(**batch).pooler_output
+    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+
+
+def test_bare_bert_model_and_fine_tuned_exports_are_accepted_as_model(bert_dir,
+                                                                       tmp_path) -> None:
+    """A `BertModel.save_pretrained` directory (no `bert.` prefix, maybe no pooler) and an
+    earlier fine-tuned export are BERT encoders too."""
+    bare = tmp_path / "bare"
+    hf = transformers.BertModel.from_pretrained(bert_dir, add_pooling_layer=False)
+    hf.save_pretrained(bare)
+    write_vocab(str(bare / "vocab.txt"))
+    loaded = load_pretrained(str(bare))
+    assert "pooler" in loaded.provenance and "bert.pooler.dense.weight" not in loaded.state_dict
+    reference = load_pretrained(bert_dir).state_dict
+    for name, tensor in loaded.state_dict.items():
+        torch.testing.assert_close(tensor, reference[name], atol=0, rtol=0)
+
+    model = BertForQuestionAnswering(loaded.config)
+    model.load_encoder(loaded.state_dict)
+    exported = export_finetuned(model, loaded.vocab_path, True, str(tmp_path / "qa"))
+    again = load_pretrained(exported)
+    assert again.state_dict["bert.embeddings.word_embeddings.weight"].shape[0] >= len(VOCAB)
+
+
+def test_random_init_keeps_the_architecture_and_vocabulary_only(bert_dir) -> None:
+    pretrained = load_pretrained(bert_dir)
+    fresh = load_pretrained(bert_dir, random_init=True)
+    assert fresh.state_dict is None and fresh.config == pretrained.config
+    assert fresh.provenance["random_init"] is True
+    assert fresh.vocab_path == pretrained.vocab_path
+    torch.manual_seed(0)
+    model = task_model(fresh.config, 2)
+    model.init_encoder_randomly()
+    weight = model.bert.embeddings.word_embeddings.weight
+    assert weight.shape[0] == fresh.config.vocab_size
+    ours = pretrained.state_dict["bert.embeddings.word_embeddings.weight"][: weight.shape[0]]
+    assert not torch.allclose(weight, ours)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "gpt2", "n_layer": 2}, "is not a BERT model: its config.json says "
+                                           "model_type 'gpt2'"),
+    ({"model_type": "bert", "hidden_act": "relu"}, "hidden_act='relu' is not supported"),
+])
+def test_a_directory_that_is_not_bert_is_refused(tmp_path, config, message) -> None:
+    (tmp_path / HF_CONFIG_NAME).write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(ValueError, match=message):
+        load_pretrained(str(tmp_path))
+
+
+def test_a_directory_with_no_model_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="is none of a bertforge checkpoint"):
+        load_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="no such directory"):
+        load_pretrained(str(tmp_path / "missing"))
+
+
+def test_bert_config_with_foreign_weights_is_refused(bert_dir, tmp_path) -> None:
+    """config.json says BERT, the weights are of another shape: one clear error."""
+    target = tmp_path / "odd"
+    target.mkdir()
+    config = json.load(open(os.path.join(bert_dir, HF_CONFIG_NAME), encoding="utf-8"))
+    config["num_hidden_layers"] = 3  # the weights have 2
+    (target / HF_CONFIG_NAME).write_text(json.dumps(config), encoding="utf-8")
+    for name in ("model.safetensors", "vocab.txt"):
+        os.symlink(os.path.join(bert_dir, name), target / name)
+    with pytest.raises(ValueError, match="does not hold a BERT encoder of its config.json"):
+        load_pretrained(str(target))
+
+
+def test_checkpoint_and_run_directory_sources_give_the_checkpoints_encoder(tmp_path) -> None:
+    """A run directory means its newest committed checkpoint; provenance says which and its
+    step; the encoder is the checkpoint's fp32 weights."""
+    from bertforge.training import checkpoint
+    from bertforge.training.config import TrainConfig
+    from bertforge.training.loop import train
+    from tests.training.conftest import write_dataset
+
+    data = write_dataset(str(tmp_path / "shards"), {"train": [40], "validation": [8]})
+    run_dir = str(tmp_path / "run")
+    train(TrainConfig(data_dir=data, run_dir=run_dir, max_steps=2, micro_batch_size=8,
+                      model={"preset": "tiny", "hidden_size": 32, "num_attention_heads": 2,
+                             "intermediate_size": 64},
+                      precision="fp32", zero_stage=0, learning_rate=1e-3))
+    latest = checkpoint.latest_checkpoint(run_dir)
+    reference, metadata = checkpoint.load_model(latest)
+
+    from_run = load_pretrained(run_dir)
+    from_checkpoint = load_pretrained(latest)
+    assert from_run.provenance["kind"] == "run_dir" and from_run.provenance["step"] == 2
+    assert from_checkpoint.provenance["kind"] == "checkpoint"
+    assert from_run.provenance["checkpoint"] == os.path.abspath(latest)
+    assert from_run.provenance["vocab_sha256"] == metadata["vocab_sha256"]
+    assert from_run.lower_case == metadata["lower_case"]
+    model = task_model(from_run.config, 2)
+    model.load_encoder(from_run.state_dict)
+    for name, tensor in model.bert.state_dict().items():
+        expected = reference.bert.state_dict()[name]
+        torch.testing.assert_close(tensor, expected[: tensor.shape[0]], atol=0, rtol=0)
