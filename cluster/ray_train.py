@@ -135,10 +135,16 @@ def _run_config(cfg: TrainConfig, launch: LaunchConfig) -> RunConfig:
         return RunConfig(
             name=os.path.basename(cfg.run_dir.rstrip("/")), storage_path=launch.storage,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-            failure_config=failure,
+            failure_config=failure, logging_config=_QUIET_RAY_TRAIN,
         )
     # Ray Train's own state lives in RUN_DIR/ray, beside our checkpoints.
-    return RunConfig(name="ray", storage_path=cfg.run_dir, failure_config=failure)
+    return RunConfig(name="ray", storage_path=cfg.run_dir, failure_config=failure,
+                     logging_config=_QUIET_RAY_TRAIN)
+
+
+# Ray Train's INFO lines (resources requested, worker group started, process group set up) stay
+# in Ray's session logs; the console gets its warnings and errors.
+_QUIET_RAY_TRAIN = ray.train.LoggingConfig(log_level="WARNING")
 
 
 def _worker_main(loop_config: dict[str, Any]) -> None:
@@ -146,10 +152,13 @@ def _worker_main(loop_config: dict[str, Any]) -> None:
     import torch
 
     from bertforge.cluster.persistence import report_checkpoint, restore_latest
+    from bertforge.cluster.worker_output import quiet_worker
     from bertforge.training.loop import train
 
     torch.set_num_threads(loop_config["threads"])
     cfg = TrainConfig.from_dict(loop_config["train"])
+    # Library warnings to RUN_DIR/logs/worker-RANK.log only; our progress lines to the console.
+    quiet_worker(cfg.run_dir, ray.train.get_context().get_world_rank())
     if loop_config["persist"]:
         if cfg.resume:
             restore_latest(cfg.run_dir)

@@ -1,0 +1,115 @@
+"""What a Ray Train worker shows on the console, and where the rest goes.
+
+Ray forwards every worker's stdout and stderr to the driver, so each worker's library chatter
+reached the user's terminal: on a 2-core demo run, 221 lines of torch collectives' deprecation
+warnings (`all_gather_into_tensor` and `reduce_scatter_tensor` called by DeepSpeed's ZeRO, once
+per step) and DeepSpeed's start-up logs drowned the loop's own progress lines. In a worker:
+
+- everything it writes from Python (our lines, print, logging, warnings) is kept in
+  RUN_DIR/logs/worker-RANK.log, for whoever needs the full story;
+- Python warnings raised outside bertforge go only there: library deprecations we cannot fix
+  (our code calls no deprecated API; DeepSpeed does); a warning from our own code still shows;
+- DeepSpeed's logger reaches the console from ERROR up only (its INFO/WARNING start-up lines:
+  "Setting accelerator to CPU", ZeRO's settings) and the file at every level.
+
+The loop's own lines (`training.metrics.console`) and errors reach the console as before.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+import warnings
+from typing import TextIO
+
+import bertforge.cluster
+import bertforge.pipelines
+import bertforge.training
+
+LOG_DIR = "logs"
+# Named by DeepSpeed (deepspeed.utils.logging); it does not propagate to the root logger.
+_DEEPSPEED_LOGGER = "DeepSpeed"
+_OUR_DIRS = tuple(os.path.dirname(os.path.abspath(package.__file__)) + os.sep for package in
+                  (bertforge.cluster, bertforge.pipelines, bertforge.training))
+
+
+def worker_log_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, LOG_DIR, f"worker-{rank}.log")
+
+
+class _Tee(io.TextIOBase):
+    """Writes go to the console stream and to the log file."""
+
+    def __init__(self, console: TextIO, log: TextIO) -> None:
+        self.console, self.log = console, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        return self.console.write(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+        self.console.flush()
+
+    def fileno(self) -> int:  # faulthandler and subprocess want the real descriptor
+        return self.console.fileno()
+
+    def isatty(self) -> bool:
+        return self.console.isatty()
+
+
+def quiet_worker(run_dir: str, rank: int) -> str:
+    """Set this worker process's output up as the module docstring says; returns the log's path."""
+    path = worker_log_path(run_dir, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - the process's lifetime
+    if not isinstance(sys.stdout, _Tee):  # a restarted worker group may reuse the process
+        sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+
+    show = warnings.showwarning
+
+    def to_log(message, category, filename, lineno, file=None, line=None) -> None:
+        if is_ours(filename):
+            show(message, category, filename, lineno, file, line)  # the console and the Tee
+        else:
+            log.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = to_log
+    _deepspeed_errors_only_on_console(log)
+    return path
+
+
+def is_ours(filename: str) -> bool:
+    """Whether a warning was raised in bertforge's own code (which the console keeps)."""
+    return os.path.abspath(filename).startswith(_OUR_DIRS)
+
+
+def _deepspeed_errors_only_on_console(log: TextIO) -> None:
+    # A filter on the logger itself: DeepSpeed logs its first warning while `import deepspeed`
+    # runs (before any handler of its could be adjusted), and the logger object is the same
+    # before and after that import.
+    logger = logging.getLogger(_DEEPSPEED_LOGGER)
+    if not any(isinstance(f, _BelowErrorToLogOnly) for f in logger.filters):
+        logger.addFilter(_BelowErrorToLogOnly(log))
+    for handler in logger.handlers:  # present when deepspeed was imported before us
+        if type(handler) is logging.StreamHandler:
+            handler.setStream(sys.stdout)  # the Tee: its ERROR lines reach the file too
+
+
+class _BelowErrorToLogOnly(logging.Filter):
+    """DeepSpeed's records below ERROR are written to the log file and dropped for the console;
+    ERROR and up pass to DeepSpeed's console handler (and through the Tee to the file)."""
+
+    def __init__(self, log: TextIO) -> None:
+        super().__init__()
+        self.log = log
+        self.formatter = logging.Formatter("[%(asctime)s] [%(levelname)s] "
+                                           "[%(filename)s:%(lineno)d] %(message)s")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        self.log.write(self.formatter.format(record) + "\n")
+        return False
