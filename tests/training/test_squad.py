@@ -101,9 +101,19 @@ def test_reads_the_official_dev_file(squad_examples) -> None:
         (squad_json([{"id": "q1", "question": "?"}]), r"question 'q1' has no 'answers'"),
         (squad_json([question(start=3)]), r"question 'q1': answer 'Denver' is not at character 3"),
         (squad_json([question(), question()]), r"question id 'q1' appears twice"),
+        (squad_json([{**question(), "answers": []}]), r"question 'q1' has no answers"),
         (squad_json([question(start="0")]), r"question 'q1': 'answer_start' is not a int"),
     ],
-    ids=["not-json", "no-data", "empty", "no-answers", "misplaced-answer", "same-id", "bad-type"],
+    ids=[
+        "not-json",
+        "no-data",
+        "empty",
+        "no-answers-key",
+        "misplaced-answer",
+        "same-id",
+        "empty-answers",
+        "bad-type",
+    ],
 )
 def test_bad_squad_files_give_one_clear_error(tmp_path, value, message) -> None:
     with pytest.raises(ValueError, match=message):

@@ -61,6 +61,8 @@ def _read_question(qa: dict, context: str, title: str, path: str, where: str) ->
     qid = str(_field(qa, "id", (str, int), path, where))
     where = f"question {qid!r}"
     answers = _field(qa, "answers", list, path, where)
+    if not answers:
+        raise ValueError(f"{path}: {where} has no answers (SQuAD v1.1 has one or more)")
     texts = [_field(a, "text", str, path, where) for a in answers]
     starts = [_field(a, "answer_start", int, path, where) for a in answers]
     for text, start in zip(texts, starts, strict=True):
