@@ -102,7 +102,7 @@ def test_reads_the_official_dev_file(squad_examples) -> None:
         (squad_json([question(start=3)]), r"question 'q1': answer 'Denver' is not at character 3"),
         (squad_json([question(), question()]), r"question id 'q1' appears twice"),
         (squad_json([{**question(), "answers": []}]), r"question 'q1' has no answers"),
-        (squad_json([question(start="0")]), r"question 'q1': 'answer_start' is not a int"),
+        (squad_json([question(start="0")]), r"question 'q1': 'answer_start' is a str, not int"),
     ],
     ids=[
         "not-json",

@@ -53,7 +53,7 @@ def _field(record: dict, key: str, kind: type | tuple[type, ...], path: str, whe
     value = record[key]
     if not isinstance(value, kind):
         names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise ValueError(f"{path}: {where}: {key!r} is not a {names}")
+        raise ValueError(f"{path}: {where}: {key!r} is a {type(value).__name__}, not {names}")
     return value
 
 
