@@ -1,6 +1,7 @@
 """The loop through the real DeepSpeed engine on the CPU (gloo), in this process."""
 
 import os
+import pickle
 import shutil
 
 import pytest
@@ -114,3 +115,9 @@ def test_checkpoint_with_arbitrary_pickled_objects_is_refused(dataset, tmp_path)
         checkpoint.load_fp32_state_dict(run.checkpoint_path)
     with pytest.raises(ValueError, match="refusing to load it"):
         train(config(dataset, tmp_path / "run", max_steps=4, warmup_steps=1))
+    # A raw (or legacy torch) pickle: one line, before anything is unpickled or memory-mapped.
+    with open(os.path.join(run.checkpoint_path, "rng_rank_00000.pt"), "wb") as f:
+        pickle.dump(_Payload(), f)
+    with pytest.raises(ValueError, match="not a torch zip checkpoint") as caught:
+        checkpoint.load_fp32_state_dict(run.checkpoint_path)
+    assert "\n" not in str(caught.value)

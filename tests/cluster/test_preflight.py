@@ -1,0 +1,128 @@
+"""Pre-flight: user errors are found by the driver in seconds, before Ray starts, in one line;
+inside a Ray run, a user error ends it after one attempt (only crashes are retried)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import psutil
+import pytest
+import ray
+
+from bertforge.cluster.cli import main
+from bertforge.pipelines.contract import manifest as manifest_lib
+from bertforge.training.config import TrainConfig
+from bertforge.training.loop import train
+from tests.training.conftest import write_dataset
+
+TINY = {"preset": "tiny", "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    return write_dataset(str(tmp_path / "data"), {"train": [40, 30], "validation": [16]})
+
+
+def shard(data_dir: str, index: int = 1) -> str:
+    entry = manifest_lib.read_manifest(data_dir).splits["train"].shards[index]
+    return os.path.join(data_dir, entry.path)
+
+
+def ray_processes() -> list[str]:
+    names = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            names.append(" ".join(child.cmdline()))
+        except psutil.Error:
+            continue
+    return [n for n in names if "raylet" in n or "gcs_server" in n or "ray::" in n]
+
+
+def refused(argv: list[str], capsys, *expected: str) -> str:
+    """Run the CLI in this process: exit 2, one error line holding `expected`, no Ray, fast."""
+    started = time.monotonic()
+    status = main(argv)
+    seconds = time.monotonic() - started
+    err = capsys.readouterr().err.strip()
+    assert status == 2, err
+    assert err.startswith(f"bertforge {argv[0]}: error:") and "\n" not in err, err
+    for part in expected:
+        assert part in err, err
+    assert not ray.is_initialized() and not ray_processes()
+    assert seconds < 30, f"pre-flight took {seconds:.1f} s"  # seconds, even on a busy machine
+    return err
+
+
+def test_dataset_errors_are_refused_before_ray(dataset, tmp_path, capsys):
+    run = ["--run-dir", str(tmp_path / "run"), "--workers", "1", "--max-failures", "3"]
+    missing = str(tmp_path / "nope")
+    refused(["train", "--data", missing, *run], capsys, f"dataset {missing} does not exist")
+    refused(["train", "--data", str(tmp_path), *run], capsys, "manifest.json not found")
+
+    path = shard(dataset)
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    refused(["train", "--data", dataset, *run], capsys, f"shard {path} is corrupt or truncated")
+    os.remove(path)
+    refused(["train", "--data", dataset, *run], capsys, f"shard {path} is missing")
+
+    manifest_path = os.path.join(dataset, manifest_lib.MANIFEST_NAME)
+    with open(manifest_path, "a", encoding="utf-8") as f:
+        f.write("}{")  # a manifest cut or appended to by hand
+    refused(["train", "--data", dataset, *run], capsys,
+            f"{manifest_path} is not a valid bertforge manifest")
+
+
+def test_vocabulary_with_another_sha_is_refused(dataset, tmp_path, capsys):
+    vocab = os.path.join(dataset, manifest_lib.VOCAB_NAME)
+    with open(vocab, "a", encoding="utf-8") as f:
+        f.write("extra\n")
+    refused(["train", "--data", dataset, "--run-dir", str(tmp_path / "run")], capsys,
+            f"{vocab} does not match the sha256 recorded in the manifest")
+    assert main(["inspect", dataset, "--verify"]) == 1
+    assert f"BAD: {vocab}: sha256" in capsys.readouterr().err
+
+
+def test_run_directory_errors_are_refused_before_ray(dataset, tmp_path, capsys):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    refused(["train", "--data", dataset, "--run-dir", str(a_file)], capsys,
+            f"run directory {a_file} is a file")
+    refused(["train", "--data", dataset, "--run-dir", "/proc/self/run"], capsys,
+            "is under /proc, a pseudo filesystem")
+    refused(["export", str(tmp_path), "--output", str(tmp_path / "hf")], capsys,
+            "neither a complete checkpoint nor a run with one")
+
+
+@pytest.mark.slow  # one real training step (DeepSpeed on the CPU) makes the checkpoint
+def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(TrainConfig(data_dir=dataset, run_dir=str(run_dir), model=TINY, max_steps=1,
+                      micro_batch_size=8, warmup_steps=0, precision="fp32"))
+    err = refused(["train", "--data", dataset, "--run-dir", str(run_dir), "--preset", "mini"],
+                  capsys, "another architecture", "hidden_size 32 != 256")
+    assert "cannot resume" in err and "step_00000001" in err
+    # eval and export of that checkpoint pass their pre-flight; a used output is refused.
+    refused(["export", str(run_dir), "--output", str(tmp_path)], capsys, "exists")
+
+
+def test_byte_flip_is_named_by_inspect_verify(dataset, capsys):
+    path = shard(dataset)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        middle = f.read(64)
+        f.seek(-64, os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in middle))
+    assert main(["inspect", dataset, "--verify"]) == 1
+    err = capsys.readouterr().err
+    bad = [line for line in err.splitlines() if line.startswith("BAD:")]
+    assert f"BAD: {path}: sha256" in bad[0]  # and here also the ids the flip made
+    assert all(line.startswith(f"BAD: {path}: ") for line in bad), bad  # no other file
+    not_arrow = shard(dataset, 0)
+    shutil.copy(os.path.join(dataset, manifest_lib.VOCAB_NAME), not_arrow)
+    assert main(["inspect", dataset]) == 2
+    assert f"{not_arrow} is not a readable Arrow IPC file" in capsys.readouterr().err
