@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -20,16 +21,18 @@ def write_vocab(path: str) -> str:
     return path
 
 
-def tiny_bert_dir(root: str, seed: int = 0) -> str:
-    """bert_tiny on VOCAB with random weights, exported like a pretraining run's HF directory."""
+def tiny_bert_dir(root: str, seed: int = 0, vocab_path: str | None = None) -> str:
+    """A 2-layer, 32-wide BERT with random weights on VOCAB (or the vocabulary at `vocab_path`),
+    exported like a pretraining run's Hugging Face directory."""
+    from bertforge.pipelines.contract.tokenization import read_vocab
     from bertforge.training.hf_interop import export_hf_directory
     from bertforge.training.model import BertConfig, BertForPreTraining
 
     os.makedirs(root, exist_ok=True)
-    vocab_path = write_vocab(os.path.join(root, "vocab-src.txt"))
+    vocab_path = vocab_path or write_vocab(os.path.join(root, "vocab-src.txt"))
     torch.manual_seed(seed)
-    config = BertConfig(len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=512)
+    config = BertConfig(len(read_vocab(vocab_path)), hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=512)
     model = BertForPreTraining(config)
     return export_hf_directory(model.state_dict(), config, vocab_path, True,
                                os.path.join(root, "tiny-bert"))
@@ -55,4 +58,29 @@ def write_sst2_tsv(path: str, num_lines: int, seed: int) -> str:
         f.write("sentence\tlabel\n")
         for sentence, label in sst2_lines(num_lines, seed):
             f.write(f"{sentence}\t{label}\n")
+    return path
+
+
+def write_squad_json(path: str, num_articles: int = 5, seed: int = 0) -> str:
+    """SQuAD v1.1's JSON layout: articles of paragraphs of questions; each answer is the
+    sentiment word of its paragraph's first sentence (so answer_start is exact)."""
+    rng = np.random.default_rng(seed)
+    data = []
+    for article in range(num_articles):
+        paragraphs = []
+        for paragraph in range(2):
+            sentences = [sentence for sentence, _ in sst2_lines(4, int(rng.integers(1 << 30)))]
+            context = ". ".join(s.strip() for s in sentences) + "."
+            qas = []
+            for question in range(3):
+                word = next(w for w in context.split() if w in POSITIVE + NEGATIVE)
+                qas.append({
+                    "id": f"a{article}p{paragraph}q{question}",
+                    "question": f"what is the {FILLERS[question]} film ?",
+                    "answers": [{"text": word, "answer_start": context.index(word)}],
+                })
+            paragraphs.append({"context": context, "qas": qas})
+        data.append({"title": f"Article_{article}", "paragraphs": paragraphs})
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"version": "1.1", "data": data}, f)
     return path

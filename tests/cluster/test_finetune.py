@@ -1,0 +1,135 @@
+"""`bertforge finetune` end to end through its command-line function: Ray Train workers running
+DeepSpeed on the CPU, a tiny BERT, small slices. One local Ray serves the whole module."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+from bertforge.cluster.cli import main
+from bertforge.cluster.finetune import default_data_root
+from tests.support.finetune_data import tiny_bert_dir, write_squad_json, write_sst2_tsv
+
+SHARED_VOCAB = "bert-base-uncased-vocab.txt"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    import ray
+
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return tiny_bert_dir(str(tmp_path_factory.mktemp("model")))
+
+
+def finetune(*args: str) -> dict:
+    assert main(["finetune", *args]) == 0
+    output = args[args.index("--output") + 1]
+    with open(os.path.join(output, "results.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_predictions(path: str) -> list[dict[str, str]]:
+    with open(path, encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
+def test_sst2_on_two_workers_scores_exports_and_reuses_the_run(model_dir, tmp_path, capsys):
+    train = write_sst2_tsv(str(tmp_path / "SST-2" / "train.tsv"), 64, seed=1)
+    dev = write_sst2_tsv(str(tmp_path / "SST-2" / "dev.tsv"), 32, seed=2)
+    output = str(tmp_path / "out")
+    args = ["--task", "SST-2", "--model", model_dir, "--output", output, "--train", train,
+            "--dev", dev, "--workers", "2", "--batch-size", "16", "--epochs", "2",
+            "--lr", "1e-3", "--seeds", "7"]
+    results = finetune(*args)
+
+    assert results["task"] == "sst2" and results["primary_metric"] == "accuracy"
+    assert results["model"]["kind"] == "hf_dir" and results["model"]["random_init"] is False
+    assert results["model"]["source"] == os.path.abspath(model_dir)
+    assert results["training"]["world_size"] == 2 and results["training"]["steps"] == 8
+    assert results["data"]["num_train_examples"] == 64 and results["config"]["seeds"] == [7]
+    assert results["sweep"]["num_runs"] == 1 and results["best_run"]["learning_rate"] == 1e-3
+    # The metric is the predictions file's accuracy, one line per dev example.
+    rows = read_predictions(results["predictions"])
+    assert len(rows) == 32 and [r["line"] for r in rows] == [str(i) for i in range(2, 34)]
+    correct = sum(r["prediction"] == r["label"] for r in rows)
+    assert results["metrics"]["accuracy"] == pytest.approx(correct / 32)
+    # The export predicts in transformers what the workers predicted.
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(results["hf_dir"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(results["hf_dir"])
+    with open(dev, encoding="utf-8") as f:
+        sentences = [line.split("\t")[0] for line in f.read().split("\n")[1:-1]]
+    with torch.no_grad():
+        logits = hf.eval()(**tokenizer(sentences, padding=True, return_tensors="pt")).logits
+    assert [hf.config.id2label[i] for i in logits.argmax(-1).tolist()] == \
+        [r["prediction"] for r in rows]
+    assert "[finetune] sst2: accuracy" in capsys.readouterr().out
+
+    # The same command again: the finished run is reused, not trained again.
+    metrics_file = os.path.join(results["best_run"]["run_dir"], "metrics.jsonl")
+    before = os.stat(metrics_file).st_mtime_ns
+    again = finetune(*args)
+    assert "done in an earlier run, reusing it" in capsys.readouterr().out
+    assert os.stat(metrics_file).st_mtime_ns == before
+    assert again["metrics"] == results["metrics"]
+
+
+def test_squad_split_of_one_file_reports_exact_match_and_f1(model_dir, tmp_path):
+    from bertforge.training.finetune.metrics import squad_evaluate
+    from bertforge.training.finetune.squad import read_squad, split_squad
+
+    squad = write_squad_json(str(tmp_path / "squad.json"))
+    output = str(tmp_path / "out")
+    results = finetune("--task", "squad", "--model", model_dir, "--output", output,
+                       "--train", squad, "--dev", squad, "--workers", "1",
+                       "--max-seq-length", "64", "--max-query-length", "16",
+                       "--doc-stride", "16", "--batch-size", "8", "--epochs", "1",
+                       "--lr", "1e-3")
+
+    assert results["primary_metric"] == "f1"
+    assert set(results["metrics"]) == {"exact_match", "f1"}
+    assert "split by article" in results["data"]["note"]
+    _, dev = split_squad(read_squad(squad), 0.2, 0)
+    with open(results["predictions"], encoding="utf-8") as f:
+        predictions = json.load(f)
+    assert set(predictions) == {example.id for example in dev}
+    assert results["metrics"] == pytest.approx(squad_evaluate(dev, predictions))
+    hf = transformers.AutoModelForQuestionAnswering.from_pretrained(results["hf_dir"])
+    assert type(hf).__name__ == "BertForQuestionAnswering"
+
+
+def test_a_model_directory_that_is_not_bert_is_refused_before_ray(tmp_path, capsys):
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
+    train = write_sst2_tsv(str(tmp_path / "train.tsv"), 8, seed=1)
+    status = main(["finetune", "--task", "sst2", "--model", str(tmp_path / "gpt2"),
+                   "--output", str(tmp_path / "out"), "--train", train, "--dev", train])
+    assert status == 2
+    assert "is not a BERT model: its config.json says model_type 'gpt2'" in \
+        capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_real_sst2_slice_with_the_default_files(tmp_path):
+    """The task's own files under ../shared/data/glue (no --train/--dev), subsampled."""
+    root = default_data_root()
+    if root is None or not os.path.isfile(os.path.join(root, "glue", "SST-2", "train.tsv")):
+        pytest.skip("../shared/data/glue/SST-2 is not on this machine")
+    model = tiny_bert_dir(str(tmp_path / "model"), vocab_path=os.path.join(root, SHARED_VOCAB))
+    results = finetune("--task", "sst2", "--model", model, "--output", str(tmp_path / "out"),
+                       "--workers", "1", "--max-train-examples", "64",
+                       "--max-dev-examples", "48", "--batch-size", "16", "--epochs", "1")
+    assert results["data"]["train"] == os.path.join(root, "glue", "SST-2", "train.tsv")
+    assert results["data"]["num_train_examples"] == 64
+    assert results["data"]["num_dev_examples"] == 48
+    assert len(read_predictions(results["predictions"])) == 48
+    assert 0.0 <= results["metrics"]["accuracy"] <= 1.0
