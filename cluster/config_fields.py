@@ -123,14 +123,21 @@ def from_table(
     known = sorted(set(types_by_name) - set(skip) - set(fixed))
     unknown = sorted(set(table) - set(known))
     if unknown:
-        raise ValueError(f"unknown key(s) in [{section}]: {', '.join(unknown)}; "
-                         f"known: {', '.join(known)}")
+        raise ValueError(f"unknown key(s) in [{section}]: {', '.join(unknown)}"
+                         f"{underscore_hint(unknown, known)}; known: {', '.join(known)}")
     values = {key: check_type(section, key, value, types_by_name[key])
               for key, value in table.items()}
     try:
         return cls(**values, **fixed)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{section}: {error}") from None
+
+
+def underscore_hint(unknown: list[str], known: Any) -> str:
+    """A file's keys are the fields' names; a flag's dashed spelling there gets pointed out."""
+    fixes = [f"{key} -> {key.replace('-', '_')}" for key in unknown
+             if "-" in key and key.replace("-", "_") in known]
+    return f" (keys are spelled with underscores: {', '.join(fixes)})" if fixes else ""
 
 
 def table_keys(cls: type, skip: tuple[str, ...] = ()) -> set[str]:

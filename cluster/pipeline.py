@@ -24,7 +24,12 @@ import shutil
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from bertforge.cluster.config_fields import check_type, from_table, table_keys
+from bertforge.cluster.config_fields import (
+    check_type,
+    from_table,
+    table_keys,
+    underscore_hint,
+)
 from bertforge.cluster.ray_train import LaunchConfig
 from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir
 from bertforge.pipelines.prepare_options import PrepareConfig, check_beam_args
@@ -152,8 +157,8 @@ class PhaseSection:
         unknown = sorted(set(self.overrides) - known)
         if unknown:
             raise ValueError(
-                f"overrides: unknown or pipeline-owned key(s) {', '.join(unknown)}; "
-                f"allowed: {', '.join(sorted(known))}"
+                f"overrides: unknown or pipeline-owned key(s) {', '.join(unknown)}"
+                f"{underscore_hint(unknown, known)}; allowed: {', '.join(sorted(known))}"
             )
 
     @classmethod

@@ -51,3 +51,4 @@ def test_beam_flags_stay_as_beam_spells_them_and_may_not_set_job_options():
     for spelling in ("--num-shards=2", "--num_shards=2"):
         with pytest.raises(ValueError, match="must not set the job's own options"):
             check_beam_args([spelling])
+
