@@ -6,7 +6,7 @@ import pytest
 from bertforge.cluster.cli import build_parser, main
 
 WORKING_COMMANDS = {"vocab", "prepare", "inspect", "train", "submit", "eval", "export", "demo",
-                   "pipeline"}
+                    "pipeline", "finetune"}
 
 
 def test_help_lists_exactly_the_working_commands():

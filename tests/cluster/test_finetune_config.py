@@ -1,0 +1,144 @@
+"""FinetuneConfig, its flags, data defaults, the data order and the sweep's summary: pure."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+from bertforge.cluster.cli import build_parser
+from bertforge.cluster.config_fields import given_values
+from bertforge.cluster.finetune import (
+    LAUNCH_FIELDS_UNUSED,
+    data_note,
+    resolve_data_files,
+    summary_line,
+    sweep_statistics,
+)
+from bertforge.cluster.ray_train import LaunchConfig
+from bertforge.training.finetune.config import FinetuneConfig
+from bertforge.training.finetune.loop import batch_indices, count_steps
+from bertforge.training.finetune.task_data import subsample
+
+REQUIRED = {"task": "sst2", "model": "m", "output": "o"}
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["finetune", *argv])
+
+
+def test_every_field_has_help_and_a_finetune_flag():
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command")
+    dests = {a.dest for a in commands.choices["finetune"]._actions}
+    for cls, skip in ((FinetuneConfig, ()), (LaunchConfig, LAUNCH_FIELDS_UNUSED)):
+        for f in dataclasses.fields(cls):
+            assert cls is LaunchConfig or f.metadata.get("help"), f.name
+            assert f.name in dests or f.name in skip, f"{cls.__name__}.{f.name} has no flag"
+
+
+def test_flags_build_the_config_and_defaults_are_the_papers_recipe():
+    args = parse("--task", "SST-2", "--model", "m", "--output", "o", "--sweep",
+                 "--seeds", "1", "2", "--workers", "3")
+    cfg = FinetuneConfig(**given_values(args, FinetuneConfig))
+    launch = LaunchConfig(**given_values(args, LaunchConfig, skip=LAUNCH_FIELDS_UNUSED))
+    assert cfg.task == "sst2" and launch.workers == 3
+    assert (cfg.batch_size, cfg.epochs, cfg.warmup_fraction, cfg.seq_length) == (32, 3, 0.1, 128)
+    assert cfg.runs() == [(2e-5, 1), (2e-5, 2), (3e-5, 1), (3e-5, 2), (5e-5, 1), (5e-5, 2)]
+    assert FinetuneConfig(**{**REQUIRED, "task": "squad"}).seq_length == 384
+    assert FinetuneConfig(**REQUIRED, learning_rate=3e-5).runs() == [(3e-5, 12345)]
+
+
+def test_settings_leave_out_what_a_rerun_may_change():
+    """More seeds or rates reuse the finished runs; another model or recipe does not."""
+    base = FinetuneConfig(**REQUIRED)
+    more = FinetuneConfig(**{**REQUIRED, "output": "elsewhere"}, seeds=(1, 2, 3), sweep=True)
+    assert base.settings() == more.settings()
+    assert base.settings() != FinetuneConfig(**REQUIRED, epochs=2).settings()
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"task": "qnli"}, "unknown task 'qnli'"),
+    ({"task": "custom"}, "needs --text-columns and --label-column"),
+    ({"text_columns": ("a",)}, "are for --task custom"),
+    ({"task": "custom", "text_columns": ("a",), "label_column": "b", "train": "t", "dev": "d",
+      "regression": True, "labels": ("x", "y")}, "--regression takes no --labels"),
+    ({"seeds": ()}, "at least one seed"),
+    ({"batch_size": 0}, "batch_size must be at least 1"),
+    ({"warmup_fraction": 1.0}, "warmup_fraction must be in"),
+    ({"sweep": True, "sweep_learning_rates": (1e-5, -1.0)}, "learning rates must be positive"),
+])
+def test_bad_configs_are_one_clear_error(values, message):
+    with pytest.raises(ValueError, match=message):
+        FinetuneConfig(**{**REQUIRED, **values})
+
+
+def test_default_files_come_from_the_data_root(tmp_path):
+    for name in ("train.tsv", "dev.tsv"):
+        (tmp_path / "glue" / "SST-2").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "glue" / "SST-2" / name).write_text("sentence\tlabel\n")
+    (tmp_path / "squad").mkdir()
+    (tmp_path / "squad" / "dev-v1.1.json").write_text("{}")
+    cfg = resolve_data_files(FinetuneConfig(**REQUIRED, data_root=str(tmp_path)))
+    assert cfg.train == str(tmp_path / "glue" / "SST-2" / "train.tsv")
+    assert cfg.dev == str(tmp_path / "glue" / "SST-2" / "dev.tsv") and data_note(cfg) is None
+    squad = resolve_data_files(FinetuneConfig(**{**REQUIRED, "task": "squad"},
+                                              data_root=str(tmp_path)))
+    assert squad.train == squad.dev == str(tmp_path / "squad" / "dev-v1.1.json")
+    assert "split by article" in data_note(squad)
+    with pytest.raises(ValueError, match="no such file"):
+        resolve_data_files(FinetuneConfig(**{**REQUIRED, "task": "rte"},
+                                          data_root=str(tmp_path)))
+    with pytest.raises(ValueError, match="give both --train and --dev"):
+        resolve_data_files(FinetuneConfig(**REQUIRED, train="x.tsv", data_root=str(tmp_path)))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_worker_count_sees_the_same_global_batches(world_size):
+    """A global batch is the same examples on any number of workers; an epoch visits each
+    example at most once and drops only the last partial batch."""
+    num_rows, batch_size, seed = 70, 8, 3
+    steps_per_epoch, _ = count_steps(FinetuneConfig(**REQUIRED, batch_size=batch_size), num_rows)
+    assert steps_per_epoch == 8
+    for step in range(2 * steps_per_epoch):
+        alone = batch_indices(num_rows, batch_size, step, steps_per_epoch, seed, 0, 1)
+        shared = [batch_indices(num_rows, batch_size, step, steps_per_epoch, seed, rank,
+                                world_size) for rank in range(world_size)]
+        assert sorted(np.concatenate(shared).tolist()) == sorted(alone.tolist())
+    epoch = np.concatenate([batch_indices(num_rows, batch_size, s, steps_per_epoch, seed, 0, 1)
+                            for s in range(steps_per_epoch)])
+    assert len(set(epoch.tolist())) == 64
+    again = batch_indices(num_rows, batch_size, steps_per_epoch, steps_per_epoch, seed, 0, 1)
+    assert again.tolist() != batch_indices(num_rows, batch_size, 0, steps_per_epoch, seed, 0,
+                                           1).tolist()  # a new order each epoch
+
+
+def test_too_few_examples_for_one_batch_is_a_clear_error():
+    with pytest.raises(ValueError, match="fewer than one batch of 32"):
+        count_steps(FinetuneConfig(**REQUIRED), 20)
+
+
+def test_subsets_are_fixed_and_keep_the_file_order():
+    items = list(range(100))
+    subset = subsample(items, 10)
+    assert subset == sorted(subset) and len(subset) == 10 and subsample(items, 10) == subset
+    assert subsample(items, None) == items and subsample(items, 500) == items
+
+
+def test_sweep_statistics_and_summary_line():
+    stats = sweep_statistics([0.80, 0.90, 0.85, 0.70])
+    assert stats["best"] == 0.90 and stats["median"] == pytest.approx(0.825)
+    assert (stats["min"], stats["max"]) == (0.70, 0.90)
+    assert stats["std"] == pytest.approx(np.std([0.80, 0.90, 0.85, 0.70]))
+    results = {
+        "task": "mrpc", "primary_metric": "f1", "score": 0.9, "metrics": {"f1": 0.9,
+                                                                          "accuracy": 0.85},
+        "best_run": {"learning_rate": 3e-5, "seed": 2}, "sweep": {"num_runs": 4, **stats},
+        "model": {"source": "/m", "kind": "run_dir", "random_init": False},
+        "seconds": 12.0, "output": os.path.join("/x", "out"),
+    }
+    line = summary_line(results)
+    assert line.startswith("[finetune] mrpc: f1 0.9000 (lr 3e-05, seed 2); 4 runs: median 0.8250")
+    assert "accuracy 0.8500" in line and "from /m (run_dir)" in line
