@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pipeline(commands)
     _add_demo(commands)
     _add_finetune(commands)
+    _add_glue(commands)
     return parser
 
 
@@ -169,6 +170,27 @@ def _add_finetune(commands) -> None:
     p.set_defaults(handler=_run_finetune)
 
 
+def _add_glue(commands) -> None:
+    from bertforge.cluster.config_fields import add_flags
+    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED
+    from bertforge.cluster.glue import FINETUNE_FIELDS_PER_TASK, GlueConfig
+    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.training.finetune.config import FinetuneConfig
+
+    p = commands.add_parser(
+        "glue", help="fine-tune on every GLUE task found; one table in the GLUE paper's layout",
+        description="Runs `bertforge finetune` for each GLUE task whose files are in --glue-dir "
+        "(into OUTPUT/<task>/) and prints one table (dev scores x 100, the average over the "
+        "tasks), also in OUTPUT/glue.json; a rerun into the same OUTPUT skips finished tasks.",
+    )
+    add_flags(p, GlueConfig)
+    add_flags(p.add_argument_group("fine-tuning, for every task (FinetuneConfig)"),
+              FinetuneConfig, skip=FINETUNE_FIELDS_PER_TASK)
+    add_flags(p.add_argument_group("where it runs (LaunchConfig)"), LaunchConfig,
+              skip=LAUNCH_FIELDS_UNUSED)
+    p.set_defaults(handler=_run_glue)
+
+
 # --- handlers -----------------------------------------------------------------------------
 
 
@@ -291,6 +313,18 @@ def _run_finetune(args: argparse.Namespace) -> None:
 
     cfg = FinetuneConfig(**given_values(args, FinetuneConfig))
     run_finetune(cfg, LaunchConfig(**given_values(args, LaunchConfig, skip=LAUNCH_FIELDS_UNUSED)))
+
+
+def _run_glue(args: argparse.Namespace) -> None:
+    from bertforge.cluster.config_fields import given_values
+    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED
+    from bertforge.cluster.glue import FINETUNE_FIELDS_PER_TASK, GlueConfig, run_glue
+    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.training.finetune.config import FinetuneConfig
+
+    finetune = given_values(args, FinetuneConfig, skip=FINETUNE_FIELDS_PER_TASK)
+    config = GlueConfig(**given_values(args, GlueConfig), finetune=finetune)
+    run_glue(config, LaunchConfig(**given_values(args, LaunchConfig, skip=LAUNCH_FIELDS_UNUSED)))
 
 
 def _configure_logging() -> None:

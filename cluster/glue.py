@@ -1,0 +1,202 @@
+"""`bertforge glue`: every GLUE task found in the GLUE directory fine-tuned from one model, and one
+table in the GLUE paper's layout (a column per task with its metric(s), then the average).
+
+Each task is a stage of the stage runner: `run_finetune` into DIR/<task>/ (its own results.json,
+predictions and Hugging Face export), so a rerun into the same DIR skips finished tasks, and a
+task interrupted part-way reuses its finished (learning rate, seed) runs. DIR/glue.json is the
+job's record: its settings, each task's record (`stages`) and the table (`glue`).
+
+The table's numbers are the GLUE paper's: dev metrics x 100; MRPC F1/accuracy; STS-B
+Pearson/Spearman; the average over tasks of each task's score, the mean of its metrics for the
+two-metric tasks (how the GLUE benchmark computes its score). A task whose files are missing is
+shown as '-', and the average says over how many tasks it was taken.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bertforge.cluster.config_fields import HELP
+from bertforge.training.finetune import tasks
+from bertforge.training.finetune.config import FinetuneConfig
+
+DEFAULT_GLUE_OUTPUT = "bertforge-glue"
+MISSING = "-"
+# FinetuneConfig fields each task sets itself; every other one is a flag applied to every task.
+FINETUNE_FIELDS_PER_TASK = (
+    "task", "model", "output", "train", "dev", "data_root", "text_columns", "label_column",
+    "labels", "regression", "has_header", "doc_stride", "max_query_length",
+    "max_answer_length", "squad_dev_fraction",
+)
+# Fine-tuning fields that only say how to show or keep the outputs: a rerun may change them.
+NOT_SETTINGS = ("log_every", "keep_all_models")
+
+
+@dataclass(frozen=True)
+class GlueColumn:
+    task: str  # a key of tasks.GLUE_TASKS
+    title: str
+    metrics: tuple[str, ...]  # shown a/b in this order
+    metric_label: str
+
+
+# The GLUE paper's order (single sentence, similarity and paraphrase, inference), limited to the
+# tasks whose data can be here (QQP, MNLI, QNLI and WNLI are not).
+GLUE_COLUMNS = (
+    GlueColumn("cola", "CoLA", (tasks.MCC,), "MCC"),
+    GlueColumn("sst2", "SST-2", (tasks.ACCURACY,), "acc"),
+    GlueColumn("mrpc", "MRPC", (tasks.F1, tasks.ACCURACY), "F1/acc"),
+    GlueColumn("stsb", "STS-B", (tasks.PEARSON, tasks.SPEARMAN), "P/S corr"),
+    GlueColumn("rte", "RTE", (tasks.ACCURACY,), "acc"),
+)
+
+
+@dataclass
+class GlueConfig:
+    """`bertforge glue`'s own settings; the fine-tuning flags go to every task (`finetune`)."""
+
+    model: str = field(default=None, metadata={
+        HELP: "a bertforge checkpoint, a run directory or a Hugging Face BERT directory"})
+    output: str = field(default=DEFAULT_GLUE_OUTPUT, metadata={
+        HELP: "one directory per task, glue.json and the table go here"})
+    glue_dir: str | None = field(default=None, metadata={
+        HELP: "the GLUE data: <dir>/SST-2/train.tsv, ... (default: ../shared/data/glue)"})
+    tasks: tuple[str, ...] = field(default=(), metadata={
+        HELP: "only these tasks (default: every task whose train and dev files are there)"})
+    # FinetuneConfig fields (not those of FINETUNE_FIELDS_PER_TASK) applied to every task.
+    finetune: dict[str, Any] = field(default_factory=dict, metadata={
+        HELP: "fine-tuning settings for every task (the FinetuneConfig flags)"})
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("--model is required: the pretrained model to fine-tune")
+        self.tasks = tuple(tasks.task_spec(name).name for name in self.tasks)
+        per_task = sorted(set(self.finetune) & set(FINETUNE_FIELDS_PER_TASK))
+        if per_task:
+            raise ValueError(f"{', '.join(per_task)}: set per task by bertforge glue")
+
+
+# --- the table (pure) ---------------------------------------------------------------------
+
+
+def task_score(column: GlueColumn, metrics: dict[str, float]) -> float:
+    """A task's one number for the average: the mean of its metrics, x 100."""
+    return 100.0 * sum(metrics[m] for m in column.metrics) / len(column.metrics)
+
+
+def glue_average(results: dict[str, dict[str, float]]) -> float | None:
+    """The mean task score over the tasks in `results` ({task: metrics}); None without any."""
+    scores = [task_score(c, results[c.task]) for c in GLUE_COLUMNS if c.task in results]
+    return sum(scores) / len(scores) if scores else None
+
+
+def _cell(column: GlueColumn, metrics: dict[str, float] | None) -> str:
+    if metrics is None:
+        return MISSING
+    return "/".join(f"{100.0 * metrics[m]:.1f}" for m in column.metrics)
+
+
+def format_glue_table(results: dict[str, dict[str, float]], name: str) -> str:
+    """The GLUE paper's layout: a header of task names and metrics, then `name`'s row of dev
+    scores x 100, '-' for a task not in `results`, and the average over the tasks present."""
+    average = glue_average(results)
+    present = sum(c.task in results for c in GLUE_COLUMNS)
+    average_cell = MISSING if average is None else f"{average:.1f}"
+    if 0 < present < len(GLUE_COLUMNS):
+        average_cell += f" ({present} of {len(GLUE_COLUMNS)} tasks)"
+    header = ["", *(c.title for c in GLUE_COLUMNS), "Average"]
+    metrics = ["", *(c.metric_label for c in GLUE_COLUMNS), ""]
+    row = [name, *(_cell(c, results.get(c.task)) for c in GLUE_COLUMNS), average_cell]
+    widths = [max(len(line[i]) for line in (header, metrics, row)) for i in range(len(row))]
+    return "\n".join("  ".join(text.ljust(width) for text, width in zip(line, widths, strict=True))
+                     .rstrip() for line in (header, metrics, row))
+
+
+def model_name(model: str, random_init: bool) -> str:
+    """The table's row label: the model directory's name (its parent's too for `hf`-like
+    names, which say little alone)."""
+    path = os.path.normpath(os.path.abspath(model))
+    name = os.path.basename(path)
+    if name in ("hf", "model", "checkpoint") or name.startswith("checkpoint"):
+        name = f"{os.path.basename(os.path.dirname(path))}/{name}"
+    return f"random init of {name}" if random_init else name
+
+
+# --- the job ------------------------------------------------------------------------------
+
+
+def resolve_glue_dir(glue_dir: str | None) -> str:
+    if glue_dir is not None:
+        if not os.path.isdir(glue_dir):
+            raise ValueError(f"--glue-dir {glue_dir}: no such directory")
+        return os.path.abspath(glue_dir)
+    from bertforge.cluster.finetune import default_data_root
+
+    root = default_data_root()
+    if root is None or not os.path.isdir(os.path.join(root, "glue")):
+        raise ValueError("no GLUE data: give --glue-dir (a directory holding SST-2/train.tsv, "
+                         "CoLA/, MRPC/, RTE/, STS-B/)")
+    return os.path.join(root, "glue")
+
+
+def task_configs(config: GlueConfig, glue_dir: str) -> dict[str, FinetuneConfig]:
+    """{task: its FinetuneConfig}, for the tasks asked for (or all whose files are there); any
+    mistake in the fine-tuning settings is one error here, before anything runs."""
+    names = list(config.tasks) or tasks.available_glue_tasks(glue_dir)
+    if not names:
+        raise ValueError(f"{glue_dir}: no GLUE task's train.tsv and dev.tsv are there "
+                         f"(looked for {', '.join(c.title for c in GLUE_COLUMNS)})")
+    configs = {}
+    for name in names:
+        train, dev = tasks.glue_dir_files(glue_dir, tasks.task_spec(name))
+        configs[name] = FinetuneConfig(
+            task=name, model=config.model, train=train, dev=dev,
+            output=os.path.join(os.path.abspath(config.output), name), **config.finetune)
+    return configs
+
+
+def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
+    """Fine-tune every task not done yet in config.output; print and return the table record."""
+    from bertforge.cluster.finetune import run_finetune
+    from bertforge.cluster.stage_runner import Stage, StageRunner
+
+    started = time.time()
+    glue_dir = resolve_glue_dir(config.glue_dir)
+    configs = task_configs(config, glue_dir)
+    settings = {
+        "model": os.path.abspath(config.model), "glue_dir": glue_dir, "tasks": list(configs),
+        "finetune": {k: v for k, v in config.finetune.items() if k not in NOT_SETTINGS},
+    }
+    with StageRunner(config.output, "glue", settings, heartbeat_seconds=120.0,
+                     skip_message="done in an earlier run, reusing it",
+                     dir_flag="--output") as runner:
+        runner.run([Stage(name, lambda cfg=cfg: _task_record(run_finetune(cfg, launch)))
+                    for name, cfg in configs.items()])
+        results = {name: runner.recorded(name)["metrics"] for name in configs}
+        random_init = bool(config.finetune.get("random_init", False))
+        table = format_glue_table(results, model_name(config.model, random_init))
+        runner.state["glue"] = {
+            "model": os.path.abspath(config.model), "random_init": random_init,
+            "glue_dir": glue_dir, "results": results, "average": glue_average(results),
+            "tasks_run": list(configs),
+            "tasks_missing": [c.task for c in GLUE_COLUMNS if c.task not in results],
+            "table": table, "this_run_seconds": round(time.time() - started, 1),
+        }
+        runner.save()
+    print(f"\nGLUE dev ({os.path.join(runner.root, 'glue.json')})\n{table}", flush=True)
+    return runner.state["glue"]
+
+
+def _task_record(results: dict[str, Any]) -> dict[str, Any]:
+    """What glue.json keeps of a task's results.json."""
+    return {
+        "metrics": results["metrics"], "primary_metric": results["primary_metric"],
+        "score": results["score"], "sweep": {k: v for k, v in results["sweep"].items()
+                                             if k != "runs"},
+        "results": os.path.join(results["output"], "results.json"),
+        "num_train_examples": results["data"]["num_train_examples"],
+        "train_seconds": results["train_seconds"],
+    }

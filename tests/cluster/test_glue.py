@@ -1,0 +1,118 @@
+"""`bertforge glue`: the table (a pure function, hand-made results) and one cheap run of two tiny
+tasks through the real engines (Ray Train workers running DeepSpeed), then a rerun that skips."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from bertforge.cluster.cli import main
+from bertforge.cluster.glue import (
+    GLUE_COLUMNS,
+    GlueConfig,
+    format_glue_table,
+    glue_average,
+    model_name,
+    task_configs,
+)
+from tests.support.finetune_data import sst2_lines, tiny_bert_dir, write_sst2_tsv
+
+EVERY_TASK = {
+    "cola": {"matthews_corrcoef": 0.5213, "accuracy": 0.81},
+    "sst2": {"accuracy": 0.9232},
+    "mrpc": {"f1": 0.8857, "accuracy": 0.8431},
+    "stsb": {"pearson": 0.8712, "spearman": 0.8694},
+    "rte": {"accuracy": 0.6643},
+}
+
+
+def test_the_table_has_the_glue_papers_columns_and_scores_times_100() -> None:
+    header, metrics, row = format_glue_table(EVERY_TASK, "bert-mini").split("\n")
+    assert header.split() == ["CoLA", "SST-2", "MRPC", "STS-B", "RTE", "Average"]
+    assert metrics.split() == ["MCC", "acc", "F1/acc", "P/S", "corr", "acc"]
+    # CoLA counts its MCC only; MRPC and STS-B the mean of their two metrics:
+    # (52.13 + 92.32 + (88.57 + 84.31) / 2 + (87.12 + 86.94) / 2 + 66.43) / 5 = 76.87
+    assert row.split() == ["bert-mini", "52.1", "92.3", "88.6/84.3", "87.1/86.9", "66.4", "76.9"]
+    assert glue_average(EVERY_TASK) == pytest.approx(76.87)
+    # Each column starts where its header does.
+    for title in ("SST-2", "MRPC", "Average"):
+        assert row[header.index(title) - 1] == " "
+
+
+def test_missing_tasks_are_dashes_and_the_average_says_over_how_many() -> None:
+    results = {"sst2": {"accuracy": 0.8}, "rte": {"accuracy": 0.6}}
+    row = format_glue_table(results, "m").split("\n")[2]
+    assert row.split() == ["m", "-", "80.0", "-", "-", "60.0", "70.0", "(2", "of", "5", "tasks)"]
+    assert format_glue_table({}, "m").split("\n")[2].split() == ["m"] + ["-"] * 6
+    assert glue_average({}) is None
+    assert [c.task for c in GLUE_COLUMNS] == ["cola", "sst2", "mrpc", "stsb", "rte"]
+
+
+def test_model_name_labels_the_row(tmp_path) -> None:
+    assert model_name(str(tmp_path / "demo" / "hf"), random_init=False) == "demo/hf"
+    assert model_name(str(tmp_path / "bert-base-uncased") + "/", random_init=True) == \
+        "random init of bert-base-uncased"
+
+
+def test_per_task_flags_and_unknown_tasks_are_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="train: set per task"):
+        GlueConfig(model="m", finetune={"train": "x.tsv"})
+    with pytest.raises(ValueError, match="unknown task 'qqp'"):
+        GlueConfig(model="m", tasks=("qqp",))
+    with pytest.raises(ValueError, match="no GLUE task's train.tsv and dev.tsv"):
+        task_configs(GlueConfig(model="m", output=str(tmp_path / "o")), str(tmp_path))
+    config = GlueConfig(model="m", tasks=("SST-2",), finetune={"epochs": -1.0})
+    write_sst2_tsv(str(tmp_path / "SST-2" / "train.tsv"), 4, seed=0)
+    write_sst2_tsv(str(tmp_path / "SST-2" / "dev.tsv"), 4, seed=1)
+    with pytest.raises(ValueError, match="epochs must be positive"):
+        task_configs(config, str(tmp_path))
+
+
+def write_rte_tsv(path: str, num_lines: int, seed: int) -> str:
+    """GLUE's RTE layout: index, sentence1, sentence2, an entailment label in words."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("index\tsentence1\tsentence2\tlabel\n")
+        for index, (sentence, label) in enumerate(sst2_lines(num_lines, seed)):
+            verdict = "entailment" if label else "not_entailment"
+            f.write(f"{index}\t{sentence.strip()}\tthe film is good\t{verdict}\n")
+    return path
+
+
+@pytest.mark.slow
+def test_two_tiny_tasks_end_to_end_then_a_rerun_skips_them(tmp_path, capsys) -> None:
+    import ray
+
+    glue_dir = tmp_path / "glue"
+    write_sst2_tsv(str(glue_dir / "SST-2" / "train.tsv"), 32, seed=1)
+    write_sst2_tsv(str(glue_dir / "SST-2" / "dev.tsv"), 16, seed=2)
+    write_rte_tsv(str(glue_dir / "RTE" / "train.tsv"), 32, seed=3)
+    write_rte_tsv(str(glue_dir / "RTE" / "dev.tsv"), 16, seed=4)
+    model = tiny_bert_dir(str(tmp_path / "model"))
+    output = tmp_path / "out"
+    args = ["glue", "--model", model, "--output", str(output), "--glue-dir", str(glue_dir),
+            "--workers", "1", "--batch-size", "16", "--epochs", "1", "--lr", "1e-3",
+            "--max-seq-length", "32"]
+    try:
+        assert main(args) == 0
+        printed = capsys.readouterr().out
+        record = json.loads((output / "glue.json").read_text())
+        assert main(args) == 0  # every task is done: no Ray, no training
+        again = capsys.readouterr().out
+    finally:
+        ray.shutdown()
+
+    glue = record["glue"]
+    assert glue["tasks_run"] == ["sst2", "rte"] and glue["tasks_missing"] == ["cola", "mrpc",
+                                                                               "stsb"]
+    for task in ("sst2", "rte"):
+        results = json.loads((output / task / "results.json").read_text())
+        assert results["training"]["steps"] == 2 and results["config"]["learning_rate"] == 1e-3
+        assert glue["results"][task] == results["metrics"]
+        assert record["stages"][task]["results"] == str(output / task / "results.json")
+    expected = (glue["results"]["sst2"]["accuracy"] + glue["results"]["rte"]["accuracy"]) * 50
+    assert glue["average"] == pytest.approx(expected)
+    assert glue["table"] in printed and glue["table"].split("\n")[2].startswith("tiny-bert ")
+    assert again.count("done in an earlier run, reusing it") == 2 and glue["table"] in again
