@@ -16,7 +16,6 @@ import psutil
 import pytest
 from pyarrow import fs
 
-from bertforge.cluster.local_ray import ray_root
 from bertforge.cluster.run_lock import (
     LOCK_NAME,
     Holder,
@@ -170,32 +169,26 @@ def test_a_run_directory_that_cannot_hold_a_lock_is_a_one_line_error(tmp_path):
 
 @pytest.mark.slow
 def test_a_second_train_on_a_run_directory_in_use_is_refused_at_once(tmp_path):
+    from tests.support.train_process import TrainProcess, train_command
     from tests.training.conftest import write_dataset
 
     data = write_dataset(str(tmp_path / "shards"), {"train": [64], "validation": [8]})
     run_dir = tmp_path / "run"
-    command = [os.path.join(os.path.dirname(sys.executable), "bertforge"), "train",
-               "--data", data, "--run-dir", str(run_dir), "--preset", "tiny",
-               "--precision", "fp32", "--max-steps", "100000", "--micro-batch-size", "2",
-               "--workers", "1", "--max-failures", "0", "--log-every", "1"]
-    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 300  # Ray's start on a loaded 2-core machine can take minutes
-        while not (run_dir / "metrics.jsonl").exists():  # the first run is training
-            assert first.poll() is None and time.time() < deadline, "the first run did not train"
-            time.sleep(0.5)
+    command = train_command(data, str(run_dir))
+    with TrainProcess(command) as first:
+        first.wait_until_training()
         started = time.time()
-        second = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
+        second = subprocess.Popen(command, env={**os.environ, "TMPDIR": first.tmpdir},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _, stderr = second.communicate(timeout=300)
         seconds = time.time() - started
-    finally:
-        first.send_signal(signal.SIGTERM)  # the lock goes with a SIGTERMed run too
-        first.wait(timeout=120)
+        first.process.send_signal(signal.SIGTERM)  # the lock goes with a SIGTERMed run too
+        first.process.wait(timeout=120)
+        # Refused before Ray started: no session of its own (Ray names them ..._PID).
+        assert not [name for name in os.listdir(first.ray_root)
+                    if name.endswith(f"_{second.pid}")]
     assert second.returncode == 2, stderr
     assert (f"another bertforge train is running in {run_dir} (host {socket.gethostname()}, "
-            f"pid {first.pid}, since 20") in stderr
-    # Refused before Ray started: no session of its own (Ray names them ..._PID).
-    assert not [name for name in os.listdir(ray_root()) if name.endswith(f"_{second.pid}")]
+            f"pid {first.process.pid}, since 20") in stderr
     assert seconds < 60  # the imports only: a few seconds on a quiet machine
     assert not (run_dir / LOCK_NAME).exists()
