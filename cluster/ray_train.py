@@ -153,12 +153,13 @@ def _worker_main(loop_config: dict[str, Any]) -> None:
 
     from bertforge.cluster.persistence import report_checkpoint, restore_latest
     from bertforge.cluster.worker_output import quiet_worker
-    from bertforge.training.loop import train
 
     torch.set_num_threads(loop_config["threads"])
     cfg = TrainConfig.from_dict(loop_config["train"])
     # Library warnings to RUN_DIR/logs/worker-RANK.log only; our progress lines to the console.
+    # Before the loop is imported: importing DeepSpeed logs its first warning.
     quiet_worker(cfg.run_dir, ray.train.get_context().get_world_rank())
+    from bertforge.training.loop import train
     if loop_config["persist"]:
         if cfg.resume:
             restore_latest(cfg.run_dir)

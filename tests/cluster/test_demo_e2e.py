@@ -1,5 +1,5 @@
 """The demo's own code path, smaller: docstrings -> vocab -> Beam (2 processes) -> Ray Train
-(2 workers, DeepSpeed ZeRO-2 bf16) -> eval -> Hugging Face export, then a second run."""
+(2 workers, DeepSpeed ZeRO-2, precision auto) -> eval -> Hugging Face export, then a second run."""
 
 import json
 import os
@@ -7,6 +7,7 @@ import os
 import pytest
 
 from bertforge.cluster.demo import DemoConfig, run_demo
+from bertforge.cluster.finetune import default_data_root
 
 pytestmark = pytest.mark.slow
 
@@ -15,6 +16,8 @@ def small_demo(output) -> DemoConfig:
     return DemoConfig(
         output=str(output), corpus_mb=0.4, vocab_size=2000, num_shards=2,
         max_steps=24, micro_batch_size=16, learning_rate=1e-3,
+        finetune_train_examples=64, finetune_dev_examples=48, finetune_epochs=1.0,
+        finetune_max_seq_length=32, finetune_batch_size=16,
     )
 
 
@@ -40,6 +43,31 @@ def test_summary_has_every_number_and_training_lowered_the_loss(finished_demo):
     assert 0 < summary["mlm_baseline_accuracy"] < 1 and 0 < summary["nsp_accuracy"] < 1
     assert summary["tokens_per_second"] > 0
     assert (output / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_worker_logs_stay_in_the_run_directory(finished_demo):
+    """The console got our lines; each worker's full output, library warnings included, is in
+    RUN_DIR/logs (cluster.worker_output)."""
+    output, _ = finished_demo
+    logs = sorted((output / "run" / "logs").glob("worker-*.log"))
+    assert [p.name for p in logs] == ["worker-0.log", "worker-1.log"]
+    assert "[train] step 24/24" in logs[0].read_text()
+
+
+def test_sst2_from_the_pretrained_model_from_random_init_and_bag_of_words(finished_demo):
+    _, summary = finished_demo
+    finetune = summary["finetune_sst2"]
+    if not os.path.isfile(os.path.join(default_data_root() or "", "glue", "SST-2", "dev.tsv")):
+        assert "no SST-2 data" in finetune["skipped"]
+        return
+    pretrained, random_init = finetune["pretrained"], finetune["random_init"]
+    assert pretrained["steps"] == random_init["steps"] == 4  # 64 sentences / 16 = 4 per epoch
+    for run in (pretrained, random_init, finetune["bag_of_words"]):
+        assert 0.0 <= run["accuracy"] <= 1.0 and run["seconds"] >= 0
+        assert (run["train_examples"], run["dev_examples"]) == (64, 48)
+    results = [json.loads(open(r["results"]).read()) for r in (pretrained, random_init)]
+    assert [r["model"]["random_init"] for r in results] == [False, True]
+    assert results[0]["config"]["model"] == summary["hf_dir"]
 
 
 def test_shards_follow_the_contract_with_a_document_held_out_split(finished_demo):
@@ -89,7 +117,9 @@ def test_second_run_reuses_every_stage(finished_demo, capsys):
     output, summary = finished_demo
     again = run_demo(small_demo(output))
     printed = capsys.readouterr().out
-    assert printed.count("done in an earlier run, reusing it") == 6
+    # Seven stages; a fine-tuning stage skipped for want of SST-2 tries again.
+    stages = 6 + ("skipped" not in summary["finetune_sst2"])
+    assert printed.count("done in an earlier run, reusing it") == stages
     assert {k: again[k] for k in ("mlm_accuracy", "nsp_accuracy", "loss_last")} == {
         k: summary[k] for k in ("mlm_accuracy", "nsp_accuracy", "loss_last")
     }
