@@ -181,13 +181,14 @@ def bert_tiny_phase2(data_dir: str, run_dir: str, init_from: str, **overrides: A
 
 def demo_recipe(
     data_dir: str, run_dir: str, *, max_steps: int = 1000, micro_batch_size: int = 32,
-    learning_rate: float = 1e-3, seed: int = 12345, precision: str = "auto",
+    learning_rate: float = 1e-3, seed: int = 12345, precision: str = "auto", **overrides: Any,
 ) -> TrainConfig:
     """Tiny BERT that learns visibly in a few CPU minutes: a high LR suits a 2-layer model.
 
     precision "auto": fp32 on a CPU without native bf16, where emulated bf16 took the demo's
-    steps to 3.0 s each on a 2-core AVX2 EPYC (training.precision)."""
-    return TrainConfig(
+    steps to 3.0 s each on a 2-core AVX2 EPYC (training.precision). Any other field can be
+    overridden (`bertforge train --recipe demo --resume never ...`)."""
+    return TrainConfig(**{**dict(
         data_dir=data_dir,
         run_dir=run_dir,
         model={"preset": "tiny"},
@@ -200,7 +201,7 @@ def demo_recipe(
         zero_stage=2,
         precision=precision,
         log_every=max(1, max_steps // 30),
-    )
+    ), **overrides})
 
 
 # By name, for `bertforge train --recipe NAME` and pipeline files; phase 2 needs init_from.

@@ -47,6 +47,9 @@ def test_full_size_recipes_keep_their_global_batch_on_any_dividing_world(name):
 def test_demo_recipe_lives_in_recipes():
     assert recipes.demo_recipe("d", "r", max_steps=30).warmup_steps == 3
     assert set(recipes.RECIPES) >= {"bert_large_phase1", "bert_large_phase2", "demo"}
+    # `bertforge train --recipe demo` passes resume (and any flag given) as an override.
+    cfg = recipes.recipe_by_name("demo", "d", "r", resume=False, max_steps=50, eval_every=10)
+    assert (cfg.resume, cfg.max_steps, cfg.eval_every, cfg.precision) == (False, 50, 10, "auto")
 
 
 def first_batch(data_dir: str, cfg) -> dict[str, torch.Tensor]:
