@@ -99,11 +99,20 @@ def _record_this_driver(root: str) -> None:
 
     global _RECORD
     me = psutil.Process()
+    node = ray._private.worker._global_node
+    # What ray.init started (GCS, raylet, dashboard, log monitor) and their children (the
+    # raylet's agents): never another child of this process.
+    started = []
+    for infos in node.all_processes.values():
+        for info in infos:
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(info.process.pid)
+                started += [_process_key(p)
+                            for p in [process] + process.children(recursive=True)]
     record = {
         "driver": _process_key(me),
-        "session_dir": ray._private.worker._global_node.get_session_dir_path(),
-        # GCS, raylet and the raylet's agents: started by ray.init, so our descendants.
-        "processes": [_process_key(p) for p in me.children(recursive=True)],
+        "session_dir": node.get_session_dir_path(),
+        "processes": started,
     }
     os.makedirs(os.path.join(root, "drivers"), exist_ok=True)
     _RECORD = os.path.join(root, "drivers", f"{me.pid}.json")
