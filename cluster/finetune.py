@@ -81,7 +81,7 @@ def resolve_data_files(cfg: FinetuneConfig) -> FinetuneConfig:
     return dataclasses.replace(cfg, train=os.path.abspath(train), dev=os.path.abspath(dev))
 
 
-def check_inputs(cfg: FinetuneConfig) -> dict[str, Any]:
+def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     """Read the model's config and vocabulary and every data line, as the workers will; clear
     errors here, before Ray. Returns the model's provenance and the example counts."""
     pretrained = load_pretrained(cfg.model, random_init=True)  # config and vocab, no weights
@@ -97,6 +97,12 @@ def check_inputs(cfg: FinetuneConfig) -> dict[str, Any]:
         spec = resolve_spec(cfg)
         train = subsample(read_examples(cfg.train, spec), cfg.max_train_examples)
         dev = subsample(read_examples(cfg.dev, spec), cfg.max_dev_examples)
+    if cfg.batch_size % launch.workers:
+        raise ValueError(f"--batch-size {cfg.batch_size} is not a multiple of --workers "
+                         f"{launch.workers}: each worker takes an equal share of a batch")
+    if not cfg.is_squad and len(train) < cfg.batch_size:
+        raise ValueError(f"{cfg.train}: {len(train)} training examples are fewer than one batch "
+                         f"of {cfg.batch_size}; lower --batch-size")
     if cfg.seq_length > pretrained.config.max_position_embeddings:
         raise ValueError(f"max_seq_length {cfg.seq_length} exceeds the model's "
                          f"max_position_embeddings {pretrained.config.max_position_embeddings}")
@@ -113,7 +119,7 @@ def run_finetune(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     started = time.time()
     cfg = resolve_data_files(cfg)
     cfg = dataclasses.replace(cfg, output=os.path.abspath(cfg.output))
-    facts = check_inputs(cfg)
+    facts = check_inputs(cfg, launch)
     if data_note(cfg):
         print(f"[finetune] {data_note(cfg)}", flush=True)
     names = [run_name(lr, seed) for lr, seed in cfg.runs()]
@@ -160,10 +166,14 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
     """Entry point on every Ray worker: the process group is already set up by Ray Train."""
     import torch
 
+    from bertforge.training.errors import as_user_error
     from bertforge.training.finetune.loop import finetune
 
     torch.set_num_threads(worker_config["threads"])
-    finetune(FinetuneConfig.from_dict(worker_config["finetune"]))
+    try:
+        finetune(FinetuneConfig.from_dict(worker_config["finetune"]))
+    except ValueError as error:  # bad inputs fail the same way on every attempt: no retry
+        raise as_user_error(error) from None
 
 
 def primary_metric(cfg: FinetuneConfig) -> str:
