@@ -8,8 +8,7 @@ Weight decay 0.01 and Adam's epsilon 1e-6 are Google's `AdamWeightDecay` ones.
 from __future__ import annotations
 
 import itertools
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from bertforge.training.config import PRECISIONS, _field
@@ -150,13 +149,7 @@ class FinetuneConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FinetuneConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown fine-tuning config keys: {unknown}")
+        """The config `to_dict` gave (a worker's copy); an unknown key is a TypeError."""
         return cls(**data)
