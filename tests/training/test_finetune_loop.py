@@ -64,3 +64,46 @@ def test_custom_task_reads_its_labels_from_the_train_file_and_random_init_runs(f
     assert predictions.splitlines()[0] == "line\tprediction\tlabel"
     labels = {line.split("\t")[2] for line in predictions.splitlines()[1:]}
     assert labels == {"0", "1"}
+
+
+@pytest.mark.parametrize("task", ["cola", "mrpc", "rte", "stsb"])
+def test_every_glue_task_runs_on_a_slice_of_its_real_files(task, tmp_path):
+    """GLUE's own files (no header in CoLA, a BOM in MRPC, word labels in RTE, scores in
+    STS-B) through the loop: metrics of the task, one prediction a dev line."""
+    from bertforge.training.finetune.tasks import glue_dir_files, task_spec
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data")
+    spec = task_spec(task)
+    if not os.path.isfile(os.path.join(root, "glue", spec.train_file)):
+        pytest.skip(f"../shared/data/glue/{spec.train_file} is not on this machine")
+    train, dev = glue_dir_files(os.path.join(root, "glue"), spec)
+    model = tiny_bert_dir(str(tmp_path / "model"),
+                          vocab_path=os.path.join(root, "bert-base-uncased-vocab.txt"))
+    record, predictions = run({"model": model, "train": train, "dev": dev}, tmp_path / "out",
+                              task=task, max_train_examples=32, max_dev_examples=24,
+                              max_steps=2)
+    assert set(record["metrics"]) == set(spec.metrics)
+    assert all(-1.0 <= value <= 1.0 for value in record["metrics"].values()), record["metrics"]
+    rows = [line.split("\t") for line in predictions.splitlines()[1:]]
+    assert len(rows) == 24
+    if spec.is_regression:
+        assert all(0.0 <= float(row[2]) <= 5.0 for row in rows)
+    else:
+        assert {row[2] for row in rows} <= set(spec.labels)
+
+
+def test_squad_runs_on_an_article_split_of_the_real_dev_file(tmp_path):
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data")
+    squad = os.path.join(root, "squad", "dev-v1.1.json")
+    if not os.path.isfile(squad):
+        pytest.skip("../shared/data/squad/dev-v1.1.json is not on this machine")
+    model = tiny_bert_dir(str(tmp_path / "model"),
+                          vocab_path=os.path.join(root, "bert-base-uncased-vocab.txt"))
+    record, predictions = run({"model": model, "train": squad, "dev": squad}, tmp_path / "out",
+                              task="squad", max_train_examples=32, max_dev_examples=16,
+                              max_steps=1, batch_size=8)
+    assert set(record["metrics"]) == {"exact_match", "f1"}
+    assert 0.0 <= record["metrics"]["f1"] <= 100.0
+    answers = json.loads(predictions)
+    assert len(answers) == 16 and all(isinstance(a, str) for a in answers.values())
+    assert record["train_rows"] >= record["train_examples"] == 32  # long contexts: windows
