@@ -6,6 +6,12 @@ per-sample masks keyed by (seed, epoch, index)); Hugging Face's with
 `DataCollatorForLanguageModeling` over a `BertTokenizerFast` built from a local vocab file
 (nothing is downloaded). Each side gets its input in the form it takes natively: uint16 arrays
 (as memory-mapped shards give them) for ours, Python lists (as `datasets` gives them) for HF.
+"rows checked" adds the validation of the batch's rows (`training.data.integrity.check_rows` on
+their Arrow layout, flat ids and offsets, as the loader checks each record batch: ids in the
+vocabulary, lengths, [CLS]/[SEP] positions, labels). The loader does that once per row and
+process, not every epoch, so this is its cost in the first epoch, an upper bound. Its share
+of the masking time is also printed in CPU seconds, the two timed in alternation on the same
+batches (less noisy than two throughput runs on a shared machine).
 
 The second table is the share of padded positions per batch (padding / all positions) over
 one epoch, with and without the loader's length bucketing (`bucket_order`, the same function the
@@ -39,6 +45,7 @@ from bertforge.training.data import (
     padded_width,
     rows_from_sequences,
 )
+from bertforge.training.data.integrity import FlatRows, RowRules, check_rows
 from bertforge.training.data.order import bucket_order, even_bucket_boundaries
 from bertforge.training.data.packing import DEFAULT_MAX_PER_ROW, pack_layout, step_groups
 from bertforge.training.masking import MaskingVocab, default_max_predictions
@@ -75,7 +82,12 @@ def make_samples(tokens: list[str], num: int, max_seq_length: int, seed: int = 0
     return samples
 
 
-def ours(samples, tokens: list[str], max_seq_length: int, whole_word: bool) -> Callable:
+def ours(
+    samples, tokens: list[str], max_seq_length: int, whole_word: bool, checked: bool = False
+) -> Callable:
+    """`checked`: each batch's rows validated first, as the loader validates a record batch."""
+    rules = RowRules.from_vocab(tokens, max_seq_length) if checked else None
+    flat = flat_rows(samples)
     collator = PretrainingCollator(
         MaskingVocab.from_tokens(tokens),
         MaskingOptions(default_max_predictions(max_seq_length), whole_word=whole_word),
@@ -89,6 +101,8 @@ def ours(samples, tokens: list[str], max_seq_length: int, whole_word: bool) -> C
         rows = rows_from_sequences(
             ids[part], num_a[part], nsp[part], np.arange(start, start + batch_size), pad_id
         )
+        if rules is not None:
+            check_rows(flat_slice(flat, start, batch_size), rules, "in memory")
         return collator(rows, epoch=0)
 
     return one_batch
@@ -114,6 +128,45 @@ def hugging_face(samples, vocab_path: str) -> Callable:
         return collator(features[start : start + batch_size])
 
     return one_batch
+
+
+def flat_rows(samples) -> FlatRows:
+    """All samples in Arrow's list layout, as a shard's record batch holds them."""
+    ids, num_a, nsp = zip(*samples, strict=True)
+    offsets = np.concatenate([[0], np.cumsum([len(i) for i in ids])]).astype(np.int32)
+    return FlatRows(offsets, np.concatenate(ids), np.array(num_a, dtype=np.uint16),
+                    np.array(nsp, dtype=np.int8))
+
+
+def flat_slice(flat: FlatRows, start: int, count: int) -> FlatRows:
+    """Rows start..start+count: their offsets still index the shared values (zero-copy)."""
+    return FlatRows(flat.offsets[start : start + count + 1], flat.values,
+                    flat.num_a_tokens[start : start + count],
+                    flat.next_sentence_label[start : start + count])
+
+
+def validation_share(samples, tokens: list[str], length: int, batch_size: int) -> float:
+    """CPU time of `check_rows` / CPU time of the collator on the same batches, timed in
+    alternation: CPU time, not the wall clock, so that other processes on a shared machine
+    (which preempt short calls unevenly) do not count."""
+    rules = RowRules.from_vocab(tokens, length)
+    collator = PretrainingCollator(MaskingVocab.from_tokens(tokens),
+                                   MaskingOptions(default_max_predictions(length)), seed=0)
+    pad_id = tokens.index("[PAD]")
+    ids, num_a, nsp = zip(*samples, strict=True)
+    flat = flat_rows(samples)
+    check_seconds = mask_seconds = 0.0
+    for start in range(0, len(samples) - batch_size + 1, batch_size):
+        part = slice(start, start + batch_size)
+        rows = rows_from_sequences(ids[part], num_a[part], nsp[part],
+                                   np.arange(start, start + batch_size), pad_id)
+        began = time.process_time()
+        check_rows(flat_slice(flat, start, batch_size), rules, "in memory")
+        checked = time.process_time()
+        collator(rows, epoch=0)
+        mask_seconds += time.process_time() - checked
+        check_seconds += checked - began
+    return check_seconds / mask_seconds
 
 
 def batches_per_second(one_batch: Callable, num_samples: int, batch_size: int, repeats: int):
@@ -232,11 +285,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def throughput_table(tokens: list[str], vocab_path: str, args: argparse.Namespace) -> None:
     print(f"batch size {args.batch_size}, vocab {len(tokens)} tokens, one thread")
-    print(f"{'length':>6} {'collator':<22} {'batches/s':>10} {'samples/s':>10} {'ours/HF':>8}")
+    print(f"{'length':>6} {'collator':<24} {'batches/s':>10} {'samples/s':>10} {'ours/HF':>8}")
     for length in args.lengths:
         samples = make_samples(tokens, args.samples, length)
         candidates = [
             ("bertforge", ours(samples, tokens, length, whole_word=False)),
+            ("bertforge, rows checked", ours(samples, tokens, length, False, checked=True)),
             ("bertforge whole-word", ours(samples, tokens, length, whole_word=True)),
             ("HF DataCollatorForLM", hugging_face(samples, vocab_path)),
         ]
@@ -247,9 +301,12 @@ def throughput_table(tokens: list[str], vocab_path: str, args: argparse.Namespac
         hf = rates["HF DataCollatorForLM"]
         for name, rate in rates.items():
             print(
-                f"{length:>6} {name:<22} {rate:>10.1f} {rate * args.batch_size:>10.0f} "
+                f"{length:>6} {name:<24} {rate:>10.1f} {rate * args.batch_size:>10.0f} "
                 f"{rate / hf:>7.2f}x"
             )
+        print(f"{length:>6} row checks cost "
+              f"{validation_share(samples, tokens, length, args.batch_size):.1%} of the "
+              "masking time (CPU time, interleaved)")
 
 
 if __name__ == "__main__":

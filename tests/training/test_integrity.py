@@ -9,9 +9,9 @@ import pyarrow as pa
 import pytest
 
 from bertforge.pipelines.contract import manifest as manifest_lib
-from bertforge.training.data import PretrainingLoader, ReadOptions, rows_from_sequences
+from bertforge.training.data import PretrainingLoader, ReadOptions
 from bertforge.training.data.checksums import ChecksumMismatchError, verify_in_background
-from bertforge.training.data.integrity import CorruptRowError, RowRules, row_problems
+from bertforge.training.data.integrity import CorruptRowError, FlatRows, RowRules, row_problems
 from bertforge.training.errors import UserInputError
 from tests.training.conftest import write_dataset
 
@@ -20,8 +20,11 @@ GOOD = [2, 7, 8, 3, 9, 3]  # [CLS] a a [SEP] b [SEP], num_a_tokens 4
 
 
 def problems(ids, num_a=4, label=0):
-    rows = rows_from_sequences([np.array(GOOD), np.array(ids)], [4, num_a], [0, label], [0, 1],
-                               pad_id=0)
+    """A record batch of two rows, GOOD and `ids`, checked as the loader checks one."""
+    rows = FlatRows(offsets=np.array([0, len(GOOD), len(GOOD) + len(ids)], dtype=np.int32),
+                    values=np.array(GOOD + ids, dtype=np.int32),
+                    num_a_tokens=np.array([4, num_a], dtype=np.uint16),
+                    next_sentence_label=np.array([0, label], dtype=np.int8))
     bad, reasons = row_problems(rows, RULES)
     return bad.tolist(), " ".join(reasons)
 
@@ -30,13 +33,16 @@ def test_valid_rows_pass_and_each_broken_field_is_named():
     assert problems(GOOD) == ([False, False], "")
     assert problems([2, 7, 8, 3, 60, 3]) == ([False, True],
                                              "token id 60 outside the vocabulary of 50")
+    assert problems([2, 7, -1, 3, 9, 3])[1] == "token id -1 outside the vocabulary of 50"
     assert "length 17 outside [5, 16]" in problems([2] + [7] * 14 + [3, 3], num_a=3)[1]
     assert "num_a_tokens 5 outside [3, length - 2 = 4]" in problems(GOOD, num_a=5)[1]
-    assert "next_sentence_label 2 not 0 or 1" in problems(GOOD, label=2)[1]
+    assert "num_a_tokens 2 outside" in problems(GOOD, num_a=2)[1]
+    assert "next_sentence_label -1 not 0 or 1" in problems(GOOD, label=-1)[1]
     # num_a_tokens in range but not at a [SEP]: the segments would be cut mid-sentence.
     assert problems(GOOD, num_a=3)[1] == (
         "[CLS]/[SEP] are not where num_a_tokens and the length put them")
     assert problems([7, 7, 8, 3, 9, 3])[0] == [False, True]  # no [CLS] first
+    assert problems([2, 7, 8, 3, 9, 9])[0] == [False, True]  # no [SEP] last
 
 
 def shard_path(data_dir: str, index: int = 1) -> str:
@@ -46,10 +52,14 @@ def shard_path(data_dir: str, index: int = 1) -> str:
 
 def flip_64_bytes_of_tokens(path: str) -> int:
     """XOR 64 bytes in the middle of the shard's token ids with 0xFF (the issue's byte flip,
-    placed inside the token buffer so the file stays readable Arrow); returns the first row
-    of the file it damages."""
-    table = pa.ipc.open_file(path).read_all()
-    row = table.num_rows // 2
+    placed inside one record batch's token ids so the file stays readable Arrow); returns the
+    first row of the file it damages."""
+    reader = pa.ipc.open_file(path)
+    table = reader.read_all()
+    # The second row of the middle record batch: the 64 bytes stay inside that batch's ids
+    # (the fixture's batches hold 7 rows of at least 8 tokens).
+    sizes = [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
+    row = sum(sizes[: len(sizes) // 2]) + 1
     ids = np.array(table.column(manifest_lib.INPUT_IDS)[row].as_py(), dtype=np.uint16)
     with open(path, "rb") as f:
         data = bytearray(f.read())

@@ -8,7 +8,7 @@ accepts unchanged. One module per step of the way:
     download   a remote dataset (gs://, s3://) copied once to a local cache
     shards     one Arrow shard memory-mapped and checked; rows gathered by global index
     split      a split opened against its manifest (row counts, hashes, vocabulary)
-    integrity  every row read checked (ids in the vocabulary, length, segments, label)
+    integrity  each record batch checked before its first row is served (ids, lengths, label)
     checksums  each shard's sha256 verified once per process, in a background thread
     rows       the padded, unmasked rows of one batch
     order      the epoch's permutation, optionally bucketed by length

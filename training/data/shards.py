@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from bertforge.pipelines.contract import manifest as manifest_lib
-from bertforge.training.data.integrity import RowRules, check_rows
+from bertforge.training.data.integrity import FlatRows, RowRules, check_rows
 from bertforge.training.data.rows import RowBatch, padded_width
 from bertforge.training.errors import MissingInputError, UserInputError
 
@@ -27,13 +27,10 @@ REQUIRED_COLUMNS = (
 
 
 @dataclass(frozen=True)
-class Segment:
-    """One record batch of one shard: zero-copy numpy views of the memory map."""
+class Segment(FlatRows):
+    """One record batch of one shard: zero-copy numpy views of the memory map (offsets: the
+    list offsets into values, num_rows + 1; values: flat token ids, uint16 or int32)."""
 
-    offsets: np.ndarray  # list offsets into values, num_rows + 1
-    values: np.ndarray  # flat token ids (uint16, or int32 for large vocabularies)
-    num_a_tokens: np.ndarray
-    next_sentence_label: np.ndarray
     path: str = ""  # the shard file, for error messages
     first_row: int = 0  # this record batch's first row within the file
 
@@ -44,22 +41,17 @@ class ShardRows:
     def __init__(self, segments: list[Segment]):
         self._segments = segments
         self._starts = np.cumsum([0] + [len(s.num_a_tokens) for s in segments], dtype=np.int64)
+        self._checked = np.zeros(len(segments), dtype=bool)  # record batches validated so far
 
     @property
     def num_rows(self) -> int:
         return int(self._starts[-1])
 
-    def locate(self, index: int) -> str:
-        """'shard FILE row N' of a global row index (N counts from 0 within the file)."""
-        segment_index = int(np.searchsorted(self._starts, index, side="right")) - 1
-        segment = self._segments[segment_index]
-        row = segment.first_row + index - int(self._starts[segment_index])
-        return f"shard {segment.path} row {row}"
-
     def gather(self, indices: np.ndarray, pad_id: int, rules: RowRules | None = None) -> RowBatch:
         """The rows `indices`, in that order, padded; reads only the pages those rows live on.
 
-        With `rules`, every row is checked (`training.data.integrity`) before it is returned.
+        With `rules`, each record batch is validated (`training.data.integrity`) before its
+        first row is served, once: no row leaves unchecked.
         """
         indices = np.asarray(indices, dtype=np.int64)
         segment_of = np.searchsorted(self._starts, indices, side="right") - 1
@@ -69,23 +61,21 @@ class ShardRows:
         num_a, nsp = np.zeros((2, len(indices)), dtype=np.int64)
         for segment_index, rows in groups:
             segment, at = self._segments[segment_index], local[rows]
+            if rules is not None and not self._checked[segment_index]:
+                check_rows(segment, rules, segment.path, segment.first_row)
+                self._checked[segment_index] = True
             begins[rows] = segment.offsets[at]
             lengths[rows] = segment.offsets[at + 1] - begins[rows]
             num_a[rows] = segment.num_a_tokens[at]
             nsp[rows] = segment.next_sentence_label[at]
-        # A corrupt offset can claim any length: allocate no wider than a valid row can be.
-        widths = lengths if rules is None else np.clip(lengths, 0, rules.max_seq_length)
-        input_ids = np.full((len(indices), padded_width(int(widths.max(initial=0)))), pad_id)
+        input_ids = np.full((len(indices), padded_width(int(lengths.max(initial=0)))), pad_id)
         positions = np.arange(input_ids.shape[1])
         for segment_index, rows in groups:
             values = self._segments[segment_index].values
-            flat = np.clip(begins[rows, None] + positions, 0, len(values) - 1)
-            real = positions < widths[rows, None]
+            flat = np.minimum(begins[rows, None] + positions, len(values) - 1)
+            real = positions < lengths[rows, None]
             input_ids[rows] = np.where(real, values[flat], pad_id)
-        batch = RowBatch(input_ids.astype(np.int64, copy=False), lengths, num_a, nsp, indices)
-        if rules is not None:
-            check_rows(batch, rules, self.locate)
-        return batch
+        return RowBatch(input_ids.astype(np.int64, copy=False), lengths, num_a, nsp, indices)
 
     def row_lengths(self) -> np.ndarray:
         """Tokens of every row in global order, from the list offsets alone (no token reads)."""
