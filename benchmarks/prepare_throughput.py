@@ -1,25 +1,31 @@
-"""Preparation throughput against its bound, the tokenizer, and worker memory as the corpus grows.
+"""Preparation throughput against its bound, the tokenizer, on two corpora, and worker memory.
 
-On the same cleaned text (the four Wikipedia excerpts and four books of ../shared/data, cleaned by
-the job's own readers and written as JSON Lines; replicated to --scale copies, each copy made
-distinct by a first sentence so that deduplication keeps it), measure:
+Two corpora, each measured in the same run against the tokenizer on the same text:
+- *wiki*: many documents (the four Wikipedia excerpts and four books of ../shared/data, cleaned by
+  the job's own readers and written as JSON Lines; replicated to --scale copies, each copy made
+  distinct by a first sentence so that deduplication keeps it);
+- *books*: long documents only (the four books, --books-scale distinct copies, one `books:` file
+  each: 40 books, ~27 MB at 10 copies).
+Without ../shared/data, both are synthetic (the docstring corpus, and long documents made of
+it) with a vocabulary trained on it: the ratios mean the same, the MB/s differ.
 
-(a) the whole `prepare` job (DirectRunner, --workers processes): input MB/s per core;
-(b) the tokenizer alone (`encode_batch` on the same sentences, one process): MB/s per core;
-and print (a)/(b): the share of the tokenizer's speed the job keeps (target >= 0.6). Also:
-(b') the tokenizer with its ids read out (`encoding.ids`, a Python list per sentence): the least
-any pipeline must do with `tokenizers`, and a stricter reference for (a);
-(c) the job on a one-document corpus: its fixed cost (interpreter, Beam, worker start-up), which
-the ratio pays once per run and a large corpus amortizes.
-CPU seconds are summed over the job's processes: with other load on the machine they show the
-work done, which wall time does not.
+Per corpus:
+(a) the whole `prepare` job (DirectRunner, --workers processes): input MB/s per core and CPU
+    seconds per MB, summed over the job's processes (with other load on the machine they show
+    the work done, which wall time does not);
+(b) the tokenizer alone (`encode_batch` on the same sentences, one process, measured before and
+    after the job, averaged): MB/s and CPU seconds per MB;
+and (a)/(b): the share of the tokenizer's speed the job keeps (target >= 0.8), with and without
+(c) the job's fixed cost (interpreter, Beam, worker start-up: the job on one document), which the
+ratio pays once per run and a large corpus amortizes.
 
 Then the peak memory of the job on 1x, each --mem-scale x and the --scale x corpus (RSS sampled
 every 0.2 s with psutil): the largest worker process, the runner process (Beam's local runner,
 which keeps every PCollection in memory: the part Dataflow's shuffle service plays there), and
 the whole tree.
 
-    python benchmarks/prepare_throughput.py [--scale 60] [--mem-scale 10 30] [--workers 2]
+    python benchmarks/prepare_throughput.py [--scale 60] [--books-scale 10] [--mem-scale 10 30]
+        [--workers 2]    (--mem-scale with no value: no memory runs)
 """
 
 from __future__ import annotations
@@ -54,14 +60,31 @@ BOOKS += ["shakespeare-hamlet.txt"]
 VOCAB = os.path.join(DATA, "bert-base-uncased-vocab.txt")
 
 
-def cleaned_documents() -> list[tuple[str, str]]:
+def cleaned_documents(names_and_formats) -> list[tuple[str, str]]:
     docs = []
-    for names, fmt in ((DUMPS, "wiki"), (BOOKS, "books")):
+    for names, fmt in names_and_formats:
         for name in names:
             for item in read_file(os.path.join(DATA, name), name, fmt, open_local):
                 if isinstance(item, RawDocument):
                     docs.append((item.doc_id, item.text))
     return docs
+
+
+def synthetic_documents(tmp: str) -> tuple[list, list, str]:
+    """(many documents, long documents, vocab path) without ../shared/data: the docstring corpus
+    as documents, and books made of 150 of its documents each; a vocabulary trained on it."""
+    from bertforge.pipelines.docstring_corpus import write_docstring_corpus
+    from bertforge.pipelines.vocab import train_wordpiece_vocab
+
+    path = os.path.join(tmp, "docstrings.jsonl")
+    write_docstring_corpus(path)
+    with open(path, encoding="utf-8") as f:
+        docs = [(r["doc_id"], r["text"]) for r in map(json.loads, f)]
+    books = [
+        (f"book-{i}", "\n\n".join(text for _, text in docs[i * 150 : (i + 1) * 150]))
+        for i in range(max(1, len(docs) // 150))
+    ]
+    return docs, books, train_wordpiece_vocab([path], os.path.join(tmp, "vocab"), vocab_size=8000)
 
 
 def write_corpus(docs: list[tuple[str, str]], scale: int, path: str) -> int:
@@ -76,24 +99,35 @@ def write_corpus(docs: list[tuple[str, str]], scale: int, path: str) -> int:
     return num_bytes
 
 
+def write_books(books: list[tuple[str, str]], scale: int, directory: str) -> int:
+    """One plain-text file per distinct copy of each book; returns the bytes of text written."""
+    os.makedirs(directory, exist_ok=True)
+    num_bytes = 0
+    for copy in range(scale):
+        for name, text in books:
+            text = f"This is copy number {copy} of the book.\n\n{text}"
+            num_bytes += len(text.encode("utf-8"))
+            with open(os.path.join(directory, f"{name}-{copy}.txt"), "w", encoding="utf-8") as f:
+                f.write(text)
+    return num_bytes
+
+
 def corpus_sentences(docs: list[tuple[str, str]]) -> list[str]:
     return [s for _, text in docs for s in split_sentences(text)]
 
 
-def tokenizer_mb_per_s(sentences: list[str], scale: int, read_ids: bool) -> tuple[float, float]:
-    """(MB/s, seconds) of `encode_batch` alone over the corpus's sentences, one process."""
-    tokenizer = load_tokenizer(VOCAB, lower_case=True)
+def tokenizer_alone(sentences: list[str], scale: int, vocab: str) -> dict:
+    """MB/s and CPU s/MB of `encode_batch` alone over the corpus's sentences, one process."""
+    tokenizer = load_tokenizer(vocab, lower_case=True)
     num_bytes = sum(len(s.encode("utf-8")) for s in sentences) * scale
     os.environ["RAYON_NUM_THREADS"] = "1"  # per core: the job's workers get one thread each too
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for _ in range(scale):
         for i in range(0, len(sentences), 20_000):  # large batches: the tokenizer at its best
-            encodings = tokenizer.encode_batch(sentences[i : i + 20_000], add_special_tokens=False)
-            if read_ids:
-                for encoding in encodings:
-                    encoding.ids  # noqa: B018  (the read is the point)
-    seconds = time.perf_counter() - start
-    return num_bytes / seconds / 1e6, seconds
+            tokenizer.encode_batch(sentences[i : i + 20_000], add_special_tokens=False)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    mb_s, cpu_s_mb = num_bytes / seconds / 1e6, cpu * 1e6 / num_bytes
+    return {"seconds": seconds, "mb_s": mb_s, "cpu_s_mb": cpu_s_mb}
 
 
 class TreeSampler(threading.Thread):
@@ -109,6 +143,11 @@ class TreeSampler(threading.Thread):
     @property
     def cpu_seconds(self) -> float:
         return sum(self._cpu.values())
+
+    @property
+    def runner_cpu_seconds(self) -> float:
+        """The root process's: Beam's local runner (the shuffle, bundles in and out)."""
+        return self._cpu.get(self._root.pid, 0.0)
 
     def run(self) -> None:
         while not self._done.is_set():
@@ -134,11 +173,11 @@ class TreeSampler(threading.Thread):
         self.join()
 
 
-def run_job(corpus: str, output: str, workers: int) -> dict:
+def run_job(corpus: str, output: str, workers: int, vocab: str) -> dict:
     argv = [
         sys.executable, "-m", "bertforge.pipelines.prepare", f"--input={corpus}",
         f"--output={output}",
-        f"--vocab={VOCAB}", "--num_shards=4", "--max_seq_length=128", "--runner=DirectRunner",
+        f"--vocab={vocab}", "--num_shards=4", "--max_seq_length=128", "--runner=DirectRunner",
         f"--direct_num_workers={workers}", "--direct_running_mode=multi_processing",
     ]  # fmt: skip
     env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -149,7 +188,7 @@ def run_job(corpus: str, output: str, workers: int) -> dict:
     sampler.start()
     out, err = proc.communicate()
     sampler.stop()
-    cpu_seconds = sampler.cpu_seconds
+    cpu_seconds, runner_cpu_seconds = sampler.cpu_seconds, sampler.runner_cpu_seconds
     if proc.returncode:
         raise RuntimeError(err.decode()[-3000:])
     seconds = time.perf_counter() - start
@@ -161,60 +200,94 @@ def run_job(corpus: str, output: str, workers: int) -> dict:
         "max_runner_rss_mb": sampler.max_root / 1e6,
         "max_tree_rss_mb": sampler.max_tree / 1e6,
         "cpu_seconds": cpu_seconds,
+        "runner_cpu_seconds": runner_cpu_seconds,
     }
+
+
+def measure(name: str, corpus: str, num_bytes: int, sentences, scale: int, args, tmp) -> dict:
+    """(a) and (b) on one corpus: the tokenizer before and after the job, averaged."""
+    before = tokenizer_alone(sentences, scale, args.vocab)
+    job = run_job(corpus, os.path.join(tmp, f"out-{name}"), args.workers, args.vocab)
+    after = tokenizer_alone(sentences, scale, args.vocab)
+    tok = {k: (before[k] + after[k]) / 2 for k in before}
+    job["mb_s"] = num_bytes / job["seconds"] / args.workers / 1e6
+    job["cpu_s_mb"] = job["cpu_seconds"] * 1e6 / num_bytes
+    return {"name": name, "bytes": num_bytes, "job": job, "tokenizer": tok}
+
+
+def print_throughput(results: list[dict], fixed: dict, workers: int) -> None:
+    print(f"\nload average: {os.getloadavg()[0]:.1f} (a shared machine makes wall times noisy; "
+          "CPU s/MB show the work)")  # fmt: skip
+    print("| corpus | MB | (a) job s | (a) CPU s (runner) | (a) MB/s/core | (a) CPU s/MB | "
+          "(b) tokenizer MB/s | (b) CPU s/MB | **(a)/(b)** | without (c) | by CPU, without (c) "
+          "|")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        job, tok = r["job"], r["tokenizer"]
+        variable = r["bytes"] / max(job["seconds"] - fixed["seconds"], 1e-9) / workers / 1e6
+        # CPU seconds per MB of the job beyond its fixed cost, against the tokenizer's: what the
+        # ratio would be with every core busy, whatever else the machine runs.
+        variable_cpu = (job["cpu_seconds"] - fixed["cpu_seconds"]) * 1e6 / r["bytes"]
+        print(f"| {r['name']} | {r['bytes'] / 1e6:.1f} | {job['seconds']:.1f} | "
+              f"{job['cpu_seconds']:.1f} ({job['runner_cpu_seconds']:.1f}) | {job['mb_s']:.2f} | "
+              f"{job['cpu_s_mb']:.2f} | {tok['mb_s']:.2f} | {tok['cpu_s_mb']:.2f} | "
+              f"**{job['mb_s'] / tok['mb_s']:.2f}** | {variable / tok['mb_s']:.2f} | "
+              f"{tok['cpu_s_mb'] / max(variable_cpu, 1e-9):.2f} |")  # fmt: skip
+    print(f"\n(c) the job on one document (fixed cost): {fixed['seconds']:.1f} s, "
+          f"{fixed['cpu_seconds']:.1f} CPU s ({fixed['runner_cpu_seconds']:.1f} in the runner), "
+          f"{workers} workers")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", type=int, default=60, help="corpus copies for throughput")
+    parser.add_argument("--scale", type=int, default=60, help="wiki corpus copies")
+    parser.add_argument("--books-scale", type=int, default=10, help="copies of the books")
     parser.add_argument(
-        "--mem-scale", type=int, nargs="+", default=[10], help="copies for the memory runs"
+        "--mem-scale", type=int, nargs="*", default=[10], help="wiki copies for memory runs"
     )
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
-    if not os.path.isdir(DATA):
-        sys.exit(f"{DATA} not found: this benchmark needs the shared data directory")
-    docs = cleaned_documents()
     with tempfile.TemporaryDirectory() as tmp:
+        if os.path.isdir(DATA):
+            docs = cleaned_documents(((DUMPS, "wiki"), (BOOKS, "books")))
+            books, args.vocab = cleaned_documents(((BOOKS, "books"),)), VOCAB
+        else:
+            print(f"{DATA} not found: synthetic corpora and vocabulary (ratios comparable, "
+                  "MB/s not)")  # fmt: skip
+            docs, books, args.vocab = synthetic_documents(tmp)
         corpus = os.path.join(tmp, "corpus.jsonl")
         num_bytes = write_corpus(docs, args.scale, corpus)
-        sentences = corpus_sentences(docs)
-        tok_mb_s, tok_seconds = tokenizer_mb_per_s(sentences, args.scale, read_ids=False)
-        ids_mb_s, ids_seconds = tokenizer_mb_per_s(sentences, args.scale, read_ids=True)
-        job = run_job(corpus, os.path.join(tmp, "out"), args.workers)
+        books_dir = os.path.join(tmp, "books")
+        books_bytes = write_books(books, args.books_scale, books_dir)
+        results = [
+            measure(f"wiki ({args.scale} copies, {len(docs) * args.scale} documents)", corpus,
+                    num_bytes, corpus_sentences(docs), args.scale, args, tmp),
+            measure(f"books ({len(books) * args.books_scale} long documents)",
+                    f"books:{books_dir}/*.txt", books_bytes, corpus_sentences(books),
+                    args.books_scale, args, tmp),
+        ]  # fmt: skip
         tiny = os.path.join(tmp, "tiny.jsonl")
         write_corpus(docs[:1], 1, tiny)
-        fixed = run_job(tiny, os.path.join(tmp, "out-tiny"), args.workers)
-        job_mb_s = num_bytes / job["seconds"] / args.workers / 1e6
-        print(f"\ncorpus: {num_bytes / 1e6:.1f} MB of cleaned text ({args.scale} copies), "
-              f"{job['instances']} instances at 128 tokens; load average before: "
-              f"{os.getloadavg()[0]:.1f}")  # fmt: skip
-        print("| measure | seconds | CPU seconds | MB/s per core | (a) / this |")
-        print("|---|---|---|---|---|")
-        print(f"| (a) prepare job, {args.workers} workers | {job['seconds']:.1f} | "
-              f"{job['cpu_seconds']:.1f} | {job_mb_s:.2f} | |")  # fmt: skip
-        print(f"| (b) tokenizer alone, 1 process | {tok_seconds:.1f} | | {tok_mb_s:.2f} | "
-              f"**{job_mb_s / tok_mb_s:.2f}** |")  # fmt: skip
-        print(f"| (b') tokenizer, ids read out | {ids_seconds:.1f} | | {ids_mb_s:.2f} | "
-              f"{job_mb_s / ids_mb_s:.2f} |")  # fmt: skip
-        print(f"| (c) job on one document (fixed cost) | {fixed['seconds']:.1f} | "
-              f"{fixed['cpu_seconds']:.1f} | | |")  # fmt: skip
-        variable_mb_s = num_bytes / (job["seconds"] - fixed["seconds"]) / args.workers / 1e6
-        print(f"\nWithout the fixed cost, (a) is {variable_mb_s:.2f} MB/s per core, "
-              f"{variable_mb_s / tok_mb_s:.2f} of (b).")  # fmt: skip
+        fixed = run_job(tiny, os.path.join(tmp, "out-tiny"), args.workers, args.vocab)
+        print_throughput(results, fixed, args.workers)
+        if args.mem_scale:
+            print_memory(docs, args, num_bytes, results[0]["job"], tmp)
 
-        print("\n| corpus | MB | largest worker RSS MB | runner RSS MB | whole tree RSS MB "
-              "| seconds |")  # fmt: skip
-        print("|---|---|---|---|---|---|")
-        runs = {args.scale: (num_bytes, job)}  # the throughput run's memory is measured too
-        for scale in sorted({1, *args.mem_scale} - {args.scale}):
-            path = os.path.join(tmp, f"corpus-{scale}.jsonl")
-            size = write_corpus(docs, scale, path)
-            runs[scale] = size, run_job(path, os.path.join(tmp, f"out-{scale}"), args.workers)
-        for scale, (size, result) in sorted(runs.items()):
-            print(f"| {scale}x | {size / 1e6:.1f} | {result['max_worker_rss_mb']:.0f} | "
-                  f"{result['max_runner_rss_mb']:.0f} | {result['max_tree_rss_mb']:.0f} | "
-                  f"{result['seconds']:.1f} |")  # fmt: skip
+
+def print_memory(docs, args, num_bytes: int, job: dict, tmp: str) -> None:
+    print("\n| corpus | MB | largest worker RSS MB | runner RSS MB | whole tree RSS MB "
+          "| seconds |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    runs = {args.scale: (num_bytes, job)}  # the throughput run's memory is measured too
+    for scale in sorted({1, *args.mem_scale} - {args.scale}):
+        path = os.path.join(tmp, f"corpus-{scale}.jsonl")
+        size = write_corpus(docs, scale, path)
+        runs[scale] = size, run_job(path, os.path.join(tmp, f"out-{scale}"), args.workers,
+                                    args.vocab)  # fmt: skip
+    for scale, (size, result) in sorted(runs.items()):
+        print(f"| {scale}x | {size / 1e6:.1f} | {result['max_worker_rss_mb']:.0f} | "
+              f"{result['max_runner_rss_mb']:.0f} | {result['max_tree_rss_mb']:.0f} | "
+              f"{result['seconds']:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
