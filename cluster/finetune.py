@@ -23,11 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bertforge.cluster.ray_train import LaunchConfig, connect, run_on_ray
+from bertforge.cluster.ray_train import _QUIET_RAY_TRAIN, LaunchConfig, connect, run_on_ray
 from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir, write_json_atomic
-from bertforge.training.finetune.config import FinetuneConfig
+from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, FinetuneConfig
 from bertforge.training.finetune.load import load_pretrained
-from bertforge.training.finetune.loop import HF_DIR_NAME, RESULT_NAME
 from bertforge.training.finetune.task_data import is_squad_split
 from bertforge.training.finetune.tasks import glue_dir_files
 
@@ -155,7 +154,7 @@ def _run_one(cfg: FinetuneConfig, launch: LaunchConfig, learning_rate: float,
         _worker_main, {"finetune": one.to_dict(), "threads": launch.cpus_per_worker},
         launch,
         # Ray Train's own state in RUN/ray; a restarted worker group starts the run over.
-        RunConfig(name="ray", storage_path=run_dir,
+        RunConfig(name="ray", storage_path=run_dir, logging_config=_QUIET_RAY_TRAIN,
                   failure_config=FailureConfig(max_failures=launch.max_failures)),
     )
     with open(os.path.join(run_dir, RESULT_NAME), encoding="utf-8") as f:
@@ -164,12 +163,17 @@ def _run_one(cfg: FinetuneConfig, launch: LaunchConfig, learning_rate: float,
 
 def _worker_main(worker_config: dict[str, Any]) -> None:
     """Entry point on every Ray worker: the process group is already set up by Ray Train."""
+    import ray.train
     import torch
 
+    from bertforge.cluster.worker_output import quiet_worker
     from bertforge.training.errors import as_user_error
-    from bertforge.training.finetune.loop import finetune
 
     torch.set_num_threads(worker_config["threads"])
+    # Library chatter to RUN/logs/worker-RANK.log only, before DeepSpeed's import logs any.
+    quiet_worker(worker_config["finetune"]["output"], ray.train.get_context().get_world_rank())
+    from bertforge.training.finetune.loop import finetune
+
     try:
         finetune(FinetuneConfig.from_dict(worker_config["finetune"]))
     except ValueError as error:  # bad inputs fail the same way on every attempt: no retry

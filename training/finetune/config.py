@@ -19,6 +19,9 @@ from bertforge.training.finetune.tasks import (
     task_spec,
 )
 
+# A run's outputs in its directory (rank 0 writes them): its record, and its Hugging Face export.
+RESULT_NAME = "result.json"
+HF_DIR_NAME = "hf"
 GLUE_MAX_SEQ_LENGTH = 128
 SQUAD_MAX_SEQ_LENGTH = 384
 # Fields a rerun into the same output may change: how to run or show it, and which (learning

@@ -30,7 +30,7 @@ from deepspeed.accelerator import get_accelerator
 from bertforge.training.config import TrainConfig
 from bertforge.training.distributed import all_reduce_sum, barrier
 from bertforge.training.engine import build_engine, ensure_process_group
-from bertforge.training.finetune.config import FinetuneConfig
+from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, FinetuneConfig
 from bertforge.training.finetune.export import export_finetuned
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.model import task_model
@@ -38,8 +38,6 @@ from bertforge.training.finetune.task_data import TaskData, load_task_data
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.precision import resolve_precision
 
-RESULT_NAME = "result.json"
-HF_DIR_NAME = "hf"
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 TRAIN_TARGETS = ("labels", "start_positions", "end_positions")
 SPAN_LOGITS = ("start_logits", "end_logits")  # one per token: SQuAD
