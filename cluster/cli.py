@@ -219,10 +219,11 @@ def _run_inspect(args: argparse.Namespace) -> int:
         if not verification.ok:
             print(format_verification(args.data_dir, verification), file=sys.stderr)
             return 1
-    print(format_report(inspect_dataset(args.data_dir, num_samples=args.samples)))
+    stats = inspect_dataset(args.data_dir, num_samples=args.samples)
+    print(format_report(stats))
     if args.verify:
         print(format_verification(args.data_dir, verification))
-    return 0
+    return 1 if any(split["problems"] for split in stats["splits"].values()) else 0
 
 
 def train_config_from_args(args: argparse.Namespace):

@@ -39,12 +39,18 @@ def _length_histogram(lengths: np.ndarray, max_seq_length: int) -> list[dict[str
     ]
 
 
-def _split_stats(data_dir: str, entry: manifest.SplitEntry, max_seq_length: int) -> dict[str, Any]:
+def _split_stats(
+    data_dir: str, entry: manifest.SplitEntry, max_seq_length: int, vocab_size: int
+) -> dict[str, Any]:
     lengths, labels, num_a, problems = [], [], [], []
     for shard in entry.shards:
         table = _read_shard(os.path.join(data_dir, shard.path))
         if table.num_rows != shard.num_rows:
             problems.append(f"{shard.path}: {table.num_rows} rows, manifest says {shard.num_rows}")
+        largest = pc.max(pc.list_flatten(table[manifest.INPUT_IDS])).as_py()
+        if largest is not None and largest >= vocab_size:  # a damaged file (see --verify)
+            problems.append(f"{shard.path}: token id {largest} outside the vocabulary of "
+                            f"{vocab_size}")
         lengths.append(
             pc.list_value_length(table[manifest.INPUT_IDS]).to_numpy(zero_copy_only=False)
         )
@@ -106,7 +112,8 @@ def inspect_dataset(data_dir: str, num_samples: int = 3) -> dict[str, Any]:
     found = manifest.read_manifest(data_dir)
     max_seq_length = int(found.instance_params.get("max_seq_length", 512))
     splits = {
-        name: _split_stats(data_dir, entry, max_seq_length) for name, entry in found.splits.items()
+        name: _split_stats(data_dir, entry, max_seq_length, found.tokenizer.vocab_size)
+        for name, entry in found.splits.items()
     }
     sample_split = "train" if "train" in found.splits else next(iter(found.splits), None)
     samples = []

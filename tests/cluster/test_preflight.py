@@ -122,6 +122,8 @@ def test_byte_flip_is_named_by_inspect_verify(dataset, capsys):
     bad = [line for line in err.splitlines() if line.startswith("BAD:")]
     assert f"BAD: {path}: sha256" in bad[0]  # and here also the ids the flip made
     assert all(line.startswith(f"BAD: {path}: ") for line in bad), bad  # no other file
+    assert main(["inspect", dataset]) == 1  # the statistics see the ids the flip made
+    assert f"PROBLEM: {os.path.relpath(path, dataset)}: token id" in capsys.readouterr().out
     not_arrow = shard(dataset, 0)
     shutil.copy(os.path.join(dataset, manifest_lib.VOCAB_NAME), not_arrow)
     assert main(["inspect", dataset]) == 2
