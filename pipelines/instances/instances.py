@@ -74,22 +74,24 @@ def truncate_seq_pair(
     pathological 100k-token "sentence" costs O(n), not O(n^2) `del tokens[0]`s.
     """
     length_a, length_b = len(tokens_a), len(tokens_b)
-    front_a = back_a = front_b = back_b = 0  # tokens to cut at each end
-    draw = rng.random
-    while length_a + length_b > max_num_tokens:
-        if length_a > length_b:
-            if draw() < 0.5:
-                front_a += 1
-            else:
-                back_a += 1
-            length_a -= 1
-        else:
-            assert length_b >= 1
-            if draw() < 0.5:
-                front_b += 1
-            else:
-                back_b += 1
-            length_b -= 1
+    excess = length_a + length_b - max_num_tokens
+    if excess <= 0:
+        return
+    # Which side each removal hits does not depend on the draws: Google's loop trims the longer
+    # side (B on a tie) until the two are equal, then alternates B, A, B, ... So the draws are
+    # made in one go, in Google's order, and each side counts its front cuts (draw < 0.5).
+    draws = [rng.random() for _ in range(excess)]
+    num_first = min(abs(length_a - length_b), excess)  # removals from the longer side first
+    first, rest = draws[:num_first], draws[num_first:]
+    cuts_a, cuts_b = rest[1::2], rest[0::2]  # after equal lengths: B first
+    if length_a > length_b:
+        cuts_a = first + cuts_a
+    else:
+        cuts_b = first + cuts_b
+    front_a = sum(1 for draw in cuts_a if draw < 0.5)
+    front_b = sum(1 for draw in cuts_b if draw < 0.5)
+    back_a, back_b = len(cuts_a) - front_a, len(cuts_b) - front_b
+    assert length_b - len(cuts_b) >= 0 and length_a - len(cuts_a) >= 0
     if front_a or back_a:
         tokens_a[:] = tokens_a[front_a : len(tokens_a) - back_a]
     if front_b or back_b:
@@ -109,8 +111,10 @@ def _random_segment(document: Document, target_length: int, rng: random.Random) 
     """Sentences of `document` from a random start until `target_length` tokens are gathered."""
     random_start = rng.randint(0, len(document) - 1)
     tokens = _empty_like(document[0])
-    for sentence in document[random_start:]:
-        tokens += sentence
+    # By index: `document[random_start:]` would copy the rest of a book's sentence list (thousands
+    # of references) for the two or three sentences a segment takes.
+    for index in range(random_start, len(document)):
+        tokens += document[index]
         if len(tokens) >= target_length:
             break
     return tokens

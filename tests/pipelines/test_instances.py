@@ -243,6 +243,31 @@ def test_truncate_seq_pair_trims_longer_side_from_both_ends():
     assert fronts > 150 and backs > 150
 
 
+def _google_truncate(tokens_a, tokens_b, max_num_tokens, rng):
+    """Google's `truncate_seq_pair`, verbatim but for names."""
+    while len(tokens_a) + len(tokens_b) > max_num_tokens:
+        trunc_tokens = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+        assert len(trunc_tokens) >= 1
+        if rng.random() < 0.5:
+            del trunc_tokens[0]
+        else:
+            trunc_tokens.pop()
+
+
+def test_truncate_seq_pair_is_googles_token_for_token_and_draw_for_draw():
+    shapes = random.Random(7)
+    for seed in range(3000):
+        length_a, length_b = shapes.randint(1, 300), shapes.randint(1, 300)
+        max_num_tokens = shapes.randint(2, 400)
+        ours_a, ours_b = list(range(length_a)), list(range(1000, 1000 + length_b))
+        google_a, google_b = list(ours_a), list(ours_b)
+        ours_rng, google_rng = random.Random(seed), random.Random(seed)
+        truncate_seq_pair(ours_a, ours_b, max_num_tokens, ours_rng)
+        _google_truncate(google_a, google_b, max_num_tokens, google_rng)
+        assert (ours_a, ours_b) == (google_a, google_b), (length_a, length_b, max_num_tokens)
+        assert ours_rng.random() == google_rng.random()  # the same number of draws
+
+
 def test_truncate_seq_pair_balances_equal_sides_and_is_linear():
     tokens_a, tokens_b = list(range(200_000)), list(range(10))
     truncate_seq_pair(tokens_a, tokens_b, 20, random.Random(0))  # O(n): instantaneous
