@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from bertforge.cluster.cli import build_parser
+from tests.support.train_process import LOOPBACK, listening_sockets
 from tests.test_namespace import FOLDERS, SOURCES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -392,7 +393,6 @@ def test_no_credentials_in_deployment_files(path):
 
 # --- local Ray on loopback --------------------------------------------------------------------
 
-LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
 @pytest.mark.slow
@@ -409,18 +409,13 @@ def test_local_ray_listens_on_loopback_only(monkeypatch, tmp_path):
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
                        os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1"))
+    for name in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)  # restored (to unset) afterwards
     connect(LaunchConfig(workers=1))
     try:
         me = psutil.Process()
         processes = [me] + me.children(recursive=True)
-        listening = []
-        for process in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                for conn in process.net_connections(kind="inet"):
-                    is_tcp_listen = conn.status == psutil.CONN_LISTEN
-                    is_udp_bound = conn.status == psutil.CONN_NONE and not conn.raddr
-                    if is_tcp_listen or is_udp_bound:
-                        listening.append((process.name(), conn.laddr.ip, conn.laddr.port))
+        listening = listening_sockets(processes)
         assert len(processes) > 3 and listening  # gcs, raylet, dashboard... really started
         exposed = [entry for entry in listening if entry[1] not in LOOPBACK]
         assert not exposed, f"listening beyond the loopback address: {exposed}"
