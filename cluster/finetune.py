@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from bertforge.cluster.ray_train import _QUIET_RAY_TRAIN, LaunchConfig, connect, run_on_ray
-from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir, write_json_atomic
+from bertforge.cluster.stage_runner import (
+    Stage,
+    StageRunner,
+    fresh_dir,
+    heartbeat,
+    write_json_atomic,
+)
 from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, FinetuneConfig
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.task_data import is_squad_split
@@ -125,8 +131,12 @@ def run_finetune(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     with StageRunner(cfg.output, "finetune", cfg.settings(), heartbeat_seconds=60.0,
                      skip_message="done in an earlier run, reusing it",
                      dir_flag="--output") as runner:
+        pending = [run for name, run in zip(names, cfg.runs(), strict=True)
+                   if runner.recorded(name) is None]
+        if len(pending) > 1:
+            _run_pending(cfg, launch, pending)
         runner.run([
-            Stage(name, lambda lr=lr, seed=seed: _run_one(cfg, launch, lr, seed))
+            Stage(name, lambda lr=lr, seed=seed: _record(cfg, launch, lr, seed))
             for name, (lr, seed) in zip(names, cfg.runs(), strict=True)
         ])
         records = [runner.recorded(name) for name in names]
@@ -138,31 +148,57 @@ def run_finetune(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     return results
 
 
-def _run_one(cfg: FinetuneConfig, launch: LaunchConfig, learning_rate: float,
-             seed: int) -> dict[str, Any]:
-    """One run on the workers; its record is the result.json its rank 0 wrote."""
-    import json
+def run_dir_of(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:
+    return os.path.join(cfg.output, RUNS_DIR, run_name(learning_rate, seed))
 
+
+def _run_pending(cfg: FinetuneConfig, launch: LaunchConfig, runs: list[tuple[float, int]]) -> None:
+    """Every run of `runs` in one worker group, one after another: Ray Train's start, the
+    imports and DeepSpeed's op build are paid once, not per sweep point (minutes on a busy
+    CPU). Each run leaves its result.json, which its stage then records."""
     from ray.train import FailureConfig, RunConfig
 
-    run_dir = os.path.join(cfg.output, RUNS_DIR, run_name(learning_rate, seed))
-    fresh_dir(run_dir)  # a run that died part-way left nothing worth keeping
-    one = dataclasses.replace(cfg, learning_rate=learning_rate, seeds=(seed,), sweep=False,
-                              output=run_dir)
+    # A run with a result.json finished in a call that died before recording it: kept.
+    runs = [(lr, seed) for lr, seed in runs
+            if not os.path.exists(os.path.join(run_dir_of(cfg, lr, seed), RESULT_NAME))]
+    if not runs:
+        return
+    for learning_rate, seed in runs:
+        fresh_dir(run_dir_of(cfg, learning_rate, seed))  # a run that died part-way: start over
+    configs = [dataclasses.replace(cfg, learning_rate=lr, seeds=(seed,), sweep=False,
+                                   output=run_dir_of(cfg, lr, seed)).to_dict()
+               for lr, seed in runs]
     connect(launch)
-    run_on_ray(
-        _worker_main, {"finetune": one.to_dict(), "threads": launch.cpus_per_worker},
-        launch,
-        # Ray Train's own state in RUN/ray; a restarted worker group starts the run over.
-        RunConfig(name="ray", storage_path=run_dir, logging_config=_QUIET_RAY_TRAIN,
-                  failure_config=FailureConfig(max_failures=launch.max_failures)),
-    )
-    with open(os.path.join(run_dir, RESULT_NAME), encoding="utf-8") as f:
+    runs_root = os.path.join(cfg.output, RUNS_DIR)
+    label = f"{len(runs)} run(s) in one worker group ({', '.join(run_name(*r) for r in runs)})"
+    print(f"[finetune] {label}", flush=True)
+    with heartbeat("finetune", label, every_seconds=60.0):
+        run_on_ray(
+            _worker_main,
+            {"runs": configs, "threads": launch.cpus_per_worker, "logs": runs_root}, launch,
+            # Ray Train's own state in DIR/runs/ray; a restarted worker group skips finished runs.
+            RunConfig(name="ray", storage_path=runs_root, logging_config=_QUIET_RAY_TRAIN,
+                      failure_config=FailureConfig(max_failures=launch.max_failures)),
+        )
+
+
+def _record(cfg: FinetuneConfig, launch: LaunchConfig, learning_rate: float,
+            seed: int) -> dict[str, Any]:
+    """A run's record: the result.json its rank 0 wrote (running it now if it has none)."""
+    import json
+
+    run_dir = run_dir_of(cfg, learning_rate, seed)
+    path = os.path.join(run_dir, RESULT_NAME)
+    if not os.path.exists(path):  # written last, so a run that has it is complete
+        _run_pending(cfg, launch, [(learning_rate, seed)])
+    with open(path, encoding="utf-8") as f:
         return {**json.load(f), "run_dir": run_dir}
 
 
 def _worker_main(worker_config: dict[str, Any]) -> None:
     """Entry point on every Ray worker: the process group is already set up by Ray Train."""
+    import gc
+
     import ray.train
     import torch
 
@@ -170,14 +206,20 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
     from bertforge.training.errors import as_user_error
 
     torch.set_num_threads(worker_config["threads"])
-    # Library chatter to RUN/logs/worker-RANK.log only, before DeepSpeed's import logs any.
-    quiet_worker(worker_config["finetune"]["output"], ray.train.get_context().get_world_rank())
+    # Library chatter to DIR/runs/logs/worker-RANK.log only, before DeepSpeed's import logs any.
+    quiet_worker(worker_config["logs"], ray.train.get_context().get_world_rank())
     from bertforge.training.finetune.loop import finetune
 
-    try:
-        finetune(FinetuneConfig.from_dict(worker_config["finetune"]))
-    except ValueError as error:  # bad inputs fail the same way on every attempt: no retry
-        raise as_user_error(error) from None
+    for values in worker_config["runs"]:
+        if os.path.exists(os.path.join(values["output"], RESULT_NAME)):
+            continue  # finished before this worker group restarted
+        try:
+            finetune(FinetuneConfig.from_dict(values))
+        except ValueError as error:  # bad inputs fail the same way on every attempt: no retry
+            raise as_user_error(error) from None
+        gc.collect()  # the run's engine and model, before the next one's
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def primary_metric(cfg: FinetuneConfig) -> str:

@@ -43,21 +43,33 @@ def read_predictions(path: str) -> list[dict[str, str]]:
         return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
 
 
-def test_sst2_on_two_workers_scores_exports_and_reuses_the_run(model_dir, tmp_path, capsys):
+def test_sst2_sweep_on_two_workers_scores_exports_and_reuses_the_runs(model_dir, tmp_path, capsys):
     train = write_sst2_tsv(str(tmp_path / "SST-2" / "train.tsv"), 64, seed=1)
     dev = write_sst2_tsv(str(tmp_path / "SST-2" / "dev.tsv"), 32, seed=2)
     output = str(tmp_path / "out")
     args = ["--task", "SST-2", "--model", model_dir, "--output", output, "--train", train,
             "--dev", dev, "--workers", "2", "--batch-size", "16", "--epochs", "2",
-            "--lr", "1e-3", "--seeds", "7"]
+            "--sweep", "--sweep-learning-rates", "1e-3", "3e-3", "--seeds", "7"]
     results = finetune(*args)
+    out = capsys.readouterr().out
+    assert "2 run(s) in one worker group (lr0.001-seed7, lr0.003-seed7)" in out
+    assert "[finetune] sst2: accuracy" in out and "2 runs: median" in out
 
     assert results["task"] == "sst2" and results["primary_metric"] == "accuracy"
     assert results["model"]["kind"] == "hf_dir" and results["model"]["random_init"] is False
     assert results["model"]["source"] == os.path.abspath(model_dir)
     assert results["training"]["world_size"] == 2 and results["training"]["steps"] == 8
     assert results["data"]["num_train_examples"] == 64 and results["config"]["seeds"] == [7]
-    assert results["sweep"]["num_runs"] == 1 and results["best_run"]["learning_rate"] == 1e-3
+    sweep = results["sweep"]
+    assert sweep["num_runs"] == 2 and [r["learning_rate"] for r in sweep["runs"]] == [1e-3, 3e-3]
+    scores = [r["score"] for r in sweep["runs"]]
+    assert results["score"] == sweep["best"] == max(scores)
+    assert sweep["median"] == pytest.approx(sum(scores) / 2)
+    best = sweep["runs"][scores.index(max(scores))]
+    assert results["best_run"]["run_dir"] == best["run_dir"]
+    assert os.path.realpath(results["hf_dir"]) == os.path.join(best["run_dir"], "hf")
+    other = sweep["runs"][1 - scores.index(max(scores))]
+    assert not os.path.exists(os.path.join(other["run_dir"], "hf"))  # only the best is kept
     # The metric is the predictions file's accuracy, one line per dev example.
     rows = read_predictions(results["predictions"])
     assert len(rows) == 32 and [r["line"] for r in rows] == [str(i) for i in range(2, 34)]
@@ -72,9 +84,8 @@ def test_sst2_on_two_workers_scores_exports_and_reuses_the_run(model_dir, tmp_pa
         logits = hf.eval()(**tokenizer(sentences, padding=True, return_tensors="pt")).logits
     assert [hf.config.id2label[i] for i in logits.argmax(-1).tolist()] == \
         [r["prediction"] for r in rows]
-    assert "[finetune] sst2: accuracy" in capsys.readouterr().out
 
-    # The same command again: the finished run is reused, not trained again.
+    # The same command again: the finished runs are reused, not trained again.
     metrics_file = os.path.join(results["best_run"]["run_dir"], "metrics.jsonl")
     before = os.stat(metrics_file).st_mtime_ns
     again = finetune(*args)
