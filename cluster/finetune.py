@@ -4,7 +4,8 @@ running DeepSpeed (the launch of pretraining, `ray_train.run_on_ray`).
 One run per (learning rate, seed): with --sweep every rate of {2e-5, 3e-5, 5e-5} times every seed,
 reported as papers report GLUE (the best dev score, the median and the spread). Each run is a
 stage of the stage runner, in DIR/runs/lr<rate>-seed<seed>/ (metrics.jsonl, dev predictions,
-result.json, the Hugging Face export); a rerun into the same DIR reuses finished runs, and may add
+result.json, the Hugging Face export); the runs not done yet run one after another in one worker
+group (its logs in DIR/runs/logs). A rerun into the same DIR reuses finished runs, and may add
 seeds or rates. DIR/results.json holds the task, the best run's metrics, the sweep, the config and
 the model's provenance; DIR/hf links to the best run's export and DIR/dev_predictions.* is a copy
 of its predictions.
