@@ -2,7 +2,8 @@
 
 corpus (docstrings) -> WordPiece vocab -> Beam prepare (DirectRunner, 2 processes) ->
 Ray Train + DeepSpeed ZeRO-2 (2 CPU workers; bf16 where the CPU has it natively, else fp32) ->
-evaluation -> Hugging Face export -> summary.
+evaluation -> Hugging Face export -> SST-2
+fine-tuned from it and from random init, beside a bag-of-words baseline -> summary.
 
 Each stage leaves a completion record in DIR; a second run into the same DIR reuses finished
 stages, resumes training from its newest checkpoint, and refuses a DIR made with other settings.
@@ -18,6 +19,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bertforge.cluster.config_fields import HELP
+from bertforge.cluster.demo_finetune import (
+    FinetuneBudget,
+    finetune_done,
+    finetune_sst2,
+    summary_rows,
+)
 from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir
 from bertforge.training.config import PRECISIONS
 from bertforge.training.metrics import read_metrics
@@ -55,6 +62,18 @@ class DemoConfig:
     # auto: fp32 on a CPU without native bf16, where emulated bf16 is ~60x slower per matmul.
     precision: str = _option("auto", "engine precision (auto: bf16 where native, else fp32)",
                              choices=PRECISIONS)
+    # After the export: SST-2 fine-tuned from this model and from random weights, same budget
+    # (cluster/demo_finetune.py). A subset of the train set keeps both within ~1.5 minutes.
+    finetune_train_examples: int = _option(4000, "SST-2 train sentences for the fine-tuning "
+                                           "comparison (a fixed subset of 67,349; 0 skips it)")
+    finetune_dev_examples: int | None = _option(None, "SST-2 dev sentences scored (default: "
+                                                "all 872)")
+    finetune_epochs: float = _option(2.0, "fine-tuning epochs over those sentences")
+    finetune_max_seq_length: int = _option(64, "fine-tuning tokens per sentence")
+    finetune_batch_size: int = _option(32, "fine-tuning sentences per step")
+    finetune_learning_rate: float = _option(1e-4, "fine-tuning peak learning rate")
+    glue_dir: str | None = _option(None, "GLUE data holding SST-2/ (default: "
+                                   "../shared/data/glue; without it the stage is skipped)")
 
     def __post_init__(self) -> None:
         if self.corpus_mb < 0.1:
@@ -64,7 +83,7 @@ class DemoConfig:
 
     def settings(self) -> dict[str, Any]:
         """What must match for a second run to reuse the first one's stages."""
-        return {k: v for k, v in asdict(self).items() if k != "output"}
+        return {k: v for k, v in asdict(self).items() if k not in ("output", "glue_dir")}
 
 
 class DemoPaths:
@@ -78,6 +97,7 @@ class DemoPaths:
         self.eval = os.path.join(self.root, "eval.json")
         self.summary = os.path.join(self.root, "summary.json")
         self.loss_curve = os.path.join(self.root, "loss_curve.png")
+        self.finetune = os.path.join(self.root, "finetune")
 
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
@@ -94,6 +114,9 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             Stage("train", lambda: _train(paths, config)),
             Stage("eval", lambda: _evaluate(paths, config)),
             Stage("export", lambda: _export(paths)),
+            # A run that found no SST-2 data tries again next time.
+            Stage("finetune", lambda: _finetune(paths, config),
+                  is_done=lambda: finetune_done(runner.recorded("finetune"))),
         ])
         summary = _summarise(paths, runner.state, time.time() - started)
     return summary
@@ -198,6 +221,18 @@ def _verify_with_transformers(hf_dir: str) -> bool:
     return True
 
 
+def _finetune(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
+    if config.finetune_train_examples == 0:
+        return {"skipped": "fine-tuning skipped (--finetune-train-examples 0)"}
+    budget = FinetuneBudget(
+        train_examples=config.finetune_train_examples, dev_examples=config.finetune_dev_examples,
+        epochs=config.finetune_epochs, max_seq_length=config.finetune_max_seq_length,
+        batch_size=config.finetune_batch_size, learning_rate=config.finetune_learning_rate,
+        seed=config.seed, workers=config.train_workers,
+    )
+    return finetune_sst2(paths.hf, paths.finetune, config.glue_dir, budget)
+
+
 # --- summary ------------------------------------------------------------------------------
 
 
@@ -219,6 +254,7 @@ def _summarise(paths: DemoPaths, state: dict[str, Any], seconds_now: float) -> d
         "instances": stages["prepare"]["counts"].get("instances"),
         "hf_dir": paths.hf,
         "loss_curve": paths.loss_curve,
+        "finetune_sst2": stages["finetune"],
     }
     _plot_loss_curve(read_metrics(paths.run), paths.loss_curve)
     with open(paths.summary, "w", encoding="utf-8") as f:
@@ -235,6 +271,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("MLM baseline (most frequent token)", f"{summary['mlm_baseline_accuracy']:.3f}"),
         ("NSP accuracy", f"{summary['nsp_accuracy']:.3f}"),
         ("training tokens/s", f"{summary['tokens_per_second']:,.0f}"),
+        *summary_rows(summary["finetune_sst2"]),
         ("wall seconds (all stages)", f"{summary['wall_seconds']:.1f}"),
     ]
     width = max(len(name) for name, _ in rows)

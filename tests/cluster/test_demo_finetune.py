@@ -1,0 +1,53 @@
+"""The demo's fine-tuning stage without the engines: where SST-2 is looked for, the skip when it
+is not there, and the summary's lines. (tests/cluster/test_demo_e2e.py runs the stage itself.)"""
+
+from __future__ import annotations
+
+from bertforge.cluster.demo_finetune import (
+    FinetuneBudget,
+    finetune_done,
+    finetune_sst2,
+    sst2_files,
+    summary_rows,
+)
+from tests.support.finetune_data import write_sst2_tsv
+
+BUDGET = FinetuneBudget(train_examples=4000, dev_examples=None, epochs=2.0, max_seq_length=64,
+                        batch_size=32, learning_rate=1e-4, seed=1, workers=2)
+
+
+def test_without_sst2_the_stage_is_skipped_with_a_reason_and_tried_again(tmp_path, capsys):
+    record = finetune_sst2(str(tmp_path / "hf"), str(tmp_path / "out"), str(tmp_path), BUDGET)
+    assert record == {"skipped": f"no SST-2 data ({tmp_path}/SST-2/train.tsv and dev.tsv); "
+                                 "fine-tuning skipped"}
+    assert "[demo] finetune: no SST-2 data" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+    assert not finetune_done(record) and not finetune_done(None)
+    assert summary_rows(record) == [("SST-2 fine-tuning", record["skipped"])]
+
+
+def test_sst2_files_needs_both_files(tmp_path):
+    write_sst2_tsv(str(tmp_path / "SST-2" / "train.tsv"), 4, seed=0)
+    assert sst2_files(str(tmp_path)) is None
+    write_sst2_tsv(str(tmp_path / "SST-2" / "dev.tsv"), 4, seed=1)
+    assert sst2_files(str(tmp_path)) == (str(tmp_path / "SST-2" / "train.tsv"),
+                                         str(tmp_path / "SST-2" / "dev.tsv"))
+
+
+def test_summary_rows_give_the_budget_and_all_three_accuracies():
+    run = {"steps": 250, "train_examples": 4000, "dev_examples": 872}
+    record = {
+        "train_examples": 4000, "dev_examples": 872, "train_examples_of": 67_349,
+        "budget": BUDGET.__dict__,
+        "pretrained": {**run, "accuracy": 0.7512, "seconds": 44.4},
+        "random_init": {**run, "accuracy": 0.6901, "seconds": 41.0},
+        "bag_of_words": {"accuracy": 0.7683, "seconds": 1.7},
+    }
+    assert finetune_done(record)
+    assert summary_rows(record) == [
+        ("SST-2 fine-tuning budget",
+         "4,000 of 67,349 train sentences, 2 epochs (250 steps), 64 tokens; dev 872"),
+        ("SST-2 dev accuracy, from this pretraining", "0.751  (44 s)"),
+        ("SST-2 dev accuracy, from random init", "0.690  (41 s)"),
+        ("SST-2 dev accuracy, bag-of-words baseline", "0.768  (2 s)"),
+    ]
