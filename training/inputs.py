@@ -86,14 +86,8 @@ def check_resume(run_dir: str, model_config: BertConfig, vocab_sha256: str) -> s
     latest = checkpoint.latest_checkpoint(run_dir) if os.path.isdir(run_dir) else None
     if latest is None:
         return None
-    saved = read_checkpoint_metadata(latest)
-    check_resume_architecture(saved, model_config, latest)
-    if saved.get("vocab_sha256") != vocab_sha256:
-        raise UserInputError(
-            f"cannot resume {latest}: it was trained with another vocabulary than the data "
-            f"(vocab sha256 {str(saved.get('vocab_sha256'))[:12]} vs {vocab_sha256[:12]}); "
-            "use the run's own dataset, or another --run-dir for a new run"
-        )
+    check_resume_architecture(read_checkpoint_metadata(latest), model_config, latest,
+                              vocab_sha256)
     return latest
 
 

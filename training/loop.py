@@ -77,7 +77,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
     saved = checkpoint.read_metadata(resume_from) if resume_from is not None else None
     if saved is not None:  # before any engine: a raw 'size mismatch' would say much less
-        check_resume_architecture(saved, model_config, resume_from)
+        check_resume_architecture(saved, model_config, resume_from, facts.vocab_sha256)
     # precision "auto" and zero_stage None: decided here, on the worker's device and with the
     # world size known; a resume keeps its own. From here on cfg names both: the printed
     # recipe, config.json, checkpoint metadata.

@@ -82,9 +82,19 @@ def check_architecture(source: BertConfig, target: BertConfig, source_name: str)
         )
 
 
-def check_resume_architecture(saved: dict, target: BertConfig, checkpoint_path: str) -> None:
-    """A resume loads the checkpoint's shapes: refuse a requested model of another architecture
-    (`saved`: the checkpoint's bertforge.json) in one line, before any engine is built."""
+def check_resume_architecture(
+    saved: dict, target: BertConfig, checkpoint_path: str, vocab_sha256: str
+) -> None:
+    """A resume loads the checkpoint's shapes: refuse, in one line and before any engine is
+    built, data of another vocabulary (`vocab_sha256`: the data's; checked first, since it
+    also changes vocab_size) or a requested model of another architecture (`saved`: the
+    checkpoint's bertforge.json)."""
+    if saved.get("vocab_sha256") != vocab_sha256:
+        raise UserInputError(
+            f"cannot resume {checkpoint_path}: it was trained with another vocabulary than the "
+            f"data (vocab sha256 {str(saved.get('vocab_sha256'))[:12]} vs {vocab_sha256[:12]}); "
+            "use the run's own dataset, or another --run-dir for a new run"
+        )
     differences = architecture_differences(BertConfig.from_dict(saved["model_config"]), target)
     if differences:
         raise UserInputError(
