@@ -1,7 +1,7 @@
 """Preparation throughput against its bound, the tokenizer, on two corpora, and worker memory.
 
 Two corpora, each measured in the same run against the tokenizer on the same text:
-- *wiki*: many documents (the four Wikipedia excerpts and four books of ../shared/data, cleaned by
+- *mixed*: many documents (the four Wikipedia excerpts and four books of ../shared/data, cleaned by
   the job's own readers and written as JSON Lines; replicated to --scale copies, each copy made
   distinct by a first sentence so that deduplication keeps it);
 - *books*: long documents only (the four books, --books-scale distinct copies, one `books:` file
@@ -207,7 +207,7 @@ def run_job(corpus: str, output: str, workers: int, vocab: str) -> dict:
 def measure(name: str, corpus: str, num_bytes: int, sentences, scale: int, args, tmp) -> dict:
     """(a) and (b) on one corpus: the tokenizer before and after the job, averaged."""
     before = tokenizer_alone(sentences, scale, args.vocab)
-    job = run_job(corpus, os.path.join(tmp, f"out-{name}"), args.workers, args.vocab)
+    job = run_job(corpus, os.path.join(tmp, f"out-{name.split()[0]}"), args.workers, args.vocab)
     after = tokenizer_alone(sentences, scale, args.vocab)
     tok = {k: (before[k] + after[k]) / 2 for k in before}
     job["mb_s"] = num_bytes / job["seconds"] / args.workers / 1e6
@@ -260,7 +260,7 @@ def main() -> None:
         books_dir = os.path.join(tmp, "books")
         books_bytes = write_books(books, args.books_scale, books_dir)
         results = [
-            measure(f"wiki ({args.scale} copies, {len(docs) * args.scale} documents)", corpus,
+            measure(f"mixed ({args.scale} copies, {len(docs) * args.scale} documents)", corpus,
                     num_bytes, corpus_sentences(docs), args.scale, args, tmp),
             measure(f"books ({len(books) * args.books_scale} long documents)",
                     f"books:{books_dir}/*.txt", books_bytes, corpus_sentences(books),
