@@ -43,6 +43,7 @@ def read_predictions(path: str) -> list[dict[str, str]]:
         return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
 
 
+@pytest.mark.slow
 def test_sst2_sweep_on_two_workers_scores_exports_and_reuses_the_runs(model_dir, tmp_path, capsys):
     train = write_sst2_tsv(str(tmp_path / "SST-2" / "train.tsv"), 64, seed=1)
     dev = write_sst2_tsv(str(tmp_path / "SST-2" / "dev.tsv"), 32, seed=2)
@@ -94,6 +95,7 @@ def test_sst2_sweep_on_two_workers_scores_exports_and_reuses_the_runs(model_dir,
     assert again["metrics"] == results["metrics"]
 
 
+@pytest.mark.slow
 def test_squad_split_of_one_file_reports_exact_match_and_f1(model_dir, tmp_path):
     from bertforge.training.finetune.metrics import squad_evaluate
     from bertforge.training.finetune.squad import read_squad, split_squad
@@ -130,6 +132,7 @@ def test_a_model_directory_that_is_not_bert_is_refused_before_ray(tmp_path, caps
     assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_real_sst2_slice_with_the_default_files(tmp_path):
     """The task's own files under ../shared/data/glue (no --train/--dev), subsampled."""
     root = default_data_root()
