@@ -61,7 +61,7 @@ class FinetuneConfig:
     batch_size: int = _field(32, "examples per optimizer step, over all workers")
     eval_batch_size: int = _field(64, "examples per forward pass per worker on dev")
     max_seq_length: int | None = _field(help="tokens per example (default: 128; squad 384)")
-    doc_stride: int = _field(128, "squad: context tokens between window starts")
+    doc_stride: int = _field(128, "squad: context tokens shared by consecutive windows")
     max_query_length: int = _field(64, "squad: question tokens kept")
     max_answer_length: int = _field(30, "squad: longest answer span predicted, in tokens")
     squad_dev_fraction: float = _field(0.2, "squad without --train: the articles held out as dev")
