@@ -8,11 +8,14 @@ form and not run.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 from apache_beam.portability import common_urns
 from apache_beam.portability.api import beam_runner_api_pb2
+
+from bertforge.pipelines.read.readers import name_format
 
 NO_WAIT_FLAGS = ("--no-wait", "--no_wait")
 NO_WAIT_HELP = (
@@ -47,6 +50,12 @@ def dry_run_report(
         t.unique_name for t in transforms if t.unique_name.count("/") == 1
     )  # the job's stages: PrepareDataset/ReadInputs, .../WriteShards, ...
     paths = [path for path, _ in files]
+    # Prefixes and names are known here; the other files' content is sniffed where they are read.
+    formats = Counter(
+        f"{forced} (prefix)" if forced else
+        f"{name_format(path)} (name)" if name_format(path) else "by content, when read"
+        for path, forced in files
+    )  # fmt: skip
     report = {
         "dry_run": True,
         "runner": runner,
@@ -54,6 +63,7 @@ def dry_run_report(
         "stages": stages,
         "worker_image": (worker_images(proto) or [None])[0],
         "inputs_found": len(paths),
+        "input_formats": dict(sorted(formats.items())),
         "input_files": paths[:MAX_LISTED_INPUTS],
         "output": output,
         "written": "nothing (dry run)",

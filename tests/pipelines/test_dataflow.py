@@ -74,6 +74,7 @@ def test_dataflow_dry_run_through_the_cli_exits_0_and_says_what_it_checked(
     report = json.loads(printed[printed.index("{") :])
     assert report["dry_run"] is True and report["worker_image"] == IMAGE
     assert report["inputs_found"] == 4 and report["steps_translated"] > 50
+    assert sum(report["input_formats"].values()) == 4 and "jsonl (name)" in report["input_formats"]
     assert "PrepareDataset/WriteManifest" in report["stages"]
     assert not output.exists()  # nothing written, not even the output directory
 
