@@ -64,7 +64,7 @@ class DemoConfig:
                              choices=PRECISIONS)
     # After the export: SST-2 fine-tuned from this model and from random weights, same budget
     # (cluster/demo_finetune.py). A subset of the train set keeps both within ~1.5 minutes.
-    finetune_train_examples: int = _option(4000, "SST-2 train sentences for the fine-tuning "
+    finetune_train_examples: int = _option(2000, "SST-2 train sentences for the fine-tuning "
                                            "comparison (a fixed subset of 67,349; 0 skips it)")
     finetune_dev_examples: int | None = _option(None, "SST-2 dev sentences scored (default: "
                                                 "all 872)")
