@@ -10,7 +10,8 @@
   dead (a SIGKILLed run's raylet agents outlive it) and keeps only the newest `KEEP_SESSIONS`
   session folders that no live run uses. A live run's processes are never touched.
 - `driver_teardown()` turns SIGTERM/SIGHUP into a normal exit, so `finally` blocks run (the
-  run-directory lock is released) and Ray is shut down, as on Ctrl-C.
+  run-directory lock is released) and Ray is shut down, as on Ctrl-C; a signal that is ignored
+  (`nohup` ignores SIGHUP) or already handled is left as it is.
 """
 
 from __future__ import annotations
@@ -198,7 +199,10 @@ def driver_teardown() -> Iterator[None]:
     installed = {}
     with contextlib.suppress(ValueError):  # not the main thread: leave the handlers alone
         for signum in (signal.SIGTERM, signal.SIGHUP):
-            installed[signum] = signal.signal(signum, _exit_on_signal)
+            # Only where the default (death) is in place: `nohup` sets SIGHUP to SIG_IGN and a
+            # caller may have its own handler; replacing those would kill a nohup'd run.
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                installed[signum] = signal.signal(signum, _exit_on_signal)
     try:
         yield
     finally:
