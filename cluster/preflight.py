@@ -5,14 +5,13 @@ another architecture would otherwise be found inside the Ray workers, minutes la
 retried as if a node had died. The checks themselves are pure functions of training/
 (`training.inputs`); this module decides which ones each command needs.
 
-For other commands (e.g. `bertforge finetune`): `preflight_dataset`, `preflight_model` and
-`preflight_run_dir` are the building blocks; each raises a one-line `UserInputError`.
+For other commands (e.g. `bertforge finetune`): `preflight_model` is a building block; it raises
+a one-line `UserInputError`.
 """
 
 from __future__ import annotations
 
 from bertforge.training.config import TrainConfig
-from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.errors import UserInputError
 from bertforge.training.inputs import (
     check_checkpoint,
@@ -22,16 +21,6 @@ from bertforge.training.inputs import (
     check_resume,
     check_run_dir,
 )
-
-
-def preflight_dataset(data_dir: str, splits: tuple[str, ...] = ("train",)) -> DatasetFacts:
-    """A prepared dataset: manifest, the splits' shards (exist, Arrow, row counts), vocab."""
-    return check_dataset(data_dir, splits)
-
-
-def preflight_run_dir(run_dir: str) -> str:
-    """A run or output directory: created if need be, writable, not a file, not under /proc."""
-    return check_run_dir(run_dir)
 
 
 def preflight_model(source: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -121,3 +122,36 @@ def test_clean_data_passes_and_each_file_is_hashed_once_per_process(tmp_path):
     first, again = verify_in_background(files), verify_in_background(files)
     assert first.done  # the loader's verdicts, not new hashes
     assert all(a is b for a, b in zip(first._pending, again._pending, strict=True))
+
+
+def test_hash_failure_other_than_oserror_makes_wait_raise(tmp_path, monkeypatch):
+    # Before the fix the futures stayed unresolved and wait() (before every checkpoint) hung.
+    from bertforge.training.data import checksums
+
+    def broken_hash(path):
+        raise ValueError("hash exploded")
+
+    monkeypatch.setattr(checksums, "sha256_file", broken_hash)
+    shard = tmp_path / "a.arrow"
+    shard.write_bytes(b"x")
+    check = verify_in_background([(str(shard), "0" * 64)])
+    waiter = ThreadPoolExecutor(1).submit(check.wait)
+    with pytest.raises(ValueError, match="hash exploded"):
+        waiter.result(timeout=10)
+
+
+def test_thread_start_failure_resolves_the_futures(tmp_path, monkeypatch):
+    from bertforge.training.data import checksums
+
+    def no_threads(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(checksums.threading.Thread, "start", no_threads)
+    shard = tmp_path / "b.arrow"
+    shard.write_bytes(b"y")
+    with pytest.raises(RuntimeError, match="start new thread"):
+        verify_in_background([(str(shard), "1" * 64)])
+    monkeypatch.undo()
+    check = verify_in_background([(str(shard), "1" * 64)])  # the cached verdict: no hang
+    with pytest.raises(RuntimeError, match="start new thread"):
+        check.wait()

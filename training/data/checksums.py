@@ -70,14 +70,31 @@ def verify_in_background(files: list[tuple[str, str]]) -> ChecksumCheck:
             verdicts.append(_verdicts[key])
     if new:
         # A daemon thread, not an executor: exiting must not wait for a 10 GB hash to finish.
-        threading.Thread(target=_hash_all, args=(new,), name="bertforge-sha256",
-                         daemon=True).start()
+        try:
+            threading.Thread(target=_hash_all, args=(new,), name="bertforge-sha256",
+                             daemon=True).start()
+        except BaseException as error:
+            # Unresolved cached futures would make every later wait() block forever.
+            _fail_unresolved(new, error)
+            raise
     return ChecksumCheck(verdicts)
 
 
 def _hash_all(jobs: list[tuple[str, str, Future]]) -> None:
-    for path, expected, verdict in jobs:
-        verdict.set_result(shard_checksum_problem(path, expected))
+    try:
+        for path, expected, verdict in jobs:
+            verdict.set_result(shard_checksum_problem(path, expected))
+    except BaseException as error:
+        # Anything but OSError (caught below) must still resolve the futures: wait() is called
+        # before every checkpoint and would otherwise block forever without a word. Not
+        # re-raised: the error reaches the loader through the futures.
+        _fail_unresolved(jobs, error)
+
+
+def _fail_unresolved(jobs: list[tuple[str, str, Future]], error: BaseException) -> None:
+    for _path, _expected, verdict in jobs:
+        if not verdict.done():
+            verdict.set_exception(error)
 
 
 def shard_checksum_problem(path: str, expected: str) -> str | None:
