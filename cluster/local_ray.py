@@ -66,7 +66,13 @@ def start(num_cpus: int) -> None:
     root = ray_root()
     reap_dead_runs(root)
     bind_to_loopback()
+    # A local run never joins the user's cluster: "local" starts a new instance whatever
+    # RAY_ADDRESS says, and without these variables Ray's state API (which Ray Train's
+    # controller polls) and the workers do not look for that cluster either.
+    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        os.environ.pop(name, None)
     ray.init(
+        address="local",
         num_cpus=num_cpus,
         # Ray Train's controller polls the state API, which the dashboard serves (127.0.0.1).
         include_dashboard=True,
