@@ -38,10 +38,15 @@ class PrepareConfig:
 
     inputs: tuple[str, ...] = _option(
         (), "corpus file, directory or glob (local, gs://, s3://); repeatable and/or "
-        "comma-separated. By extension: .jsonl/.json JSON Lines with 'text'; .parquet with a "
-        "'text' column; .xml MediaWiki dump; other: Google's one sentence per line. "
-        "A FORMAT: prefix forces a format (books:DIR/*.txt reads one book per file; formats: "
-        "jsonl, parquet, wiki, books, sentences). .gz/.bz2 are decompressed.", flag="--input")
+        "comma-separated. The format is chosen by, in order: 1) a FORMAT: prefix, taken as "
+        "given (jsonl, parquet, wiki, books, sentences; books:DIR/*.txt reads one book per "
+        "file, the only way to get books); 2) the name, past any .gz/.bz2: .jsonl/.json JSON "
+        "Lines with 'text', .parquet with a 'text' column, .xml or a Wikimedia part such as "
+        ".xml-p1p41242 a MediaWiki dump; 3) otherwise the content: <mediawiki or <page> -> "
+        "wiki, a JSON object on the first line -> jsonl, PAR1 -> parquet, anything else "
+        "Google's one sentence per line. A file whose content contradicts its name (a .jsonl "
+        "holding XML) is rejected as format_mismatch. Decompressed by a .gz/.bz2 name, else "
+        "by gzip/bzip2 magic bytes.", flag="--input")
     output: str = _option("", "dataset directory to write")
     vocab: str = _option("", "WordPiece vocab.txt")
     lower_case: bool = _option(True, "lower-case and strip accents, as an uncased vocab needs")
@@ -226,4 +231,6 @@ def help_text() -> str:
         "\nAny Beam pipeline flag is accepted as well, e.g. --runner DataflowRunner --project P "
         "--region R --temp_location gs://B/tmp, or --direct_num_workers 2 "
         "--direct_running_mode multi_processing.\n"
+        "--dry_run=True translates the pipeline and lists the inputs found and their formats, "
+        "without running or writing anything.\n"
     )
