@@ -1,16 +1,21 @@
 """One run per run directory: a lock file that also works on a shared filesystem and in storage.
 
-The lock is a small JSON file (`.lock`) naming its holder: host, pid (with the pid's start time
-and pid namespace, so a reused pid or another container is not taken for the holder), when it
-started, and a heartbeat timestamp a thread refreshes every `HEARTBEAT_SECONDS`.
+The lock is a small JSON file (`.lock`) naming its holder: host, pid (with the pid's start time,
+pid namespace and the kernel's boot id, so a reused pid, another container or another node of
+the same name is not taken for the holder), when it started, and a heartbeat timestamp a thread
+refreshes every `HEARTBEAT_SECONDS`. Keys it does not know (a newer bertforge's) are ignored.
 
 - Taking it is atomic on a local or shared (NFS) filesystem: the record is written to a private
   temp file and published with `link()`, which fails when `.lock` exists and never shows a
   half-written file (O_CREAT|O_EXCL where the filesystem has no hard links).
-- The holder is alive while, on the same host and pid namespace, its pid runs (the kernel
-  knows at once), or, seen from another host, its heartbeat is fresh (`STALE_AFTER_SECONDS`;
-  clocks of the nodes must agree to within a fraction of that). A dead holder's lock is taken
-  over with a message; a live holder's makes the new run fail at once, naming it.
+- The holder is alive while, on the same host, pid namespace and boot, its pid runs (the
+  kernel knows at once; a pid of another user that cannot be inspected counts as running), or,
+  seen from anywhere else, its heartbeat is fresh (`STALE_AFTER_SECONDS`; clocks of the nodes
+  must agree to within a fraction of that). The root pid namespace has the same id on every
+  Linux host, hence the boot id: without it (an older lock, no /proc) only the heartbeat counts.
+  A dead holder's lock is taken over with a message; a live holder's makes the new run fail at
+  once, naming it. A lock file that cannot be read (another version's) counts as held until
+  its mtime is `STALE_AFTER_SECONDS` old.
 - Takeover renames the stale file away first, so of two runs taking over at once only one
   removes it; both then race on the atomic create.
 - In object storage (`--storage gs://... / s3://...`, through pyarrow.fs) there is no
@@ -33,7 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 
 LOCK_NAME = ".lock"
@@ -53,13 +58,32 @@ def _pid_namespace() -> str:
         return ""
 
 
-def _process_start(pid: int) -> float | None:
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _running(pid: int) -> tuple[bool, float | None]:
+    """Whether `pid` runs here, and its start time where it can be read."""
     import psutil
 
+    if pid <= 0:
+        return False, None
     try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False, None
+    except PermissionError:
+        pass  # it exists: another user's process
+    try:
+        return True, psutil.Process(pid).create_time()
+    except psutil.Error:
+        # Another user's process that psutil may not inspect, or hidden by a hidepid /proc:
+        # os.kill saw it, so it runs; its start time (pid reuse) cannot be checked.
+        return True, None
 
 
 @dataclass
@@ -72,30 +96,41 @@ class Holder:
     heartbeat: float
     command: str
     token: str
+    boot_id: str = ""  # "": an older bertforge's lock, or no /proc
 
     @classmethod
     def me(cls, command: str) -> Holder:
         now = time.time()
         return cls(host=socket.gethostname(), pid=os.getpid(),
-                   pid_start=_process_start(os.getpid()), pid_namespace=_pid_namespace(),
-                   started=now, heartbeat=now, command=command, token=uuid.uuid4().hex)
+                   pid_start=_running(os.getpid())[1], pid_namespace=_pid_namespace(),
+                   started=now, heartbeat=now, command=command, token=uuid.uuid4().hex,
+                   boot_id=_boot_id())
 
     @classmethod
     def parse(cls, text: str) -> Holder | None:
+        """The holder a lock file names, or None; keys of a newer bertforge are ignored."""
         try:
-            return cls(**json.loads(text))
-        except (ValueError, TypeError):
+            record = json.loads(text)
+            known = {f.name for f in fields(cls)}
+            return cls(**{k: v for k, v in record.items() if k in known})
+        except (ValueError, TypeError, AttributeError):
             return None
 
     def dumps(self) -> str:
         return json.dumps(asdict(self))
 
+    def is_local(self) -> bool:
+        """Whether its pid is one of this kernel's, in this pid namespace."""
+        boot_id = _boot_id()
+        return (self.host == socket.gethostname() and self.pid_namespace == _pid_namespace()
+                and bool(boot_id) and self.boot_id == boot_id)
+
     def is_alive(self, stale_after: float) -> bool:
-        if self.host == socket.gethostname() and self.pid_namespace == _pid_namespace():
-            start = _process_start(self.pid)
+        if self.is_local():
+            running, start = _running(self.pid)
             # A pid the kernel reused for another process started later: not the holder.
-            return start is not None and (self.pid_start is None
-                                          or abs(start - self.pid_start) < 1.0)
+            return running and (start is None or self.pid_start is None
+                                or abs(start - self.pid_start) < 1.0)
         return time.time() - self.heartbeat < stale_after
 
     def describe(self) -> str:
@@ -273,7 +308,7 @@ class RunLock:
 
     def _acquire(self, lock) -> None:
         mine = self.me.dumps()
-        for _ in range(5):
+        for attempt in range(5):
             if lock.create(mine):
                 return
             text = lock.read()
@@ -281,11 +316,18 @@ class RunLock:
                 continue  # released meanwhile: try again
             holder = Holder.parse(text)
             if holder is None:
-                # Being written (O_EXCL path), or a file of an older bertforge: stale once old.
-                if lock.age() < 5.0:
-                    time.sleep(0.5)
-                    continue
-                what = "an unreadable lock file"
+                # Being written (O_EXCL path), or another bertforge version's: held until old.
+                age = lock.age()
+                if age < self.stale_after_seconds:
+                    if age < 5.0 and attempt < 4:
+                        time.sleep(0.5)
+                        continue
+                    raise RunDirectoryInUse(
+                        f"the lock file in {lock} cannot be read (another bertforge version's?, "
+                        f"written {age:.0f} s ago); it counts as held until it is "
+                        f"{self.stale_after_seconds:.0f} s old; remove {LOCK_NAME} there if no "
+                        f"run uses the directory")
+                what = f"an unreadable lock file ({age:.0f} s old)"
             elif holder.is_alive(self.stale_after_seconds):
                 raise RunDirectoryInUse(
                     f"another bertforge {holder.command} is running in {lock} "

@@ -90,12 +90,63 @@ def test_another_host_holds_while_its_heartbeat_is_fresh(tmp_path, capsys):
     assert "taking over the lock of a run that is gone (host node-7" in capsys.readouterr().out
 
 
-def test_an_old_unreadable_lock_file_is_taken_over(tmp_path):
+def test_an_unreadable_lock_file_counts_as_held_until_stale_then_is_taken_over(tmp_path, capsys):
     (tmp_path / LOCK_NAME).write_text("")  # an older bertforge's flock file
-    old = time.time() - 60
+    young = time.time() - 60
+    os.utime(tmp_path / LOCK_NAME, (young, young))
+    with pytest.raises(RunDirectoryInUse, match=r"cannot be read .* written 60 s ago"):
+        with exclusive_directory(str(tmp_path), "pipeline"):
+            pass
+    old = time.time() - 200
     os.utime(tmp_path / LOCK_NAME, (old, old))
     with exclusive_directory(str(tmp_path), "pipeline"):
         assert lock_record(tmp_path)["command"] == "pipeline"
+    assert "taking over an unreadable lock file (200 s old)" in capsys.readouterr().out
+
+
+def test_a_newer_versions_lock_with_unknown_keys_is_still_held(tmp_path):
+    write_lock(tmp_path, a_future_field={"x": 1})  # this process, alive
+    with pytest.raises(RunDirectoryInUse, match="another bertforge train is running"):
+        with exclusive_directory(str(tmp_path), "train"):
+            pass
+
+
+def test_a_dead_pid_of_another_boot_is_judged_by_its_heartbeat(tmp_path):
+    # Same host name and (root) pid namespace, but another kernel: its pid means nothing here.
+    pid, started = dead_pid()
+    write_lock(tmp_path, pid=pid, pid_start=started, boot_id="another-node")
+    with pytest.raises(RunDirectoryInUse, match=f"pid {pid}"):
+        with exclusive_directory(str(tmp_path), "train"):
+            pass
+    write_lock(tmp_path, pid=pid, pid_start=started, boot_id="another-node",
+               heartbeat=time.time() - 600)
+    with exclusive_directory(str(tmp_path), "train"):
+        assert lock_record(tmp_path)["pid"] == os.getpid()
+
+
+def test_an_older_lock_without_boot_id_is_judged_by_its_heartbeat(tmp_path):
+    pid, started = dead_pid()
+    write_lock(tmp_path, pid=pid, pid_start=started)
+    record = lock_record(tmp_path)
+    del record["boot_id"]
+    (tmp_path / LOCK_NAME).write_text(json.dumps(record))
+    with pytest.raises(RunDirectoryInUse, match=f"pid {pid}"):
+        with exclusive_directory(str(tmp_path), "train"):
+            pass
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may signal and inspect every process")
+def test_a_process_of_another_user_counts_as_running(tmp_path):
+    try:
+        if psutil.Process(1).uids().real == os.geteuid():
+            pytest.skip("pid 1 is this user's here")
+        start = psutil.Process(1).create_time()
+    except psutil.Error:  # a hidepid /proc: pid 1 cannot be seen, os.kill still finds it
+        start = None
+    write_lock(tmp_path, pid=1, pid_start=start)
+    with pytest.raises(RunDirectoryInUse, match="pid 1,"):
+        with exclusive_directory(str(tmp_path), "train"):
+            pass
 
 
 def test_the_heartbeat_is_refreshed_and_a_lost_lock_reported(tmp_path, capsys):
