@@ -60,25 +60,42 @@ class _Tee(io.TextIOBase):
         return self.console.isatty()
 
 
+# The process's one log file and the warnings hook it replaced: a reused Ray worker process runs
+# quiet_worker again (another run directory or rank); everything must then follow the new file.
+_log: TextIO | None = None
+_console_showwarning = None
+
+
 def quiet_worker(run_dir: str, rank: int) -> str:
-    """Set this worker process's output up as the module docstring says; returns the log's path."""
+    """Set this worker process's output up as the module docstring says; returns the log's path.
+
+    Called again in the same process, it moves everything to the new log and closes the old one.
+    """
+    global _log, _console_showwarning
     path = worker_log_path(run_dir, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - the process's lifetime
-    if not isinstance(sys.stdout, _Tee):  # a restarted worker group may reuse the process
+    old, _log = _log, log
+    if isinstance(sys.stdout, _Tee):  # a restarted worker group may reuse the process
+        sys.stdout.log = log
+        if isinstance(sys.stderr, _Tee):
+            sys.stderr.log = log
+    else:
         sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
-
-    show = warnings.showwarning
-
-    def to_log(message, category, filename, lineno, file=None, line=None) -> None:
-        if is_ours(filename):
-            show(message, category, filename, lineno, file, line)  # the console and the Tee
-        else:
-            log.write(warnings.formatwarning(message, category, filename, lineno, line))
-
-    warnings.showwarning = to_log
+    if warnings.showwarning is not _to_log:  # chained once: not a warning per call so far
+        _console_showwarning = warnings.showwarning
+        warnings.showwarning = _to_log
     _deepspeed_errors_only_on_console(log)
+    if old is not None:
+        old.close()
     return path
+
+
+def _to_log(message, category, filename, lineno, file=None, line=None) -> None:
+    if is_ours(filename) or _log is None:
+        _console_showwarning(message, category, filename, lineno, file, line)  # console and Tee
+    else:
+        _log.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 def is_ours(filename: str) -> bool:
@@ -91,7 +108,10 @@ def _deepspeed_errors_only_on_console(log: TextIO) -> None:
     # runs (before any handler of its could be adjusted), and the logger object is the same
     # before and after that import.
     logger = logging.getLogger(_DEEPSPEED_LOGGER)
-    if not any(isinstance(f, _BelowErrorToLogOnly) for f in logger.filters):
+    ours = [f for f in logger.filters if isinstance(f, _BelowErrorToLogOnly)]
+    for existing in ours:  # a second call: the filter follows the new file
+        existing.log = log
+    if not ours:
         logger.addFilter(_BelowErrorToLogOnly(log))
     for handler in logger.handlers:  # present when deepspeed was imported before us
         if type(handler) is logging.StreamHandler:

@@ -7,19 +7,25 @@ import textwrap
 from bertforge.cluster.worker_output import is_ours, worker_log_path
 
 # Run in a fresh interpreter: quiet_worker rewires the process's stdout, stderr and warnings.
+# DeepSpeed is imported first, as in a worker, so its console handler exists and is re-pointed;
+# quiet_worker runs twice, as in a reused Ray worker process: everything must follow the
+# second log file.
 WORKER = textwrap.dedent("""
     import logging, sys, warnings
+    import deepspeed  # noqa: F401
     import torch.distributed.c10d_logger as library_module
     import bertforge.training.metrics as our_module
     from bertforge.cluster.worker_output import quiet_worker
     from bertforge.training.metrics import console
 
+    quiet_worker(sys.argv[2], 1)
+    print("before the second setup")
     quiet_worker(sys.argv[1], 1)
     # What torch's collectives wrapper raises once per call from DeepSpeed's ZeRO:
     warnings.warn_explicit("`all_gather_into_tensor` is deprecated", FutureWarning,
                            library_module.__file__, 83)
     warnings.warn_explicit("a warning of our own", UserWarning, our_module.__file__, 1)
-    logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU")
+    logging.getLogger("DeepSpeed").warning("ZeRO stage 2 settings")
     logging.getLogger("DeepSpeed").error("a DeepSpeed error")
     console("[train] step 1/2 | loss 9.7")
     print("a library's print")
@@ -27,18 +33,21 @@ WORKER = textwrap.dedent("""
 
 
 def test_library_warnings_go_to_the_run_dir_log_and_our_lines_to_the_console(tmp_path):
-    result = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path)], capture_output=True,
-                            text=True, check=True)
+    first_run = tmp_path / "first"
+    result = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path), str(first_run)],
+                            capture_output=True, text=True, check=True)
     console = result.stdout + result.stderr
     assert "[train] step 1/2" in console and "a DeepSpeed error" in console
-    assert "a warning of our own" in console
-    assert "deprecated" not in console and "Setting accelerator" not in console
+    assert console.count("a warning of our own") == 1  # showwarning not chained twice
+    assert "deprecated" not in console and "ZeRO stage 2" not in console
     log = open(worker_log_path(str(tmp_path), 1), encoding="utf-8").read()
     for line in ("`all_gather_into_tensor` is deprecated", "FutureWarning",
-                 "Setting accelerator to CPU", "a DeepSpeed error", "[train] step 1/2",
+                 "ZeRO stage 2 settings", "a DeepSpeed error", "[train] step 1/2",
                  "a warning of our own", "a library's print"):
-        assert line in log, line
-    assert log.count("a DeepSpeed error") == 1
+        assert log.count(line) == 1, line
+    # The first setup's file got only what was written before the second setup.
+    first = open(worker_log_path(str(first_run), 1), encoding="utf-8").read()
+    assert first == "before the second setup\n"
 
 
 def test_only_bertforge_files_count_as_ours():
