@@ -8,7 +8,9 @@
 - Each start records the driver (pid, start time) and the Ray processes it spawned in
   `ray_root()/drivers/`; the next start stops the processes of every recorded driver that is
   dead (a SIGKILLed run's raylet agents outlive it) and keeps only the newest `KEEP_SESSIONS`
-  session folders that no live run uses. A live run's processes are never touched.
+  session folders that no live run uses. A live run's processes are never touched, nor those
+  and the session of a record written in another container or on another node sharing TMPDIR
+  (its host, pid namespace or boot id differ: its pids are not ours to judge).
 - `driver_teardown()` turns SIGTERM/SIGHUP into a normal exit, so `finally` blocks run (the
   run-directory lock is released) and Ray is shut down, as on Ctrl-C; a signal that is ignored
   (`nohup` ignores SIGHUP) or already handled is left as it is.
@@ -23,7 +25,10 @@ import shutil
 import signal
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
+
+from bertforge.cluster.run_lock import process_scope
 
 KEEP_SESSIONS = 3
 _RECORD = None  # this driver's record file, once it started a local Ray
@@ -117,12 +122,14 @@ def _record_this_driver(root: str) -> None:
                 started += [_process_key(p)
                             for p in [process] + process.children(recursive=True)]
     record = {
+        "scope": process_scope(),
         "driver": _process_key(me),
         "session_dir": node.get_session_dir_path(),
         "processes": started,
     }
     os.makedirs(os.path.join(root, "drivers"), exist_ok=True)
-    _RECORD = os.path.join(root, "drivers", f"{me.pid}.json")
+    # Not the pid alone: drivers in two containers sharing TMPDIR can have the same pid.
+    _RECORD = os.path.join(root, "drivers", f"{me.pid}_{uuid.uuid4().hex[:8]}.json")
     with open(_RECORD, "w", encoding="utf-8") as f:
         json.dump(record, f)
 
@@ -150,8 +157,10 @@ def reap_dead_runs(root: str | None = None, keep_sessions: int = KEEP_SESSIONS) 
 
     root = root or ray_root()
     live_sessions, orphans = set(), []
+    here = process_scope()
     for path, record in _read_records(root):
-        if _same_process(record["driver"]) is not None:
+        # Another container's or node's run (records before scopes: judged as ours).
+        if record.get("scope", here) != here or _same_process(record["driver"]) is not None:
             live_sessions.add(record["session_dir"])
             continue
         orphans += [p for p in map(_same_process, record["processes"]) if p is not None]

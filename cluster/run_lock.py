@@ -66,6 +66,12 @@ def _boot_id() -> str:
         return ""
 
 
+def process_scope() -> dict[str, str]:
+    """Where a pid names this process table: host name, pid namespace and kernel boot."""
+    return {"host": socket.gethostname(), "pid_namespace": _pid_namespace(),
+            "boot_id": _boot_id()}
+
+
 def _running(pid: int) -> tuple[bool, float | None]:
     """Whether `pid` runs here, and its start time where it can be read."""
     import psutil
