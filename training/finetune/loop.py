@@ -15,6 +15,7 @@ the Hugging Face export and `result.json` in cfg.output.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from bertforge.training.finetune.export import export_finetuned
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.model import task_model
 from bertforge.training.finetune.task_data import TaskData, load_task_data
+from bertforge.training.loop import _to_device  # pinned + non_blocking on CUDA: no sync
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.precision import resolve_precision
 
@@ -120,8 +122,15 @@ def batch_indices(num_rows: int, batch_size: int, step: int, steps_per_epoch: in
                   seed: int, rank: int, world_size: int) -> np.ndarray:
     """This rank's rows in optimizer step `step`: its stride of the global batch."""
     epoch, index = divmod(step, steps_per_epoch)
-    order = np.random.default_rng([seed, epoch]).permutation(num_rows)
+    order = epoch_order(num_rows, seed, epoch)
     return order[index * batch_size:(index + 1) * batch_size][rank::world_size]
+
+
+@functools.lru_cache(maxsize=1)
+def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's permutation of the rows, drawn once per epoch (not once per step: SQuAD's
+    ~88k rows). Callers only slice it."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
 def _train(engine, data: TaskData, cfg: FinetuneConfig, steps_per_epoch: int, num_steps: int,
@@ -130,7 +139,10 @@ def _train(engine, data: TaskData, cfg: FinetuneConfig, steps_per_epoch: int, nu
     log_every = cfg.log_every or max(1, min(50, num_steps // 20))
     logger = MetricsLogger(cfg.output, enabled=rank == 0, max_steps=num_steps, prefix="finetune")
     tensors = {k: v for k, v in data.train.items() if k in MODEL_INPUTS + TRAIN_TARGETS}
-    sums = torch.zeros(3, dtype=torch.float64, device=engine.device)  # loss, micro-steps, rows
+    # Only the loss stays on the device, summed there; steps and rows are host ints, put into
+    # a tensor at log time: a host->device copy per step would wait for the GPU each step.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+    window_steps = window_rows = 0
     window_start, last_loss = time.time(), None
     engine.train()
     for step in range(num_steps):
@@ -141,15 +153,19 @@ def _train(engine, data: TaskData, cfg: FinetuneConfig, steps_per_epoch: int, nu
         out = engine(**batch)
         engine.backward(out["loss"])
         engine.step()
-        sums += torch.stack([out["loss"].detach().double(), sums.new_tensor(1.0),
-                             sums.new_tensor(float(len(rows)))])
+        loss_sum += out["loss"].detach()
+        window_steps += 1
+        window_rows += len(rows)
         if step == 0 or (step + 1) % log_every == 0 or step + 1 == num_steps:
+            sums = torch.stack([loss_sum, loss_sum.new_tensor(float(window_steps)),
+                                loss_sum.new_tensor(float(window_rows))])
             loss, micro_steps, examples = all_reduce_sum(sums, engine.device).tolist()
             seconds = max(time.time() - window_start, 1e-9)
             last_loss = loss / micro_steps
             logger.log(step + 1, {"loss": last_loss, "lr": engine.get_lr()[0],
                                   "seq_per_s": examples / seconds})
-            sums.zero_()
+            loss_sum.zero_()
+            window_steps = window_rows = 0
             window_start = time.time()
     logger.close()
     return last_loss
@@ -162,10 +178,6 @@ def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     width = int(batch["attention_mask"].sum(dim=1).max())
     return {k: v[:, :width] if v.dim() == 2 and k in MODEL_INPUTS else v
             for k, v in batch.items()}
-
-
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in batch.items()}
 
 
 def _pad_to(logits: torch.Tensor, width: int) -> torch.Tensor:
