@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bertforge.cluster.preflight import preflight_model
 from bertforge.cluster.ray_train import _QUIET_RAY_TRAIN, LaunchConfig, connect, run_on_ray
 from bertforge.cluster.stage_runner import (
     Stage,
@@ -90,6 +91,8 @@ def resolve_data_files(cfg: FinetuneConfig) -> FinetuneConfig:
 def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     """Read the model's config and vocabulary and every data line, as the workers will; clear
     errors here, before Ray. Returns the model's provenance and the example counts."""
+    if not cfg.random_init:  # the workers read its weights: the directory must hold them
+        preflight_model(cfg.model)
     pretrained = load_pretrained(cfg.model, random_init=True)  # config and vocab, no weights
     provenance = {**pretrained.provenance, "random_init": cfg.random_init}
     if cfg.is_squad:
@@ -126,6 +129,9 @@ def run_finetune(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     cfg = resolve_data_files(cfg)
     cfg = dataclasses.replace(cfg, output=os.path.abspath(cfg.output))
     facts = check_inputs(cfg, launch)
+    if launch.address:  # no storage support: the workers open the driver's paths
+        print(f"[finetune] --address: MODEL, the data files and --output ({cfg.output}) must be "
+              "on a filesystem every node mounts at the same paths", flush=True)
     if data_note(cfg):
         print(f"[finetune] {data_note(cfg)}", flush=True)
     names = [run_name(lr, seed) for lr, seed in cfg.runs()]
@@ -207,13 +213,23 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
     from bertforge.training.errors import as_user_error
 
     torch.set_num_threads(worker_config["threads"])
+    rank = ray.train.get_context().get_world_rank()
     # Library chatter to DIR/runs/logs/worker-RANK.log only, before DeepSpeed's import logs any.
-    quiet_worker(worker_config["logs"], ray.train.get_context().get_world_rank())
+    quiet_worker(worker_config["logs"], rank)
+    import ray.train.torch
+
+    from bertforge.training.distributed import barrier
     from bertforge.training.finetune.loop import finetune
 
     for values in worker_config["runs"]:
         if os.path.exists(os.path.join(values["output"], RESULT_NAME)):
             continue  # finished before this worker group restarted
+        # A restarted group re-runs a run its predecessor left half done: start it over, or
+        # its metrics.jsonl would hold the first attempt's steps too (the driver cleans only
+        # before the first group). Every rank waits, so none reads the run's old files.
+        if rank == 0:
+            fresh_dir(values["output"])
+        barrier(ray.train.torch.get_device())
         try:
             finetune(FinetuneConfig.from_dict(values))
         except ValueError as error:  # bad inputs fail the same way on every attempt: no retry

@@ -142,3 +142,30 @@ def test_sweep_statistics_and_summary_line():
     line = summary_line(results)
     assert line.startswith("[finetune] mrpc: f1 0.9000 (lr 3e-05, seed 2); 4 runs: median 0.8250")
     assert "accuracy 0.8500" in line and "from /m (run_dir)" in line
+
+
+def test_a_hugging_face_dir_without_weights_is_refused_on_the_driver(tmp_path):
+    """The driver's check reads no weights, the workers do: it must refuse a directory that
+    has config.json and vocab.txt but no weights file, in one line, before Ray."""
+    from bertforge.cluster.finetune import check_inputs
+    from bertforge.training.finetune.load import load_pretrained
+    from bertforge.training.hf_interop import HF_WEIGHTS_NAMES
+    from tests.support.finetune_data import tiny_bert_dir, write_sst2_tsv
+
+    model = tiny_bert_dir(str(tmp_path / "m"))
+    removed = [name for name in HF_WEIGHTS_NAMES if os.path.exists(os.path.join(model, name))]
+    assert removed, os.listdir(model)  # the fixture wrote weights: this test removes them
+    for name in removed:
+        os.remove(os.path.join(model, name))
+    train = write_sst2_tsv(str(tmp_path / "train.tsv"), 32, seed=1)
+    dev = write_sst2_tsv(str(tmp_path / "dev.tsv"), 16, seed=2)
+    cfg = FinetuneConfig(task="sst2", model=model, output=str(tmp_path / "out"), train=train,
+                         dev=dev, batch_size=16)
+    with pytest.raises(ValueError, match=f"model {model} is neither") as error:
+        check_inputs(cfg, LaunchConfig(workers=1))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="is neither"):  # the workers' rule is the same
+        load_pretrained(model)
+    # Random init reads no weights: the same directory passes.
+    facts = check_inputs(dataclasses.replace(cfg, random_init=True), LaunchConfig(workers=1))
+    assert facts["num_train_examples"] == 32

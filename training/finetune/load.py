@@ -27,6 +27,7 @@ from bertforge.training.hf_interop import (
     load_hf_weights,
     rename_from_hf,
 )
+from bertforge.training.inputs import check_model_source
 from bertforge.training.model import BertConfig
 from bertforge.training.warm_start import read_initial_weights
 
@@ -44,7 +45,10 @@ class PretrainedModel(NamedTuple):
 
 
 def source_kind(source: str) -> str:
-    """checkpoint, run_dir or hf_dir; a clear error for anything else."""
+    """checkpoint, run_dir or hf_dir; a clear error for anything else. Which of them holds
+    what the load needs is `training.inputs.check_model_source`'s rule (the driver's
+    pre-flight): `load_pretrained` applies it when it reads weights, after naming a non-BERT
+    config.json (random init needs config.json and vocab.txt only)."""
     if not os.path.isdir(source):
         raise ValueError(f"model {source}: no such directory; give {_WHAT_WE_TAKE}")
     if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)):
@@ -88,6 +92,8 @@ def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:
     if not os.path.exists(vocab_path):
         raise ValueError(f"model {source} has no vocab.txt: a BERT directory brings its "
                          "WordPiece vocabulary")
+    if not random_init:  # weights required: the driver's pre-flight rule, checked here too
+        check_model_source(source)
     state = None if random_init else _hf_encoder(source, config)
     provenance = _provenance(source, HF_DIR, random_init, vocab_path, step=None)
     if state is not None and "bert.pooler.dense.weight" not in state:
