@@ -1,7 +1,8 @@
 """Statistics of a prepared dataset: counts, NSP balance, lengths, and a few decoded pairs.
 
 Reads the shards through memory maps, so inspecting a large dataset costs little memory; checks
-row counts against the manifest on the way.
+row counts against the manifest and every row against the data contract (`contract.rows`, the
+training loader's checks) on the way.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bertforge.pipelines.contract import manifest
-from bertforge.pipelines.contract.tokenization import load_tokenizer
+from bertforge.pipelines.contract.rows import RowRules, table_problem
+from bertforge.pipelines.contract.tokenization import load_tokenizer, read_vocab
 from bertforge.pipelines.verify_shards import read_arrow_file
 
 NUM_LENGTH_BINS = 8
@@ -40,17 +42,16 @@ def _length_histogram(lengths: np.ndarray, max_seq_length: int) -> list[dict[str
 
 
 def _split_stats(
-    data_dir: str, entry: manifest.SplitEntry, max_seq_length: int, vocab_size: int
+    data_dir: str, entry: manifest.SplitEntry, max_seq_length: int, rules: RowRules
 ) -> dict[str, Any]:
     lengths, labels, num_a, problems = [], [], [], []
     for shard in entry.shards:
         table = _read_shard(os.path.join(data_dir, shard.path))
         if table.num_rows != shard.num_rows:
             problems.append(f"{shard.path}: {table.num_rows} rows, manifest says {shard.num_rows}")
-        largest = pc.max(pc.list_flatten(table[manifest.INPUT_IDS])).as_py()
-        if largest is not None and largest >= vocab_size:  # a damaged file (see --verify)
-            problems.append(f"{shard.path}: token id {largest} outside the vocabulary of "
-                            f"{vocab_size}")
+        problem = table_problem(table, rules, shard.path)  # a damaged file (see --verify)
+        if problem:
+            problems.append(problem)
         lengths.append(
             pc.list_value_length(table[manifest.INPUT_IDS]).to_numpy(zero_copy_only=False)
         )
@@ -111,8 +112,11 @@ def inspect_dataset(data_dir: str, num_samples: int = 3) -> dict[str, Any]:
     """Statistics of every split of the dataset in `data_dir`, plus decoded sample pairs."""
     found = manifest.read_manifest(data_dir)
     max_seq_length = int(found.instance_params.get("max_seq_length", 512))
+    vocab = read_vocab(os.path.join(data_dir, manifest.VOCAB_NAME))
+    rules = RowRules.from_vocab(sorted(vocab, key=vocab.__getitem__), max_seq_length,
+                                found.tokenizer.vocab_size)
     splits = {
-        name: _split_stats(data_dir, entry, max_seq_length, found.tokenizer.vocab_size)
+        name: _split_stats(data_dir, entry, max_seq_length, rules)
         for name, entry in found.splits.items()
     }
     sample_split = "train" if "train" in found.splits else next(iter(found.splits), None)

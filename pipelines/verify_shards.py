@@ -1,8 +1,11 @@
 """`bertforge inspect --verify`: every file of a prepared dataset against its manifest.
 
-Reads everything once: each shard's sha256, row count, token count and token-id range, and
-the vocabulary's sha256 and size. Every problem names its file, so one run lists all the
-damage (not just the first), and the command exits non-zero when there is any.
+Reads everything once: each shard's sha256, row count and token count, every row against the
+data contract (the same checks the training loader makes, `contract.rows`: ids in the
+vocabulary, lengths, [CLS]/[SEP] placement, num_a_tokens, NSP label), and the vocabulary's
+sha256 and size. Every problem names its file (and row), so one run lists all the damage (not
+just the first), and the command exits non-zero when there is any. A shard that passes cannot
+fail training with a corrupt row.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bertforge.pipelines.contract import manifest
+from bertforge.pipelines.contract.rows import RowRules, table_problem
+from bertforge.pipelines.contract.tokenization import read_vocab
+
+REQUIRED_COLUMNS = (manifest.INPUT_IDS, manifest.NUM_A_TOKENS, manifest.NEXT_SENTENCE_LABEL)
 
 
 @dataclass
@@ -40,24 +47,46 @@ def verify_dataset(data_dir: str) -> Verification:
     """Check every shard and the vocabulary of `data_dir` against its manifest."""
     found = manifest.read_manifest(data_dir)
     result = Verification()
-    _verify_vocab(data_dir, found.tokenizer, result)
+    vocab = _verify_vocab(data_dir, found.tokenizer, result)
+    rules = _row_rules(data_dir, found, vocab, result)
     for entry in (shard for split in found.splits.values() for shard in split.shards):
-        _verify_shard(os.path.join(data_dir, entry.path), entry, found.tokenizer.vocab_size,
-                      result)
+        _verify_shard(os.path.join(data_dir, entry.path), entry, rules, result)
     return result
 
 
-def _verify_vocab(data_dir: str, tokenizer: manifest.TokenizerEntry, result: Verification) -> None:
+def _verify_vocab(data_dir: str, tokenizer: manifest.TokenizerEntry,
+                  result: Verification) -> list[str] | None:
+    """The vocabulary's tokens in id order, or None when it is missing or unreadable."""
     path = os.path.join(data_dir, manifest.VOCAB_NAME)
     if not _present_and_hashed(path, tokenizer.vocab_sha256, "the manifest's vocabulary", result):
-        return
-    with open(path, encoding="utf-8") as f:
-        size = sum(1 for line in f if line.rstrip("\n"))
-    if size != tokenizer.vocab_size:
-        result.problems.append(f"{path}: {size} tokens, the manifest says {tokenizer.vocab_size}")
+        return None
+    try:
+        ids = read_vocab(path)
+    except (ValueError, UnicodeDecodeError) as error:
+        result.problems.append(f"{path}: not a readable vocabulary ({error})")
+        return None
+    if len(ids) != tokenizer.vocab_size:
+        result.problems.append(f"{path}: {len(ids)} tokens, the manifest says "
+                               f"{tokenizer.vocab_size}")
+    return sorted(ids, key=ids.__getitem__)
 
 
-def _verify_shard(path: str, entry: manifest.ShardEntry, vocab_size: int,
+def _row_rules(data_dir: str, found: manifest.Manifest, vocab: list[str] | None,
+               result: Verification) -> RowRules | None:
+    """What every row must satisfy, as the training loader sees it; None (and a problem) when
+    the dataset cannot say, in which case the rows are not checked."""
+    max_seq_length = found.instance_params.get("max_seq_length")
+    if max_seq_length is None:
+        result.problems.append(f"{data_dir}: the manifest has no instance parameter "
+                               "max_seq_length: rows not checked")
+        return None
+    if vocab is None:
+        return None  # already a problem (read_vocab refuses one without [CLS]/[SEP])
+    # The manifest's size, as the model's embedding has it, even if vocab.txt disagrees.
+    return RowRules.from_vocab(vocab, int(max_seq_length), found.tokenizer.vocab_size)
+
+
+def _verify_shard(path: str, entry: manifest.ShardEntry, rules: RowRules | None,
                   result: Verification) -> None:
     if not _present_and_hashed(path, entry.sha256, "the manifest lists it", result):
         return
@@ -69,17 +98,22 @@ def _verify_shard(path: str, entry: manifest.ShardEntry, vocab_size: int,
     if table.num_rows != entry.num_rows:
         result.problems.append(f"{path}: {table.num_rows} rows, the manifest says "
                                f"{entry.num_rows}")
-    if manifest.INPUT_IDS not in table.column_names:
-        result.problems.append(f"{path}: no {manifest.INPUT_IDS} column")
+    missing = [name for name in REQUIRED_COLUMNS if name not in table.column_names]
+    if missing:
+        result.problems.append(f"{path}: no {', '.join(missing)} column(s)")
         return
-    ids = pc.list_flatten(table[manifest.INPUT_IDS])
-    if len(ids) != entry.num_tokens:
-        result.problems.append(f"{path}: {len(ids)} tokens, the manifest says "
+    num_tokens = int(pc.sum(pc.list_value_length(table[manifest.INPUT_IDS])).as_py() or 0)
+    if num_tokens != entry.num_tokens:
+        result.problems.append(f"{path}: {num_tokens} tokens, the manifest says "
                                f"{entry.num_tokens}")
-    largest = pc.max(ids).as_py() if len(ids) else None
-    if largest is not None and largest >= vocab_size:
-        result.problems.append(f"{path}: token id {largest} outside the vocabulary of "
-                               f"{vocab_size}")
+    if rules is None:
+        return
+    try:
+        problem = table_problem(table, rules, path)
+    except (pa.ArrowException, AttributeError, TypeError) as error:
+        problem = f"{path}: unexpected column types ({error})"
+    if problem:
+        result.problems.append(problem)
 
 
 def _present_and_hashed(path: str, expected: str, what: str, result: Verification) -> bool:

@@ -1,5 +1,13 @@
+import os
+
+import pyarrow as pa
+
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.inspect_shards import format_report, inspect_dataset
+from bertforge.pipelines.verify_shards import verify_dataset
+
+# Google's layout: [PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, then words.
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "down"]
 
 
 def test_statistics_match_the_manifest(prepared):
@@ -37,3 +45,57 @@ def test_samples_are_decoded_per_segment(prepared):
         stats["samples"][0]["doc_id"],
     ):
         assert text in report
+
+
+def _write_dataset(root: str, rows: list[tuple[list[int], int, int]]) -> str:
+    """A one-shard dataset written by the manifest contract: rows of (ids, num_a, label)."""
+    os.makedirs(root)
+    vocab_path = os.path.join(root, manifest.VOCAB_NAME)
+    with open(vocab_path, "w", encoding="utf-8") as f:
+        f.write("\n".join(VOCAB) + "\n")
+    relative = manifest.shard_file_name("train", 0, 1)
+    table = pa.table({manifest.INPUT_IDS: [r[0] for r in rows],
+                      manifest.NUM_A_TOKENS: [r[1] for r in rows],
+                      manifest.NEXT_SENTENCE_LABEL: [r[2] for r in rows],
+                      manifest.DOC_ID: [f"d{i}" for i in range(len(rows))]},
+                     schema=manifest.shard_schema(len(VOCAB)))
+    path = os.path.join(root, relative)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=2)  # several record batches: rows count on
+    num_tokens = sum(len(r[0]) for r in rows)
+    manifest.write_manifest(root, manifest.Manifest(
+        tokenizer=manifest.TokenizerEntry(vocab_sha256=manifest.sha256_file(vocab_path),
+                                          vocab_size=len(VOCAB), lower_case=True),
+        instance_params={"max_seq_length": 16},
+        splits={"train": manifest.SplitEntry(
+            num_instances=len(rows), num_tokens=num_tokens, num_documents=len(rows),
+            shards=[manifest.ShardEntry(path=relative, num_rows=len(rows), num_tokens=num_tokens,
+                                        sha256=manifest.sha256_file(path))])},
+        counts={"documents": len(rows), "sentences": 0, "instances": len(rows), "rejected": {}},
+    ))
+    return path
+
+
+def test_verify_checks_every_row_as_the_loader_does(tmp_path):
+    good = ([2, 5, 3, 6, 3], 3, 0)  # [CLS] the [SEP] cat [SEP]
+    path = _write_dataset(str(tmp_path / "ok"), [good] * 5)
+    assert verify_dataset(str(tmp_path / "ok")).ok
+    # Row 3 (in the second record batch): num_a_tokens 2 points before A's [SEP]. Every id is
+    # in the vocabulary and the manifest's hashes match: only the row check can see it.
+    rows = [good] * 3 + [([2, 5, 3, 6, 3], 2, 0)] + [good]
+    path = _write_dataset(str(tmp_path / "bad"), rows)
+    result = verify_dataset(str(tmp_path / "bad"))
+    assert result.problems == [
+        f"{path}: num_a_tokens 2 outside [3, length - 2 = 3] in row 3 "
+        "(1 bad row(s) in its record batch of 2)"]
+    problems = inspect_dataset(str(tmp_path / "bad"), num_samples=0)["splits"]["train"]["problems"]
+    assert problems == [result.problems[0].replace(path, manifest.shard_file_name("train", 0, 1))]
+
+
+def test_verify_names_specials_out_of_place_and_bad_labels(tmp_path):
+    rows = [([2, 5, 3, 6, 3], 3, 0), ([2, 5, 6, 3, 3], 3, 0), ([2, 5, 3, 6, 3], 3, 2)]
+    path = _write_dataset(str(tmp_path / "data"), rows)
+    (problem,) = verify_dataset(str(tmp_path / "data")).problems
+    assert problem.startswith(f"{path}: [CLS]/[SEP] are not where")
+    assert " in row 1 (" in problem

@@ -8,124 +8,35 @@ the first row from it, once per process: a few numpy passes over the flat arrays
 speed, so every row is checked before it reaches the model, and a batch pays only for the
 record batches nobody has read yet. A failure names the file, the row and what is wrong.
 
-A row is valid when: every id is in [0, vocab_size); 5 <= length <= max_seq_length
-([CLS] A [SEP] B [SEP], A and B at least one token each); ids[0] is [CLS];
-3 <= num_a_tokens <= length - 2 with [SEP] at num_a_tokens - 1 and at length - 1; and
-next_sentence_label is 0 or 1.
+The checks themselves (what a valid row is) live in `pipelines.contract.rows`, shared with
+`bertforge inspect --verify`, so a shard that passes --verify passes here too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
-
+from bertforge.pipelines.contract.rows import (
+    MIN_ROW_LENGTH,
+    FlatRows,
+    RowRules,
+    first_bad_row,
+    row_problems,
+)
 from bertforge.training.errors import UserInputError
 
-MIN_ROW_LENGTH = 5  # [CLS] a [SEP] b [SEP]
-
-
-@dataclass(frozen=True)
-class RowRules:
-    """What a valid row of one dataset looks like (from its manifest and vocabulary)."""
-
-    vocab_size: int
-    max_seq_length: int
-    cls_id: int
-    sep_id: int
-
-    @classmethod
-    def from_vocab(cls, vocab_tokens: list[str], max_seq_length: int) -> RowRules:
-        return cls(len(vocab_tokens), max_seq_length,
-                   vocab_tokens.index("[CLS]"), vocab_tokens.index("[SEP]"))
+__all__ = ["MIN_ROW_LENGTH", "CorruptRowError", "FlatRows", "RowRules", "check_rows",
+           "row_problems"]
 
 
 class CorruptRowError(UserInputError):
     """A row of a shard breaks the data contract: the file is damaged or was not made by us."""
 
 
-@dataclass(frozen=True)
-class FlatRows:
-    """Rows as Arrow lays out a list column: row i is values[offsets[i]:offsets[i + 1]]."""
-
-    offsets: np.ndarray  # num_rows + 1
-    values: np.ndarray  # token ids
-    num_a_tokens: np.ndarray
-    next_sentence_label: np.ndarray
-
-
-def row_problems(rows: FlatRows, rules: RowRules) -> tuple[np.ndarray, list[str]]:
-    """(bad, reasons): a boolean per row and, for the first bad row, what is wrong with it.
-
-    A range is one unsigned comparison (below its low end, x - low wraps to a huge number);
-    the checks are named one by one only once a row has failed.
-    """
-    checks = _checks(rows, rules)
-    bad = checks["length"] | checks["num_a"] | checks["label"] | checks["specials"]
-    tokens = rows.values[rows.offsets[0]:rows.offsets[-1]] if len(rows.offsets) else rows.values
-    ids_in_range = not len(tokens) or (
-        int(tokens.max()) < rules.vocab_size and (tokens.dtype.kind == "u" or tokens.min() >= 0))
-    if ids_in_range and not np.count_nonzero(bad):
-        return bad, []
-    if not ids_in_range:
-        checks["id"] = _rows_with_bad_ids(rows, tokens, rules)
-        bad = bad | checks["id"]
-    first = int(np.flatnonzero(bad)[0])
-    reasons = _describe(rows, rules, first, checks)
-    return bad, reasons or ["[CLS]/[SEP] are not where num_a_tokens and the length put them"]
-
-
-def _checks(rows: FlatRows, rules: RowRules) -> dict[str, np.ndarray]:
-    """Per-row failures of each check but the ids' range."""
-    u64 = np.uint64
-    starts = rows.offsets[:-1].astype(np.int64)
-    ends = rows.offsets[1:].astype(np.int64)
-    spare = (ends - starts - MIN_ROW_LENGTH).view(u64)  # length - 5: >= 0 when valid
-    num_a = rows.num_a_tokens.astype(np.int64)
-    # 'clip' keeps a position from a broken offset or num_a inside the array: that row fails
-    # its range check anyway.
-    at = lambda positions: np.take(rows.values, positions, mode="clip")  # noqa: E731
-    return {
-        "length": spare > u64(rules.max_seq_length - MIN_ROW_LENGTH),
-        "num_a": (num_a - 3).view(u64) > spare,  # 3 <= num_a <= length - 2
-        "label": rows.next_sentence_label.astype(np.int64).view(u64) > u64(1),
-        "specials": ((at(starts) != rules.cls_id) | (at(starts + num_a - 1) != rules.sep_id)
-                     | (at(ends - 1) != rules.sep_id)),
-    }
-
-
-def _rows_with_bad_ids(rows: FlatRows, tokens: np.ndarray, rules: RowRules) -> np.ndarray:
-    """Rows holding an id outside [0, vocab_size) (the slow path, after one has been seen)."""
-    wrong = np.flatnonzero((tokens >= rules.vocab_size) | (tokens < 0)) + int(rows.offsets[0])
-    bad = np.zeros(len(rows.offsets) - 1, dtype=bool)
-    bad[np.searchsorted(rows.offsets[1:], wrong, side="right")] = True
-    return bad
-
-
-def _describe(rows: FlatRows, rules: RowRules, i: int, checks: dict[str, np.ndarray]
-              ) -> list[str]:
-    start, end = int(rows.offsets[i]), int(rows.offsets[i + 1])
-    length, num_a = end - start, int(rows.num_a_tokens[i])
-    reasons = []
-    if "id" in checks and checks["id"][i]:
-        ids = rows.values[start:end]
-        out = ids[(ids >= rules.vocab_size) | (ids < 0)]
-        reasons.append(f"token id {int(out[0])} outside the vocabulary of {rules.vocab_size}")
-    if checks["length"][i]:
-        reasons.append(f"length {length} outside [{MIN_ROW_LENGTH}, {rules.max_seq_length}]")
-    if checks["num_a"][i]:
-        reasons.append(f"num_a_tokens {num_a} outside [3, length - 2 = {length - 2}]")
-    if checks["label"][i]:
-        reasons.append(f"next_sentence_label {int(rows.next_sentence_label[i])} not 0 or 1")
-    return reasons
-
-
 def check_rows(rows: FlatRows, rules: RowRules, path: str, first_row: int = 0) -> None:
     """Raise CorruptRowError naming `path` and the first bad row (counted from `first_row`)."""
-    bad, reasons = row_problems(rows, rules)
-    if reasons:
-        row = first_row + int(np.flatnonzero(bad)[0])
+    found = first_bad_row(rows, rules)
+    if found is not None:
         raise CorruptRowError(
-            f"shard {path} row {row} is corrupt: {'; '.join(reasons)} ({int(bad.sum())} bad "
-            "row(s) in its record batch); check the dataset with `bertforge inspect --verify`"
+            f"shard {path} row {first_row + found.index} is corrupt: {'; '.join(found.reasons)} "
+            f"({found.num_bad} bad row(s) in its record batch); check the dataset with "
+            "`bertforge inspect --verify`"
         )
