@@ -6,4 +6,6 @@ holds that (tests/pipelines/test_contract.py).
 - `manifest`: the shard directory (`manifest.json`, `vocab.txt`, splits, shard entries) and the
   shard schema (column names and types);
 - `tokenization`: the vocabulary and WordPiece tokenization, equal to `BertTokenizerFast`.
+- `rows`: the rules every stored row obeys (ids in the vocabulary, length, `[CLS]`/`[SEP]` where
+  `num_a_tokens` says, NSP label), checked by the loader and by `bertforge inspect`.
 """
