@@ -70,7 +70,7 @@ def _commands_in_line(line: str) -> list[list[str]]:
         if before is None or before in COMMAND_PREFIXES or re.fullmatch(r"\w+=\S*", before):
             argv = []
             for arg in tokens[i + 1 :]:
-                if arg in SEPARATORS:
+                if arg in SEPARATORS or arg.startswith("#"):  # a shell comment ends the line
                     break
                 argv.append(arg)
             commands.append(argv)
