@@ -12,10 +12,7 @@ import torch
 import transformers
 
 from bertforge.cluster.cli import main
-from bertforge.cluster.finetune import default_data_root
 from tests.support.finetune_data import tiny_bert_dir, write_squad_json, write_sst2_tsv
-
-SHARED_VOCAB = "bert-base-uncased-vocab.txt"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -130,20 +127,3 @@ def test_a_model_directory_that_is_not_bert_is_refused_before_ray(tmp_path, caps
     assert "is not a BERT model: its config.json says model_type 'gpt2'" in \
         capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out")
-
-
-@pytest.mark.slow
-def test_real_sst2_slice_with_the_default_files(tmp_path):
-    """The task's own files under ../shared/data/glue (no --train/--dev), subsampled."""
-    root = default_data_root()
-    if root is None or not os.path.isfile(os.path.join(root, "glue", "SST-2", "train.tsv")):
-        pytest.skip("../shared/data/glue/SST-2 is not on this machine")
-    model = tiny_bert_dir(str(tmp_path / "model"), vocab_path=os.path.join(root, SHARED_VOCAB))
-    results = finetune("--task", "sst2", "--model", model, "--output", str(tmp_path / "out"),
-                       "--workers", "1", "--max-train-examples", "64",
-                       "--max-dev-examples", "48", "--batch-size", "16", "--epochs", "1")
-    assert results["data"]["train"] == os.path.join(root, "glue", "SST-2", "train.tsv")
-    assert results["data"]["num_train_examples"] == 64
-    assert results["data"]["num_dev_examples"] == 48
-    assert len(read_predictions(results["predictions"])) == 48
-    assert 0.0 <= results["metrics"]["accuracy"] <= 1.0
