@@ -1,11 +1,10 @@
-"""One run per run directory: the lock file (cluster/run_lock.py) alone, then two real
-`bertforge train` runs on one run directory."""
+"""One run per run directory: the lock file (cluster/run_lock.py). Two real `bertforge train`
+runs on one run directory are in test_listening_sockets.py (one Ray start serves its checks)."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -216,30 +215,3 @@ def test_a_run_directory_that_cannot_hold_a_lock_is_a_one_line_error(tmp_path):
 
 
 # --- two real `bertforge train` runs -----------------------------------------------------
-
-
-@pytest.mark.slow
-def test_a_second_train_on_a_run_directory_in_use_is_refused_at_once(tmp_path):
-    from tests.support.train_process import TrainProcess, train_command
-    from tests.training.conftest import write_dataset
-
-    data = write_dataset(str(tmp_path / "shards"), {"train": [64], "validation": [8]})
-    run_dir = tmp_path / "run"
-    command = train_command(data, str(run_dir))
-    with TrainProcess(command) as first:
-        first.wait_until_training()
-        started = time.time()
-        second = subprocess.Popen(command, env={**os.environ, "TMPDIR": first.tmpdir},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        _, stderr = second.communicate(timeout=300)
-        seconds = time.time() - started
-        first.process.send_signal(signal.SIGTERM)  # the lock goes with a SIGTERMed run too
-        first.process.wait(timeout=120)
-        # Refused before Ray started: no session of its own (Ray names them ..._PID).
-        assert not [name for name in os.listdir(first.ray_root)
-                    if name.endswith(f"_{second.pid}")]
-    assert second.returncode == 2, stderr
-    assert (f"another bertforge train is running in {run_dir} (host {socket.gethostname()}, "
-            f"pid {first.process.pid}, since 20") in stderr
-    assert seconds < 60  # the imports only: a few seconds on a quiet machine
-    assert not (run_dir / LOCK_NAME).exists()
