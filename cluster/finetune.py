@@ -91,9 +91,11 @@ def resolve_data_files(cfg: FinetuneConfig) -> FinetuneConfig:
 def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     """Read the model's config and vocabulary and every data line, as the workers will; clear
     errors here, before Ray. Returns the model's provenance and the example counts."""
-    if not cfg.random_init:  # the workers read its weights: the directory must hold them
+    # Config and vocab first (a model that is not BERT is named as such), then the weights the
+    # workers will read.
+    pretrained = load_pretrained(cfg.model, random_init=True)
+    if not cfg.random_init:
         preflight_model(cfg.model)
-    pretrained = load_pretrained(cfg.model, random_init=True)  # config and vocab, no weights
     provenance = {**pretrained.provenance, "random_init": cfg.random_init}
     if cfg.is_squad:
         from bertforge.training.finetune.task_data import read_squad_split
