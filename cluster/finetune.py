@@ -16,6 +16,7 @@ their lines), so a mistake is one line at once, not a failing worker group.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -127,59 +128,99 @@ def run_name(learning_rate: float, seed: int) -> str:
 def run_finetune(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     """Fine-tune every (learning rate, seed) of `cfg` not done yet in cfg.output; write and
     return results.json's content (see the module docstring)."""
+    return run_finetunes([cfg], launch)[0]
+
+
+def run_finetunes(cfgs: list[FinetuneConfig], launch: LaunchConfig) -> list[dict[str, Any]]:
+    """`run_finetune` for several jobs (the demo's: one task from two models) whose pending runs
+    share one worker group, so Ray Train's start, the imports and DeepSpeed's set-up are paid
+    once. Every job is checked before Ray starts; each keeps its own DIR, stages and results."""
     started = time.time()
-    cfg = resolve_data_files(cfg)
-    cfg = dataclasses.replace(cfg, output=os.path.abspath(cfg.output))
-    facts = check_inputs(cfg, launch)
-    if launch.address:  # no storage support: the workers open the driver's paths
-        print(f"[finetune] --address: MODEL, the data files and --output ({cfg.output}) must be "
-              "on a filesystem every node mounts at the same paths", flush=True)
-    if data_note(cfg):
-        print(f"[finetune] {data_note(cfg)}", flush=True)
-    names = [run_name(lr, seed) for lr, seed in cfg.runs()]
-    with StageRunner(cfg.output, "finetune", cfg.settings(), heartbeat_seconds=60.0,
-                     skip_message="done in an earlier run, reusing it",
-                     dir_flag="--output") as runner:
-        pending = [run for name, run in zip(names, cfg.runs(), strict=True)
+    jobs = [_Job.open(cfg, launch) for cfg in cfgs]
+    if len({job.cfg.output for job in jobs}) < len(jobs):
+        raise ValueError("two fine-tuning jobs share one --output directory")
+    with contextlib.ExitStack() as stack:
+        runners = [stack.enter_context(job.stage_runner()) for job in jobs]
+        pending = [(job.cfg, lr, seed) for job, runner in zip(jobs, runners, strict=True)
+                   for name, (lr, seed) in zip(job.names, job.cfg.runs(), strict=True)
                    if runner.recorded(name) is None]
         if len(pending) > 1:
-            _run_pending(cfg, launch, pending)
+            _run_pending(launch, pending)
+        all_results = [job.finish(runner, launch, started)
+                       for job, runner in zip(jobs, runners, strict=True)]
+    for results in all_results:
+        print(summary_line(results), flush=True)
+    return all_results
+
+
+@dataclasses.dataclass
+class _Job:
+    """One `bertforge finetune` job: its resolved config and what its inputs hold."""
+
+    cfg: FinetuneConfig
+    facts: dict[str, Any]
+
+    @classmethod
+    def open(cls, cfg: FinetuneConfig, launch: LaunchConfig) -> _Job:
+        cfg = resolve_data_files(cfg)
+        cfg = dataclasses.replace(cfg, output=os.path.abspath(cfg.output))
+        facts = check_inputs(cfg, launch)
+        if launch.address:  # no storage support: the workers open the driver's paths
+            print(f"[finetune] --address: MODEL, the data files and --output ({cfg.output}) "
+                  "must be on a filesystem every node mounts at the same paths", flush=True)
+        if data_note(cfg):
+            print(f"[finetune] {data_note(cfg)}", flush=True)
+        return cls(cfg, facts)
+
+    @property
+    def names(self) -> list[str]:
+        return [run_name(lr, seed) for lr, seed in self.cfg.runs()]
+
+    def stage_runner(self) -> StageRunner:
+        return StageRunner(self.cfg.output, "finetune", self.cfg.settings(),
+                           heartbeat_seconds=60.0,
+                           skip_message="done in an earlier run, reusing it",
+                           dir_flag="--output")
+
+    def finish(self, runner: StageRunner, launch: LaunchConfig, started: float) -> dict[str, Any]:
+        """Record every run (running any still missing), then write results.json."""
+        cfg = self.cfg
         runner.run([
             Stage(name, lambda lr=lr, seed=seed: _record(cfg, launch, lr, seed))
-            for name, (lr, seed) in zip(names, cfg.runs(), strict=True)
+            for name, (lr, seed) in zip(self.names, cfg.runs(), strict=True)
         ])
-        records = [runner.recorded(name) for name in names]
-        results = summarise(cfg, launch, records, facts)
+        records = [runner.recorded(name) for name in self.names]
+        results = summarise(cfg, launch, records, self.facts)
         results["seconds"] = round(time.time() - started, 1)
         _publish_best(cfg, results)
         write_json_atomic(os.path.join(cfg.output, RESULTS_NAME), results)
-    print(summary_line(results), flush=True)
-    return results
+        return results
 
 
 def run_dir_of(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:
     return os.path.join(cfg.output, RUNS_DIR, run_name(learning_rate, seed))
 
 
-def _run_pending(cfg: FinetuneConfig, launch: LaunchConfig, runs: list[tuple[float, int]]) -> None:
-    """Every run of `runs` in one worker group, one after another: Ray Train's start, the
-    imports and DeepSpeed's op build are paid once, not per sweep point (minutes on a busy
-    CPU). Each run leaves its result.json, which its stage then records."""
+def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, int]]) -> None:
+    """Every run of `runs` (a job's config, a learning rate, a seed) in one worker group, one
+    after another: Ray Train's start, the imports and DeepSpeed's op build are paid once, not per
+    run (minutes on a busy CPU). Each run leaves its result.json, which its stage then records.
+    The group's worker logs and Ray Train state go under the first job's DIR/runs."""
     from ray.train import FailureConfig, RunConfig
 
     # A run with a result.json finished in a call that died before recording it: kept.
-    runs = [(lr, seed) for lr, seed in runs
+    runs = [(cfg, lr, seed) for cfg, lr, seed in runs
             if not os.path.exists(os.path.join(run_dir_of(cfg, lr, seed), RESULT_NAME))]
     if not runs:
         return
-    for learning_rate, seed in runs:
+    for cfg, learning_rate, seed in runs:
         fresh_dir(run_dir_of(cfg, learning_rate, seed))  # a run that died part-way: start over
     configs = [dataclasses.replace(cfg, learning_rate=lr, seeds=(seed,), sweep=False,
                                    output=run_dir_of(cfg, lr, seed)).to_dict()
-               for lr, seed in runs]
+               for cfg, lr, seed in runs]
     connect(launch)
-    runs_root = os.path.join(cfg.output, RUNS_DIR)
-    label = f"{len(runs)} run(s) in one worker group ({', '.join(run_name(*r) for r in runs)})"
+    runs_root = os.path.join(runs[0][0].output, RUNS_DIR)
+    label = f"{len(runs)} run(s) in one worker group ({', '.join(_label(*r) for r in runs)})"
     print(f"[finetune] {label}", flush=True)
     with heartbeat("finetune", label, every_seconds=60.0):
         run_on_ray(
@@ -191,6 +232,10 @@ def _run_pending(cfg: FinetuneConfig, launch: LaunchConfig, runs: list[tuple[flo
         )
 
 
+def _label(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:
+    return os.path.relpath(run_dir_of(cfg, learning_rate, seed), os.path.dirname(cfg.output))
+
+
 def _record(cfg: FinetuneConfig, launch: LaunchConfig, learning_rate: float,
             seed: int) -> dict[str, Any]:
     """A run's record: the result.json its rank 0 wrote (running it now if it has none)."""
@@ -199,7 +244,7 @@ def _record(cfg: FinetuneConfig, launch: LaunchConfig, learning_rate: float,
     run_dir = run_dir_of(cfg, learning_rate, seed)
     path = os.path.join(run_dir, RESULT_NAME)
     if not os.path.exists(path):  # written last, so a run that has it is complete
-        _run_pending(cfg, launch, [(learning_rate, seed)])
+        _run_pending(launch, [(cfg, learning_rate, seed)])
     with open(path, encoding="utf-8") as f:
         return {**json.load(f), "run_dir": run_dir}
 
