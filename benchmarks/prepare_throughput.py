@@ -15,9 +15,11 @@ Per corpus:
     the work done, which wall time does not);
 (b) the tokenizer alone (`encode_batch` on the same sentences, one process, measured before and
     after the job, averaged): MB/s and CPU seconds per MB;
+(b') the tokenizer alone the cheaper way the job itself calls it (`encode_batch_fast` on the
+    sentences joined at a marker, `pipelines.instances.sentence_ids`): CPU seconds per MB;
 and (a)/(b): the share of the tokenizer's speed the job keeps (target >= 0.8), with and without
 (c) the job's fixed cost (interpreter, Beam, worker start-up: the job on one document), which the
-ratio pays once per run and a large corpus amortizes.
+ratio pays once per run and a large corpus amortizes; by CPU also against (b').
 
 Then the peak memory of the job on 1x, each --mem-scale x and the --scale x corpus (RSS sampled
 every 0.2 s with psutil): the largest worker process, the runner process (Beam's local runner,
@@ -25,7 +27,7 @@ which keeps every PCollection in memory: the part Dataflow's shuffle service pla
 the whole tree.
 
     python benchmarks/prepare_throughput.py [--scale 60] [--books-scale 10] [--mem-scale 10 30]
-        [--workers 2]    (--mem-scale with no value: no memory runs)
+        [--workers 2] [--job-checkout DIR]    (--mem-scale with no value: no memory runs)
 """
 
 from __future__ import annotations
@@ -42,7 +44,14 @@ import time
 import _checkout  # noqa: F401  (bertforge, tests.support from this checkout)
 import psutil
 
-from bertforge.pipelines.contract.tokenization import load_tokenizer
+from bertforge.pipelines.contract.tokenization import load_tokenizer, read_vocab
+from bertforge.pipelines.instances.sentence_ids import (
+    GROUP_CHARS,
+    GROUPS_PER_CALL,
+    MARKER,
+    SentenceTokenizer,
+    group_sentences,
+)
 from bertforge.pipelines.instances.sentences import split_sentences
 from bertforge.pipelines.read.input_files import open_local, read_file
 from bertforge.pipelines.read.records import RawDocument
@@ -58,6 +67,7 @@ DUMPS = [
 BOOKS = ["austen-emma.txt", "chesterton-brown.txt", "melville-moby_dick.txt"]
 BOOKS += ["shakespeare-hamlet.txt"]
 VOCAB = os.path.join(DATA, "bert-base-uncased-vocab.txt")
+JOB_PATH = ""  # set by --job-checkout: a folder whose `bertforge` is that checkout
 
 
 def cleaned_documents(names_and_formats) -> list[tuple[str, str]]:
@@ -117,17 +127,35 @@ def corpus_sentences(docs: list[tuple[str, str]]) -> list[str]:
 
 
 def tokenizer_alone(sentences: list[str], scale: int, vocab: str) -> dict:
-    """MB/s and CPU s/MB of `encode_batch` alone over the corpus's sentences, one process."""
+    """MB/s and CPU s/MB of the tokenizer alone over the corpus's sentences, one process, two ways:
+    (b) `encode_batch` on the sentences, as a user runs it; (b') the way the job runs it, cheaper:
+    `encode_batch_fast` (no offsets) on the sentences joined at the job's marker in groups of
+    `GROUP_CHARS` (`pipelines.instances.sentence_ids`), the tokenizer call only."""
     tokenizer = load_tokenizer(vocab, lower_case=True)
+    joined_tokenizer = SentenceTokenizer(read_vocab(vocab), lower_case=True)._tokenizer
+    joined = [MARKER.join(g) + MARKER for g in group_sentences(sentences, GROUP_CHARS)]
     num_bytes = sum(len(s.encode("utf-8")) for s in sentences) * scale
     os.environ["RAYON_NUM_THREADS"] = "1"  # per core: the job's workers get one thread each too
-    start, start_cpu = time.perf_counter(), time.process_time()
-    for _ in range(scale):
+
+    def per_sentence() -> None:
         for i in range(0, len(sentences), 20_000):  # large batches: the tokenizer at its best
             tokenizer.encode_batch(sentences[i : i + 20_000], add_special_tokens=False)
-    seconds, cpu = time.perf_counter() - start, time.process_time() - start_cpu
-    mb_s, cpu_s_mb = num_bytes / seconds / 1e6, cpu * 1e6 / num_bytes
-    return {"seconds": seconds, "mb_s": mb_s, "cpu_s_mb": cpu_s_mb}
+
+    def joined_groups() -> None:
+        for i in range(0, len(joined), GROUPS_PER_CALL):
+            joined_tokenizer.encode_batch_fast(joined[i : i + GROUPS_PER_CALL],
+                                               add_special_tokens=False)  # fmt: skip
+
+    result = {}
+    for key, run in (("", per_sentence), ("joined_", joined_groups)):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for _ in range(scale):
+            run()
+        seconds, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+        result[key + "seconds"] = seconds
+        result[key + "mb_s"] = num_bytes / seconds / 1e6
+        result[key + "cpu_s_mb"] = cpu * 1e6 / num_bytes
+    return result
 
 
 class TreeSampler(threading.Thread):
@@ -181,6 +209,8 @@ def run_job(corpus: str, output: str, workers: int, vocab: str) -> dict:
         f"--direct_num_workers={workers}", "--direct_running_mode=multi_processing",
     ]  # fmt: skip
     env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if JOB_PATH:  # --job-checkout: that checkout's `bertforge` (first on the path) runs the job
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (JOB_PATH, env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=repo)
@@ -215,24 +245,33 @@ def measure(name: str, corpus: str, num_bytes: int, sentences, scale: int, args,
     return {"name": name, "bytes": num_bytes, "job": job, "tokenizer": tok}
 
 
+def _ratio(numerator: float, denominator: float) -> str:
+    """numerator / denominator, or n/a where the job's own part (beyond its fixed cost) is not
+    positive: a run shorter than the fixed-cost run measures noise, not throughput."""
+    return f"{numerator / denominator:.2f}" if numerator > 0 and denominator > 0 else "n/a"
+
+
 def print_throughput(results: list[dict], fixed: dict, workers: int) -> None:
     print(f"\nload average: {os.getloadavg()[0]:.1f} (a shared machine makes wall times noisy; "
           "CPU s/MB show the work)")  # fmt: skip
     print("| corpus | MB | (a) job s | (a) CPU s (runner) | (a) MB/s/core | (a) CPU s/MB | "
-          "(b) tokenizer MB/s | (b) CPU s/MB | **(a)/(b)** | without (c) | by CPU, without (c) "
-          "|")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "(b) tokenizer MB/s | (b) CPU s/MB | (b') joined CPU s/MB | **(a)/(b)** wall | "
+          "without (c) | **by CPU, without (c): (b)** | (b') |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         job, tok = r["job"], r["tokenizer"]
-        variable = r["bytes"] / max(job["seconds"] - fixed["seconds"], 1e-9) / workers / 1e6
+        # The job's wall seconds beyond its fixed cost, per core and MB: n/a when not positive.
+        variable_s = (job["seconds"] - fixed["seconds"]) * workers * 1e6 / r["bytes"]
         # CPU seconds per MB of the job beyond its fixed cost, against the tokenizer's: what the
         # ratio would be with every core busy, whatever else the machine runs.
         variable_cpu = (job["cpu_seconds"] - fixed["cpu_seconds"]) * 1e6 / r["bytes"]
         print(f"| {r['name']} | {r['bytes'] / 1e6:.1f} | {job['seconds']:.1f} | "
               f"{job['cpu_seconds']:.1f} ({job['runner_cpu_seconds']:.1f}) | {job['mb_s']:.2f} | "
               f"{job['cpu_s_mb']:.2f} | {tok['mb_s']:.2f} | {tok['cpu_s_mb']:.2f} | "
-              f"**{job['mb_s'] / tok['mb_s']:.2f}** | {variable / tok['mb_s']:.2f} | "
-              f"{tok['cpu_s_mb'] / max(variable_cpu, 1e-9):.2f} |")  # fmt: skip
+              f"{tok['joined_cpu_s_mb']:.2f} | **{job['mb_s'] / tok['mb_s']:.2f}** | "
+              f"{_ratio(1 / tok['mb_s'], variable_s)} | "
+              f"**{_ratio(tok['cpu_s_mb'], variable_cpu)}** | "
+              f"{_ratio(tok['joined_cpu_s_mb'], variable_cpu)} |")  # fmt: skip
     print(f"\n(c) the job on one document (fixed cost): {fixed['seconds']:.1f} s, "
           f"{fixed['cpu_seconds']:.1f} CPU s ({fixed['runner_cpu_seconds']:.1f} in the runner), "
           f"{workers} workers")  # fmt: skip
@@ -246,8 +285,18 @@ def main() -> None:
         "--mem-scale", type=int, nargs="*", default=[10], help="wiki copies for memory runs"
     )
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--job-checkout",
+        help="run the job from another checkout (e.g. an older commit's `git archive`), against "
+        "the same corpora and tokenizer baselines: A/B of two versions of the job",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.job_checkout:
+            global JOB_PATH
+            JOB_PATH = os.path.join(tmp, "job-path")
+            os.makedirs(JOB_PATH)  # the checkout's folders are bertforge's sub-packages
+            os.symlink(os.path.abspath(args.job_checkout), os.path.join(JOB_PATH, "bertforge"))
         if os.path.isdir(DATA):
             docs = cleaned_documents(((DUMPS, "wiki"), (BOOKS, "books")))
             books, args.vocab = cleaned_documents(((BOOKS, "books"),)), VOCAB

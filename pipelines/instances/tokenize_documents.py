@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from array import array
 from typing import NamedTuple
 
 import apache_beam as beam
-import numpy as np
 
 from bertforge.pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, reject
-from bertforge.pipelines.contract.tokenization import parse_vocab, tokenizer_from_vocab
+from bertforge.pipelines.contract.tokenization import parse_vocab
+from bertforge.pipelines.instances.sentence_ids import SentenceTokenizer
 from bertforge.pipelines.instances.sentences import (
     MAX_SENTENCE_CHARS,
     PARAGRAPH_BREAK,
@@ -31,7 +30,6 @@ from bertforge.pipelines.instances.sentences import (
     split_sentences,
 )
 from bertforge.pipelines.read.records import RawDocument
-from bertforge.pipelines.write import shards
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +37,6 @@ logger = logging.getLogger(__name__)
 # parts spread the work more evenly (a worker finishing 4 s after the other with 256 KB parts, on
 # the 30x benchmark corpus); each part costs one more element in the reassembly grouping.
 PART_CHARS = 65_536
-# At most ~20,000 sentences (~2 MB of text) per `encode_batch`, so that the `Encoding` objects
-# (tens of bytes a token: tokens, offsets, masks) stay a few tens of MB.
-TOKENIZE_BATCH_SENTENCES = 20_000
 SENTENCE_DIGEST_BYTES = 8
 
 
@@ -140,9 +135,7 @@ class TokenizeParts(beam.DoFn):
         self._lower_case = lower_case
 
     def setup(self) -> None:
-        vocab = parse_vocab(self._vocab_bytes)
-        self._tokenizer = tokenizer_from_vocab(vocab, self._lower_case)
-        self._typecode = "H" if shards.id_dtype(len(vocab)) == np.uint16 else "i"
+        self._tokenize = SentenceTokenizer(parse_vocab(self._vocab_bytes), self._lower_case)
         self._num_seen = 0
 
     def process(self, part: DocumentPart):
@@ -165,19 +158,6 @@ class TokenizeParts(beam.DoFn):
             ids.tobytes(),
             lengths.tobytes(),
         )
-
-    def _tokenize(self, sentences: list[str]) -> tuple[array, array]:
-        """(ids of every sentence concatenated, tokens per sentence); sentences that normalize
-        to nothing (control characters only) are dropped."""
-        ids, lengths = array(self._typecode), array("i")
-        for start in range(0, len(sentences), TOKENIZE_BATCH_SENTENCES):
-            batch = sentences[start : start + TOKENIZE_BATCH_SENTENCES]
-            for encoding in self._tokenizer.encode_batch(batch, add_special_tokens=False):
-                sentence_ids = encoding.ids
-                if sentence_ids:
-                    ids.extend(sentence_ids)
-                    lengths.append(len(sentence_ids))
-        return ids, lengths
 
 
 def assemble(parts: list[TokenizedPart]):
