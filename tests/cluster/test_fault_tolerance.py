@@ -1,7 +1,11 @@
 """Fault injection: a Ray Train worker process is SIGKILLed mid-run; the worker group restarts,
-resumes from the newest committed checkpoint and ends with the weights of an uninterrupted run."""
+resumes from the newest committed checkpoint and ends with the weights of an uninterrupted run.
+Twice: from the run directory, and from Ray Train storage with the node's local copies gone.
+(One uninterrupted run and one local Ray serve both: each costs tens of seconds of the suite.)"""
 
+import contextlib
 import json
+import shutil
 import threading
 import time
 
@@ -17,12 +21,15 @@ from tests.training.conftest import write_dataset
 pytestmark = pytest.mark.slow
 
 TINY = {"preset": "tiny", "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
-KILL_AT_STEP = 50
+# Checkpoints at 10, 20, ...: the kill lands after two of them and well before the last step,
+# so the restarted group resumes mid-run (a few seconds of training each way, not minutes).
+MAX_STEPS = 60
+KILL_AT_STEP = 25
 
 
 def recipe(data_dir, run_dir) -> TrainConfig:
-    return TrainConfig(data_dir=data_dir, run_dir=str(run_dir), model=TINY, max_steps=160,
-                       micro_batch_size=8, warmup_steps=5, log_every=1, checkpoint_every=20)
+    return TrainConfig(data_dir=data_dir, run_dir=str(run_dir), model=TINY, max_steps=MAX_STEPS,
+                       micro_batch_size=8, warmup_steps=5, log_every=1, checkpoint_every=10)
 
 
 def last_logged_step(run_dir) -> int:
@@ -34,40 +41,86 @@ def last_logged_step(run_dir) -> int:
 
 
 def kill_a_worker_after(run_dir, step: int, killed: list) -> None:
-    """SIGKILL one training worker process once the run has logged `step`."""
+    """SIGKILL one training worker process of this process's own local Ray (its raylet is our
+    child) once the run has logged `step`: never a worker of another run on the machine."""
     deadline = time.time() + 300
     while time.time() < deadline and last_logged_step(run_dir) < step:
         time.sleep(0.02)
-    for process in psutil.process_iter(["cmdline"]):
-        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "RayTrainWorker" not in " ".join(process.cmdline()):
+                continue
             killed.append((process.pid, last_logged_step(run_dir)))
             process.kill()
             return
 
 
-def test_killed_worker_restarts_and_final_weights_equal_uninterrupted_run(tmp_path, capfd):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """(data dir, final fp32 weights) of the run without faults; Ray stays up for the module."""
     import ray
 
-    data = write_dataset(str(tmp_path / "shards"), {"train": [200, 200], "validation": [20]},
+    root = tmp_path_factory.mktemp("uninterrupted")
+    data = write_dataset(str(root / "shards"), {"train": [200, 200], "validation": [20]},
                          max_seq_length=64)
     try:
-        train_on_ray(recipe(data, tmp_path / "straight"), LaunchConfig(workers=2))
-        killed: list = []
-        killer = threading.Thread(
-            target=kill_a_worker_after, args=(tmp_path / "faulty", KILL_AT_STEP, killed))
-        killer.start()
-        outcome = train_on_ray(recipe(data, tmp_path / "faulty"),
-                               LaunchConfig(workers=2, max_failures=2))
-        killer.join()
+        outcome = train_on_ray(recipe(data, root / "straight"), LaunchConfig(workers=2))
+        assert outcome["step"] == MAX_STEPS
+        yield data, load_fp32_state_dict(outcome["checkpoint_path"])
     finally:
         ray.shutdown()
 
+
+def run_with_a_fault(run_dir, launch: LaunchConfig, inject, data: str) -> tuple[dict, list]:
+    """Train with `inject(run_dir, killed)` running beside it; (outcome, [(pid, step)])."""
+    killed: list = []
+    killer = threading.Thread(target=inject, args=(run_dir, killed))
+    killer.start()
+    try:
+        outcome = train_on_ray(recipe(data, run_dir), launch)
+    finally:
+        killer.join()
+    return outcome, killed
+
+
+def kill_worker(run_dir, killed: list) -> None:
+    kill_a_worker_after(run_dir, KILL_AT_STEP, killed)
+
+
+def kill_worker_and_lose_local_checkpoints(run_dir, killed: list) -> None:
+    kill_a_worker_after(run_dir, KILL_AT_STEP, killed)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the node's disk is gone
+
+
+def same_weights(expected: dict, checkpoint_path: str) -> bool:
+    actual = load_fp32_state_dict(checkpoint_path)
+    return all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+def test_killed_worker_restarts_and_final_weights_equal_uninterrupted_run(
+        uninterrupted, tmp_path, capfd):
+    data, straight = uninterrupted
+    outcome, killed = run_with_a_fault(tmp_path / "faulty", LaunchConfig(workers=2, max_failures=2),
+                                       kill_worker, data)
     assert killed, "no training worker was found to kill"
-    pid, step_at_kill = killed[0]
-    assert KILL_AT_STEP <= step_at_kill < 160
+    assert KILL_AT_STEP <= killed[0][1] < MAX_STEPS
     output = capfd.readouterr()
     assert "resumed from" in output.out + output.err  # the restarted group continued, not restarted
-    assert outcome["step"] == 160
-    straight = load_fp32_state_dict(str(tmp_path / "straight/checkpoints/step_00000160"))
-    faulty = load_fp32_state_dict(outcome["checkpoint_path"])
-    assert all(torch.equal(straight[name], faulty[name]) for name in straight)
+    assert outcome["step"] == MAX_STEPS
+    assert same_weights(straight, outcome["checkpoint_path"])
+
+
+def test_restart_restores_from_storage_when_local_checkpoints_are_gone(
+        uninterrupted, tmp_path, capfd):
+    """Checkpoints persisted through Ray Train storage (cluster/persistence.py): the worker
+    dies and its node's copy of the checkpoints is lost with it."""
+    data, straight = uninterrupted
+    launch = LaunchConfig(workers=2, max_failures=2, storage=str(tmp_path / "storage"))
+    outcome, killed = run_with_a_fault(tmp_path / "faulty", launch,
+                                       kill_worker_and_lose_local_checkpoints, data)
+    assert killed and KILL_AT_STEP <= killed[0][1] < MAX_STEPS
+    output = capfd.readouterr()
+    assert "restored step" in output.out + output.err
+    assert outcome["step"] == MAX_STEPS
+    assert outcome["checkpoint_path"].startswith(str(tmp_path / "storage"))
+    assert same_weights(straight, outcome["checkpoint_path"])
