@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
 from tests.support.local_cluster import LocalRayCluster
+
+# Ray Train's controller looks at its workers every 2 s by default: each run's end and each
+# worker's death were noticed up to 2 s late. Inherited by the controller, the `bertforge`
+# subprocesses and the `ray start` nodes (hence their jobs).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @pytest.fixture(scope="module")

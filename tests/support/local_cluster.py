@@ -6,6 +6,7 @@ a separate raylet with its own ports, stopped without touching any other Ray on 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -67,11 +68,18 @@ class LocalRayCluster:
     def _ensure_token(self) -> None:
         """Nodes and clients authenticate with ~/.ray/auth_token; a fresh machine has none
         until something makes one (`ray.init` does; `ray start` does not)."""
+        import fcntl
+
         from bertforge.cluster.submit import cluster_token
 
-        if cluster_token() is None:
-            subprocess.run([self._ray_cli(), "get-auth-token", "--generate"], check=True,
-                           stdout=subprocess.DEVNULL, timeout=60)
+        # Two test processes (pytest-xdist workers) starting clusters at once must not each
+        # write a token of their own: one's nodes would then hold a token the file no longer has.
+        os.makedirs(os.path.expanduser("~/.ray"), exist_ok=True)
+        with open(os.path.expanduser("~/.ray/.bertforge-token.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if cluster_token() is None:
+                subprocess.run([self._ray_cli(), "get-auth-token", "--generate"], check=True,
+                               stdout=subprocess.DEVNULL, timeout=60)
 
     @staticmethod
     def _ray_cli() -> str:
@@ -108,10 +116,16 @@ class LocalRayCluster:
         victims = [p for p in psutil.process_iter(["cmdline"])
                    if self.temp_dir in " ".join(p.info["cmdline"] or [])]
         for process in victims:
-            process.terminate()
-        _, alive = psutil.wait_procs(victims, timeout=10)
-        for process in alive:  # the GCS server ignores SIGTERM
-            process.kill()
+            with contextlib.suppress(psutil.Error):
+                process.terminate()
+        # The GCS server ignores SIGTERM and the raylet and autoscaler monitor outlive it by
+        # more than 15 s: a longer grace only made every stop wait (their workers exit when
+        # the raylet is gone).
+        _, alive = psutil.wait_procs(victims, timeout=2)
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(alive, timeout=10)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalRayCluster:
