@@ -1,0 +1,47 @@
+"""Suite-wide: the longest modules run first.
+
+`make test` spreads whole modules over two pytest-xdist workers (`--dist loadscope
+--no-loadscope-reorder`: a module's fixtures, such as one Ray run shared by its tests, are set
+up once, on one worker). A worker takes the next module in collection order when it runs dry,
+so the modules that take minutes (mostly waiting on Ray: starts, worker groups, jobs) start at
+once on both workers, and the hundreds of short tests fill in around and after them instead of
+a long module starting last and running alone. The order changes nothing else: each module
+stands on its own.
+
+And one `ninja` for every process of the suite. DeepSpeed compiles its CPU shared-memory op
+with whichever `ninja` is first on PATH: this interpreter's (1.13, pip) where the venv's bin
+comes first (`ray start` nodes, hence jobs), the system's (1.11) elsewhere. Their build logs
+differ in format (v7, v5), so each switch from one to the other recompiled the op from scratch:
+a minute of both cores, several times a suite.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_VENV_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
+    os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
+
+# Longest first, as measured on a 2-core machine (seconds, whole module). A module not listed
+# keeps its place after these, in collection order.
+SLOWEST_MODULES = (
+    "tests/cluster/test_pipeline.py",          # ~165: Beam + two Ray Train phases + export
+    "tests/cluster/test_demo_e2e.py",          # ~115: the demo, smaller
+    "tests/cluster/test_multinode.py",         # ~135: `ray start` x2 + a submitted job
+    "tests/cluster/test_fault_tolerance.py",   # ~130: three Ray Train runs, two restarts
+    "tests/cluster/test_submit.py",            # ~130: `ray start` + four jobs
+    "tests/cluster/test_finetune.py",          # ~70
+    "tests/cluster/test_listening_sockets.py",  # ~66: a `bertforge train` subprocess
+    "tests/test_namespace.py",                 # ~60: wheel, fresh venvs
+    "tests/cluster/test_glue.py",              # ~50
+    "tests/cluster/test_clean_exit.py",        # ~40
+    "tests/cluster/test_failure_policy.py",    # ~25
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {path: index for index, path in enumerate(SLOWEST_MODULES)}
+    # sort is stable: the tests of a module, and the unlisted modules, keep their order.
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
