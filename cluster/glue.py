@@ -1,9 +1,11 @@
 """`bertforge glue`: every GLUE task found in the GLUE directory fine-tuned from one model, and one
 table in the GLUE paper's layout (a column per task with its metric(s), then the average).
 
-Each task is a stage of the stage runner: `run_finetune` into DIR/<task>/ (its own results.json,
-predictions and Hugging Face export), so a rerun into the same DIR skips finished tasks, and a
-task interrupted part-way reuses its finished (learning rate, seed) runs. DIR/glue.json is the
+Each task is a fine-tuning job into DIR/<task>/ (its own results.json, predictions and Hugging
+Face export) and a stage of the stage runner. The tasks not done yet run in one Ray Train worker
+group (`run_finetunes`: Ray Train's start and DeepSpeed's set-up paid once, not per task), so a
+rerun into the same DIR skips finished tasks, and a task interrupted part-way reuses its finished
+(learning rate, seed) runs. DIR/glue.json is the
 job's record: its settings, each task's record (`stages`) and the table (`glue`).
 
 The table's numbers are the GLUE paper's: dev metrics x 100; MRPC F1/accuracy; STS-B
@@ -160,7 +162,7 @@ def task_configs(config: GlueConfig, glue_dir: str) -> dict[str, FinetuneConfig]
 
 def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
     """Fine-tune every task not done yet in config.output; print and return the table record."""
-    from bertforge.cluster.finetune import run_finetune
+    from bertforge.cluster.finetune import run_finetunes
     from bertforge.cluster.stage_runner import Stage, StageRunner
 
     started = time.time()
@@ -173,8 +175,13 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
     with StageRunner(config.output, "glue", settings, heartbeat_seconds=120.0,
                      skip_message="done in an earlier run, reusing it",
                      dir_flag="--output") as runner:
-        runner.run([Stage(name, lambda cfg=cfg: _task_record(run_finetune(cfg, launch)))
-                    for name, cfg in configs.items()])
+        # Every task not done yet in one Ray Train worker group (its start paid once); each
+        # task then becomes a stage. A failed group leaves the finished tasks' runs for a rerun.
+        pending = [name for name in configs if runner.recorded(name) is None]
+        finished = dict(zip(pending, run_finetunes([configs[name] for name in pending], launch),
+                            strict=True)) if pending else {}
+        runner.run([Stage(name, lambda name=name: _task_record(finished[name]))
+                    for name in configs])
         results = {name: runner.recorded(name)["metrics"] for name in configs}
         random_init = bool(config.finetune.get("random_init", False))
         table = format_glue_table(results, model_name(config.model, random_init))

@@ -115,4 +115,5 @@ def test_two_tiny_tasks_end_to_end_then_a_rerun_skips_them(tmp_path, capsys) -> 
     expected = (glue["results"]["sst2"]["accuracy"] + glue["results"]["rte"]["accuracy"]) * 50
     assert glue["average"] == pytest.approx(expected)
     assert glue["table"] in printed and glue["table"].split("\n")[2].startswith("tiny-bert ")
+    assert "2 run(s) in one worker group (sst2/runs/lr0.001-seed12345, rte/runs/" in printed
     assert again.count("done in an earlier run, reusing it") == 2 and glue["table"] in again
