@@ -164,7 +164,24 @@ def ensure_process_group() -> None:
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
         )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    skip_inference_shm_op()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def skip_inference_shm_op() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce op in every process.
+
+    DeepSpeed's torch comm backend JIT-builds `deepspeed_shm_comm` (C++ with ninja) whenever it
+    starts on a CPU: about a minute of both cores on a fresh 2-core machine, a rebuild whenever
+    another ninja version sees the cached build, and a "built successfully" console line per
+    process. Only `inference_all_reduce` (tensor-parallel inference) uses it; training's
+    collectives go through torch.distributed. DeepSpeed keeps its op-compatibility table in one
+    cached dict (`deepspeed.ops.__compatible_ops__`) that it reads before building, so marking
+    the op incompatible there skips the build. No effect on GPUs, which have no such op.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _free_port() -> int:
@@ -196,6 +213,7 @@ def build_engine(
             decay=cfg.decay, power=cfg.decay_power,
         ),
     )
+    skip_inference_shm_op()  # deepspeed.initialize starts DeepSpeed's comm backend
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

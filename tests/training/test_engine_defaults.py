@@ -177,3 +177,22 @@ def test_the_stage_decided_at_start_is_recorded_and_a_resume_keeps_its_own(tmp_p
     resumed = train(config(data, tmp_path / "two", zero_stage=None, max_steps=3))
     assert resumed.global_step == 3
     assert checkpoint.read_metadata(resumed.checkpoint_path)["zero_stage"] == 2
+
+
+def test_deepspeed_does_not_compile_its_inference_shm_op_for_training(tmp_path, capfd):
+    """DeepSpeed's comm backend would JIT-compile `deepspeed_shm_comm` (a minute of a fresh
+    2-core machine's CPU, rebuilt when the ninja version changes) for an op only tensor-parallel
+    inference uses; the engine is built without it, and without its console line."""
+    import deepspeed.comm.comm as ds_comm
+
+    from bertforge.training.engine import ensure_process_group
+
+    ensure_process_group()  # as the training and fine-tuning loops do first
+    model = BertForPreTraining(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                          num_attention_heads=2, intermediate_size=32))
+    cfg = TrainConfig(data_dir=str(tmp_path), run_dir=str(tmp_path), precision="fp32",
+                      zero_stage=2, micro_batch_size=2, max_steps=1)
+    engine = build_engine(model, cfg, world_size=1)
+    assert engine.zero_optimization_stage() == 2
+    assert ds_comm.cdb is not None and ds_comm.cdb.shm_comm_op is None
+    assert "shm_comm_op built successfully" not in capfd.readouterr().out
