@@ -189,11 +189,18 @@ def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str
 
 
 def _print_recipe(cfg: TrainConfig, model_config: BertConfig, world_size: int) -> None:
+    """Two lines; every field of both is in RUN_DIR/config.json (a 45-line dump here used to
+    push the progress lines off a terminal)."""
     accumulation = cfg.accumulation_steps(world_size)
     console(
-        f"[train] recipe ({world_size} workers x {cfg.micro_batch_size} micro x {accumulation} "
-        f"accumulation = {cfg.global_batch(world_size)} sequences per step):\n"
-        f"{cfg.to_json()}\n[train] model: {json.dumps(model_config.to_dict(), sort_keys=True)}"
+        f"[train] recipe: {world_size} workers x {cfg.micro_batch_size} micro x {accumulation} "
+        f"accumulation = {cfg.global_batch(world_size)} sequences per step, {cfg.max_steps} "
+        f"steps, {cfg.optimizer} lr {cfg.learning_rate:g} (warm-up {cfg.warmup_steps}, "
+        f"{cfg.decay} decay), ZeRO {cfg.zero_stage}; all of it in "
+        f"{os.path.join(cfg.run_dir, 'config.json')}\n"
+        f"[train] model: {model_config.num_hidden_layers} layers, hidden "
+        f"{model_config.hidden_size}, {model_config.num_attention_heads} heads, vocab "
+        f"{model_config.vocab_size} ({count_parameters(model_config) / 1e6:.1f}M parameters)"
     )
 
 
