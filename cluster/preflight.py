@@ -18,8 +18,10 @@ from bertforge.training.inputs import (
     check_dataset,
     check_model_source,
     check_output_dir,
+    check_positions,
     check_resume,
     check_run_dir,
+    resolve_model_config,
 )
 
 
@@ -32,8 +34,6 @@ def preflight_model(source: str) -> str:
 def preflight_train(cfg: TrainConfig) -> None:
     """Everything `train` can know before its workers start: data, run directory, the model
     against the data's lengths, a resume against the requested architecture, --init-from."""
-    from bertforge.training.loop import check_positions, resolve_model_config
-
     facts = check_dataset(cfg.data_dir, ("train", "validation") if cfg.eval_every else ("train",))
     check_run_dir(cfg.run_dir)
     model_config = resolve_model_config(cfg.model, facts.vocab_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any
 
 from bertforge.training import checkpoint
 from bertforge.training.data.split import (
@@ -139,3 +140,25 @@ def check_output_dir(output: str) -> str:
                              "writes over one)")
     check_run_dir(os.path.dirname(path))
     return path
+
+
+def resolve_model_config(model: dict[str, Any], vocab_size: int) -> BertConfig:
+    """`{"preset": "tiny", ...overrides}` or explicit fields; vocab_size always from the data."""
+    fields = dict(model)
+    preset = fields.pop("preset", None)
+    if preset is not None:
+        base = BertConfig.preset(preset, vocab_size=vocab_size).to_dict()
+        base.update(fields)
+        fields = base
+    fields["vocab_size"] = vocab_size
+    return BertConfig.from_dict(fields)
+
+
+def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str) -> None:
+    """Phase 2 data (512 tokens) needs a model with at least 512 position embeddings."""
+    if max_seq_length > model_config.max_position_embeddings:
+        raise ValueError(
+            f"{data_dir} holds sequences of up to {max_seq_length} tokens, but the model has "
+            f"max_position_embeddings={model_config.max_position_embeddings}; raise it in the "
+            "recipe's model (BERT uses 512 in both phases)"
+        )

@@ -33,6 +33,7 @@ from bertforge.training.engine import (
 )
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
+from bertforge.training.inputs import check_positions, resolve_model_config
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining, num_parameters
 from bertforge.training.warm_start import check_resume_architecture, load_initial_weights
@@ -49,18 +50,6 @@ class TrainResult:
     loss_last: float | None
     tokens_per_second: float
     train_seconds: float
-
-
-def resolve_model_config(model: dict[str, Any], vocab_size: int) -> BertConfig:
-    """`{"preset": "tiny", ...overrides}` or explicit fields; vocab_size always from the data."""
-    fields = dict(model)
-    preset = fields.pop("preset", None)
-    if preset is not None:
-        base = BertConfig.preset(preset, vocab_size=vocab_size).to_dict()
-        base.update(fields)
-        fields = base
-    fields["vocab_size"] = vocab_size
-    return BertConfig.from_dict(fields)
 
 
 def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
@@ -176,16 +165,6 @@ def count_parameters(model_config: BertConfig) -> int:
     """The model's parameter count, from a model on the meta device (nothing allocated)."""
     with torch.device("meta"):
         return num_parameters(BertForPreTraining(model_config))
-
-
-def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str) -> None:
-    """Phase 2 data (512 tokens) needs a model with at least 512 position embeddings."""
-    if max_seq_length > model_config.max_position_embeddings:
-        raise ValueError(
-            f"{data_dir} holds sequences of up to {max_seq_length} tokens, but the model has "
-            f"max_position_embeddings={model_config.max_position_embeddings}; raise it in the "
-            "recipe's model (BERT uses 512 in both phases)"
-        )
 
 
 def _print_recipe(cfg: TrainConfig, model_config: BertConfig, world_size: int) -> None:

@@ -64,7 +64,7 @@ def loaded_optimizer_state(cfg, path: str, *, universal: bool) -> dict[str, torc
     fp32 master weights, Adam moments and step counters."""
     from bertforge.pipelines.contract.manifest import read_manifest
     from bertforge.training.engine import build_engine, ensure_process_group
-    from bertforge.training.loop import resolve_model_config
+    from bertforge.training.inputs import resolve_model_config
     from bertforge.training.model import BertForPreTraining
 
     ensure_process_group()
