@@ -10,7 +10,8 @@ per step) and DeepSpeed's start-up logs drowned the loop's own progress lines. I
 - Python warnings raised outside bertforge go only there: library deprecations we cannot fix
   (our code calls no deprecated API; DeepSpeed does); a warning from our own code still shows;
 - DeepSpeed's logger reaches the console from ERROR up only (its INFO/WARNING start-up lines:
-  "Setting accelerator to CPU", ZeRO's settings) and the file at every level.
+  "Setting accelerator to CPU", ZeRO's settings) and the file at every level; so does Ray
+  Train's worker context ("Reporting training result 1: TrainingReport(...)" per report).
 
 The loop's own lines (`training.metrics.console`) and errors reach the console as before.
 """
@@ -31,6 +32,9 @@ import bertforge.training
 LOG_DIR = "logs"
 # Named by DeepSpeed (deepspeed.utils.logging); it does not propagate to the root logger.
 _DEEPSPEED_LOGGER = "DeepSpeed"
+# Ray Train V2's worker-side module that logs each ray.train.report at INFO; a logger's filters
+# see only the records logged on it, so it is named exactly.
+_RAY_TRAIN_REPORT_LOGGER = "ray.train.v2._internal.execution.context"
 _OUR_DIRS = tuple(os.path.dirname(os.path.abspath(package.__file__)) + os.sep for package in
                   (bertforge.cluster, bertforge.pipelines, bertforge.training))
 
@@ -86,6 +90,7 @@ def quiet_worker(run_dir: str, rank: int) -> str:
         _console_showwarning = warnings.showwarning
         warnings.showwarning = _to_log
     _deepspeed_errors_only_on_console(log)
+    _errors_only_on_console(logging.getLogger(_RAY_TRAIN_REPORT_LOGGER), log)
     if old is not None:
         old.close()
     return path
@@ -108,19 +113,23 @@ def _deepspeed_errors_only_on_console(log: TextIO) -> None:
     # runs (before any handler of its could be adjusted), and the logger object is the same
     # before and after that import.
     logger = logging.getLogger(_DEEPSPEED_LOGGER)
-    ours = [f for f in logger.filters if isinstance(f, _BelowErrorToLogOnly)]
-    for existing in ours:  # a second call: the filter follows the new file
-        existing.log = log
-    if not ours:
-        logger.addFilter(_BelowErrorToLogOnly(log))
+    _errors_only_on_console(logger, log)
     for handler in logger.handlers:  # present when deepspeed was imported before us
         if type(handler) is logging.StreamHandler:
             handler.setStream(sys.stdout)  # the Tee: its ERROR lines reach the file too
 
 
+def _errors_only_on_console(logger: logging.Logger, log: TextIO) -> None:
+    ours = [f for f in logger.filters if isinstance(f, _BelowErrorToLogOnly)]
+    for existing in ours:  # a second call: the filter follows the new file
+        existing.log = log
+    if not ours:
+        logger.addFilter(_BelowErrorToLogOnly(log))
+
+
 class _BelowErrorToLogOnly(logging.Filter):
-    """DeepSpeed's records below ERROR are written to the log file and dropped for the console;
-    ERROR and up pass to DeepSpeed's console handler (and through the Tee to the file)."""
+    """A logger's records below ERROR are written to the log file and dropped for the console;
+    ERROR and up pass to its console handler (and through the Tee to the file)."""
 
     def __init__(self, log: TextIO) -> None:
         super().__init__()

@@ -27,6 +27,11 @@ WORKER = textwrap.dedent("""
     warnings.warn_explicit("a warning of our own", UserWarning, our_module.__file__, 1)
     logging.getLogger("DeepSpeed").warning("ZeRO stage 2 settings")
     logging.getLogger("DeepSpeed").error("a DeepSpeed error")
+    # Ray Train's worker context logs each report at INFO through a console handler.
+    report_logger = logging.getLogger("ray.train.v2._internal.execution.context")
+    report_logger.setLevel(logging.INFO)
+    report_logger.addHandler(logging.StreamHandler(sys.stderr))
+    report_logger.info("Reporting training result 1: TrainingReport(checkpoint=None)")
     console("[train] step 1/2 | loss 9.7")
     print("a library's print")
 """)
@@ -40,10 +45,11 @@ def test_library_warnings_go_to_the_run_dir_log_and_our_lines_to_the_console(tmp
     assert "[train] step 1/2" in console and "a DeepSpeed error" in console
     assert console.count("a warning of our own") == 1  # showwarning not chained twice
     assert "deprecated" not in console and "ZeRO stage 2" not in console
+    assert "Reporting training result" not in console
     log = open(worker_log_path(str(tmp_path), 1), encoding="utf-8").read()
     for line in ("`all_gather_into_tensor` is deprecated", "FutureWarning",
                  "ZeRO stage 2 settings", "a DeepSpeed error", "[train] step 1/2",
-                 "a warning of our own", "a library's print"):
+                 "a warning of our own", "a library's print", "Reporting training result 1"):
         assert log.count(line) == 1, line
     # The first setup's file got only what was written before the second setup.
     first = open(worker_log_path(str(first_run), 1), encoding="utf-8").read()
