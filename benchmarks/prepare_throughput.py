@@ -20,6 +20,9 @@ Per corpus:
 and (a)/(b): the share of the tokenizer's speed the job keeps (target >= 0.8), with and without
 (c) the job's fixed cost (interpreter, Beam, worker start-up: the job on one document), which the
 ratio pays once per run and a large corpus amortizes; by CPU also against (b').
+With --in-process, (d): the same job in one process (Beam's in_memory mode, one worker thread),
+CPU s/MB beyond its own fixed cost: the job's own work without Beam's worker processes, the gRPC
+between them and their polling threads.
 
 Then the peak memory of the job on 1x, each --mem-scale x and the --scale x corpus (RSS sampled
 every 0.2 s with psutil): the largest worker process, the runner process (Beam's local runner,
@@ -27,7 +30,8 @@ which keeps every PCollection in memory: the part Dataflow's shuffle service pla
 the whole tree.
 
     python benchmarks/prepare_throughput.py [--scale 60] [--books-scale 10] [--mem-scale 10 30]
-        [--workers 2] [--job-checkout DIR]    (--mem-scale with no value: no memory runs)
+        [--workers 2] [--in-process] [--job-checkout DIR]
+    (--mem-scale with no value: no memory runs)
 """
 
 from __future__ import annotations
@@ -201,12 +205,14 @@ class TreeSampler(threading.Thread):
         self.join()
 
 
-def run_job(corpus: str, output: str, workers: int, vocab: str) -> dict:
+def run_job(corpus: str, output: str, workers: int, vocab: str, mode="multi_processing") -> dict:
+    """The job in a child process (`mode` in_memory: one process, one worker thread)."""
     argv = [
         sys.executable, "-m", "bertforge.pipelines.prepare", f"--input={corpus}",
         f"--output={output}",
         f"--vocab={vocab}", "--num_shards=4", "--max_seq_length=128", "--runner=DirectRunner",
-        f"--direct_num_workers={workers}", "--direct_running_mode=multi_processing",
+        f"--direct_num_workers={workers if mode == 'multi_processing' else 1}",
+        f"--direct_running_mode={mode}",
     ]  # fmt: skip
     env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if JOB_PATH:  # --job-checkout: that checkout's `bertforge` (first on the path) runs the job
@@ -238,6 +244,11 @@ def measure(name: str, corpus: str, num_bytes: int, sentences, scale: int, args,
     """(a) and (b) on one corpus: the tokenizer before and after the job, averaged."""
     before = tokenizer_alone(sentences, scale, args.vocab)
     job = run_job(corpus, os.path.join(tmp, f"out-{name.split()[0]}"), args.workers, args.vocab)
+    if args.in_process:  # (d): the same job in one process, without Beam's worker processes
+        out = os.path.join(tmp, f"out-{name.split()[0]}-in-process")
+        job["in_process_cpu_seconds"] = run_job(corpus, out, 1, args.vocab, "in_memory")[
+            "cpu_seconds"
+        ]
     after = tokenizer_alone(sentences, scale, args.vocab)
     tok = {k: (before[k] + after[k]) / 2 for k in before}
     job["mb_s"] = num_bytes / job["seconds"] / args.workers / 1e6
@@ -277,6 +288,19 @@ def print_throughput(results: list[dict], fixed: dict, workers: int) -> None:
           f"{workers} workers")  # fmt: skip
 
 
+def print_in_process(results: list[dict], fixed: dict) -> None:
+    """(d): CPU s/MB of the same job in one process beyond its own fixed cost, against (b)."""
+    print("\n| corpus | (d) in-process CPU s | (d) CPU s/MB without its (c) | (b) CPU s/MB | "
+          "(b)/(d) | (b')/(d) |\n|---|---|---|---|---|---|")  # fmt: skip
+    for r in results:
+        cpu, tok = r["job"]["in_process_cpu_seconds"], r["tokenizer"]
+        variable = (cpu - fixed["cpu_seconds"]) * 1e6 / r["bytes"]
+        ratios = _ratio(tok["cpu_s_mb"], variable), _ratio(tok["joined_cpu_s_mb"], variable)
+        print(f"| {r['name']} | {cpu:.1f} | {variable:.2f} | {tok['cpu_s_mb']:.2f} | "
+              f"{ratios[0]} | {ratios[1]} |")  # fmt: skip
+    print(f"\n(c) in one process: {fixed['cpu_seconds']:.1f} CPU s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=int, default=60, help="wiki corpus copies")
@@ -285,6 +309,12 @@ def main() -> None:
         "--mem-scale", type=int, nargs="*", default=[10], help="wiki copies for memory runs"
     )
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="also run each job in one process (Beam's in_memory mode, one worker thread): "
+        "the job's own CPU without Beam's worker processes and gRPC between them",
+    )
     parser.add_argument(
         "--job-checkout",
         help="run the job from another checkout (e.g. an older commit's `git archive`), against "
@@ -319,6 +349,9 @@ def main() -> None:
         write_corpus(docs[:1], 1, tiny)
         fixed = run_job(tiny, os.path.join(tmp, "out-tiny"), args.workers, args.vocab)
         print_throughput(results, fixed, args.workers)
+        if args.in_process:
+            out = os.path.join(tmp, "out-tiny-in-process")
+            print_in_process(results, run_job(tiny, out, 1, args.vocab, "in_memory"))
         if args.mem_scale:
             print_memory(docs, args, num_bytes, results[0]["job"], tmp)
 
