@@ -48,14 +48,14 @@ class DemoConfig:
     num_shards: int = _option(4, "train shards")
     prepare_workers: int = _option(2, "Beam worker processes")
     train_workers: int = _option(2, "Ray Train workers")
-    # 800 steps x 32 sequences = 25,600 = ~1.2 epochs of the ~21,900 training pairs, in fp32 on
-    # a CPU without native bf16: 0.17 CPU-s a step per worker (2-core AVX2 EPYC), ~140 s of
-    # training. Measured there: MLM accuracy 0.129 (baseline 0.058), NSP 0.620. It replaced
-    # 1,000 x 64, which took ~330 s in fp32 (and ~50 min in the bf16 it used to run in); fewer
-    # steps of 64 left the unigram plateau later (training MLM loss 6.07 at step 312 of 400; 5.86
-    # at 702 of 800 here): this model seems to need updates more than sequences. 1e-3 beat 5e-4
-    # (MLM 0.122 vs 0.102 after 600 steps) and 2e-3 (0.080 after 300) in a sweep on 2 cores.
-    max_steps: int = _option(800, "training steps", aliases=("--steps",))
+    # 600 steps x 32 sequences of 128 tokens = ~0.9 epoch of the ~21,900 training pairs, in
+    # fp32 on a CPU without native bf16: 0.26 s a step on 2 AVX2 cores, so the whole demo fits
+    # in five minutes there. Measured: MLM accuracy 0.124 (baseline 0.066), NSP 0.628 (800 steps:
+    # 0.132, 0.630). This model seems to need updates more than sequences: 1,000 x 64 took ~330 s
+    # and left the unigram plateau later; 1,000 x 16 reached MLM 0.124 but fine-tuned worse
+    # (SST-2 0.591), as did 800 x 32 of 64 tokens (0.557). 1e-3 beat 5e-4 (MLM 0.122 vs 0.102
+    # after 600 steps) and 2e-3 (0.080 after 300).
+    max_steps: int = _option(600, "training steps", aliases=("--steps",))
     micro_batch_size: int = _option(16, "sequences per worker per step (x 2 workers = 32)")
     learning_rate: float = _option(1e-3, "peak learning rate")
     seed: int = _option(12345, "data, masking and initialisation")
@@ -66,11 +66,17 @@ class DemoConfig:
     # (cluster/demo_finetune.py). A subset of the train set keeps both within ~1.5 minutes.
     finetune_train_examples: int = _option(2000, "SST-2 train sentences for the fine-tuning "
                                            "comparison (a fixed subset of 67,349; 0 skips it)")
+    # SST-2's train set is mostly short phrases (9 words on average, dev sentences 20): from
+    # 2,000 random phrases neither model learned reliably (0.51-0.65 over seeds, random init at
+    # chance); from 2,000 of its 25,152 lines of 10 words or more the pretrained one did.
+    finetune_min_words: int = _option(10, "SST-2 train lines of at least this many words only "
+                                      "(before the subset; 0: every line)")
     finetune_dev_examples: int | None = _option(None, "SST-2 dev sentences scored (default: "
                                                 "all 872)")
     finetune_epochs: float = _option(2.0, "fine-tuning epochs over those sentences")
     finetune_max_seq_length: int = _option(64, "fine-tuning tokens per sentence")
-    finetune_batch_size: int = _option(32, "fine-tuning sentences per step")
+    # 16 (250 steps) learned where 32 (124 steps) often stayed at chance from either model.
+    finetune_batch_size: int = _option(16, "fine-tuning sentences per step")
     # 1e-4 underfit in 250 steps (train loss 0.67, dev 0.585 from the demo's model); 3e-4 suits a
     # 2-layer model (1e-3 stayed at chance), as 1e-3 does its pretraining.
     finetune_learning_rate: float = _option(3e-4, "fine-tuning peak learning rate")
@@ -227,7 +233,8 @@ def _finetune(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
     if config.finetune_train_examples == 0:
         return {"skipped": "fine-tuning skipped (--finetune-train-examples 0)"}
     budget = FinetuneBudget(
-        train_examples=config.finetune_train_examples, dev_examples=config.finetune_dev_examples,
+        train_examples=config.finetune_train_examples, min_words=config.finetune_min_words,
+        dev_examples=config.finetune_dev_examples,
         epochs=config.finetune_epochs, max_seq_length=config.finetune_max_seq_length,
         batch_size=config.finetune_batch_size, learning_rate=config.finetune_learning_rate,
         seed=config.seed, workers=config.train_workers,

@@ -1,20 +1,23 @@
 """The demo's last stage: is the model it just pretrained any use? SST-2, three ways, one budget.
 
-1. fine-tuned from the demo's Hugging Face export (`run_finetune`, Ray Train + DeepSpeed);
+1. fine-tuned from the demo's Hugging Face export (`run_finetunes`, Ray Train + DeepSpeed; both
+   fine-tunes in one worker group);
 2. fine-tuned from the same architecture and vocabulary with random weights (random_init), with
    the same examples, steps, learning rate and seed;
 3. a bag-of-words logistic regression (`training.finetune.bow_baseline`) on the same examples.
 
-All three train on the same fixed random subset of SST-2's train set (the demo's time budget;
-`task_data.subsample`) and score SST-2's whole dev set (872 sentences) unless told otherwise.
+All three train on the same fixed random subset of SST-2's train lines of at least
+`min_words` words (the demo's time budget; `task_data.train_examples`: most of SST-2's train
+lines are short phrases, its dev set is whole sentences) and score SST-2's whole dev set (872
+sentences) unless told otherwise.
 The demo's vocabulary is trained on Python docstrings, not film reviews: the comparison says what
 a few CPU minutes of pretraining on unrelated prose give a small model, no more.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from bertforge.training.finetune.config import FinetuneConfig
@@ -22,11 +25,12 @@ from bertforge.training.finetune.config import FinetuneConfig
 SST2_TRAIN_SENTENCES = 67_349  # GLUE's SST-2 train.tsv (DOWNSTREAM-SOURCES.md)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class FinetuneBudget:
     """The same for both fine-tunes (DemoConfig's finetune_* fields)."""
 
     train_examples: int
+    min_words: int | None
     dev_examples: int | None
     epochs: float
     max_seq_length: int
@@ -62,18 +66,18 @@ def finetune_sst2(model_dir: str, output: str, glue_dir: str | None,
     from bertforge.cluster.finetune import run_finetunes
     from bertforge.cluster.ray_train import LaunchConfig
 
+    configs = [_config(model_dir, os.path.join(output, name), train, dev, budget, random_init)
+               for name, random_init in (("pretrained", False), ("random_init", True))]
     # Both in one worker group: Ray Train's start and DeepSpeed's set-up once, not twice.
-    pretrained, random_init = run_finetunes(
-        [_config(model_dir, os.path.join(output, name), train, dev, budget, random_init)
-         for name, random_init in (("pretrained", False), ("random_init", True))],
-        LaunchConfig(workers=budget.workers))
+    pretrained, random_init = run_finetunes(configs, LaunchConfig(workers=budget.workers))
     record = {
         "task": "sst2", "train": train, "dev": dev,
-        "train_examples_of": SST2_TRAIN_SENTENCES, "budget": budget.__dict__,
+        "train_examples_of": _eligible(configs[0]), "train_lines": SST2_TRAIN_SENTENCES,
+        "budget": budget.__dict__,
         "pretrained": _outcome(pretrained), "random_init": _outcome(random_init),
         # Ray Train's start (once), both runs' data, training, dev scoring and exports.
         "finetune_seconds": random_init["seconds"],
-        "bag_of_words": _bag_of_words(train, dev, budget),
+        "bag_of_words": _bag_of_words(configs[0], budget.seed),
     }
     record["train_examples"] = record["pretrained"]["train_examples"]
     record["dev_examples"] = record["pretrained"]["dev_examples"]
@@ -87,8 +91,17 @@ def _config(model_dir: str, output: str, train: str, dev: str, budget: FinetuneB
         learning_rate=budget.learning_rate, seeds=(budget.seed,), epochs=budget.epochs,
         batch_size=budget.batch_size, max_seq_length=budget.max_seq_length,
         max_train_examples=budget.train_examples, max_dev_examples=budget.dev_examples,
-        random_init=random_init,
+        min_train_words=budget.min_words or None, random_init=random_init,
     )
+
+
+def _eligible(cfg: FinetuneConfig) -> int:
+    """How many train lines the subset was drawn from (those of min_words words or more)."""
+    from bertforge.training.finetune.task_data import train_examples
+    from bertforge.training.finetune.tasks import task_spec
+
+    return len(train_examples(dataclasses.replace(cfg, max_train_examples=None),
+                              task_spec("sst2")))
 
 
 def _outcome(results: dict[str, Any]) -> dict[str, Any]:
@@ -104,17 +117,16 @@ def _outcome(results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _bag_of_words(train: str, dev: str, budget: FinetuneBudget) -> dict[str, Any]:
+def _bag_of_words(cfg: FinetuneConfig, seed: int) -> dict[str, Any]:
     from bertforge.training.finetune.bow_baseline import bow_baseline
     from bertforge.training.finetune.glue_data import read_examples
-    from bertforge.training.finetune.task_data import subsample
+    from bertforge.training.finetune.task_data import subsample, train_examples
     from bertforge.training.finetune.tasks import task_spec
 
     spec = task_spec("sst2")
-    # The subsets the fine-tunes drew (task_data.subsample: a fixed seed, whatever the run's).
-    train_examples = subsample(read_examples(train, spec), budget.train_examples)
-    dev_examples = subsample(read_examples(dev, spec), budget.dev_examples)
-    result = bow_baseline(train_examples, dev_examples, spec, seed=budget.seed)
+    # The examples the fine-tunes drew (task_data: a fixed subset, whatever the run's seed).
+    dev_examples = subsample(read_examples(cfg.dev, spec), cfg.max_dev_examples)
+    result = bow_baseline(train_examples(cfg, spec), dev_examples, spec, seed=seed)
     print(f"[demo] finetune: bag-of-words baseline, accuracy {result['metrics']['accuracy']:.3f}"
           f" ({result['num_features']:,} n-grams, {result['seconds']:.1f} s)", flush=True)
     return {"accuracy": result["metrics"]["accuracy"], "seconds": result["seconds"],
@@ -127,10 +139,13 @@ def summary_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
     if "skipped" in record:
         return [("SST-2 fine-tuning", record["skipped"])]
     budget = record["budget"]
+    lines = f"{record['train_examples']:,} of {record['train_examples_of']:,} train lines"
+    if budget.get("min_words"):
+        lines += f" of {budget['min_words']}+ words ({record['train_lines']:,} in all)"
     rows = [("SST-2 fine-tuning budget",
-             f"{record['train_examples']:,} of {record['train_examples_of']:,} train sentences, "
-             f"{budget['epochs']:g} epochs ({record['pretrained']['steps']} steps), "
-             f"{budget['max_seq_length']} tokens; dev {record['dev_examples']}")]
+             f"{lines}, {budget['epochs']:g} epochs ({record['pretrained']['steps']} steps of "
+             f"{budget['batch_size']}), {budget['max_seq_length']} tokens; dev "
+             f"{record['dev_examples']}")]
     for key, label in (("pretrained", "from this pretraining"), ("random_init", "from random init"),
                        ("bag_of_words", "bag-of-words baseline")):
         run = record[key]

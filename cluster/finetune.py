@@ -104,10 +104,10 @@ def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
         train, dev = read_squad_split(cfg)
     else:
         from bertforge.training.finetune.glue_data import read_examples
-        from bertforge.training.finetune.task_data import resolve_spec, subsample
+        from bertforge.training.finetune.task_data import resolve_spec, subsample, train_examples
 
         spec = resolve_spec(cfg)
-        train = subsample(read_examples(cfg.train, spec), cfg.max_train_examples)
+        train = train_examples(cfg, spec)
         dev = subsample(read_examples(cfg.dev, spec), cfg.max_dev_examples)
     if cfg.batch_size % launch.workers:
         raise ValueError(f"--batch-size {cfg.batch_size} is not a multiple of --workers "

@@ -12,8 +12,8 @@ from bertforge.cluster.demo_finetune import (
 )
 from tests.support.finetune_data import write_sst2_tsv
 
-BUDGET = FinetuneBudget(train_examples=4000, dev_examples=None, epochs=2.0, max_seq_length=64,
-                        batch_size=32, learning_rate=1e-4, seed=1, workers=2)
+BUDGET = FinetuneBudget(train_examples=4000, min_words=10, dev_examples=None, epochs=2.0,
+                        max_seq_length=64, batch_size=32, learning_rate=1e-4, seed=1, workers=2)
 
 
 def test_without_sst2_the_stage_is_skipped_with_a_reason_and_tried_again(tmp_path, capsys):
@@ -37,7 +37,8 @@ def test_sst2_files_needs_both_files(tmp_path):
 def test_summary_rows_give_the_budget_and_all_three_accuracies():
     run = {"steps": 250, "train_examples": 4000, "dev_examples": 872}
     record = {
-        "train_examples": 4000, "dev_examples": 872, "train_examples_of": 67_349,
+        "train_examples": 4000, "dev_examples": 872, "train_examples_of": 25_152,
+        "train_lines": 67_349,
         "budget": BUDGET.__dict__,
         "pretrained": {**run, "accuracy": 0.7512, "train_seconds": 14.4},
         "random_init": {**run, "accuracy": 0.6901, "train_seconds": 13.0},
@@ -47,7 +48,8 @@ def test_summary_rows_give_the_budget_and_all_three_accuracies():
     assert finetune_done(record)
     assert summary_rows(record) == [
         ("SST-2 fine-tuning budget",
-         "4,000 of 67,349 train sentences, 2 epochs (250 steps), 64 tokens; dev 872"),
+         "4,000 of 25,152 train lines of 10+ words (67,349 in all), 2 epochs (250 steps of 32), "
+         "64 tokens; dev 872"),
         ("SST-2 dev accuracy, from this pretraining", "0.751  (14 s training)"),
         ("SST-2 dev accuracy, from random init", "0.690  (13 s training)"),
         ("SST-2 dev accuracy, bag-of-words baseline", "0.768  (2 s training)"),

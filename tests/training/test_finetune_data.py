@@ -221,3 +221,26 @@ def test_encode_examples_shapes_and_label_types(tmp_path) -> None:
     assert encode_examples(tokenizer, [], 10)["input_ids"].shape == (0, 10)
     with pytest.raises(ValueError, match="at least 4"):
         encode_examples(tokenizer, pairs, 3)
+
+
+def test_min_train_words_keeps_the_longer_examples_then_the_fixed_subset(tmp_path) -> None:
+    from bertforge.training.finetune.config import FinetuneConfig
+    from bertforge.training.finetune.task_data import train_examples
+
+    train = write(tmp_path / "train.tsv", "sentence\tlabel\n" + "".join(
+        f"{' '.join(['word'] * (1 + i % 12))}\t{i % 2}\n" for i in range(60)))
+    spec = task_spec("sst2")
+
+    def config(**fields) -> FinetuneConfig:
+        return FinetuneConfig(task="sst2", model="m", output="o", train=train, dev=train,
+                              **fields)
+
+    kept = train_examples(config(min_train_words=10), spec)
+    assert [len(e.text_a.split()) for e in kept] == [10, 11, 12] * 5  # file order, all of them
+    subset = train_examples(config(min_train_words=10, max_train_examples=4), spec)
+    assert len(subset) == 4 and {e.line for e in subset} < {e.line for e in kept}
+    assert train_examples(config(), spec) == read_examples(train, spec)
+    with pytest.raises(ValueError, match="no training example has 13 words or more"):
+        train_examples(config(min_train_words=13), spec)
+    with pytest.raises(ValueError, match="not squad"):
+        FinetuneConfig(task="squad", model="m", output="o", min_train_words=5)

@@ -72,6 +72,10 @@ class FinetuneConfig:
     max_train_examples: int | None = _field(help="train on a fixed random subset of this many "
                                             "examples (the same for every seed)")
     max_dev_examples: int | None = _field(help="score a fixed random subset of this many")
+    # SST-2's train set is mostly phrases cut from its sentences (9 words on average; dev: 20,
+    # whole sentences): a small subset of phrases teaches a small model little.
+    min_train_words: int | None = _field(help="train only on examples with at least this many "
+                                         "words (the texts together), before any subset")
     random_init: bool = _field(False, "the model's architecture and vocabulary with fresh "
                                "weights: what pretraining is worth")
     precision: str = _field("auto", "auto: bf16 where the device computes it natively, else "
@@ -92,6 +96,8 @@ class FinetuneConfig:
             task_spec(self.task)  # a clear error listing the known tasks
         self._check_custom()
         self._check_numbers()
+        if self.task == SQUAD_TASK and self.min_train_words:
+            raise ValueError("--min-train-words applies to GLUE-format tasks, not squad")
 
     def _check_custom(self) -> None:
         custom = (self.text_columns, self.label_column, self.labels, self.regression)
@@ -115,7 +121,7 @@ class FinetuneConfig:
             raise ValueError(f"learning rates must be positive, got {list(rates)}")
         positive = ("batch_size", "eval_batch_size", "doc_stride", "max_query_length",
                     "max_answer_length", "max_steps", "max_train_examples", "max_dev_examples",
-                    "max_seq_length", "log_every")
+                    "min_train_words", "max_seq_length", "log_every")
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -18,7 +18,7 @@ from bertforge.pipelines.contract.tokenization import load_tokenizer
 from bertforge.training.finetune import tasks
 from bertforge.training.finetune.config import FinetuneConfig
 from bertforge.training.finetune.features import encode_examples
-from bertforge.training.finetune.glue_data import read_examples, read_label_set
+from bertforge.training.finetune.glue_data import Example, read_examples, read_label_set
 
 SUBSET_SEED = 0  # max_train/dev_examples: the same subset whatever the training seed
 SQUAD_SPLIT_SEED = 0
@@ -68,6 +68,22 @@ def subsample(items: list, limit: int | None) -> list:
     return [items[i] for i in keep]
 
 
+def train_examples(cfg: FinetuneConfig, spec: tasks.TaskSpec) -> list[Example]:
+    """cfg.train's examples of at least cfg.min_train_words words, then cfg.max_train_examples
+    of them (a fixed subset): what the workers train on and the driver checks."""
+    examples = read_examples(cfg.train, spec)
+    if cfg.min_train_words:
+        examples = [e for e in examples if _words(e) >= cfg.min_train_words]
+        if not examples:
+            raise ValueError(f"{cfg.train}: no training example has {cfg.min_train_words} words "
+                             "or more; lower --min-train-words")
+    return subsample(examples, cfg.max_train_examples)
+
+
+def _words(example: Example) -> int:
+    return len(example.text_a.split()) + (len(example.text_b.split()) if example.text_b else 0)
+
+
 def is_squad_split(cfg: FinetuneConfig) -> bool:
     """SQuAD with one file for both: its articles are split into train and dev."""
     return cfg.is_squad and os.path.abspath(cfg.train) == os.path.abspath(cfg.dev)
@@ -81,14 +97,14 @@ def load_task_data(cfg: FinetuneConfig, vocab_path: str, lower_case: bool) -> Ta
     if cfg.is_squad:
         return _load_squad(cfg, tokenizer)
     spec = resolve_spec(cfg)
-    train_examples = subsample(read_examples(cfg.train, spec), cfg.max_train_examples)
+    train = train_examples(cfg, spec)
     dev_examples = subsample(read_examples(cfg.dev, spec), cfg.max_dev_examples)
     return TaskData(
         spec=spec,
-        train=encode_examples(tokenizer, train_examples, cfg.seq_length),
+        train=encode_examples(tokenizer, train, cfg.seq_length),
         dev=encode_examples(tokenizer, dev_examples, cfg.seq_length),
         dev_examples=dev_examples,
-        num_train_examples=len(train_examples),
+        num_train_examples=len(train),
     )
 
 
