@@ -58,6 +58,19 @@ from bertforge.pipelines.write.write_shards import WriteShards
 logger = logging.getLogger(__name__)
 
 
+class _WithoutWorkerStartNotice(logging.Filter):
+    """Beam's local job service relays each SDK worker's start-up WARN that it has no
+    semi_persistent_directory (a Dataflow worker's cache dir; nothing of ours registers objects
+    there): two 400-character lines per local run, on the console of every prepare and demo."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "No semi_persistent_directory found" not in record.getMessage()
+
+
+logging.getLogger("apache_beam.runners.portability.local_job_service").addFilter(
+    _WithoutWorkerStartNotice())
+
+
 class PrepareDataset(beam.PTransform):
     """The whole job on a pipeline: read, create instances, write shards, rejects and manifest."""
 

@@ -52,3 +52,18 @@ def test_beam_flags_stay_as_beam_spells_them_and_may_not_set_job_options():
         with pytest.raises(ValueError, match="must not set the job's own options"):
             check_beam_args([spelling])
 
+
+
+def test_beams_worker_start_notice_is_kept_off_the_console(caplog):
+    """The local job service relays each worker's 'No semi_persistent_directory found' WARN."""
+    import logging
+
+    import bertforge.pipelines.prepare  # noqa: F401  (installs the filter)
+
+    relay = logging.getLogger("apache_beam.runners.portability.local_job_service")
+    with caplog.at_level(logging.WARNING):
+        relay.warning('Worker: severity: WARN message: "No semi_persistent_directory found:  '
+                      'User registered objects ... may not be effective"')
+        relay.warning("Worker: severity: ERROR message: a real worker error")
+    assert [r.getMessage() for r in caplog.records] == [
+        "Worker: severity: ERROR message: a real worker error"]
