@@ -7,8 +7,10 @@ install:
 demo: install
 	.venv/bin/bertforge demo --output bertforge-demo
 
+# Two pytest-xdist workers, a whole module each at a time, the longest modules first
+# (tests/conftest.py): one module's Ray start-up waits overlap another's compute.
 test: install
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
 lint: install
 	.venv/bin/ruff check .
