@@ -220,7 +220,9 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
                for cfg, lr, seed in runs]
     connect(launch)
     runs_root = os.path.join(runs[0][0].output, RUNS_DIR)
-    label = f"{len(runs)} run(s) in one worker group ({', '.join(_label(*r) for r in runs)})"
+    one_job = len({cfg.output for cfg, _, _ in runs}) == 1
+    names = [run_name(lr, seed) if one_job else _label(cfg, lr, seed) for cfg, lr, seed in runs]
+    label = f"{len(runs)} run(s) in one worker group ({', '.join(names)})"
     print(f"[finetune] {label}", flush=True)
     with heartbeat("finetune", label, every_seconds=60.0):
         run_on_ray(
@@ -233,6 +235,7 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
 
 
 def _label(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:
+    """A run named with its job's directory (several jobs in one group)."""
     return os.path.relpath(run_dir_of(cfg, learning_rate, seed), os.path.dirname(cfg.output))
 
 
