@@ -19,11 +19,13 @@ import importlib.util
 import inspect
 import json
 import logging
+import multiprocessing
 import os
 import re
 import sysconfig
 import warnings
 from collections.abc import Iterator
+from multiprocessing.pool import Pool
 
 logger = logging.getLogger(__name__)
 
@@ -198,13 +200,22 @@ def _module_name(rel_path: str, package: str | None) -> str:
     return ".".join(([package] if package else []) + parts) or (package or "")
 
 
-def _source_documents(label: str, root: str, package: str | None) -> Iterator[tuple[str, str]]:
+def _source_documents(label: str, root: str, package: str | None,
+                      pool: Pool | None) -> Iterator[tuple[str, str]]:
     """(doc_id, text) for every module and class under `root`, in sorted path order."""
-    for rel_path in _python_files(root):
-        with open(os.path.join(root, rel_path), "rb") as f:
-            source = f.read()
-        for name, paragraphs in documents_from_source(source, _module_name(rel_path, package)):
-            yield f"{label}:{name}", "\n\n".join(paragraphs)
+    jobs = [(label, root, rel_path, package) for rel_path in _python_files(root)]
+    # Parsing is most of the stage's time; the pool parses ahead, and imap keeps path order.
+    for documents in (pool.imap(_file_documents, jobs, chunksize=8) if pool
+                      else map(_file_documents, jobs)):
+        yield from documents
+
+
+def _file_documents(job: tuple[str, str, str, str | None]) -> list[tuple[str, str]]:
+    label, root, rel_path, package = job
+    with open(os.path.join(root, rel_path), "rb") as f:
+        source = f.read()
+    return [(f"{label}:{name}", "\n\n".join(paragraphs))
+            for name, paragraphs in documents_from_source(source, _module_name(rel_path, package))]
 
 
 def _pydoc_topic_documents() -> Iterator[tuple[str, str]]:
@@ -218,10 +229,11 @@ def _pydoc_topic_documents() -> Iterator[tuple[str, str]]:
             yield f"pydoc_topics:{name}", "\n\n".join(paragraphs)
 
 
-def _all_documents() -> Iterator[tuple[str, str, str]]:
-    """(source label, doc_id, text), lazily: files are parsed only when consumed."""
+def _all_documents(pool: Pool | None = None) -> Iterator[tuple[str, str, str]]:
+    """(source label, doc_id, text), lazily: files are parsed only when consumed (and, with a
+    pool, a little ahead)."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    for doc_id, text in _source_documents("stdlib", stdlib, None):
+    for doc_id, text in _source_documents("stdlib", stdlib, None, pool):
         yield "stdlib", doc_id, text
     for doc_id, text in _pydoc_topic_documents():
         yield "pydoc_topics", doc_id, text
@@ -230,7 +242,7 @@ def _all_documents() -> Iterator[tuple[str, str, str]]:
         if spec is None or not spec.submodule_search_locations:
             continue
         root = list(spec.submodule_search_locations)[0]
-        for doc_id, text in _source_documents(package, root, package):
+        for doc_id, text in _source_documents(package, root, package, pool):
             yield package, doc_id, text
 
 
@@ -245,8 +257,10 @@ def write_docstring_corpus(output_path: str, target_bytes: int = 4_000_000) -> d
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     num_documents = num_bytes = 0
     sources: dict[str, dict[str, int]] = {}
-    with open(output_path, "w", encoding="utf-8") as out:
-        for label, doc_id, text in _all_documents():
+    # Two processes (the demo's cores); spawned, as the caller may hold threads (torch, Ray).
+    with multiprocessing.get_context("spawn").Pool(2) as pool, \
+            open(output_path, "w", encoding="utf-8") as out:
+        for label, doc_id, text in _all_documents(pool):
             out.write(json.dumps({"doc_id": doc_id, "text": text}, ensure_ascii=False) + "\n")
             size = len(text.encode("utf-8"))
             num_documents += 1
