@@ -48,14 +48,15 @@ class DemoConfig:
     num_shards: int = _option(4, "train shards")
     prepare_workers: int = _option(2, "Beam worker processes")
     train_workers: int = _option(2, "Ray Train workers")
-    # 600 steps x 32 sequences of 128 tokens = ~0.9 epoch of the ~21,900 training pairs, in
+    # 540 steps x 32 sequences of 128 tokens = ~0.8 epoch of the ~21,900 training pairs, in
     # fp32 on a CPU without native bf16: 0.26 s a step on 2 AVX2 cores, so the whole demo fits
-    # in five minutes there. Measured: MLM accuracy 0.124 (baseline 0.066), NSP 0.628 (800 steps:
-    # 0.132, 0.630). This model seems to need updates more than sequences: 1,000 x 64 took ~330 s
-    # and left the unigram plateau later; 1,000 x 16 reached MLM 0.124 but fine-tuned worse
-    # (SST-2 0.591), as did 800 x 32 of 64 tokens (0.557). 1e-3 beat 5e-4 (MLM 0.122 vs 0.102
-    # after 600 steps) and 2e-3 (0.080 after 300).
-    max_steps: int = _option(600, "training steps", aliases=("--steps",))
+    # in five minutes there (4 min 41 s measured). Measured: MLM accuracy 0.120 (baseline 0.066),
+    # NSP 0.632; 600 steps: 0.119-0.125, 0.623; 800: 0.132, 0.630. This model seems to need
+    # updates more than sequences: 1,000 x 64 took ~330 s and left the unigram plateau later;
+    # 1,000 x 16 reached MLM 0.124 but fine-tuned worse (SST-2 0.591), as did 800 x 32 of 64
+    # tokens (0.557). 1e-3 beat 5e-4 (MLM 0.122 vs 0.102 after 600 steps) and 2e-3 (0.080
+    # after 300).
+    max_steps: int = _option(540, "training steps", aliases=("--steps",))
     micro_batch_size: int = _option(16, "sequences per worker per step (x 2 workers = 32)")
     learning_rate: float = _option(1e-3, "peak learning rate")
     seed: int = _option(12345, "data, masking and initialisation")
@@ -63,7 +64,7 @@ class DemoConfig:
     precision: str = _option("auto", "engine precision (auto: bf16 where native, else fp32)",
                              choices=PRECISIONS)
     # After the export: SST-2 fine-tuned from this model and from random weights, same budget
-    # (cluster/demo_finetune.py). A subset of the train set keeps both within ~1.5 minutes.
+    # (cluster/demo_finetune.py). A subset of the train set keeps both within ~75 s.
     finetune_train_examples: int = _option(2000, "SST-2 train sentences for the fine-tuning "
                                            "comparison (a fixed subset of 67,349; 0 skips it)")
     # SST-2's train set is mostly short phrases (9 words on average, dev sentences 20): from
@@ -74,7 +75,8 @@ class DemoConfig:
     finetune_dev_examples: int | None = _option(None, "SST-2 dev sentences scored (default: "
                                                 "all 872)")
     finetune_epochs: float = _option(2.0, "fine-tuning epochs over those sentences")
-    finetune_max_seq_length: int = _option(64, "fine-tuning tokens per sentence")
+    # 48 cuts few dev sentences (20 words on average) and saved ~5 s over 64.
+    finetune_max_seq_length: int = _option(48, "fine-tuning tokens per sentence")
     # 16 (250 steps) learned where 32 (124 steps) often stayed at chance from either model.
     finetune_batch_size: int = _option(16, "fine-tuning sentences per step")
     # 1e-4 underfit in 250 steps (train loss 0.67, dev 0.585 from the demo's model); 3e-4 suits a
