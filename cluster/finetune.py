@@ -203,7 +203,7 @@ def run_dir_of(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:
 
 def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, int]]) -> None:
     """Every run of `runs` (a job's config, a learning rate, a seed) in one worker group, one
-    after another: Ray Train's start, the imports and DeepSpeed's op build are paid once, not per
+    after another: Ray Train's start, the imports and DeepSpeed's set-up are paid once, not per
     run (minutes on a busy CPU). Each run leaves its result.json, which its stage then records.
     The group's worker logs and Ray Train state go under the first job's DIR/runs."""
     from ray.train import FailureConfig, RunConfig
