@@ -177,10 +177,14 @@ def skip_inference_shm_op() -> None:
     process. Only `inference_all_reduce` (tensor-parallel inference) uses it; training's
     collectives go through torch.distributed. DeepSpeed keeps its op-compatibility table in one
     cached dict (`deepspeed.ops.__compatible_ops__`) that it reads before building, so marking
-    the op incompatible there skips the build. No effect on GPUs, which have no such op.
+    the op incompatible there skips the build. On GPUs there is no such op (DeepSpeed's own
+    check, mirrored here), and the table, whose first read probes every op, is not touched.
     """
     import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
 
+    if get_accelerator().create_op_builder("ShareMemCommBuilder") is None:
+        return
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
