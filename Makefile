@@ -7,11 +7,11 @@ install:
 demo: install
 	.venv/bin/bertforge demo --output bertforge-demo
 
-# Serial: with two pytest-xdist workers (-n 2 --dist loadscope --no-loadscope-reorder, 13.5 min
-# here instead of ~20) a clean clone's first two Ray starts, at once on a cold 2-core machine,
-# missed Ray's fixed 30 s node start-up wait and failed the demo and pre-flight modules.
+# Two pytest-xdist workers, a whole module each at a time, the longest modules first
+# (tests/conftest.py): one module's Ray start-up waits overlap another's compute. Their first
+# Ray starts come at once; local_ray.start retries one that misses Ray's fixed 30 s wait.
 test: install
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
 lint: install
 	.venv/bin/ruff check .

@@ -11,6 +11,8 @@
   session folders that no live run uses. A live run's processes are never touched, nor those
   and the session of a record written in another container or on another node sharing TMPDIR
   (its host, pid namespace or boot id differ: its pids are not ours to judge).
+- A start whose raylet misses Ray's fixed 30 s registration wait (a cold machine starting two
+  Rays at once) is retried once, after stopping the processes the failed attempt left running.
 - `driver_teardown()` turns SIGTERM/SIGHUP into a normal exit, so `finally` blocks run (the
   run-directory lock is released) and Ray is shut down, as on Ctrl-C; a signal that is ignored
   (`nohup` ignores SIGHUP) or already handled is left as it is.
@@ -31,6 +33,8 @@ from collections.abc import Iterator
 from bertforge.cluster.run_lock import process_scope
 
 KEEP_SESSIONS = 3
+START_ATTEMPTS = 2
+STARTUP_TIMEOUT = "timed out during startup"  # Ray's message when its raylet never registered
 _RECORD = None  # this driver's record file, once it started a local Ray
 
 
@@ -76,16 +80,48 @@ def start(num_cpus: int) -> None:
     # controller polls) and the workers do not look for that cluster either.
     for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
         os.environ.pop(name, None)
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        # Ray Train's controller polls the state API, which the dashboard serves (127.0.0.1).
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        configure_logging=False,
-        _temp_dir=root,
-    )
+    for attempt in range(1, START_ATTEMPTS + 1):
+        before = _own_children()
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                # Ray Train's controller polls the state API, which the dashboard serves.
+                include_dashboard=True,
+                dashboard_host="127.0.0.1",
+                configure_logging=False,
+                _temp_dir=root,
+            )
+            break
+        except Exception as error:  # Ray raises a bare Exception for this one
+            if STARTUP_TIMEOUT not in str(error) or attempt == START_ATTEMPTS:
+                raise
+            # Ray gives its raylet a fixed 30 s to register; a cold machine starting two Rays at
+            # once can miss it. The failed attempt's GCS and raylet keep running: stop them,
+            # then start afresh (imports and disk caches are warm now).
+            _stop(_own_children() - before)
+            print(f"bertforge: the local Ray missed its {STARTUP_TIMEOUT!r} wait; "
+                  "starting it again", file=sys.stderr, flush=True)
     _record_this_driver(root)
+
+
+def _own_children() -> set:
+    import psutil
+
+    return set(psutil.Process().children(recursive=True))
+
+
+def _stop(processes) -> None:
+    import psutil
+
+    processes = list(processes)
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=5)
+    for process in alive:  # the GCS server ignores SIGTERM
+        with contextlib.suppress(psutil.Error):
+            process.kill()
 
 
 def _process_key(process) -> dict:
@@ -153,7 +189,6 @@ def reap_dead_runs(root: str | None = None, keep_sessions: int = KEEP_SESSIONS) 
     Returns the pids stopped. Only processes a bertforge driver recorded as its own children are
     ever signalled, and only once that driver is gone.
     """
-    import psutil
 
     root = root or ray_root()
     live_sessions, orphans = set(), []
@@ -166,13 +201,7 @@ def reap_dead_runs(root: str | None = None, keep_sessions: int = KEEP_SESSIONS) 
         orphans += [p for p in map(_same_process, record["processes"]) if p is not None]
         with contextlib.suppress(OSError):
             os.remove(path)
-    for process in orphans:
-        with contextlib.suppress(psutil.Error):
-            process.terminate()
-    _, alive = psutil.wait_procs(orphans, timeout=5)
-    for process in alive:  # the GCS server ignores SIGTERM
-        with contextlib.suppress(psutil.Error):
-            process.kill()
+    _stop(orphans)
     prune_sessions(root, keep_sessions, live_sessions)
     return [p.pid for p in orphans]
 

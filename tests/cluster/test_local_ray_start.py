@@ -1,0 +1,75 @@
+"""local_ray.start retries once when Ray's node misses its fixed start-up wait, after stopping
+what the failed attempt left running; any other failure of ray.init is raised at once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import ray
+from ray._private import ray_constants
+
+from bertforge.cluster import local_ray
+
+RAY_TIMEOUT = ("The current node timed out during startup. This could happen because some of "
+               "the raylet failed to startup or the GCS has become overloaded.")
+
+
+@pytest.fixture
+def fake_start(monkeypatch, tmp_path):
+    """start() with ray.init replaced by `outcomes`, one per call (an exception to raise, a
+    function to call, or None for success), and nothing recorded."""
+    for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+        monkeypatch.setenv(name, "restored after the test")
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)
+    monkeypatch.setattr(local_ray, "ray_root", lambda: str(tmp_path))
+    recorded = []
+    monkeypatch.setattr(local_ray, "_record_this_driver", recorded.append)
+    calls, outcomes = [], []
+
+    def fake_init(**kwargs):
+        calls.append(kwargs)
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if outcome is not None:
+            outcome()
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    return outcomes, calls, recorded
+
+
+def test_a_start_that_times_out_is_cleaned_up_and_retried(fake_start, capfd):
+    outcomes, calls, recorded = fake_start
+    left_over = []
+
+    def start_something_then_time_out():  # as Ray does: its GCS runs on after the timeout
+        left_over.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        raise Exception(RAY_TIMEOUT)
+
+    outcomes += [start_something_then_time_out, None]
+    try:
+        local_ray.start(num_cpus=2)
+        assert left_over[0].wait(timeout=10) is not None  # stopped, not left to run on
+    finally:
+        left_over[0].kill()
+    assert len(calls) == 2 and calls[1]["address"] == "local"
+    assert len(recorded) == 1
+    assert "starting it again" in capfd.readouterr().err
+
+
+def test_a_second_timeout_is_raised(fake_start):
+    outcomes, calls, recorded = fake_start
+    outcomes += [Exception(RAY_TIMEOUT), Exception(RAY_TIMEOUT)]
+    with pytest.raises(Exception, match="timed out during startup"):
+        local_ray.start(num_cpus=2)
+    assert len(calls) == local_ray.START_ATTEMPTS and recorded == []
+
+
+def test_any_other_failure_is_raised_without_a_retry(fake_start):
+    outcomes, calls, recorded = fake_start
+    outcomes += [ValueError("num_cpus must be positive")]
+    with pytest.raises(ValueError, match="num_cpus"):
+        local_ray.start(num_cpus=2)
+    assert len(calls) == 1 and recorded == []
