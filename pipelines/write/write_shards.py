@@ -20,7 +20,12 @@ from apache_beam.pvalue import AsSingleton
 from bertforge.pipelines.beam_common import count
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.filesystem import sha256_of
-from bertforge.pipelines.instances.instance_batch import InstanceBatch, concat, count_before
+from bertforge.pipelines.instances.instance_batch import (
+    InstanceBatch,
+    RowKeys,
+    concat,
+    count_before,
+)
 from bertforge.pipelines.write import shards
 
 logger = logging.getLogger(__name__)
@@ -32,7 +37,7 @@ logger = logging.getLogger(__name__)
 COUNT_BLOCK_BITS = 10
 
 
-def bucket_counts(batch: InstanceBatch):
+def bucket_counts(batch: RowKeys):
     """((split, block), rows per bucket of that block) for each block the batch touches."""
     buckets = shards.bucket_of(batch.order_keys).astype(np.int64)
     counts = np.bincount(buckets, minlength=1 << shards.BUCKET_BITS)
@@ -67,7 +72,7 @@ def plan_boundaries(block_counts: list, shards_per_split: dict[str, int], rows_p
     return plan
 
 
-def keys_in_boundary_buckets(batch: InstanceBatch, plan: dict):
+def keys_in_boundary_buckets(batch: RowKeys, plan: dict):
     """((split, bucket), sort key) of every row in a bucket that holds a boundary rank."""
     located = [bucket for split, bucket in plan["located"] if split == batch.split]
     buckets = shards.bucket_of(batch.order_keys)
@@ -207,8 +212,12 @@ class WriteShards(beam.PTransform):
 
     def expand(self, instances):
         shards_per_split = self._shards_per_split
+        # Fused into the step that makes the instances: the boundary step, which must wait for
+        # the plan, then reads these keys, not the whole instances a second time (a pass over
+        # all the tokens through the runner saved).
+        row_keys = instances | "RowKeys" >> beam.Map(InstanceBatch.row_keys)
         plan = (
-            instances
+            row_keys
             | "CountPerBucket" >> beam.FlatMap(bucket_counts)
             | "SumPerBlock" >> beam.CombinePerKey(add_counts)
             | "BucketCounts" >> beam.combiners.ToList()
@@ -216,7 +225,7 @@ class WriteShards(beam.PTransform):
             >> beam.Map(plan_boundaries, shards_per_split, self._rows_per_piece)
         )
         boundaries = (
-            instances
+            row_keys
             | "KeysInBoundaryBuckets" >> beam.FlatMap(keys_in_boundary_buckets, AsSingleton(plan))
             | "GroupBoundaryBuckets" >> beam.GroupByKey()
             | "PickBoundaryKeys" >> beam.FlatMap(pick_boundary_keys, AsSingleton(plan))
