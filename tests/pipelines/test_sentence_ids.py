@@ -28,16 +28,18 @@ TRICKY = [
 ]
 
 
-def _one_by_one(vocab_path: str, sentences: list[str]) -> tuple[list[int], list[int]]:
-    tokenizer = load_tokenizer(vocab_path, lower_case=True)
+def _one_by_one(
+    vocab_path: str, sentences: list[str], lower_case: bool = True
+) -> tuple[list[int], list[int]]:
+    tokenizer = load_tokenizer(vocab_path, lower_case=lower_case)
     per_sentence = [tokenizer.encode(s, add_special_tokens=False).ids for s in sentences]
     per_sentence = [ids for ids in per_sentence if ids]
     return [i for ids in per_sentence for i in ids], [len(ids) for ids in per_sentence]
 
 
-def _check(vocab_path: str, sentences: list[str]) -> None:
-    ids, lengths = SentenceTokenizer(read_vocab(vocab_path), lower_case=True)(sentences)
-    expected_ids, expected_lengths = _one_by_one(vocab_path, sentences)
+def _check(vocab_path: str, sentences: list[str], lower_case: bool = True) -> None:
+    ids, lengths = SentenceTokenizer(read_vocab(vocab_path), lower_case=lower_case)(sentences)
+    expected_ids, expected_lengths = _one_by_one(vocab_path, sentences, lower_case)
     assert ids.dtype == np.uint16 and lengths.dtype == np.int32
     assert ids.tolist() == expected_ids
     assert lengths.tolist() == expected_lengths
@@ -45,6 +47,22 @@ def _check(vocab_path: str, sentences: list[str]) -> None:
 
 def test_tricky_sentences_give_the_one_by_one_ids(small_vocab):
     _check(small_vocab, TRICKY * 3)
+
+
+# Every ASCII character, alone, between letters and next to punctuation and spaces: the ASCII
+# sentences are normalized in Python (control characters, tab/CR/LF, case), not by the tokenizer.
+EVERY_ASCII = [f"{c}" for c in map(chr, range(128))] + [
+    f"Ab{c}Cd {c} e{c}{c}F, g.{c}" for c in map(chr, range(128))
+]
+
+
+@pytest.mark.parametrize("lower_case", [True, False])
+def test_every_ascii_character_gives_the_one_by_one_ids(small_vocab, lower_case):
+    _check(small_vocab, EVERY_ASCII, lower_case)
+    # ASCII and not ASCII interleaved: encoded apart, then put back in order.
+    mixed = [s for pair in zip(EVERY_ASCII, TRICKY * 20, strict=False) for s in pair]
+    _check(small_vocab, mixed, lower_case)
+    _check(small_vocab, TRICKY + EVERY_ASCII[::-1], lower_case)
 
 
 def test_text_holding_the_marker_is_encoded_one_by_one(small_vocab, monkeypatch):
