@@ -189,7 +189,6 @@ def reap_dead_runs(root: str | None = None, keep_sessions: int = KEEP_SESSIONS) 
     Returns the pids stopped. Only processes a bertforge driver recorded as its own children are
     ever signalled, and only once that driver is gone.
     """
-
     root = root or ray_root()
     live_sessions, orphans = set(), []
     here = process_scope()
