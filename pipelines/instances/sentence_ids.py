@@ -11,7 +11,7 @@ that sentence's ids by construction, not by an argument about whitespace (tested
 one-by-one encoding on the real corpora). A group whose text does hold the marker is encoded
 sentence by sentence instead.
 
-ASCII sentences skip the tokenizer's normalizer, about a third of its time on English text:
+ASCII sentences skip the tokenizer's normalizer, a third to a half of its time on English text:
 Python normalizes them itself, exactly as `BertNormalizer` does ASCII (control characters
 dropped, tab/newline/CR made spaces, lower-cased where the vocabulary is uncased; NFD and accent
 stripping change nothing there), and a tokenizer without a normalizer encodes the result.

@@ -53,7 +53,6 @@ def test_beam_flags_stay_as_beam_spells_them_and_may_not_set_job_options():
             check_beam_args([spelling])
 
 
-
 def test_beams_worker_start_notice_is_kept_off_the_console(caplog):
     """The local job service relays each worker's 'No semi_persistent_directory found' WARN."""
     import logging
