@@ -21,6 +21,7 @@ from typing import Any
 from bertforge.cluster.config_fields import HELP
 from bertforge.cluster.demo_finetune import (
     FinetuneBudget,
+    check_shipped_budget,
     finetune_done,
     finetune_sst2,
     summary_rows,
@@ -82,14 +83,17 @@ class DemoConfig:
     # 1e-4 underfit in 250 steps (train loss 0.67, dev 0.585 from the demo's model); 3e-4 suits a
     # 2-layer model (1e-3 stayed at chance), as 1e-3 does its pretraining.
     finetune_learning_rate: float = _option(3e-4, "fine-tuning peak learning rate")
-    glue_dir: str | None = _option(None, "GLUE data holding SST-2/ (default: "
-                                   "../shared/data/glue; without it the stage is skipped)")
+    glue_dir: str | None = _option(None, "GLUE data holding SST-2/train.tsv and dev.tsv "
+                                   "(default: the 2,000-line SST-2 subset shipped with "
+                                   "bertforge, enough for the default budget)")
 
     def __post_init__(self) -> None:
         if self.corpus_mb < 0.1:
             raise ValueError("the demo corpus needs at least 0.1 MB (100,000 bytes)")
         if self.max_steps < 10:
             raise ValueError("the demo needs at least 10 training steps")
+        if self.glue_dir is None and self.finetune_train_examples:
+            check_shipped_budget(self.finetune_train_examples, self.finetune_min_words)
 
     def settings(self) -> dict[str, Any]:
         """What must match for a second run to reuse the first one's stages."""

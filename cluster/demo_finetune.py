@@ -6,6 +6,10 @@
    the same examples, steps, learning rate and seed;
 3. a bag-of-words logistic regression (`training.finetune.bow_baseline`) on the same examples.
 
+SST-2 ships with bertforge for this (`demo_data/sst2/`, see its SOURCE.md): the 2,000 lines the
+demo trains on and the whole dev set, so the stage runs on a fresh clone; `--glue-dir` points it
+at the whole of GLUE's SST-2 instead.
+
 All three train on the same fixed random subset of SST-2's train lines of at least
 `min_words` words (the demo's time budget; `task_data.train_examples`: most of SST-2's train
 lines are short phrases, its dev set is whole sentences) and score SST-2's whole dev set (872
@@ -23,6 +27,12 @@ from typing import Any
 from bertforge.training.finetune.config import FinetuneConfig
 
 SST2_TRAIN_SENTENCES = 67_349  # GLUE's SST-2 train.tsv (DOWNSTREAM-SOURCES.md)
+# The shipped subset: the demo's default draw (2,000 of SST-2's 25,152 train lines of 10 words
+# or more, task_data's fixed subset seed) and the whole dev set; see demo_data/sst2/SOURCE.md.
+SHIPPED_SST2_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_data", "sst2")
+SHIPPED_TRAIN_LINES = 2_000
+SHIPPED_MIN_WORDS = 10
+SHIPPED_DRAWN_FROM = 25_152
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,16 +51,24 @@ class FinetuneBudget:
 
 
 def sst2_files(glue_dir: str | None) -> tuple[str, str] | None:
-    """(train.tsv, dev.tsv) of SST-2 under glue_dir (default ../shared/data/glue), or None."""
-    from bertforge.cluster.finetune import default_data_root
-
+    """(train.tsv, dev.tsv) of SST-2 under glue_dir, or None where either is missing; without
+    glue_dir, the subset shipped with bertforge."""
     if glue_dir is None:
-        root = default_data_root()
-        glue_dir = None if root is None else os.path.join(root, "glue")
-    if glue_dir is None:
-        return None
+        return (os.path.join(SHIPPED_SST2_DIR, "train.tsv"),
+                os.path.join(SHIPPED_SST2_DIR, "dev.tsv"))
     paths = tuple(os.path.join(glue_dir, "SST-2", name) for name in ("train.tsv", "dev.tsv"))
     return paths if all(os.path.isfile(p) for p in paths) else None
+
+
+def check_shipped_budget(train_examples: int, min_words: int) -> None:
+    """The shipped subset holds the default draw only: a budget that needs more of SST-2 must
+    name GLUE's files (ValueError, before anything runs)."""
+    if train_examples > SHIPPED_TRAIN_LINES or min_words < SHIPPED_MIN_WORDS:
+        raise ValueError(
+            f"the SST-2 subset shipped with bertforge holds {SHIPPED_TRAIN_LINES:,} train lines "
+            f"of {SHIPPED_MIN_WORDS}+ words; --finetune-train-examples {train_examples} "
+            f"--finetune-min-words {min_words} needs GLUE's whole SST-2: give --glue-dir "
+            "(a folder holding SST-2/train.tsv and dev.tsv, from GLUE's download_glue_data.py)")
 
 
 def finetune_sst2(model_dir: str, output: str, glue_dir: str | None,
@@ -58,8 +76,7 @@ def finetune_sst2(model_dir: str, output: str, glue_dir: str | None,
     """The stage: both fine-tunes and the baseline, or {"skipped": why} without SST-2's files."""
     files = sst2_files(glue_dir)
     if files is None:
-        where = glue_dir or "../shared/data/glue"
-        reason = f"no SST-2 data ({where}/SST-2/train.tsv and dev.tsv); fine-tuning skipped"
+        reason = f"no SST-2 data ({glue_dir}/SST-2/train.tsv and dev.tsv); fine-tuning skipped"
         print(f"[demo] finetune: {reason}", flush=True)
         return {"skipped": reason}
     train, dev = files
@@ -71,8 +88,9 @@ def finetune_sst2(model_dir: str, output: str, glue_dir: str | None,
     # Both in one worker group: Ray Train's start and DeepSpeed's set-up once, not twice.
     pretrained, random_init = run_finetunes(configs, LaunchConfig(workers=budget.workers))
     record = {
-        "task": "sst2", "train": train, "dev": dev,
-        "train_examples_of": _eligible(configs[0]), "train_lines": SST2_TRAIN_SENTENCES,
+        "task": "sst2", "train": train, "dev": dev, "shipped": glue_dir is None,
+        "train_examples_of": SHIPPED_DRAWN_FROM if glue_dir is None else _eligible(configs[0]),
+        "train_lines": SST2_TRAIN_SENTENCES,
         "budget": budget.__dict__,
         "pretrained": _outcome(pretrained), "random_init": _outcome(random_init),
         # Ray Train's start (once), both runs' data, training, dev scoring and exports.
@@ -142,6 +160,8 @@ def summary_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
     lines = f"{record['train_examples']:,} of {record['train_examples_of']:,} train lines"
     if budget.get("min_words"):
         lines += f" of {budget['min_words']}+ words ({record['train_lines']:,} in all)"
+    if record.get("shipped"):
+        lines += ", the subset shipped with bertforge"
     rows = [("SST-2 fine-tuning budget",
              f"{lines}, {budget['epochs']:g} epochs ({record['pretrained']['steps']} steps of "
              f"{budget['batch_size']}), {budget['max_seq_length']} tokens; dev "

@@ -130,6 +130,13 @@ def model_name(model: str, random_init: bool) -> str:
 # --- the job ------------------------------------------------------------------------------
 
 
+# GLUE is not shipped (the demo's SST-2 subset only): where to get it, said where it is missing.
+GET_GLUE = ("give --glue-dir, a folder holding <Task>/train.tsv and dev.tsv for CoLA, SST-2, "
+            "MRPC, STS-B and RTE (GLUE's layout). Get it with GLUE's download_glue_data.py "
+            "(github.com/nyu-mll/GLUE-baselines), or write Hugging Face's nyu-mll/glue dataset "
+            "to TSV in that layout")
+
+
 def resolve_glue_dir(glue_dir: str | None) -> str:
     if glue_dir is not None:
         if not os.path.isdir(glue_dir):
@@ -139,8 +146,7 @@ def resolve_glue_dir(glue_dir: str | None) -> str:
 
     root = default_data_root()
     if root is None or not os.path.isdir(os.path.join(root, "glue")):
-        raise ValueError("no GLUE data: give --glue-dir (a directory holding SST-2/train.tsv, "
-                         "CoLA/, MRPC/, RTE/, STS-B/)")
+        raise ValueError(f"no GLUE data: {GET_GLUE}")
     return os.path.join(root, "glue")
 
 
@@ -150,7 +156,7 @@ def task_configs(config: GlueConfig, glue_dir: str) -> dict[str, FinetuneConfig]
     names = list(config.tasks) or tasks.available_glue_tasks(glue_dir)
     if not names:
         raise ValueError(f"{glue_dir}: no GLUE task's train.tsv and dev.tsv are there "
-                         f"(looked for {', '.join(c.title for c in GLUE_COLUMNS)})")
+                         f"(looked for {', '.join(c.title for c in GLUE_COLUMNS)}); {GET_GLUE}")
     configs = {}
     for name in names:
         train, dev = tasks.glue_dir_files(glue_dir, tasks.task_spec(name))

@@ -11,8 +11,10 @@
   session folders that no live run uses. A live run's processes are never touched, nor those
   and the session of a record written in another container or on another node sharing TMPDIR
   (its host, pid namespace or boot id differ: its pids are not ours to judge).
-- A start whose raylet misses Ray's fixed 30 s registration wait (a cold machine starting two
-  Rays at once) is retried once, after stopping the processes the failed attempt left running.
+- A start that times out (a cold or busy machine, or two Rays starting at once: the GCS port
+  file, the GCS connection or the raylet's registration came too late) is retried, after
+  stopping the processes the failed attempt left running; the GCS gets a longer port wait than
+  Ray's 30 s default to begin with.
 - `driver_teardown()` turns SIGTERM/SIGHUP into a normal exit, so `finally` blocks run (the
   run-directory lock is released) and Ray is shut down, as on Ctrl-C; a signal that is ignored
   (`nohup` ignores SIGHUP) or already handled is left as it is.
@@ -33,8 +35,20 @@ from collections.abc import Iterator
 from bertforge.cluster.run_lock import process_scope
 
 KEEP_SESSIONS = 3
-START_ATTEMPTS = 2
-STARTUP_TIMEOUT = "timed out during startup"  # Ray's message when its raylet never registered
+START_ATTEMPTS = 3
+# Ray's messages for a start that was too slow (ray/_private/node.py, services.py and the port
+# wait in _raylet): the raylet never registered, the GCS never wrote its port file or never
+# answered, or the node's info never came. Each is raised as a plain Exception/RuntimeError.
+STARTUP_TIMEOUTS = (
+    "timed out during startup",
+    "Timed out waiting for file",
+    "Failed to start GCS",
+    "while waiting for node to startup",
+    "Timed out waiting for node info",
+)
+# Seconds the GCS may take to write its port file (Ray's default: 30; 120 with RocksDB). A
+# cold 2-core machine starting two Rays at once has missed 30; a user's setting is kept.
+GCS_PORT_WAIT_S = "90"
 _RECORD = None  # this driver's record file, once it started a local Ray
 
 
@@ -80,6 +94,7 @@ def start(num_cpus: int) -> None:
     # controller polls) and the workers do not look for that cluster either.
     for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
         os.environ.pop(name, None)
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
     for attempt in range(1, START_ATTEMPTS + 1):
         before = _own_children()
         try:
@@ -93,16 +108,24 @@ def start(num_cpus: int) -> None:
                 _temp_dir=root,
             )
             break
-        except Exception as error:  # Ray raises a bare Exception for this one
-            if STARTUP_TIMEOUT not in str(error) or attempt == START_ATTEMPTS:
+        except Exception as error:  # Ray raises a bare Exception for some of these
+            timeout = startup_timeout(error)
+            if timeout is None or attempt == START_ATTEMPTS:
                 raise
             # Ray gives its raylet a fixed 30 s to register; a cold machine starting two Rays at
             # once can miss it. The failed attempt's GCS and raylet keep running: stop them,
             # then start afresh (imports and disk caches are warm now).
             _stop(_own_children() - before)
-            print(f"bertforge: the local Ray missed its {STARTUP_TIMEOUT!r} wait; "
-                  "starting it again", file=sys.stderr, flush=True)
+            print(f"bertforge: the local Ray's start timed out ({timeout!r}); starting it "
+                  f"again (attempt {attempt + 1} of {START_ATTEMPTS})", file=sys.stderr,
+                  flush=True)
     _record_this_driver(root)
+
+
+def startup_timeout(error: BaseException) -> str | None:
+    """Which of Ray's start-up timeouts `error` is, or None for any other failure."""
+    message = str(error)
+    return next((timeout for timeout in STARTUP_TIMEOUTS if timeout in message), None)
 
 
 def _own_children() -> set:

@@ -13,6 +13,13 @@ with whichever `ninja` is first on PATH: this interpreter's (1.13, pip) where th
 comes first (`ray start` nodes, hence jobs), the system's (1.11) elsewhere. Their build logs
 differ in format (v7, v5), so each switch from one to the other recompiled the op from scratch:
 a minute of both cores, several times a suite.
+
+And one precision branch on every machine: `precision="auto"` picks bf16 on a CPU with native
+bf16 (Zen 4, Sapphire Rapids) and fp32 elsewhere, so a test that trains with the default would
+take another branch, and other numbers, on another machine. The suite answers the question for
+the CPU (`BERTFORGE_CPU_BF16`, training/precision.py): auto means fp32 here, in every process
+the suite starts (Ray workers and subprocesses inherit it), and the tests of the bf16 branch say
+`native` themselves.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import sys
 _VENV_BIN = os.path.dirname(sys.executable)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
     os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
+
+os.environ["BERTFORGE_CPU_BF16"] = "emulated"
 
 # Longest first, as measured on a 2-core machine (seconds, whole module). A module not listed
 # keeps its place after these, in collection order.

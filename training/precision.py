@@ -12,9 +12,16 @@ to use it: oneDNN's bf16 matmul path (`torch.ops.mkldnn._is_mkldnn_bf16_supporte
 `ONEDNN_MAX_CPU_ISA` caps oneDNN below AVX-512) and ATen's vectorised kernels
 (`torch.backends.cpu.get_cpu_capability()`, which `ATEN_CPU_CAPABILITY` caps). So capping both to
 AVX2 on an AVX512-BF16 machine makes "auto" pick fp32, as on a real AVX2 machine.
+
+`BERTFORGE_CPU_BF16=native|emulated` overrides the CPU's answer (in the driver and, through the
+environment, in every worker): the test suite sets `emulated` so that it takes the same branch on
+every machine, and a test of the bf16 branch sets `native`. Only the choice changes: the
+arithmetic is still the machine's (bf16 named on an AVX2 CPU is emulated, slowly).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -25,10 +32,18 @@ PRECISIONS = tuple(p for p in REQUESTABLE if p != AUTO)  # what an engine runs i
 
 # cpuinfo's names for native bf16 arithmetic on x86.
 _CPU_BF16_FEATURES = ("avx512_bf16", "amx_bf16")
+CPU_BF16_OVERRIDE = "BERTFORGE_CPU_BF16"
+_OVERRIDES = {"native": True, "emulated": False}
 
 
 def cpu_native_bf16() -> tuple[bool, str]:
     """(whether this CPU computes bf16 natively and torch will use it, why)."""
+    override = os.environ.get(CPU_BF16_OVERRIDE, "")
+    if override:
+        if override not in _OVERRIDES:
+            raise ValueError(f"{CPU_BF16_OVERRIDE} must be one of {sorted(_OVERRIDES)} (or "
+                             f"unset, to ask the CPU), got {override!r}")
+        return _OVERRIDES[override], f"{CPU_BF16_OVERRIDE}={override} says so"
     capabilities = torch.cpu.get_capabilities()
     features = [name for name in _CPU_BF16_FEATURES if capabilities.get(name)]
     if not features:

@@ -1,9 +1,17 @@
-"""The demo's fine-tuning stage without the engines: where SST-2 is looked for, the skip when it
-is not there, and the summary's lines. (tests/cluster/test_demo_e2e.py runs the stage itself.)"""
+"""The demo's fine-tuning stage without the engines: where SST-2 is looked for (the shipped subset
+by default), the skip when a given GLUE folder lacks it, and the summary's lines.
+(tests/cluster/test_demo_e2e.py runs the stage itself.)"""
 
 from __future__ import annotations
 
+import hashlib
+
+import pytest
+
+from bertforge.cluster.demo import DemoConfig
 from bertforge.cluster.demo_finetune import (
+    SHIPPED_MIN_WORDS,
+    SHIPPED_TRAIN_LINES,
     FinetuneBudget,
     finetune_done,
     finetune_sst2,
@@ -24,6 +32,34 @@ def test_without_sst2_the_stage_is_skipped_with_a_reason_and_tried_again(tmp_pat
     assert not (tmp_path / "out").exists()
     assert not finetune_done(record) and not finetune_done(None)
     assert summary_rows(record) == [("SST-2 fine-tuning", record["skipped"])]
+
+
+def test_without_a_glue_dir_the_shipped_subset_is_the_default_draw_and_the_whole_dev_set():
+    from bertforge.training.finetune.config import FinetuneConfig
+    from bertforge.training.finetune.glue_data import read_examples
+    from bertforge.training.finetune.task_data import train_examples
+    from bertforge.training.finetune.tasks import task_spec
+
+    train, dev = sst2_files(None)
+    spec = task_spec("sst2")
+    cfg = FinetuneConfig(task="sst2", model="m", output="o", train=train, dev=dev,
+                         max_train_examples=2000, min_train_words=10)
+    drawn = train_examples(cfg, spec)
+    # The demo's default budget draws every shipped line, each of 10+ words, both labels.
+    assert len(drawn) == SHIPPED_TRAIN_LINES == len(read_examples(train, spec))
+    assert min(len(e.text_a.split()) for e in drawn) >= SHIPPED_MIN_WORDS
+    assert {e.label for e in drawn} == {0, 1}
+    with open(dev, "rb") as f:  # GLUE's dev.tsv, unchanged (DOWNSTREAM-SOURCES.md)
+        assert hashlib.sha256(f.read()).hexdigest().startswith("54a9c12c77e402fc")
+
+
+def test_a_budget_beyond_the_shipped_subset_needs_a_glue_dir(tmp_path):
+    with pytest.raises(ValueError, match="shipped with bertforge holds 2,000 .*--glue-dir"):
+        DemoConfig(output=str(tmp_path), finetune_train_examples=4000)
+    with pytest.raises(ValueError, match="--finetune-min-words 0 needs GLUE's whole SST-2"):
+        DemoConfig(output=str(tmp_path), finetune_min_words=0)
+    DemoConfig(output=str(tmp_path), finetune_train_examples=4000, glue_dir=str(tmp_path))
+    DemoConfig(output=str(tmp_path), finetune_train_examples=0, finetune_min_words=0)
 
 
 def test_sst2_files_needs_both_files(tmp_path):

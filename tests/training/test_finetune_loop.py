@@ -48,12 +48,26 @@ def test_same_seed_same_run_and_the_task_is_learned(files, tmp_path):
     assert first["metrics"] == second["metrics"] and first_predictions == second_predictions
     # The label is the sentiment word a sentence holds: 64 steps learn it.
     assert first["metrics"]["accuracy"] >= 0.9, first["metrics"]
+    # fp32: the suite answers "no native bf16" for every CPU (tests/conftest.py).
     assert first["steps"] == 64 and first["precision"] == "fp32"
     with open(tmp_path / "a" / "result.json", encoding="utf-8") as f:
         assert json.load(f)["metrics"] == first["metrics"]
 
     other, _ = run(files, tmp_path / "c", seeds=(99,))
     assert other["final_train_loss"] != first["final_train_loss"]
+
+
+def test_on_a_cpu_with_native_bf16_auto_fine_tunes_in_bf16_and_repeats_bit_for_bit(
+    files, tmp_path, monkeypatch
+):
+    """The branch a Zen 4 or Sapphire Rapids machine takes by default, taken on any machine
+    (bf16 is emulated where the CPU lacks it: one short epoch)."""
+    monkeypatch.setenv("BERTFORGE_CPU_BF16", "native")
+    first, first_predictions = run(files, tmp_path / "a", epochs=1)
+    second, second_predictions = run(files, tmp_path / "b", epochs=1)
+    assert first["precision"] == "bf16" and first["steps"] == 8
+    assert first["final_train_loss"] == second["final_train_loss"]
+    assert first_predictions == second_predictions
 
 
 def test_custom_task_reads_its_labels_from_the_train_file_and_random_init_runs(files, tmp_path):

@@ -35,6 +35,7 @@ def dataset(tmp_path_factory):
 
 def fake_cpu(monkeypatch, capabilities, *, onednn_bf16=True, aten="AVX512"):
     """The three things torch is asked: cpuinfo's flags, oneDNN's bf16 path, ATen's level."""
+    monkeypatch.delenv(precision_lib.CPU_BF16_OVERRIDE, raising=False)  # ask the (fake) CPU
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
     monkeypatch.setattr(precision_lib, "_onednn_bf16_enabled", lambda: onednn_bf16)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: aten)
@@ -111,6 +112,7 @@ def test_the_isa_caps_are_honoured_by_torch_on_this_machine():
             "print(torch.backends.cpu.get_cpu_capability(), "
             "resolve_precision('auto', 'cpu')[0])")
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+    env.pop(precision_lib.CPU_BF16_OVERRIDE, None)  # ask the CPU itself
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == ["AVX2", "fp32"]
@@ -164,3 +166,24 @@ def test_the_zero_stage_and_deepspeed_config_follow_the_resolved_precision(
     ds = deepspeed_config(cfg, 1)
     assert ds["zero_optimization"]["stage"] == stage
     assert engine_keys == {"bf16", "data_types"} & set(ds)
+
+
+def test_the_override_answers_for_the_cpu_and_auto_then_trains_in_bf16(
+    dataset, tmp_path, monkeypatch
+):
+    """The branch a Zen 4 or Sapphire Rapids machine takes, taken on any machine: auto with a
+    CPU that says native bf16 trains in bf16 (emulated here, so two steps only)."""
+    monkeypatch.setenv(precision_lib.CPU_BF16_OVERRIDE, "native")
+    assert resolve_precision("auto", "cpu") == ("bf16", "BERTFORGE_CPU_BF16=native says so")
+    assert slow_precision_warning("bf16", "cpu") is None
+    run_dir = tmp_path / "native"
+    train(config(dataset, run_dir, precision="auto", zero_stage=None, max_steps=2))
+    recorded = json.loads((run_dir / "config.json").read_text())
+    assert recorded["precision"]["resolved"] == "bf16"
+    assert recorded["train"]["precision"] == "bf16" and recorded["train"]["zero_stage"] == 1
+
+    monkeypatch.setenv(precision_lib.CPU_BF16_OVERRIDE, "emulated")
+    assert resolve_precision("auto", "cpu")[0] == "fp32"
+    monkeypatch.setenv(precision_lib.CPU_BF16_OVERRIDE, "yes")
+    with pytest.raises(ValueError, match="BERTFORGE_CPU_BF16 must be one of"):
+        resolve_precision("auto", "cpu")
