@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -27,7 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(commands)
     _add_finetune(commands)
     _add_glue(commands)
+    from bertforge.cluster.config_fields import add_flags
+    from bertforge.cluster.worker_output import ConsoleConfig
+
+    for command in QUIET_COMMANDS:  # one --verbose, declared once (ConsoleConfig)
+        add_flags(commands.choices[command].add_argument_group("console (ConsoleConfig)"),
+                  ConsoleConfig)
     return parser
+
+
+# Commands whose console shows the project's own lines only; the engines' output goes to the
+# command's log file, and to the console too with --verbose (cluster.worker_output).
+QUIET_COMMANDS = ("demo", "train", "finetune", "glue", "eval", "export", "prepare")
 
 
 def _add_vocab(commands) -> None:
@@ -119,6 +131,8 @@ def _add_eval(commands) -> None:
     p.add_argument("--data", required=True, help="prepared shard directory")
     p.add_argument("--split", default="validation", choices=("train", "validation"))
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--max-batches", type=int, default=None,
+                   help="score only the first N batches (default: the whole split)")
     p.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
                    help="hash the shards against the manifest's sha256 (rows are validated "
                    "either way)")
@@ -206,8 +220,22 @@ def _run_vocab(args: argparse.Namespace) -> None:
 def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
     from bertforge.pipelines.prepare import main
 
+    _log_beside_output(extra)
     counts = main(extra)
     print(json.dumps(counts, indent=2))
+
+
+def _log_beside_output(argv: list[str]) -> None:
+    """prepare's log in OUTPUT/logs when OUTPUT is a local directory (not gs://)."""
+    from bertforge.cluster.worker_output import LOG_DIR, log_driver_to
+    from bertforge.pipelines.prepare_options import parse_argv
+
+    try:
+        output = parse_argv(list(argv))[0].output
+    except (ValueError, SystemExit, TypeError, AttributeError):
+        return  # the job reports its own argument errors
+    if output and "://" not in output:
+        log_driver_to(os.path.join(output, LOG_DIR, "prepare.log"))
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
@@ -277,19 +305,36 @@ def _run_eval(args: argparse.Namespace) -> None:
     from bertforge.training.evaluate import evaluate_checkpoint
 
     preflight_eval(args.checkpoint, args.data, args.split)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    _log_in_run_dir(checkpoint, "eval")
     result = evaluate_checkpoint(
-        resolve_checkpoint(args.checkpoint), args.data, split=args.split,
-        batch_size=args.batch_size, verify_checksums=args.verify_checksums,
+        checkpoint, args.data, split=args.split, batch_size=args.batch_size,
+        verify_checksums=args.verify_checksums, max_batches=args.max_batches,
     )
     print(json.dumps(result.to_dict(), indent=2))
 
 
 def _run_export(args: argparse.Namespace) -> None:
     from bertforge.cluster.preflight import preflight_export
+    from bertforge.training.checkpoint import resolve_checkpoint
     from bertforge.training.export import export_checkpoint
 
     preflight_export(args.checkpoint, args.output)
+    _log_in_run_dir(resolve_checkpoint(args.checkpoint), "export")
     print(export_checkpoint(args.checkpoint, args.output))
+
+
+def _log_in_run_dir(checkpoint: str, command: str) -> None:
+    """eval's and export's log: RUN_DIR/logs/COMMAND.log of the checkpoint's run, beside the
+    training's logs (a checkpoint outside a run directory: its own parent's logs/)."""
+    from bertforge.cluster.worker_output import LOG_DIR, log_driver_to
+
+    parent = os.path.dirname(os.path.abspath(checkpoint))
+    run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
+    try:
+        log_driver_to(os.path.join(run_dir, LOG_DIR, f"{command}.log"))
+    except OSError:
+        pass  # a read-only run directory: the log goes to the temporary directory at exit
 
 
 def _run_pipeline(args: argparse.Namespace) -> None:
@@ -340,6 +385,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command in QUIET_COMMANDS:
+        from bertforge.cluster.worker_output import quiet_driver
+
+        quiet_driver(args.command, verbose=bool(args.verbose))
     from bertforge.cluster.local_ray import driver_teardown
 
     try:

@@ -265,7 +265,7 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
     torch.set_num_threads(worker_config["threads"])
     rank = ray.train.get_context().get_world_rank()
     # Library chatter to DIR/runs/logs/worker-RANK.log only, before DeepSpeed's import logs any.
-    quiet_worker(worker_config["logs"], rank)
+    quiet_worker(worker_config["logs"], rank, verbose=worker_config.get("verbose", False))
     import ray.train.torch
 
     from bertforge.training.distributed import barrier

@@ -18,6 +18,7 @@ from bertforge.cluster.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.preflight import preflight_train
 from bertforge.cluster.run_lock import exclusive_directory
 from bertforge.cluster.torch_store import NodeAddressTorchConfig
+from bertforge.cluster.worker_output import LOG_DIR, is_verbose, log_driver_to, show_train_workers
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.config import TrainConfig
 
@@ -67,8 +68,10 @@ def connect(launch: LaunchConfig) -> None:
         # No runtime_env here: inside a `bertforge submit` job the job's own (its working
         # directory) must reach the workers unchanged.
         ray.init(address=launch.address)
-        return
-    local_ray.start(num_cpus=max(os.cpu_count() or 1, launch.workers * launch.cpus_per_worker))
+    else:
+        local_ray.start(num_cpus=max(os.cpu_count() or 1,
+                                     launch.workers * launch.cpus_per_worker))
+    show_train_workers()  # their lines on the console, the other Ray processes' in the log
 
 
 def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
@@ -84,6 +87,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     storage_run = f"{launch.storage.rstrip('/')}/{os.path.basename(run_dir)}" \
         if launch.storage else None
     with exclusive_directory(run_dir, "train", storage=storage_run):
+        log_driver_to(os.path.join(run_dir, LOG_DIR, "train.log"))
         connect(launch)
         return _fit(TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir}), launch)
 
@@ -111,10 +115,11 @@ def run_on_ray(
 ) -> ray.train.Result:
     """`worker_fn(worker_config)` on `launch.workers` Ray Train workers joined in a torch process
     group (NCCL with --gpu, else gloo): pretraining's launch, and fine-tuning's. Ray must be
-    connected (`connect`); a user error in a worker is not retried."""
+    connected (`connect`); a user error in a worker is not retried. `worker_config["verbose"]`
+    says whether the workers show everything (`worker_output.quiet_worker`)."""
     trainer = TorchTrainer(
         worker_fn,
-        train_loop_config=worker_config,
+        train_loop_config={**worker_config, "verbose": is_verbose()},
         torch_config=NodeAddressTorchConfig(backend="nccl" if launch.gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=launch.workers,
@@ -156,9 +161,10 @@ def _worker_main(loop_config: dict[str, Any]) -> None:
 
     torch.set_num_threads(loop_config["threads"])
     cfg = TrainConfig.from_dict(loop_config["train"])
-    # Library warnings to RUN_DIR/logs/worker-RANK.log only; our progress lines to the console.
+    # Library output to RUN_DIR/logs/worker-RANK.log only; our progress lines to the console.
     # Before the loop is imported: importing DeepSpeed logs its first warning.
-    quiet_worker(cfg.run_dir, ray.train.get_context().get_world_rank())
+    quiet_worker(cfg.run_dir, ray.train.get_context().get_world_rank(),
+                 verbose=loop_config.get("verbose", False))
     from bertforge.training.loop import train
     if loop_config["persist"]:
         if cfg.resume:

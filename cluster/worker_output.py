@@ -1,57 +1,106 @@
-"""What a Ray Train worker shows on the console, and where the rest goes.
+"""What the console shows, in the `bertforge` driver and in each Ray Train worker, and where the
+rest goes.
 
-Ray forwards every worker's stdout and stderr to the driver, so each worker's library chatter
-reached the user's terminal: on a 2-core demo run, 221 lines of torch collectives' deprecation
-warnings (`all_gather_into_tensor` and `reduce_scatter_tensor` called by DeepSpeed's ZeRO, once
-per step) and DeepSpeed's start-up logs drowned the loop's own progress lines. In a worker:
+The engines write a lot: Ray's token-authentication notice and its actors' C++ warnings, Ray
+Train's "Reporting training result" per rank, DeepSpeed's start-up logs, its memory reports
+(`see_memory_usage`: "MA ... CPU Virtual Memory") and checkpoint-reading prints ("Processing zero
+checkpoint ..."), transformers' progress bars, torch's deprecation warnings once per step. The
+console keeps the project's own lines (stages, progress, step lines, warnings that ask the user
+to act, summaries) and errors; everything else goes to a log file only:
 
-- everything it writes from Python (our lines, print, logging, warnings) is kept in
-  RUN_DIR/logs/worker-RANK.log, for whoever needs the full story;
-- Python warnings raised outside bertforge go only there: library deprecations we cannot fix
-  (our code calls no deprecated API; DeepSpeed does); a warning from our own code still shows;
-- DeepSpeed's logger reaches the console from ERROR up only (its INFO/WARNING start-up lines:
-  "Setting accelerator to CPU", ZeRO's settings) and the file at every level; so does Ray
-  Train's worker context ("Reporting training result 1: TrainingReport(...)" per report).
+- a process's stdout and stderr become a `_Console`: every write goes to the log file, and to the
+  console when bertforge's own code wrote it (a frame of cluster/, pipelines/ or training/ made
+  the call), when a log record made it that is bertforge's or an ERROR, or when Python itself did
+  (an uncaught exception's traceback). A third-party library's print, progress bar or log line
+  (any logger: Ray's, DeepSpeed's, transformers', Beam's) stays in the file;
+- Python warnings raised outside bertforge go only to the file; one of our own still shows;
+- logging handlers that already held the real stdout or stderr are pointed at the `_Console`;
+- the driver shows a Ray Train worker's lines (which passed the worker's own `_Console`) without
+  Ray's "(RayTrainWorker pid=...)" prefix; every other Ray process's forwarded output (the
+  controller's) goes to the file.
 
-The loop's own lines (`training.metrics.console`) and errors reach the console as before.
+`--verbose` shows everything on the console as well (the file still gets it all). Files:
+RUN_DIR/logs/worker-RANK.log per worker; the driver's RUN_DIR/logs/COMMAND.log (`bertforge
+train`), OUTPUT/logs/COMMAND.log (`finetune`, `glue`, `demo`), RUN_DIR/logs/eval.log and
+export.log for the checkpoint's run, and `prepare`'s beside its output (a local one) or in the
+temporary directory. The driver keeps what is written before it knows its directory in memory
+and writes it out once the command has claimed the directory (`log_driver_to`).
 """
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import os
 import sys
+import sysconfig
+import tempfile
 import warnings
+from dataclasses import dataclass, field
 from typing import TextIO
 
 import bertforge.cluster
 import bertforge.pipelines
 import bertforge.training
+from bertforge.cluster.config_fields import HELP
 
 LOG_DIR = "logs"
-# Named by DeepSpeed (deepspeed.utils.logging); it does not propagate to the root logger.
-_DEEPSPEED_LOGGER = "DeepSpeed"
-# Ray Train V2's worker-side module that logs each ray.train.report at INFO; a logger's filters
-# see only the records logged on it, so it is named exactly.
-_RAY_TRAIN_REPORT_LOGGER = "ray.train.v2._internal.execution.context"
 _OUR_DIRS = tuple(os.path.dirname(os.path.abspath(package.__file__)) + os.sep for package in
                   (bertforge.cluster, bertforge.pipelines, bertforge.training))
+# Python's own modules (traceback, an uncaught exception's report) reach the console; logging's
+# writes are judged by their record. Third-party packages live under site-/dist-packages.
+_STDLIB_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[key]) + os.sep
+                      for key in ("stdlib", "platstdlib")})
+_LOGGING_FILE = os.path.abspath(logging.__file__)
+# Ray prefixes a forwarded line of a Ray Train worker with this actor name.
+_TRAIN_WORKER_ACTOR = "RayTrainWorker"
 
 
 def worker_log_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, LOG_DIR, f"worker-{rank}.log")
 
 
-class _Tee(io.TextIOBase):
-    """Writes go to the console stream and to the log file."""
+def is_ours(filename: str) -> bool:
+    """Whether a file is bertforge's own code (whose output and warnings the console keeps)."""
+    return os.path.abspath(filename).startswith(_OUR_DIRS)
 
-    def __init__(self, console: TextIO, log: TextIO) -> None:
-        self.console, self.log = console, log
+
+def _is_python_itself(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return (filename.startswith("<") or path.startswith(_STDLIB_DIRS)) and \
+        "-packages" + os.sep not in path
+
+
+def record_is_ours(record: logging.LogRecord) -> bool:
+    """A log record for the console: bertforge's (by logger, or a print Ray Train turned into a
+    record at the caller's line), or an error from anyone."""
+    return (record.levelno >= logging.ERROR or record.name.split(".")[0] == "bertforge"
+            or is_ours(record.pathname))
+
+
+def written_by_us(frame) -> bool:
+    """Whether the write made by `frame` belongs on the console (see the module docstring)."""
+    if frame is None:
+        return True  # no Python caller: the interpreter itself
+    filename = frame.f_code.co_filename
+    if os.path.abspath(filename) == _LOGGING_FILE:
+        record = frame.f_locals.get("record")
+        return record_is_ours(record) if isinstance(record, logging.LogRecord) else True
+    return is_ours(filename) or _is_python_itself(filename)
+
+
+class _Console(io.TextIOBase):
+    """A stdout or stderr: every write to the log, ours (or all, verbose) to the console too."""
+
+    def __init__(self, console: TextIO, log: TextIO, verbose: bool) -> None:
+        self.console, self.log, self.verbose = console, log, verbose
 
     def write(self, text: str) -> int:
         self.log.write(text)
-        return self.console.write(text)
+        if self.verbose or written_by_us(sys._getframe(1)):
+            self.console.write(text)
+        return len(text)
 
     def flush(self) -> None:
         self.log.flush()
@@ -63,82 +112,148 @@ class _Tee(io.TextIOBase):
     def isatty(self) -> bool:
         return self.console.isatty()
 
+    @property
+    def encoding(self) -> str:
+        return getattr(self.console, "encoding", "utf-8")
+
+
+class _MemoryLog(io.StringIO):
+    """The driver's log until it knows its file (`log_driver_to`)."""
+
 
 # The process's one log file and the warnings hook it replaced: a reused Ray worker process runs
 # quiet_worker again (another run directory or rank); everything must then follow the new file.
 _log: TextIO | None = None
 _console_showwarning = None
+_verbose = False
 
 
-def quiet_worker(run_dir: str, rank: int) -> str:
+def _route(log: TextIO, verbose: bool) -> TextIO | None:
+    """stdout, stderr, warnings and existing console handlers through `log`; returns the log
+    this replaced (None the first time)."""
+    global _log, _console_showwarning, _verbose
+    old, _log, _verbose = _log, log, verbose
+    if isinstance(sys.stdout, _Console):  # a restarted worker group may reuse the process
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, _Console):
+                stream.log, stream.verbose = log, verbose
+    else:
+        real = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+        sys.stdout = _Console(sys.stdout, log, verbose)
+        sys.stderr = _Console(sys.stderr, log, verbose)
+        _repoint_console_handlers(real)
+    if warnings.showwarning is not _to_log:  # chained once: not a warning per call so far
+        _console_showwarning = warnings.showwarning
+        warnings.showwarning = _to_log
+    return old
+
+
+def _repoint_console_handlers(real: tuple) -> None:
+    """Handlers made before us hold the real stream: they write through the `_Console` now."""
+    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict
+                                       .values() if isinstance(logger, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if type(handler) is logging.StreamHandler and handler.stream in real:
+                handler.setStream(sys.stderr if handler.stream in real[1::2] else sys.stdout)
+
+
+def _to_log(message, category, filename, lineno, file=None, line=None) -> None:
+    if is_ours(filename) or _log is None or _verbose:
+        _console_showwarning(message, category, filename, lineno, file, line)  # console and log
+    else:
+        _log.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def quiet_worker(run_dir: str, rank: int, verbose: bool = False) -> str:
     """Set this worker process's output up as the module docstring says; returns the log's path.
 
     Called again in the same process, it moves everything to the new log and closes the old one.
     """
-    global _log, _console_showwarning
     path = worker_log_path(run_dir, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - the process's lifetime
-    old, _log = _log, log
-    if isinstance(sys.stdout, _Tee):  # a restarted worker group may reuse the process
-        sys.stdout.log = log
-        if isinstance(sys.stderr, _Tee):
-            sys.stderr.log = log
-    else:
-        sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
-    if warnings.showwarning is not _to_log:  # chained once: not a warning per call so far
-        _console_showwarning = warnings.showwarning
-        warnings.showwarning = _to_log
-    _deepspeed_errors_only_on_console(log)
-    _errors_only_on_console(logging.getLogger(_RAY_TRAIN_REPORT_LOGGER), log)
+    old = _route(log, verbose)
     if old is not None:
         old.close()
     return path
 
 
-def _to_log(message, category, filename, lineno, file=None, line=None) -> None:
-    if is_ours(filename) or _log is None:
-        _console_showwarning(message, category, filename, lineno, file, line)  # console and Tee
-    else:
-        _log.write(warnings.formatwarning(message, category, filename, lineno, line))
+# --- the driver (`bertforge COMMAND`) --------------------------------------------------------
 
 
-def is_ours(filename: str) -> bool:
-    """Whether a warning was raised in bertforge's own code (which the console keeps)."""
-    return os.path.abspath(filename).startswith(_OUR_DIRS)
+@dataclass
+class ConsoleConfig:
+    """What the console shows; one `--verbose` flag for every command that runs an engine."""
+
+    verbose: bool = field(default=False, metadata={
+        HELP: "also show the engines' own output (Ray, DeepSpeed, transformers, Beam) on the "
+        "console; it always goes to the command's log file"})
 
 
-def _deepspeed_errors_only_on_console(log: TextIO) -> None:
-    # A filter on the logger itself: DeepSpeed logs its first warning while `import deepspeed`
-    # runs (before any handler of its could be adjusted), and the logger object is the same
-    # before and after that import.
-    logger = logging.getLogger(_DEEPSPEED_LOGGER)
-    _errors_only_on_console(logger, log)
-    for handler in logger.handlers:  # present when deepspeed was imported before us
-        if type(handler) is logging.StreamHandler:
-            handler.setStream(sys.stdout)  # the Tee: its ERROR lines reach the file too
+_driver_command: str | None = None
 
 
-def _errors_only_on_console(logger: logging.Logger, log: TextIO) -> None:
-    ours = [f for f in logger.filters if isinstance(f, _BelowErrorToLogOnly)]
-    for existing in ours:  # a second call: the filter follows the new file
-        existing.log = log
-    if not ours:
-        logger.addFilter(_BelowErrorToLogOnly(log))
+def quiet_driver(command: str, verbose: bool = False) -> None:
+    """Route this `bertforge COMMAND` process's output (module docstring); the log is kept in
+    memory until `log_driver_to` names its file, or written to the temporary directory at exit."""
+    global _driver_command
+    _driver_command = command
+    _route(_MemoryLog(), verbose)
+    atexit.register(_flush_unclaimed_log)
 
 
-class _BelowErrorToLogOnly(logging.Filter):
-    """A logger's records below ERROR are written to the log file and dropped for the console;
-    ERROR and up pass to its console handler (and through the Tee to the file)."""
+def log_driver_to(path: str) -> str | None:
+    """The driver's log goes to `path` from now on (with what was kept so far); the first call
+    wins (the demo's directory, not its training stage's). None: not a quiet driver."""
+    if not isinstance(_log, _MemoryLog):
+        return driver_log_path()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - the process's lifetime
+    log.write(_log.getvalue())
+    _route(log, _verbose)
+    return path
 
-    def __init__(self, log: TextIO) -> None:
-        super().__init__()
-        self.log = log
-        self.formatter = logging.Formatter("[%(asctime)s] [%(levelname)s] "
-                                           "[%(filename)s:%(lineno)d] %(message)s")
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
-            return True
-        self.log.write(self.formatter.format(record) + "\n")
-        return False
+def driver_log_path() -> str | None:
+    return getattr(_log, "name", None) if _driver_command else None
+
+
+def is_verbose() -> bool:
+    """Whether this process shows everything (`--verbose`); Ray workers are told so."""
+    return _verbose
+
+
+def _flush_unclaimed_log() -> None:
+    if isinstance(_log, _MemoryLog) and _log.getvalue():
+        log_driver_to(os.path.join(tempfile.gettempdir(),
+                                   f"bertforge-{_driver_command}-{os.getpid()}.log"))
+
+
+def show_train_workers() -> None:
+    """After `ray.init`: a Ray Train worker's forwarded lines reach the console without Ray's
+    prefix; Ray's own printing of every forwarded line (its `print_to_stdstream`) then writes
+    to the log only, being a library's write. Nothing to do when verbose or not a quiet driver."""
+    if _driver_command is None or _verbose:
+        return
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    dispatcher.remove_handler(_DISPATCH_NAME)
+    dispatcher.add_handler(_DISPATCH_NAME, _print_train_worker_lines)
+
+
+_DISPATCH_NAME = "bertforge_train_workers"
+
+
+def _print_train_worker_lines(data: dict) -> None:
+    if not str(data.get("actor_name") or "").startswith(_TRAIN_WORKER_ACTOR):
+        return
+    stream = sys.stderr if data.get("is_err") else sys.stdout
+    console = stream.console if isinstance(stream, _Console) else stream
+    for line in data.get("lines", ()):
+        if line.startswith((":actor_name:", ":task_name:")):
+            continue  # Ray's own markers
+        # A worker's error lines keep which process wrote them.
+        console.write(f"(worker pid={data.get('pid')}) {line}\n" if data.get("is_err")
+                      else line + "\n")
+    console.flush()
