@@ -3,6 +3,15 @@
 The trainer is `BertWordPieceTokenizer`'s: the same normalizer (clean text, CJK spacing, accents
 stripped exactly when lower-casing) and pre-tokenizer that `pipelines.contract.tokenization` and
 `transformers.BertTokenizerFast` use, so the learned pieces are the ones encoding will look up.
+
+The same corpus gives the same vocab.txt byte for byte. `tokenizers` (0.23) alone does not: its
+trainer numbers the `##` pieces of single characters in the order it meets them in a hash map
+whose seed changes from process to process, and those numbers break ties between merges of equal
+count (tokenizers issue #1794), so two runs learned different vocabularies (735 lines of diff on
+the demo's corpus) and everything after them differed. We count once without merges to learn
+which `##` characters the corpus has, then train with them declared up front, in sorted order
+(the trainer's special tokens are numbered as given): the ids, the ties and the merges are then
+fixed. The vocabulary holds the same tokens as a lucky run; only their order in the file differs.
 """
 
 from __future__ import annotations
@@ -52,16 +61,15 @@ def train_wordpiece_vocab(
             f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}"
         )
     paths = expand_paths(text_files)
-    tokenizer = BertWordPieceTokenizer(lowercase=lower_case, strip_accents=None)
-    tokenizer.train_from_iterator(
-        iter_texts(paths),
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        limit_alphabet=limit_alphabet,
-        special_tokens=list(SPECIAL_TOKENS),
-        show_progress=False,
-    )
-    vocab = tokenizer.get_vocab()
+    settings = dict(min_frequency=min_frequency, limit_alphabet=limit_alphabet,
+                    show_progress=False)
+    # Pass 1, no merges: the alphabet and the `##` characters (a set: the same in every run).
+    pieces = _train(paths, lower_case, vocab_size=1, special_tokens=list(SPECIAL_TOKENS),
+                    **settings)
+    continuations = sorted(t for t in pieces if t.startswith(CONTINUATION) and len(t) == 3)
+    # Pass 2: those numbered in sorted order, before the trainer meets them.
+    vocab = _train(paths, lower_case, vocab_size=vocab_size,
+                   special_tokens=list(SPECIAL_TOKENS) + continuations, **settings)
     tokens = sorted(vocab, key=vocab.__getitem__)
     assert tokens[: len(SPECIAL_TOKENS)] == list(SPECIAL_TOKENS), tokens[:10]
     assert [vocab[t] for t in tokens] == list(range(len(tokens))), "ids must be dense"
@@ -71,3 +79,15 @@ def train_wordpiece_vocab(
         f.writelines(token + "\n" for token in tokens)
     logger.info("vocab: %d tokens from %d files -> %s", len(tokens), len(paths), path)
     return path
+
+
+CONTINUATION = "##"  # WordPiece's prefix of a piece inside a word
+
+
+def _train(paths: list[str], lower_case: bool, **trainer_settings) -> dict[str, int]:
+    """One run of the trainer over the corpus: its vocabulary, token -> id."""
+    tokenizer = BertWordPieceTokenizer(lowercase=lower_case, strip_accents=None,
+                                       wordpieces_prefix=CONTINUATION)
+    tokenizer.train_from_iterator(iter_texts(paths), wordpieces_prefix=CONTINUATION,
+                                  **trainer_settings)
+    return tokenizer.get_vocab()

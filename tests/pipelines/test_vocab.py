@@ -93,3 +93,34 @@ def test_trains_on_sentence_per_line_text(tmp_path):
 def test_missing_input_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no input file matches"):
         train_wordpiece_vocab([str(tmp_path / "nothing-*.jsonl")], str(tmp_path / "v"))
+
+
+# Words whose pieces tie in count: the merges the trainer picks among them depend on how it
+# numbers the `##` characters, which `tokenizers` alone does in a per-process hash order.
+TIED_CORPUS = " ".join(f"{a}{b}{c}" for a in "bdfhk" for b in "aeiou" for c in "lmnrst") + "\n"
+
+TRAIN_IN_A_FRESH_PROCESS = """
+import hashlib, sys
+from bertforge.pipelines.vocab import train_wordpiece_vocab
+path = train_wordpiece_vocab([sys.argv[1]], sys.argv[2], vocab_size=120, min_frequency=1)
+print(hashlib.sha256(open(path, "rb").read()).hexdigest())
+"""
+
+
+def test_the_same_corpus_gives_the_same_vocab_file_in_every_process(tmp_path):
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TIED_CORPUS * 3, encoding="utf-8")
+    digests = {
+        subprocess.run([sys.executable, "-c", TRAIN_IN_A_FRESH_PROCESS, str(corpus),
+                        str(tmp_path / f"vocab{run}")], capture_output=True, text=True,
+                       check=True).stdout
+        for run in range(6)
+    }
+    assert len(digests) == 1  # tokenizers alone: 6 vocabularies in 6 runs of this corpus
+    tokens = (tmp_path / "vocab0" / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(tokens) == len(set(tokens)) == 120 and tokens[:5] == list(SPECIAL_TOKENS)
+    # Every `##` character the corpus has, in sorted order right after the special tokens.
+    assert tokens[5:16] == [f"##{c}" for c in "aeilmnorstu"]
