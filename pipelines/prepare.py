@@ -198,7 +198,7 @@ def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True)
         result = pipeline.run()
         if not wait and hasattr(result, "job_id"):
             report = job_report.submitted_report(result.job_id(), options, config.output)
-            logger.info("prepare: submitted %s", report)
+            logger.info("prepare: submitted Dataflow job %s", report["job_id"])
             return report
         result.wait_until_finish()
     except Exception as error:
@@ -210,7 +210,8 @@ def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True)
         raise
     summary = _summary(config.output, time.monotonic() - start)
     summary["metrics"] = _counters(result)
-    logger.info("prepare: done in %.1f s: %s", summary["seconds"], summary)
+    # The summary itself is the command's result (printed once, as JSON, by the caller).
+    logger.info("prepare: done in %.1f s -> %s", summary["seconds"], config.output)
     return summary
 
 
@@ -221,7 +222,7 @@ def _dry_run(pipeline: beam.Pipeline, runner: str, files: list, output: str) -> 
     else:
         proto = pipeline.to_runner_api()
     report = job_report.dry_run_report(proto, runner, files, output)
-    logger.info("prepare: dry run, nothing written: %s", report)
+    logger.info("prepare: dry run (%s), nothing written", runner)
     return report
 
 

@@ -3,6 +3,9 @@
 #
 #   scripts/install.sh            runtime + dev extras (tests, ruff, transformers for interop)
 #
+# The console gets one line per step; pip's output goes to .venv/install.log (its tail is shown
+# when a step fails).
+#
 # Why not a plain `pip install -e .`:
 #  - torch: an unconstrained requirement on a machine without CUDA pulls several GB of CUDA
 #    packages. Without a GPU we install the CPU build first (TORCH_VERSION, default 2.13.0);
@@ -25,27 +28,49 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(fingerprint)" ]; then
   exit 0
 fi
 
-echo "bertforge: installing into $VENV (a few minutes the first time)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+# pip's and the builds' output goes to LOG; the console gets a line per step, and the log's
+# tail if a step fails.
+LOG="$VENV/install.log"
+: > "$LOG"
+echo "bertforge: installing into $VENV (a few minutes the first time; pip's output: $LOG)"
 PIP="$VENV/bin/python -m pip"
-$PIP install --quiet --upgrade pip setuptools wheel
 
+step() {  # step "what is installed" COMMAND...: the command's output to LOG
+  local what=$1
+  shift
+  echo "bertforge:   $what"
+  echo "### $what: $*" >> "$LOG"
+  if ! "$@" >> "$LOG" 2>&1; then
+    echo "bertforge: installing $what failed; the end of $LOG:" >&2
+    tail -n 40 "$LOG" >&2
+    exit 1
+  fi
+}
+
+cpu_torch() {
+  # The CPU wheel from pip's own sources first (a find-links folder or a mirror; its
+  # dependencies come from PyPI), then from PyTorch's CPU index.
+  $PIP install "torch==$TORCH_VERSION+cpu" \
+    || $PIP install "torch==$TORCH_VERSION+cpu" --extra-index-url "$TORCH_CPU_INDEX"
+}
+
+step "pip, setuptools, wheel" $PIP install --upgrade pip setuptools wheel
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    echo "bertforge: GPU found, installing the CUDA build of torch"
-    $PIP install --quiet "torch==$TORCH_VERSION"
+    step "torch $TORCH_VERSION, CUDA build (a GPU was found)" $PIP install "torch==$TORCH_VERSION"
   else
-    echo "bertforge: no GPU found, installing the CPU build of torch $TORCH_VERSION"
-    # The CPU wheel from pip's own sources first (a find-links folder or a mirror; its
-    # dependencies come from PyPI), then from PyTorch's CPU index.
-    $PIP install --quiet "torch==$TORCH_VERSION+cpu" 2>/dev/null \
-      || $PIP install --quiet "torch==$TORCH_VERSION+cpu" --extra-index-url "$TORCH_CPU_INDEX"
+    step "torch $TORCH_VERSION, CPU build (no GPU found)" cpu_torch
   fi
 fi
-
 # DS_BUILD_OPS=0: ops compile just in time, on the machine that runs them.
-DS_BUILD_OPS=0 $PIP install --quiet --no-build-isolation "deepspeed>=0.16"
-$PIP install --quiet -e ".[dev,dataflow]"
+step "deepspeed (built against that torch)" \
+  env DS_BUILD_OPS=0 $PIP install --no-build-isolation "deepspeed>=0.16"
+step "bertforge and its dependencies (ray, apache-beam, transformers, ...; editable)" \
+  $PIP install -e ".[dev,dataflow]"
 
 fingerprint > "$STAMP"
-echo "bertforge: installed ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
+echo "bertforge: installed $("$VENV/bin/python" -c '
+import deepspeed, torch
+print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}")' 2>>"$LOG"), \
+bertforge ($VENV/bin/bertforge)"
