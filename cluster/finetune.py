@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import statistics
@@ -185,8 +186,11 @@ class _Job:
     def finish(self, runner: StageRunner, launch: LaunchConfig, started: float) -> dict[str, Any]:
         """Record every run (running any still missing), then write results.json."""
         cfg = self.cfg
+        # A run with its result.json ran in the worker group, whose rank 0 printed its line.
         runner.run([
-            Stage(name, lambda lr=lr, seed=seed: _record(cfg, launch, lr, seed))
+            Stage(name, lambda lr=lr, seed=seed: _record(cfg, launch, lr, seed),
+                  ran_elsewhere=os.path.exists(os.path.join(run_dir_of(cfg, lr, seed),
+                                                            RESULT_NAME)))
             for name, (lr, seed) in zip(self.names, cfg.runs(), strict=True)
         ])
         records = [runner.recorded(name) for name in self.names]
@@ -227,7 +231,8 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
     with heartbeat("finetune", label, every_seconds=60.0):
         run_on_ray(
             _worker_main,
-            {"runs": configs, "threads": launch.cpus_per_worker, "logs": runs_root}, launch,
+            {"runs": configs, "names": names, "threads": launch.cpus_per_worker,
+             "logs": runs_root}, launch,
             # Ray Train's own state in DIR/runs/ray; a restarted worker group skips finished runs.
             RunConfig(name="ray", storage_path=runs_root, logging_config=_QUIET_RAY_TRAIN,
                       failure_config=FailureConfig(max_failures=launch.max_failures)),
@@ -242,14 +247,15 @@ def _label(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:
 def _record(cfg: FinetuneConfig, launch: LaunchConfig, learning_rate: float,
             seed: int) -> dict[str, Any]:
     """A run's record: the result.json its rank 0 wrote (running it now if it has none)."""
-    import json
-
     run_dir = run_dir_of(cfg, learning_rate, seed)
     path = os.path.join(run_dir, RESULT_NAME)
     if not os.path.exists(path):  # written last, so a run that has it is complete
         _run_pending(launch, [(cfg, learning_rate, seed)])
     with open(path, encoding="utf-8") as f:
-        return {**json.load(f), "run_dir": run_dir}
+        record = {**json.load(f), "run_dir": run_dir}
+    # The run's own duration, measured where it ran (its stage may only be recording it).
+    record.setdefault("seconds", record.get("run_seconds", record.get("train_seconds")))
+    return record
 
 
 def _worker_main(worker_config: dict[str, Any]) -> None:
@@ -271,7 +277,9 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
     from bertforge.training.distributed import barrier
     from bertforge.training.finetune.loop import finetune
 
-    for values in worker_config["runs"]:
+    names = worker_config.get("names") or [os.path.basename(v["output"])
+                                           for v in worker_config["runs"]]
+    for number, (values, name) in enumerate(zip(worker_config["runs"], names, strict=True), 1):
         if os.path.exists(os.path.join(values["output"], RESULT_NAME)):
             continue  # finished before this worker group restarted
         # A restarted group re-runs a run its predecessor left half done: start it over, or
@@ -280,13 +288,29 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
         if rank == 0:
             fresh_dir(values["output"])
         barrier(ray.train.torch.get_device())
+        started = time.time()
         try:
-            finetune(FinetuneConfig.from_dict(values))
+            record = finetune(FinetuneConfig.from_dict(values))
         except ValueError as error:  # bad inputs fail the same way on every attempt: no retry
             raise as_user_error(error) from None
+        if rank == 0:  # the run's line now, with its real duration, not when the group ends
+            _finished(values["output"], f"[{number}/{len(names)}] {name}", record,
+                      time.time() - started)
         gc.collect()  # the run's engine and model, before the next one's
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _finished(run_dir: str, label: str, record: dict[str, Any], seconds: float) -> None:
+    """Rank 0's line for a finished run, and its duration kept in its result.json."""
+    from bertforge.training.metrics import console
+
+    path = os.path.join(run_dir, RESULT_NAME)
+    with open(path, encoding="utf-8") as f:
+        result = json.load(f)
+    write_json_atomic(path, {**result, "run_seconds": round(seconds, 1)})
+    scores = ", ".join(f"{k} {v:.4f}" for k, v in record["metrics"].items())
+    console(f"[finetune] {label}: finished in {seconds:.1f} s ({scores})")
 
 
 def primary_metric(cfg: FinetuneConfig) -> str:
@@ -322,7 +346,8 @@ def summarise(cfg: FinetuneConfig, launch: LaunchConfig, records: list[dict[str,
             "num_runs": len(records), **sweep_statistics(scores),
             "runs": [{"learning_rate": r["learning_rate"], "seed": r["seed"],
                       "score": r["metrics"][primary], "metrics": r["metrics"],
-                      "train_seconds": r["train_seconds"], "run_dir": r["run_dir"]}
+                      "train_seconds": r["train_seconds"], "seconds": r.get("seconds"),
+                      "run_dir": r["run_dir"]}
                      for r in records],
         },
         "output": cfg.output,

@@ -186,8 +186,10 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
         pending = [name for name in configs if runner.recorded(name) is None]
         finished = dict(zip(pending, run_finetunes([configs[name] for name in pending], launch),
                             strict=True)) if pending else {}
-        runner.run([Stage(name, lambda name=name: _task_record(finished[name]))
-                    for name in configs])
+        # A task fine-tuned just now printed its runs' lines as they finished: its stage only
+        # records it, with the runs' own durations.
+        runner.run([Stage(name, lambda name=name: _task_record(finished[name]),
+                          ran_elsewhere=name in finished) for name in configs])
         results = {name: runner.recorded(name)["metrics"] for name in configs}
         random_init = bool(config.finetune.get("random_init", False))
         table = format_glue_table(results, model_name(config.model, random_init))
@@ -212,4 +214,5 @@ def _task_record(results: dict[str, Any]) -> dict[str, Any]:
         "results": os.path.join(results["output"], "results.json"),
         "num_train_examples": results["data"]["num_train_examples"],
         "train_seconds": results["train_seconds"],
+        "seconds": round(sum(run.get("seconds") or 0.0 for run in results["sweep"]["runs"]), 1),
     }

@@ -8,7 +8,8 @@ A job is a list of `Stage`s run in one directory:
 - a stage is skipped when done: by default when the state records it, or by its own check of its
   outputs (a deleted output is then rebuilt);
 - a stage that is not done runs from its start; stages that resume (training) do so themselves;
-- progress: a line when a stage starts and ends, and a heartbeat while it works.
+- progress: a line when a stage starts and ends (with its duration), and a heartbeat while it
+  works; a stage whose work ran elsewhere and was reported there is recorded silently.
 Run the same command again after any failure.
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 
 # One run per directory: the lock `train` takes too (host, pid, heartbeat; shared filesystems).
 from bertforge.cluster.run_lock import LOCK_NAME, exclusive_directory
+from bertforge.cluster.worker_output import LOG_DIR, log_driver_to
 
 
 @contextmanager
@@ -68,6 +70,10 @@ class Stage:
     run: Callable[[], dict[str, Any]]  # returns the stage's record for the state file
     # From the outputs on disk; None: done once the state file records the stage.
     is_done: Callable[[], bool] | None = None
+    # The work already ran elsewhere and said so when it finished (the fine-tuning runs of one
+    # worker group: rank 0 prints each run's line as it ends): recorded without a line, and the
+    # record's own "seconds" (the real duration) kept rather than the recording's.
+    ran_elsewhere: bool = False
 
 
 class StageRunner:
@@ -96,6 +102,10 @@ class StageRunner:
         self._lock = exclusive_directory(self.root, self.command)
         self._lock.__enter__()
         self.state = self._load_or_create_state()
+        # The command's log (the engines' output: cluster.worker_output) in this directory,
+        # now that it is ours; the first runner of a process claims it (the demo's, not its
+        # fine-tuning's).
+        log_driver_to(os.path.join(self.root, LOG_DIR, f"{self.command}.log"))
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -116,6 +126,11 @@ class StageRunner:
             if done:
                 self.say(f"{label}: {self.skip_message}")
                 skipped.append(stage.name)
+                continue
+            if stage.ran_elsewhere:
+                self.state["stages"][stage.name] = stage.run()
+                self.save()
+                ran.append(stage.name)
                 continue
             self.say(f"{label}: starting")
             started = time.time()

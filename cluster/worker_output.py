@@ -53,6 +53,11 @@ _OUR_DIRS = tuple(os.path.dirname(os.path.abspath(package.__file__)) + os.sep fo
 _STDLIB_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[key]) + os.sep
                       for key in ("stdlib", "platstdlib")})
 _LOGGING_FILE = os.path.abspath(logging.__file__)
+# Ray Train V2 replaces builtins.print in its processes (the driver's too, from `fit`) with
+# this function, which prints and also logs the text at INFO on the root logger; turned off
+# here (the environment reaches a local Ray's workers) so that a print is written once.
+_RAY_TRAIN_PRINT = "redirected_print"
+_RAY_TRAIN_PRINT_PATCH = "RAY_TRAIN_ENABLE_PRINT_PATCH"
 # Ray prefixes a forwarded line of a Ray Train worker with this actor name.
 _TRAIN_WORKER_ACTOR = "RayTrainWorker"
 
@@ -81,6 +86,8 @@ def record_is_ours(record: logging.LogRecord) -> bool:
 
 def written_by_us(frame) -> bool:
     """Whether the write made by `frame` belongs on the console (see the module docstring)."""
+    if frame is not None and frame.f_code.co_name == _RAY_TRAIN_PRINT:
+        frame = frame.f_back  # Ray Train's print() stand-in: judge print's caller
     if frame is None:
         return True  # no Python caller: the interpreter itself
     filename = frame.f_code.co_filename
@@ -199,6 +206,7 @@ def quiet_driver(command: str, verbose: bool = False) -> None:
     memory until `log_driver_to` names its file, or written to the temporary directory at exit."""
     global _driver_command
     _driver_command = command
+    os.environ.setdefault(_RAY_TRAIN_PRINT_PATCH, "0")
     _route(_MemoryLog(), verbose)
     atexit.register(_flush_unclaimed_log)
 
