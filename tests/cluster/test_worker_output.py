@@ -1,4 +1,5 @@
-"""A Ray worker's console: our lines and errors; library warnings only in RUN_DIR/logs."""
+"""A Ray worker's and the driver's console: our lines and errors; the libraries' output (warnings,
+log records, prints) only in the log file."""
 
 import subprocess
 import sys
@@ -27,14 +28,22 @@ WORKER = textwrap.dedent("""
     warnings.warn_explicit("a warning of our own", UserWarning, our_module.__file__, 1)
     logging.getLogger("DeepSpeed").warning("ZeRO stage 2 settings")
     logging.getLogger("DeepSpeed").error("a DeepSpeed error")
-    # Ray Train's worker context logs each report at INFO through a console handler.
-    report_logger = logging.getLogger("ray.train.v2._internal.execution.context")
+    # Ray Train's worker context logs each report at INFO on a logger named by its file path,
+    # through the root logger's console handler (made before quiet_worker: the real stream).
+    import ray.train.v2._internal.execution.context as report_module
+    report_logger = logging.getLogger(report_module.__file__)
     report_logger.setLevel(logging.INFO)
-    report_logger.addHandler(logging.StreamHandler(sys.stderr))
     report_logger.info("Reporting training result 1: TrainingReport(checkpoint=None)")
     console("[train] step 1/2 | loss 9.7")
     print("a library's print")
+    # DeepSpeed's see_memory_usage prints from its own file:
+    import deepspeed.runtime.utils as memory_module
+    exec(compile("print('MA 0.53 GB  CPU Virtual Memory')", memory_module.__file__, "exec"))
 """)
+# The root logger's console handler exists before the worker is set up, as Ray Train makes it.
+WORKER = WORKER.replace("import logging, sys, warnings\n",
+                        "import logging, sys, warnings\n"
+                        "logging.getLogger().addHandler(logging.StreamHandler(sys.stderr))\n")
 
 
 def test_library_warnings_go_to_the_run_dir_log_and_our_lines_to_the_console(tmp_path):
@@ -45,11 +54,12 @@ def test_library_warnings_go_to_the_run_dir_log_and_our_lines_to_the_console(tmp
     assert "[train] step 1/2" in console and "a DeepSpeed error" in console
     assert console.count("a warning of our own") == 1  # showwarning not chained twice
     assert "deprecated" not in console and "ZeRO stage 2" not in console
-    assert "Reporting training result" not in console
+    assert "Reporting training result" not in console and "MA 0.53 GB" not in console
     log = open(worker_log_path(str(tmp_path), 1), encoding="utf-8").read()
     for line in ("`all_gather_into_tensor` is deprecated", "FutureWarning",
                  "ZeRO stage 2 settings", "a DeepSpeed error", "[train] step 1/2",
-                 "a warning of our own", "a library's print", "Reporting training result 1"):
+                 "a warning of our own", "a library's print", "Reporting training result 1",
+                 "MA 0.53 GB"):
         assert log.count(line) == 1, line
     # The first setup's file got only what was written before the second setup.
     first = open(worker_log_path(str(first_run), 1), encoding="utf-8").read()
@@ -62,3 +72,42 @@ def test_only_bertforge_files_count_as_ours():
     import bertforge.training.loop as loop
 
     assert is_ours(loop.__file__) and not is_ours(torch.__file__)
+
+
+# The driver: our lines and a library's, before and after the command claims its directory.
+DRIVER = textwrap.dedent("""
+    import logging, sys, warnings
+    from bertforge.cluster.cli import _configure_logging
+    from bertforge.cluster.worker_output import log_driver_to, quiet_driver
+
+    _configure_logging()
+    quiet_driver("train", verbose=sys.argv[2] == "verbose")
+    import deepspeed.runtime.utils as library
+    logging.getLogger("ray.auth").warning("Token authentication is enabled")
+    exec(compile("print('Processing zero checkpoint')", library.__file__, "exec"))
+    log_driver_to(sys.argv[1])
+    print("[train] a line of ours")
+    logging.getLogger("bertforge.cluster.x").info("[train] a record of ours")
+    logging.getLogger("ray.train").error("an engine's error")
+    raise SystemExit(3)
+""")
+
+
+def test_the_driver_keeps_the_engines_output_in_its_log_unless_verbose(tmp_path):
+    log_path = tmp_path / "logs" / "train.log"
+    quiet = subprocess.run([sys.executable, "-c", DRIVER, str(log_path), "quiet"],
+                           capture_output=True, text=True)
+    assert quiet.returncode == 3
+    assert quiet.stdout == "[train] a line of ours\n"
+    assert quiet.stderr == "[bertforge.cluster.x] [train] a record of ours\n" \
+        "[ray.train] an engine's error\n"
+    log = log_path.read_text()
+    for line in ("Token authentication is enabled", "Processing zero checkpoint",
+                 "[train] a line of ours", "an engine's error"):
+        assert log.count(line) == 1, line
+    verbose = subprocess.run([sys.executable, "-c", DRIVER, str(log_path), "verbose"],
+                             capture_output=True, text=True)
+    console = verbose.stdout + verbose.stderr
+    assert "Token authentication is enabled" in console
+    assert "Processing zero checkpoint" in console
+    assert log_path.read_text().count("Processing zero checkpoint") == 2  # appended
