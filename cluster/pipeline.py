@@ -324,11 +324,11 @@ def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
         shutil.copyfile(config.vocab.path, os.path.join(tmp, "vocab.txt"))
         source = config.vocab.path
     else:
-        from bertforge.pipelines.read.readers import split_format
         from bertforge.pipelines.vocab import train_wordpiece_vocab
 
+        # As prepare reads them, format prefixes included (`books:` is read as books).
         inputs = config.vocab.inputs or config.prepare.options.inputs
-        train_wordpiece_vocab([split_format(p)[1] for p in inputs], tmp,
+        train_wordpiece_vocab(list(inputs), tmp,
                               vocab_size=config.vocab.size, lower_case=config.vocab.lower_case)
         source = "trained"
     shutil.rmtree(paths.vocab_dir, ignore_errors=True)

@@ -16,7 +16,6 @@ fixed. The vocabulary holds the same tokens as a lucky run; only their order in 
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 
@@ -24,22 +23,11 @@ from tokenizers.implementations import BertWordPieceTokenizer
 
 from bertforge.pipelines.contract.tokenization import SPECIAL_TOKENS
 from bertforge.pipelines.read.input_files import iter_texts
+from bertforge.pipelines.read.read_inputs import match_inputs
 
 logger = logging.getLogger(__name__)
 
 VOCAB_FILE_NAME = "vocab.txt"
-
-
-def expand_paths(patterns: list[str]) -> list[str]:
-    """Local paths and glob patterns -> sorted files; a clear error for a pattern matching none."""
-    paths: list[str] = []
-    for pattern in patterns:
-        matched = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        matched = [p for p in matched if os.path.isfile(p)]
-        if not matched:
-            raise ValueError(f"no input file matches {pattern!r}")
-        paths += matched
-    return paths
 
 
 def train_wordpiece_vocab(
@@ -51,7 +39,9 @@ def train_wordpiece_vocab(
     min_frequency: int = 2,
     limit_alphabet: int = 1000,
 ) -> str:
-    """Train on corpus files (JSON Lines with `text`, or one sentence per line); return the path.
+    """Train on corpus files; return the path. `text_files` are what `prepare --input` takes:
+    files, directories or globs, with a format prefix where wanted (`books:DIR/*.txt`), read by
+    the same readers (JSON Lines, Parquet, wiki dumps, books, one sentence per line).
 
     `[PAD] [UNK] [CLS] [SEP] [MASK]` get ids 0-4 (Google's uncased file has 0, 100, 101, 102, 103,
     but only the names matter to every consumer here). The corpus is streamed, never loaded whole.
@@ -60,15 +50,16 @@ def train_wordpiece_vocab(
         raise ValueError(
             f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}"
         )
-    paths = expand_paths(text_files)
+    files = match_inputs(tuple(text_files))
+    paths, formats = [path for path, _ in files], {path: fmt for path, fmt in files if fmt}
     settings = dict(min_frequency=min_frequency, limit_alphabet=limit_alphabet,
                     show_progress=False)
     # Pass 1, no merges: the alphabet and the `##` characters (a set: the same in every run).
-    pieces = _train(paths, lower_case, vocab_size=1, special_tokens=list(SPECIAL_TOKENS),
+    pieces = _train(paths, formats, lower_case, vocab_size=1, special_tokens=list(SPECIAL_TOKENS),
                     **settings)
     continuations = sorted(t for t in pieces if t.startswith(CONTINUATION) and len(t) == 3)
     # Pass 2: those numbered in sorted order, before the trainer meets them.
-    vocab = _train(paths, lower_case, vocab_size=vocab_size,
+    vocab = _train(paths, formats, lower_case, vocab_size=vocab_size,
                    special_tokens=list(SPECIAL_TOKENS) + continuations, **settings)
     tokens = sorted(vocab, key=vocab.__getitem__)
     assert tokens[: len(SPECIAL_TOKENS)] == list(SPECIAL_TOKENS), tokens[:10]
@@ -84,10 +75,11 @@ def train_wordpiece_vocab(
 CONTINUATION = "##"  # WordPiece's prefix of a piece inside a word
 
 
-def _train(paths: list[str], lower_case: bool, **trainer_settings) -> dict[str, int]:
+def _train(paths: list[str], formats: dict[str, str], lower_case: bool,
+           **trainer_settings) -> dict[str, int]:
     """One run of the trainer over the corpus: its vocabulary, token -> id."""
     tokenizer = BertWordPieceTokenizer(lowercase=lower_case, strip_accents=None,
                                        wordpieces_prefix=CONTINUATION)
-    tokenizer.train_from_iterator(iter_texts(paths), wordpieces_prefix=CONTINUATION,
+    tokenizer.train_from_iterator(iter_texts(paths, formats), wordpieces_prefix=CONTINUATION,
                                   **trainer_settings)
     return tokenizer.get_vocab()

@@ -8,6 +8,7 @@ Each file is one element, so files are read in parallel. A Wikipedia `-multistre
 from __future__ import annotations
 
 import bz2
+import glob
 import logging
 import os
 from typing import NamedTuple
@@ -51,6 +52,7 @@ def match_inputs(patterns: tuple[str, ...]) -> list[tuple[str, str | None]]:
         except Exception as error:  # Beam raises BeamIOError or IOError depending on the filesystem
             raise ValueError(f"--input {entry!r}: cannot list it ({error})") from error
         matched = [m.path for m in metadata if not _is_directory(m.path)]
+        _refuse_dangling_links(entry, pattern)
         if not matched:
             raise ValueError(f"--input {entry!r} matches no file")
         for path in matched:
@@ -61,6 +63,19 @@ def match_inputs(patterns: tuple[str, ...]) -> list[tuple[str, str | None]]:
     if not files:
         raise ValueError(f"--input {list(patterns)} matches no corpus file")
     return sorted(files.items())
+
+
+def _refuse_dangling_links(entry: str, pattern: str) -> None:
+    """A local symbolic link whose target is gone is an error naming it: Beam's match skips it
+    without a word, and a corpus would silently lose a file."""
+    if "://" in pattern:
+        return
+    matches = sorted(glob.glob(pattern))
+    dangling = [p for p in matches if os.path.islink(p) and not os.path.exists(p)]
+    if dangling:
+        raise ValueError(f"--input {entry!r}: {dangling[0]} is a symbolic link to a missing file "
+                         f"({os.readlink(dangling[0])})"
+                         + (f", and {len(dangling) - 1} more" if len(dangling) > 1 else ""))
 
 
 def _is_directory(path: str) -> bool:

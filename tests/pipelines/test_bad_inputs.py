@@ -83,3 +83,14 @@ def test_nothing_usable_is_an_error(tmp_path, small_vocab):
     (tmp_path / "in" / "bin.txt").write_bytes(b"\x00" * 100)
     with pytest.raises(ValueError, match="no usable document remains"):
         run(prepare_config([str(tmp_path / "in")], str(tmp_path / "out"), small_vocab))
+
+
+def test_a_dangling_symbolic_link_among_the_inputs_is_named(tmp_path, small_vocab):
+    (tmp_path / "in").mkdir()
+    write_jsonl(tmp_path / "in" / "good.jsonl", [{"text": "One. Two."}])
+    os.symlink(tmp_path / "gone.jsonl", tmp_path / "in" / "moved.jsonl")
+    expected = f"{tmp_path / 'in' / 'moved.jsonl'} is a symbolic link to a missing file"
+    for pattern in (str(tmp_path / "in"), str(tmp_path / "in" / "*.jsonl")):
+        with pytest.raises(ValueError, match=expected):
+            run(prepare_config([pattern], str(tmp_path / "out"), small_vocab))
+    assert not (tmp_path / "out").exists()

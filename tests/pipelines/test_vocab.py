@@ -1,6 +1,7 @@
 """The trained vocabulary is Google's layout, and our tokenizer equals BertTokenizerFast on it."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -91,7 +92,7 @@ def test_trains_on_sentence_per_line_text(tmp_path):
 
 
 def test_missing_input_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="no input file matches"):
+    with pytest.raises(ValueError, match="matches no file"):
         train_wordpiece_vocab([str(tmp_path / "nothing-*.jsonl")], str(tmp_path / "v"))
 
 
@@ -124,3 +125,19 @@ def test_the_same_corpus_gives_the_same_vocab_file_in_every_process(tmp_path):
     assert len(tokens) == len(set(tokens)) == 120 and tokens[:5] == list(SPECIAL_TOKENS)
     # Every `##` character the corpus has, in sorted order right after the special tokens.
     assert tokens[5:16] == [f"##{c}" for c in "aeilmnorstu"]
+
+
+def test_inputs_are_read_as_prepare_reads_them_books_prefix_included(tmp_path):
+    """`vocab --input books:DIR/*.txt` as `prepare` takes it (a book: paragraphs on blank
+    lines, wrapped lines joined), and a dangling link among the inputs is named."""
+    books = tmp_path / "books"
+    books.mkdir()
+    (books / "a.txt").write_text("Zyxwv qrstu zyxwv qrstu.\r\n\r\nZyxwv again.\r\n" * 20,
+                                 encoding="utf-8")
+    path = train_wordpiece_vocab([f"books:{books}/*.txt"], str(tmp_path / "v"),
+                                 vocab_size=60, min_frequency=1)
+    tokens = open(path, encoding="utf-8").read().split()
+    assert "zyxwv" in tokens and "qrstu" in tokens
+    os.symlink(tmp_path / "gone.txt", books / "b.txt")
+    with pytest.raises(ValueError, match="b.txt is a symbolic link to a missing file"):
+        train_wordpiece_vocab([f"books:{books}/*.txt"], str(tmp_path / "v2"))
