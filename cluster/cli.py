@@ -218,10 +218,11 @@ def _run_vocab(args: argparse.Namespace) -> None:
 
 
 def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
-    from bertforge.pipelines.prepare import main
+    from bertforge.cluster.dataset_guard import prepare_guarded
 
     _log_beside_output(extra)
-    counts = main(extra)
+    # One writer per dataset, no other dataset replaced unasked (--overwrite), none under a run.
+    counts = prepare_guarded(extra)
     print(json.dumps(counts, indent=2))
 
 
@@ -300,6 +301,7 @@ def _run_submit(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> None:
+    from bertforge.cluster.dataset_guard import reading_dataset
     from bertforge.cluster.preflight import preflight_eval
     from bertforge.training.checkpoint import resolve_checkpoint
     from bertforge.training.evaluate import evaluate_checkpoint
@@ -307,10 +309,11 @@ def _run_eval(args: argparse.Namespace) -> None:
     preflight_eval(args.checkpoint, args.data, args.split)
     checkpoint = resolve_checkpoint(args.checkpoint)
     _log_in_run_dir(checkpoint, "eval")
-    result = evaluate_checkpoint(
-        checkpoint, args.data, split=args.split, batch_size=args.batch_size,
-        verify_checksums=args.verify_checksums, max_batches=args.max_batches,
-    )
+    with reading_dataset(args.data, "eval"):  # prepare will not replace it meanwhile
+        result = evaluate_checkpoint(
+            checkpoint, args.data, split=args.split, batch_size=args.batch_size,
+            verify_checksums=args.verify_checksums, max_batches=args.max_batches,
+        )
     print(json.dumps(result.to_dict(), indent=2))
 
 

@@ -14,6 +14,7 @@ from ray.train.torch import TorchTrainer
 
 from bertforge.cluster import local_ray
 from bertforge.cluster.config_fields import HELP
+from bertforge.cluster.dataset_guard import reading_dataset
 from bertforge.cluster.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.preflight import preflight_train
 from bertforge.cluster.run_lock import exclusive_directory
@@ -86,7 +87,9 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     # One run per run directory (and per run in storage), taken before Ray starts.
     storage_run = f"{launch.storage.rstrip('/')}/{os.path.basename(run_dir)}" \
         if launch.storage else None
-    with exclusive_directory(run_dir, "train", storage=storage_run):
+    # And a reader of its dataset, which `prepare` will not replace meanwhile.
+    with exclusive_directory(run_dir, "train", storage=storage_run), \
+            reading_dataset(cfg.data_dir, "train"):
         log_driver_to(os.path.join(run_dir, LOG_DIR, "train.log"))
         connect(launch)
         return _fit(TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir}), launch)

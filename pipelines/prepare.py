@@ -226,11 +226,19 @@ def _dry_run(pipeline: beam.Pipeline, runner: str, files: list, output: str) -> 
     return report
 
 
+# `bertforge prepare` takes it (cluster/dataset_guard.py); the help is the job's.
+OVERWRITE_HELP = (
+    "--overwrite replaces a dataset already in the output directory that other inputs, "
+    "vocabulary or instance parameters made (without it such a run is refused, naming what "
+    "differs; the same job again is always allowed). A dataset that a running train or eval "
+    "reads is never replaced.\n")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """The command line (`bertforge prepare`, a Flex Template): the job's flags and Beam's."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(help_text() + job_report.NO_WAIT_HELP)
+        print(help_text() + job_report.NO_WAIT_HELP + OVERWRITE_HELP)
         raise SystemExit(0)
     argv, no_wait = job_report.pop_no_wait(argv)
     config, beam_args = parse_argv(argv)

@@ -1,0 +1,176 @@
+"""One writer per dataset directory, never a dataset replaced by another unasked, never one
+replaced under a run that reads it.
+
+- `prepare` on a local OUTPUT takes OUTPUT/.lock (`run_lock`, as `train` does on its run
+  directory): a second `prepare` into it fails at once, naming the first.
+- A dataset already there (its manifest) that other inputs, vocabulary or instance parameters
+  would replace is refused, naming what differs, unless `--overwrite` says to replace it. The
+  same job again is allowed: it rewrites the same bytes.
+- `train` and `eval` register as readers of their --data directory for as long as they run
+  (DATA/.readers/<token>/.lock, the same lock files; best effort: a read-only dataset cannot be
+  replaced anyway). `prepare` refuses to touch a dataset with a live reader.
+- A `prepare` that fails in a directory that did not exist (or was empty) before leaves nothing
+  behind: no partial directory that looks like a dataset. A failed rerun over an existing
+  dataset leaves it without a manifest (the job removes it first), so it is never taken for
+  complete.
+
+Object storage outputs (gs://, s3://, Dataflow) are not locked here: Dataflow runs the job
+elsewhere and the manifest, written last, is still what makes a dataset complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from bertforge.cluster.run_lock import (
+    LOCK_NAME,
+    STALE_AFTER_SECONDS,
+    Holder,
+    RunDirectoryInUse,
+    exclusive_directory,
+)
+
+READERS_DIR = ".readers"
+OVERWRITE_FLAG = "--overwrite"
+
+
+class DatasetConflict(ValueError):
+    """The output holds another dataset, or a run reads it: a user error, one line."""
+
+
+def pop_overwrite(argv: list[str]) -> tuple[list[str], bool]:
+    """(argv without --overwrite, whether it was given): the flag is ours, not the job's."""
+    return [a for a in argv if a != OVERWRITE_FLAG], OVERWRITE_FLAG in argv
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+@contextlib.contextmanager
+def writing_dataset(output: str, config, *, overwrite: bool) -> Iterator[None]:
+    """Around a local `prepare` run: the lock, the identity check, the cleanup on failure."""
+    if not _is_local(output):
+        yield
+        return
+    output = output.removeprefix("file://")
+    fresh = not os.path.isdir(output) or not _has_content(output)
+    cleaned = False
+    try:
+        with exclusive_directory(output, "prepare"):
+            # Only once the lock is ours: what another prepare just made is not ours to clean.
+            try:
+                refuse_readers(output)
+                if not overwrite:
+                    refuse_another_dataset(output, config)
+                yield
+            except BaseException:
+                if fresh:
+                    _remove_all_but_the_lock(output)
+                    cleaned = True
+                raise
+    finally:
+        if cleaned:  # the lock is released now: the folder goes too, if nobody wrote since
+            with contextlib.suppress(OSError):
+                os.rmdir(output)
+
+
+def _remove_all_but_the_lock(output: str) -> None:
+    """Everything the failed job wrote; the lock goes when it is released, then the folder."""
+    for name in os.listdir(output):
+        if name != LOCK_NAME:
+            path = os.path.join(output, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+
+
+def _has_content(output: str) -> bool:
+    return any(name not in (LOCK_NAME, "logs") for name in os.listdir(output))
+
+
+def refuse_another_dataset(output: str, config) -> None:
+    from bertforge.pipelines.contract.manifest import MANIFEST_NAME, read_manifest
+    from bertforge.pipelines.dataset_identity import dataset_differences
+    from bertforge.pipelines.filesystem import sha256_of
+    from bertforge.pipelines.read.read_inputs import match_inputs
+
+    if not os.path.isfile(os.path.join(output, MANIFEST_NAME)):
+        return
+    try:
+        found = read_manifest(output)
+    except (ValueError, KeyError, OSError):
+        return  # not a readable dataset: nothing to protect
+    paths = [path for path, _ in match_inputs(config.inputs)]
+    differences = dataset_differences(found, config, paths, sha256_of(config.vocab))
+    if differences:
+        raise DatasetConflict(
+            f"{output} holds a dataset made from other inputs or settings (differs in: "
+            f"{'; '.join(differences)}); use another --output, or add {OVERWRITE_FLAG} to "
+            "replace it")
+
+
+def live_readers(data_dir: str) -> list[Holder]:
+    """The runs reading `data_dir` now; the records of readers that are gone are removed."""
+    root = os.path.join(data_dir, READERS_DIR)
+    live = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        try:
+            with open(os.path.join(root, name, LOCK_NAME), encoding="utf-8") as f:
+                holder = Holder.parse(f.read())
+        except OSError:
+            holder = None
+        if holder is not None and holder.is_alive(STALE_AFTER_SECONDS):
+            live.append(holder)
+        else:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return live
+
+
+def refuse_readers(data_dir: str) -> None:
+    readers = live_readers(data_dir)
+    if readers:
+        raise DatasetConflict(
+            f"{data_dir} is being read by a bertforge {readers[0].command} "
+            f"({readers[0].describe()}); wait for it to end or write to another --output")
+
+
+@contextlib.contextmanager
+def reading_dataset(data_dir: str, command: str) -> Iterator[None]:
+    """While a run reads `data_dir`: a live reader's record that `prepare` respects."""
+    if not _is_local(data_dir):
+        yield
+        return
+    record = os.path.join(data_dir.removeprefix("file://"), READERS_DIR, uuid.uuid4().hex)
+    try:
+        lock = exclusive_directory(record, command)
+        lock.__enter__()
+    except (OSError, RunDirectoryInUse):
+        yield  # a read-only dataset: nobody can replace it under us
+        return
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
+        shutil.rmtree(record, ignore_errors=True)
+
+
+def prepare_guarded(argv: list[str]) -> dict[str, Any]:
+    """`bertforge prepare ARGV` with the guard around the job (ARGV may hold --overwrite)."""
+    from apache_beam.options.pipeline_options import PipelineOptions, TestOptions
+
+    from bertforge.pipelines import job_report
+    from bertforge.pipelines.prepare import main
+    from bertforge.pipelines.prepare_options import parse_argv
+
+    argv, overwrite = pop_overwrite(list(argv))
+    if any(a in ("-h", "--help") for a in argv):
+        return main(argv)
+    config, beam_args = parse_argv(job_report.pop_no_wait(argv)[0])
+    if PipelineOptions(beam_args).view_as(TestOptions).dry_run:
+        return main(argv)  # nothing is written
+    with writing_dataset(config.output, config, overwrite=overwrite):
+        return main(argv)

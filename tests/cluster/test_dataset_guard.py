@@ -1,0 +1,88 @@
+"""One writer per dataset directory (`bertforge prepare` through the CLI, the real Beam job):
+another dataset is not replaced unasked, none is replaced under a run that reads it, a second
+prepare is refused at once, and a failed first prepare leaves no directory behind."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from bertforge.cluster.cli import main
+from bertforge.cluster.dataset_guard import reading_dataset
+from bertforge.cluster.run_lock import exclusive_directory
+from tests.test_numbers_unchanged import _golden_corpus
+from tests.training.conftest import google_layout_vocab
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("guard")
+    _golden_corpus(str(root / "corpus.jsonl"))
+    (root / "vocab.txt").write_text("\n".join(google_layout_vocab()) + "\n", encoding="utf-8")
+    (root / "empty.jsonl").write_text("", encoding="utf-8")
+    return root
+
+
+def prepare(inputs, output, *flags, corpus="corpus.jsonl") -> int:
+    return main(["prepare", f"--input={inputs / corpus}", f"--output={output}",
+                 f"--vocab={inputs / 'vocab.txt'}", "--max-seq-length=48", "--num-shards=2",
+                 *flags])
+
+
+def manifest_bytes(output) -> bytes:
+    return (output / "manifest.json").read_bytes()
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def test_another_dataset_is_refused_unless_asked_and_the_same_job_runs_again(
+    inputs, tmp_path, capsys
+):
+    output = tmp_path / "shards"
+    assert prepare(inputs, output) == 0
+    first = manifest_bytes(output)
+    capsys.readouterr()
+
+    assert prepare(inputs, output, "--dupe-factor=2", "--seed=7") == 2
+    line = one_error_line(capsys)
+    assert (f"{output} holds a dataset made from other inputs or settings (differs in: "
+            "dupe_factor 1 -> 2; seed 12345 -> 7)") in line and "--overwrite" in line
+    assert manifest_bytes(output) == first  # untouched
+
+    assert prepare(inputs, output) == 0  # the same job: allowed, the same bytes
+    assert manifest_bytes(output) == first
+
+    assert prepare(inputs, output, "--dupe-factor=2", "--overwrite") == 0
+    assert json.loads(manifest_bytes(output))["instance_params"]["dupe_factor"] == 2
+
+
+def test_no_dataset_is_replaced_under_a_reader_or_by_a_second_writer(inputs, tmp_path, capsys):
+    output = tmp_path / "shards"
+    assert prepare(inputs, output) == 0
+    digest = hashlib.sha256(manifest_bytes(output)).hexdigest()
+    capsys.readouterr()
+
+    with reading_dataset(str(output), "train"):
+        assert prepare(inputs, output, "--overwrite") == 2
+        assert f"{output} is being read by a bertforge train" in one_error_line(capsys)
+    assert not list((output / ".readers").iterdir())  # the reader's record is gone with it
+
+    with exclusive_directory(str(output), "prepare"):
+        assert prepare(inputs, output) == 2
+        assert "another bertforge prepare is running in" in one_error_line(capsys)
+    assert hashlib.sha256(manifest_bytes(output)).hexdigest() == digest
+
+
+def test_a_corpus_with_no_usable_document_leaves_no_directory(inputs, tmp_path, capsys):
+    output = tmp_path / "new" / "shards"
+    assert prepare(inputs, output, corpus="empty.jsonl") == 2
+    assert "no usable document remains" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not output.exists()
