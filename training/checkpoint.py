@@ -15,6 +15,12 @@ Layout under a run directory:
         COMMITTED                         written last, as above
 
 A kill while saving leaves a tag without COMMITTED; it is ignored on resume and removed later.
+
+Each run has an id (its start, UTC) recorded in its checkpoints' bertforge.json. A fresh start
+on a run directory that holds committed checkpoints moves them aside first (`move_aside`:
+RUN_DIR/previous/<UTC time>/, with the old run's metrics and config), and pruning only ever
+deletes checkpoints of the run that saves, never one newer than its own latest save: no
+command that exits 0 loses a committed checkpoint.
 """
 
 from __future__ import annotations
@@ -42,6 +48,11 @@ UNIVERSAL_SUFFIX = ".universal"
 _TAG_PATTERN = re.compile(r"^step_(\d{8})$")
 _UNIVERSAL_PATTERN = re.compile(r"^step_(\d{8})\.universal$")
 _UNIVERSAL_STAGING_PREFIX = ".universal-staging-"
+PREVIOUS_DIR = "previous"  # RUN_DIR/previous/<UTC time>/: the runs a fresh start moved aside
+# What a run writes beside its checkpoints, moved aside with them (training.metrics, loop).
+_RUN_FILES = ("metrics.jsonl", "tensorboard", "config.json")
+# The MLM decoder is tied to the word embeddings, so a checkpoint may carry it once.
+_TIED = ("cls.predictions.decoder.weight",)
 
 
 def tag_for_step(step: int) -> str:
@@ -88,8 +99,9 @@ def save(
         shutil.copyfile(vocab_path, os.path.join(path, "vocab.txt"))
     barrier(engine.device)  # every rank's files are on disk before the marker says so
     if rank == 0:
-        _write_marker(path, {"step": step, "time": time.time()})
-        _prune(run_dir, keep)
+        run_id = metadata.get("run_id")
+        _write_marker(path, {"step": step, "time": time.time(), "run_id": run_id})
+        _prune(run_dir, keep, run_id=run_id, step=step)
     barrier(engine.device)
     return path
 
@@ -195,20 +207,42 @@ def verify_safe_to_unpickle(checkpoint_path: str) -> None:
     """
     with torch.serialization.safe_globals(_deepspeed_safe_globals()):
         for path in _pt_files(checkpoint_path):
-            if not zipfile.is_zipfile(path):
-                # torch.save has written zip archives since 1.6; anything else is a legacy or
-                # raw pickle, which neither mmap nor the restricted unpickler should be given.
-                raise UserInputError(
-                    f"{path} is not a torch zip checkpoint (a legacy or raw pickle); "
-                    "refusing to load it"
-                )
+            _refuse_unless_zip(path)
             try:
                 torch.load(path, weights_only=True, mmap=True, map_location="cpu")
             except pickle.UnpicklingError as error:
                 raise UserInputError(
                     f"{path} holds objects outside the types a checkpoint may contain; "
-                    f"refusing to load it ({str(error).splitlines()[0]})"
+                    f"refusing to load it ({_first_line(error)})"
                 ) from None
+            except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as error:
+                raise UserInputError(
+                    f"{path} is truncated or damaged ({_first_line(error)}); refusing to load it"
+                ) from None
+
+
+def _refuse_unless_zip(path: str) -> None:
+    """torch.save has written zip archives since 1.6: anything else is refused before it is
+    read. A zip's first bytes without its end record (the central directory, written last) is
+    a file cut short: a copy or a save that did not finish."""
+    if zipfile.is_zipfile(path):
+        return
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head or head.startswith(b"PK"):
+        raise UserInputError(
+            f"{path} is truncated or damaged ({os.path.getsize(path)} bytes, no zip end "
+            "record: a copy or save cut short); refusing to load it"
+        )
+    # A legacy or raw pickle, which neither mmap nor the restricted unpickler should be given.
+    raise UserInputError(
+        f"{path} is not a torch zip checkpoint (a legacy or raw pickle); refusing to load it"
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def _pt_files(directory: str) -> list[str]:
@@ -237,8 +271,93 @@ def read_metadata(checkpoint_path: str) -> dict[str, Any]:
     """The checkpoint's bertforge.json; a clear error when the path is no complete checkpoint."""
     if not os.path.exists(os.path.join(checkpoint_path, COMMIT_MARKER)):
         raise ValueError(f"{checkpoint_path} is not a complete checkpoint (no {COMMIT_MARKER})")
-    with open(os.path.join(checkpoint_path, METADATA_NAME), encoding="utf-8") as f:
-        return json.load(f)
+    path = os.path.join(checkpoint_path, METADATA_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            metadata = json.load(f)
+    except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+        raise UserInputError(f"{path} is not valid JSON ({_first_line(error)})") from None
+    if not isinstance(metadata, dict):
+        raise UserInputError(f"{path} is not a bertforge checkpoint's metadata (not an object)")
+    return metadata
+
+
+def model_config_of(checkpoint_path: str, metadata: dict[str, Any] | None = None):
+    """The BertConfig that a checkpoint's bertforge.json names, as a one-line user error when
+    the file lacks it or holds fields no BertConfig has."""
+    from bertforge.training.model import BertConfig
+
+    metadata = read_metadata(checkpoint_path) if metadata is None else metadata
+    path = os.path.join(checkpoint_path, METADATA_NAME)
+    values = metadata.get("model_config")
+    if not isinstance(values, dict):
+        raise UserInputError(f"{path} has no model_config")
+    try:
+        return BertConfig.from_dict(values)
+    except (TypeError, ValueError) as error:
+        raise UserInputError(f"{path}: model_config is not a valid BertConfig "
+                             f"({_first_line(error)})") from None
+
+
+def check_weights_match_config(checkpoint_path: str, metadata: dict[str, Any] | None = None):
+    """Refuse a checkpoint whose bertforge.json disagrees with its weights (edited by hand, or
+    copied from another run), naming the file, the parameter and both shapes. Reads shapes
+    only: DeepSpeed's param_shapes (ZeRO >= 1), else the module's tensors, memory-mapped.
+    Call verify_safe_to_unpickle first. Returns the config."""
+    config = model_config_of(checkpoint_path, metadata)
+    states_path, saved = _saved_shapes(checkpoint_path)
+    _compare_shapes(checkpoint_path, config, saved, states_path)
+    return config
+
+
+def _saved_shapes(checkpoint_path: str) -> tuple[str, dict[str, tuple[int, ...]]]:
+    files = sorted(f for f in os.listdir(checkpoint_path) if f.endswith("model_states.pt"))
+    if not files:
+        raise UserInputError(f"{checkpoint_path} has no DeepSpeed model states "
+                             "(*model_states.pt)")
+    path = os.path.join(checkpoint_path, files[0])
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        blob = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    try:
+        shapes = {name: tuple(shape) for group in blob.get("param_shapes") or ()
+                  for name, shape in group.items()}
+        if not shapes:  # ZeRO 0: the module's full tensors (under ZeRO-3 they are empty)
+            shapes = {name: tuple(t.shape) for name, t in blob["module"].items()}
+    except (KeyError, TypeError, AttributeError) as error:
+        raise UserInputError(f"{path} is not DeepSpeed's model states (no parameter shapes: "
+                             f"{type(error).__name__} {error})") from None
+    return path, shapes
+
+
+def _compare_shapes(checkpoint_path: str, config, saved: dict[str, tuple[int, ...]],
+                    weights_name: str) -> None:
+    """One line for the first parameter whose shape (or presence) differs from `config`'s."""
+    from bertforge.training.model import BertForPreTraining
+
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape)
+                    for name, t in BertForPreTraining(config).state_dict().items()}
+    config_path = os.path.join(checkpoint_path, METADATA_NAME)
+    for name, shape in saved.items():
+        if name in expected and expected[name] != shape:
+            raise UserInputError(
+                f"{config_path} does not match the checkpoint's weights: {name} is "
+                f"{list(shape)} in {weights_name} but {list(expected[name])} by its model_config "
+                "(edited, or copied from another run?)"
+            )
+    unexpected = [name for name in saved if name not in expected]
+    with torch.device("meta"):
+        parameters = [name for name, _ in BertForPreTraining(config).named_parameters()]
+    missing = [name for name in parameters if name not in saved and name not in _TIED]
+    if missing or unexpected:
+        differences = ([f"{len(missing)} parameters of its model_config are not in the "
+                        f"weights (first: {missing[0]})"] if missing else []) + (
+            [f"{len(unexpected)} of the weights are not in its model_config (first: "
+             f"{unexpected[0]})"] if unexpected else [])
+        raise UserInputError(
+            f"{config_path} does not match the checkpoint's weights in {weights_name}: "
+            f"{'; '.join(differences)} (edited, or copied from another run?)"
+        )
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -352,34 +471,87 @@ def _write_marker(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, os.path.join(path, COMMIT_MARKER))
 
 
-def _prune(run_dir: str, keep: int) -> None:
-    """Keep the newest `keep` committed checkpoints; drop older ones and stale partial saves."""
+def _prune(run_dir: str, keep: int, *, run_id: str | None = None, step: int | None = None) -> None:
+    """Keep the newest `keep` committed checkpoints of run `run_id` up to `step` (the save just
+    committed; default the newest); drop its older ones and stale partial saves below `step`.
+
+    A checkpoint of another run, or newer than `step`, is never deleted: pruning by step number
+    alone once deleted a new run's saves because an old run's were numbered higher.
+    Checkpoints saved before runs had ids belong to whichever run continues them.
+    """
     steps = committed_steps(run_dir)
     if not steps:
         return
-    keep_steps = set(steps[-keep:])
+    step = steps[-1] if step is None else step
     root = checkpoints_root(run_dir)
+    ours = [s for s in steps if s <= step and checkpoint_run_id(
+        os.path.join(root, tag_for_step(s))) in (run_id, None)]
+    drop = set(ours[:-keep])  # keep >= 1 (TrainConfig)
+    committed = set(steps)
     for name in os.listdir(root):
         match = _TAG_PATTERN.match(name) or _UNIVERSAL_PATTERN.match(name)
-        if match and int(match.group(1)) not in keep_steps and int(match.group(1)) < steps[-1]:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if match:
+            number = int(match.group(1))
+            # An uncommitted tag below `step` is a killed save: never a checkpoint.
+            if number in drop or (number not in committed and number < step):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         elif name.startswith(_UNIVERSAL_STAGING_PREFIX):  # a conversion killed mid-way
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def checkpoint_run_id(checkpoint_path: str) -> str | None:
+    """The id of the run that saved a checkpoint (None: saved before runs had ids)."""
+    try:
+        with open(os.path.join(checkpoint_path, METADATA_NAME), encoding="utf-8") as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def new_run_id() -> str:
+    """A run's id: the UTC time it started, to the millisecond: 20250301T142501.042Z."""
+    now = time.time()
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+
+
+def move_aside(run_dir: str) -> tuple[str, list[int]] | None:
+    """A fresh start on a run directory with committed checkpoints: move them, with the run's
+    metrics and config, to RUN_DIR/previous/<UTC time>/ (a run directory of its own, which
+    `export`, `eval` and `--init-from` accept); returns (that path, the steps moved), or None
+    when there was nothing to move."""
+    steps = committed_steps(run_dir)
+    if not steps:
+        return None
+    base = os.path.join(run_dir, PREVIOUS_DIR, new_run_id())
+    target, n = base, 1
+    while os.path.exists(target):  # two fresh starts within a second
+        n += 1
+        target = f"{base}-{n}"
+    os.makedirs(target)
+    for name in (CHECKPOINTS_DIR, *_RUN_FILES):
+        if os.path.exists(os.path.join(run_dir, name)):
+            os.rename(os.path.join(run_dir, name), os.path.join(target, name))
+    return target, steps
+
+
 def load_model(checkpoint_path: str):
     """An fp32 `BertForPreTraining` with the checkpoint's weights, and its metadata."""
-    from bertforge.training.model import BertConfig, BertForPreTraining
+    from bertforge.training.model import BertForPreTraining
 
     metadata = read_metadata(checkpoint_path)
-    model = BertForPreTraining(BertConfig.from_dict(metadata["model_config"]))
+    config = model_config_of(checkpoint_path, metadata)
     state = load_fp32_state_dict(checkpoint_path)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # The MLM decoder is tied to the word embeddings, so a checkpoint may carry it once.
-    missing = [name for name in missing if name != "cls.predictions.decoder.weight"]
-    if missing or unexpected:
-        raise ValueError(
-            f"{checkpoint_path} does not match its model config: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+    # Before load_state_dict, whose 'size mismatch' is a many-line RuntimeError.
+    _compare_shapes(checkpoint_path, config,
+                    {name: tuple(t.shape) for name, t in state.items()}, "its weights")
+    model = BertForPreTraining(config)
+    model.load_state_dict(state, strict=False)
     return model, metadata
+
+
+def describe(checkpoint_path: str, metadata: dict[str, Any] | None = None) -> str:
+    """'run 20250301T142501Z, step 300' (a checkpoint saved before runs had ids: 'step 300')."""
+    metadata = read_metadata(checkpoint_path) if metadata is None else metadata
+    run_id = metadata.get("run_id")
+    step = f"step {metadata.get('global_step')}"
+    return f"run {run_id}, {step}" if run_id else step

@@ -87,9 +87,22 @@ def check_resume(run_dir: str, model_config: BertConfig, vocab_sha256: str) -> s
     latest = checkpoint.latest_checkpoint(run_dir) if os.path.isdir(run_dir) else None
     if latest is None:
         return None
-    check_resume_architecture(read_checkpoint_metadata(latest), model_config, latest,
-                              vocab_sha256)
+    saved = read_checkpoint_metadata(latest)
+    check_resume_architecture(saved, model_config, latest, vocab_sha256)
+    verify_checkpoint(latest, saved)
     return latest
+
+
+def verify_checkpoint(path: str, metadata: dict | None = None) -> None:
+    """What a load would find wrong with a complete checkpoint, found from the driver in
+    seconds: a .pt file that is truncated, not torch's zip format, or holds objects outside
+    the types a checkpoint may contain (checked with the restricted unpickler, so nothing in it
+    runs), or a bertforge.json whose model_config disagrees with the weights' shapes."""
+    try:
+        checkpoint.verify_safe_to_unpickle(path)
+        checkpoint.check_weights_match_config(path, metadata)
+    except (OSError, ValueError) as error:
+        raise as_user_error(error) from error
 
 
 def read_checkpoint_metadata(path: str) -> dict:
@@ -101,16 +114,18 @@ def read_checkpoint_metadata(path: str) -> dict:
 
 
 def check_checkpoint(path: str) -> str:
-    """The complete checkpoint `path` names (itself, or a run directory's newest), readable."""
+    """The complete checkpoint `path` names (itself, or a run directory's newest), readable,
+    safe to unpickle and holding weights of its bertforge.json's shapes (`verify_checkpoint`)."""
     if not os.path.exists(path):
         raise MissingInputError(f"checkpoint {path} does not exist")
     try:
         resolved = checkpoint.resolve_checkpoint(path)
     except ValueError as error:
         raise as_user_error(error) from error
-    read_checkpoint_metadata(resolved)
+    saved = read_checkpoint_metadata(resolved)
     if not os.path.exists(os.path.join(resolved, "vocab.txt")):
         raise MissingInputError(f"checkpoint {resolved} lacks its vocab.txt")
+    verify_checkpoint(resolved, saved)
     return resolved
 
 

@@ -23,7 +23,7 @@ from bertforge.training.data import (
     ReadOptions,
 )
 from bertforge.training.dataset_facts import DatasetFacts
-from bertforge.training.distributed import all_reduce_sum
+from bertforge.training.distributed import all_reduce_sum, barrier
 from bertforge.training.engine import (
     PrecisionChoice,
     build_engine,
@@ -50,6 +50,7 @@ class TrainResult:
     loss_last: float | None
     tokens_per_second: float
     train_seconds: float
+    run_id: str = ""  # the run whose weights checkpoint_path holds (checkpoint.new_run_id)
 
 
 def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
@@ -89,6 +90,10 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         # Only a fresh run warm-starts; a resumed one has its own, newer weights.
         load_initial_weights(model, cfg.init_from, facts.vocab_sha256)
     engine = build_engine(model, cfg, world_size, load_universal=universal)
+    # A run keeps its id across resumes (one saved before runs had ids gets one now).
+    run_id = (saved or {}).get("run_id") or checkpoint.new_run_id()
+    if resume_from is None:
+        _start_fresh(cfg.run_dir, run_id, rank, engine.device)
     loader = PretrainingLoader(
         cfg.data_dir, "train", batch_size=cfg.micro_batch_size, seed=cfg.seed,
         rank=rank, world_size=world_size, masking=masking, prefetch=cfg.dataloader_prefetch,
@@ -106,6 +111,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
 
     logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps)
     metadata = {
+        "run_id": run_id,
         "vocab_sha256": facts.vocab_sha256,
         "lower_case": facts.lower_case,
         "model_config": model_config.to_dict(),
@@ -118,6 +124,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     }
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
     batches = _endless(loader)
+    last_saved = resume_from  # the checkpoint that holds this run's newest weights
     first_loss = last_loss = None
     window = _Window(model_config, cfg.peak_tflops, world_size, engine.device,
                      loader.max_predictions_per_row)
@@ -143,7 +150,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         if step == cfg.max_steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             loader.wait_for_checksums()  # no checkpoint from shards not yet verified
             client_state.update(loader=loader.state_dict(), global_step=step)
-            path = checkpoint.save(
+            path = last_saved = checkpoint.save(
                 engine, cfg.run_dir, step, client_state, metadata=metadata,
                 vocab_path=os.path.join(cfg.data_dir, VOCAB_NAME), keep=cfg.keep_checkpoints,
             )
@@ -151,14 +158,32 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
                 report({"step": step, "checkpoint_path": path, "loss": last_loss})
     logger.close()
     seconds = time.time() - started
+    if rank == 0:
+        console(f"[train] run {run_id}: step {step}, weights in {last_saved}")
     return TrainResult(
         global_step=step,
-        checkpoint_path=checkpoint.latest_checkpoint(cfg.run_dir),
+        checkpoint_path=last_saved,
+        run_id=run_id,
         loss_first=first_loss,
         loss_last=last_loss,
         tokens_per_second=total_tokens / seconds if seconds > 0 else 0.0,
         train_seconds=seconds,
     )
+
+
+def _start_fresh(run_dir: str, run_id: str, rank: int, device) -> None:
+    """A new run (--resume never) on a directory that holds another run's checkpoints: rank 0
+    moves them aside, with that run's metrics and config, before this run saves anything.
+    Its checkpoints would otherwise mix with this run's, and `latest_checkpoint`, pruning and
+    export would all go by step numbers across both runs."""
+    if rank == 0:
+        moved = checkpoint.move_aside(run_dir)
+        if moved is not None:
+            target, steps = moved
+            console(f"[train] new run {run_id} in {run_dir} (--resume never): the previous "
+                    f"run's {len(steps)} checkpoint(s) (steps {steps[0]}-{steps[-1]}), metrics "
+                    f"and config are kept in {target}")
+    barrier(device)  # no rank saves into checkpoints/ before it is this run's alone
 
 
 def count_parameters(model_config: BertConfig) -> int:

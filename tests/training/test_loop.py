@@ -1,5 +1,6 @@
 """The loop through the real DeepSpeed engine on the CPU (gloo), in this process."""
 
+import json
 import os
 import pickle
 import shutil
@@ -121,3 +122,40 @@ def test_checkpoint_with_arbitrary_pickled_objects_is_refused(dataset, tmp_path)
     with pytest.raises(ValueError, match="not a torch zip checkpoint") as caught:
         checkpoint.load_fp32_state_dict(run.checkpoint_path)
     assert "\n" not in str(caught.value)
+
+
+def test_a_new_run_on_a_used_run_directory_loses_no_checkpoint(dataset, tmp_path, capsys):
+    """Issue 25: a run of 8 steps, then `--resume never` on the same directory for 4 steps,
+    checkpointing every step. The old run's checkpoints once pruned the new run's as it wrote
+    them (they had higher step numbers) and export gave the old weights."""
+    run_dir = tmp_path / "run"
+    old = train(config(dataset, run_dir, max_steps=8, checkpoint_every=4, keep_checkpoints=2))
+    old_weights = checkpoint.load_fp32_state_dict(old.checkpoint_path)
+    capsys.readouterr()
+    new = train(config(dataset, run_dir, resume=False, max_steps=4, checkpoint_every=1,
+                       keep_checkpoints=2))
+    out = capsys.readouterr().out
+
+    # The old run is kept aside, whole and named: its checkpoints, metrics and config.
+    (moved,) = os.listdir(run_dir / checkpoint.PREVIOUS_DIR)
+    aside = run_dir / checkpoint.PREVIOUS_DIR / moved
+    assert f"kept in {aside}" in out and "steps 4-8" in out
+    assert checkpoint.committed_steps(str(aside)) == [4, 8]
+    kept = checkpoint.load_fp32_state_dict(checkpoint.latest_checkpoint(str(aside)))
+    assert all(torch.equal(kept[name], old_weights[name]) for name in old_weights)
+    assert max(losses(aside)) == 8 and (aside / "config.json").exists()
+    # The new run's checkpoints are intact and are what the run directory now holds.
+    assert checkpoint.committed_steps(str(run_dir)) == [3, 4]
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4]
+    assert new.global_step == 4 and new.checkpoint_path.endswith("step_00000004")
+    assert new.run_id and new.run_id != old.run_id
+    assert f"[train] run {new.run_id}: step 4, weights in {new.checkpoint_path}" in out
+    assert checkpoint.read_metadata(new.checkpoint_path)["run_id"] == new.run_id
+    assert checkpoint.latest_checkpoint(str(run_dir)) == new.checkpoint_path
+    hf_dir = export_checkpoint(str(run_dir), str(tmp_path / "hf"))
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        source = json.load(f)["bertforge_source"]
+    assert source["run_id"] == new.run_id and source["global_step"] == 4
+    # `--resume auto` afterwards continues the new run, under its id.
+    again = train(config(dataset, run_dir, max_steps=5, checkpoint_every=1, keep_checkpoints=2))
+    assert again.run_id == new.run_id and checkpoint.committed_steps(str(run_dir)) == [4, 5]

@@ -77,7 +77,7 @@ def _from_checkpoint(source: str, kind: str, random_init: bool) -> PretrainedMod
     path = checkpoint.resolve_checkpoint(source)
     metadata = checkpoint.read_metadata(path)
     if random_init:
-        config, state = BertConfig.from_dict(metadata["model_config"]), None
+        config, state = checkpoint.model_config_of(path, metadata), None
     else:
         config, state, _ = read_initial_weights(path)
     provenance = _provenance(source, kind, random_init, os.path.join(path, "vocab.txt"),

@@ -1,0 +1,141 @@
+"""A damaged, edited or malicious checkpoint is one `error:` line (exit 2) from the driver's
+pre-flight, before Ray starts: `export`, `eval`, `train` resuming it or warm-starting from it
+(`--init-from`), and `finetune --model` (its `preflight_model`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import psutil
+import pytest
+import ray
+import torch
+
+from bertforge.cluster.cli import main
+from bertforge.cluster.preflight import preflight_model
+from bertforge.training import checkpoint
+from bertforge.training.config import TrainConfig
+from bertforge.training.errors import UserInputError
+from bertforge.training.loop import train
+from tests.training.conftest import write_dataset
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(dataset, run directory) of a one-step run of the CLI's default model (tiny)."""
+    root = tmp_path_factory.mktemp("refusals")
+    data = write_dataset(str(root / "data"), {"train": [40, 30], "validation": [16]})
+    run_dir = str(root / "run")
+    train(TrainConfig(data_dir=data, run_dir=run_dir, model={"preset": "tiny"}, max_steps=1,
+                      micro_batch_size=8, warmup_steps=0, precision="fp32", zero_stage=0))
+    return data, run_dir
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    """A copy of the trained run to damage, and its checkpoint."""
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(trained[1], run_dir)
+    return run_dir, checkpoint.latest_checkpoint(run_dir)
+
+
+def ray_processes() -> list[str]:
+    names = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            names.append(" ".join(child.cmdline()))
+        except psutil.Error:
+            continue
+    return [n for n in names if "raylet" in n or "gcs_server" in n or "ray::" in n]
+
+
+def refused(argv: list[str], capsys, *expected: str) -> str:
+    """The CLI in this process: exit 2, one `error:` line holding `expected`, no traceback,
+    and Ray never started."""
+    status = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert status == 2, err
+    assert err.startswith(f"bertforge {argv[0]}: error:") and "\n" not in err, err
+    assert "Traceback" not in err
+    for part in expected:
+        assert part in err, err
+    assert not ray.is_initialized() and not ray_processes()
+    return err
+
+
+def edit_metadata(checkpoint_path: str, **model_fields) -> None:
+    path = os.path.join(checkpoint_path, checkpoint.METADATA_NAME)
+    with open(path) as f:
+        metadata = json.load(f)
+    metadata["model_config"].update(model_fields)
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+
+
+def test_config_that_disagrees_with_the_weights_is_one_line_in_export_and_eval(
+        trained, run_copy, tmp_path, capsys):
+    data, _ = trained
+    run_dir, ckpt = run_copy
+    vocab_size = checkpoint.read_metadata(ckpt)["model_config"]["vocab_size"]
+    edit_metadata(ckpt, hidden_size=256, num_attention_heads=4)  # as if copied from mini
+    expected = (f"{ckpt}/bertforge.json does not match the checkpoint's weights",
+                f"bert.embeddings.word_embeddings.weight is [{vocab_size}, 128]",
+                f"but [{vocab_size}, 256] by its model_config")
+    refused(["export", run_dir, "--output", str(tmp_path / "hf")], capsys, *expected)
+    refused(["eval", ckpt, "--data", data, "--max-batches", "1"], capsys, *expected)
+    assert not os.path.exists(tmp_path / "hf")
+    # A layer more than the weights hold; a file that is not JSON.
+    edit_metadata(ckpt, hidden_size=128, num_attention_heads=2, num_hidden_layers=3)
+    refused(["export", ckpt, "--output", str(tmp_path / "hf")], capsys,
+            "are not in the weights (first: bert.encoder.layer.2.")
+    with open(os.path.join(ckpt, checkpoint.METADATA_NAME), "a") as f:
+        f.write("}{")
+    refused(["export", ckpt, "--output", str(tmp_path / "hf")], capsys,
+            f"{ckpt}/bertforge.json is not valid JSON")
+
+
+def test_truncated_file_is_named_truncated(trained, run_copy, tmp_path, capsys):
+    data, _ = trained
+    run_dir, ckpt = run_copy
+    path = os.path.join(ckpt, "mp_rank_00_model_states.pt")
+    with open(path, "rb") as f:
+        content = f.read()
+    with open(path, "wb") as f:
+        f.write(content[: len(content) // 3])
+    err = refused(["export", ckpt, "--output", str(tmp_path / "hf")], capsys,
+                  f"{path} is truncated or damaged", "refusing to load it")
+    assert "legacy" not in err
+    refused(["train", "--data", data, "--run-dir", run_dir], capsys,
+            f"{path} is truncated or damaged")
+    with open(path, "wb") as f:
+        pass  # empty: a copy that wrote nothing
+    refused(["eval", ckpt, "--data", data], capsys, f"{path} is truncated or damaged")
+
+
+class _Payload:
+    """What a tampered checkpoint smuggles in: unpickling it would create `path`."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_malicious_checkpoint_is_refused_before_ray_and_never_unpickled(
+        trained, run_copy, tmp_path, capsys):
+    data, _ = trained
+    run_dir, ckpt = run_copy
+    ran = tmp_path / "payload-ran"
+    rng = os.path.join(ckpt, "rng_rank_00000.pt")
+    torch.save({"payload": _Payload(str(ran))}, rng)
+    why = (f"{rng} holds objects outside the types a checkpoint may contain", "refusing")
+    refused(["train", "--data", data, "--run-dir", run_dir], capsys, *why)  # --resume auto
+    refused(["train", "--data", data, "--run-dir", str(tmp_path / "new"),
+             "--init-from", run_dir], capsys, *why)
+    refused(["export", run_dir, "--output", str(tmp_path / "hf")], capsys, *why)
+    with pytest.raises(UserInputError, match="holds objects outside"):
+        preflight_model(run_dir)  # finetune --model
+    assert not ran.exists()
