@@ -53,11 +53,12 @@ _OUR_DIRS = tuple(os.path.dirname(os.path.abspath(package.__file__)) + os.sep fo
 _STDLIB_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[key]) + os.sep
                       for key in ("stdlib", "platstdlib")})
 _LOGGING_FILE = os.path.abspath(logging.__file__)
-# Ray Train V2 replaces builtins.print in its processes (the driver's too, from `fit`) with
-# this function, which prints and also logs the text at INFO on the root logger; turned off
-# here (the environment reaches a local Ray's workers) so that a print is written once.
-_RAY_TRAIN_PRINT = "redirected_print"
-_RAY_TRAIN_PRINT_PATCH = "RAY_TRAIN_ENABLE_PRINT_PATCH"
+# Ray replaces builtins.print with stand-ins: Ray Train V2 in its processes (which also logs the
+# text at INFO on the root logger: a print written twice), Ray's tqdm support in the driver once
+# it forwarded a worker's lines. A write from one is judged by print's caller; the patches are
+# also turned off where the environment reaches (the driver and a local Ray's workers).
+_PRINT_STAND_INS = ("redirected_print", "safe_print")
+_PRINT_PATCHES_OFF = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TQDM_PATCH_PRINT": "0"}
 # Ray prefixes a forwarded line of a Ray Train worker with this actor name.
 _TRAIN_WORKER_ACTOR = "RayTrainWorker"
 
@@ -86,8 +87,8 @@ def record_is_ours(record: logging.LogRecord) -> bool:
 
 def written_by_us(frame) -> bool:
     """Whether the write made by `frame` belongs on the console (see the module docstring)."""
-    if frame is not None and frame.f_code.co_name == _RAY_TRAIN_PRINT:
-        frame = frame.f_back  # Ray Train's print() stand-in: judge print's caller
+    while frame is not None and frame.f_code.co_name in _PRINT_STAND_INS:
+        frame = frame.f_back  # Ray's print() stand-ins: judge print's caller
     if frame is None:
         return True  # no Python caller: the interpreter itself
     filename = frame.f_code.co_filename
@@ -206,7 +207,8 @@ def quiet_driver(command: str, verbose: bool = False) -> None:
     memory until `log_driver_to` names its file, or written to the temporary directory at exit."""
     global _driver_command
     _driver_command = command
-    os.environ.setdefault(_RAY_TRAIN_PRINT_PATCH, "0")
+    for name, value in _PRINT_PATCHES_OFF.items():
+        os.environ.setdefault(name, value)
     _route(_MemoryLog(), verbose)
     atexit.register(_flush_unclaimed_log)
 
