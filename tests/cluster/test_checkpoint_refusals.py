@@ -78,11 +78,11 @@ def test_config_that_disagrees_with_the_weights_is_one_line_in_export_and_eval(
         trained, run_copy, tmp_path, capsys):
     data, _ = trained
     run_dir, ckpt = run_copy
-    vocab_size = checkpoint.read_metadata(ckpt)["model_config"]["vocab_size"]
     edit_metadata(ckpt, hidden_size=256, num_attention_heads=4)  # as if copied from mini
+    # The embedding's rows: the vocabulary padded to a multiple of 64.
     expected = (f"{ckpt}/bertforge.json does not match the checkpoint's weights",
-                f"bert.embeddings.word_embeddings.weight is [{vocab_size}, 128]",
-                f"but [{vocab_size}, 256] by its model_config")
+                "bert.embeddings.word_embeddings.weight is [320, 128] in "
+                f"{ckpt}/mp_rank_00_model_states.pt", "but [320, 256] by its model_config")
     refused(["export", run_dir, "--output", str(tmp_path / "hf")], capsys, *expected)
     refused(["eval", ckpt, "--data", data, "--max-batches", "1"], capsys, *expected)
     assert not os.path.exists(tmp_path / "hf")

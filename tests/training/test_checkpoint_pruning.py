@@ -1,0 +1,63 @@
+"""Pruning deletes only the saving run's own checkpoints, never one newer than its save;
+a fresh start moves another run's checkpoints aside (files only: no engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from bertforge.training import checkpoint
+from bertforge.training.errors import UserInputError
+
+
+def fake_checkpoint(run_dir, step: int, run_id: str | None, committed: bool = True) -> None:
+    path = run_dir / checkpoint.CHECKPOINTS_DIR / checkpoint.tag_for_step(step)
+    path.mkdir(parents=True)
+    metadata = {"global_step": step} | ({"run_id": run_id} if run_id else {})
+    (path / checkpoint.METADATA_NAME).write_text(json.dumps(metadata))
+    if committed:
+        (path / checkpoint.COMMIT_MARKER).write_text("{}")
+
+
+def test_pruning_keeps_other_runs_and_newer_checkpoints(tmp_path):
+    for step in (100, 200):
+        fake_checkpoint(tmp_path, step, "old")
+    for step in (10, 20, 30):
+        fake_checkpoint(tmp_path, step, "new")
+    fake_checkpoint(tmp_path, 25, "new", committed=False)  # a killed save of this run
+    checkpoint._prune(str(tmp_path), keep=2, run_id="new", step=30)
+    assert checkpoint.committed_steps(str(tmp_path)) == [20, 30, 100, 200]
+    assert not (tmp_path / "checkpoints" / "step_00000025").exists()
+    # Checkpoints saved before runs had ids belong to the run that continues them.
+    fake_checkpoint(tmp_path, 5, None)
+    checkpoint._prune(str(tmp_path), keep=1, run_id="new", step=30)
+    assert checkpoint.committed_steps(str(tmp_path)) == [30, 100, 200]
+
+
+def test_move_aside_keeps_the_old_run_whole(tmp_path):
+    assert checkpoint.move_aside(str(tmp_path)) is None  # nothing committed: nothing to move
+    for step in (4, 8):
+        fake_checkpoint(tmp_path, step, "old")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 8}\n')
+    (tmp_path / "logs").mkdir()
+    target, steps = checkpoint.move_aside(str(tmp_path))
+    assert steps == [4, 8] and os.path.dirname(target) == str(tmp_path / "previous")
+    assert checkpoint.committed_steps(target) == [4, 8]
+    assert os.path.exists(os.path.join(target, "metrics.jsonl"))
+    assert checkpoint.committed_steps(str(tmp_path)) == [] and (tmp_path / "logs").exists()
+    assert checkpoint.resolve_checkpoint(target).endswith("step_00000008")  # export takes it
+
+
+def test_truncated_and_raw_files_are_told_apart(tmp_path):
+    good = tmp_path / "a.pt"
+    torch.save({"x": torch.zeros(3)}, good)
+    data = good.read_bytes()
+    good.write_bytes(data[:-30])
+    with pytest.raises(UserInputError, match=r"a\.pt is truncated or damaged"):
+        checkpoint.verify_safe_to_unpickle(str(tmp_path))
+    good.write_bytes(b"\x80\x02}q\x00.")  # a raw pickle
+    with pytest.raises(UserInputError, match="legacy or raw pickle"):
+        checkpoint.verify_safe_to_unpickle(str(tmp_path))
