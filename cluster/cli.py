@@ -357,23 +357,27 @@ def _run_demo(args: argparse.Namespace) -> None:
 def _run_finetune(args: argparse.Namespace) -> None:
     from bertforge.cluster.config_fields import given_values
     from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED, run_finetune
+    from bertforge.cluster.finetune_launch import finetune_launch
     from bertforge.cluster.ray_train import LaunchConfig
     from bertforge.training.finetune.config import FinetuneConfig
 
     cfg = FinetuneConfig(**given_values(args, FinetuneConfig))
-    run_finetune(cfg, LaunchConfig(**given_values(args, LaunchConfig, skip=LAUNCH_FIELDS_UNUSED)))
+    run_finetune(cfg, finetune_launch(given_values(args, LaunchConfig,
+                                      skip=LAUNCH_FIELDS_UNUSED)))
 
 
 def _run_glue(args: argparse.Namespace) -> None:
     from bertforge.cluster.config_fields import given_values
     from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED
+    from bertforge.cluster.finetune_launch import finetune_launch
     from bertforge.cluster.glue import FINETUNE_FIELDS_PER_TASK, GlueConfig, run_glue
     from bertforge.cluster.ray_train import LaunchConfig
     from bertforge.training.finetune.config import FinetuneConfig
 
     finetune = given_values(args, FinetuneConfig, skip=FINETUNE_FIELDS_PER_TASK)
     config = GlueConfig(**given_values(args, GlueConfig), finetune=finetune)
-    run_glue(config, LaunchConfig(**given_values(args, LaunchConfig, skip=LAUNCH_FIELDS_UNUSED)))
+    run_glue(config, finetune_launch(given_values(args, LaunchConfig,
+                                     skip=LAUNCH_FIELDS_UNUSED)))
 
 
 def _configure_logging() -> None:

@@ -79,9 +79,10 @@ def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str
         "metrics": metrics, "steps": num_steps, "epochs": num_steps / steps_per_epoch,
         "train_examples": data.num_train_examples, "train_rows": data.num_train_rows,
         "dev_examples": len(data.dev_examples),
-        "final_train_loss": last_loss, "train_seconds": round(train_seconds, 1),
-        "world_size": world_size, "precision": engine_cfg.precision,
-        "zero_stage": engine.zero_optimization_stage(), "model": pretrained.provenance,
+        "final_train_loss": last_loss, "train_seconds": round(train_seconds, 3),
+        "world_size": world_size, "threads": torch.get_num_threads(),
+        "precision": engine_cfg.precision, "zero_stage": engine.zero_optimization_stage(),
+        "model": pretrained.provenance,
     }
     if rank == 0:
         record.update(_write_outputs(engine.module, cfg, data, pretrained, predictions))
