@@ -220,9 +220,11 @@ def _run_vocab(args: argparse.Namespace) -> None:
 def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
     from bertforge.cluster.dataset_guard import prepare_guarded
 
-    _log_beside_output(extra)
     # One writer per dataset, no other dataset replaced unasked (--overwrite), none under a run.
     counts = prepare_guarded(extra)
+    # After the job: a failed first prepare leaves no directory behind (its log goes to the
+    # temporary directory, named on the console).
+    _log_beside_output(extra)
     print(json.dumps(counts, indent=2))
 
 
