@@ -235,9 +235,13 @@ def is_verbose() -> bool:
 
 
 def _flush_unclaimed_log() -> None:
+    """A command that never claimed a directory (it failed first, or its output is gs://...):
+    its log goes to the temporary directory, named on the console."""
     if isinstance(_log, _MemoryLog) and _log.getvalue():
-        log_driver_to(os.path.join(tempfile.gettempdir(),
-                                   f"bertforge-{_driver_command}-{os.getpid()}.log"))
+        path = log_driver_to(os.path.join(tempfile.gettempdir(),
+                                          f"bertforge-{_driver_command}-{os.getpid()}.log"))
+        console = sys.stderr.console if isinstance(sys.stderr, _Console) else sys.stderr
+        console.write(f"bertforge {_driver_command}: the engines' output is in {path}\n")
 
 
 def show_train_workers() -> None:
