@@ -210,6 +210,7 @@ def quiet_driver(command: str, verbose: bool = False) -> None:
     for name, value in _PRINT_PATCHES_OFF.items():
         os.environ.setdefault(name, value)
     _route(_MemoryLog(), verbose)
+    atexit.unregister(_flush_unclaimed_log)  # once, however often main() runs in a process
     atexit.register(_flush_unclaimed_log)
 
 
