@@ -516,13 +516,16 @@ def new_run_id() -> str:
 
 def move_aside(run_dir: str) -> tuple[str, list[int]] | None:
     """A fresh start on a run directory with committed checkpoints: move them, with the run's
-    metrics and config, to RUN_DIR/previous/<UTC time>/ (a run directory of its own, which
-    `export`, `eval` and `--init-from` accept); returns (that path, the steps moved), or None
-    when there was nothing to move."""
+    metrics and config, to RUN_DIR/previous/<the old run's id>/ (the time of the move for
+    checkpoints saved before runs had ids), a run directory of its own that `export`, `eval`
+    and `--init-from` accept; returns (that path, the steps moved), or None when there was
+    nothing to move."""
     steps = committed_steps(run_dir)
     if not steps:
         return None
-    base = os.path.join(run_dir, PREVIOUS_DIR, new_run_id())
+    old_id = checkpoint_run_id(os.path.join(checkpoints_root(run_dir), tag_for_step(steps[-1])))
+    name = old_id if old_id and re.fullmatch(r"[\w.-]+", old_id) else new_run_id()
+    base = os.path.join(run_dir, PREVIOUS_DIR, name)
     target, n = base, 1
     while os.path.exists(target):  # two fresh starts within a second
         n += 1

@@ -182,7 +182,7 @@ def _start_fresh(run_dir: str, run_id: str, rank: int, device) -> None:
             target, steps = moved
             console(f"[train] new run {run_id} in {run_dir} (--resume never): the previous "
                     f"run's {len(steps)} checkpoint(s) (steps {steps[0]}-{steps[-1]}), metrics "
-                    f"and config are kept in {target}")
+                    f"and config are kept in {target} (export or --init-from it takes them)")
     barrier(device)  # no rank saves into checkpoints/ before it is this run's alone
 
 
