@@ -398,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bertforge.cluster.worker_output import quiet_driver
 
         quiet_driver(args.command, verbose=bool(args.verbose))
-    from bertforge.cluster.local_ray import driver_teardown
+    from bertforge.cluster.local_ray import as_stop, driver_teardown
 
     try:
         # SIGTERM exits like Ctrl-C (locks released) and a local Ray this run started stops.
@@ -412,6 +412,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"bertforge {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except SystemExit as exit_:  # SIGTERM, SIGINT, SIGHUP: workers stopped, locks released
+        stop = as_stop(exit_)
+        if stop is None:
+            raise
+        print(f"bertforge {args.command}: {stop.describe()}", file=sys.stderr)
+        return stop.code
     return status or 0  # handlers that run a job return its exit code
 
 

@@ -15,9 +15,11 @@
   file, the GCS connection or the raylet's registration came too late) is retried, after
   stopping the processes the failed attempt left running; the GCS gets a longer port wait than
   Ray's 30 s default to begin with.
-- `driver_teardown()` turns SIGTERM/SIGHUP into a normal exit, so `finally` blocks run (the
-  run-directory lock is released) and Ray is shut down, as on Ctrl-C; a signal that is ignored
-  (`nohup` ignores SIGHUP) or already handled is left as it is.
+- `driver_teardown()` turns SIGTERM/SIGHUP/SIGINT into an exit (`StoppedBySignal`, 128 +
+  signum), so `finally` blocks run (the run-directory lock is released) and Ray is shut down
+  with its workers; a signal that is ignored (`nohup` ignores SIGHUP) or already handled is left
+  as it is. `ray.init` replaces the SIGTERM handler (in the end with a C++ one that aborts):
+  `reclaim_signals()` puts ours back after every start or connection.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def start(num_cpus: int) -> None:
                 configure_logging=False,
                 _temp_dir=root,
             )
+            reclaim_signals()
             break
         except Exception as error:  # Ray raises a bare Exception for some of these
             timeout = startup_timeout(error)
@@ -255,23 +258,72 @@ def shutdown() -> None:
         reap_dead_runs()  # and bound the session folders, ours now among them
 
 
+class StoppedBySignal(SystemExit):
+    """SIGTERM/SIGHUP/SIGINT turned into an exit: `finally` blocks run (locks released, Ray
+    stopped with its workers), then the command says so in one line and exits 128 + signum."""
+
+    def __init__(self, signum: int, note: str = "") -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.note = note  # what the command adds to its one line (e.g. the newest checkpoint)
+
+    def describe(self) -> str:
+        name = signal.Signals(self.signum).name
+        return f"stopped by {name}" + (f"; {self.note}" if self.note else "")
+
+
+_HANDLED: tuple[int, ...] = ()  # the signals driver_teardown turned into StoppedBySignal
+_RECEIVED: list[int] = []  # the signals received since, first first
+
+
 def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+    _RECEIVED.append(signum)
+    raise StoppedBySignal(signum)
+
+
+def as_stop(exit_: SystemExit) -> StoppedBySignal | None:
+    """The stop a signal asked for, however it surfaced, or None for any other exit.
+
+    Our exception does not always arrive as raised: a signal that lands while Ray waits in its
+    C++ core worker (`ray.get`) comes out as Ray's own SystemExit(1), and one during `ray.init`,
+    before `reclaim_signals`, as Ray's handler's SystemExit(15).
+    """
+    if isinstance(exit_, StoppedBySignal):
+        return exit_
+    if _RECEIVED:
+        return StoppedBySignal(_RECEIVED[0])
+    if exit_.code == signal.SIGTERM:
+        return StoppedBySignal(signal.SIGTERM)
+    return None
+
+
+def reclaim_signals() -> None:
+    """Put our handlers back after `ray.init`, which replaces them: first with its own Python
+    SIGTERM handler (sys.exit(15)), then with its core worker's C++ one, which prints a stack
+    dump and aborts the process (rc 134) without running a single `finally`."""
+    with contextlib.suppress(ValueError):  # not the main thread
+        for signum in _HANDLED:
+            signal.signal(signum, _exit_on_signal)
 
 
 @contextlib.contextmanager
 def driver_teardown() -> Iterator[None]:
     """Around a command that may start Ray: SIGTERM/SIGHUP exit like Ctrl-C, Ray stops after."""
+    global _HANDLED
     installed = {}
     with contextlib.suppress(ValueError):  # not the main thread: leave the handlers alone
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            # Only where the default (death) is in place: `nohup` sets SIGHUP to SIG_IGN and a
-            # caller may have its own handler; replacing those would kill a nohup'd run.
-            if signal.getsignal(signum) is signal.SIG_DFL:
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            # Only where the default is in place (death; Python's KeyboardInterrupt for
+            # SIGINT): `nohup` sets SIGHUP to SIG_IGN and a caller may have its own handler;
+            # replacing those would kill a nohup'd run.
+            if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
                 installed[signum] = signal.signal(signum, _exit_on_signal)
+    _HANDLED = tuple(installed)
+    _RECEIVED.clear()
     try:
         yield
     finally:
+        _HANDLED = ()
         shutdown()
         for signum, previous in installed.items():
             signal.signal(signum, previous)

@@ -69,6 +69,7 @@ def connect(launch: LaunchConfig) -> None:
         # No runtime_env here: inside a `bertforge submit` job the job's own (its working
         # directory) must reach the workers unchanged.
         ray.init(address=launch.address)
+        local_ray.reclaim_signals()  # ray.init replaced our SIGTERM handler
     else:
         local_ray.start(num_cpus=max(os.cpu_count() or 1,
                                      launch.workers * launch.cpus_per_worker))
@@ -91,8 +92,17 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     with exclusive_directory(run_dir, "train", storage=storage_run), \
             reading_dataset(cfg.data_dir, "train"):
         log_driver_to(os.path.join(run_dir, LOG_DIR, "train.log"))
-        connect(launch)
-        return _fit(TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir}), launch)
+        try:
+            connect(launch)
+            return _fit(TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir}), launch)
+        except SystemExit as exit_:
+            stop = local_ray.as_stop(exit_)
+            if stop is None:
+                raise
+            newest = latest_checkpoint(run_dir)
+            stop.note = (f"newest committed checkpoint {newest}; the same command resumes "
+                         "from it" if newest else "no checkpoint was committed yet")
+            raise stop from None
 
 
 def _fit(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
