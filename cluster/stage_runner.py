@@ -3,8 +3,9 @@
 A job is a list of `Stage`s run in one directory:
 - one run per directory at a time (`exclusive_directory`);
 - a state file (`STATE.json`) records the job's settings and each finished stage; a directory
-  whose recorded settings differ is refused, naming the keys, and a non-empty directory without
-  a state file is someone else's and is never written into;
+  whose recorded settings differ is refused, naming the keys (unless the earlier run made
+  nothing there: a failure never blocks its own fix), and a non-empty directory without a state
+  file is someone else's and is never written into;
 - a stage is skipped when done: by default when the state records it, or by its own check of its
   outputs (a deleted output is then rebuilt);
 - a stage that is not done runs from its start; stages that resume (training) do so themselves;
@@ -164,6 +165,12 @@ class StageRunner:
         with open(self.state_path, encoding="utf-8") as f:
             state = json.load(f)
         changed = differing_keys(state["settings"], self.settings, self.ignored)
+        if changed and not state["stages"] and not self._holds_outputs():
+            # An earlier run that failed before it made anything (a mistyped path, say) does
+            # not pin its settings: the corrected command simply runs.
+            self.say(f"{self.root}: an earlier run with other settings ({', '.join(changed[:6])}"
+                     f"{' ...' if len(changed) > 6 else ''}) made nothing here; starting afresh")
+            changed = []
         if changed:
             shown = ", ".join(changed[:12]) + (f" and {len(changed) - 12} more"
                                                if len(changed) > 12 else "")
@@ -174,6 +181,18 @@ class StageRunner:
         state["settings"] = self.settings  # the ignored keys may have changed: this run's
         write_json_atomic(self.state_path, state)
         return state
+
+
+    def _holds_outputs(self) -> bool:
+        """Whether any file but the state, the lock and the logs is in the directory."""
+        for folder, subfolders, files in os.walk(self.root):
+            if folder == self.root:
+                subfolders[:] = [name for name in subfolders if name != LOG_DIR]
+                files = [name for name in files
+                         if name not in (LOCK_NAME, os.path.basename(self.state_path))]
+            if files:
+                return True
+        return False
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -1,0 +1,48 @@
+"""StageRunner's directory rules: other settings are refused once the directory holds work,
+and a run that failed before making anything does not pin its settings (the corrected command
+simply runs)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+
+from bertforge.cluster.stage_runner import Stage, StageRunner
+
+
+def failing_stage() -> dict:
+    raise ValueError("model work/hf: no such directory")  # a mistyped path, found late
+
+
+def test_a_run_that_made_nothing_does_not_pin_its_settings(tmp_path, capsys):
+    root = tmp_path / "out"
+    with pytest.raises(ValueError, match="no such directory"):
+        with StageRunner(str(root), "finetune", {"model": "work/hf"}) as runner:
+            (root / "logs").mkdir(exist_ok=True)
+            (root / "logs" / "finetune.log").write_text("the failure's log")
+            runner.run([Stage("run", failing_stage)])
+
+    with StageRunner(str(root), "finetune", {"model": "/abs/work/hf"}) as runner:
+        assert runner.run([Stage("run", lambda: {"ok": 1})])["ran"] == ["run"]
+    assert "made nothing here; starting afresh" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("work", ["a finished stage", "a file a stage wrote"])
+def test_a_directory_holding_work_refuses_other_settings_and_says_how_to_keep_it(tmp_path, work):
+    root = tmp_path / "out"
+
+    def stage() -> dict:
+        (root / "checkpoint.pt").write_bytes(b"hours of training")
+        if work == "a file a stage wrote":
+            raise RuntimeError("killed before the stage was recorded")
+        return {}
+
+    with pytest.raises(RuntimeError) if work == "a file a stage wrote" else nullcontext():
+        with StageRunner(str(root), "pipeline", {"steps": 100}) as runner:
+            runner.run([Stage("train", stage)])
+    with pytest.raises(ValueError, match=r"made with other settings \(differs in: steps\); use "
+                                         r"another directory, or delete it to start over"):
+        with StageRunner(str(root), "pipeline", {"steps": 200}):
+            pass
+    assert (root / "checkpoint.pt").exists()
