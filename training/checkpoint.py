@@ -213,7 +213,7 @@ def verify_safe_to_unpickle(checkpoint_path: str) -> None:
             except pickle.UnpicklingError as error:
                 raise UserInputError(
                     f"{path} holds objects outside the types a checkpoint may contain; "
-                    f"refusing to load it ({_first_line(error)})"
+                    f"refusing to load it ({_unpickler_verdict(error)})"
                 ) from None
             except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as error:
                 raise UserInputError(
@@ -238,6 +238,14 @@ def _refuse_unless_zip(path: str) -> None:
     raise UserInputError(
         f"{path} is not a torch zip checkpoint (a legacy or raw pickle); refusing to load it"
     )
+
+
+def _unpickler_verdict(error: BaseException) -> str:
+    """What torch's restricted unpickler refused ('Unsupported global: GLOBAL print'), without
+    the advice around it, which tells how to load the file anyway."""
+    match = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\.\s|$)",
+                      str(error), flags=re.MULTILINE)
+    return match.group(1).strip() if match else _first_line(error)
 
 
 def _first_line(error: BaseException) -> str:
