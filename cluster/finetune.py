@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bertforge.cluster.paths import absolute
 from bertforge.cluster.preflight import preflight_model
 from bertforge.cluster.ray_train import _QUIET_RAY_TRAIN, LaunchConfig, connect, run_on_ray
 from bertforge.cluster.stage_runner import (
@@ -164,7 +165,8 @@ class _Job:
     @classmethod
     def open(cls, cfg: FinetuneConfig, launch: LaunchConfig) -> _Job:
         cfg = resolve_data_files(cfg)
-        cfg = dataclasses.replace(cfg, output=os.path.abspath(cfg.output))
+        # Relative paths are the user's working directory's, not the workers'.
+        cfg = dataclasses.replace(cfg, output=absolute(cfg.output), model=absolute(cfg.model))
         facts = check_inputs(cfg, launch)
         if launch.address:  # no storage support: the workers open the driver's paths
             print(f"[finetune] --address: MODEL, the data files and --output ({cfg.output}) "

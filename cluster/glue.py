@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bertforge.cluster.config_fields import HELP
+from bertforge.cluster.paths import absolute
 from bertforge.training.finetune import tasks
 from bertforge.training.finetune.config import FinetuneConfig
 
@@ -161,7 +162,7 @@ def task_configs(config: GlueConfig, glue_dir: str) -> dict[str, FinetuneConfig]
     for name in names:
         train, dev = tasks.glue_dir_files(glue_dir, tasks.task_spec(name))
         configs[name] = FinetuneConfig(
-            task=name, model=config.model, train=train, dev=dev,
+            task=name, model=absolute(config.model), train=train, dev=dev,
             output=os.path.join(os.path.abspath(config.output), name), **config.finetune)
     return configs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from bertforge.cluster import local_ray
 from bertforge.cluster.config_fields import HELP
 from bertforge.cluster.dataset_guard import reading_dataset
 from bertforge.cluster.failure_policy import user_errors_fail_at_once
+from bertforge.cluster.paths import absolute
 from bertforge.cluster.preflight import preflight_train
 from bertforge.cluster.run_lock import exclusive_directory
 from bertforge.cluster.torch_store import NodeAddressTorchConfig
@@ -83,8 +85,13 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     the run directory, where the loop commits its checkpoints. The inputs are checked here
     first, before Ray starts (`cluster.preflight`); a user error inside a worker is not retried.
     """
+    # Relative paths are the user's working directory's, not the workers'.
+    cfg = TrainConfig.from_dict({**cfg.to_dict(), "data_dir": absolute(cfg.data_dir),
+                                 "run_dir": absolute(cfg.run_dir),
+                                 "init_from": absolute(cfg.init_from)})
+    launch = dataclasses.replace(launch, storage=absolute(launch.storage))
     preflight_train(cfg)
-    run_dir = os.path.abspath(cfg.run_dir)
+    run_dir = cfg.run_dir
     # One run per run directory (and per run in storage), taken before Ray starts.
     storage_run = f"{launch.storage.rstrip('/')}/{os.path.basename(run_dir)}" \
         if launch.storage else None

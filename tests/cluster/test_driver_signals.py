@@ -47,15 +47,17 @@ def test_a_signal_is_a_stop_however_ray_surfaces_it(monkeypatch):
 def test_sigterm_stops_train_cleanly_and_the_same_command_resumes(tmp_path):
     """What a scheduler, `timeout` or `docker stop` does: exit 143 with one line naming the
     newest committed checkpoint, the lock released, Ray and its workers gone; then a rerun
-    resumes from that checkpoint."""
+    resumes from that checkpoint. Both with relative --data and --run-dir."""
     data = write_dataset(str(tmp_path / "data"), {"train": [300, 300], "validation": [16]},
                          max_seq_length=64)
     run_dir = tmp_path / "run"
+    # Relative paths, as anyone types them: they are the user's directory's, not the workers'.
     command = [os.path.join(os.path.dirname(sys.executable), "bertforge"), "train",
-               "--data", data, "--run-dir", str(run_dir), "--preset", "tiny", "--workers", "1",
-               "--precision", "fp32", "--checkpoint-every", "10", "--steps", "100000"]
+               "--data", os.path.relpath(data, tmp_path), "--run-dir", "run", "--preset", "tiny",
+               "--workers", "1", "--precision", "fp32", "--checkpoint-every", "10",
+               "--steps", "100000"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+                               text=True, cwd=tmp_path)
     first = run_dir / "checkpoints" / "step_00000010" / COMMIT_MARKER
     while not first.exists():
         assert process.poll() is None, process.communicate()
@@ -74,6 +76,6 @@ def test_sigterm_stops_train_cleanly_and_the_same_command_resumes(tmp_path):
     newest = last.split("newest committed checkpoint ")[1].split(";")[0]
 
     resumed = subprocess.run(command[:-1] + [str(int(newest.rsplit("_", 1)[1]) + 2)],
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert f"[train] resumed from {newest}" in resumed.stdout

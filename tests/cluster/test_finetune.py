@@ -41,12 +41,15 @@ def read_predictions(path: str) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
-def test_sst2_sweep_on_two_workers_scores_exports_and_reuses_the_runs(model_dir, tmp_path, capsys):
-    train = write_sst2_tsv(str(tmp_path / "SST-2" / "train.tsv"), 64, seed=1)
-    dev = write_sst2_tsv(str(tmp_path / "SST-2" / "dev.tsv"), 32, seed=2)
-    output = str(tmp_path / "out")
-    args = ["--task", "SST-2", "--model", model_dir, "--output", output, "--train", train,
-            "--dev", dev, "--workers", "2", "--batch-size", "16", "--epochs", "2",
+def test_sst2_sweep_on_two_workers_scores_exports_and_reuses_the_runs(model_dir, tmp_path, capsys,
+                                                                     monkeypatch):
+    write_sst2_tsv(str(tmp_path / "SST-2" / "train.tsv"), 64, seed=1)
+    write_sst2_tsv(str(tmp_path / "SST-2" / "dev.tsv"), 32, seed=2)
+    # Relative paths, as anyone types them: the user's directory's, not the workers'.
+    monkeypatch.chdir(tmp_path)
+    train, dev, output = "SST-2/train.tsv", "SST-2/dev.tsv", "out"
+    args = ["--task", "SST-2", "--model", os.path.relpath(model_dir), "--output", output,
+            "--train", train, "--dev", dev, "--workers", "2", "--batch-size", "16", "--epochs", "2",
             "--sweep", "--sweep-learning-rates", "1e-3", "3e-3", "--seeds", "7"]
     results = finetune(*args)
     out = capsys.readouterr().out
