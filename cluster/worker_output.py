@@ -80,9 +80,12 @@ def _is_python_itself(filename: str) -> bool:
 
 def record_is_ours(record: logging.LogRecord) -> bool:
     """A log record for the console: bertforge's (by logger, or a print Ray Train turned into a
-    record at the caller's line), or an error from anyone."""
-    return (record.levelno >= logging.ERROR or record.name.split(".")[0] == "bertforge"
-            or is_ours(record.pathname))
+    record at the caller's line), or an error from anyone but Beam (whose errors reach us)."""
+    package = record.name.split(".")[0]
+    # Beam logs a failing DoFn's error with its traceback, then raises it to the pipeline's
+    # run(), where the command reports it in one line: its copy belongs in the log only.
+    return ((record.levelno >= logging.ERROR and package != "apache_beam")
+            or package == "bertforge" or is_ours(record.pathname))
 
 
 def written_by_us(frame) -> bool:
