@@ -12,6 +12,8 @@ import ray
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+from ray.train.v2.api.exceptions import ControllerError
 
 from bertforge.cluster import local_ray
 from bertforge.cluster.config_fields import HELP
@@ -24,6 +26,7 @@ from bertforge.cluster.torch_store import NodeAddressTorchConfig
 from bertforge.cluster.worker_output import LOG_DIR, is_verbose, log_driver_to, show_train_workers
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.config import TrainConfig
+from bertforge.training.errors import UserInputError
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -63,10 +66,32 @@ class LaunchConfig:
         self.address = self.address or None  # "" (a TOML file's "none") is a local Ray too
 
 
+# A worker group that cannot be scheduled (no node has the resources, an autoscaler that adds
+# none) times out after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s); Ray Train
+# then retries forever (FailureConfig.controller_failure_limit = -1). We allow this many tries,
+# ~5 minutes at the default: time for an autoscaler to add nodes, not a run that never ends.
+SCHEDULING_ATTEMPTS = 5
+
+
+def check_local_resources(launch: LaunchConfig) -> None:
+    """A local run can never get what this machine lacks: refuse it before Ray starts."""
+    if launch.address or not launch.gpu:
+        return
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < launch.workers:
+        raise UserInputError(
+            f"--gpu asks for one GPU per worker ({launch.workers}), and this machine has "
+            f"{found}; drop --gpu to train on the CPU, lower --workers, or give --address of "
+            "a cluster with GPU nodes")
+
+
 def connect(launch: LaunchConfig) -> None:
     """Join the cluster at `address`, or start a private local Ray on the loopback address."""
     if ray.is_initialized():
         return
+    check_local_resources(launch)
     if launch.address:
         # No runtime_env here: inside a `bertforge submit` job the job's own (its working
         # directory) must reach the workers unchanged.
@@ -147,10 +172,30 @@ def run_on_ray(
             resources_per_worker=None if launch.gpu else {"CPU": launch.cpus_per_worker},
             placement_strategy=launch.placement_strategy,
         ),
-        run_config=run_config,
+        run_config=_bounded_scheduling(run_config),
     )
     with user_errors_fail_at_once():
-        return trainer.fit()
+        try:
+            return trainer.fit()
+        except ControllerError as error:
+            if isinstance(error.controller_failure, WorkerGroupStartupTimeoutError):
+                raise UserInputError(_unschedulable(launch)) from None
+            raise
+
+
+def _bounded_scheduling(run_config: RunConfig) -> RunConfig:
+    failure = run_config.failure_config or FailureConfig()
+    failure = dataclasses.replace(failure, controller_failure_limit=SCHEDULING_ATTEMPTS - 1)
+    return dataclasses.replace(run_config, failure_config=failure)
+
+
+def _unschedulable(launch: LaunchConfig) -> str:
+    per_worker = "1 GPU" if launch.gpu else f"{launch.cpus_per_worker} CPU"
+    timeout = float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60))
+    return (f"the cluster could not start {launch.workers} workers of {per_worker} each in "
+            f"{SCHEDULING_ATTEMPTS} tries of {timeout:.0f} s: no node can hold them, or the "
+            "autoscaler added none; check --workers, --gpu and --cpus-per-worker against the "
+            "cluster's nodes (`ray status`)")
 
 
 def _run_config(cfg: TrainConfig, launch: LaunchConfig) -> RunConfig:

@@ -58,3 +58,45 @@ def test_other_worker_errors_are_still_retried():
     user = WorkerGroupError("rank 1", {0: RuntimeError("peer gone"), 1: UserInputError("bad")})
     assert UserErrorsFailAtOnce(FailureConfig(max_failures=5)).make_decision(user) == (
         FailureDecision.RAISE)
+
+
+def test_gpu_workers_a_local_machine_lacks_are_refused_before_ray_starts(monkeypatch):
+    import ray
+
+    from bertforge.cluster import ray_train
+    from bertforge.cluster.ray_train import LaunchConfig, check_local_resources, connect
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    check_local_resources(LaunchConfig(workers=1, gpu=True))
+    check_local_resources(LaunchConfig(workers=8, gpu=True, address="auto"))  # the cluster's
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_train.local_ray, "start", pytest.fail)  # never reached
+    with pytest.raises(UserInputError, match=r"--gpu asks for one GPU per worker \(8\), and "
+                                             r"this machine has 1; drop --gpu"):
+        connect(LaunchConfig(workers=8, gpu=True))
+
+
+def test_a_worker_group_that_cannot_be_scheduled_is_one_line_after_bounded_tries(monkeypatch):
+    from ray.train import FailureConfig, RunConfig
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from bertforge.cluster import ray_train
+    from bertforge.cluster.ray_train import LaunchConfig, run_on_ray
+
+    bounded = ray_train._bounded_scheduling(RunConfig(failure_config=FailureConfig(max_failures=3)))
+    assert bounded.failure_config.controller_failure_limit == ray_train.SCHEDULING_ATTEMPTS - 1
+    assert bounded.failure_config.max_failures == 3
+
+    class NeverScheduled:
+        def __init__(self, *args, **kwargs):
+            assert kwargs["run_config"].failure_config.controller_failure_limit >= 0
+
+        def fit(self):
+            raise ControllerError(controller_failure=WorkerGroupStartupTimeoutError(0))
+
+    monkeypatch.setattr(ray_train, "TorchTrainer", NeverScheduled)
+    with pytest.raises(UserInputError, match=r"could not start 4 workers of 1 GPU each in 5 "
+                                             r"tries of \d+ s: no node can hold them"):
+        run_on_ray(print, {}, LaunchConfig(workers=4, gpu=True, address="auto"), RunConfig())
