@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from bertforge.training.errors import UserInputError
+
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Never uploaded: environments, version control, data and run outputs (they can be GBs).
 DEFAULT_EXCLUDES = (
@@ -134,7 +136,13 @@ def jobs_client(address: str):
 
     token = cluster_token()
     headers = {"authorization": f"Bearer {token}"} if token else None
-    return JobSubmissionClient(address, headers=headers)
+    try:
+        return JobSubmissionClient(address, headers=headers)
+    except ConnectionError as error:  # Ray raises it with a 90-line chain behind it
+        raise UserInputError(
+            f"no Ray cluster answers at {address} ({str(error).splitlines()[0]}); start one "
+            "(`ray start --head`, the launcher configs in infra/) or give its dashboard "
+            "address with --address (default port 8265)") from None
 
 
 def cluster_token() -> str | None:

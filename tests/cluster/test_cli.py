@@ -64,3 +64,16 @@ def test_recipe_values_hold_unless_a_flag_overrides_them():
 def test_phase2_recipe_without_init_from_is_a_clear_error(capsys):
     assert main(["train", "--data", "d", "--run-dir", "r", "--recipe", "bert_large_phase2"]) == 2
     assert "give --init-from" in capsys.readouterr().err
+
+
+def test_submit_with_no_cluster_is_one_line(capsys):
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert main(["submit", "--address", f"http://127.0.0.1:{port}", "--", "bertforge", "train",
+                 "--help"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"bertforge submit: error: no Ray cluster answers at http://127.0.0.1:{port}"), err
