@@ -237,7 +237,8 @@ def _log_beside_output(argv: list[str]) -> None:
         output = parse_argv(list(argv))[0].output
     except (ValueError, SystemExit, TypeError, AttributeError):
         return  # the job reports its own argument errors
-    if output and "://" not in output:
+    # A dry run writes nothing, not even the output directory.
+    if output and "://" not in output and os.path.isdir(output):
         log_driver_to(os.path.join(output, LOG_DIR, "prepare.log"))
 
 

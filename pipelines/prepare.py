@@ -30,7 +30,12 @@ from typing import Any
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics.metric import MetricsFilter
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, TestOptions
+from apache_beam.options.pipeline_options import (
+    GoogleCloudOptions,
+    PipelineOptions,
+    StandardOptions,
+    TestOptions,
+)
 from apache_beam.pvalue import AsSingleton
 
 from bertforge.pipelines import job_report
@@ -48,10 +53,12 @@ from bertforge.pipelines.prepare_options import (  # noqa: F401
     PrepareConfig,
     PrepareOptions,
     check_beam_args,
+    check_gcs_paths,
     help_text,
     parse_argv,
 )
 from bertforge.pipelines.read.read_inputs import FORMATS, ReadInputs, match_inputs
+from bertforge.pipelines.read.readers import split_format
 from bertforge.pipelines.write.write_manifest import WriteManifest, write_rejects_file
 from bertforge.pipelines.write.write_shards import WriteShards
 
@@ -167,6 +174,10 @@ def _build(config: PrepareConfig, beam_args: Sequence[str]) -> tuple[beam.Pipeli
     standard = options.view_as(StandardOptions)
     if not standard.runner:
         standard.runner = "DirectRunner"  # Beam's default (Prism) downloads a binary: fails offline
+    google = options.view_as(GoogleCloudOptions)
+    check_gcs_paths([("--output", config.output), ("--temp_location", google.temp_location),
+                     ("--staging_location", google.staging_location)]
+                    + [("--input", split_format(pattern)[1]) for pattern in config.inputs])
     files = match_inputs(config.inputs)
     vocab_bytes = read_bytes(config.vocab)
     logger.info(

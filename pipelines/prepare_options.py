@@ -9,6 +9,7 @@ command line.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -234,3 +235,21 @@ def help_text() -> str:
         "--dry_run=True translates the pipeline and lists the inputs found and their formats, "
         "without running or writing anything.\n"
     )
+
+
+# Cloud Storage's bucket names: 3-63 lower-case letters, digits, "-", "_" and "."; a letter or
+# digit at both ends. A name outside them (the README's placeholder `gs://BUCKET/tmp`) makes
+# the Dataflow client retry for minutes and fail in a 190-line traceback.
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
+
+
+def check_gcs_paths(named_paths: list[tuple[str, str | None]]) -> None:
+    """[(flag, path)]: every gs:// path names a valid bucket, else one ValueError naming it."""
+    for flag, path in named_paths:
+        if not path or not path.startswith("gs://"):
+            continue
+        bucket = path[len("gs://"):].split("/", 1)[0]
+        if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+            raise ValueError(f"{flag} {path}: {bucket!r} is not a Cloud Storage bucket name "
+                             "(3-63 lower-case letters, digits, '-', '_' or '.'); give a "
+                             "bucket of your project")

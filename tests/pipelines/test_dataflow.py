@@ -95,3 +95,20 @@ def test_no_wait_is_taken_out_of_the_job_flags_and_the_follow_commands():
         "gcloud dataflow jobs show 2026-11-23_12_00_00-123 --project p --region europe-west4"
     )
     assert "jobs/europe-west4/2026-11-23_12_00_00-123?project=p" in report["console"]
+
+
+def test_an_invalid_bucket_is_one_line_at_once_not_a_two_minute_hang(
+    tmp_path, corpus_files, small_vocab, capsys
+):
+    """The README's own placeholder (`gs://BUCKET/tmp`: upper case is no bucket name) made the
+    Dataflow client retry for two minutes, then print a 190-line traceback."""
+    from bertforge.cluster.cli import main as cli_main
+
+    argv = ["prepare", f"--output={tmp_path / 'out'}", f"--vocab={small_vocab}",
+            f"--input={corpus_files[0]}", "--runner", "DataflowRunner", "--dry_run=True",
+            "--project=test-project", "--region=us-central1", "--temp_location=gs://BUCKET/tmp"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["bertforge prepare: error: --temp_location gs://BUCKET/tmp: 'BUCKET' is not a "
+                   "Cloud Storage bucket name (3-63 lower-case letters, digits, '-', '_' or '.'); "
+                   "give a bucket of your project"]
