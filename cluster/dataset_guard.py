@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from bertforge.cluster import local_ray
 from bertforge.cluster.run_lock import (
     LOCK_NAME,
     STALE_AFTER_SECONDS,
@@ -172,5 +174,32 @@ def prepare_guarded(argv: list[str]) -> dict[str, Any]:
     config, beam_args = parse_argv(job_report.pop_no_wait(argv)[0])
     if PipelineOptions(beam_args).view_as(TestOptions).dry_run:
         return main(argv)  # nothing is written
-    with writing_dataset(config.output, config, overwrite=overwrite):
+    with writing_dataset(config.output, config, overwrite=overwrite), \
+            local_ray.on_stop(stop_beam_workers):
         return main(argv)
+
+
+def stop_beam_workers() -> None:
+    """Terminate this process's Beam SDK worker processes (`multi_processing`), so that the
+    runner's cleanup, which joins them, ends at once on SIGTERM or Ctrl-C."""
+    import psutil
+
+    workers = [p for p in psutil.Process().children(recursive=True)
+               if "sdk_worker_main" in " ".join(_cmdline(p))]
+    # Beam's threads watching them then fail ("Worker subprocess exited with return code
+    # -15"): expected now, so not a traceback on the console.
+    default_hook = threading.excepthook
+    threading.excepthook = lambda args: None if args.thread is not None and \
+        args.thread.name == "run_worker" else default_hook(args)
+    for worker in workers:
+        with contextlib.suppress(psutil.Error):
+            worker.terminate()
+
+
+def _cmdline(process) -> list[str]:
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []

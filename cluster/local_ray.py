@@ -276,9 +276,27 @@ _HANDLED: tuple[int, ...] = ()  # the signals driver_teardown turned into Stoppe
 _RECEIVED: list[int] = []  # the signals received since, first first
 
 
+_ON_STOP: list = []  # what must happen before the stop can unwind (see `on_stop`)
+
+
 def _exit_on_signal(signum, frame) -> None:
     _RECEIVED.append(signum)
+    for callback in list(_ON_STOP):
+        with contextlib.suppress(Exception):
+            callback()
     raise StoppedBySignal(signum)
+
+
+@contextlib.contextmanager
+def on_stop(callback) -> Iterator[None]:
+    """Within: a stop signal calls `callback()` before it raises. For engines whose cleanup
+    waits on something the stop must end first: Beam's local runner joins its worker processes,
+    which finish their bundle before they look at the closed control channel (minutes)."""
+    _ON_STOP.append(callback)
+    try:
+        yield
+    finally:
+        _ON_STOP.remove(callback)
 
 
 def as_stop(exit_: SystemExit) -> StoppedBySignal | None:

@@ -89,3 +89,44 @@ def test_a_corpus_with_no_usable_document_leaves_no_directory(inputs, tmp_path, 
     assert any(line.startswith("bertforge prepare: error: no usable document remains")
                for line in err.splitlines())
     assert not output.exists()
+
+
+def test_sigterm_stops_a_local_prepare_at_once_and_leaves_no_directory(inputs, tmp_path):
+    """Beam's runner joins its worker processes, which would finish their bundle first; a stop
+    ends them, then exits 143 with one line, removing the unfinished first dataset."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    rng = random.Random(5)
+    words = [f"word{i}" for i in range(120)]
+    with open(tmp_path / "big.jsonl", "w", encoding="utf-8") as f:  # ~20 MB: minutes of work
+        for doc in range(20_000):
+            text = " ".join(" ".join(rng.choice(words) for _ in range(12)) + "." for _ in range(8))
+            f.write(json.dumps({"doc_id": f"d{doc}", "text": text}) + "\n")
+    output = tmp_path / "shards"
+    process = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "bertforge"), "prepare",
+         f"--input={tmp_path / 'big.jsonl'}", f"--output={output}",
+         f"--vocab={inputs / 'vocab.txt'}", "--direct_num_workers=2",
+         "--direct_running_mode=multi_processing"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = []
+    while not workers:  # the job is under way once its SDK workers run
+        assert process.poll() is None, process.communicate()
+        workers = [p for p in psutil.Process(process.pid).children(recursive=True)
+                   if "sdk_worker_main" in " ".join(p.cmdline())]
+        time.sleep(0.2)
+    time.sleep(2)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143, err
+    assert "bertforge prepare: stopped by SIGTERM" in err.splitlines() and "Traceback" not in err
+    assert not output.exists()
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
