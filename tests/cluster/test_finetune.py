@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from bertforge.cluster.cli import main
+from bertforge.cluster.finetune_launch import local_cores
 from tests.support.finetune_data import tiny_bert_dir, write_squad_json, write_sst2_tsv
 
 
@@ -60,6 +61,10 @@ def test_sst2_sweep_on_two_workers_scores_exports_and_reuses_the_runs(model_dir,
     assert results["model"]["kind"] == "hf_dir" and results["model"]["random_init"] is False
     assert results["model"]["source"] == os.path.abspath(model_dir)
     assert results["training"]["world_size"] == 2 and results["training"]["steps"] == 8
+    # --workers 2 alone on a local Ray: the machine's cores split between the two workers.
+    with open(os.path.join(results["best_run"]["run_dir"], "result.json"),
+              encoding="utf-8") as f:
+        assert json.load(f)["threads"] == max(1, local_cores() // 2)
     assert results["data"]["num_train_examples"] == 64 and results["config"]["seeds"] == [7]
     sweep = results["sweep"]
     assert sweep["num_runs"] == 2 and [r["learning_rate"] for r in sweep["runs"]] == [1e-3, 3e-3]
@@ -104,12 +109,16 @@ def test_squad_split_of_one_file_reports_exact_match_and_f1(model_dir, tmp_path)
     output = str(tmp_path / "out")
     results = finetune("--task", "squad", "--model", model_dir, "--output", output,
                        "--train", squad, "--dev", squad, "--workers", "1",
-                       "--max-seq-length", "64", "--max-query-length", "16",
-                       "--doc-stride", "16", "--batch-size", "8", "--epochs", "1",
-                       "--lr", "1e-3")
+                       "--cpus-per-worker", "1", "--max-seq-length", "64",
+                       "--max-query-length", "16", "--doc-stride", "16",
+                       "--batch-size", "8", "--epochs", "1", "--lr", "1e-3")
 
     assert results["primary_metric"] == "f1"
     assert set(results["metrics"]) == {"exact_match", "f1"}
+    # The worker ran on the threads it was given (the local default would be every core).
+    with open(os.path.join(results["best_run"]["run_dir"], "result.json"),
+              encoding="utf-8") as f:
+        assert json.load(f)["threads"] == 1
     assert "split by article" in results["data"]["note"]
     _, dev = split_squad(read_squad(squad), 0.2, 0)
     with open(results["predictions"], encoding="utf-8") as f:
