@@ -411,13 +411,17 @@ def test_local_ray_listens_on_loopback_only(monkeypatch, tmp_path):
                        os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1"))
     for name in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
         monkeypatch.delenv(name, raising=False)  # restored (to unset) afterwards
+    me = psutil.Process()
+    # What this test process already had open (an earlier module's in-process torch store on
+    # this xdist worker, say) is not the local Ray's.
+    before = set(listening_sockets([me]))
     connect(LaunchConfig(workers=1))
     try:
-        me = psutil.Process()
         processes = [me] + me.children(recursive=True)
         listening = listening_sockets(processes)
         assert len(processes) > 3 and listening  # gcs, raylet, dashboard... really started
-        exposed = [entry for entry in listening if entry[1] not in LOOPBACK]
+        exposed = [entry for entry in listening
+                   if entry[1] not in LOOPBACK and entry not in before]
         assert not exposed, f"listening beyond the loopback address: {exposed}"
     finally:
         ray.shutdown()

@@ -15,7 +15,12 @@ from bertforge.cluster.pipeline import (
     load_config,
     run_pipeline,
 )
-from bertforge.cluster.stage_runner import StageRunner, differing_keys, exclusive_directory
+from bertforge.cluster.stage_runner import (
+    Stage,
+    StageRunner,
+    differing_keys,
+    exclusive_directory,
+)
 
 MINIMAL = {
     "workdir": "work",
@@ -128,8 +133,9 @@ def test_a_changed_configuration_is_refused_naming_the_keys(tmp_path):
     paths = PipelinePaths(config.workdir)
 
     def enter(config: PipelineConfig) -> None:
-        with StageRunner(paths.root, "pipeline", config.settings(), ignored=HOW_TO_RUN_KEYS):
-            pass
+        with StageRunner(paths.root, "pipeline", config.settings(),
+                         ignored=HOW_TO_RUN_KEYS) as runner:
+            runner.run([Stage("vocab", lambda: {})])  # the directory holds finished work
 
     enter(config)
     # How to run may change (prepare locally, train on a cluster); what to make may not.
