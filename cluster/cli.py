@@ -322,12 +322,16 @@ def _run_eval(args: argparse.Namespace) -> None:
 
 def _run_export(args: argparse.Namespace) -> None:
     from bertforge.cluster.preflight import preflight_export
-    from bertforge.training.checkpoint import resolve_checkpoint
+    from bertforge.training.checkpoint import read_metadata, resolve_checkpoint
     from bertforge.training.export import export_checkpoint
 
     preflight_export(args.checkpoint, args.output)
-    _log_in_run_dir(resolve_checkpoint(args.checkpoint), "export")
-    print(export_checkpoint(args.checkpoint, args.output))
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    _log_in_run_dir(checkpoint, "export")
+    metadata = read_metadata(checkpoint)
+    print(f"[export] run {metadata.get('run_id') or '(no id: an older run)'}, step "
+          f"{metadata.get('global_step')}, from {checkpoint}", flush=True)
+    print(export_checkpoint(checkpoint, args.output))
 
 
 def _log_in_run_dir(checkpoint: str, command: str) -> None:

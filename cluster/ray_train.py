@@ -151,7 +151,10 @@ def _fit(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     final = latest_checkpoint(run_dir)
     if final is None:
         raise RuntimeError(f"training finished without a complete checkpoint in {run_dir}")
-    return {"step": read_metadata(final)["global_step"], "checkpoint_path": final}
+    metadata = read_metadata(final)
+    # The run whose weights these are (a fresh start moved an older run's aside: previous/).
+    return {"step": metadata["global_step"], "checkpoint_path": final,
+            "run_id": metadata.get("run_id")}
 
 
 def run_on_ray(

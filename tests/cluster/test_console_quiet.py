@@ -22,7 +22,7 @@ BERTFORGE = os.path.join(os.path.dirname(sys.executable), "bertforge")
 # What the project prints (see cluster/, training/): stage, progress and step lines are
 # "[command] ...", notices and errors "bertforge ...: ...". A command's result (train's and
 # eval's JSON, export's directory) is checked apart, as the output's end.
-PROJECT_LINE = re.compile(r"^(\[(train|eval|finetune|glue|demo|prepare|pipeline)\] |"
+PROJECT_LINE = re.compile(r"^(\[(train|eval|export|finetune|glue|demo|prepare|pipeline)\] |"
                           r"bertforge( \w+)?: )")
 # DeepSpeed's logger, on importing it: the engine output every command here causes.
 DEEPSPEED_NOTICE = "accelerator to"  # "Setting accelerator to CPU" here
@@ -103,6 +103,9 @@ def test_export_is_quiet_and_verbose_shows_the_engines_output(trained, tmpdir):
     assert quiet.returncode == 0, quiet.stdout + quiet.stderr
     assert quiet.stderr == ""
     assert foreign_lines(quiet.stdout, [os.path.join(tmpdir, "hf")]) == []
+    # It names the run and step whose weights it exported.
+    assert re.search(r"^\[export\] run \d{8}T\d{6}\.\d{3}Z, step \d+, from ", quiet.stdout,
+                     re.MULTILINE), quiet.stdout
     # The same command with --verbose: the chatter this test would catch is on the console.
     verbose = run("export", run_dir, "--output", os.path.join(tmpdir, "hf2"), "--verbose",
                   tmpdir=tmpdir)
