@@ -69,6 +69,10 @@ def test_dataset_errors_are_refused_before_ray(dataset, tmp_path, capsys):
     refused(["train", "--data", dataset, *run], capsys, f"shard {path} is corrupt or truncated")
     os.remove(path)
     refused(["train", "--data", dataset, *run], capsys, f"shard {path} is missing")
+    os.symlink(str(tmp_path / "moved.arrow"), path)  # a shard moved away, its link left
+    refused(["train", "--data", dataset, *run], capsys,
+            f"shard {path} is a symbolic link to a missing file ({tmp_path / 'moved.arrow'})")
+    os.remove(path)
 
     manifest_path = os.path.join(dataset, manifest_lib.MANIFEST_NAME)
     with open(manifest_path, "a", encoding="utf-8") as f:

@@ -99,6 +99,9 @@ def _group_by(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
 def open_shard(path: str, expected_rows: int) -> list[Segment]:
     """Memory-map one shard and check it; every error names the file."""
     if not os.path.exists(path):
+        if os.path.islink(path):
+            raise MissingInputError(f"shard {path} is a symbolic link to a missing file "
+                                    f"({os.readlink(path)})")
         raise MissingInputError(f"shard {path} is missing (the manifest lists it)")
     try:
         with pa.memory_map(path) as source:
