@@ -108,9 +108,12 @@ class _Console(io.TextIOBase):
         self.console, self.log, self.verbose = console, log, verbose
 
     def write(self, text: str) -> int:
+        global _held_back
         self.log.write(text)
         if self.verbose or written_by_us(sys._getframe(1)):
             self.console.write(text)
+        elif text.strip():
+            _held_back = True
         return len(text)
 
     def flush(self) -> None:
@@ -203,6 +206,7 @@ class ConsoleConfig:
 
 
 _driver_command: str | None = None
+_held_back = False  # whether the log holds lines the console did not show
 
 
 def quiet_driver(command: str, verbose: bool = False) -> None:
@@ -244,8 +248,9 @@ def _flush_unclaimed_log() -> None:
     if isinstance(_log, _MemoryLog) and _log.getvalue():
         path = log_driver_to(os.path.join(tempfile.gettempdir(),
                                           f"bertforge-{_driver_command}-{os.getpid()}.log"))
-        console = sys.stderr.console if isinstance(sys.stderr, _Console) else sys.stderr
-        console.write(f"bertforge {_driver_command}: the engines' output is in {path}\n")
+        if _held_back:  # a refusal's one line is all there is: no second line for it
+            console = sys.stderr.console if isinstance(sys.stderr, _Console) else sys.stderr
+            console.write(f"bertforge {_driver_command}: the engines' output is in {path}\n")
 
 
 def show_train_workers() -> None:
