@@ -243,7 +243,9 @@ def _finetune(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
         dev_examples=config.finetune_dev_examples,
         epochs=config.finetune_epochs, max_seq_length=config.finetune_max_seq_length,
         batch_size=config.finetune_batch_size, learning_rate=config.finetune_learning_rate,
-        seed=config.seed, workers=config.train_workers,
+        # One worker on every core: two on one machine pay an all-reduce and ZeRO's wrapper
+        # every step (1.55x the time on the demo's model: benchmarks/finetune_vs_plain_loop.py).
+        seed=config.seed, workers=1,
     )
     return finetune_sst2(paths.hf, paths.finetune, config.glue_dir, budget)
 

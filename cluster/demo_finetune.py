@@ -81,12 +81,14 @@ def finetune_sst2(model_dir: str, output: str, glue_dir: str | None,
         return {"skipped": reason}
     train, dev = files
     from bertforge.cluster.finetune import run_finetunes
-    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.cluster.finetune_launch import finetune_launch
 
     configs = [_config(model_dir, os.path.join(output, name), train, dev, budget, random_init)
                for name, random_init in (("pretrained", False), ("random_init", True))]
     # Both in one worker group: Ray Train's start and DeepSpeed's set-up once, not twice.
-    pretrained, random_init = run_finetunes(configs, LaunchConfig(workers=budget.workers))
+    # Fine-tuning's local default: budget.workers workers sharing the machine's cores.
+    pretrained, random_init = run_finetunes(configs,
+                                            finetune_launch({"workers": budget.workers}))
     record = {
         "task": "sst2", "train": train, "dev": dev, "shipped": glue_dir is None,
         "train_examples_of": SHIPPED_DRAWN_FROM if glue_dir is None else _eligible(configs[0]),
