@@ -70,7 +70,8 @@ step "bertforge and its dependencies (ray, apache-beam, transformers, ...; edita
   $PIP install -e ".[dev,dataflow]"
 
 fingerprint > "$STAMP"
+# Versions from the packages' metadata: importing deepspeed prints its accelerator notice.
 echo "bertforge: installed $("$VENV/bin/python" -c '
-import deepspeed, torch
-print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}")' 2>>"$LOG"), \
+from importlib.metadata import version
+print("torch " + version("torch") + ", deepspeed " + version("deepspeed"))' 2>>"$LOG"), \
 bertforge ($VENV/bin/bertforge)"
