@@ -8,17 +8,15 @@ import json
 import os
 import shutil
 
-import psutil
 import pytest
-import ray
 import torch
 
-from bertforge.cluster.cli import main
 from bertforge.cluster.preflight import preflight_model
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
 from bertforge.training.loop import train
+from tests.support.refusals import refused
 from tests.training.conftest import write_dataset
 
 
@@ -39,30 +37,6 @@ def run_copy(trained, tmp_path):
     run_dir = str(tmp_path / "run")
     shutil.copytree(trained[1], run_dir)
     return run_dir, checkpoint.latest_checkpoint(run_dir)
-
-
-def ray_processes() -> list[str]:
-    names = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            names.append(" ".join(child.cmdline()))
-        except psutil.Error:
-            continue
-    return [n for n in names if "raylet" in n or "gcs_server" in n or "ray::" in n]
-
-
-def refused(argv: list[str], capsys, *expected: str) -> str:
-    """The CLI in this process: exit 2, one `error:` line holding `expected`, no traceback,
-    and Ray never started."""
-    status = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert status == 2, err
-    assert err.startswith(f"bertforge {argv[0]}: error:") and "\n" not in err, err
-    assert "Traceback" not in err
-    for part in expected:
-        assert part in err, err
-    assert not ray.is_initialized() and not ray_processes()
-    return err
 
 
 def edit_metadata(checkpoint_path: str, **model_fields) -> None:

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
-import psutil
 import pytest
-import ray
 
 from bertforge.cluster.cli import main
 from bertforge.pipelines.contract import manifest as manifest_lib
 from bertforge.training.config import TrainConfig
 from bertforge.training.loop import train
+from tests.support.refusals import refused
 from tests.training.conftest import write_dataset
 
 TINY = {"preset": "tiny", "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
@@ -28,31 +26,6 @@ def dataset(tmp_path):
 def shard(data_dir: str, index: int = 1) -> str:
     entry = manifest_lib.read_manifest(data_dir).splits["train"].shards[index]
     return os.path.join(data_dir, entry.path)
-
-
-def ray_processes() -> list[str]:
-    names = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            names.append(" ".join(child.cmdline()))
-        except psutil.Error:
-            continue
-    return [n for n in names if "raylet" in n or "gcs_server" in n or "ray::" in n]
-
-
-def refused(argv: list[str], capsys, *expected: str) -> str:
-    """Run the CLI in this process: exit 2, one error line holding `expected`, no Ray, fast."""
-    started = time.monotonic()
-    status = main(argv)
-    seconds = time.monotonic() - started
-    err = capsys.readouterr().err.strip()
-    assert status == 2, err
-    assert err.startswith(f"bertforge {argv[0]}: error:") and "\n" not in err, err
-    for part in expected:
-        assert part in err, err
-    assert not ray.is_initialized() and not ray_processes()
-    assert seconds < 30, f"pre-flight took {seconds:.1f} s"  # seconds, even on a busy machine
-    return err
 
 
 def test_dataset_errors_are_refused_before_ray(dataset, tmp_path, capsys):
