@@ -158,6 +158,8 @@ def reading_dataset(data_dir: str, command: str) -> Iterator[None]:
     finally:
         lock.__exit__(None, None, None)
         shutil.rmtree(record, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the last reader leaves no empty folder behind
+            os.rmdir(os.path.dirname(record))
 
 
 def prepare_guarded(argv: list[str]) -> dict[str, Any]:

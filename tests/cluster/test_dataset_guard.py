@@ -73,7 +73,7 @@ def test_no_dataset_is_replaced_under_a_reader_or_by_a_second_writer(inputs, tmp
     with reading_dataset(str(output), "train"):
         assert prepare(inputs, output, "--overwrite") == 2
         assert f"{output} is being read by a bertforge train" in one_error_line(capsys)
-    assert not list((output / ".readers").iterdir())  # the reader's record is gone with it
+    assert not (output / ".readers").exists()  # the reader's record is gone with it
 
     with exclusive_directory(str(output), "prepare"):
         assert prepare(inputs, output) == 2
