@@ -10,7 +10,9 @@ replaced under a run that reads it.
   (DATA/.readers/<token>/.lock, the same lock files; best effort: a read-only dataset cannot be
   replaced anyway). `prepare` refuses to touch a dataset with a live reader.
 - A `prepare` that fails in a directory that did not exist (or was empty) before leaves nothing
-  behind: no partial directory that looks like a dataset. A failed rerun over an existing
+  behind: no partial directory that looks like a dataset. Unless it left work to continue
+  (OUTPUT/.prepare-work: stopped by a signal, a worker killed; `pipelines.local_job`): then the
+  same command continues it. A failed rerun over an existing
   dataset leaves it without a manifest (the job removes it first), so it is never taken for
   complete.
 
@@ -36,6 +38,7 @@ from bertforge.cluster.run_lock import (
     RunDirectoryInUse,
     exclusive_directory,
 )
+from bertforge.pipelines.local.options import WORK_DIR_NAME
 
 READERS_DIR = ".readers"
 OVERWRITE_FLAG = "--overwrite"
@@ -72,7 +75,9 @@ def writing_dataset(output: str, config, *, overwrite: bool) -> Iterator[None]:
                     refuse_another_dataset(output, config)
                 yield
             except BaseException:
-                if fresh:
+                # Work a rerun continues (a stop, a worker killed) stays, and with it the
+                # pieces written so far; a failure the job reported took its work away.
+                if fresh and not os.path.isdir(os.path.join(output, WORK_DIR_NAME)):
                     _remove_all_but_the_lock(output)
                     cleaned = True
                 raise
@@ -176,9 +181,17 @@ def prepare_guarded(argv: list[str]) -> dict[str, Any]:
     config, beam_args = parse_argv(job_report.pop_no_wait(argv)[0])
     if PipelineOptions(beam_args).view_as(TestOptions).dry_run:
         return main(argv)  # nothing is written
-    with writing_dataset(config.output, config, overwrite=overwrite), \
-            local_ray.on_stop(stop_beam_workers):
-        return main(argv)
+    try:
+        with writing_dataset(config.output, config, overwrite=overwrite), \
+                local_ray.on_stop(stop_beam_workers):
+            return main(argv, start_over=overwrite)
+    except SystemExit as exit_:
+        stop = local_ray.as_stop(exit_)
+        work = os.path.join(config.output, WORK_DIR_NAME)
+        if stop is None or not _is_local(config.output) or not os.path.isdir(work):
+            raise
+        stop.note = f"the same command continues it (its work is in {work})"
+        raise stop from exit_
 
 
 def stop_beam_workers() -> None:

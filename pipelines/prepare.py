@@ -38,7 +38,7 @@ from apache_beam.options.pipeline_options import (
 )
 from apache_beam.pvalue import AsSingleton
 
-from bertforge.pipelines import job_report
+from bertforge.pipelines import job_report, local_job
 from bertforge.pipelines.beam_common import METRICS_NAMESPACE, NO_DOCUMENTS_MESSAGE, REJECTS
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.contract.tokenization import parse_vocab
@@ -49,6 +49,7 @@ from bertforge.pipelines.instances.create_instances import (  # noqa: F401  (re-
     pool_of,
     split_of,
 )
+from bertforge.pipelines.local.options import LocalRunnerOptions
 from bertforge.pipelines.prepare_options import (  # noqa: F401
     PrepareConfig,
     PrepareOptions,
@@ -166,7 +167,8 @@ def build_pipeline(config: PrepareConfig, beam_args: Sequence[str] = ()) -> beam
     return _build(config, beam_args)[0]
 
 
-def _build(config: PrepareConfig, beam_args: Sequence[str]) -> tuple[beam.Pipeline, list]:
+def _build(config: PrepareConfig, beam_args: Sequence[str], start_over: bool = False
+           ) -> tuple[beam.Pipeline, list]:
     """(the pipeline, the input files found)."""
     beam_args = list(beam_args)
     check_beam_args(beam_args)
@@ -188,19 +190,25 @@ def _build(config: PrepareConfig, beam_args: Sequence[str]) -> tuple[beam.Pipeli
         if FileSystems.exists(stale):
             FileSystems.delete([stale])  # incomplete until this run's manifest lands
     _warn_on_casing_mismatch(parse_vocab(vocab_bytes), config.lower_case)
-    pipeline = beam.Pipeline(runner=_local_runner(standard.runner), options=options)
+    runner = None
+    if _is_local(standard.runner):
+        runner = local_job.local_runner(config, options, files, vocab_bytes, start_over)
+    pipeline = beam.Pipeline(runner=runner, options=options)
     _ = pipeline | "PrepareDataset" >> PrepareDataset(config, files, vocab_bytes)
     return pipeline, files
 
 
-def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True) -> dict[str, Any]:
+def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True,
+        start_over: bool = False) -> dict[str, Any]:
     """Run the job to completion; returns the manifest's counts and the Beam counters.
 
     With `--dry_run=True` nothing runs or is written: the report says what was checked. With
     `wait=False` (Dataflow) the job is left running and the report says how to follow it.
+    A local run continues the work a killed run of the same job left in the output
+    (`pipelines.local_job`); start_over discards it first.
     """
     start = time.monotonic()
-    pipeline, files = _build(config, beam_args)
+    pipeline, files = _build(config, beam_args, start_over)
     options = pipeline.options
     runner = options.view_as(StandardOptions).runner
     if options.view_as(TestOptions).dry_run:
@@ -213,12 +221,14 @@ def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True)
             return report
         result.wait_until_finish()
     except Exception as error:
+        local_job.after_failure(pipeline.runner, error, config.output)
         if NO_DOCUMENTS_MESSAGE in str(error):
             # Beam wraps the DoFn's error (in another process with multi_processing): unwrap it.
             message = str(error)[str(error).index(NO_DOCUMENTS_MESSAGE) :].split("\n")[0]
             message = message.split(" [while running")[0]
             raise ValueError(message) from error
         raise
+    local_job.after_success(pipeline.runner, config.output)
     summary = _summary(config.output, time.monotonic() - start)
     summary["metrics"] = _counters(result)
     # The summary itself is the command's result (printed once, as JSON, by the caller).
@@ -245,7 +255,7 @@ OVERWRITE_HELP = (
     "reads is never replaced.\n")
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None, start_over: bool = False) -> dict[str, Any]:
     """The command line (`bertforge prepare`, a Flex Template): the job's flags and Beam's."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -253,7 +263,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit(0)
     argv, no_wait = job_report.pop_no_wait(argv)
     config, beam_args = parse_argv(argv)
-    return run(config, beam_args, wait=not no_wait)
+    if PipelineOptions(beam_args).view_as(LocalRunnerOptions).quiet:
+        logging.getLogger("bertforge").setLevel(logging.WARNING)  # the summary only
+    return run(config, beam_args, wait=not no_wait, start_over=start_over)
 
 
 def _counters(result: beam.runners.runner.PipelineResult) -> dict[str, int]:
@@ -268,20 +280,16 @@ def _counters(result: beam.runners.runner.PipelineResult) -> dict[str, int]:
     }
 
 
-def _local_runner(name: str):
-    """Beam's FnApiRunner, with bounded bundles, for "DirectRunner"; None (the named one) otherwise.
+def _is_local(runner: str) -> bool:
+    """Beam's DirectRunner names our local runner (`pipelines.local_job`).
 
     Beam's DirectRunner first tries the Prism runner, which downloads a Go binary from GitHub:
     offline that fails (after a DNS lookup) and falls back to the FnApiRunner, online it silently
-    runs elsewhere. Naming the FnApiRunner keeps local runs the same on every machine; it honours
-    --direct_num_workers and --direct_running_mode as the DirectRunner does. Its bundles are
-    bounded (`pipelines.local_runner`) so that worker memory does not grow with the corpus.
+    runs elsewhere. Naming the FnApiRunner (ours derives from it) keeps local runs the same on
+    every machine; it honours --direct_num_workers and --direct_running_mode as the DirectRunner
+    does.
     """
-    if name.split(".")[-1] not in ("DirectRunner", "direct"):
-        return None
-    from bertforge.pipelines.local_runner import BoundedBundleRunner
-
-    return BoundedBundleRunner()
+    return runner.split(".")[-1] in ("DirectRunner", "direct")
 
 
 def _warn_on_casing_mismatch(vocab: dict[str, int], lower_case: bool) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
 
 from bertforge.pipelines.instances.instances import MIN_SEQ_LENGTH
+from bertforge.pipelines.local.options import LocalRunnerOptions  # its flags are Beam's too
 
 
 def _parse_bool(value: str | bool) -> bool:
@@ -228,6 +229,7 @@ def check_beam_args(beam_args: list[str]) -> None:
 def help_text() -> str:
     parser = _BeamArgumentParser(prog="bertforge prepare", allow_abbrev=False)
     PrepareOptions._add_argparse_args(parser)
+    LocalRunnerOptions._add_argparse_args(parser.add_argument_group("local runs"))
     return parser.format_help() + (
         "\nAny Beam pipeline flag is accepted as well, e.g. --runner DataflowRunner --project P "
         "--region R --temp_location gs://B/tmp, or --direct_num_workers 2 "

@@ -163,7 +163,7 @@ class CreateInstancesFromPool(beam.DoFn):
         if len(columns):
             yield columns.flush(self._dtype)
         count("instances", num_instances)
-        logger.info(
+        logger.debug(  # one per ~500 documents: the progress line says it for a console
             "pool %s/%d: %d documents -> %d instances", split, pool, len(docs), num_instances
         )
 

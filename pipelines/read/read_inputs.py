@@ -134,13 +134,21 @@ class ReadFile(beam.DoFn):
                 continue
             num_documents += 1
             if num_documents % LOG_EVERY_DOCUMENTS == 0:
-                logger.info("read %s: %d documents so far", where, num_documents)
+                logger.debug("read %s: %d documents so far", where, num_documents)
             yield record
         count("input_files")
         count("input_documents", num_documents)
+        count("input_bytes", _num_bytes(item))
         logger.info(
             "read %s (%s): %d documents, %d rejects", where, choice.fmt, num_documents, num_rejects
         )
+
+
+def _num_bytes(item: InputFile) -> int:
+    """Bytes of the file (or byte range) read, as stored: progress counts MB read by it."""
+    if item.byte_range is not None:
+        return item.byte_range[1] - item.byte_range[0]
+    return FileSystems.match([item.path])[0].metadata_list[0].size_in_bytes
 
 
 class ReadInputs(beam.PTransform):

@@ -10,53 +10,54 @@ import pytest
 from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.runners.portability.fn_api_runner.execution import ListBuffer
 from apache_beam.testing.util import assert_that, equal_to
 
-from bertforge.pipelines.local_runner import WORKER_MALLOC_ENV, BoundedBundleRunner, pack_bundles
+from bertforge.pipelines.local.runner import WORKER_MALLOC_ENV, LocalRunner, numbered_bundles
 
 MAX_BUNDLE_BYTES = 64 << 10
 NUM_KEYS, VALUES_PER_KEY, VALUE_BYTES = 400, 4, 1000  # 1.6 MB: Beam would send 2 bundles
 
 
-def _sizes(bundles, name="in"):
-    return [sum(len(chunk) for chunk in bundle[name]) for bundle in bundles]
+def _list_buffer(*chunks: bytes) -> ListBuffer:
+    buffer = ListBuffer(coder_impl=None)
+    for chunk in chunks:
+        buffer.append(chunk)
+    return buffer
 
 
-def test_pack_bundles_keeps_parts_whole_in_order_within_the_bound():
-    parts = {"in": [[b"a" * 3], [b"b" * 3], [b"c", b"cc"], [b"d" * 3], [b"e" * 3]]}
-    bundles = pack_bundles(parts, max_bytes=6)
-    assert [b"".join(bundle["in"]) for bundle in bundles] == [b"aaabbb", b"cccddd", b"eee"]
-    assert _sizes(bundles) == [6, 6, 3]
+def _bundles(inputs, max_bytes):
+    return [(index, bundle) for index, bundle, _ in numbered_bundles(inputs, max_bytes)]
 
 
-def test_pack_bundles_gives_an_oversized_part_a_bundle_of_its_own():
-    parts = {"in": [[b"x"], [b"y" * 10], [b"z"]]}
-    assert [bundle["in"] for bundle in pack_bundles(parts, max_bytes=4)] == [
-        [b"x"],
-        [b"y" * 10],
-        [b"z"],
-    ]
+def test_bundles_keep_parts_whole_in_order_within_the_bound():
+    bundles = _bundles({"in": _list_buffer(b"aaa", b"bbb", b"c", b"cc", b"ddd", b"eee")}, 6)
+    assert [(i, b"".join(b["in"])) for i, b in bundles] == [
+        (0, b"aaabbb"), (1, b"cccddd"), (2, b"eee")]
 
 
-def test_pack_bundles_skips_empty_parts_but_keeps_one_bundle_for_an_empty_stage():
-    assert _sizes(pack_bundles({"in": [[], [b"ab"], [b""], [b"cd"]]}, max_bytes=4)) == [4]
-    assert pack_bundles({"in": [[], []]}, max_bytes=4) == [{"in": []}]
-    assert pack_bundles({}, max_bytes=4) == [{}]
+def test_an_oversized_part_is_a_bundle_of_its_own():
+    bundles = _bundles({"in": _list_buffer(b"x", b"y" * 10, b"z")}, 4)
+    assert [b["in"] for _, b in bundles] == [[b"x"], [b"y" * 10], [b"z"]]
 
 
-def test_pack_bundles_counts_every_input_of_a_part_together():
-    parts = {"left": [[b"aa"], [b"bb"]], "right": [[b"11"], [b"22"], [b"33"]]}
-    bundles = pack_bundles(parts, max_bytes=4)
-    assert bundles == [
-        {"left": [b"aa"], "right": [b"11"]},
-        {"left": [b"bb"], "right": [b"22"]},
+def test_an_empty_stage_still_runs_one_empty_bundle():
+    assert _bundles({"in": _list_buffer()}, 4) == [(0, {"in": []})]
+    assert _bundles({}, 4) == [(0, {})]
+
+
+def test_inputs_are_taken_one_after_the_other_in_name_order():
+    inputs = {"right": _list_buffer(b"11", b"22", b"33"), "left": _list_buffer(b"aa", b"bb")}
+    assert [b for _, b in _bundles(inputs, 4)] == [
+        {"left": [b"aa", b"bb"], "right": []},
+        {"left": [], "right": [b"11", b"22"]},
         {"left": [], "right": [b"33"]},
     ]
 
 
 def test_runner_rejects_a_nonpositive_bound():
     with pytest.raises(ValueError, match="max_bundle_bytes must be positive"):
-        BoundedBundleRunner(max_bundle_bytes=0)
+        LocalRunner(max_bundle_bytes=0)
 
 
 class MeasureBundle(beam.DoFn):
@@ -86,7 +87,7 @@ def _options(mode: str) -> PipelineOptions:
 @pytest.fixture(scope="module")
 def bounded_run():
     """One pipeline, 2 worker processes, through the bounded runner."""
-    runner = BoundedBundleRunner(MAX_BUNDLE_BYTES)
+    runner = LocalRunner(max_bundle_bytes=MAX_BUNDLE_BYTES)
     pipeline = beam.Pipeline(runner=runner, options=_options("multi_processing"))
     values = [(k, b"v" * VALUE_BYTES) for k in range(NUM_KEYS) for _ in range(VALUES_PER_KEY)]
     measured = pipeline | beam.Create(values) | beam.GroupByKey() | beam.ParDo(MeasureBundle())
@@ -115,7 +116,7 @@ def test_no_bundle_exceeds_the_bound_and_every_value_arrives_once(bounded_run):
 def test_workers_share_the_bundles_and_get_one_malloc_arena(tmp_path):
     environ_before = dict(os.environ)
     out = tmp_path / "workers"
-    runner = BoundedBundleRunner(4 << 10)
+    runner = LocalRunner(max_bundle_bytes=4 << 10)
     with beam.Pipeline(runner=runner, options=_options("multi_processing")) as pipeline:
         _ = (
             pipeline
@@ -139,7 +140,8 @@ def test_a_failing_bundle_fails_the_run_with_its_error():
             raise ValueError("key 7 is bad")
         return item
 
-    pipeline = beam.Pipeline(runner=BoundedBundleRunner(256), options=_options("multi_threading"))
+    pipeline = beam.Pipeline(runner=LocalRunner(max_bundle_bytes=256),
+                             options=_options("multi_threading"))
     _ = (
         pipeline
         | beam.Create([(k, b"v" * 100) for k in range(50)])

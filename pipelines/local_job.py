@@ -1,0 +1,124 @@
+"""`prepare` on the local runner: where its work lives, what makes a rerun the same job, what its
+progress line says, and what a failure leaves behind.
+
+The work (`pipelines.local`) lives in OUTPUT/.prepare-work, beside the dataset it becomes, on the
+disk the user chose for it. A killed run (kill -9, Ctrl-C, a reboot, a worker killed for memory)
+leaves it there and the same command continues it; a rerun with other inputs, vocabulary,
+instance parameters, bundle size or code is refused until `--overwrite` starts over. On success
+the work directory and every temporary shard piece are removed; on a failure the job itself
+reports (bad input, a full disk) they are removed too, since a rerun would fail the same way.
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import hashlib
+import logging
+import os
+from collections import Counter
+
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from bertforge.pipelines.beam_common import METRICS_NAMESPACE, NO_DOCUMENTS_MESSAGE
+from bertforge.pipelines.local.options import (
+    WORK_DIR_NAME,
+    LocalRunnerOptions,
+    bundle_bytes,
+    progress_seconds,
+)
+from bertforge.pipelines.local.progress import Progress
+from bertforge.pipelines.local.runner import LocalRunner
+from bertforge.pipelines.local.work_dir import WorkConflict
+from bertforge.pipelines.prepare_options import PrepareConfig
+
+logger = logging.getLogger(__name__)
+
+# What a piece or a shard is called while it is written (`write_shards`): left by a killed run.
+TEMPORARY_SHARD_FILES = ("*/*.arrow.piece*.tmp", "*/*.arrow.tmp-*")
+
+
+def local_runner(config: PrepareConfig, options: PipelineOptions, files: list,
+                 vocab_bytes: bytes, start_over: bool) -> LocalRunner:
+    local = "://" not in config.output or config.output.startswith("file://")
+    output = config.output.removeprefix("file://")
+    return LocalRunner(
+        work_dir=os.path.join(output, WORK_DIR_NAME) if local else None,
+        identity=job_identity(config, files, vocab_bytes),
+        start_over=start_over,
+        max_bundle_bytes=bundle_bytes(options),
+        progress=Progress(
+            enabled=not options.view_as(LocalRunnerOptions).quiet,
+            namespace=METRICS_NAMESPACE,
+            describe=describe_counters,
+            interval=progress_seconds(options),
+            prefix="prepare: ",
+        ),
+    )
+
+
+def job_identity(config: PrepareConfig, files: list, vocab_bytes: bytes) -> dict:
+    """What two runs must share for one to continue the other's work."""
+    return {
+        "instance_params": config.instance_params(),
+        "vocab_sha256": hashlib.sha256(vocab_bytes).hexdigest(),
+        "inputs": [[path, *_size_and_time(path)] for path, _ in files],
+        "formats": [forced for _, forced in files],
+        "code": code_digest(),
+    }
+
+
+def _size_and_time(path: str) -> tuple[int, float]:
+    metadata = FileSystems.match([path])[0].metadata_list[0]
+    return metadata.size_in_bytes, metadata.last_updated_in_seconds
+
+
+def code_digest() -> str:
+    """Of the job's code (this package's sources): another version may cut or label differently."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        digest.update(os.path.relpath(path, root).encode())
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def describe_counters(counters: Counter) -> str:
+    """The job's counters in a progress line (summed over the bundles done so far)."""
+    return (f"{counters['input_documents']:,} documents ({counters['input_bytes'] / 1e6:,.0f} MB)"
+            f" read, {counters['documents']:,} kept, {counters['instances']:,} instances")
+
+
+def after_success(runner, output: str) -> None:
+    """Temporary shard pieces a killed bundle left (a redone bundle writes its own) are removed."""
+    if isinstance(runner, LocalRunner) and "://" not in output:
+        for pattern in TEMPORARY_SHARD_FILES:
+            for path in glob.glob(os.path.join(output, pattern)):
+                os.remove(path)
+
+
+def after_failure(runner, error: Exception, output: str) -> None:
+    """Keep the work for a rerun, unless the rerun would fail the same way; raise what to say."""
+    if not isinstance(runner, LocalRunner) or runner.work is None:
+        return
+    if isinstance(error, WorkConflict):
+        raise WorkConflict(f"{error}: run the same command as before to continue it, or add "
+                           "--overwrite to start over") from error
+    full = _is_disk_full(error)
+    if full or NO_DOCUMENTS_MESSAGE in str(error) or isinstance(error, ValueError):
+        runner.work.discard()
+        after_success(runner, output)
+        if full:
+            raise OSError(errno.ENOSPC, f"no space left on the disk of {output} (the dataset and "
+                          f"its work directory {WORK_DIR_NAME}): free space or choose another "
+                          "--output; nothing of this run was kept") from error
+        return
+    logger.error("prepare failed; its work is kept in %s: the same command continues it",
+                 runner.work.root)
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or \
+        "No space left on device" in str(error)

@@ -1,0 +1,157 @@
+"""`prepare` on the local runner with its data on disk (issue 23): the bounded path forced on a
+small corpus gives the recorded shards, a `kill -9` then the same command gives them too, a rerun
+of another job into the work of this one is refused, and progress lines come every interval.
+
+The corpus and the expected shard digests are those of `tests/test_numbers_unchanged.py`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bertforge.pipelines.local import runner as local_runner
+from bertforge.pipelines.local import spill
+from bertforge.pipelines.local.options import WORK_DIR_NAME
+from tests.test_numbers_unchanged import EXPECTED_SHARDS, _golden_corpus, _sha256
+from tests.training.conftest import google_layout_vocab
+
+# The recorded job's settings, as flags.
+JOB_FLAGS = ["--max-seq-length", "48", "--dupe-factor", "2", "--num-shards", "2", "--seed", "99",
+             "--validation-fraction", "0.2"]
+PROGRESS_LINE = re.compile(
+    r"prepare: \w+ \(stage \d+ of \d+\), \d+% of [\d.]+ MB in [^;]+; [\d,]+ documents "
+    r"\([\d,]+ MB\) read, [\d,]+ kept, [\d,]+ instances; \d+ (s|min \d+ s) in$")
+TINY_BUNDLES = ["--local_bundle_mb", "0.002"]  # 2 KB: ~100 bundles in the tokenizing stage
+
+
+@pytest.fixture()
+def golden(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    _golden_corpus(str(corpus))
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(google_layout_vocab()) + "\n", encoding="utf-8")
+    return ["--input", str(corpus), "--vocab", str(vocab), *JOB_FLAGS]
+
+
+def _shards(output) -> dict[str, str]:
+    return {os.path.relpath(path, output): _sha256(path)
+            for path in glob.glob(os.path.join(output, "*", "*.arrow"))}
+
+
+def _leftovers(output) -> list[str]:
+    """What a finished run must not leave: its work directory, temporary pieces or shards."""
+    return sorted(os.path.relpath(p, output) for p in glob.glob(os.path.join(output, "**", "*"),
+                  recursive=True) if WORK_DIR_NAME in p or p.endswith(".tmp") or ".tmp-" in p) \
+        + ([WORK_DIR_NAME] if os.path.exists(os.path.join(output, WORK_DIR_NAME)) else [])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_spilled_runs_and_merges_in_passes_give_the_recorded_shards(golden, tmp_path,
+                                                                     monkeypatch, workers):
+    """Bundles of 2 KB, a sort buffer of 1 KB (a run per worker message), merges of 2 runs at a
+    time: every grouping goes through many runs and merge passes, in the runner's process."""
+    from bertforge.pipelines.prepare import main
+
+    monkeypatch.setattr(local_runner, "SORT_BUFFER_BYTES", 1024)
+    monkeypatch.setattr(spill, "MERGE_FAN_IN", 2)
+    made = []
+    original = spill.GroupSpill.groups
+
+    def counting_groups(self):
+        made.append(len(self.runs))
+        return original(self)
+
+    monkeypatch.setattr(spill.GroupSpill, "groups", counting_groups)
+    output = tmp_path / "shards"
+    mode = ["--direct_num_workers", "2", "--direct_running_mode", "multi_threading"] \
+        if workers == 2 else []
+    main(golden + ["--output", str(output), *TINY_BUNDLES, "--quiet", *mode])
+    assert _shards(output) == EXPECTED_SHARDS
+    assert max(made) > 8, "the groupings should have been read from many runs"
+    assert _leftovers(output) == []
+
+
+def _prepare(args: list[str], **kwargs) -> subprocess.Popen:
+    command = [sys.executable, "-m", "bertforge.cluster.cli", "prepare", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **kwargs)
+
+
+def _bundles_done(output) -> int:
+    return len(glob.glob(os.path.join(output, WORK_DIR_NAME, "*", "b*.json")))
+
+
+def _kill_9_after(args: list[str], output, num_bundles: int) -> None:
+    """Start the command, kill -9 it and its workers (as the OOM killer might) once that many
+    bundles are done."""
+    run = _prepare(args)
+    deadline = time.monotonic() + 240
+    while _bundles_done(output) < num_bundles and run.poll() is None and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    assert run.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+
+def test_kill_9_then_the_same_command_continues_and_gives_the_same_shards(golden, tmp_path):
+    output = tmp_path / "shards"
+    args = golden + ["--output", str(output), *TINY_BUNDLES]
+    _kill_9_after(args, output, num_bundles=60)
+    done_before = _bundles_done(output)
+    assert done_before >= 60
+    assert not os.path.exists(output / "manifest.json")
+
+    second = _prepare(args)
+    log, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, log
+    assert "continued an earlier run" in log, log
+    reused = int(log.split("continued an earlier run: ")[1].split(" bundles")[0])
+    assert reused >= done_before  # every bundle done before the kill, not redone
+    assert _shards(output) == EXPECTED_SHARDS
+    assert _leftovers(output) == []
+
+
+def test_a_rerun_of_another_job_into_unfinished_work_is_refused_until_overwrite(golden, tmp_path):
+    output = tmp_path / "shards"
+    args = golden + ["--output", str(output), *TINY_BUNDLES]
+    _kill_9_after(args, output, num_bundles=5)
+
+    other = [a if a != "99" else "100" for a in args]  # another --seed
+    refused = _prepare(other)
+    log, _ = refused.communicate(timeout=120)
+    assert refused.returncode != 0
+    assert "unfinished run of another job" in log and "'seed': 99" in log, log
+    assert "--overwrite" in log
+    assert _bundles_done(output) >= 5, "the refused run must not touch the work"
+
+    restarted = _prepare(other + ["--overwrite", "--quiet"])
+    log, _ = restarted.communicate(timeout=300)
+    assert restarted.returncode == 0, log
+    assert "continued an earlier run" not in log
+    assert _leftovers(output) == []
+
+
+def test_progress_lines_come_every_interval_and_quiet_keeps_the_summary_only(golden, tmp_path):
+    chatty = _prepare(golden + ["--output", str(tmp_path / "a"), *TINY_BUNDLES,
+                                "--progress_seconds", "0.5"])
+    log, _ = chatty.communicate(timeout=300)
+    assert chatty.returncode == 0, log
+    lines = [line for line in log.splitlines() if PROGRESS_LINE.search(line)]
+    assert len(lines) >= 3, log
+    assert not [line for line in log.splitlines() if " (stage " in line and line not in lines]
+
+    quiet = _prepare(golden + ["--output", str(tmp_path / "b"), *TINY_BUNDLES,
+                               "--progress_seconds", "0.5", "--quiet"])
+    log, _ = quiet.communicate(timeout=300)
+    assert quiet.returncode == 0, log
+    assert " (stage " not in log
+    assert log.lstrip().startswith("{"), log  # the summary, as JSON
