@@ -215,10 +215,13 @@ def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True,
         return _dry_run(pipeline, runner, files, config.output)
     try:
         result = pipeline.run()
-        if not wait and hasattr(result, "job_id"):
-            report = job_report.submitted_report(result.job_id(), options, config.output)
-            logger.info("prepare: submitted Dataflow job %s", report["job_id"])
-            return report
+        submitted = None
+        if hasattr(result, "job_id"):  # Dataflow: where to watch it, before it runs for hours
+            submitted = job_report.submitted_report(result.job_id(), options, config.output)
+            logger.info("prepare: submitted Dataflow job %s: %s", submitted["job_id"],
+                        submitted["console"])
+            if not wait:
+                return submitted
         result.wait_until_finish()
     except Exception as error:
         local_job.after_failure(pipeline.runner, error, config.output)
@@ -231,6 +234,8 @@ def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True,
     local_job.after_success(pipeline.runner, config.output)
     summary = _summary(config.output, time.monotonic() - start)
     summary["metrics"] = _counters(result)
+    if submitted is not None:
+        summary["dataflow_job"] = submitted["console"]
     # The summary itself is the command's result (printed once, as JSON, by the caller).
     logger.info("prepare: done in %.1f s -> %s", summary["seconds"], config.output)
     return summary

@@ -27,6 +27,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -179,6 +180,7 @@ class SpillingStageManager(BundleManager):
         bundles = numbered_bundles(inputs, max_bytes)
         progress = self._runner._progress
         progress.stage_started(self._label, total, len(self._execution.stages))
+        started = time.monotonic()
         done: dict[int, dict] = {}
         errors: list[BaseException] = []
         lock = threading.Lock()
@@ -251,6 +253,8 @@ class SpillingStageManager(BundleManager):
         }
         self._stage.commit(completed)
         progress.stage_done()
+        logger.debug("stage %s: %d bundles, %.1f MB in, %.1f s", self._label, len(ordered),
+                     total / 1e6, time.monotonic() - started)
         return completed
 
     def _install_outputs(self, outputs: dict, expected_outputs) -> None:

@@ -1,0 +1,47 @@
+"""What a failed local `prepare` leaves and says (`pipelines.local_job`), without running a job."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from bertforge.pipelines.local.runner import LocalRunner
+from bertforge.pipelines.local.work_dir import WorkDir
+from bertforge.pipelines.local_job import after_failure
+
+
+def _runner_with_work(tmp_path) -> LocalRunner:
+    runner = LocalRunner(work_dir=str(tmp_path / "out" / ".prepare-work"))
+    runner.work = WorkDir(runner._work_dir, {"job": 1})
+    runner.work.open()
+    (tmp_path / "out" / "train").mkdir()
+    (tmp_path / "out" / "train" / "part-00000-of-00001.arrow.piece0-ab12.tmp").write_bytes(b"x")
+    return runner
+
+
+@pytest.mark.parametrize("error", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    RuntimeError("Traceback ... OSError: [Errno 28] No space left on device: 'train/x.tmp'"),
+])
+def test_a_full_disk_is_one_error_naming_the_directory_and_nothing_is_kept(tmp_path, error):
+    runner = _runner_with_work(tmp_path)
+    output = str(tmp_path / "out")
+    with pytest.raises(OSError, match=f"no space left on the disk of {output}") as raised:
+        after_failure(runner, error, output)
+    assert raised.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["train"]
+
+
+def test_a_failure_a_rerun_can_continue_keeps_the_work(tmp_path, caplog):
+    runner = _runner_with_work(tmp_path)
+    after_failure(runner, RuntimeError("SDK worker exited with -9"), str(tmp_path / "out"))
+    assert (tmp_path / "out" / ".prepare-work" / "job.json").exists()
+    assert "the same command continues it" in caplog.text
+
+
+def test_a_failure_the_job_reports_takes_the_work_away(tmp_path):
+    runner = _runner_with_work(tmp_path)
+    after_failure(runner, ValueError("no usable document remains"), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / ".prepare-work").exists()
+    assert not list((tmp_path / "out").rglob("*.tmp"))
