@@ -476,18 +476,33 @@ def notable_lines(stderr: str, limit: int = 8) -> list[str]:
 # The job and the reference
 
 
-def run_job(corpus: dict, vocab: str, extra: list[str], work_dir: str, interval: float) -> dict:
-    output = os.path.join(work_dir, f"out-{corpus['size_gb']:g}GB-prepare")
+def run_job(corpus: dict, vocab: str, extra: list[str], work_dir: str, interval: float,
+            baseline: str | None = None) -> dict:
+    """The job of this checkout, or of --baseline-checkout (another version, the same command)."""
+    name = "baseline" if baseline else "prepare"
+    output = os.path.join(work_dir, f"out-{corpus['size_gb']:g}GB-{name}")
     shutil.rmtree(output, ignore_errors=True)
     os.makedirs(output)
-    argv = [BERTFORGE, "prepare", *[a for p in corpus["paths"] for a in ("--input", p)],
+    env, command = dict(os.environ), [BERTFORGE]
+    if baseline:  # that checkout's `bertforge` first on the path, in the workers too
+        link_dir = os.path.join(work_dir, "baseline-path")
+        os.makedirs(link_dir, exist_ok=True)
+        link = os.path.join(link_dir, "bertforge")
+        if os.path.islink(link):
+            os.remove(link)
+        os.symlink(os.path.abspath(baseline), link)
+        env["PYTHONPATH"] = link_dir
+        command = [sys.executable, "-m", "bertforge.cluster.cli"]
+    argv = [*command, "prepare", *[a for p in corpus["paths"] for a in ("--input", p)],
             "--output", output, "--vocab", vocab, "--direct_num_workers", "2",
             "--direct_running_mode", "multi_processing", *extra]  # fmt: skip
-    log(f"running bertforge prepare on {corpus['bytes'] / MB:.1f} MB -> {output}")
-    result = run_measured(argv, dict(os.environ), output + ".log", output, interval)
+    log(f"running bertforge prepare ({name}) on {corpus['bytes'] / MB:.1f} MB -> {output}")
+    result = run_measured(argv, env, output + ".log", output, interval)
     with open(os.path.join(output, "manifest.json")) as f:
         counts = json.load(f)["counts"]
-    result.update(tool="bertforge prepare", rows=counts["instances"], output=output,
+    tool = f"bertforge prepare, baseline {os.path.basename(baseline.rstrip('/'))}" if baseline \
+        else "bertforge prepare"
+    result.update(tool=tool, rows=counts["instances"], output=output,
                   rows_name="instances", documents_kept=counts.get("documents"))  # fmt: skip
     return result
 
@@ -542,15 +557,15 @@ def ratio(a: float, b: float | None) -> str:
     return f"{a / b:.2f}" if b else "-"
 
 
-def table(rows: list[tuple[dict, dict, dict | None]]) -> list[str]:
+def table(rows: list[tuple]) -> list[str]:
     lines = [
         "| size GB (MB) | documents | tool | wall s | CPU s (sampled) | CPU s/MB | "
         "peak tree RSS MB (PSS) | peak largest process MB (ru_maxrss) | peak disk MB (work dir) | "
         "output MB | rows out | x reference: wall / CPU / tree RSS |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for corpus, job, ref in rows:
-        for r in (job, ref):
+    for corpus, job, ref, base in rows:
+        for r in (job, base, ref):
             if r is None:
                 continue
             mb = corpus["bytes"] / MB
@@ -572,9 +587,9 @@ def table(rows: list[tuple[dict, dict, dict | None]]) -> list[str]:
     return lines
 
 
-def derived_lines(rows: list[tuple[dict, dict, dict | None]]) -> list[str]:
+def derived_lines(rows: list[tuple]) -> list[str]:
     """Peak-RSS growth, wall-time growth, and the projection to 20 GB."""
-    jobs = sorted(((c["bytes"], c, j) for c, j, _ in rows), key=lambda t: t[0])
+    jobs = sorted(((c["bytes"], c, j) for c, j, _, _ in rows), key=lambda t: t[0])
     (_, small_c, small), (large_b, large_c, large) = jobs[0], jobs[-1]
     worst = max(j["max_tree_mb"] for _, _, j in jobs)
     lines = [
@@ -605,20 +620,27 @@ def derived_lines(rows: list[tuple[dict, dict, dict | None]]) -> list[str]:
         slope = (large["seconds"] - prev["seconds"]) / (large_b - prev_b)
         lines[-1] += (f" (from the slope between the two largest sizes instead: "
                       f"{(large['seconds'] + slope * (20e9 - large_b)) / 3600:.1f} h wall)")
-    ref = next((r for c, _, r in rows if c is large_c), None)
+    ref = next((r for c, _, r, _ in rows if c is large_c), None)
     if ref is not None:
         lines[-1] += (f"; the reference {ref['seconds'] * scale / 3600:.1f} h wall, "
                       f"cache {ref['max_disk_mb'] * scale / 1e3:.1f} GB")  # fmt: skip
+    for corpus, job, _, base in rows:
+        if base is not None:
+            lines.append(
+                f"- against the baseline at {corpus['size_gb']:g} GB: CPU s/MB "
+                f"**{ratio(job['cpu_seconds'], base['cpu_seconds'])}**, wall "
+                f"{ratio(job['seconds'], base['seconds'])}, peak tree RSS "
+                f"{ratio(job['max_tree_mb'], base['max_tree_mb'])} (target: CPU <= 1.10x)")
     return lines
 
 
-def notes_lines(rows: list[tuple[dict, dict, dict | None]]) -> list[str]:
+def notes_lines(rows: list[tuple]) -> list[str]:
     lines = []
-    for corpus, job, ref in rows:
+    for corpus, job, ref, base in rows:
         if job["documents_kept"] != corpus["documents"]:
             lines.append(f"- {corpus['size_gb']:g} GB: the job kept {job['documents_kept']:,} of "
                          f"{corpus['documents']:,} documents (duplicates or rejects)")  # fmt: skip
-        for r in (job, ref):
+        for r in (job, base, ref):
             if r is not None and r["notes"]:
                 lines.append(f"- {r['tool']}, {corpus['size_gb']:g} GB, its log's warnings:")
                 lines += [f"    - `{n}`" for n in r["notes"]]
@@ -635,7 +657,7 @@ def report(args, header: list[str], rows, reference_versions: str) -> list[str]:
     lines.append(f"- memory sampled every {args.interval:g} s (psutil, the whole process tree)")
     lines.append(f"- load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     lines += ["", *table(rows), "", *derived_lines(rows)]
-    work = sorted({w for _, job, _ in rows for w in job["work_dirs"]})
+    work = sorted({w for _, job, _, _ in rows for w in job["work_dirs"]})
     if work:
         lines.append(f"- the job's hidden work folders in its output: {', '.join(work)} (their "
                      "peak in brackets in the disk column)")  # fmt: skip
@@ -661,6 +683,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the outputs (corpora are kept)")
     parser.add_argument("--interval", type=float, default=0.25, help="sampling period, s")
     parser.add_argument("--out", help="also write the markdown here")
+    parser.add_argument("--baseline-checkout", help="another version's checkout (e.g. `git "
+                        "archive REV | tar -x -C DIR`): its prepare runs on the same corpora, "
+                        "before this one's, and the CPU s/MB ratio is printed")
     args = parser.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)
     if not os.access(BERTFORGE, os.X_OK):
@@ -678,6 +703,10 @@ def main() -> None:
     rows = []
     for size in sorted(args.sizes):
         corpus = ensure_corpus(args.work_dir, size, args.seed, words, args.file_mb)
+        base = None
+        if args.baseline_checkout:
+            base = run_job(corpus, args.vocab, shlex.split(args.prepare_args), args.work_dir,
+                           args.interval, baseline=args.baseline_checkout)
         job = run_job(corpus, args.vocab, shlex.split(args.prepare_args), args.work_dir,
                       args.interval)  # fmt: skip
         ref = None if python is None else run_reference(python, corpus, args.vocab,
@@ -685,10 +714,10 @@ def main() -> None:
         if ref is not None:
             s = ref["summary"]
             versions = f"datasets {s['datasets']}, tokenizers {s['tokenizers']} ({python})"
-        for r in (job, ref):
+        for r in (job, base, ref):
             if r is not None and not args.keep:
                 remove_output(r)
-        rows.append((corpus, job, ref))
+        rows.append((corpus, job, ref, base))
         log(f"{size:g} GB: job {job['seconds']:.1f} s, {job['max_tree_mb']:.0f} MB tree RSS"
             + (f"; reference {ref['seconds']:.1f} s, {ref['max_tree_mb']:.0f} MB" if ref else ""))
     lines = report(args, header, rows, versions or "skipped (--skip-reference)")

@@ -23,6 +23,7 @@ as in Beam (none in `prepare`).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import tempfile
@@ -73,6 +74,7 @@ SORT_BUFFER_BYTES = 32 << 20
 # One arena kept it at 332-338 MB in the same time; a fixed mmap threshold did as well for memory
 # but cost 15 % in time. Set for the worker processes (and this runner), where a user has not.
 WORKER_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1"}
+M_ARENA_MAX = -8  # glibc's mallopt parameter of the same name
 
 
 class LocalRunner(FnApiRunner):
@@ -112,7 +114,9 @@ class LocalRunner(FnApiRunner):
         self.work = WorkDir(root, self._identity)
         if self.work.open(start_over=self._start_over or temporary):
             logger.info("continuing the run whose work is in %s", root)
-        # Workers start during the run and read the allocator settings from their environment.
+        # Workers start during the run and read the allocator settings from their environment;
+        # this process's threads (gRPC's, a bundle thread per worker) are created from here on.
+        _one_malloc_arena()
         saved = {name: os.environ.get(name) for name in WORKER_MALLOC_ENV}
         os.environ.update({k: v for k, v in WORKER_MALLOC_ENV.items() if saved[k] is None})
         try:
@@ -143,6 +147,19 @@ class LocalRunner(FnApiRunner):
             cache_token_generator=FnApiRunner.get_cache_token_generator(static=False),
             runner=self,
         )
+
+
+def _one_malloc_arena() -> None:
+    """The runner's threads pass decoded bundles between them too: one malloc arena for the
+    threads made from now on, as for the workers (the runner peaked at ~550 MB instead of ~640
+    on 30 MB of text), unless the user set MALLOC_ARENA_MAX. glibc only; elsewhere nothing."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_ARENA_MAX, 1)
+    except (OSError, AttributeError):
+        pass
 
 
 class SpillingStageManager(BundleManager):
@@ -253,8 +270,8 @@ class SpillingStageManager(BundleManager):
         }
         self._stage.commit(completed)
         progress.stage_done()
-        logger.debug("stage %s: %d bundles, %.1f MB in, %.1f s", self._label, len(ordered),
-                     total / 1e6, time.monotonic() - started)
+        logger.debug("stage %s: %d bundles, %.1f MB in, %.1f s, runner RSS %.0f MB", self._label,
+                     len(ordered), total / 1e6, time.monotonic() - started, _rss_mb())
         return completed
 
     def _install_outputs(self, outputs: dict, expected_outputs) -> None:
@@ -421,6 +438,15 @@ def stage_label(stage) -> str:
         if steps:
             return steps[-1]
     return "a step of Beam's"
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now (Linux), for the debug log; 0 elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _text(buffer_id: bytes) -> str:

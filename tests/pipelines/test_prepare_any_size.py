@@ -1,6 +1,7 @@
 """`prepare` on the local runner with its data on disk (issue 23): the bounded path forced on a
-small corpus gives the recorded shards, a `kill -9` then the same command gives them too, a rerun
-of another job into the work of this one is refused, and progress lines come every interval.
+small corpus gives the recorded shards, a `kill -9` then the same command gives them too (with a
+progress line every interval), a rerun of another job into the work of this one is refused, and
+`--quiet` prints the summary only.
 
 The corpus and the expected shard digests are those of `tests/test_numbers_unchanged.py`.
 """
@@ -110,10 +111,13 @@ def test_kill_9_then_the_same_command_continues_and_gives_the_same_shards(golden
     assert done_before >= 60
     assert not os.path.exists(output / "manifest.json")
 
-    second = _prepare(args)
+    second = _prepare(args + ["--progress_seconds", "0.5"])
     log, _ = second.communicate(timeout=300)
     assert second.returncode == 0, log
     assert "continued an earlier run" in log, log
+    progress = [line for line in log.splitlines() if PROGRESS_LINE.search(line)]
+    assert len(progress) >= 3, log  # a line every interval, in the same words every time
+    assert not [line for line in log.splitlines() if " (stage " in line and line not in progress]
     reused = int(log.split("continued an earlier run: ")[1].split(" bundles")[0])
     assert reused >= done_before  # every bundle done before the kill, not redone
     assert _shards(output) == EXPECTED_SHARDS
@@ -133,25 +137,8 @@ def test_a_rerun_of_another_job_into_unfinished_work_is_refused_until_overwrite(
     assert "--overwrite" in log
     assert _bundles_done(output) >= 5, "the refused run must not touch the work"
 
-    restarted = _prepare(other + ["--overwrite", "--quiet"])
+    restarted = _prepare(other + ["--overwrite", "--quiet", "--progress_seconds", "0.5"])
     log, _ = restarted.communicate(timeout=300)
     assert restarted.returncode == 0, log
-    assert "continued an earlier run" not in log
+    assert log.lstrip().startswith("{") and " (stage " not in log, log  # the summary only
     assert _leftovers(output) == []
-
-
-def test_progress_lines_come_every_interval_and_quiet_keeps_the_summary_only(golden, tmp_path):
-    chatty = _prepare(golden + ["--output", str(tmp_path / "a"), *TINY_BUNDLES,
-                                "--progress_seconds", "0.5"])
-    log, _ = chatty.communicate(timeout=300)
-    assert chatty.returncode == 0, log
-    lines = [line for line in log.splitlines() if PROGRESS_LINE.search(line)]
-    assert len(lines) >= 3, log
-    assert not [line for line in log.splitlines() if " (stage " in line and line not in lines]
-
-    quiet = _prepare(golden + ["--output", str(tmp_path / "b"), *TINY_BUNDLES,
-                               "--progress_seconds", "0.5", "--quiet"])
-    log, _ = quiet.communicate(timeout=300)
-    assert quiet.returncode == 0, log
-    assert " (stage " not in log
-    assert log.lstrip().startswith("{"), log  # the summary, as JSON
