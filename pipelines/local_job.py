@@ -61,7 +61,7 @@ def local_runner(config: PrepareConfig, options: PipelineOptions, files: list,
 def job_identity(config: PrepareConfig, files: list, vocab_bytes: bytes) -> dict:
     """What two runs must share for one to continue the other's work."""
     return {
-        "instance_params": config.instance_params(),
+        **config.instance_params(),  # one key each: a difference names the parameter
         "vocab_sha256": hashlib.sha256(vocab_bytes).hexdigest(),
         "inputs": [[path, *_size_and_time(path)] for path, _ in files],
         "formats": [forced for _, forced in files],

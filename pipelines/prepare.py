@@ -19,12 +19,13 @@ byte-identical for any runner and number of workers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import apache_beam as beam
@@ -268,9 +269,21 @@ def main(argv: Sequence[str] | None = None, start_over: bool = False) -> dict[st
         raise SystemExit(0)
     argv, no_wait = job_report.pop_no_wait(argv)
     config, beam_args = parse_argv(argv)
-    if PipelineOptions(beam_args).view_as(LocalRunnerOptions).quiet:
-        logging.getLogger("bertforge").setLevel(logging.WARNING)  # the summary only
-    return run(config, beam_args, wait=not no_wait, start_over=start_over)
+    quiet = bool(PipelineOptions(beam_args).view_as(LocalRunnerOptions).quiet)
+    with _warnings_only(quiet):  # --quiet: the summary only
+        return run(config, beam_args, wait=not no_wait, start_over=start_over)
+
+
+@contextlib.contextmanager
+def _warnings_only(quiet: bool) -> Iterator[None]:
+    ours = logging.getLogger("bertforge")
+    level = ours.level
+    if quiet:
+        ours.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        ours.setLevel(level)
 
 
 def _counters(result: beam.runners.runner.PipelineResult) -> dict[str, int]:

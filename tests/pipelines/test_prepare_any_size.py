@@ -1,7 +1,7 @@
 """`prepare` on the local runner with its data on disk (issue 23): the bounded path forced on a
 small corpus gives the recorded shards, a `kill -9` then the same command gives them too (with a
-progress line every interval), a rerun of another job into the work of this one is refused, and
-`--quiet` prints the summary only.
+progress line every interval), and a rerun of another job into the work of this one is refused
+until it starts over.
 
 The corpus and the expected shard digests are those of `tests/test_numbers_unchanged.py`.
 """
@@ -9,6 +9,7 @@ The corpus and the expected shard digests are those of `tests/test_numbers_uncha
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ import pytest
 from bertforge.pipelines.local import runner as local_runner
 from bertforge.pipelines.local import spill
 from bertforge.pipelines.local.options import WORK_DIR_NAME
+from bertforge.pipelines.local.work_dir import WorkConflict, WorkDir
 from tests.test_numbers_unchanged import EXPECTED_SHARDS, _golden_corpus, _sha256
 from tests.training.conftest import google_layout_vocab
 
@@ -55,7 +57,7 @@ def _leftovers(output) -> list[str]:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_spilled_runs_and_merges_in_passes_give_the_recorded_shards(golden, tmp_path,
+def test_spilled_runs_and_merges_in_passes_give_the_recorded_shards(golden, tmp_path, caplog,
                                                                      monkeypatch, workers):
     """Bundles of 2 KB, a sort buffer of 1 KB (a run per worker message), merges of 2 runs at a
     time: every grouping goes through many runs and merge passes, in the runner's process."""
@@ -74,9 +76,13 @@ def test_spilled_runs_and_merges_in_passes_give_the_recorded_shards(golden, tmp_
     output = tmp_path / "shards"
     mode = ["--direct_num_workers", "2", "--direct_running_mode", "multi_threading"] \
         if workers == 2 else []
-    main(golden + ["--output", str(output), *TINY_BUNDLES, "--quiet", *mode])
+    main(golden + ["--output", str(output), *TINY_BUNDLES, "--quiet", "--progress_seconds",
+                   "0.05", *mode])
     assert _shards(output) == EXPECTED_SHARDS
     assert max(made) > 8, "the groupings should have been read from many runs"
+    chatter = [r.getMessage() for r in caplog.records
+               if r.name.startswith("bertforge") and r.levelno < logging.WARNING]
+    assert chatter == [], "--quiet: no progress line, no other line but the summary"
     assert _leftovers(output) == []
 
 
@@ -111,6 +117,15 @@ def test_kill_9_then_the_same_command_continues_and_gives_the_same_shards(golden
     assert done_before >= 60
     assert not os.path.exists(output / "manifest.json")
 
+    # Another job into this work is refused, naming what differs, and leaves the work alone.
+    other = [a if a != "99" else "100" for a in args]  # another --seed
+    refused = _prepare(other)
+    log, _ = refused.communicate(timeout=120)
+    assert refused.returncode == 2, log
+    assert "holds an unfinished run of another job (differs in: seed 99 -> 100)" in log, log
+    assert "add --overwrite to start over" in log
+    assert _bundles_done(output) == done_before
+
     second = _prepare(args + ["--progress_seconds", "0.5"])
     log, _ = second.communicate(timeout=300)
     assert second.returncode == 0, log
@@ -124,21 +139,13 @@ def test_kill_9_then_the_same_command_continues_and_gives_the_same_shards(golden
     assert _leftovers(output) == []
 
 
-def test_a_rerun_of_another_job_into_unfinished_work_is_refused_until_overwrite(golden, tmp_path):
-    output = tmp_path / "shards"
-    args = golden + ["--output", str(output), *TINY_BUNDLES]
-    _kill_9_after(args, output, num_bundles=5)
-
-    other = [a if a != "99" else "100" for a in args]  # another --seed
-    refused = _prepare(other)
-    log, _ = refused.communicate(timeout=120)
-    assert refused.returncode != 0
-    assert "unfinished run of another job" in log and "'seed': 99" in log, log
-    assert "--overwrite" in log
-    assert _bundles_done(output) >= 5, "the refused run must not touch the work"
-
-    restarted = _prepare(other + ["--overwrite", "--quiet", "--progress_seconds", "0.5"])
-    log, _ = restarted.communicate(timeout=300)
-    assert restarted.returncode == 0, log
-    assert log.lstrip().startswith("{") and " (stage " not in log, log  # the summary only
-    assert _leftovers(output) == []
+def test_start_over_discards_the_work_of_another_job(tmp_path):
+    work = WorkDir(str(tmp_path / WORK_DIR_NAME), {"seed": 99})
+    work.open()
+    work.stage("TokenizeParts", ["a", "b"]).commit_bundle(0, {"outputs": {}})
+    other = WorkDir(work.root, {"seed": 100})
+    with pytest.raises(WorkConflict, match="differs in: seed 99 -> 100"):
+        other.open()
+    assert other.open(start_over=True) is False  # nothing to continue
+    assert os.listdir(work.root) == ["job.json"]
+    assert WorkDir(work.root, {"seed": 100}).open() is True  # its own work, to continue
