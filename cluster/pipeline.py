@@ -6,8 +6,9 @@ Every stage decides from its outputs whether it is done, not from a record alone
 output is rebuilt on the next run: vocab.txt exists; a shard directory has its manifest.json
 (the Beam job writes it last); a run directory has a committed checkpoint at the recipe's
 max_steps; the Hugging Face directory exists and was exported from the final checkpoint of the
-last phase as it is now. A stage that is not done starts over (vocab, prepare, export) or, for
-training, resumes from its newest committed checkpoint. A failure anywhere is handled by running
+last phase as it is now. A stage that is not done starts over (vocab, export), continues the
+work a killed attempt recorded (prepare, `pipelines.local_job`), or, for training, resumes from
+its newest committed checkpoint. A failure anywhere is handled by running
 the same command again.
 
 The resolved configuration (the TOML text, its normalized form and the resolved recipes) is
@@ -343,11 +344,21 @@ def _shards_complete(data_dir: str) -> bool:
 
 
 def _prepare(config: PipelineConfig, max_seq_length: int) -> dict[str, Any]:
+    from bertforge.pipelines.local.options import WORK_DIR_NAME
+    from bertforge.pipelines.local.work_dir import WorkConflict
     from bertforge.pipelines.prepare import run as run_prepare
 
     prepare = config.prepare_config(max_seq_length)
-    fresh_dir(prepare.output)  # no manifest: an attempt that died part-way; its files are suspect
-    summary = run_prepare(prepare, config.prepare.beam_args)
+    if os.path.isdir(os.path.join(prepare.output, WORK_DIR_NAME)):
+        # A killed attempt's recorded work: the job continues it, or starts over when it was
+        # another job's (the configuration changed since).
+        try:
+            summary = run_prepare(prepare, config.prepare.beam_args)
+        except WorkConflict:
+            summary = run_prepare(prepare, config.prepare.beam_args, start_over=True)
+    else:
+        fresh_dir(prepare.output)  # no manifest, no work record: its files cannot be trusted
+        summary = run_prepare(prepare, config.prepare.beam_args)
     return {"instances": summary.get("instances"), "seconds_in_beam": summary.get("seconds")}
 
 

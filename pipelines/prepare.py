@@ -258,7 +258,9 @@ OVERWRITE_HELP = (
     "--overwrite replaces a dataset already in the output directory that other inputs, "
     "vocabulary or instance parameters made (without it such a run is refused, naming what "
     "differs; the same job again is always allowed). A dataset that a running train or eval "
-    "reads is never replaced.\n")
+    "reads is never replaced.\n"
+    "A local run records its work in OUTPUT/.prepare-work as it goes: after a kill (kill -9, "
+    "Ctrl-C, a reboot) the same command continues it; --overwrite starts over instead.\n")
 
 
 def main(argv: Sequence[str] | None = None, start_over: bool = False) -> dict[str, Any]:

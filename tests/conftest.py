@@ -46,6 +46,7 @@ SLOWEST_MODULES = (
     "tests/cluster/test_driver_signals.py",    # ~70: a train SIGTERMed, then resumed
     "tests/cluster/test_console_quiet.py",     # ~70: a train subprocess + eval + export
     "tests/cluster/test_dataset_guard.py",     # ~40: prepare through the CLI, a SIGTERM
+    "tests/pipelines/test_prepare_any_size.py",  # ~45: prepare spilled, killed, continued
     "tests/training/test_same_seed.py",        # ~40: 8 short runs in process groups
     "tests/test_namespace.py",                 # ~60: wheel, fresh venvs
     "tests/cluster/test_glue.py",              # ~50

@@ -237,15 +237,11 @@ class GroupSpill(_Spilled):
         return sum(os.path.getsize(p) for p in self.runs if os.path.exists(p))
 
     def groups(self) -> Iterator[tuple[bytes, list[bytes]]]:
-        """(encoded key, its elements' bytes) in key order; runs merged in `MERGE_FAN_IN`s."""
+        """(encoded key, its elements' bytes) in key order."""
         runs, made = list(self.runs), []
         try:
             while len(runs) > MERGE_FAN_IN:
-                merged = f"{runs[0]}.merged{len(made)}"
-                with open(merged, "wb") as f:
-                    write_records(f, _merge(runs[:MERGE_FAN_IN]))
-                made.append(merged)
-                runs = runs[MERGE_FAN_IN:] + [merged]
+                runs = self._merge_level(runs, made)
             key, elements = None, []
             for record_key, element in _merge(runs):
                 if record_key != key and elements:
@@ -257,7 +253,30 @@ class GroupSpill(_Spilled):
                 yield key, elements
         finally:
             for path in made:
-                os.remove(path)
+                if os.path.exists(path):
+                    os.remove(path)
+
+    @staticmethod
+    def _merge_level(runs: list[str], made: list[str]) -> list[str]:
+        """Consecutive `MERGE_FAN_IN`s of runs merged into one run each (the order of runs, and so
+        of a key's elements, kept): every record is written once per level, log(runs) levels.
+        A merged run of the level before goes once merged again; the bundles' own runs stay
+        until the stage is done (a rerun after a kill merges them again)."""
+        merged_runs = []
+        for start in range(0, len(runs), MERGE_FAN_IN):
+            batch = runs[start:start + MERGE_FAN_IN]
+            if len(batch) == 1:
+                merged_runs.append(batch[0])
+                continue
+            merged = f"{batch[0]}.merged{len(made)}"
+            with open(merged, "wb") as f:
+                write_records(f, _merge(batch))
+            made.append(merged)
+            merged_runs.append(merged)
+            for path in batch:
+                if path in made:
+                    os.remove(path)
+        return merged_runs
 
     def parts(self, max_bytes: int) -> Iterator[tuple[list[bytes], int]]:
         """Groups packed `max_bytes` at a time, each encoded as Beam's GroupingBuffer encodes it.
