@@ -723,12 +723,17 @@ def main() -> None:
     lines = report(args, header, rows, versions or "skipped (--skip-reference)")
     print("\n".join(lines))
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        command = shlex.join([os.path.relpath(sys.executable, REPO)
-                              if sys.executable.startswith(REPO) else sys.executable,
-                              os.path.relpath(os.path.abspath(__file__), REPO), *sys.argv[1:]])
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines[:1] + ["", f"    {command}"] + lines[1:]) + "\n")
+        write_report(args.out, lines, __file__)
+
+
+def write_report(path: str, lines: list[str], script: str) -> None:
+    """The markdown, with the command line that made it under its title."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    command = shlex.join([os.path.relpath(sys.executable, REPO)
+                          if sys.executable.startswith(REPO) else sys.executable,
+                          os.path.relpath(os.path.abspath(script), REPO), *sys.argv[1:]])
+    with open(path, "w") as f:
+        f.write("\n".join(lines[:1] + ["", f"    {command}"] + lines[1:]) + "\n")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import _checkout  # noqa: F401  (bertforge from this checkout)
@@ -400,12 +399,7 @@ def main() -> None:
     lines = report(args, header, corpus, full, rows)
     print("\n".join(lines))
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        command = shlex.join([os.path.relpath(sys.executable, REPO)
-                              if sys.executable.startswith(REPO) else sys.executable,
-                              os.path.relpath(os.path.abspath(__file__), REPO), *sys.argv[1:]])
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines[:1] + ["", f"    {command}"] + lines[1:]) + "\n")
+        scale.write_report(args.out, lines, __file__)
     if any(row["problems"] for row in rows):
         raise SystemExit(1)
 
