@@ -38,15 +38,20 @@ from bertforge.cluster.run_lock import process_scope
 
 KEEP_SESSIONS = 3
 START_ATTEMPTS = 3
-# Ray's messages for a start that was too slow (ray/_private/node.py, services.py and the port
-# wait in _raylet): the raylet never registered, the GCS never wrote its port file or never
-# answered, or the node's info never came. Each is raised as a plain Exception/RuntimeError.
+# Ray's messages for a start that was too slow or died young (ray/_private/node.py, services.py
+# and the port wait in _raylet): the raylet never registered, the GCS never wrote its port file
+# or never answered, the node's info never came, the dashboard died before it logged. Each is
+# raised as a plain Exception/RuntimeError.
 STARTUP_TIMEOUTS = (
     "timed out during startup",
     "Timed out waiting for file",
     "Failed to start GCS",
     "while waiting for node to startup",
     "Timed out waiting for node info",
+    # The dashboard aborted (return code -6) before it wrote a line, while another Ray started
+    # beside it on a loaded 2-core machine (CI, 2026-11-25); Ray then fails to read its logs.
+    "Failed to read dashboard.err file",
+    "Failed to start the dashboard",
 )
 # Seconds the GCS may take to write its port file (Ray's default: 30; 120 with RocksDB). A
 # cold 2-core machine starting two Rays at once has missed 30; a user's setting is kept.

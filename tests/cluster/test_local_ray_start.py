@@ -46,7 +46,9 @@ def fake_start(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("message", [RAY_TIMEOUT, GCS_PORT_TIMEOUT,
-                                     "Failed to start GCS.  Last 0 lines of error files:"])
+                                     "Failed to start GCS.  Last 0 lines of error files:",
+                                     "Failed to read dashboard.err file: [Errno 2] No such "
+                                     "file or directory: '/tmp/x/logs/dashboard.err'."])
 def test_a_start_that_times_out_is_cleaned_up_and_retried(fake_start, capfd, message):
     outcomes, calls, recorded = fake_start
     left_over = []
