@@ -175,6 +175,8 @@ class SpillingStageManager(BundleManager):
         self._label = stage_label(stage)
         self._stage = runner.work.stage(self._label, [t.unique_name for t in stage.transforms])
         self._execution = bundle_context_manager.execution_context
+        # Read again whenever their producing stage is loaded as done: kept to the end.
+        self._side_inputs = _side_input_buffers(self._execution)
 
     def process_bundle(
         self, inputs, expected_outputs, fired_timers, expected_output_timers, dry_run=False
@@ -290,8 +292,7 @@ class SpillingStageManager(BundleManager):
 
     def _spill(self, output: dict | None, buffer_id: bytes, transform_id: str):
         kind, name = translations.split_buffer_id(buffer_id)
-        # A side input is read again whenever its stage is loaded as done: kept to the end.
-        keep = buffer_id in _side_input_buffers(self._execution)
+        keep = buffer_id in self._side_inputs
         if kind == "group":
             runs = [self._stage.file(run) for run in (output or {}).get("runs", [])]
             return GroupSpill(runs, *grouping_coders(self._execution, name),
