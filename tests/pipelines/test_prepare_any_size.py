@@ -30,7 +30,7 @@ from tests.training.conftest import google_layout_vocab
 JOB_FLAGS = ["--max-seq-length", "48", "--dupe-factor", "2", "--num-shards", "2", "--seed", "99",
              "--validation-fraction", "0.2"]
 PROGRESS_LINE = re.compile(
-    r"prepare: \w+ \(stage \d+ of \d+\), \d+% of [\d.]+ MB in [^;]+; [\d,]+ documents "
+    r"prepare: [^(;]+ \(stage \d+ of \d+\), \d+% of [\d.]+ MB in [^;]+; [\d,]+ documents "
     r"\([\d,]+ MB\) read, [\d,]+ kept, [\d,]+ instances; \d+ (s|min \d+ s) in$")
 TINY_BUNDLES = ["--local_bundle_mb", "0.002"]  # 2 KB: ~100 bundles in the tokenizing stage
 
