@@ -12,6 +12,12 @@
 #    with a GPU (nvidia-smi present) the default PyPI build, which carries CUDA.
 #  - deepspeed: its setup.py imports torch, so it is built without build isolation against the
 #    torch installed above (an isolated build would download a second, CUDA torch).
+#  - uv does the installing where it can be had (pip installs it into the venv first): it
+#    unpacks and links the ~300 packages in parallel, ~30 s where pip takes ~3 min on 2 cores
+#    (measured on the 2-core AVX2 EPYC, local wheel mirror; README "How long the demo takes").
+#    It gets pip's sources (index, extra indexes, find-links, constraints: `pip config`) and
+#    pip's rule of taking the best version from any of them. Where uv cannot be installed
+#    (a mirror without it), or BERTFORGE_INSTALLER=pip, pip does every step as before.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -35,6 +41,7 @@ LOG="$VENV/install.log"
 : > "$LOG"
 echo "bertforge: installing into $VENV (a few minutes the first time; pip's output: $LOG)"
 PIP="$VENV/bin/python -m pip"
+INSTALL=$PIP  # pip, or uv once it is installed (same arguments)
 
 step() {  # step "what is installed" COMMAND...: the command's output to LOG
   local what=$1
@@ -51,23 +58,54 @@ step() {  # step "what is installed" COMMAND...: the command's output to LOG
 cpu_torch() {
   # The CPU wheel from pip's own sources first (a find-links folder or a mirror; its
   # dependencies come from PyPI), then from PyTorch's CPU index.
-  $PIP install "torch==$TORCH_VERSION+cpu" \
-    || $PIP install "torch==$TORCH_VERSION+cpu" --extra-index-url "$TORCH_CPU_INDEX"
+  $INSTALL install "torch==$TORCH_VERSION+cpu" \
+    || $INSTALL install "torch==$TORCH_VERSION+cpu" --extra-index-url "$TORCH_CPU_INDEX"
+}
+
+pip_setting() {  # pip_setting NAME: pip's configured value (pip.conf or PIP_*), else nothing
+  local upper
+  upper=$(echo "$1" | tr 'a-z-' 'A-Z_')
+  local from_env="PIP_$upper"
+  if [ -n "${!from_env:-}" ]; then echo "${!from_env}"; return; fi
+  $PIP config get "global.$1" 2>/dev/null | tr '\n' ' ' | sed 's/ *$//' || true
+}
+
+use_uv() {
+  # uv reads none of pip's configuration: hand it pip's sources, so that both install from
+  # the same places (a mirror, a wheel folder, a company index) under the same constraints.
+  $PIP install uv || return 1
+  local value
+  value=$(pip_setting index-url); [ -z "$value" ] || export UV_DEFAULT_INDEX="$value"
+  value=$(pip_setting extra-index-url); [ -z "$value" ] || export UV_EXTRA_INDEX_URL="$value"
+  value=$(pip_setting find-links); [ -z "$value" ] || export UV_FIND_LINKS="${value// /,}"
+  value=$(pip_setting constraint); [ -z "$value" ] || export UV_CONSTRAINT="$value"
+  value=$(pip_setting cert); [ -z "$value" ] || export SSL_CERT_FILE="$value"
+  export UV_INDEX_STRATEGY=unsafe-best-match  # pip's rule: the best version of any index
+  export UV_PYTHON="$VENV/bin/python"  # into the venv, whatever is activated
+  INSTALL="$VENV/bin/uv pip"
 }
 
 step "pip, setuptools, wheel" $PIP install --upgrade pip setuptools wheel
+if [ "${BERTFORGE_INSTALLER:-uv}" = uv ]; then
+  echo "### uv: $PIP install uv" >> "$LOG"
+  if use_uv >> "$LOG" 2>&1; then
+    echo "bertforge:   uv (it installs the rest: faster than pip)"
+  else
+    echo "bertforge:   uv could not be installed; pip installs the rest (slower)"
+  fi
+fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    step "torch $TORCH_VERSION, CUDA build (a GPU was found)" $PIP install "torch==$TORCH_VERSION"
+    step "torch $TORCH_VERSION, CUDA build (a GPU was found)" $INSTALL install "torch==$TORCH_VERSION"
   else
     step "torch $TORCH_VERSION, CPU build (no GPU found)" cpu_torch
   fi
 fi
 # DS_BUILD_OPS=0: ops compile just in time, on the machine that runs them.
 step "deepspeed (built against that torch)" \
-  env DS_BUILD_OPS=0 $PIP install --no-build-isolation "deepspeed>=0.16"
+  env DS_BUILD_OPS=0 $INSTALL install --no-build-isolation "deepspeed>=0.16"
 step "bertforge and its dependencies (ray, apache-beam, transformers, ...; editable)" \
-  $PIP install -e ".[dev,dataflow]"
+  $INSTALL install -e ".[dev,dataflow]"
 
 fingerprint > "$STAMP"
 # Versions from the packages' metadata: importing deepspeed prints its accelerator notice.
