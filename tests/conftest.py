@@ -42,9 +42,7 @@ SLOWEST_MODULES = (
     "tests/cluster/test_fault_tolerance.py",   # ~130: three Ray Train runs, two restarts
     "tests/cluster/test_submit.py",            # ~130: `ray start` + four jobs
     "tests/cluster/test_finetune.py",          # ~70
-    "tests/cluster/test_listening_sockets.py",  # ~66: a `bertforge train` subprocess
-    "tests/cluster/test_driver_signals.py",    # ~70: a train SIGTERMed, then resumed
-    "tests/cluster/test_console_quiet.py",     # ~70: a train subprocess + eval + export
+    "tests/cluster/test_train_from_outside.py",  # a train SIGTERMed, resumed; eval, export
     "tests/cluster/test_dataset_guard.py",     # ~40: prepare through the CLI, a SIGTERM
     "tests/pipelines/test_prepare_any_size.py",  # ~45: prepare spilled, killed, continued
     "tests/training/test_same_seed.py",        # ~40: 8 short runs in process groups

@@ -29,14 +29,27 @@ class TrainProcess:
     """`with TrainProcess(command) as run: run.wait_until_training()`; the temp dir (`ray_root`
     holds the run's Ray sessions) and any process left are removed on exit."""
 
-    def __init__(self, command: list[str]) -> None:
+    def __init__(self, command: list[str], cwd: str | None = None) -> None:
         # Short: Ray's unix socket paths live under it and are limited to 107 characters.
         self.tmpdir = tempfile.mkdtemp(prefix="bft", dir="/tmp")
-        self.run_dir = command[command.index("--run-dir") + 1]
-        self.process = subprocess.Popen(
-            command, env={**os.environ, "TMPDIR": self.tmpdir},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.cwd = cwd
+        self.run_dir = os.path.join(cwd or "", command[command.index("--run-dir") + 1])
+        # The console, kept in files (a pipe nobody reads would fill and block the run).
+        self.stdout_path = os.path.join(self.tmpdir, "stdout")
+        self.stderr_path = os.path.join(self.tmpdir, "stderr")
+        with open(self.stdout_path, "w") as stdout, open(self.stderr_path, "w") as stderr:
+            self.process = subprocess.Popen(command, env=self.env, cwd=cwd, stdout=stdout,
+                                            stderr=stderr, text=True)
         self.seen: dict[int, psutil.Process] = {}
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment of the run (and of any command beside it: its Ray sessions here)."""
+        return {**os.environ, "TMPDIR": self.tmpdir}
+
+    def stderr(self) -> str:
+        with open(self.stderr_path, encoding="utf-8") as f:
+            return f.read()
 
     @property
     def ray_root(self) -> str:
@@ -56,6 +69,15 @@ class TrainProcess:
             assert self.process.poll() is None, f"the run ended ({self.process.returncode})"
             assert time.time() < deadline, "the run did not start training"
             time.sleep(0.5)
+
+    def wait_for(self, path: str, timeout_s: float = 300.0) -> None:
+        """Until `path` exists (a checkpoint's commit marker, ...) while the run goes on."""
+        deadline = time.time() + timeout_s
+        while not os.path.exists(path):
+            assert self.process.poll() is None, \
+                f"the run ended ({self.process.returncode}): {self.stderr()[-2000:]}"
+            assert time.time() < deadline, f"no {path} after {timeout_s:.0f} s"
+            time.sleep(0.2)
 
     def tree(self) -> list[psutil.Process]:
         """The driver and its descendants now, also remembered for `survivors`."""

@@ -1,0 +1,188 @@
+"""One real local `bertforge train` (2 workers, real Ray and DeepSpeed), watched from outside as
+a user and a scheduler see it:
+- nothing listens beyond loopback, workers included;
+- a second `train` on its run directory is refused before it starts any Ray;
+- SIGTERM (what a scheduler, `timeout` or `docker stop` sends) exits 143 with one line naming
+  the newest committed checkpoint; the lock, Ray and its workers are gone;
+- the same command then resumes from that checkpoint, its console the project's lines only
+  (the engines' output is in the run's logs, cluster.worker_output);
+- `eval` and `export` of the run are quiet too, and `--verbose` shows the engines' output.
+One run serves every check: each Ray start costs tens of seconds of the suite."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from bertforge.cluster.run_lock import LOCK_NAME
+from bertforge.training.checkpoint import COMMIT_MARKER
+from tests.support.train_process import LOOPBACK, TrainProcess, listening_sockets, train_command
+from tests.training.conftest import write_dataset
+
+pytestmark = pytest.mark.slow
+
+BERTFORGE = os.path.join(os.path.dirname(sys.executable), "bertforge")
+# What the project prints (see cluster/, training/): stage, progress and step lines are
+# "[command] ...", notices and errors "bertforge ...: ...". A command's result (train's and
+# eval's JSON, export's directory) is checked apart, as the output's end.
+PROJECT_LINE = re.compile(r"^(\[(train|eval|export|finetune|glue|demo|prepare|pipeline)\] |"
+                          r"bertforge( \w+)?: )")
+# DeepSpeed's logger, on importing it: the engine output every command here causes.
+DEEPSPEED_NOTICE = "accelerator to"  # "Setting accelerator to CPU" here
+
+
+def foreign_lines(console: str, result: list[str]) -> list[str]:
+    """The console's lines that are neither the project's nor the command's `result` lines."""
+    lines = console.splitlines()
+    body = lines[:len(lines) - len(result)] if result else lines
+    assert lines[len(body):] == result, console  # the result ends the output
+    return [line for line in body if line.strip() and not PROJECT_LINE.match(line)]
+
+
+def json_lines(stdout: str) -> list[str]:
+    """The JSON document that ends `stdout`, as printed."""
+    lines = stdout.splitlines()
+    start = len(lines) - 1 - lines[::-1].index("{")
+    json.loads("\n".join(lines[start:]))
+    return lines[start:]
+
+
+@pytest.fixture(scope="module")
+def tmpdir():
+    # Short: Ray's unix socket paths live under it and are limited to 107 characters.
+    path = tempfile.mkdtemp(prefix="bfq", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run(*args: str, tmpdir: str) -> subprocess.CompletedProcess:
+    """A `bertforge` command with its own TMPDIR (so its local Ray's sessions are its own)."""
+    return subprocess.run([BERTFORGE, *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TMPDIR": tmpdir})
+
+
+@pytest.fixture(scope="module")
+def observed(tmpdir):
+    """What the run, the refused second run, the SIGTERM and the resume showed."""
+    data = write_dataset(os.path.join(tmpdir, "data"),
+                         {"train": [300, 300], "validation": [16]}, max_seq_length=64)
+    # Relative paths, as anyone types them: they are the user's directory's, not the workers'.
+    # Two workers: gloo's pair sockets and torch's rendezvous store between them.
+    command = train_command("data", "run", workers=2) + ["--checkpoint-every", "10"]
+    seen: dict = {"data": data, "run_dir": os.path.join(tmpdir, "run")}
+    with TrainProcess(command, cwd=tmpdir) as run_:
+        run_.wait_for(os.path.join(run_.run_dir, "checkpoints", "step_00000010", COMMIT_MARKER))
+        seen["listening"] = set()
+        for _ in range(3):  # a few looks while it trains (workers, agents, actors)
+            seen["listening"] |= set(listening_sockets(run_.tree()))
+            time.sleep(1.0)
+
+        second = subprocess.Popen(command, env=run_.env, cwd=tmpdir, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        seen["second"] = second.communicate(timeout=300)[1], second.returncode
+        # Refused before Ray started: no session of its own (Ray names them ..._PID).
+        seen["second_sessions"] = [name for name in os.listdir(run_.ray_root)
+                                   if name.endswith(f"_{second.pid}")]
+        seen["driver_pid"] = run_.process.pid
+
+        run_.tree()  # every process of the run, to look for survivors
+        run_.process.send_signal(signal.SIGTERM)
+        seen["stopped"] = run_.process.wait(timeout=120), run_.stderr()
+        seen["survivors"] = run_.survivors()
+        seen["lock_left"] = os.path.exists(os.path.join(run_.run_dir, LOCK_NAME))
+
+        last = seen["stopped"][1].strip().splitlines()[-1]
+        newest = last.split("newest committed checkpoint ")[-1].split(";")[0]
+        steps = int(newest.rsplit("_", 1)[-1]) + 2
+        again = command[:command.index("--max-steps") + 1] + [str(steps)] + \
+            command[command.index("--max-steps") + 2:]
+        seen["newest"], seen["resumed_steps"] = newest, steps
+        seen["resumed"] = subprocess.run(again, env=run_.env, cwd=tmpdir, capture_output=True,
+                                         text=True, timeout=300)
+    return seen
+
+
+def test_a_local_run_listens_on_loopback_only(observed):
+    names = " ".join(name for name, _, _ in observed["listening"])
+    assert "RayTrainWorker" in names and "raylet" in names and "gcs_server" in names
+    exposed = sorted(entry for entry in observed["listening"] if entry[1] not in LOOPBACK)
+    assert not exposed, f"listening beyond the loopback address: {exposed}"
+
+
+def test_a_second_train_on_its_run_directory_is_refused_before_it_starts_ray(observed):
+    stderr, returncode = observed["second"]
+    assert returncode == 2, stderr
+    assert (f"another bertforge train is running in {observed['run_dir']} (host "
+            f"{socket.gethostname()}, pid "
+            f"{observed['driver_pid']}, since 20") in stderr
+    assert observed["second_sessions"] == []
+
+
+def test_sigterm_stops_with_one_line_and_leaves_no_process_and_no_lock(observed):
+    returncode, stderr = observed["stopped"]
+    assert returncode == 143, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("bertforge train: stopped by SIGTERM; newest committed checkpoint "
+                           f"{observed['run_dir']}/checkpoints/step_"), stderr
+    assert "Traceback" not in stderr and "SIGTERM received" not in stderr
+    assert not observed["survivors"], "left running after SIGTERM"
+    assert not observed["lock_left"], "the lock outlived a SIGTERMed run"
+
+
+def test_the_same_command_resumes_and_prints_only_its_own_lines(observed):
+    resumed, steps = observed["resumed"], observed["resumed_steps"]
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"[train] resumed from {observed['newest']}" in resumed.stdout
+    assert resumed.stderr == ""
+    assert foreign_lines(resumed.stdout, json_lines(resumed.stdout)) == []
+    assert f"[train] step {steps}/{steps} |" in resumed.stdout
+    assert "(RayTrainWorker" not in resumed.stdout
+    logs = os.path.join(observed["run_dir"], "logs")
+    driver_log = open(os.path.join(logs, "train.log"), encoding="utf-8").read()
+    assert "(RayTrainWorker pid=" in driver_log  # Ray's own forwarding, kept in the file
+    worker_log = open(os.path.join(logs, "worker-0.log"), encoding="utf-8").read()
+    assert f"[train] step {steps}/{steps}" in worker_log
+
+
+def test_eval_shows_progress_is_limited_by_max_batches_and_prints_only_its_own(observed,
+                                                                             tmpdir):
+    result = run("eval", observed["run_dir"], "--data", observed["data"], "--batch-size", "2",
+                 "--max-batches", "3", tmpdir=tmpdir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == ""
+    assert foreign_lines(result.stdout, json_lines(result.stdout)) == []
+    assert "[eval] " in result.stdout and ": 3 batches of 2 (validation)" in result.stdout
+    assert json.loads("\n".join(json_lines(result.stdout)))["num_sequences"] == 6
+    # DeepSpeed's logger (imported to read the checkpoint) went to the run's log instead.
+    log = open(os.path.join(observed["run_dir"], "logs", "eval.log"), encoding="utf-8").read()
+    assert DEEPSPEED_NOTICE in log
+
+
+def test_export_is_quiet_and_verbose_shows_the_engines_output(observed, tmpdir):
+    run_dir = observed["run_dir"]
+    quiet = run("export", run_dir, "--output", os.path.join(tmpdir, "hf"), tmpdir=tmpdir)
+    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
+    assert quiet.stderr == ""
+    assert foreign_lines(quiet.stdout, [os.path.join(tmpdir, "hf")]) == []
+    # It names the run and step whose weights it exported.
+    assert re.search(r"^\[export\] run \d{8}T\d{6}\.\d{3}Z, step \d+, from ", quiet.stdout,
+                     re.MULTILINE), quiet.stdout
+    # The same command with --verbose: the chatter this test would catch is on the console.
+    verbose = run("export", run_dir, "--output", os.path.join(tmpdir, "hf2"), "--verbose",
+                  tmpdir=tmpdir)
+    assert verbose.returncode == 0, verbose.stdout + verbose.stderr
+    chatter = foreign_lines(verbose.stdout, [os.path.join(tmpdir, "hf2")]) + \
+        foreign_lines(verbose.stderr, [])
+    assert any(DEEPSPEED_NOTICE in line for line in chatter), chatter
+    log = open(os.path.join(run_dir, "logs", "export.log"), encoding="utf-8").read()
+    assert log.count(DEEPSPEED_NOTICE) == 2  # both runs' (appended)
