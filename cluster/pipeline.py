@@ -25,29 +25,28 @@ import shutil
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from bertforge.cluster.config_fields import (
+from bertforge.cluster.ray_train import LaunchConfig
+from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir
+from bertforge.pipelines.config_fields import (
+    NOT_IN_FILE,
+    RERUN_MAY_CHANGE,
     check_type,
+    fields_marked,
     from_table,
+    option,
     table_keys,
     underscore_hint,
 )
-from bertforge.cluster.ray_train import LaunchConfig
-from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir
 from bertforge.pipelines.prepare_options import PrepareConfig, check_beam_args
 from bertforge.training.config import TrainConfig
 
 # Keys that say how to run, not what to make: outputs are byte-identical on any Beam runner and
 # the training batches the same on any worker count (DESIGN: determinism), so changing them
-# between runs (prepare locally, train on a cluster) is allowed. rows_per_piece bounds memory
-# and never changes a byte.
+# between runs (prepare locally, train on a cluster) is allowed; so are the [prepare] options
+# marked so (rows_per_piece bounds memory and never changes a byte).
 HOW_TO_RUN_KEYS = ("config.cluster", "config.prepare.beam_args",
-                   "config.prepare.options.rows_per_piece")
-
-# PrepareConfig fields the pipeline sets itself: where the shards and the vocab live, casing
-# (the vocab's) and the length (each phase's).
-_OWNED_PREPARE_FIELDS = ("inputs", "output", "vocab", "lower_case", "max_seq_length")
-# TrainConfig fields the pipeline owns: where data and runs live, and resuming (always on).
-_OWNED_TRAIN_FIELDS = ("data_dir", "run_dir", "resume")
+                   *(f"config.prepare.options.{name}"
+                     for name in fields_marked(PrepareConfig, RERUN_MAY_CHANGE)))
 
 
 # --- configuration --------------------------------------------------------------------------
@@ -77,11 +76,13 @@ def _string_list(section: str, key: str, table: dict[str, Any]) -> tuple[str, ..
 class VocabSection:
     """Train a WordPiece vocab (`size`), or use an existing file (`path`, e.g. Google's)."""
 
-    path: str | None = None
-    size: int = 30522
-    lower_case: bool = True
-    # Files to train on; default: the [prepare] inputs (read as text, format prefixes dropped).
-    inputs: tuple[str, ...] = ()
+    path: str | None = option(help="an existing vocab.txt to use (e.g. Google's), instead of "
+                              "training one")
+    size: int = option(30522, "entries of the vocabulary to train")
+    lower_case: bool = option(True, "lower-case and strip accents (the vocab's casing, which "
+                              "prepare follows)")
+    inputs: tuple[str, ...] = option((), "files to train the vocabulary on (default: the "
+                                     "[prepare] inputs, read as text, format prefixes dropped)")
 
     def __post_init__(self) -> None:
         if self.size < 6:  # the 5 special tokens and one more
@@ -120,8 +121,9 @@ class PrepareSection:
         values.pop("inputs", None)
         if not inputs:
             raise ValueError("prepare.inputs is required: a list of corpus files or globs")
+        # The fields NOT_IN_FILE come from the pipeline's paths, [vocab] and phase 1.
         options = from_table(
-            PrepareConfig, "prepare", values, skip=_OWNED_PREPARE_FIELDS, inputs=inputs,
+            PrepareConfig, "prepare", values, inputs=inputs,
             output=paths.shards(max_seq_length), vocab=paths.vocab, lower_case=vocab.lower_case,
             max_seq_length=max_seq_length,
         )
@@ -142,10 +144,11 @@ class PrepareSection:
 
 @dataclass(frozen=True)
 class PhaseSection:
-    name: str  # "phase1" or "phase2", for messages
-    recipe: str
-    max_seq_length: int
-    overrides: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields
+    name: str = option(help="phase1 or phase2: the table's name", marks=(NOT_IN_FILE,))
+    recipe: str = option(help="a named recipe (training/recipes.py)")
+    max_seq_length: int = option(help="the length of the shards this phase trains on")
+    overrides: dict[str, Any] = option({}, "TrainConfig fields, over the recipe's (not those "
+                                       "NOT_IN_FILE, which the pipeline sets)")
 
     def __post_init__(self) -> None:
         from bertforge.training.recipes import RECIPES
@@ -153,8 +156,9 @@ class PhaseSection:
         if self.recipe not in RECIPES:
             raise ValueError(f"unknown recipe {self.recipe!r}; "
                              f"choose one of {sorted(RECIPES)}")
-        owned = _OWNED_TRAIN_FIELDS + (("init_from",) if self.name == "phase2" else ())
-        known = table_keys(TrainConfig, skip=owned)
+        known = table_keys(TrainConfig)
+        if self.name == "phase2":
+            known.discard("init_from")  # phase 2 starts from phase 1's weights
         unknown = sorted(set(self.overrides) - known)
         if unknown:
             raise ValueError(
