@@ -19,14 +19,22 @@ file's own directory, so a run does not depend on the current directory.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from bertforge.cluster.ray_train import LaunchConfig
-from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir
+from bertforge.cluster.stage_runner import Stage, StageRunner
+from bertforge.cluster.stages import (
+    export_complete,
+    export_final,
+    make_vocab,
+    prepare_dataset,
+    shards_complete,
+    train_to_the_end,
+    training_complete,
+    vocab_complete,
+)
 from bertforge.pipelines.config_fields import (
     NOT_IN_FILE,
     RERUN_MAY_CHANGE,
@@ -300,123 +308,36 @@ class PipelinePaths:
 def build_stages(
     config: PipelineConfig, paths: PipelinePaths, runner: StageRunner
 ) -> list[Stage]:
+    """vocab, prepare per length, a stage per phase, export (bodies: `cluster.stages`), each
+    done when its outputs are."""
     stages = [Stage("vocab", lambda: _make_vocab(config, paths),
-                    is_done=lambda: os.path.isfile(paths.vocab))]
+                    is_done=lambda: vocab_complete(paths.vocab_dir))]
     for length in sorted({phase.max_seq_length for phase in config.phases()}):
         stages.append(Stage(
-            f"prepare-{length}", lambda length=length: _prepare(config, length),
-            is_done=lambda length=length: _shards_complete(paths.shards(length)),
+            f"prepare-{length}",
+            lambda length=length: prepare_dataset(config.prepare_config(length),
+                                                  config.prepare.beam_args),
+            is_done=lambda length=length: shards_complete(paths.shards(length)),
         ))
     train_configs = config.train_configs()
     for name, cfg in train_configs.items():
-        stages.append(Stage(name, lambda cfg=cfg: _train(config, cfg),
-                            is_done=lambda cfg=cfg: _training_complete(cfg)))
+        # resume=True: continues from the newest committed checkpoint, or starts fresh (phase 2
+        # then warm-starts from phase 1's weights).
+        stages.append(Stage(name, lambda cfg=cfg: train_to_the_end(cfg, config.cluster,
+                                                                   "pipeline"),
+                            is_done=lambda cfg=cfg: training_complete(cfg)))
     last_run = paths.run(list(train_configs)[-1])
-    stages.append(Stage("export", lambda: _export(paths, last_run),
-                        is_done=lambda: _export_complete(paths, last_run, runner)))
+    stages.append(Stage("export", lambda: export_final(last_run, paths.hf),
+                        is_done=lambda: export_complete(paths.hf, last_run,
+                                                        runner.recorded("export"))))
     return stages
 
 
 def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
-    from bertforge.pipelines.contract.manifest import sha256_file
-
-    # Built beside its place and renamed in, so a half-written vocab.txt never "exists".
-    tmp = paths.vocab_dir + ".tmp"
-    fresh_dir(tmp)
-    if config.vocab.path:
-        if not os.path.isfile(config.vocab.path):
-            raise ValueError(f"vocab.path {config.vocab.path} does not exist")
-        shutil.copyfile(config.vocab.path, os.path.join(tmp, "vocab.txt"))
-        source = config.vocab.path
-    else:
-        from bertforge.pipelines.vocab import train_wordpiece_vocab
-
-        # As prepare reads them, format prefixes included (`books:` is read as books).
-        inputs = config.vocab.inputs or config.prepare.options.inputs
-        train_wordpiece_vocab(list(inputs), tmp,
-                              vocab_size=config.vocab.size, lower_case=config.vocab.lower_case)
-        source = "trained"
-    shutil.rmtree(paths.vocab_dir, ignore_errors=True)
-    os.replace(tmp, paths.vocab_dir)
-    return {"source": source, "sha256": sha256_file(paths.vocab)}
-
-
-def _shards_complete(data_dir: str) -> bool:
-    from bertforge.pipelines.contract.manifest import MANIFEST_NAME
-
-    return os.path.isfile(os.path.join(data_dir, MANIFEST_NAME))
-
-
-def _prepare(config: PipelineConfig, max_seq_length: int) -> dict[str, Any]:
-    from bertforge.pipelines.local.options import WORK_DIR_NAME
-    from bertforge.pipelines.local.work_dir import WorkConflict
-    from bertforge.pipelines.prepare import run as run_prepare
-
-    prepare = config.prepare_config(max_seq_length)
-    if os.path.isdir(os.path.join(prepare.output, WORK_DIR_NAME)):
-        # A killed attempt's recorded work: the job continues it, or starts over when it was
-        # another job's (the configuration changed since).
-        try:
-            summary = run_prepare(prepare, config.prepare.beam_args)
-        except WorkConflict:
-            summary = run_prepare(prepare, config.prepare.beam_args, start_over=True)
-    else:
-        fresh_dir(prepare.output)  # no manifest, no work record: its files cannot be trusted
-        summary = run_prepare(prepare, config.prepare.beam_args)
-    return {"instances": summary.get("instances"), "seconds_in_beam": summary.get("seconds")}
-
-
-def _training_complete(cfg) -> bool:
-    from bertforge.training.checkpoint import committed_steps
-
-    steps = committed_steps(cfg.run_dir)
-    return bool(steps) and steps[-1] >= cfg.max_steps
-
-
-def _train(config: PipelineConfig, cfg) -> dict[str, Any]:
-    from bertforge.cluster.ray_train import train_on_ray
-
-    # resume=True: continues from the newest committed checkpoint, or starts fresh (phase 2
-    # then warm-starts from phase 1's weights).
-    result = train_on_ray(cfg, config.cluster)
-    if result["step"] < cfg.max_steps:
-        raise RuntimeError(f"{cfg.run_dir}: training stopped at step {result['step']}, "
-                           f"not {cfg.max_steps}; run the pipeline again to resume")
-    return {"step": result["step"], "checkpoint": result["checkpoint_path"]}
-
-
-def _export_source(run_dir: str) -> dict[str, Any] | None:
-    """The final checkpoint and its commit marker: a retrained checkpoint has a new marker."""
-    from bertforge.training.checkpoint import COMMIT_MARKER, latest_checkpoint
-
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        return None
-    with open(os.path.join(path, COMMIT_MARKER), encoding="utf-8") as f:
-        return {"checkpoint": path, "committed": json.load(f)}
-
-
-def _export_complete(paths: PipelinePaths, run_dir: str, runner: StageRunner) -> bool:
-    from bertforge.training.hf_interop import HF_CONFIG_NAME
-
-    files = (HF_CONFIG_NAME, "model.safetensors")
-    if not all(os.path.isfile(os.path.join(paths.hf, name)) for name in files):
-        return False
-    recorded = (runner.recorded("export") or {}).get("source")
-    return recorded is not None and recorded == _export_source(run_dir)
-
-
-def _export(paths: PipelinePaths, run_dir: str) -> dict[str, Any]:
-    from bertforge.training.export import export_checkpoint
-
-    source = _export_source(run_dir)
-    assert source is not None, "export runs after the last phase committed its checkpoint"
-    tmp = paths.hf + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    export_checkpoint(source["checkpoint"], tmp)
-    shutil.rmtree(paths.hf, ignore_errors=True)
-    os.replace(tmp, paths.hf)
-    return {"hf_dir": paths.hf, "source": source}
+    # Without its own inputs: prepare's, as prepare reads them (`books:` is read as books).
+    return make_vocab(paths.vocab_dir, inputs=config.vocab.inputs or config.prepare.options.inputs,
+                      size=config.vocab.size, lower_case=config.vocab.lower_case,
+                      existing=config.vocab.path)
 
 
 # --- the run --------------------------------------------------------------------------------
