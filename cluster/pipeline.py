@@ -20,7 +20,7 @@ file's own directory, so a run does not depend on the current directory.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from bertforge.cluster.ray_train import LaunchConfig
@@ -37,11 +37,14 @@ from bertforge.cluster.stages import (
 )
 from bertforge.pipelines.config_fields import (
     NOT_IN_FILE,
+    REQUIRED,
     RERUN_MAY_CHANGE,
     check_type,
+    field_types,
     fields_marked,
     from_table,
     option,
+    required_fields,
     table_keys,
     underscore_hint,
 )
@@ -152,9 +155,9 @@ class PrepareSection:
 
 @dataclass(frozen=True)
 class PhaseSection:
-    name: str = option(help="phase1 or phase2: the table's name", marks=(NOT_IN_FILE,))
-    recipe: str = option(help="a named recipe (training/recipes.py)")
-    max_seq_length: int = option(help="the length of the shards this phase trains on")
+    name: str = option(REQUIRED, "phase1 or phase2: the table's name", marks=(NOT_IN_FILE,))
+    recipe: str = option(REQUIRED, "a named recipe (training/recipes.py)")
+    max_seq_length: int = option(REQUIRED, "the length of the shards this phase trains on")
     overrides: dict[str, Any] = option({}, "TrainConfig fields, over the recipe's (not those "
                                        "NOT_IN_FILE, which the pipeline sets)")
 
@@ -176,23 +179,18 @@ class PhaseSection:
 
     @classmethod
     def from_table(cls, name: str, table: Any) -> PhaseSection:
-        for key in ("recipe", "max_seq_length"):
-            if isinstance(table, dict) and key not in table:
-                raise ValueError(f"{name}.{key} is required")
         return from_table(cls, name, table, name=name)
 
 
-_TOP_LEVEL_KEYS = ("workdir", "vocab", "prepare", "phase1", "phase2", "cluster")
-
-
-@dataclass(frozen=True)
+# Keyword-only, so that the fields (the file's top-level keys) come in the order a file reads.
+@dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
-    workdir: str  # absolute
-    prepare: PrepareSection
-    phase1: PhaseSection
-    phase2: PhaseSection | None = None
-    vocab: VocabSection = field(default_factory=VocabSection)
-    cluster: LaunchConfig = field(default_factory=LaunchConfig)
+    workdir: str = option(REQUIRED, "where every stage's outputs go (absolute once resolved)")
+    vocab: VocabSection = option(VocabSection(), "[vocab]: train one, or use path's")
+    prepare: PrepareSection = option(REQUIRED, "[prepare]: the Beam job's options and beam_args")
+    phase1: PhaseSection = option(REQUIRED, "[phase1]: a recipe, its length and overrides")
+    phase2: PhaseSection | None = option(help="[phase2]: the same, warm-started from phase 1")
+    cluster: LaunchConfig = option(LaunchConfig(), "[cluster]: where training runs")
 
     def __post_init__(self) -> None:
         if "://" in self.workdir:
@@ -204,14 +202,15 @@ class PipelineConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], base_dir: str) -> PipelineConfig:
-        unknown = sorted(set(data) - set(_TOP_LEVEL_KEYS))
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
         if unknown:
             raise ValueError(f"unknown top-level key(s): {', '.join(unknown)}; "
-                             f"known: {', '.join(_TOP_LEVEL_KEYS)}")
-        for key in ("workdir", "prepare", "phase1"):
+                             f"known: {', '.join(known)}")
+        for key in required_fields(cls):
             if key not in data:
-                raise ValueError(f"{key} is required" + (f" (a [{key}] table)" if key != "workdir"
-                                                         else ""))
+                table = field_types(cls)[key] is not str
+                raise ValueError(f"{key} is required" + (f" (a [{key}] table)" if table else ""))
         workdir = _resolve_path(check_type("config", "workdir", data["workdir"], str), base_dir)
         paths = PipelinePaths(workdir)
         vocab = VocabSection.from_table(data.get("vocab", {}), base_dir)

@@ -44,6 +44,9 @@ ALIASES = "aliases"
 CHOICES = "choices"
 MARKS = "marks"
 
+# option(REQUIRED, ...): a field without a default, which a pipeline file's table must give.
+REQUIRED = dataclasses.MISSING
+
 NO_FLAG = "no_flag"
 NOT_IN_FILE = "not_in_file"
 RERUN_MAY_CHANGE = "rerun_may_change"
@@ -59,7 +62,7 @@ def option(default: Any = None, help: str = "", *, flag: str | None = None,
         metadata[FLAG] = flag
     if choices is not None:
         metadata[CHOICES] = tuple(choices)
-    if isinstance(default, (dict, list)):  # a fresh copy per instance, as dataclasses require
+    if type(default).__hash__ is None:  # mutable (a dict, a config): a fresh copy per instance
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default),
                                  metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -234,6 +237,12 @@ def check_type(section: str, key: str, value: Any, kind: Any) -> Any:
     return value
 
 
+def required_fields(cls: type) -> list[str]:
+    """The names of `cls`'s fields without a default (`REQUIRED`), in declaration order."""
+    return [f.name for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
 def table_keys(cls: type) -> set[str]:
     """The keys a pipeline file's table of `cls` may hold: every field not NOT_IN_FILE."""
     return {f.name for f in dataclasses.fields(cls) if not marked(f, NOT_IN_FILE)}
@@ -252,6 +261,9 @@ def from_table(cls: type, section: str, table: Any, **fixed: Any) -> Any:
     if unknown:
         raise ValueError(f"unknown key(s) in [{section}]: {', '.join(unknown)}"
                          f"{underscore_hint(unknown, known)}; known: {', '.join(known)}")
+    for key in required_fields(cls):
+        if key not in table and key not in fixed:
+            raise ValueError(f"{section}.{key} is required")
     values = {key: check_type(section, key, value, types_by_name[key])
               for key, value in table.items()}
     try:
