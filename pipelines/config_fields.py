@@ -9,8 +9,12 @@ the dataclass's own (`__post_init__`). This module reads those fields and never 
   older spellings such as `--steps`), with no argparse default: a flag left out is absent from
   `given_values`, so the dataclass's default is the only one. `beam=True` makes Beam's kind of
   flag (`PrepareOptions`): Beam's underscore spelling beside the dashed one, `--flag=false`.
-- `from_table` checks a TOML table against the same fields (unknown keys, types by annotation)
-  and builds the config, so the pipeline file's sections cannot drift from the flags either.
+- `from_table` checks a TOML table against the same fields (unknown keys, keys a table must
+  give: `option(REQUIRED, ...)`, types by annotation) and builds the config, so the pipeline
+  file's sections cannot drift from the flags either.
+- `same_option` hands one config's declaration to another that offers the same option (the
+  engine's options: `training.engine_config.engine_option`); `check_choices` validates fields
+  declared with `choices`.
 
 Where a field does not go is said by marks in its declaration, never by a list of names kept
 elsewhere:
@@ -68,17 +72,13 @@ def option(default: Any = None, help: str = "", *, flag: str | None = None,
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def same_option(cls: type, name: str, *, choices: tuple[Any, ...] | None = None,
-                marks: tuple[str, ...] = ()) -> Any:
-    """`cls`'s declaration of `name` (default, help, flag) for another config offering the same
-    option, optionally with fewer `choices` or more `marks`."""
+def same_option(cls: type, name: str, *, choices: tuple[Any, ...] | None = None) -> Any:
+    """`cls`'s declaration of `name` (default, help, flag, marks) for another config offering
+    the same option, optionally with fewer `choices`."""
     [declared] = [f for f in dataclasses.fields(cls) if f.name == name]
-    metadata = dict(declared.metadata)
-    if choices is not None:
-        metadata[CHOICES] = tuple(choices)
-    metadata[MARKS] = metadata.get(MARKS, frozenset()) | frozenset(marks)
+    metadata = declared.metadata
     return option(_default(declared), metadata[HELP], flag=metadata.get(FLAG),
-                  aliases=metadata[ALIASES], choices=metadata.get(CHOICES),
+                  aliases=metadata[ALIASES], choices=choices or metadata.get(CHOICES),
                   marks=tuple(metadata[MARKS]))
 
 
