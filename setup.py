@@ -17,6 +17,6 @@ setup(
                                            for tail in ("", ".*")])
     ],
     package_dir={f"bertforge.{folder}": folder for folder in FOLDERS},
-    # The SST-2 subset the demo fine-tunes on (cluster/demo_data/sst2/SOURCE.md).
-    package_data={"bertforge.cluster": ["demo_data/sst2/*.tsv", "demo_data/sst2/*.md"]},
+    # The SST-2 subset the demo fine-tunes on (cluster/demo/data/sst2/SOURCE.md).
+    package_data={"bertforge.cluster.demo": ["data/sst2/*.tsv", "data/sst2/*.md"]},
 )

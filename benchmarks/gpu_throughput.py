@@ -277,7 +277,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     model.gradient_checkpointing = cfg.activation_checkpointing
     model.max_predictions = max_predictions
     parameters = num_parameters(model)
-    engine = build_engine(model, cfg, world_size)
+    engine = build_engine(model, cfg.engine(), world_size)
     if args.compile:
         engine.compile()
     batches = [{k: v.to(engine.device) for k, v in b.items()} for b in cpu_batches]
@@ -289,7 +289,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
               for key in counts[0]}
     result = {
         "seq_len": case.seq_len, "micro_batch": case.micro_batch, "data": data,
-        "parameters": parameters, "deepspeed_config": deepspeed_config(cfg, world_size),
+        "parameters": parameters, "deepspeed_config": deepspeed_config(cfg.engine(), world_size),
         "step_ms_median": 1e3 * statistics.median(seconds), "step_ms_min": 1e3 * min(seconds),
         "step_ms_max": 1e3 * max(seconds),
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(),

@@ -28,7 +28,7 @@ from typing import Any
 
 from bertforge.cluster.paths import absolute
 from bertforge.cluster.preflight import preflight_model
-from bertforge.cluster.ray_train import _QUIET_RAY_TRAIN, LaunchConfig, connect, run_on_ray
+from bertforge.cluster.ray_train import QUIET_RAY_TRAIN, LaunchConfig, connect, run_on_ray
 from bertforge.cluster.stage_runner import (
     Stage,
     StageRunner,
@@ -45,8 +45,6 @@ RESULTS_NAME = "results.json"
 RUNS_DIR = "runs"
 SQUAD_FILE = os.path.join("squad", "dev-v1.1.json")
 SQUAD_PRIMARY = "f1"
-# LaunchConfig fields `bertforge finetune` has no flag for: a fine-tuning run keeps no checkpoints.
-LAUNCH_FIELDS_UNUSED = ("storage",)
 
 
 def default_data_root() -> str | None:
@@ -236,7 +234,7 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
             {"runs": configs, "names": names, "threads": launch.cpus_per_worker,
              "logs": runs_root}, launch,
             # Ray Train's own state in DIR/runs/ray; a restarted worker group skips finished runs.
-            RunConfig(name="ray", storage_path=runs_root, logging_config=_QUIET_RAY_TRAIN,
+            RunConfig(name="ray", storage_path=runs_root, logging_config=QUIET_RAY_TRAIN,
                       failure_config=FailureConfig(max_failures=launch.max_failures)),
         )
 

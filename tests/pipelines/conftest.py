@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bertforge.pipelines.docstring_corpus import write_docstring_corpus
+from bertforge.cluster.demo.docstring_corpus import write_docstring_corpus  # the demo's corpus
 from bertforge.pipelines.instances.sentences import split_sentences
 from bertforge.pipelines.prepare import run
 from bertforge.pipelines.prepare_options import PrepareConfig
