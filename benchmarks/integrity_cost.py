@@ -18,7 +18,6 @@ import os
 import tempfile
 import time
 
-import _checkout  # noqa: F401  (bertforge from this checkout)
 import numpy as np
 
 from bertforge.pipelines.contract.manifest import read_manifest, sha256_file

@@ -35,7 +35,6 @@ import tempfile
 import time
 from collections.abc import Callable
 
-import _checkout  # noqa: F401  (bertforge, tests.support from this checkout)
 import numpy as np
 import torch
 

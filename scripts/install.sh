@@ -12,6 +12,11 @@
 #    with a GPU (nvidia-smi present) the default PyPI build, which carries CUDA.
 #  - deepspeed: its setup.py imports torch, so it is built without build isolation against the
 #    torch installed above (an isolated build would download a second, CUDA torch).
+#  - bertforge: setuptools' strict editable mode. `build/__editable__.*/bertforge/` mirrors the
+#    package with a link per file and a `.pth` file puts it on sys.path: Python from any
+#    directory, mypy, pyright and IDEs all resolve `bertforge.training...` (the default mode's
+#    import hook is followed by Python alone). An edit shows at once; a file added, renamed or
+#    removed needs the links made again, which a second run does by itself (seconds, offline).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -20,20 +25,23 @@ VENV=${VENV:-.venv}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 STAMP="$VENV/.bertforge-installed"
+LINKED="$VENV/.bertforge-linked"
+STRICT_EDITABLE=(--config-settings editable_mode=strict)
 
 fingerprint() { cat pyproject.toml setup.py scripts/install.sh | sha256sum | cut -d' ' -f1; }
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(fingerprint)" ]; then
-  echo "bertforge: reusing the installation in $VENV"
-  exit 0
-fi
+# The names (not the contents) of the package's files, in the folders pyproject.toml's
+# [tool.bertforge] package-folders lists: the link tree has one link per file.
+package_files() {
+  local folders
+  folders=$(sed -n 's/^package-folders *= *\[\(.*\)\]/\1/p' pyproject.toml | tr -d '",')
+  # shellcheck disable=SC2086  # the folder names are words
+  find $folders -type f ! -path '*/__pycache__/*' | LC_ALL=C sort | sha256sum | cut -d' ' -f1
+}
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # pip's and the builds' output goes to LOG; the console gets a line per step, and the log's
 # tail if a step fails.
 LOG="$VENV/install.log"
-: > "$LOG"
-echo "bertforge: installing into $VENV (a few minutes the first time; pip's output: $LOG)"
 PIP="$VENV/bin/python -m pip"
 
 step() {  # step "what is installed" COMMAND...: the command's output to LOG
@@ -47,6 +55,22 @@ step() {  # step "what is installed" COMMAND...: the command's output to LOG
     exit 1
   fi
 }
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(fingerprint)" ]; then
+  if [ "$(cat "$LINKED" 2>/dev/null)" = "$(package_files)" ]; then
+    echo "bertforge: reusing the installation in $VENV"
+    exit 0
+  fi
+  echo "bertforge: reusing the installation in $VENV; package files were added, renamed or removed"
+  step "bertforge's links to them (editable, no dependencies)" \
+    $PIP install --no-deps --no-build-isolation -e . "${STRICT_EDITABLE[@]}"
+  package_files > "$LINKED"
+  exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+: > "$LOG"
+echo "bertforge: installing into $VENV (a few minutes the first time; pip's output: $LOG)"
 
 cpu_torch() {
   # The CPU wheel from pip's own sources first (a find-links folder or a mirror; its
@@ -67,9 +91,10 @@ fi
 step "deepspeed (built against that torch)" \
   env DS_BUILD_OPS=0 $PIP install --no-build-isolation "deepspeed>=0.16"
 step "bertforge and its dependencies (ray, apache-beam, transformers, ...; editable)" \
-  $PIP install -e ".[dev,dataflow]"
+  $PIP install -e ".[dev,dataflow]" "${STRICT_EDITABLE[@]}"
 
 fingerprint > "$STAMP"
+package_files > "$LINKED"
 # Versions from the packages' metadata: importing deepspeed prints its accelerator notice.
 echo "bertforge: installed $("$VENV/bin/python" -c '
 from importlib.metadata import version

@@ -24,8 +24,6 @@ SCRIPT = os.path.join(REPO, "benchmarks", "gpu_throughput.py")
 def load_script():
     if "gpu_throughput" in sys.modules:
         return sys.modules["gpu_throughput"]
-    if os.path.dirname(SCRIPT) not in sys.path:  # its sibling benchmarks/_checkout.py, as
-        sys.path.append(os.path.dirname(SCRIPT))  # `python benchmarks/...` finds it
     spec = importlib.util.spec_from_file_location("gpu_throughput", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up there
