@@ -28,7 +28,7 @@ from bertforge.training.data import (
     ReadOptions,
 )
 from bertforge.training.data.integrity import check_rows
-from bertforge.training.data.shards import open_shard
+from bertforge.training.data.mapped_shards import open_shard
 from bertforge.training.data.split import open_split
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.masking import MaskingVocab

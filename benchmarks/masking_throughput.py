@@ -38,7 +38,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bertforge.pipelines.write.shards import ROWS_PER_BATCH
+from bertforge.pipelines.write.global_order import ROWS_PER_BATCH
 from bertforge.training.data import (
     MaskingOptions,
     PretrainingCollator,

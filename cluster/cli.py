@@ -168,7 +168,7 @@ def _add_demo(commands) -> None:
 
 def _add_finetune(commands) -> None:
     from bertforge.cluster.config_fields import add_flags
-    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED
+    from bertforge.cluster.finetune_sweep import LAUNCH_FIELDS_UNUSED
     from bertforge.cluster.ray_train import LaunchConfig
     from bertforge.training.finetune.config import FinetuneConfig
 
@@ -186,7 +186,7 @@ def _add_finetune(commands) -> None:
 
 def _add_glue(commands) -> None:
     from bertforge.cluster.config_fields import add_flags
-    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED
+    from bertforge.cluster.finetune_sweep import LAUNCH_FIELDS_UNUSED
     from bertforge.cluster.glue import FINETUNE_FIELDS_PER_TASK, GlueConfig
     from bertforge.cluster.ray_train import LaunchConfig
     from bertforge.training.finetune.config import FinetuneConfig
@@ -243,8 +243,8 @@ def _log_beside_output(argv: list[str]) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from bertforge.pipelines.inspect_shards import format_report, inspect_dataset
-    from bertforge.pipelines.verify_shards import format_verification, verify_dataset
+    from bertforge.pipelines.dataset_stats import format_report, inspect_dataset
+    from bertforge.pipelines.verify_dataset import format_verification, verify_dataset
 
     if args.verify:
         verification = verify_dataset(args.data_dir)
@@ -363,8 +363,8 @@ def _run_demo(args: argparse.Namespace) -> None:
 
 def _run_finetune(args: argparse.Namespace) -> None:
     from bertforge.cluster.config_fields import given_values
-    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED, run_finetune
-    from bertforge.cluster.finetune_launch import finetune_launch
+    from bertforge.cluster.finetune_sweep import LAUNCH_FIELDS_UNUSED, run_finetune
+    from bertforge.cluster.finetune_workers import finetune_launch
     from bertforge.cluster.ray_train import LaunchConfig
     from bertforge.training.finetune.config import FinetuneConfig
 
@@ -375,8 +375,8 @@ def _run_finetune(args: argparse.Namespace) -> None:
 
 def _run_glue(args: argparse.Namespace) -> None:
     from bertforge.cluster.config_fields import given_values
-    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED
-    from bertforge.cluster.finetune_launch import finetune_launch
+    from bertforge.cluster.finetune_sweep import LAUNCH_FIELDS_UNUSED
+    from bertforge.cluster.finetune_workers import finetune_launch
     from bertforge.cluster.glue import FINETUNE_FIELDS_PER_TASK, GlueConfig, run_glue
     from bertforge.cluster.ray_train import LaunchConfig
     from bertforge.training.finetune.config import FinetuneConfig

@@ -15,7 +15,7 @@ from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
 
-from bertforge.pipelines.instances.instances import MIN_SEQ_LENGTH
+from bertforge.pipelines.instances.pairing import MIN_SEQ_LENGTH
 from bertforge.pipelines.local.options import LocalRunnerOptions  # its flags are Beam's too
 
 

@@ -25,7 +25,7 @@ from bertforge.pipelines.prepare import (
     run,
     split_of,
 )
-from bertforge.pipelines.write import shards
+from bertforge.pipelines.write import global_order
 
 from .conftest import (
     MAX_SEQ_LENGTH,
@@ -323,7 +323,7 @@ def test_shards_written_in_pieces_equal_shards_written_whole(
     monkeypatch, corpus_files, small_vocab, tmp_path
 ):
     """Many pieces per shard (tiny batches, so the small corpus spans several) change no byte."""
-    monkeypatch.setattr(shards, "ROWS_PER_BATCH", 4)
+    monkeypatch.setattr(global_order, "ROWS_PER_BATCH", 4)
 
     def shard_bytes(root: str) -> dict[str, bytes]:
         found = {p.name: p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
@@ -339,7 +339,7 @@ def test_shards_written_in_pieces_equal_shards_written_whole(
 
 
 def test_pools_are_bounded_by_documents_and_by_text():
-    from bertforge.pipelines.instances.create_instances import num_pools
+    from bertforge.pipelines.instances.pairs_transform import num_pools
 
     assert num_pools(100, 512) == 1
     assert num_pools(1_000, 512) == 2

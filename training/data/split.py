@@ -17,7 +17,7 @@ from bertforge.pipelines.contract.tokenization import read_vocab
 from bertforge.training.data.checksums import ChecksumCheck, verify_in_background
 from bertforge.training.data.download import local_dataset_dir
 from bertforge.training.data.integrity import RowRules
-from bertforge.training.data.shards import Segment, ShardRows, open_shard
+from bertforge.training.data.mapped_shards import Segment, ShardRows, open_shard
 from bertforge.training.errors import MissingInputError, UserInputError, as_user_error
 
 

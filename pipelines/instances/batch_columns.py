@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from bertforge.pipelines.write.shards import SortKey
+from bertforge.pipelines.write.global_order import SortKey
 
 
 class RowKeys(NamedTuple):
