@@ -1,6 +1,6 @@
 """The pretraining loader: one split of a prepared dataset, as masked padded batches for a rank.
 
-Order and masks are functions of (seed, epoch, global sample index) only (DESIGN,
+Order and masks are functions of (seed, epoch, global sample index) only (DESIGN.md,
 "Determinism"): the sequence of global batches is the same for any number of ranks with the
 same global batch, and the loader's position, counted in samples of the epoch, resumes
 exactly, even on another number of ranks, and even with another global batch when gradient
