@@ -305,11 +305,11 @@ def _run_submit(args: argparse.Namespace) -> int:
 
 def _run_eval(args: argparse.Namespace) -> None:
     from bertforge.cluster.dataset_guard import reading_dataset
-    from bertforge.cluster.preflight import preflight_eval
     from bertforge.training.checkpoint import resolve_checkpoint
     from bertforge.training.evaluate import evaluate_checkpoint
+    from bertforge.training.inputs import check_eval_inputs
 
-    preflight_eval(args.checkpoint, args.data, args.split)
+    check_eval_inputs(args.checkpoint, args.data, args.split)
     checkpoint = resolve_checkpoint(args.checkpoint)
     _log_in_run_dir(checkpoint, "eval")
     with reading_dataset(args.data, "eval"):  # prepare will not replace it meanwhile
@@ -321,11 +321,11 @@ def _run_eval(args: argparse.Namespace) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> None:
-    from bertforge.cluster.preflight import preflight_export
     from bertforge.training.checkpoint import read_metadata, resolve_checkpoint
     from bertforge.training.export import export_checkpoint
+    from bertforge.training.inputs import check_export_inputs
 
-    preflight_export(args.checkpoint, args.output)
+    check_export_inputs(args.checkpoint, args.output)
     checkpoint = resolve_checkpoint(args.checkpoint)
     _log_in_run_dir(checkpoint, "export")
     metadata = read_metadata(checkpoint)
