@@ -50,7 +50,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import _checkout  # bertforge, tests.support from this checkout
 import torch
 import torch.distributed as dist
 
@@ -58,7 +57,10 @@ from bertforge.training.flops import mfu, training_flops_per_batch
 from bertforge.training.masking import default_max_predictions
 from bertforge.training.model import IGNORE_INDEX, PRESETS, BertConfig
 
-REPO = _checkout.REPO
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `tests.support` (helpers shared with the tests, never installed) from this checkout; bertforge
+# is the installed package (benchmarks/README.md).
+sys.path.insert(0, REPO)
 
 # Dense (no sparsity) bf16 tensor-core peak of one GPU, TFLOP/s, from NVIDIA's datasheets;
 # the first name contained in torch.cuda.get_device_name() wins, so specific names go first.

@@ -45,7 +45,6 @@ import tempfile
 import threading
 import time
 
-import _checkout  # noqa: F401  (bertforge, tests.support from this checkout)
 import psutil
 
 from bertforge.pipelines.contract.tokenization import load_tokenizer, read_vocab

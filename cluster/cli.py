@@ -238,8 +238,8 @@ def _log_beside_output(argv: list[str]) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from bertforge.pipelines.inspect_shards import format_report, inspect_dataset
-    from bertforge.pipelines.verify_shards import format_verification, verify_dataset
+    from bertforge.pipelines.dataset_stats import format_report, inspect_dataset
+    from bertforge.pipelines.verify_dataset import format_verification, verify_dataset
 
     if args.verify:
         verification = verify_dataset(args.data_dir)
@@ -301,11 +301,11 @@ def _run_submit(args: argparse.Namespace) -> int:
 
 def _run_eval(args: argparse.Namespace) -> None:
     from bertforge.cluster.dataset_guard import reading_dataset
-    from bertforge.cluster.preflight import preflight_eval
     from bertforge.training.checkpoint import resolve_checkpoint
     from bertforge.training.evaluate import evaluate_checkpoint
+    from bertforge.training.inputs import check_eval_inputs
 
-    preflight_eval(args.checkpoint, args.data, args.split)
+    check_eval_inputs(args.checkpoint, args.data, args.split)
     checkpoint = resolve_checkpoint(args.checkpoint)
     _log_in_run_dir(checkpoint, "eval")
     with reading_dataset(args.data, "eval"):  # prepare will not replace it meanwhile
@@ -317,11 +317,11 @@ def _run_eval(args: argparse.Namespace) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> None:
-    from bertforge.cluster.preflight import preflight_export
     from bertforge.training.checkpoint import read_metadata, resolve_checkpoint
     from bertforge.training.export import export_checkpoint
+    from bertforge.training.inputs import check_export_inputs
 
-    preflight_export(args.checkpoint, args.output)
+    check_export_inputs(args.checkpoint, args.output)
     checkpoint = resolve_checkpoint(args.checkpoint)
     _log_in_run_dir(checkpoint, "export")
     metadata = read_metadata(checkpoint)
@@ -358,8 +358,8 @@ def _run_demo(args: argparse.Namespace) -> None:
 
 
 def _run_finetune(args: argparse.Namespace) -> None:
-    from bertforge.cluster.finetune import run_finetune
-    from bertforge.cluster.finetune_launch import finetune_launch
+    from bertforge.cluster.finetune_sweep import run_finetune
+    from bertforge.cluster.finetune_workers import finetune_launch
     from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.config_fields import given_values
     from bertforge.training.finetune.config import FinetuneConfig
@@ -370,7 +370,7 @@ def _run_finetune(args: argparse.Namespace) -> None:
 
 
 def _run_glue(args: argparse.Namespace) -> None:
-    from bertforge.cluster.finetune_launch import finetune_launch
+    from bertforge.cluster.finetune_workers import finetune_launch
     from bertforge.cluster.glue import GlueConfig, run_glue
     from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.config_fields import given_values

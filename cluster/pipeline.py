@@ -52,7 +52,7 @@ from bertforge.pipelines.prepare_options import PrepareConfig, check_beam_args
 from bertforge.training.config import TrainConfig
 
 # Keys that say how to run, not what to make: outputs are byte-identical on any Beam runner and
-# the training batches the same on any worker count (DESIGN: determinism), so changing them
+# the training batches the same on any worker count (DESIGN.md, "Determinism"), so changing them
 # between runs (prepare locally, train on a cluster) is allowed; so are the [prepare] options
 # marked so (rows_per_piece bounds memory and never changes a byte).
 HOW_TO_RUN_KEYS = ("config.cluster", "config.prepare.beam_args",

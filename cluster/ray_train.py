@@ -19,7 +19,6 @@ from bertforge.cluster import local_ray
 from bertforge.cluster.dataset_guard import reading_dataset
 from bertforge.cluster.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.paths import absolute
-from bertforge.cluster.preflight import preflight_train
 from bertforge.cluster.run_lock import exclusive_directory
 from bertforge.cluster.torch_store import NodeAddressTorchConfig
 from bertforge.cluster.worker_output import LOG_DIR, is_verbose, log_driver_to, show_train_workers
@@ -27,6 +26,7 @@ from bertforge.pipelines.config_fields import option
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
+from bertforge.training.inputs import check_train_inputs
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -111,14 +111,14 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
 
     Ray Train V2 keeps only metrics attached to Ray checkpoints, so the outcome is read from
     the run directory, where the loop commits its checkpoints. The inputs are checked here
-    first, before Ray starts (`cluster.preflight`); a user error inside a worker is not retried.
+    first, before Ray starts (`training.inputs`); a user error inside a worker is not retried.
     """
     # Relative paths are the user's working directory's, not the workers'.
     cfg = TrainConfig.from_dict({**cfg.to_dict(), "data_dir": absolute(cfg.data_dir),
                                  "run_dir": absolute(cfg.run_dir),
                                  "init_from": absolute(cfg.init_from)})
     launch = dataclasses.replace(launch, storage=absolute(launch.storage))
-    preflight_train(cfg)
+    check_train_inputs(cfg)
     run_dir = cfg.run_dir
     # One run per run directory (and per run in storage), taken before Ray starts.
     storage_run = f"{launch.storage.rstrip('/')}/{os.path.basename(run_dir)}" \

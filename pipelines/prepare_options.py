@@ -24,7 +24,7 @@ from bertforge.pipelines.config_fields import (
     option,
     without_marked,
 )
-from bertforge.pipelines.instances.instances import MIN_SEQ_LENGTH
+from bertforge.pipelines.instances.pairing import MIN_SEQ_LENGTH
 from bertforge.pipelines.local.options import LocalRunnerOptions  # its flags are Beam's too
 
 # Where the job reads or writes: the manifest identifies the inputs and the vocabulary by their

@@ -81,8 +81,8 @@ def finetune_sst2(model_dir: str, output: str, glue_dir: str | None,
         print(f"[demo] finetune: {reason}", flush=True)
         return {"skipped": reason}
     train, dev = files
-    from bertforge.cluster.finetune import run_finetunes
-    from bertforge.cluster.finetune_launch import finetune_launch
+    from bertforge.cluster.finetune_sweep import run_finetunes
+    from bertforge.cluster.finetune_workers import finetune_launch
 
     configs = [_config(model_dir, os.path.join(output, name), train, dev, budget, random_init)
                for name, random_init in (("pretrained", False), ("random_init", True))]

@@ -1,9 +1,9 @@
 """One fine-tuning run (one learning rate, one seed) on DeepSpeed; every worker calls `finetune`.
 
-Runs under Ray Train (cluster/finetune.py), `torchrun`, the `deepspeed` launcher or alone, like
-the pretraining loop. The engine is pretraining's (`training.engine.build_engine`: AdamW without
-decay on biases and LayerNorm, linear warm-up then linear decay to zero, ZeRO and precision as
-pretraining decides them); only the data and the heads differ.
+Runs under Ray Train (cluster/finetune_sweep.py), `torchrun`, the `deepspeed` launcher or
+alone, like the pretraining loop. The engine is pretraining's (`training.engine.build_engine`:
+AdamW without decay on biases and LayerNorm, linear warm-up then linear decay to zero, ZeRO and
+precision as pretraining decides them); only the data and the heads differ.
 
 Data order: each epoch is a permutation drawn from (seed, epoch); a global batch of batch_size
 examples is split across the ranks by stride, so every number of workers sees the same global

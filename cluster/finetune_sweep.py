@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from bertforge.cluster.paths import absolute
-from bertforge.cluster.preflight import preflight_model
 from bertforge.cluster.ray_train import QUIET_RAY_TRAIN, LaunchConfig, connect, run_on_ray
 from bertforge.cluster.stage_runner import (
     Stage,
@@ -40,6 +39,7 @@ from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, Finetun
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.task_data import is_squad_split
 from bertforge.training.finetune.tasks import glue_dir_files
+from bertforge.training.inputs import check_model_source
 
 RESULTS_NAME = "results.json"
 RUNS_DIR = "runs"
@@ -96,7 +96,7 @@ def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     # workers will read.
     pretrained = load_pretrained(cfg.model, random_init=True)
     if not cfg.random_init:
-        preflight_model(cfg.model)
+        check_model_source(cfg.model)
     provenance = {**pretrained.provenance, "random_init": cfg.random_init}
     if cfg.is_squad:
         from bertforge.training.finetune.task_data import read_squad_split
