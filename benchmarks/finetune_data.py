@@ -11,7 +11,6 @@ import argparse
 import os
 import time
 
-import _checkout  # noqa: F401  (bertforge from this checkout)
 import torch
 import transformers
 
@@ -21,6 +20,8 @@ from bertforge.training.finetune.glue_data import read_examples
 from bertforge.training.finetune.metrics import normalize_answer, squad_evaluate
 from bertforge.training.finetune.squad import postprocess_predictions, read_squad, squad_features
 from bertforge.training.finetune.tasks import GLUE_TASKS, glue_dir_files
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def timed(function, *args, **kwargs):
@@ -79,7 +80,7 @@ def squad_rows(data: str, tokenizer, hf) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_data = os.path.join(_checkout.REPO, "..", "shared", "data")
+    default_data = os.path.join(REPO, "..", "shared", "data")
     parser.add_argument("--data", default=default_data, help="holds glue/, squad/ and the vocab")
     parser.add_argument("--max-seq-length", type=int, default=128)
     args = parser.parse_args()

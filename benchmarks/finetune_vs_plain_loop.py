@@ -38,7 +38,6 @@ import sys
 import tempfile
 import time
 
-import _checkout  # noqa: F401  (bertforge, tests.support from this checkout)
 import torch
 
 from bertforge.training.finetune.config import FinetuneConfig
@@ -46,6 +45,8 @@ from bertforge.training.finetune.loop import batch_indices, count_steps, trim_pa
 from bertforge.training.finetune.task_data import load_task_data
 from bertforge.training.hf_interop import export_hf_directory
 from bertforge.training.model import BertConfig, BertForPreTraining
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 POSITIVE = ("good great fine lovely moving superb charming funny warm bright clever tender "
@@ -205,7 +206,7 @@ def bertforge_finetune(cfg: FinetuneConfig, output: str, launch: list[str]) -> d
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
-    parser.add_argument("--glue-dir", default=os.path.join(_checkout.REPO, "..", "shared",
+    parser.add_argument("--glue-dir", default=os.path.join(REPO, "..", "shared",
                                                            "data", "glue"))
     parser.add_argument("--synthetic", action="store_true", help="ignore SST-2 even if present")
     parser.add_argument("--models", nargs="+", choices=("demo", "base"),
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models:
         rows += compare(args, work, name)
     model, flags = cpu_facts()
-    commit = subprocess.run(["git", "-C", _checkout.REPO, "rev-parse", "--short", "HEAD"],
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or "unknown"
     import deepspeed
     import transformers

@@ -30,8 +30,6 @@ import statistics
 import subprocess
 import sys
 
-import _checkout  # noqa: F401  (bertforge from this checkout where it is not installed)
-
 from bertforge.training.config import TrainConfig
 from bertforge.training.export import export_checkpoint
 from bertforge.training.loop import train

@@ -50,7 +50,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import _checkout  # bertforge, tests.support from this checkout
 import torch
 import torch.distributed as dist
 
@@ -58,7 +57,10 @@ from bertforge.training.flops import mfu, training_flops_per_batch
 from bertforge.training.masking import default_max_predictions
 from bertforge.training.model import IGNORE_INDEX, PRESETS, BertConfig
 
-REPO = _checkout.REPO
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `tests.support` (helpers shared with the tests, never installed) from this checkout; bertforge
+# is the installed package (benchmarks/README.md).
+sys.path.insert(0, REPO)
 
 # Dense (no sparsity) bf16 tensor-core peak of one GPU, TFLOP/s, from NVIDIA's datasheets;
 # the first name contained in torch.cuda.get_device_name() wins, so specific names go first.
@@ -277,7 +279,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     model.gradient_checkpointing = cfg.activation_checkpointing
     model.max_predictions = max_predictions
     parameters = num_parameters(model)
-    engine = build_engine(model, cfg, world_size)
+    engine = build_engine(model, cfg.engine(), world_size)
     if args.compile:
         engine.compile()
     batches = [{k: v.to(engine.device) for k, v in b.items()} for b in cpu_batches]
@@ -289,7 +291,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
               for key in counts[0]}
     result = {
         "seq_len": case.seq_len, "micro_batch": case.micro_batch, "data": data,
-        "parameters": parameters, "deepspeed_config": deepspeed_config(cfg, world_size),
+        "parameters": parameters, "deepspeed_config": deepspeed_config(cfg.engine(), world_size),
         "step_ms_median": 1e3 * statistics.median(seconds), "step_ms_min": 1e3 * min(seconds),
         "step_ms_max": 1e3 * max(seconds),
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(),

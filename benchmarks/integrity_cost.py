@@ -18,7 +18,6 @@ import os
 import tempfile
 import time
 
-import _checkout  # noqa: F401  (bertforge from this checkout)
 import numpy as np
 
 from bertforge.pipelines.contract.manifest import read_manifest, sha256_file
@@ -29,7 +28,7 @@ from bertforge.training.data import (
     ReadOptions,
 )
 from bertforge.training.data.integrity import check_rows
-from bertforge.training.data.shards import open_shard
+from bertforge.training.data.mapped_shards import open_shard
 from bertforge.training.data.split import open_split
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.masking import MaskingVocab

@@ -35,11 +35,10 @@ import tempfile
 import time
 from collections.abc import Callable
 
-import _checkout  # noqa: F401  (bertforge, tests.support from this checkout)
 import numpy as np
 import torch
 
-from bertforge.pipelines.write.shards import ROWS_PER_BATCH
+from bertforge.pipelines.write.global_order import ROWS_PER_BATCH
 from bertforge.training.data import (
     MaskingOptions,
     PretrainingCollator,

@@ -33,7 +33,6 @@ import statistics
 import time
 from collections.abc import Callable
 
-import _checkout  # noqa: F401  (bertforge, tests.support from this checkout)
 import torch
 import transformers
 

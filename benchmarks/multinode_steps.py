@@ -16,16 +16,18 @@ import subprocess
 import sys
 import tempfile
 
-import _checkout  # bertforge, tests.support from this checkout
-
 from bertforge.training.metrics import read_metrics
-from tests.support.local_cluster import LocalRayCluster
 
-REPO = _checkout.REPO
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `tests.support` (helpers shared with the tests, never installed) from this checkout; bertforge
+# is the installed package (benchmarks/README.md).
+sys.path.insert(0, REPO)
 
 
 def run_layout(data: str, node_cpus: list[int], steps: int, batch_size: int) -> float:
     """Steps/s after the first logged step (start-up and first-step compilation excluded)."""
+    from tests.support.local_cluster import LocalRayCluster
+
     run_dir = tempfile.mkdtemp(prefix="bf_multinode_")
     with LocalRayCluster(multi_node=True) as cluster:
         cluster.start_head(node_cpus[0])

@@ -47,7 +47,6 @@ import signal
 import subprocess
 import time
 
-import _checkout  # noqa: F401  (bertforge from this checkout)
 import prepare_at_scale as scale  # the sibling benchmark: its corpus generator and machine lines
 
 from bertforge.pipelines.local_job import code_digest

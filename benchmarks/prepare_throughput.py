@@ -45,7 +45,6 @@ import tempfile
 import threading
 import time
 
-import _checkout  # noqa: F401  (bertforge, tests.support from this checkout)
 import psutil
 
 from bertforge.pipelines.contract.tokenization import load_tokenizer, read_vocab
@@ -87,7 +86,7 @@ def cleaned_documents(names_and_formats) -> list[tuple[str, str]]:
 def synthetic_documents(tmp: str) -> tuple[list, list, str]:
     """(many documents, long documents, vocab path) without ../shared/data: the docstring corpus
     as documents, and books made of 150 of its documents each; a vocabulary trained on it."""
-    from bertforge.pipelines.docstring_corpus import write_docstring_corpus
+    from bertforge.cluster.demo.docstring_corpus import write_docstring_corpus
     from bertforge.pipelines.vocab import train_wordpiece_vocab
 
     path = os.path.join(tmp, "docstrings.jsonl")

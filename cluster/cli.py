@@ -28,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(commands)
     _add_finetune(commands)
     _add_glue(commands)
-    from bertforge.cluster.config_fields import add_flags
     from bertforge.cluster.worker_output import ConsoleConfig
+    from bertforge.pipelines.config_fields import add_flags
 
     for command in QUIET_COMMANDS:  # one --verbose, declared once (ConsoleConfig)
         add_flags(commands.choices[command].add_argument_group("console (ConsoleConfig)"),
@@ -72,13 +72,9 @@ def _add_inspect(commands) -> None:
     p.set_defaults(handler=_run_inspect)
 
 
-# TrainConfig fields that `bertforge train` sets with flags of their own (or not at all).
-TRAIN_FIELDS_SET_BY_HAND = ("data_dir", "run_dir", "model", "resume")
-
-
 def _add_train(commands) -> None:
-    from bertforge.cluster.config_fields import add_flags
     from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.pipelines.config_fields import add_flag, add_flags
     from bertforge.training.config import TrainConfig
     from bertforge.training.recipes import RECIPES
 
@@ -87,16 +83,17 @@ def _add_train(commands) -> None:
         description="Train from a named recipe (--recipe) or from defaults; every flag given "
         "overrides the recipe's value. The resolved recipe is printed and saved in --run-dir.",
     )
-    p.add_argument("--data", required=True, help="prepared shard directory")
-    p.add_argument("--run-dir", required=True, help="checkpoints, metrics and TensorBoard go here")
+    # TrainConfig's fields marked NO_FLAG: data_dir and run_dir first, then the model's size
+    # (--preset) and resume (auto|never) from flags of the command's own.
+    add_flag(p, TrainConfig, "data_dir", dest="data", required=True)
+    add_flag(p, TrainConfig, "run_dir", required=True)
     p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
                    help="a named recipe (training/recipes.py); phase 2 needs --init-from")
     p.add_argument("--preset", choices=("tiny", "mini", "base", "large"), default=None,
                    help="model size (default: the recipe's, else tiny)")
     p.add_argument("--resume", default="auto", choices=("auto", "never"),
                    help="auto: continue from the newest complete checkpoint in --run-dir")
-    add_flags(p.add_argument_group("training (TrainConfig)"), TrainConfig,
-              skip=TRAIN_FIELDS_SET_BY_HAND)
+    add_flags(p.add_argument_group("training (TrainConfig)"), TrainConfig)
     add_flags(p.add_argument_group("where it runs (LaunchConfig)"), LaunchConfig)
     p.set_defaults(handler=_run_train)
 
@@ -158,8 +155,8 @@ def _add_pipeline(commands) -> None:
 
 
 def _add_demo(commands) -> None:
-    from bertforge.cluster.config_fields import add_flags
     from bertforge.cluster.demo import DemoConfig
+    from bertforge.pipelines.config_fields import add_flags
 
     p = commands.add_parser("demo", help="the whole chain on the built-in corpus, in minutes")
     add_flags(p, DemoConfig)
@@ -167,9 +164,8 @@ def _add_demo(commands) -> None:
 
 
 def _add_finetune(commands) -> None:
-    from bertforge.cluster.config_fields import add_flags
-    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED
-    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.pipelines.config_fields import add_flags
     from bertforge.training.finetune.config import FinetuneConfig
 
     p = commands.add_parser(
@@ -180,16 +176,15 @@ def _add_finetune(commands) -> None:
     )
     add_flags(p.add_argument_group("fine-tuning (FinetuneConfig)"), FinetuneConfig)
     add_flags(p.add_argument_group("where it runs (LaunchConfig)"), LaunchConfig,
-              skip=LAUNCH_FIELDS_UNUSED)
+              without=(FOR_CHECKPOINTS,))  # a fine-tuning run keeps no checkpoints
     p.set_defaults(handler=_run_finetune)
 
 
 def _add_glue(commands) -> None:
-    from bertforge.cluster.config_fields import add_flags
-    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED
-    from bertforge.cluster.glue import FINETUNE_FIELDS_PER_TASK, GlueConfig
-    from bertforge.cluster.ray_train import LaunchConfig
-    from bertforge.training.finetune.config import FinetuneConfig
+    from bertforge.cluster.glue import GlueConfig
+    from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.pipelines.config_fields import add_flags
+    from bertforge.training.finetune.config import PER_TASK, FinetuneConfig
 
     p = commands.add_parser(
         "glue", help="fine-tune on every GLUE task found; one table in the GLUE paper's layout",
@@ -199,9 +194,9 @@ def _add_glue(commands) -> None:
     )
     add_flags(p, GlueConfig)
     add_flags(p.add_argument_group("fine-tuning, for every task (FinetuneConfig)"),
-              FinetuneConfig, skip=FINETUNE_FIELDS_PER_TASK)
+              FinetuneConfig, without=(PER_TASK,))  # glue sets those for each task
     add_flags(p.add_argument_group("where it runs (LaunchConfig)"), LaunchConfig,
-              skip=LAUNCH_FIELDS_UNUSED)
+              without=(FOR_CHECKPOINTS,))
     p.set_defaults(handler=_run_glue)
 
 
@@ -243,8 +238,8 @@ def _log_beside_output(argv: list[str]) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from bertforge.pipelines.inspect_shards import format_report, inspect_dataset
-    from bertforge.pipelines.verify_shards import format_verification, verify_dataset
+    from bertforge.pipelines.dataset_stats import format_report, inspect_dataset
+    from bertforge.pipelines.verify_dataset import format_verification, verify_dataset
 
     if args.verify:
         verification = verify_dataset(args.data_dir)
@@ -259,24 +254,25 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def train_config_from_args(args: argparse.Namespace):
-    from bertforge.cluster.config_fields import given_values
+    from bertforge.pipelines.config_fields import given_values
     from bertforge.training.config import TrainConfig
     from bertforge.training.recipes import recipe_by_name
 
-    overrides = given_values(args, TrainConfig, skip=TRAIN_FIELDS_SET_BY_HAND + ("init_from",))
+    overrides = given_values(args, TrainConfig)
+    init_from = overrides.pop("init_from", None)  # a recipe's own argument (phase 2 needs it)
     overrides["resume"] = args.resume == "auto"
     if args.preset:
         overrides["model"] = {"preset": args.preset}
     if args.recipe:
-        return recipe_by_name(args.recipe, args.data, args.run_dir, init_from=args.init_from,
+        return recipe_by_name(args.recipe, args.data, args.run_dir, init_from=init_from,
                               **overrides)
-    return TrainConfig(data_dir=args.data, run_dir=args.run_dir, init_from=args.init_from,
+    return TrainConfig(data_dir=args.data, run_dir=args.run_dir, init_from=init_from,
                        **overrides)
 
 
 def _run_train(args: argparse.Namespace) -> None:
-    from bertforge.cluster.config_fields import given_values
     from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
+    from bertforge.pipelines.config_fields import given_values
 
     cfg = train_config_from_args(args)
     launch = LaunchConfig(**given_values(args, LaunchConfig))
@@ -305,11 +301,11 @@ def _run_submit(args: argparse.Namespace) -> int:
 
 def _run_eval(args: argparse.Namespace) -> None:
     from bertforge.cluster.dataset_guard import reading_dataset
-    from bertforge.cluster.preflight import preflight_eval
     from bertforge.training.checkpoint import resolve_checkpoint
     from bertforge.training.evaluate import evaluate_checkpoint
+    from bertforge.training.inputs import check_eval_inputs
 
-    preflight_eval(args.checkpoint, args.data, args.split)
+    check_eval_inputs(args.checkpoint, args.data, args.split)
     checkpoint = resolve_checkpoint(args.checkpoint)
     _log_in_run_dir(checkpoint, "eval")
     with reading_dataset(args.data, "eval"):  # prepare will not replace it meanwhile
@@ -321,11 +317,11 @@ def _run_eval(args: argparse.Namespace) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> None:
-    from bertforge.cluster.preflight import preflight_export
     from bertforge.training.checkpoint import read_metadata, resolve_checkpoint
     from bertforge.training.export import export_checkpoint
+    from bertforge.training.inputs import check_export_inputs
 
-    preflight_export(args.checkpoint, args.output)
+    check_export_inputs(args.checkpoint, args.output)
     checkpoint = resolve_checkpoint(args.checkpoint)
     _log_in_run_dir(checkpoint, "export")
     metadata = read_metadata(checkpoint)
@@ -355,36 +351,35 @@ def _run_pipeline(args: argparse.Namespace) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> None:
-    from bertforge.cluster.config_fields import given_values
     from bertforge.cluster.demo import DemoConfig, run_demo
+    from bertforge.pipelines.config_fields import given_values
 
     run_demo(DemoConfig(**given_values(args, DemoConfig)))
 
 
 def _run_finetune(args: argparse.Namespace) -> None:
-    from bertforge.cluster.config_fields import given_values
-    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED, run_finetune
-    from bertforge.cluster.finetune_launch import finetune_launch
-    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.cluster.finetune_sweep import run_finetune
+    from bertforge.cluster.finetune_workers import finetune_launch
+    from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.pipelines.config_fields import given_values
     from bertforge.training.finetune.config import FinetuneConfig
 
     cfg = FinetuneConfig(**given_values(args, FinetuneConfig))
     run_finetune(cfg, finetune_launch(given_values(args, LaunchConfig,
-                                      skip=LAUNCH_FIELDS_UNUSED)))
+                                                   without=(FOR_CHECKPOINTS,))))
 
 
 def _run_glue(args: argparse.Namespace) -> None:
-    from bertforge.cluster.config_fields import given_values
-    from bertforge.cluster.finetune import LAUNCH_FIELDS_UNUSED
-    from bertforge.cluster.finetune_launch import finetune_launch
-    from bertforge.cluster.glue import FINETUNE_FIELDS_PER_TASK, GlueConfig, run_glue
-    from bertforge.cluster.ray_train import LaunchConfig
-    from bertforge.training.finetune.config import FinetuneConfig
+    from bertforge.cluster.finetune_workers import finetune_launch
+    from bertforge.cluster.glue import GlueConfig, run_glue
+    from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.pipelines.config_fields import given_values
+    from bertforge.training.finetune.config import PER_TASK, FinetuneConfig
 
-    finetune = given_values(args, FinetuneConfig, skip=FINETUNE_FIELDS_PER_TASK)
+    finetune = given_values(args, FinetuneConfig, without=(PER_TASK,))
     config = GlueConfig(**given_values(args, GlueConfig), finetune=finetune)
     run_glue(config, finetune_launch(given_values(args, LaunchConfig,
-                                     skip=LAUNCH_FIELDS_UNUSED)))
+                                                  without=(FOR_CHECKPOINTS,))))
 
 
 def _configure_logging() -> None:

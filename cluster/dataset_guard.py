@@ -103,7 +103,7 @@ def refuse_another_dataset(output: str, config) -> None:
     from bertforge.pipelines.contract.manifest import MANIFEST_NAME, read_manifest
     from bertforge.pipelines.dataset_identity import dataset_differences
     from bertforge.pipelines.filesystem import sha256_of
-    from bertforge.pipelines.read.read_inputs import match_inputs
+    from bertforge.pipelines.read.inputs_transform import match_inputs
 
     if not os.path.isfile(os.path.join(output, MANIFEST_NAME)):
         return

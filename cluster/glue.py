@@ -18,24 +18,22 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from bertforge.cluster.config_fields import HELP
 from bertforge.cluster.paths import absolute
+from bertforge.pipelines.config_fields import (
+    NO_FLAG,
+    RERUN_MAY_CHANGE,
+    fields_marked,
+    option,
+    without_marked,
+)
 from bertforge.training.finetune import tasks
-from bertforge.training.finetune.config import FinetuneConfig
+from bertforge.training.finetune.config import PER_TASK, FinetuneConfig
 
 DEFAULT_GLUE_OUTPUT = "bertforge-glue"
 MISSING = "-"
-# FinetuneConfig fields each task sets itself; every other one is a flag applied to every task.
-FINETUNE_FIELDS_PER_TASK = (
-    "task", "model", "output", "train", "dev", "data_root", "text_columns", "label_column",
-    "labels", "regression", "has_header", "doc_stride", "max_query_length",
-    "max_answer_length", "squad_dev_fraction",
-)
-# Fine-tuning fields that only say how to show or keep the outputs: a rerun may change them.
-NOT_SETTINGS = ("log_every", "keep_all_models")
 
 
 @dataclass(frozen=True)
@@ -61,23 +59,24 @@ GLUE_COLUMNS = (
 class GlueConfig:
     """`bertforge glue`'s own settings; the fine-tuning flags go to every task (`finetune`)."""
 
-    model: str = field(default=None, metadata={
-        HELP: "a bertforge checkpoint, a run directory or a Hugging Face BERT directory"})
-    output: str = field(default=DEFAULT_GLUE_OUTPUT, metadata={
-        HELP: "one directory per task, glue.json and the table go here"})
-    glue_dir: str | None = field(default=None, metadata={
-        HELP: "the GLUE data: <dir>/SST-2/train.tsv, ... (default: ../shared/data/glue)"})
-    tasks: tuple[str, ...] = field(default=(), metadata={
-        HELP: "only these tasks (default: every task whose train and dev files are there)"})
-    # FinetuneConfig fields (not those of FINETUNE_FIELDS_PER_TASK) applied to every task.
-    finetune: dict[str, Any] = field(default_factory=dict, metadata={
-        HELP: "fine-tuning settings for every task (the FinetuneConfig flags)"})
+    model: str = option(help="a bertforge checkpoint, a run directory or a Hugging Face BERT "
+                        "directory")
+    output: str = option(DEFAULT_GLUE_OUTPUT, "one directory per task, glue.json and the table "
+                         "go here")
+    glue_dir: str | None = option(help="the GLUE data: <dir>/SST-2/train.tsv, ... (default: "
+                                  "../shared/data/glue)")
+    tasks: tuple[str, ...] = option((), "only these tasks (default: every task whose train and "
+                                    "dev files are there)")
+    # FinetuneConfig's recipe (its fields not marked PER_TASK), applied to every task; its
+    # fields are flags of their own (cli: `add_flags(..., without=(PER_TASK,))`).
+    finetune: dict[str, Any] = option({}, "fine-tuning settings for every task (the "
+                                      "FinetuneConfig flags)", marks=(NO_FLAG,))
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("--model is required: the pretrained model to fine-tune")
         self.tasks = tuple(tasks.task_spec(name).name for name in self.tasks)
-        per_task = sorted(set(self.finetune) & set(FINETUNE_FIELDS_PER_TASK))
+        per_task = sorted(set(self.finetune) & set(fields_marked(FinetuneConfig, PER_TASK)))
         if per_task:
             raise ValueError(f"{', '.join(per_task)}: set per task by bertforge glue")
 
@@ -143,7 +142,7 @@ def resolve_glue_dir(glue_dir: str | None) -> str:
         if not os.path.isdir(glue_dir):
             raise ValueError(f"--glue-dir {glue_dir}: no such directory")
         return os.path.abspath(glue_dir)
-    from bertforge.cluster.finetune import default_data_root
+    from bertforge.cluster.finetune_sweep import default_data_root
 
     root = default_data_root()
     if root is None or not os.path.isdir(os.path.join(root, "glue")):
@@ -169,7 +168,7 @@ def task_configs(config: GlueConfig, glue_dir: str) -> dict[str, FinetuneConfig]
 
 def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
     """Fine-tune every task not done yet in config.output; print and return the table record."""
-    from bertforge.cluster.finetune import run_finetunes
+    from bertforge.cluster.finetune_sweep import run_finetunes
     from bertforge.cluster.stage_runner import Stage, StageRunner
 
     started = time.time()
@@ -177,7 +176,7 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
     configs = task_configs(config, glue_dir)
     settings = {
         "model": os.path.abspath(config.model), "glue_dir": glue_dir, "tasks": list(configs),
-        "finetune": {k: v for k, v in config.finetune.items() if k not in NOT_SETTINGS},
+        "finetune": without_marked(config.finetune, FinetuneConfig, RERUN_MAY_CHANGE),
     }
     with StageRunner(config.output, "glue", settings, heartbeat_seconds=120.0,
                      skip_message="done in an earlier run, reusing it",

@@ -19,35 +19,45 @@ file's own directory, so a run does not depend on the current directory.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from bertforge.cluster.config_fields import (
+from bertforge.cluster.ray_train import LaunchConfig
+from bertforge.cluster.stage_runner import Stage, StageRunner
+from bertforge.cluster.stages import (
+    export_complete,
+    export_final,
+    make_vocab,
+    prepare_dataset,
+    shards_complete,
+    train_to_the_end,
+    training_complete,
+    vocab_complete,
+)
+from bertforge.pipelines.config_fields import (
+    NOT_IN_FILE,
+    REQUIRED,
+    RERUN_MAY_CHANGE,
     check_type,
+    field_types,
+    fields_marked,
     from_table,
+    option,
+    required_fields,
     table_keys,
     underscore_hint,
 )
-from bertforge.cluster.ray_train import LaunchConfig
-from bertforge.cluster.stage_runner import Stage, StageRunner, fresh_dir
 from bertforge.pipelines.prepare_options import PrepareConfig, check_beam_args
 from bertforge.training.config import TrainConfig
 
 # Keys that say how to run, not what to make: outputs are byte-identical on any Beam runner and
-# the training batches the same on any worker count (DESIGN: determinism), so changing them
-# between runs (prepare locally, train on a cluster) is allowed. rows_per_piece bounds memory
-# and never changes a byte.
+# the training batches the same on any worker count (DESIGN.md, "Determinism"), so changing them
+# between runs (prepare locally, train on a cluster) is allowed; so are the [prepare] options
+# marked so (rows_per_piece bounds memory and never changes a byte).
 HOW_TO_RUN_KEYS = ("config.cluster", "config.prepare.beam_args",
-                   "config.prepare.options.rows_per_piece")
-
-# PrepareConfig fields the pipeline sets itself: where the shards and the vocab live, casing
-# (the vocab's) and the length (each phase's).
-_OWNED_PREPARE_FIELDS = ("inputs", "output", "vocab", "lower_case", "max_seq_length")
-# TrainConfig fields the pipeline owns: where data and runs live, and resuming (always on).
-_OWNED_TRAIN_FIELDS = ("data_dir", "run_dir", "resume")
+                   *(f"config.prepare.options.{name}"
+                     for name in fields_marked(PrepareConfig, RERUN_MAY_CHANGE)))
 
 
 # --- configuration --------------------------------------------------------------------------
@@ -77,11 +87,13 @@ def _string_list(section: str, key: str, table: dict[str, Any]) -> tuple[str, ..
 class VocabSection:
     """Train a WordPiece vocab (`size`), or use an existing file (`path`, e.g. Google's)."""
 
-    path: str | None = None
-    size: int = 30522
-    lower_case: bool = True
-    # Files to train on; default: the [prepare] inputs (read as text, format prefixes dropped).
-    inputs: tuple[str, ...] = ()
+    path: str | None = option(help="an existing vocab.txt to use (e.g. Google's), instead of "
+                              "training one")
+    size: int = option(30522, "entries of the vocabulary to train")
+    lower_case: bool = option(True, "lower-case and strip accents (the vocab's casing, which "
+                              "prepare follows)")
+    inputs: tuple[str, ...] = option((), "files to train the vocabulary on (default: the "
+                                     "[prepare] inputs, read as text, format prefixes dropped)")
 
     def __post_init__(self) -> None:
         if self.size < 6:  # the 5 special tokens and one more
@@ -120,8 +132,9 @@ class PrepareSection:
         values.pop("inputs", None)
         if not inputs:
             raise ValueError("prepare.inputs is required: a list of corpus files or globs")
+        # The fields NOT_IN_FILE come from the pipeline's paths, [vocab] and phase 1.
         options = from_table(
-            PrepareConfig, "prepare", values, skip=_OWNED_PREPARE_FIELDS, inputs=inputs,
+            PrepareConfig, "prepare", values, inputs=inputs,
             output=paths.shards(max_seq_length), vocab=paths.vocab, lower_case=vocab.lower_case,
             max_seq_length=max_seq_length,
         )
@@ -142,10 +155,11 @@ class PrepareSection:
 
 @dataclass(frozen=True)
 class PhaseSection:
-    name: str  # "phase1" or "phase2", for messages
-    recipe: str
-    max_seq_length: int
-    overrides: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields
+    name: str = option(REQUIRED, "phase1 or phase2: the table's name", marks=(NOT_IN_FILE,))
+    recipe: str = option(REQUIRED, "a named recipe (training/recipes.py)")
+    max_seq_length: int = option(REQUIRED, "the length of the shards this phase trains on")
+    overrides: dict[str, Any] = option({}, "TrainConfig fields, over the recipe's (not those "
+                                       "NOT_IN_FILE, which the pipeline sets)")
 
     def __post_init__(self) -> None:
         from bertforge.training.recipes import RECIPES
@@ -153,8 +167,9 @@ class PhaseSection:
         if self.recipe not in RECIPES:
             raise ValueError(f"unknown recipe {self.recipe!r}; "
                              f"choose one of {sorted(RECIPES)}")
-        owned = _OWNED_TRAIN_FIELDS + (("init_from",) if self.name == "phase2" else ())
-        known = table_keys(TrainConfig, skip=owned)
+        known = table_keys(TrainConfig)
+        if self.name == "phase2":
+            known.discard("init_from")  # phase 2 starts from phase 1's weights
         unknown = sorted(set(self.overrides) - known)
         if unknown:
             raise ValueError(
@@ -164,23 +179,18 @@ class PhaseSection:
 
     @classmethod
     def from_table(cls, name: str, table: Any) -> PhaseSection:
-        for key in ("recipe", "max_seq_length"):
-            if isinstance(table, dict) and key not in table:
-                raise ValueError(f"{name}.{key} is required")
         return from_table(cls, name, table, name=name)
 
 
-_TOP_LEVEL_KEYS = ("workdir", "vocab", "prepare", "phase1", "phase2", "cluster")
-
-
-@dataclass(frozen=True)
+# Keyword-only, so that the fields (the file's top-level keys) come in the order a file reads.
+@dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
-    workdir: str  # absolute
-    prepare: PrepareSection
-    phase1: PhaseSection
-    phase2: PhaseSection | None = None
-    vocab: VocabSection = field(default_factory=VocabSection)
-    cluster: LaunchConfig = field(default_factory=LaunchConfig)
+    workdir: str = option(REQUIRED, "where every stage's outputs go (absolute once resolved)")
+    vocab: VocabSection = option(VocabSection(), "[vocab]: train one, or use path's")
+    prepare: PrepareSection = option(REQUIRED, "[prepare]: the Beam job's options and beam_args")
+    phase1: PhaseSection = option(REQUIRED, "[phase1]: a recipe, its length and overrides")
+    phase2: PhaseSection | None = option(help="[phase2]: the same, warm-started from phase 1")
+    cluster: LaunchConfig = option(LaunchConfig(), "[cluster]: where training runs")
 
     def __post_init__(self) -> None:
         if "://" in self.workdir:
@@ -192,14 +202,15 @@ class PipelineConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], base_dir: str) -> PipelineConfig:
-        unknown = sorted(set(data) - set(_TOP_LEVEL_KEYS))
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
         if unknown:
             raise ValueError(f"unknown top-level key(s): {', '.join(unknown)}; "
-                             f"known: {', '.join(_TOP_LEVEL_KEYS)}")
-        for key in ("workdir", "prepare", "phase1"):
+                             f"known: {', '.join(known)}")
+        for key in required_fields(cls):
             if key not in data:
-                raise ValueError(f"{key} is required" + (f" (a [{key}] table)" if key != "workdir"
-                                                         else ""))
+                table = field_types(cls)[key] is not str
+                raise ValueError(f"{key} is required" + (f" (a [{key}] table)" if table else ""))
         workdir = _resolve_path(check_type("config", "workdir", data["workdir"], str), base_dir)
         paths = PipelinePaths(workdir)
         vocab = VocabSection.from_table(data.get("vocab", {}), base_dir)
@@ -296,123 +307,36 @@ class PipelinePaths:
 def build_stages(
     config: PipelineConfig, paths: PipelinePaths, runner: StageRunner
 ) -> list[Stage]:
+    """vocab, prepare per length, a stage per phase, export (bodies: `cluster.stages`), each
+    done when its outputs are."""
     stages = [Stage("vocab", lambda: _make_vocab(config, paths),
-                    is_done=lambda: os.path.isfile(paths.vocab))]
+                    is_done=lambda: vocab_complete(paths.vocab_dir))]
     for length in sorted({phase.max_seq_length for phase in config.phases()}):
         stages.append(Stage(
-            f"prepare-{length}", lambda length=length: _prepare(config, length),
-            is_done=lambda length=length: _shards_complete(paths.shards(length)),
+            f"prepare-{length}",
+            lambda length=length: prepare_dataset(config.prepare_config(length),
+                                                  config.prepare.beam_args),
+            is_done=lambda length=length: shards_complete(paths.shards(length)),
         ))
     train_configs = config.train_configs()
     for name, cfg in train_configs.items():
-        stages.append(Stage(name, lambda cfg=cfg: _train(config, cfg),
-                            is_done=lambda cfg=cfg: _training_complete(cfg)))
+        # resume=True: continues from the newest committed checkpoint, or starts fresh (phase 2
+        # then warm-starts from phase 1's weights).
+        stages.append(Stage(name, lambda cfg=cfg: train_to_the_end(cfg, config.cluster,
+                                                                   "pipeline"),
+                            is_done=lambda cfg=cfg: training_complete(cfg)))
     last_run = paths.run(list(train_configs)[-1])
-    stages.append(Stage("export", lambda: _export(paths, last_run),
-                        is_done=lambda: _export_complete(paths, last_run, runner)))
+    stages.append(Stage("export", lambda: export_final(last_run, paths.hf),
+                        is_done=lambda: export_complete(paths.hf, last_run,
+                                                        runner.recorded("export"))))
     return stages
 
 
 def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
-    from bertforge.pipelines.contract.manifest import sha256_file
-
-    # Built beside its place and renamed in, so a half-written vocab.txt never "exists".
-    tmp = paths.vocab_dir + ".tmp"
-    fresh_dir(tmp)
-    if config.vocab.path:
-        if not os.path.isfile(config.vocab.path):
-            raise ValueError(f"vocab.path {config.vocab.path} does not exist")
-        shutil.copyfile(config.vocab.path, os.path.join(tmp, "vocab.txt"))
-        source = config.vocab.path
-    else:
-        from bertforge.pipelines.vocab import train_wordpiece_vocab
-
-        # As prepare reads them, format prefixes included (`books:` is read as books).
-        inputs = config.vocab.inputs or config.prepare.options.inputs
-        train_wordpiece_vocab(list(inputs), tmp,
-                              vocab_size=config.vocab.size, lower_case=config.vocab.lower_case)
-        source = "trained"
-    shutil.rmtree(paths.vocab_dir, ignore_errors=True)
-    os.replace(tmp, paths.vocab_dir)
-    return {"source": source, "sha256": sha256_file(paths.vocab)}
-
-
-def _shards_complete(data_dir: str) -> bool:
-    from bertforge.pipelines.contract.manifest import MANIFEST_NAME
-
-    return os.path.isfile(os.path.join(data_dir, MANIFEST_NAME))
-
-
-def _prepare(config: PipelineConfig, max_seq_length: int) -> dict[str, Any]:
-    from bertforge.pipelines.local.options import WORK_DIR_NAME
-    from bertforge.pipelines.local.work_dir import WorkConflict
-    from bertforge.pipelines.prepare import run as run_prepare
-
-    prepare = config.prepare_config(max_seq_length)
-    if os.path.isdir(os.path.join(prepare.output, WORK_DIR_NAME)):
-        # A killed attempt's recorded work: the job continues it, or starts over when it was
-        # another job's (the configuration changed since).
-        try:
-            summary = run_prepare(prepare, config.prepare.beam_args)
-        except WorkConflict:
-            summary = run_prepare(prepare, config.prepare.beam_args, start_over=True)
-    else:
-        fresh_dir(prepare.output)  # no manifest, no work record: its files cannot be trusted
-        summary = run_prepare(prepare, config.prepare.beam_args)
-    return {"instances": summary.get("instances"), "seconds_in_beam": summary.get("seconds")}
-
-
-def _training_complete(cfg) -> bool:
-    from bertforge.training.checkpoint import committed_steps
-
-    steps = committed_steps(cfg.run_dir)
-    return bool(steps) and steps[-1] >= cfg.max_steps
-
-
-def _train(config: PipelineConfig, cfg) -> dict[str, Any]:
-    from bertforge.cluster.ray_train import train_on_ray
-
-    # resume=True: continues from the newest committed checkpoint, or starts fresh (phase 2
-    # then warm-starts from phase 1's weights).
-    result = train_on_ray(cfg, config.cluster)
-    if result["step"] < cfg.max_steps:
-        raise RuntimeError(f"{cfg.run_dir}: training stopped at step {result['step']}, "
-                           f"not {cfg.max_steps}; run the pipeline again to resume")
-    return {"step": result["step"], "checkpoint": result["checkpoint_path"]}
-
-
-def _export_source(run_dir: str) -> dict[str, Any] | None:
-    """The final checkpoint and its commit marker: a retrained checkpoint has a new marker."""
-    from bertforge.training.checkpoint import COMMIT_MARKER, latest_checkpoint
-
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        return None
-    with open(os.path.join(path, COMMIT_MARKER), encoding="utf-8") as f:
-        return {"checkpoint": path, "committed": json.load(f)}
-
-
-def _export_complete(paths: PipelinePaths, run_dir: str, runner: StageRunner) -> bool:
-    from bertforge.training.hf_interop import HF_CONFIG_NAME
-
-    files = (HF_CONFIG_NAME, "model.safetensors")
-    if not all(os.path.isfile(os.path.join(paths.hf, name)) for name in files):
-        return False
-    recorded = (runner.recorded("export") or {}).get("source")
-    return recorded is not None and recorded == _export_source(run_dir)
-
-
-def _export(paths: PipelinePaths, run_dir: str) -> dict[str, Any]:
-    from bertforge.training.export import export_checkpoint
-
-    source = _export_source(run_dir)
-    assert source is not None, "export runs after the last phase committed its checkpoint"
-    tmp = paths.hf + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    export_checkpoint(source["checkpoint"], tmp)
-    shutil.rmtree(paths.hf, ignore_errors=True)
-    os.replace(tmp, paths.hf)
-    return {"hf_dir": paths.hf, "source": source}
+    # Without its own inputs: prepare's, as prepare reads them (`books:` is read as books).
+    return make_vocab(paths.vocab_dir, inputs=config.vocab.inputs or config.prepare.options.inputs,
+                      size=config.vocab.size, lower_case=config.vocab.lower_case,
+                      existing=config.vocab.path)
 
 
 # --- the run --------------------------------------------------------------------------------

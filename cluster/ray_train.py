@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -16,43 +16,46 @@ from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.v2.api.exceptions import ControllerError
 
 from bertforge.cluster import local_ray
-from bertforge.cluster.config_fields import HELP
 from bertforge.cluster.dataset_guard import reading_dataset
 from bertforge.cluster.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.paths import absolute
-from bertforge.cluster.preflight import preflight_train
 from bertforge.cluster.run_lock import exclusive_directory
 from bertforge.cluster.torch_store import NodeAddressTorchConfig
 from bertforge.cluster.worker_output import LOG_DIR, is_verbose, log_driver_to, show_train_workers
+from bertforge.pipelines.config_fields import option
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
+from bertforge.training.inputs import check_train_inputs
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+# Where checkpoints persist: fine-tuning keeps none, so `finetune` and `glue` have no flag for it.
+FOR_CHECKPOINTS = "for_checkpoints"
 
 
 @dataclass
 class LaunchConfig:
     """Where and on how many workers training runs; `bertforge train` flags and the pipeline
-    file's [cluster] table are generated from these fields (`bertforge.cluster.config_fields`)."""
+    file's [cluster] table are generated from these fields (`bertforge.pipelines.config_fields`)."""
 
-    workers: int = field(default=2, metadata={HELP: "Ray Train workers (one process each)"})
-    gpu: bool = field(default=False, metadata={HELP: "one GPU per worker"})
-    cpus_per_worker: int = field(default=1, metadata={HELP: "CPUs (and torch threads) per worker"})
-    address: str | None = field(default=None, metadata={
-        HELP: "Ray cluster address, 'auto' on a cluster node (default: a private local Ray on "
-        "127.0.0.1)"})
-    max_failures: int = field(default=3, metadata={
-        HELP: "worker-group restarts from the newest checkpoint before giving up"})
+    workers: int = option(2, "Ray Train workers (one process each)")
+    gpu: bool = option(False, "one GPU per worker")
+    cpus_per_worker: int = option(1, "CPUs (and torch threads) per worker")
+    address: str | None = option(help="Ray cluster address, 'auto' on a cluster node (default: a "
+                                 "private local Ray on 127.0.0.1)")
+    max_failures: int = option(3, "worker-group restarts from the newest checkpoint before "
+                               "giving up")
     # Where Ray Train persists every rank's checkpoint files (gs://, s3://, or a path all nodes
     # share); None: the run directory itself must be shared storage.
-    storage: str | None = field(default=None, metadata={
-        HELP: "persist every rank's checkpoints to this URI (gs://, s3://) or shared path and "
-        "restore from it on restart; without it the run directory must be shared"})
+    storage: str | None = option(help="persist every rank's checkpoints to this URI (gs://, "
+                                 "s3://) or shared path and restore from it on restart; without "
+                                 "it the run directory must be shared", marks=(FOR_CHECKPOINTS,))
     # PACK fills a node before the next (fast collectives); SPREAD puts workers on
     # different nodes (one GPU per node, or testing what crosses the network).
-    placement_strategy: str = field(default="PACK", metadata={
-        HELP: "SPREAD puts workers on different nodes", "choices": PLACEMENT_STRATEGIES})
+    placement_strategy: str = option("PACK", "SPREAD puts workers on different nodes",
+                                     choices=PLACEMENT_STRATEGIES)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -108,14 +111,14 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
 
     Ray Train V2 keeps only metrics attached to Ray checkpoints, so the outcome is read from
     the run directory, where the loop commits its checkpoints. The inputs are checked here
-    first, before Ray starts (`cluster.preflight`); a user error inside a worker is not retried.
+    first, before Ray starts (`training.inputs`); a user error inside a worker is not retried.
     """
     # Relative paths are the user's working directory's, not the workers'.
     cfg = TrainConfig.from_dict({**cfg.to_dict(), "data_dir": absolute(cfg.data_dir),
                                  "run_dir": absolute(cfg.run_dir),
                                  "init_from": absolute(cfg.init_from)})
     launch = dataclasses.replace(launch, storage=absolute(launch.storage))
-    preflight_train(cfg)
+    check_train_inputs(cfg)
     run_dir = cfg.run_dir
     # One run per run directory (and per run in storage), taken before Ray starts.
     storage_run = f"{launch.storage.rstrip('/')}/{os.path.basename(run_dir)}" \
@@ -208,16 +211,16 @@ def _run_config(cfg: TrainConfig, launch: LaunchConfig) -> RunConfig:
         return RunConfig(
             name=os.path.basename(cfg.run_dir.rstrip("/")), storage_path=launch.storage,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-            failure_config=failure, logging_config=_QUIET_RAY_TRAIN,
+            failure_config=failure, logging_config=QUIET_RAY_TRAIN,
         )
     # Ray Train's own state lives in RUN_DIR/ray, beside our checkpoints.
     return RunConfig(name="ray", storage_path=cfg.run_dir, failure_config=failure,
-                     logging_config=_QUIET_RAY_TRAIN)
+                     logging_config=QUIET_RAY_TRAIN)
 
 
 # Ray Train's INFO lines (resources requested, worker group started, process group set up) stay
 # in Ray's session logs; the console gets its warnings and errors.
-_QUIET_RAY_TRAIN = ray.train.LoggingConfig(log_level="WARNING")
+QUIET_RAY_TRAIN = ray.train.LoggingConfig(log_level="WARNING")
 
 
 def _worker_main(loop_config: dict[str, Any]) -> None:

@@ -1,11 +1,12 @@
-"""The one stage runner behind `demo` and `pipeline` (and the coming `finetune` and `glue`).
+"""The one stage runner behind `demo`, `pipeline`, `finetune` (a stage per learning rate and
+seed) and `glue` (a stage per task).
 
 A job is a list of `Stage`s run in one directory:
 - one run per directory at a time (`exclusive_directory`);
-- a state file (`STATE.json`) records the job's settings and each finished stage; a directory
-  whose recorded settings differ is refused, naming the keys (unless the earlier run made
-  nothing there: a failure never blocks its own fix), and a non-empty directory without a state
-  file is someone else's and is never written into;
+- a state file (`COMMAND.json`: `demo.json`, `pipeline.json`, ...) records the job's settings and
+  each finished stage; a directory whose recorded settings differ is refused, naming the keys
+  (unless the earlier run made nothing there: a failure never blocks its own fix), and a
+  non-empty directory without a state file is someone else's and is never written into;
 - a stage is skipped when done: by default when the state records it, or by its own check of its
   outputs (a deleted output is then rebuilt);
 - a stage that is not done runs from its start; stages that resume (training) do so themselves;

@@ -4,9 +4,13 @@ Uses the Ray Jobs API (`JobSubmissionClient`): the job's code travels as a worki
 (with excludes) or lives in a container image; logs are followed until the job ends and the
 job's final status becomes the exit code, so a scheduler or CI can act on it.
 
-When the working directory is a bertforge checkout, its `pipelines/`, `training/` and `cluster/`
-also travel as the package `bertforge` (runtime_env `py_modules`, see `staged_package`), so the
-job runs the uploaded code rather than the bertforge installed on the cluster.
+When the working directory is a bertforge checkout, the package setuptools builds from it also
+travels, as `bertforge` (runtime_env `py_modules`), so the job runs the uploaded code rather than
+the bertforge installed on the cluster: the uploaded working dir goes on the job's PYTHONPATH as
+it is, where its `training/` is `training`, never `bertforge.training`. Ray puts a py_modules
+directory's parent first on PYTHONPATH in the driver and every worker, ahead of site-packages,
+and `bertforge` is a namespace package (no `__init__.py`, here or installed), so
+`bertforge.training` is imported from the uploaded portion.
 """
 
 from __future__ import annotations
@@ -14,15 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from bertforge.cluster.checkout import built_package, package_folders
 from bertforge.training.errors import UserInputError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -31,8 +33,6 @@ DEFAULT_EXCLUDES = (
     ".venv", ".git", "**/__pycache__", "*.arrow", "runs", "bertforge-demo", "*.pt",
     "*.safetensors",
 )
-# The folders setup.py installs as bertforge.<folder> (package-dir).
-PACKAGE_FOLDERS = ("pipelines", "training", "cluster")
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 TERMINAL = set(EXIT_CODES)
 
@@ -58,8 +58,8 @@ class SubmitConfig:
             raise ValueError(f"working directory {self.working_dir} does not exist")
 
     def runtime_env(self, package_dir: str | None = None) -> dict[str, Any]:
-        """`package_dir`: a staged `bertforge/` directory (`staged_package`) to ship as
-        py_modules; Ray applies the same excludes to it as to the working dir."""
+        """`package_dir`: a built `bertforge/` directory (`shipped_package`) to ship as
+        py_modules."""
         env: dict[str, Any] = {}
         if self.image:
             env["image_uri"] = self.image
@@ -73,48 +73,14 @@ class SubmitConfig:
         return env
 
 
-def is_bertforge_checkout(path: str) -> bool:
-    """A directory holding bertforge's own sources: the three package folders and a
-    pyproject.toml naming the distribution (a project of the user's own with a `training/`
-    folder is not one, and must not replace the installed bertforge)."""
-    if not all(os.path.isfile(os.path.join(path, folder, "__init__.py"))
-               for folder in PACKAGE_FOLDERS):
-        return False
-    try:
-        with open(os.path.join(path, "pyproject.toml"), encoding="utf-8") as f:
-            return re.search(r'^name\s*=\s*"bertforge"\s*$', f.read(), re.M) is not None
-    except OSError:
-        return False
-
-
 @contextlib.contextmanager
-def staged_package(working_dir: str | None) -> Iterator[str | None]:
-    """A temporary `bertforge/` holding copies of the checkout's package folders (None when the
-    working dir is not a bertforge checkout); it lives until the job is submitted (the client
-    uploads it during `submit_job`).
-
-    Why: the uploaded working dir goes on the job's PYTHONPATH as it is, so its `training/` is
-    `training`, never `bertforge.training`, which resolves to the cluster's installed package.
-    Ray uploads each py_modules directory with its own name and puts its parent first on
-    PYTHONPATH in the driver and every worker, ahead of site-packages. `bertforge` is a
-    namespace package (no `__init__.py`, here or installed), so `bertforge.__path__` lists the
-    uploaded portion first and `bertforge.training` is imported from it.
-    """
-    if not working_dir or not is_bertforge_checkout(working_dir):
+def shipped_package(working_dir: str | None) -> Iterator[str | None]:
+    """The `bertforge/` built from the working dir when it is a bertforge checkout, else None;
+    it lives until the job is submitted (the client uploads it during `submit_job`)."""
+    if not working_dir or package_folders(working_dir) is None:
         yield None
         return
-    with tempfile.TemporaryDirectory(prefix="bertforge-submit-") as tmp:
-        package = os.path.join(tmp, "bertforge")
-        os.mkdir(package)
-        for folder in PACKAGE_FOLDERS:
-            shutil.copytree(os.path.join(working_dir, folder), os.path.join(package, folder),
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        # Ray matches excludes and ignore files relative to the uploaded directory, and inside
-        # bertforge/ the folders sit where they sit in the checkout: the checkout's ignore files
-        # at its root select the same files.
-        for ignore_file in (".gitignore", ".rayignore"):
-            if os.path.isfile(os.path.join(working_dir, ignore_file)):
-                shutil.copy(os.path.join(working_dir, ignore_file), package)
+    with built_package(working_dir) as package:
         yield package
 
 
@@ -160,7 +126,7 @@ def cluster_token() -> str | None:
 def submit(config: SubmitConfig) -> int:
     """Submit, then (with follow) stream logs and return the exit code of the final status."""
     client = jobs_client(config.address)
-    with staged_package(config.working_dir) as package_dir:
+    with shipped_package(config.working_dir) as package_dir:
         runtime_env = config.runtime_env(package_dir)
         job_id = _submit_when_ready(
             client,
@@ -169,8 +135,9 @@ def submit(config: SubmitConfig) -> int:
             runtime_env=runtime_env,
         )
     if package_dir:
+        folders = ", ".join(package_folders(config.working_dir))
         runtime_env["py_modules"] = [
-            f"bertforge ({', '.join(PACKAGE_FOLDERS)} of {os.path.abspath(config.working_dir)})"]
+            f"bertforge ({folders} of {os.path.abspath(config.working_dir)})"]
     print(f"[submit] job {job_id} submitted to {config.address} "
           f"(runtime env {describe_runtime_env(runtime_env)})", flush=True)
     if not config.follow:

@@ -37,13 +37,13 @@ import sys
 import sysconfig
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TextIO
 
 import bertforge.cluster
 import bertforge.pipelines
 import bertforge.training
-from bertforge.cluster.config_fields import HELP
+from bertforge.pipelines.config_fields import option
 
 LOG_DIR = "logs"
 _OUR_DIRS = tuple(os.path.dirname(os.path.abspath(package.__file__)) + os.sep for package in
@@ -200,9 +200,9 @@ def quiet_worker(run_dir: str, rank: int, verbose: bool = False) -> str:
 class ConsoleConfig:
     """What the console shows; one `--verbose` flag for every command that runs an engine."""
 
-    verbose: bool = field(default=False, metadata={
-        HELP: "also show the engines' own output (Ray, DeepSpeed, transformers, Beam) on the "
-        "console; it always goes to the command's log file"})
+    verbose: bool = option(False, "also show the engines' own output (Ray, DeepSpeed, "
+                           "transformers, Beam) on the console; it always goes to the "
+                           "command's log file")
 
 
 _driver_command: str | None = None

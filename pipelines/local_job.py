@@ -35,7 +35,7 @@ from bertforge.pipelines.prepare_options import PrepareConfig
 
 logger = logging.getLogger(__name__)
 
-# What a piece or a shard is called while it is written (`write_shards`): left by a killed run.
+# What a piece or a shard is called while it is written (`shards_transform`): left by a killed run.
 TEMPORARY_SHARD_FILES = ("*/*.arrow.piece*.tmp", "*/*.arrow.tmp-*")
 
 

@@ -6,9 +6,9 @@
     all of the above --WriteManifest--> vocab.txt, manifest.json (last)
 
 One sub-package per stage, in the order the data flows: `read/` (files -> raw documents:
-`read_inputs.ReadInputs`), `instances/` (documents -> sentence-pair instances:
-`create_instances.CreatePretrainingInstances`), `write/` (global order and shard files:
-`write_shards.WriteShards`; rejects, vocab and manifest: `write_manifest.WriteManifest`).
+`inputs_transform.ReadInputs`), `instances/` (documents -> sentence-pair instances:
+`pairs_transform.CreatePretrainingInstances`), `write/` (global order and shard files:
+`shards_transform.WriteShards`; rejects, vocab and manifest: `manifest_transform.WriteManifest`).
 `contract/` (`manifest`, `tokenization`) is what training reads back and imports no Beam;
 `prepare_options` holds the config (`PrepareConfig`) and the flags generated from it,
 `beam_common` the metrics namespace and rejects output shared by every step.
@@ -44,7 +44,7 @@ from bertforge.pipelines.beam_common import METRICS_NAMESPACE, NO_DOCUMENTS_MESS
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.contract.tokenization import parse_vocab
 from bertforge.pipelines.filesystem import read_bytes
-from bertforge.pipelines.instances.create_instances import (  # noqa: F401  (re-exported: the job's public names)
+from bertforge.pipelines.instances.pairs_transform import (  # noqa: F401  (re-exported: the job's public names)
     CreatePretrainingInstances,
     Doc,
     pool_of,
@@ -59,10 +59,10 @@ from bertforge.pipelines.prepare_options import (  # noqa: F401
     help_text,
     parse_argv,
 )
-from bertforge.pipelines.read.read_inputs import FORMATS, ReadInputs, match_inputs
+from bertforge.pipelines.read.inputs_transform import FORMATS, ReadInputs, match_inputs
 from bertforge.pipelines.read.readers import split_format
-from bertforge.pipelines.write.write_manifest import WriteManifest, write_rejects_file
-from bertforge.pipelines.write.write_shards import WriteShards
+from bertforge.pipelines.write.manifest_transform import WriteManifest, write_rejects_file
+from bertforge.pipelines.write.shards_transform import WriteShards
 
 logger = logging.getLogger(__name__)
 

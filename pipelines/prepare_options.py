@@ -2,35 +2,34 @@
 
 `PrepareConfig` is the one place an option is declared: its default, its validation and its help
 text. `PrepareOptions` (the Beam options the command line and a Flex Template parse) and the
-pipeline file's [prepare] table (`bertforge.cluster.pipeline`) are generated from its fields.
-Code calls the job with objects, `prepare.run(config, beam_args)`; argv exists only at the
-command line.
+pipeline file's [prepare] table (`bertforge.cluster.pipeline`) are generated from its fields
+(`pipelines.config_fields`). Code calls the job with objects, `prepare.run(config, beam_args)`;
+argv exists only at the command line.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
 
-from bertforge.pipelines.instances.instances import MIN_SEQ_LENGTH
+from bertforge.pipelines.config_fields import (
+    NOT_IN_FILE,
+    RERUN_MAY_CHANGE,
+    add_flags,
+    flag_spellings,
+    given_values,
+    option,
+    without_marked,
+)
+from bertforge.pipelines.instances.pairing import MIN_SEQ_LENGTH
 from bertforge.pipelines.local.options import LocalRunnerOptions  # its flags are Beam's too
 
-
-def _parse_bool(value: str | bool) -> bool:
-    if isinstance(value, bool):
-        return value
-    if value.lower() in ("1", "true", "yes", "y", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "n", "off"):
-        return False
-    raise ValueError(f"expected a boolean (true/false), got {value!r}")
-
-
-def _option(default: Any, help: str = "", **metadata: Any) -> Any:
-    return field(default=default, metadata={"help": help, **metadata})
+# Where the job reads or writes: the manifest identifies the inputs and the vocabulary by their
+# content (input_files, vocab_sha256), so these are no instance parameters.
+LOCATION = "location"
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class PrepareConfig:
     """The job's configuration: its flags (`PrepareOptions`), the pipeline file's [prepare]
     table and the manifest's instance parameters are all generated from these fields."""
 
-    inputs: tuple[str, ...] = _option(
+    inputs: tuple[str, ...] = option(
         (), "corpus file, directory or glob (local, gs://, s3://); repeatable and/or "
         "comma-separated. The format is chosen by, in order: 1) a FORMAT: prefix, taken as "
         "given (jsonl, parquet, wiki, books, sentences; books:DIR/*.txt reads one book per "
@@ -48,31 +47,35 @@ class PrepareConfig:
         "wiki, a JSON object on the first line -> jsonl, PAR1 -> parquet, anything else "
         "Google's one sentence per line. A file whose content contradicts its name (a .jsonl "
         "holding XML) is rejected as format_mismatch. Decompressed by a .gz/.bz2 name, else "
-        "by gzip/bzip2 magic bytes.", flag="--input")
-    output: str = _option("", "dataset directory to write")
-    vocab: str = _option("", "WordPiece vocab.txt")
-    lower_case: bool = _option(True, "lower-case and strip accents, as an uncased vocab needs")
-    max_seq_length: int = _option(128, "tokens per instance, [CLS] and [SEP]s included")
-    short_seq_prob: float = _option(0.1, "share of instances with a shorter random target length")
-    dupe_factor: int = _option(
+        "by gzip/bzip2 magic bytes.", flag="--input", marks=(LOCATION,))
+    # A pipeline file gives these elsewhere: its own paths, [vocab]'s casing, each phase's length.
+    output: str = option("", "dataset directory to write", marks=(LOCATION, NOT_IN_FILE))
+    vocab: str = option("", "WordPiece vocab.txt", marks=(LOCATION, NOT_IN_FILE))
+    lower_case: bool = option(True, "lower-case and strip accents, as an uncased vocab needs",
+                              marks=(NOT_IN_FILE,))
+    max_seq_length: int = option(128, "tokens per instance, [CLS] and [SEP]s included",
+                                 marks=(NOT_IN_FILE,))
+    short_seq_prob: float = option(0.1, "share of instances with a shorter random target length")
+    dupe_factor: int = option(
         1, "passes over each document with different pairings. Google used 10 to get 10 "
         "static maskings; masking here is dynamic (new every epoch), so 1 suffices.")
-    seed: int = _option(12345, "every random choice hashes (seed, a stable key)")
-    validation_fraction: float = _option(0.05, "share of documents held out for validation")
-    num_shards: int = _option(4, "train shards")
-    num_validation_shards: int = _option(
+    seed: int = option(12345, "every random choice hashes (seed, a stable key)")
+    validation_fraction: float = option(0.05, "share of documents held out for validation")
+    num_shards: int = option(4, "train shards")
+    num_validation_shards: int = option(
         0, "0 = max(1, num_shards // 10): the validation split is ~5% of the data, so it "
         "gets about a tenth of the shards, at least one")
-    random_pool_size: int = _option(
+    random_pool_size: int = option(
         512, "documents per random-B pool: bounds worker memory, not the corpus size")
-    random_pool_chars: int = _option(
+    random_pool_chars: int = option(
         4_000_000, "characters of text per random-B pool (~1M tokens): with "
         "--random-pool-size, bounds worker memory however large the documents are")
-    # 2 x 4,096-row batches: ~2 MB of ids at 128 tokens
-    rows_per_piece: int = _option(
+    # 2 x 4,096-row batches: ~2 MB of ids at 128 tokens. It bounds memory and never changes a
+    # byte, so a later run may change it.
+    rows_per_piece: int = option(
         8_192, "instances a worker sorts at once while writing a shard (rounded up to whole "
         "4,096-row batches): bounds worker memory, whatever the shard size; no effect on the "
-        "output bytes")
+        "output bytes", marks=(RERUN_MAY_CHANGE,))
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -108,9 +111,7 @@ class PrepareConfig:
     @classmethod
     def from_options(cls, options: PipelineOptions) -> PrepareConfig:
         """The config from parsed flags; a flag left out keeps the field's default."""
-        flags = options.view_as(PrepareOptions)
-        values = {f.name: getattr(flags, f.name) for f in fields(cls)
-                  if getattr(flags, f.name, None) is not None}
+        values = given_values(options.view_as(PrepareOptions), cls)
         values["inputs"] = tuple(
             p.strip() for entry in values.get("inputs", ()) for p in entry.split(",") if p.strip()
         )
@@ -124,25 +125,11 @@ class PrepareConfig:
         return counts
 
     def instance_params(self) -> dict[str, Any]:
-        params = asdict(self)
-        # rows_per_piece tunes memory only: the same instances and bytes whatever its value.
-        for key in ("inputs", "output", "vocab", "rows_per_piece"):
-            params.pop(key)
+        """What decides the instances, as the manifest records it (not where the job reads and
+        writes, nor how it runs)."""
+        params = without_marked(asdict(self), PrepareConfig, LOCATION, RERUN_MAY_CHANGE)
         params["num_validation_shards"] = self.shards_per_split().get("validation", 0)
         return params
-
-
-def job_flag(f: Any) -> str:
-    """`--max-seq-length`: dashed, as every other bertforge command spells its flags."""
-    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-
-
-def job_flag_spellings(f: Any) -> tuple[str, ...]:
-    """The dashed flag (first: --help shows it first), then Beam's spelling `--max_seq_length`,
-    which Dataflow templates and scripts written for Beam use."""
-    if "flag" in f.metadata:
-        return (f.metadata["flag"],)
-    return tuple(dict.fromkeys((job_flag(f), f"--{f.name}")))
 
 
 class PrepareOptions(PipelineOptions):
@@ -156,26 +143,13 @@ class PrepareOptions(PipelineOptions):
 
     @classmethod
     def _add_argparse_args(cls, parser: Any) -> None:
-        for f in fields(PrepareConfig):
-            default = f.default
-            help_text = f.metadata["help"]
-            if default not in ((), ""):
-                help_text += f" (default: {default})"
-            options: dict[str, Any] = {"dest": f.name, "default": None,
-                                       "help": help_text.replace("%", "%%")}
-            if f.type in ("bool", bool):
-                options.update(type=_parse_bool, nargs="?", const=True)
-            elif f.name == "inputs":
-                options["action"] = "append"
-            else:
-                options["type"] = {"int": int, "float": float, "str": str}[str(f.type)]
-            parser.add_argument(*job_flag_spellings(f), **options)
+        add_flags(parser, PrepareConfig, beam=True)
 
 
 def job_flags() -> tuple[str, ...]:
     """Every flag the job owns, in both spellings (`--input`, `--max-seq-length`,
     `--max_seq_length`, ...)."""
-    return tuple(flag for f in fields(PrepareConfig) for flag in job_flag_spellings(f))
+    return tuple(flag for f in fields(PrepareConfig) for flag in flag_spellings(f, beam=True))
 
 
 def _all_options_parser() -> Any:

@@ -23,7 +23,7 @@ from tokenizers.implementations import BertWordPieceTokenizer
 
 from bertforge.pipelines.contract.tokenization import SPECIAL_TOKENS
 from bertforge.pipelines.read.input_files import iter_texts
-from bertforge.pipelines.read.read_inputs import match_inputs
+from bertforge.pipelines.read.inputs_transform import match_inputs
 
 logger = logging.getLogger(__name__)
 

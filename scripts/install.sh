@@ -13,11 +13,16 @@
 #  - deepspeed: its setup.py imports torch, so it is built without build isolation against the
 #    torch installed above (an isolated build would download a second, CUDA torch).
 #  - uv does the installing where it can be had (pip installs it into the venv first): it
-#    unpacks and links the ~300 packages in parallel, ~30 s where pip takes ~3 min on 2 cores
-#    (measured on the 2-core AVX2 EPYC, local wheel mirror; README "How long the demo takes").
-#    It gets pip's sources (index, extra indexes, find-links, constraints: `pip config`) and
-#    pip's rule of taking the best version from any of them. Where uv cannot be installed
-#    (a mirror without it), or BERTFORGE_INSTALLER=pip, pip does every step as before.
+#    unpacks and links the ~300 packages in parallel, about a minute where pip takes ~3 on
+#    2 cores (README, "Set up"). It gets pip's sources (index, extra indexes, find-links,
+#    constraints: `pip config`) and pip's rule of taking the best version from any of them.
+#    Where uv cannot be installed (a mirror without it), or BERTFORGE_INSTALLER=pip, pip does
+#    every step.
+#  - bertforge: setuptools' strict editable mode. `build/__editable__.*/bertforge/` mirrors the
+#    package with a link per file and a `.pth` file puts it on sys.path: Python from any
+#    directory, mypy, pyright and IDEs all resolve `bertforge.training...` (the default mode's
+#    import hook is followed by Python alone). An edit shows at once; a file added, renamed or
+#    removed needs the links made again, which a second run does by itself (seconds, offline).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -26,20 +31,23 @@ VENV=${VENV:-.venv}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 STAMP="$VENV/.bertforge-installed"
+LINKED="$VENV/.bertforge-linked"
+STRICT_EDITABLE=(-C editable_mode=strict)  # pip's and uv's flag
 
 fingerprint() { cat pyproject.toml setup.py scripts/install.sh | sha256sum | cut -d' ' -f1; }
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(fingerprint)" ]; then
-  echo "bertforge: reusing the installation in $VENV"
-  exit 0
-fi
+# The names (not the contents) of the package's files, in the folders pyproject.toml's
+# [tool.bertforge] package-folders lists: the link tree has one link per file.
+package_files() {
+  local folders
+  folders=$(sed -n 's/^package-folders *= *\[\(.*\)\]/\1/p' pyproject.toml | tr -d '",')
+  # shellcheck disable=SC2086  # the folder names are words
+  find $folders -type f ! -path '*/__pycache__/*' | LC_ALL=C sort | sha256sum | cut -d' ' -f1
+}
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # pip's and the builds' output goes to LOG; the console gets a line per step, and the log's
 # tail if a step fails.
 LOG="$VENV/install.log"
-: > "$LOG"
-echo "bertforge: installing into $VENV (a few minutes the first time; pip's output: $LOG)"
 PIP="$VENV/bin/python -m pip"
 INSTALL=$PIP  # pip, or uv once it is installed (same arguments)
 
@@ -54,6 +62,22 @@ step() {  # step "what is installed" COMMAND...: the command's output to LOG
     exit 1
   fi
 }
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(fingerprint)" ]; then
+  if [ "$(cat "$LINKED" 2>/dev/null)" = "$(package_files)" ]; then
+    echo "bertforge: reusing the installation in $VENV"
+    exit 0
+  fi
+  echo "bertforge: reusing the installation in $VENV; package files were added, renamed or removed"
+  step "bertforge's links to them (editable, no dependencies)" \
+    $PIP install --no-deps --no-build-isolation -e . "${STRICT_EDITABLE[@]}"
+  package_files > "$LINKED"
+  exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+: > "$LOG"
+echo "bertforge: installing into $VENV (a minute or more the first time; the installers' output: $LOG)"
 
 cpu_torch() {
   # The CPU wheel from pip's own sources first (a find-links folder or a mirror; its
@@ -105,9 +129,10 @@ fi
 step "deepspeed (built against that torch)" \
   env DS_BUILD_OPS=0 $INSTALL install --no-build-isolation "deepspeed>=0.16"
 step "bertforge and its dependencies (ray, apache-beam, transformers, ...; editable)" \
-  $INSTALL install -e ".[dev,dataflow]"
+  $INSTALL install -e ".[dev,dataflow]" "${STRICT_EDITABLE[@]}"
 
 fingerprint > "$STAMP"
+package_files > "$LINKED"
 # Versions from the packages' metadata: importing deepspeed prints its accelerator notice.
 echo "bertforge: installed $("$VENV/bin/python" -c '
 from importlib.metadata import version

@@ -46,7 +46,7 @@ SLOWEST_MODULES = (
     "tests/cluster/test_dataset_guard.py",     # ~40: prepare through the CLI, a SIGTERM
     "tests/pipelines/test_prepare_any_size.py",  # ~45: prepare spilled, killed, continued
     "tests/training/test_same_seed.py",        # ~40: 8 short runs in process groups
-    "tests/test_namespace.py",                 # ~60: wheel, fresh venvs
+    "tests/test_packaging.py",                 # ~60: wheel, fresh venvs
     "tests/cluster/test_glue.py",              # ~50
     "tests/cluster/test_clean_exit.py",        # ~40
     "tests/cluster/test_failure_policy.py",    # ~25

@@ -1,4 +1,4 @@
-"""Numbers that a refactor must not change (DESIGN, style rule 6), held against recorded values.
+"""Numbers that a refactor must not change (DESIGN.md, "Style" 6), held against recorded values.
 
 The constants below were recorded before the layout change of issue 16 and must not move with a
 change that is not meant to change numbers:

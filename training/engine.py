@@ -1,4 +1,5 @@
-"""DeepSpeed engine construction: the config is built in code from the recipe and world size."""
+"""DeepSpeed engine construction: the config is built in code from the run's `EngineConfig`
+(`training.engine_config`; pretraining's and fine-tuning's alike) and the world size."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from bertforge.training.config import TrainConfig
+from bertforge.training.engine_config import EngineConfig
 from bertforge.training.optim import Lamb
 from bertforge.training.precision import AUTO, resolve_precision, slow_precision_warning
 from bertforge.training.recipes import default_zero_stage
@@ -49,8 +50,8 @@ class PrecisionChoice:
 
 
 def resolve_engine_precision(
-    cfg: TrainConfig, *, saved_precision: str | None = None
-) -> tuple[TrainConfig, PrecisionChoice]:
+    cfg: EngineConfig, *, saved_precision: str | None = None
+) -> tuple[EngineConfig, PrecisionChoice]:
     """`cfg` with "auto" resolved for this process's device (training.precision), and the choice.
 
     `saved_precision`: a resumed checkpoint's; "auto" keeps it (its optimizer state is in it).
@@ -63,9 +64,9 @@ def resolve_engine_precision(
 
 
 def resolve_zero_stage(
-    cfg: TrainConfig, world_size: int, *, num_parameters: int | None = None,
+    cfg: EngineConfig, world_size: int, *, num_parameters: int | None = None,
     saved_stage: int | None = None,
-) -> TrainConfig:
+) -> EngineConfig:
     """`cfg` with its ZeRO stage decided: the one it names; else a resumed run's own (its
     optimizer state is laid out for that stage); else `recipes.default_zero_stage` for the live
     world size, the precision and this GPU's memory."""
@@ -89,9 +90,9 @@ def _device_memory_bytes() -> int | None:
 
 
 def deepspeed_config(
-    cfg: TrainConfig, world_size: int, *, load_universal: bool = False
+    cfg: EngineConfig, world_size: int, *, load_universal: bool = False
 ) -> dict[str, Any]:
-    """The DeepSpeed JSON config for this recipe on `world_size` ranks.
+    """The DeepSpeed JSON config for this run on `world_size` ranks.
 
     `load_universal`: the resume loads a universal checkpoint (one saved under ZeRO >= 1 by
     another number of ranks, converted by training.checkpoint.convert_to_universal).
@@ -194,7 +195,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: EngineConfig) -> torch.optim.Optimizer:
     """AdamW (any ZeRO stage) or LAMB (stage 0; the config refuses it under ZeRO)."""
     groups = parameter_groups(model, cfg.weight_decay)
     if cfg.optimizer == "lamb":
@@ -206,7 +207,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 
 
 def build_engine(
-    model: torch.nn.Module, cfg: TrainConfig, world_size: int, *, load_universal: bool = False
+    model: torch.nn.Module, cfg: EngineConfig, world_size: int, *, load_universal: bool = False
 ):
     """Optimizer + warmup/decay schedule wrapped by DeepSpeed; returns the engine."""
     optimizer = build_optimizer(model, cfg)

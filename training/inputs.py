@@ -1,8 +1,13 @@
 """Checks of a run's inputs that need no engine: what the driver runs before Ray starts.
 
-Each check reads metadata only (the manifest, Arrow footers through a memory map, the
-vocabulary, a checkpoint's bertforge.json), so a whole pre-flight takes seconds even for a
-large dataset, and each failure is one `UserInputError` line naming the file or flag.
+A wrong --data, a damaged dataset, a run directory that cannot be written or a resume with
+another architecture would otherwise be found inside the Ray workers, minutes later, and be
+retried as if a node had died. Each check reads metadata only (the manifest, parsed once,
+Arrow footers through a memory map, the vocabulary, a checkpoint's bertforge.json), so a whole
+pre-flight takes seconds even for a large dataset, and each failure is one `UserInputError`
+line naming the file or flag. `check_train_inputs`, `check_eval_inputs` and
+`check_export_inputs` are what `train`, `eval` and `export` run; `finetune --model` runs
+`check_model_source`.
 """
 
 from __future__ import annotations
@@ -12,11 +17,8 @@ import tempfile
 from typing import Any
 
 from bertforge.training import checkpoint
-from bertforge.training.data.split import (
-    open_split_rows,
-    read_dataset_manifest,
-    read_vocab_tokens,
-)
+from bertforge.training.config import TrainConfig
+from bertforge.training.data.split import read_dataset_manifest, read_vocab_tokens, split_rows
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.errors import MissingInputError, UserInputError, as_user_error
 from bertforge.training.model import BertConfig
@@ -35,10 +37,14 @@ def check_dataset(data_dir: str, splits: tuple[str, ...] = ("train",)) -> Datase
         raise MissingInputError(f"dataset {data_dir} does not exist")
     if not os.path.isdir(data_dir):
         raise UserInputError(f"dataset {data_dir} is a file, not a prepared dataset directory")
-    facts = DatasetFacts.read(data_dir)  # parses the manifest (user errors name it)
+    manifest = read_dataset_manifest(data_dir)  # the one parse (user errors name the file)
+    try:
+        facts = DatasetFacts.from_manifest(manifest, data_dir)
+    except ValueError as error:
+        raise as_user_error(error) from error
     for split in splits:
-        open_split_rows(data_dir, split)  # footers and row counts only, memory-mapped
-    read_vocab_tokens(data_dir, read_dataset_manifest(data_dir).tokenizer)
+        split_rows(data_dir, manifest, split)  # footers and row counts only, memory-mapped
+    read_vocab_tokens(data_dir, manifest.tokenizer)
     return facts
 
 
@@ -177,3 +183,30 @@ def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str
             f"max_position_embeddings={model_config.max_position_embeddings}; raise it in the "
             "recipe's model (BERT uses 512 in both phases)"
         )
+
+
+def check_train_inputs(cfg: TrainConfig) -> None:
+    """Everything `train` can know before its workers start: data, run directory, the model
+    against the data's lengths, a resume against the requested architecture, --init-from."""
+    facts = check_dataset(cfg.data_dir, ("train", "validation") if cfg.eval_every else ("train",))
+    check_run_dir(cfg.run_dir)
+    model_config = resolve_model_config(cfg.model, facts.vocab_size)
+    check_positions(facts.max_seq_length, model_config, cfg.data_dir)
+    resumed = check_resume(cfg.run_dir, model_config, facts.vocab_sha256) if cfg.resume else None
+    if resumed is None and cfg.init_from:
+        check_model_source(cfg.init_from)
+
+
+def check_eval_inputs(checkpoint_path: str, data_dir: str, split: str) -> None:
+    """`eval`: the checkpoint resolves and the dataset's split opens with the same vocabulary."""
+    resolved = check_checkpoint(checkpoint_path)
+    facts = check_dataset(data_dir, (split, "train"))  # train: the MLM baseline's frequencies
+    saved = read_checkpoint_metadata(resolved)
+    if saved.get("vocab_sha256") != facts.vocab_sha256:
+        raise UserInputError(f"{data_dir} uses another vocabulary than checkpoint {resolved}")
+
+
+def check_export_inputs(checkpoint_path: str, output: str) -> None:
+    """`export`: the checkpoint resolves and the output directory can be written."""
+    check_checkpoint(checkpoint_path)
+    check_output_dir(output)

@@ -7,7 +7,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from bertforge.training.data import (
     ReadOptions,
 )
 from bertforge.training.dataset_facts import DatasetFacts
+from bertforge.training.device import to_device
 from bertforge.training.distributed import all_reduce_sum, barrier
 from bertforge.training.engine import (
     PrecisionChoice,
@@ -71,12 +72,15 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     # precision "auto" and zero_stage None: decided here, on the worker's device and with the
     # world size known; a resume keeps its own. From here on cfg names both: the printed
     # recipe, config.json, checkpoint metadata.
-    cfg, precision = resolve_engine_precision(
-        cfg, saved_precision=None if saved is None else saved.get("precision"))
+    engine_cfg, precision = resolve_engine_precision(
+        cfg.engine(), saved_precision=None if saved is None else saved.get("precision"))
+    cfg = replace(cfg, precision=engine_cfg.precision)
     if saved is not None:
         check_precision_change(saved, cfg, resume_from)
-    cfg = resolve_zero_stage(cfg, world_size, num_parameters=count_parameters(model_config),
-                             saved_stage=None if saved is None else saved.get("zero_stage"))
+    engine_cfg = resolve_zero_stage(
+        engine_cfg, world_size, num_parameters=count_parameters(model_config),
+        saved_stage=None if saved is None else saved.get("zero_stage"))
+    cfg = replace(cfg, zero_stage=engine_cfg.zero_stage)
     if rank == 0:
         _print_recipe(cfg, model_config, world_size)
         _print_precision(precision)
@@ -89,7 +93,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     if resume_from is None and cfg.init_from:
         # Only a fresh run warm-starts; a resumed one has its own, newer weights.
         load_initial_weights(model, cfg.init_from, facts.vocab_sha256)
-    engine = build_engine(model, cfg, world_size, load_universal=universal)
+    engine = build_engine(model, engine_cfg, world_size, load_universal=universal)
     # A run keeps its id across resumes (one saved before runs had ids gets one now).
     run_id = (saved or {}).get("run_id") or checkpoint.new_run_id()
     if resume_from is None:
@@ -132,7 +136,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     total_tokens = 0
     while step < cfg.max_steps:
         for _ in range(accumulation):
-            batch = _to_device(next(batches), engine.device)
+            batch = to_device(next(batches), engine.device)
             out = engine(**batch)
             engine.backward(out.loss)
             engine.step()
@@ -286,20 +290,6 @@ def _endless(loader: PretrainingLoader) -> Iterator[dict[str, torch.Tensor]]:
                 f"({loader.batch_size} x {loader.world_size})"
             )
         loader.set_epoch(loader.epoch + 1)
-
-
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The batch on the engine's device, without waiting for the GPU.
-
-    From pageable memory a copy to CUDA ends in cudaStreamSynchronize: the host would wait for
-    the running step to drain at every micro-step. From pinned memory with non_blocking it is
-    queued behind that step. Pinning 4 x 256 x 128 x 8 B = ~1 MB a micro-batch is a memcpy;
-    torch's caching host allocator reuses its pinned blocks once their copies are done.
-    """
-    if torch.device(device).type != "cuda":
-        return {name: tensor.to(device) for name, tensor in batch.items()}
-    return {name: tensor.pin_memory().to(device, non_blocking=True)
-            for name, tensor in batch.items()}
 
 
 class _Window:

@@ -1,6 +1,6 @@
 """Dynamic masked-LM masking, Google-exact, as pure numpy functions.
 
-The rules are those of Google's `create_pretraining_data.py` (DESIGN, "Field facts"):
+The rules are those of Google's `create_pretraining_data.py` (DESIGN.md, "Field facts"):
 
 - `num_to_predict = min(max_predictions, max(1, round(num_tokens * mask_prob)))`, counting the
   special tokens of the sequence, as Google does;
@@ -13,7 +13,7 @@ Departures from Google's code, all deliberate (the same list is in the README, "
 
 1. Whole-word masking draws 80/10/10 once per word, not per piece. Google draws per piece, so
    a word can come out half `[MASK]`, half visible, and its visible pieces give the masked ones
-   away: a bug there (DESIGN, "Field facts").
+   away: a bug there (DESIGN.md, "Field facts").
 2. With whole-word masking, a `##` piece never joins a word across a special token. Google's
    candidate loop skips `[CLS]`/`[SEP]` but still appends a `##` piece to the last candidate
    word, so a `##` piece right after `[SEP]` is glued to the last word of segment A and masked

@@ -376,7 +376,7 @@ class BertModel(nn.Module):
         `position_ids` restarting at each instance: attention stays within an instance, and
         the pooled output is [B, K, H], one per instance slot."""
         if position_ids is None:
-            key_padding = _key_padding(attention_mask)
+            key_padding = key_padding_mask(attention_mask)
         else:  # [B, 1, S, S]: block-diagonal over the instances of each row
             key_padding = _instance_mask(attention_mask, position_ids)
         embeddings = self.embeddings(input_ids, token_type_ids, position_ids)
@@ -390,7 +390,7 @@ class BertModel(nn.Module):
         return sequence_output, self.pooler(cls_output)
 
 
-def _key_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+def key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """[B, S] with 1 = real token -> [B, 1, 1, S] True where a key must be ignored (broadcast
     over heads and query positions), or None when nothing is padded: no mask to build and add
     in every layer, and SDPA may take its fused kernels. Checked on a CPU only, where it costs

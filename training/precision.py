@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from bertforge.training.config import PRECISIONS as REQUESTABLE
+from bertforge.training.engine_config import PRECISIONS as REQUESTABLE
 
 AUTO = "auto"
 PRECISIONS = tuple(p for p in REQUESTABLE if p != AUTO)  # what an engine runs in

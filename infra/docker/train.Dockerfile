@@ -50,11 +50,9 @@ RUN DS_BUILD_OPS=0 pip install --no-build-isolation "deepspeed>=0.16"
 # Installed as the package `bertforge` (bertforge.pipelines, .training, .cluster); the sources
 # are removed, so nothing but site-packages provides it (`bertforge submit --working-dir` ships
 # a checkout's code as runtime_env py_modules, which take precedence over it).
+# The context is the package's sources (train.Dockerfile.dockerignore admits nothing else).
 WORKDIR /tmp/bertforge
-COPY pyproject.toml setup.py README.md ./
-COPY pipelines ./pipelines
-COPY training ./training
-COPY cluster ./cluster
+COPY . ./
 RUN pip install . ${CLOUD_SDKS} \
     && cd / && rm -rf /tmp/bertforge \
     && python -c "import torch, deepspeed, ray.train, bertforge.cluster.cli; print('torch', torch.__version__)" \

@@ -27,7 +27,7 @@ VOCAB_NAME = "vocab.txt"
 REJECTS_NAME = "rejects.jsonl"
 SPLITS = ("train", "validation")
 
-# Column names and types of every shard (DESIGN, "Shards").
+# Column names and types of every shard (DESIGN.md, "Shards").
 INPUT_IDS = "input_ids"
 NUM_A_TOKENS = "num_a_tokens"
 NEXT_SENTENCE_LABEL = "next_sentence_label"

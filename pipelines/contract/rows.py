@@ -1,8 +1,8 @@
 """The rows of a shard checked against the data contract: one vectorised implementation.
 
 Shared by the loader (`training.data.integrity`, each record batch before its first row is
-served), `bertforge inspect --verify` (`pipelines.verify_shards`, every record batch) and
-`bertforge inspect` (`pipelines.inspect_shards`), so a shard that passes --verify cannot fail
+served), `bertforge inspect --verify` (`pipelines.verify_dataset`, every record batch) and
+`bertforge inspect` (`pipelines.dataset_stats`), so a shard that passes --verify cannot fail
 training with a corrupt row. numpy and pyarrow only: no Beam, no torch.
 
 A row is valid when: every id is in [0, vocab_size); 5 <= length <= max_seq_length

@@ -25,7 +25,7 @@ import numpy as np
 from tokenizers import AddedToken
 
 from bertforge.pipelines.contract.tokenization import tokenizer_from_vocab
-from bertforge.pipelines.write import shards
+from bertforge.pipelines.write import global_order
 
 # A private-use character: no normalization produces it and real text almost never holds it.
 MARKER = "\ue000"
@@ -44,7 +44,7 @@ _ASCII_CLEAN = str.maketrans("\t\n\r", "   ", _ASCII_CONTROL)
 
 class SentenceTokenizer:
     """`(ids, lengths)` of a list of sentences: the ids of the sentences that have any,
-    concatenated, in `shards.id_dtype(len(vocab))`, and int32 tokens per such sentence
+    concatenated, in `global_order.id_dtype(len(vocab))`, and int32 tokens per such sentence
     (sentences that normalize to nothing, e.g. control characters only, are left out)."""
 
     def __init__(self, vocab: dict[str, int], lower_case: bool):
@@ -60,7 +60,7 @@ class SentenceTokenizer:
         self._ascii.add_special_tokens([AddedToken(MARKER, normalized=False, special=True)])
         assert self._ascii.token_to_id(MARKER) == self._marker_id
         self._lower_case = lower_case
-        self._dtype = shards.id_dtype(len(vocab))
+        self._dtype = global_order.id_dtype(len(vocab))
 
     def __call__(self, sentences: list[str]) -> tuple[np.ndarray, np.ndarray]:
         is_ascii = [sentence.isascii() for sentence in sentences]

@@ -32,6 +32,11 @@ class LocalRunnerOptions(PipelineOptions):
             f"{PROGRESS_SECONDS:g})")
 
 
+def local_processes(workers: int) -> list[str]:
+    """Beam's flags for a local run on `workers` worker processes (one core each)."""
+    return [f"--direct_num_workers={workers}", "--direct_running_mode=multi_processing"]
+
+
 def bundle_bytes(options: PipelineOptions) -> int:
     value = options.view_as(LocalRunnerOptions).local_bundle_mb
     if value is None:

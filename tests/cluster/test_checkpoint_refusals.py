@@ -1,6 +1,6 @@
 """A damaged, edited or malicious checkpoint is one `error:` line (exit 2) from the driver's
 pre-flight, before Ray starts: `export`, `eval`, `train` resuming it or warm-starting from it
-(`--init-from`), and `finetune --model` (its `preflight_model`)."""
+(`--init-from`), and `finetune --model` (its `check_model_source`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import shutil
 import pytest
 import torch
 
-from bertforge.cluster.preflight import preflight_model
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
+from bertforge.training.inputs import check_model_source
 from bertforge.training.loop import train
 from tests.support.refusals import refused
 from tests.training.conftest import write_dataset
@@ -111,5 +111,5 @@ def test_malicious_checkpoint_is_refused_before_ray_and_never_unpickled(
              "--init-from", run_dir], capsys, *why)
     refused(["export", run_dir, "--output", str(tmp_path / "hf")], capsys, *why)
     with pytest.raises(UserInputError, match="holds objects outside"):
-        preflight_model(run_dir)  # finetune --model
+        check_model_source(run_dir)  # finetune --model
     assert not ran.exists()

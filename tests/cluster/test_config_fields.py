@@ -5,19 +5,19 @@ import dataclasses
 
 import pytest
 
-from bertforge.cluster.cli import TRAIN_FIELDS_SET_BY_HAND, build_parser, train_config_from_args
+from bertforge.cluster.cli import build_parser, train_config_from_args
 from bertforge.cluster.demo import DemoConfig
-from bertforge.cluster.pipeline import (
-    _OWNED_PREPARE_FIELDS,
-    _OWNED_TRAIN_FIELDS,
-    PhaseSection,
-    PipelineConfig,
-)
+from bertforge.cluster.glue import GlueConfig
+from bertforge.cluster.pipeline import PhaseSection, PipelineConfig
 from bertforge.cluster.ray_train import LaunchConfig
+from bertforge.cluster.worker_output import ConsoleConfig
+from bertforge.pipelines.config_fields import NO_FLAG, NOT_IN_FILE, marked
 from bertforge.pipelines.prepare_options import PrepareConfig, PrepareOptions, parse_argv
 from bertforge.training.config import TrainConfig
+from bertforge.training.engine_config import EngineConfig
+from bertforge.training.finetune.config import FinetuneConfig
 
-# The hand-written flags of the TrainConfig fields that have no generated one.
+# The flags `bertforge train` places itself for the TrainConfig fields marked NO_FLAG.
 HAND_FLAGS = {"data_dir": "--data", "run_dir": "--run-dir", "model": "--preset",
               "resume": "--resume"}
 
@@ -35,7 +35,8 @@ def _flags_by_dest(parser) -> dict[str, set[str]]:
     return flags
 
 
-@pytest.mark.parametrize("cls", [TrainConfig, LaunchConfig, PrepareConfig, DemoConfig])
+@pytest.mark.parametrize("cls", [TrainConfig, LaunchConfig, PrepareConfig, DemoConfig,
+                                 FinetuneConfig, GlueConfig, ConsoleConfig])
 def test_every_field_has_help_text(cls):
     missing = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("help")]
     assert not missing, f"{cls.__name__} fields without help: {missing}"
@@ -44,13 +45,32 @@ def test_every_field_has_help_text(cls):
 def test_every_training_and_launch_field_has_a_train_flag():
     flags = _flags_by_dest(_subparser("train"))
     for f in dataclasses.fields(TrainConfig):
-        if f.name in TRAIN_FIELDS_SET_BY_HAND:
+        if marked(f, NO_FLAG):
             assert HAND_FLAGS[f.name] in {s for fs in flags.values() for s in fs}, f.name
         else:
             assert flags.get(f.name), f"TrainConfig.{f.name} has no `bertforge train` flag"
     for f in dataclasses.fields(LaunchConfig):
         assert flags.get(f.name), f"LaunchConfig.{f.name} has no `bertforge train` flag"
-    assert set(TRAIN_FIELDS_SET_BY_HAND) == set(HAND_FLAGS)
+    assert {f.name for f in dataclasses.fields(TrainConfig) if marked(f, NO_FLAG)} == \
+        set(HAND_FLAGS)
+
+
+def test_pretraining_and_fine_tuning_offer_the_engines_options_as_declared_there():
+    """One declaration per engine option: TrainConfig holds every EngineConfig field (its
+    `engine()` reads them by name); each option a job offers is EngineConfig's, help and
+    default alike (fine-tuning may narrow the choices)."""
+    engine_fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    train_fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    assert set(engine_fields) <= set(train_fields)
+    for cls in (TrainConfig, FinetuneConfig):
+        for f in dataclasses.fields(cls):
+            declared = engine_fields.get(f.name)
+            if declared is None or not declared.metadata.get("help"):
+                continue  # not an engine option (the run's steps, batch, learning rate)
+            assert f.metadata["help"] == declared.metadata["help"], f"{cls.__name__}.{f.name}"
+            assert f.default == declared.default, f"{cls.__name__}.{f.name}"
+            assert set(f.metadata.get("choices", ())) <= set(declared.metadata.get("choices",
+                                                                                   ()))
 
 
 def test_every_demo_field_has_a_demo_flag():
@@ -68,7 +88,7 @@ def test_every_prepare_field_has_a_job_flag_and_a_pipeline_key_or_owner(tmp_path
     table = {"inputs": ["a.jsonl"]}
     for f in dataclasses.fields(PrepareConfig):
         assert flags.get(f.name), f"PrepareConfig.{f.name} has no `bertforge prepare` flag"
-        if f.name not in _OWNED_PREPARE_FIELDS:
+        if not marked(f, NOT_IN_FILE) and f.name != "inputs":  # inputs: given above
             table[f.name] = getattr(PrepareConfig(inputs=("x",), output="o", vocab="v"), f.name)
     # Every field not owned by the pipeline is a key of its [prepare] table.
     config = PipelineConfig.from_dict(
@@ -79,7 +99,7 @@ def test_every_prepare_field_has_a_job_flag_and_a_pipeline_key_or_owner(tmp_path
 
 def test_every_training_field_is_a_phase_override_or_owned_by_the_pipeline():
     for f in dataclasses.fields(TrainConfig):
-        if f.name in _OWNED_TRAIN_FIELDS:
+        if marked(f, NOT_IN_FILE):
             continue
         value = getattr(TrainConfig(data_dir="d", run_dir="r"), f.name)
         PhaseSection("phase1", "bert_tiny_phase1", 64, {f.name: value})  # no error

@@ -9,7 +9,7 @@ import hashlib
 import pytest
 
 from bertforge.cluster.demo import DemoConfig
-from bertforge.cluster.demo_finetune import (
+from bertforge.cluster.demo.sst2 import (
     SHIPPED_MIN_WORDS,
     SHIPPED_TRAIN_LINES,
     FinetuneBudget,

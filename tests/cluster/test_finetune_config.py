@@ -9,15 +9,14 @@ import numpy as np
 import pytest
 
 from bertforge.cluster.cli import build_parser
-from bertforge.cluster.config_fields import given_values
-from bertforge.cluster.finetune import (
-    LAUNCH_FIELDS_UNUSED,
+from bertforge.cluster.finetune_sweep import (
     data_note,
     resolve_data_files,
     summary_line,
     sweep_statistics,
 )
-from bertforge.cluster.ray_train import LaunchConfig
+from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
+from bertforge.pipelines.config_fields import given_values, marked
 from bertforge.training.finetune.config import FinetuneConfig
 from bertforge.training.finetune.loop import batch_indices, count_steps
 from bertforge.training.finetune.task_data import subsample
@@ -33,17 +32,19 @@ def test_every_field_has_help_and_a_finetune_flag():
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command")
     dests = {a.dest for a in commands.choices["finetune"]._actions}
-    for cls, skip in ((FinetuneConfig, ()), (LaunchConfig, LAUNCH_FIELDS_UNUSED)):
+    for cls in (FinetuneConfig, LaunchConfig):
         for f in dataclasses.fields(cls):
             assert cls is LaunchConfig or f.metadata.get("help"), f.name
-            assert f.name in dests or f.name in skip, f"{cls.__name__}.{f.name} has no flag"
+            # A fine-tuning run keeps no checkpoints: no flag for where they persist.
+            assert (f.name in dests) != marked(f, FOR_CHECKPOINTS), \
+                f"{cls.__name__}.{f.name}: a flag exactly where not for checkpoints"
 
 
 def test_flags_build_the_config_and_defaults_are_the_papers_recipe():
     args = parse("--task", "SST-2", "--model", "m", "--output", "o", "--sweep",
                  "--seeds", "1", "2", "--workers", "3")
     cfg = FinetuneConfig(**given_values(args, FinetuneConfig))
-    launch = LaunchConfig(**given_values(args, LaunchConfig, skip=LAUNCH_FIELDS_UNUSED))
+    launch = LaunchConfig(**given_values(args, LaunchConfig, without=(FOR_CHECKPOINTS,)))
     assert cfg.task == "sst2" and launch.workers == 3
     assert (cfg.batch_size, cfg.epochs, cfg.warmup_fraction, cfg.seq_length) == (32, 3, 0.1, 128)
     assert cfg.runs() == [(2e-5, 1), (2e-5, 2), (3e-5, 1), (3e-5, 2), (5e-5, 1), (5e-5, 2)]
@@ -147,7 +148,7 @@ def test_sweep_statistics_and_summary_line():
 def test_a_hugging_face_dir_without_weights_is_refused_on_the_driver(tmp_path):
     """The driver's check reads no weights, the workers do: it must refuse a directory that
     has config.json and vocab.txt but no weights file, in one line, before Ray."""
-    from bertforge.cluster.finetune import check_inputs
+    from bertforge.cluster.finetune_sweep import check_inputs
     from bertforge.training.finetune.load import load_pretrained
     from bertforge.training.hf_interop import HF_WEIGHTS_NAMES
     from tests.support.finetune_data import tiny_bert_dir, write_sst2_tsv

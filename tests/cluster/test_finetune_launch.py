@@ -1,14 +1,14 @@
 """Fine-tuning's launch on one machine: one worker on every core unless the flags say otherwise
-(cluster.finetune_launch, chosen from benchmarks/finetune_vs_plain_loop.py). Pure: no
+(cluster.finetune_workers, chosen from benchmarks/finetune_vs_plain_loop.py). Pure: no
 Ray; the command-line test stops at the call to run_finetune."""
 
 from __future__ import annotations
 
 import pytest
 
-from bertforge.cluster import finetune as finetune_module
+from bertforge.cluster import finetune_sweep as finetune_module
 from bertforge.cluster.cli import main
-from bertforge.cluster.finetune_launch import finetune_launch, local_cores
+from bertforge.cluster.finetune_workers import finetune_launch, local_cores
 from bertforge.cluster.ray_train import LaunchConfig
 
 

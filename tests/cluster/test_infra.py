@@ -21,7 +21,7 @@ import yaml
 
 from bertforge.cluster.cli import build_parser
 from tests.support.train_process import LOOPBACK, listening_sockets
-from tests.test_namespace import FOLDERS, SOURCES
+from tests.test_packaging import FOLDERS, SOURCES
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -310,9 +310,14 @@ def test_images_install_the_package_bertforge_and_check_it(kind):
     text = dockerfile.read_text()
     copied = {source for args in _instructions(dockerfile, "COPY")
               for source in [a for a in args if not a.startswith("--")][:-1]}
-    # The files a wheel is built from (tests/test_namespace.py builds one from exactly these).
-    assert set(SOURCES) <= copied
+    # The whole context, which the .dockerignore limits to the files a wheel is built from
+    # (tests/test_packaging.py builds one from exactly these).
+    assert "." in copied
     ignore = Path(f"{dockerfile}.dockerignore").read_text().splitlines()
+    assert ignore[ignore.index("**") + 1:] == [
+        *(f"!{s}/**" if (ROOT / s).is_dir() else f"!{s}" for s in SOURCES),
+        *(["!infra/dataflow/launch_prepare.py"] if kind == "dataflow" else []),
+        "**/__pycache__", "**/*.pyc"]
     for source in SOURCES:
         assert f"!{source}" in ignore or f"!{source}/**" in ignore, (dockerfile.name, source)
     env = [arg for args in _instructions(dockerfile, "ENV") for arg in args]

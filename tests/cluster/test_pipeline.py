@@ -207,7 +207,7 @@ max_failures = 0
 def finished_pipeline(tmp_path_factory):
     import ray
 
-    from bertforge.pipelines.docstring_corpus import write_docstring_corpus
+    from bertforge.cluster.demo.docstring_corpus import write_docstring_corpus
 
     root = tmp_path_factory.mktemp("pipeline")
     write_docstring_corpus(str(root / "corpus" / "docs.jsonl"), target_bytes=300_000)

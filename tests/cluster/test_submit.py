@@ -5,18 +5,14 @@ import shutil
 
 import pytest
 
+from bertforge.cluster.checkout import package_folders
 from bertforge.cluster.cli import main
-from bertforge.cluster.submit import (
-    PACKAGE_FOLDERS,
-    SubmitConfig,
-    describe_runtime_env,
-    is_bertforge_checkout,
-    staged_package,
-)
+from bertforge.cluster.submit import SubmitConfig, describe_runtime_env, shipped_package
 from tests.training.conftest import write_dataset
 
 pytestmark = pytest.mark.slow
 REPO = __file__.rsplit("/tests/", 1)[0]
+PACKAGE_FOLDERS = package_folders(REPO)
 
 
 def test_training_job_runs_to_success_with_logs_followed(ray_head, tmp_path, capsys):
@@ -59,7 +55,8 @@ def _checkout_copy(root) -> str:
     """A bertforge checkout whose training/ differs from the installed one: it alone has
     UPLOADED (and a file the default excludes keep out)."""
     os.makedirs(root)
-    shutil.copy(os.path.join(REPO, "pyproject.toml"), root)
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(os.path.join(REPO, name), root)
     for folder in PACKAGE_FOLDERS:
         shutil.copytree(os.path.join(REPO, folder), os.path.join(root, folder),
                         ignore=shutil.ignore_patterns("__pycache__"))
@@ -84,20 +81,24 @@ def test_job_runs_the_uploaded_checkout_not_the_installed_package(ray_head, tmp_
 
 
 def test_only_a_bertforge_checkout_is_shipped_as_the_package(tmp_path):
-    assert is_bertforge_checkout(REPO)
+    assert PACKAGE_FOLDERS == ("pipelines", "training", "cluster")
     own = tmp_path / "own"  # a user's project with folders of the same names
     for folder in PACKAGE_FOLDERS:
         (own / folder).mkdir(parents=True)
         (own / folder / "__init__.py").write_text("")
     (own / "pyproject.toml").write_text('[project]\nname = "my-bert"\n')
-    assert not is_bertforge_checkout(str(own))
-    with staged_package(str(own)) as package:
+    assert package_folders(str(own)) is None
+    with shipped_package(str(own)) as package:
         assert package is None
     assert "py_modules" not in SubmitConfig(["x"], working_dir=str(own)).runtime_env()
-    with staged_package(REPO) as package:
+    with shipped_package(REPO) as package:
         assert os.path.basename(package) == "bertforge"
         assert not os.path.exists(os.path.join(package, "__init__.py"))  # a namespace portion
-        assert sorted(os.listdir(package)) == sorted([*PACKAGE_FOLDERS, ".gitignore"])
+        assert sorted(os.listdir(package)) == sorted(PACKAGE_FOLDERS)
+        # What a wheel holds: modules and package data, never the checkout's other files.
+        assert os.path.isfile(os.path.join(package, "cluster", "cli.py"))
+        assert not [name for _, _, names in os.walk(package) for name in names
+                    if not name.endswith((".py", ".tsv", ".md"))]
         env = SubmitConfig(["x"], working_dir=REPO).runtime_env(package)
         assert env["py_modules"] == [package] and env["working_dir"] == REPO
     assert not os.path.exists(package)

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from bertforge.pipelines.docstring_corpus import write_docstring_corpus
+from bertforge.cluster.demo.docstring_corpus import write_docstring_corpus  # the demo's corpus
 from bertforge.pipelines.instances.sentences import split_sentences
 from bertforge.pipelines.prepare import run
 from bertforge.pipelines.prepare_options import PrepareConfig
 from bertforge.pipelines.vocab import train_wordpiece_vocab
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The team's shared, read-only data lives beside the repository (DESIGN: ../shared).
+# The team's shared, read-only data (real corpora, GLUE, vocabularies) lives beside the
+# repository; the tests that need it are skipped without it.
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 # 150 kB of docstrings: ~150 documents, parsed in well under a second.

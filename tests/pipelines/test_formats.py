@@ -14,7 +14,7 @@ import pytest
 
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.prepare import run
-from bertforge.pipelines.read import read_inputs, wiki_xml
+from bertforge.pipelines.read import inputs_transform, wiki_xml
 from bertforge.pipelines.read.input_files import detect_format, iter_texts, open_local, read_file
 from bertforge.pipelines.read.readers import choose_format, name_format, sniff_format
 from bertforge.pipelines.read.records import RawDocument
@@ -108,9 +108,9 @@ def test_multistream_part_is_still_read_in_byte_ranges(tmp_path, monkeypatch):
     (tmp_path / PART).write_bytes(data)
     (tmp_path / PART_INDEX).write_bytes(index)
     monkeypatch.setattr(wiki_xml, "RANGE_BYTES", 200)
-    (files,) = [read_inputs.input_files(read_inputs.match_inputs((str(tmp_path),)))]
+    (files,) = [inputs_transform.input_files(inputs_transform.match_inputs((str(tmp_path),)))]
     assert [f.path for f in files] == [str(tmp_path / PART)]  # the index is not corpus
-    ranges = list(read_inputs.split_multistream(tuple(files[0])))
+    ranges = list(inputs_transform.split_multistream(tuple(files[0])))
     assert len(ranges) > 3 and all(r.byte_range for r in ranges)
     by_range = [d for r in ranges for d in read_file(r.path, "w", "wiki", open_local, r.byte_range)]
     assert len(by_range) == 40 and all(isinstance(d, RawDocument) for d in by_range)

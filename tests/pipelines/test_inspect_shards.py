@@ -3,8 +3,8 @@ import os
 import pyarrow as pa
 
 from bertforge.pipelines.contract import manifest
-from bertforge.pipelines.inspect_shards import format_report, inspect_dataset
-from bertforge.pipelines.verify_shards import verify_dataset
+from bertforge.pipelines.dataset_stats import format_report, inspect_dataset
+from bertforge.pipelines.verify_dataset import verify_dataset
 
 # Google's layout: [PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, then words.
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "down"]

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from bertforge.pipelines.instances.instances import (
+from bertforge.pipelines.instances.pairing import (
     NEXT_IS_RANDOM,
     NEXT_IS_REAL,
     create_instances_from_document,
@@ -296,7 +296,7 @@ def test_rejects_too_short_max_seq_length():
 def test_stable_hash_is_stable_across_processes():
     parts = (12345, "order", "stdlib:json.decoder", 0, 3)
     code = (
-        "from bertforge.pipelines.instances.instances import stable_hash; "
+        "from bertforge.pipelines.instances.pairing import stable_hash; "
         f"print(stable_hash(*{parts!r}))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "123"}

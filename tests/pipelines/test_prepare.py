@@ -9,7 +9,6 @@ import random
 from pathlib import Path
 
 import apache_beam as beam
-import numpy as np
 import pyarrow as pa
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -25,7 +24,7 @@ from bertforge.pipelines.prepare import (
     run,
     split_of,
 )
-from bertforge.pipelines.write import shards
+from bertforge.pipelines.write import global_order
 
 from .conftest import (
     MAX_SEQ_LENGTH,
@@ -271,24 +270,26 @@ def _check_provenance(config: PrepareConfig, docs):
         split = split_of(config.seed, doc_id, config.validation_fraction)
         return split, pool_of(config.seed, doc_id, num_docs[split], config.random_pool_size)
 
-    def check(instances):
-        assert len(instances) > 100
+    def check(batches):
+        assert sum(len(batch) for batch in batches) > 100
         labels = {split: set() for split in num_docs}
-        for split, sort_key, (ids_bytes, num_a, label) in instances:
-            ids = np.frombuffer(ids_bytes, dtype=np.uint16).tolist()
-            doc_id = sort_key[1]
-            assert place(doc_id)[0] == split
-            words_a = {t for t in ids[1 : num_a - 1] if t >= WORD_OFFSET}
-            words_b = {t for t in ids[num_a:-1] if t >= WORD_OFFSET}
-            assert words_a == {WORD_OFFSET + int(doc_id[3:])}
-            assert len(words_b) == 1
-            b_doc = f"doc{words_b.pop() - WORD_OFFSET:03d}"
-            if label == 0:
-                assert b_doc == doc_id
-            else:
-                assert b_doc != doc_id, "random B from the same document"
-                assert place(b_doc) == place(doc_id), "random B from the same split and pool"
-            labels[split].add(label)
+        for batch in batches:
+            offsets = batch.offsets()
+            for row, doc_id in enumerate(batch.doc_ids):
+                ids = batch.ids[offsets[row] : offsets[row + 1]].tolist()
+                num_a, label = int(batch.num_a[row]), int(batch.labels[row])
+                assert place(doc_id)[0] == batch.split
+                words_a = {t for t in ids[1 : num_a - 1] if t >= WORD_OFFSET}
+                words_b = {t for t in ids[num_a:-1] if t >= WORD_OFFSET}
+                assert words_a == {WORD_OFFSET + int(doc_id[3:])}
+                assert len(words_b) == 1
+                b_doc = f"doc{words_b.pop() - WORD_OFFSET:03d}"
+                if label == 0:
+                    assert b_doc == doc_id
+                else:
+                    assert b_doc != doc_id, "random B from the same document"
+                    assert place(b_doc) == place(doc_id), "random B from the same split and pool"
+                labels[batch.split].add(label)
         assert labels == {split: {0, 1} for split in num_docs}
 
     return check
@@ -310,8 +311,8 @@ def test_create_pretraining_instances_provenance():
         created = (
             pipeline | beam.Create(docs) | CreatePretrainingInstances(config, _synthetic_vocab())
         )
-        rows = created["instances"] | "Rows" >> beam.FlatMap(lambda batch: list(batch.rows()))
-        assert_that(rows, _check_provenance(config, docs), label="CheckProvenance")
+        assert_that(created["instances"], _check_provenance(config, docs),
+                    label="CheckProvenance")
         assert_that(created["rejects"], equal_to([]), label="CheckNoRejects")
         totals = created["document_stats"] | "TotalDocs" >> beam.Map(
             lambda d: sum(v[0] for v in d.values())
@@ -323,7 +324,7 @@ def test_shards_written_in_pieces_equal_shards_written_whole(
     monkeypatch, corpus_files, small_vocab, tmp_path
 ):
     """Many pieces per shard (tiny batches, so the small corpus spans several) change no byte."""
-    monkeypatch.setattr(shards, "ROWS_PER_BATCH", 4)
+    monkeypatch.setattr(global_order, "ROWS_PER_BATCH", 4)
 
     def shard_bytes(root: str) -> dict[str, bytes]:
         found = {p.name: p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
@@ -339,7 +340,7 @@ def test_shards_written_in_pieces_equal_shards_written_whole(
 
 
 def test_pools_are_bounded_by_documents_and_by_text():
-    from bertforge.pipelines.instances.create_instances import num_pools
+    from bertforge.pipelines.instances.pairs_transform import num_pools
 
     assert num_pools(100, 512) == 1
     assert num_pools(1_000, 512) == 2

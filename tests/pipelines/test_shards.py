@@ -6,8 +6,8 @@ import pyarrow as pa
 import pytest
 
 from bertforge.pipelines.contract import manifest
-from bertforge.pipelines.write import shards as shards_module
-from bertforge.pipelines.write.shards import (
+from bertforge.pipelines.write import global_order as shards_module
+from bertforge.pipelines.write.global_order import (
     boundary_ranks,
     bucket_of,
     concat_shard,

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from bertforge.pipelines.instances.tokenize_documents import TokenizeParts, assemble, document_parts
+from bertforge.pipelines.instances.tokenize_transform import TokenizeParts, assemble, document_parts
 from bertforge.pipelines.read.input_files import open_local, read_file
 from bertforge.pipelines.read.records import RawDocument
 from tests.pipelines.conftest import shared_data_file
@@ -80,7 +80,7 @@ def test_records_sharing_doc_id_and_source_stay_apart(small_vocab):
     from apache_beam.testing.test_pipeline import TestPipeline
     from apache_beam.testing.util import assert_that, equal_to
 
-    from bertforge.pipelines.instances.tokenize_documents import TokenizeDocuments
+    from bertforge.pipelines.instances.tokenize_transform import TokenizeDocuments
 
     vocab_bytes = open(small_vocab, "rb").read()
     first = RawDocument("page", "dump:7 Page", text=_paragraphs(40))

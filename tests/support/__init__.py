@@ -4,5 +4,5 @@
   masking and padding), for throughput benchmarks and smoke runs without prepared shards;
 - `local_cluster`: a real multi-node Ray cluster on this machine (`ray start`, 127.0.0.1).
 
-Benchmarks import them as `tests.support...` through `benchmarks/_checkout.py`.
+Benchmarks import them as `tests.support...` with the checkout's root put on `sys.path`.
 """

@@ -114,5 +114,5 @@ def test_the_loop_reads_the_device_once_per_log_line_and_validation_pass(dataset
             if site.startswith(("training/", "cluster/"))}
     # Whether a CPU batch is padded at all (no mask then): a check made on a CPU only, where
     # nothing waits; on a GPU the mask is kept and nothing is read.
-    ours.pop("training/model.py:_key_padding", None)
+    ours.pop("training/model.py:key_padding_mask", None)
     assert ours == {"training/loop.py:reduce": 3, "training/evaluate.py:evaluate": 2}

@@ -300,12 +300,12 @@ def test_all_ones_attention_mask_is_dropped_with_the_same_numbers(monkeypatch) -
     model = BertForPreTraining(config)
     batch = random_batch(config, batch_size=2, seq_len=8)
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    assert model_module._key_padding(batch["attention_mask"]) is None
+    assert model_module.key_padding_mask(batch["attention_mask"]) is None
     results = []
     for always_mask in (False, True):
         if always_mask:
             monkeypatch.setattr(
-                model_module, "_key_padding", lambda mask: (mask == 0)[:, None, None, :]
+                model_module, "key_padding_mask", lambda mask: (mask == 0)[:, None, None, :]
             )
         model.zero_grad()
         torch.manual_seed(2)

@@ -98,10 +98,10 @@ def test_explicit_precisions_are_kept_and_a_resume_keeps_its_own():
 
 def test_the_engine_choice_carries_request_resolution_reason_and_warning(monkeypatch):
     fake_cpu(monkeypatch, ZEN_2, onednn_bf16=False, aten="AVX2")
-    cfg, choice = resolve_engine_precision(TrainConfig(data_dir="d", run_dir="r"))
+    cfg, choice = resolve_engine_precision(TrainConfig(data_dir="d", run_dir="r").engine())
     assert cfg.precision == "fp32" and choice.requested == "auto" and choice.warning is None
     cfg, choice = resolve_engine_precision(TrainConfig(data_dir="d", run_dir="r",
-                                                       precision="bf16"))
+                                                       precision="bf16").engine())
     assert cfg.precision == "bf16" and "will be slow" in choice.warning
 
 
@@ -161,7 +161,7 @@ def test_the_zero_stage_and_deepspeed_config_follow_the_resolved_precision(
     from bertforge.training.engine import deepspeed_config, resolve_zero_stage
 
     fake_cpu(monkeypatch, capabilities, onednn_bf16=capabilities is SAPPHIRE_RAPIDS)
-    cfg = TrainConfig(data_dir="d", run_dir="r")
+    cfg = TrainConfig(data_dir="d", run_dir="r").engine()
     assert resolve_zero_stage(cfg, 1).zero_stage == stage
     ds = deepspeed_config(cfg, 1)
     assert ds["zero_optimization"]["stage"] == stage

@@ -1,6 +1,6 @@
 """Collation: unmasked rows in, masked Hugging Face tensors out.
 
-Masks are dynamic (DESIGN, "Determinism"): drawn per (seed, epoch, sample index) at load time,
+Masks are dynamic (DESIGN.md, "Determinism"): drawn per (seed, epoch, sample index) at load time,
 so every epoch masks a sample anew and the same sample masks the same way in any batch, on any
 rank, in any order. The rules themselves are `training.masking`'s.
 """

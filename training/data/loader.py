@@ -1,6 +1,6 @@
 """The pretraining loader: one split of a prepared dataset, as masked padded batches for a rank.
 
-Order and masks are functions of (seed, epoch, global sample index) only (DESIGN,
+Order and masks are functions of (seed, epoch, global sample index) only (DESIGN.md,
 "Determinism"): the sequence of global batches is the same for any number of ranks with the
 same global batch, and the loader's position, counted in samples of the epoch, resumes
 exactly, even on another number of ranks, and even with another global batch when gradient
@@ -28,7 +28,7 @@ from bertforge.training.data.collate import MaskingOptions, PretrainingCollator
 from bertforge.training.data.order import DEFAULT_BUCKET_WINDOW, BucketingOptions, epoch_order
 from bertforge.training.data.packing import PackingOptions, pack_batch, step_groups
 from bertforge.training.data.prefetch import BatchIterator
-from bertforge.training.data.resume import loader_state, resume_position
+from bertforge.training.data.resume import Layout, loader_state, resume_position
 from bertforge.training.data.split import ReadOptions, open_split
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.masking import MaskingVocab
@@ -202,12 +202,24 @@ class PretrainingLoader:
             self._close_live()
             self._epoch, self._batches_consumed = epoch, 0
 
+    @property
+    def layout(self) -> Layout:
+        """What the position depends on: a saved position resumes under another layout only
+        where `training.data.resume` allows."""
+        return Layout(
+            seed=self.seed, split=self.split, num_samples=self.num_samples,
+            num_batches=len(self), batch_size=self.batch_size, world_size=self.world_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            bucket_boundaries=self.bucket_boundaries, bucket_window=self.bucket_window,
+            regroup_max_per_row=self.packing.max_per_row if self.regroups else None,
+        )
+
     def state_dict(self) -> dict[str, Any]:
-        return loader_state(self)
+        return loader_state(self.layout, self._epoch, self._batches_consumed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a saved position (see `training.data.resume` for what may differ)."""
-        epoch, batches_consumed = resume_position(self, state)
+        epoch, batches_consumed = resume_position(self.layout, state)
         self._close_live()
         self._epoch, self._batches_consumed = epoch, batches_consumed
 

@@ -11,52 +11,77 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from bertforge.training.data.order import DEFAULT_BUCKET_WINDOW
-
-if TYPE_CHECKING:
-    from bertforge.training.data.loader import PretrainingLoader
 
 STATE_VERSION = 2  # 2: position in samples, step batch, bucketing
 
 
-def loader_state(loader: PretrainingLoader) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Layout:
+    """What of a loader its position depends on (the loader's `layout`)."""
+
+    seed: int
+    split: str
+    num_samples: int
+    num_batches: int  # global batches per epoch (the loader's len)
+    batch_size: int  # per rank
+    world_size: int
+    gradient_accumulation_steps: int
+    bucket_boundaries: Sequence[int] | None
+    bucket_window: int
+    # The packing option that shapes regrouped steps; None when steps are not regrouped.
+    regroup_max_per_row: int | None
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def step_batch_size(self) -> int:
+        return self.global_batch_size * self.gradient_accumulation_steps
+
+
+def loader_state(layout: Layout, epoch: int, batches_consumed: int) -> dict[str, Any]:
     return {
         "version": STATE_VERSION,
-        "epoch": loader.epoch,
-        "samples_consumed": loader.samples_consumed,  # the position, free of the layout
-        "batches_consumed": loader.batches_consumed,  # in this loader's global batches
-        "epoch_finished": loader.batches_consumed == len(loader),
-        "seed": loader.seed,
-        "global_batch_size": loader.global_batch_size,
-        "step_batch_size": loader.step_batch_size,
-        "num_samples": loader.num_samples,
-        "split": loader.split,
-        "bucket_boundaries": _as_list(loader.bucket_boundaries),
-        "bucket_window": loader.bucket_window,
-        "packing_groups": _as_list(_grouping(loader)),
+        "epoch": epoch,
+        # The position, free of the layout.
+        "samples_consumed": min(batches_consumed * layout.global_batch_size, layout.num_samples),
+        "batches_consumed": batches_consumed,  # in this loader's global batches
+        "epoch_finished": batches_consumed == layout.num_batches,
+        "seed": layout.seed,
+        "global_batch_size": layout.global_batch_size,
+        "step_batch_size": layout.step_batch_size,
+        "num_samples": layout.num_samples,
+        "split": layout.split,
+        "bucket_boundaries": _as_list(layout.bucket_boundaries),
+        "bucket_window": layout.bucket_window,
+        "packing_groups": _as_list(_grouping(layout)),
     }
 
 
-def resume_position(loader: PretrainingLoader, state: dict[str, Any]) -> tuple[int, int]:
-    """(epoch, batches consumed) of `loader` at a saved position; refuses what cannot resume.
+def resume_position(layout: Layout, state: dict[str, Any]) -> tuple[int, int]:
+    """(epoch, batches consumed) of a loader of this layout at a saved position; refuses what
+    cannot resume.
 
     A state saved at the very end of an epoch resumes at the start of the next one.
     """
     state = upgrade_state(state)
-    _check_same_order(loader, state)
+    _check_same_order(layout, state)
     epoch, samples = int(state["epoch"]), int(state["samples_consumed"])
-    if not 0 <= samples <= loader.num_samples:
-        raise ValueError(f"saved position {samples} is outside the epoch of {loader.num_samples}")
-    if state["epoch_finished"] or samples >= len(loader) * loader.global_batch_size:
+    if not 0 <= samples <= layout.num_samples:
+        raise ValueError(f"saved position {samples} is outside the epoch of {layout.num_samples}")
+    if state["epoch_finished"] or samples >= layout.num_batches * layout.global_batch_size:
         # Nothing of the epoch left for this layout: an uninterrupted run goes on with the
         # next epoch, and a loop that iterates right after loading must not find nothing.
         epoch, samples = epoch + 1, 0
-    if samples % loader.global_batch_size:
-        raise ValueError(_boundary_error(loader, samples, epoch, state["global_batch_size"]))
-    _check_same_grouping(loader, state, samples)
-    return epoch, samples // loader.global_batch_size
+    if samples % layout.global_batch_size:
+        raise ValueError(_boundary_error(layout, samples, epoch, state["global_batch_size"]))
+    _check_same_grouping(layout, state, samples)
+    return epoch, samples // layout.global_batch_size
 
 
 def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -78,45 +103,45 @@ def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _check_same_order(loader: PretrainingLoader, state: dict[str, Any]) -> None:
+def _check_same_order(layout: Layout, state: dict[str, Any]) -> None:
     """Refuse a state whose position would point at other samples in this loader's order."""
     for key in ("seed", "num_samples"):
-        if state[key] != getattr(loader, key):
+        if state[key] != getattr(layout, key):
             raise ValueError(
                 f"cannot resume: the saved loader state has {key}={state[key]}, this loader "
-                f"has {getattr(loader, key)} (the position would point at other samples)"
+                f"has {getattr(layout, key)} (the position would point at other samples)"
             )
     saved = _bucketing(state["bucket_boundaries"], state["bucket_window"])
-    mine = _bucketing(loader.bucket_boundaries, loader.bucket_window)
+    mine = _bucketing(layout.bucket_boundaries, layout.bucket_window)
     if saved != mine:
         raise ValueError(
             f"cannot resume: the saved loader state has length bucketing (boundaries, window) "
             f"{saved}, this loader {mine}: the epoch's order would differ"
         )
-    if mine is not None and state["step_batch_size"] != loader.step_batch_size:
+    if mine is not None and state["step_batch_size"] != layout.step_batch_size:
         raise ValueError(
             f"cannot resume: length bucketing cuts the order in optimizer steps of "
             f"{state['step_batch_size']} samples (saved), this loader's step is "
-            f"{loader.step_batch_size} ({loader.batch_size} x {loader.world_size} ranks x "
-            f"{loader.gradient_accumulation_steps} accumulation): keep micro-batch x ranks x "
+            f"{layout.step_batch_size} ({layout.batch_size} x {layout.world_size} ranks x "
+            f"{layout.gradient_accumulation_steps} accumulation): keep micro-batch x ranks x "
             "gradient_accumulation_steps the same"
         )
 
 
-def _grouping(loader: PretrainingLoader) -> tuple[int, int, int] | None:
+def _grouping(layout: Layout) -> tuple[int, int, int] | None:
     """What shapes the regrouping of a step's samples for packing: the global batches of a
     step depend on (max_per_row, step batch, global batch) (see `training.data.packing`)."""
-    if not loader.regroups:
+    if layout.regroup_max_per_row is None:
         return None
-    return (loader.packing.max_per_row, loader.step_batch_size, loader.global_batch_size)
+    return (layout.regroup_max_per_row, layout.step_batch_size, layout.global_batch_size)
 
 
-def _check_same_grouping(loader: PretrainingLoader, state: dict[str, Any], samples: int) -> None:
+def _check_same_grouping(layout: Layout, state: dict[str, Any], samples: int) -> None:
     """Regrouping reorders samples within a step only: a position at a step boundary (of
     each layout that regroups) has consumed the same samples whatever the grouping; one
     inside a step resumes only under the same grouping."""
     saved = state.get("packing_groups")
-    mine = _grouping(loader)
+    mine = _grouping(layout)
     saved = None if saved is None else tuple(saved)
     if saved == mine:
         return
@@ -131,13 +156,13 @@ def _check_same_grouping(loader: PretrainingLoader, state: dict[str, Any], sampl
 
 
 def _boundary_error(
-    loader: PretrainingLoader, samples: int, epoch: int, saved_global_batch: int
+    layout: Layout, samples: int, epoch: int, saved_global_batch: int
 ) -> str:
-    global_batch = loader.global_batch_size
+    global_batch = layout.global_batch_size
     every = global_batch // math.gcd(global_batch, saved_global_batch)
     return (
         f"cannot resume after {samples} samples of epoch {epoch} with a global batch of "
-        f"{global_batch} ({loader.batch_size} x {loader.world_size} ranks): a loader "
+        f"{global_batch} ({layout.batch_size} x {layout.world_size} ranks): a loader "
         f"resumes only at multiples of its global batch. With this layout, resume from a "
         f"state saved after a multiple of {global_batch} samples (every {every} "
         f"batches of the saving layout, whose global batch was {saved_global_batch}), or "

@@ -17,7 +17,7 @@ from bertforge.pipelines.contract.tokenization import read_vocab
 from bertforge.training.data.checksums import ChecksumCheck, verify_in_background
 from bertforge.training.data.download import local_dataset_dir
 from bertforge.training.data.integrity import RowRules
-from bertforge.training.data.shards import Segment, ShardRows, open_shard
+from bertforge.training.data.mapped_shards import Segment, ShardRows, open_shard
 from bertforge.training.errors import MissingInputError, UserInputError, as_user_error
 
 
@@ -84,13 +84,19 @@ def read_dataset_manifest(data_dir: str) -> manifest_lib.Manifest:
 def open_split_rows(data_dir: str, split: str) -> tuple[manifest_lib.Manifest, ShardRows]:
     """(manifest, rows) of a local dataset directory's split, checked shard by shard."""
     manifest = read_dataset_manifest(data_dir)
+    return manifest, split_rows(data_dir, manifest, split)
+
+
+def split_rows(data_dir: str, manifest: manifest_lib.Manifest, split: str) -> ShardRows:
+    """The rows of `split` of a local dataset whose manifest is parsed already, checked shard
+    by shard (footers and row counts, memory-mapped)."""
     if split not in manifest.splits:
         raise UserInputError(
             f"{data_dir} has no split {split!r} (it has {sorted(manifest.splits)})")
     segments: list[Segment] = []
     for entry in manifest.splits[split].shards:
         segments += open_shard(os.path.join(data_dir, entry.path), entry.num_rows)
-    return manifest, ShardRows(segments)
+    return ShardRows(segments)
 
 
 def read_vocab_tokens(data_dir: str, tokenizer: manifest_lib.TokenizerEntry) -> list[str]:

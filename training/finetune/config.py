@@ -11,7 +11,13 @@ import itertools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bertforge.training.config import PRECISIONS, _field
+from bertforge.pipelines.config_fields import (
+    RERUN_MAY_CHANGE,
+    check_choices,
+    option,
+    without_marked,
+)
+from bertforge.training.engine_config import engine_option
 from bertforge.training.finetune.tasks import (
     CUSTOM_TASK,
     SQUAD_TASK,
@@ -24,67 +30,87 @@ RESULT_NAME = "result.json"
 HF_DIR_NAME = "hf"
 GLUE_MAX_SEQ_LENGTH = 128
 SQUAD_MAX_SEQ_LENGTH = 384
-# Fields a rerun into the same output may change: how to run or show it, and which (learning
-# rate, seed) runs to make (each run is recorded on its own, so a longer sweep reuses them).
-NOT_SETTINGS = ("output", "log_every", "keep_all_models", "learning_rate", "seeds", "sweep",
-                "sweep_learning_rates")
+# One task's own: the task, its data, the model and where the outputs go (`bertforge glue` sets
+# these for each task), and the settings only one kind of task has (SQuAD's windows, a custom
+# task's columns). The others are the fine-tuning recipe, which glue applies to every task.
+PER_TASK = "per_task"
+# Which (learning rate, seed) runs to make: each run is recorded on its own, so a rerun into the
+# same output may add seeds or rates and reuses the runs it has.
+SELECTS_RUNS = "selects_runs"
 
 
 @dataclass
 class FinetuneConfig:
     """One fine-tuning job: a task, a pretrained model, and one run per (learning rate, seed)."""
 
-    task: str = _field(help="sst2, cola, mrpc, rte, stsb (any spelling: SST-2), squad, or custom")
-    model: str = _field(help="a bertforge checkpoint, a run directory (its newest checkpoint) or "
-                        "a Hugging Face BERT directory")
-    output: str = _field(help="results.json, dev predictions and the fine-tuned model go here")
-    train: str | None = _field(help="training file (default: the task's file under --data-root: "
+    # The task and its data (PER_TASK).
+    task: str = option(help="sst2, cola, mrpc, rte, stsb (any spelling: SST-2), squad, or custom",
+                       marks=(PER_TASK,))
+    model: str = option(help="a bertforge checkpoint, a run directory (its newest checkpoint) or "
+                        "a Hugging Face BERT directory", marks=(PER_TASK,))
+    output: str = option(help="results.json, dev predictions and the fine-tuned model go here",
+                         marks=(PER_TASK, RERUN_MAY_CHANGE))
+    train: str | None = option(help="training file (default: the task's file under --data-root: "
                                "glue/<Task>/train.tsv; squad: an article split of "
-                               "squad/dev-v1.1.json, the only SQuAD file there)")
-    dev: str | None = _field(help="dev file, scored after training (default: as --train)")
-    data_root: str | None = _field(help="the directory holding glue/ and squad/ (default: "
-                                   "../shared/data where it exists)")
-    text_columns: tuple[str, ...] = _field((), "custom task: one or two text columns, header "
-                                           "names or 0-based indices")
-    label_column: str | None = _field(help="custom task: the label column")
-    labels: tuple[str, ...] = _field((), "custom task: the label strings in id order (default: "
-                                     "those found in the train file)")
-    regression: bool = _field(False, "custom task: the label is a score (Pearson/Spearman)")
-    has_header: bool = _field(True, "custom task: the TSV's first line names the columns")
-    learning_rate: float = _field(2e-5, "peak learning rate (without --sweep)", aliases=("--lr",))
-    seeds: tuple[int, ...] = _field((12345,), "one run per seed (head init, dropout, order)")
-    sweep: bool = _field(False, "one run per learning rate in --sweep-learning-rates and seed; "
-                         "reports the best dev score, the median and the spread")
-    sweep_learning_rates: tuple[float, ...] = _field((2e-5, 3e-5, 5e-5), "the sweep's rates")
-    epochs: float = _field(3.0, "passes over the training examples")
-    max_steps: int | None = _field(help="stop after this many optimizer steps (default: epochs)")
-    batch_size: int = _field(32, "examples per optimizer step, over all workers")
-    eval_batch_size: int = _field(64, "examples per forward pass per worker on dev")
-    max_seq_length: int | None = _field(help="tokens per example (default: 128; squad 384)")
-    doc_stride: int = _field(128, "squad: context tokens shared by consecutive windows")
-    max_query_length: int = _field(64, "squad: question tokens kept")
-    max_answer_length: int = _field(30, "squad: longest answer span predicted, in tokens")
-    squad_dev_fraction: float = _field(0.2, "squad without --train: the articles held out as dev")
-    warmup_fraction: float = _field(0.1, "share of the steps warming the learning rate up")
-    weight_decay: float = _field(0.01, "decoupled weight decay (not on biases and LayerNorm)")
-    adam_eps: float = _field(1e-6, "Adam's epsilon")
-    gradient_clipping: float = _field(1.0, "global gradient-norm clip")
-    max_train_examples: int | None = _field(help="train on a fixed random subset of this many "
+                               "squad/dev-v1.1.json, the only SQuAD file there)",
+                               marks=(PER_TASK,))
+    dev: str | None = option(help="dev file, scored after training (default: as --train)",
+                             marks=(PER_TASK,))
+    data_root: str | None = option(help="the directory holding glue/ and squad/ (default: "
+                                   "../shared/data where it exists)", marks=(PER_TASK,))
+    text_columns: tuple[str, ...] = option((), "custom task: one or two text columns, header "
+                                           "names or 0-based indices", marks=(PER_TASK,))
+    label_column: str | None = option(help="custom task: the label column", marks=(PER_TASK,))
+    labels: tuple[str, ...] = option((), "custom task: the label strings in id order (default: "
+                                     "those found in the train file)", marks=(PER_TASK,))
+    regression: bool = option(False, "custom task: the label is a score (Pearson/Spearman)",
+                              marks=(PER_TASK,))
+    has_header: bool = option(True, "custom task: the TSV's first line names the columns",
+                              marks=(PER_TASK,))
+    # Which runs to make (SELECTS_RUNS).
+    learning_rate: float = option(2e-5, "peak learning rate (without --sweep)", aliases=("--lr",),
+                                  marks=(SELECTS_RUNS,))
+    seeds: tuple[int, ...] = option((12345,), "one run per seed (head init, dropout, order)",
+                                    marks=(SELECTS_RUNS,))
+    sweep: bool = option(False, "one run per learning rate in --sweep-learning-rates and seed; "
+                         "reports the best dev score, the median and the spread",
+                         marks=(SELECTS_RUNS,))
+    sweep_learning_rates: tuple[float, ...] = option((2e-5, 3e-5, 5e-5), "the sweep's rates",
+                                                     marks=(SELECTS_RUNS,))
+    # The recipe, and SQuAD's own settings (PER_TASK).
+    epochs: float = option(3.0, "passes over the training examples")
+    max_steps: int | None = option(help="stop after this many optimizer steps (default: epochs)")
+    batch_size: int = option(32, "examples per optimizer step, over all workers")
+    eval_batch_size: int = option(64, "examples per forward pass per worker on dev")
+    max_seq_length: int | None = option(help="tokens per example (default: 128; squad 384)")
+    doc_stride: int = option(128, "squad: context tokens shared by consecutive windows",
+                             marks=(PER_TASK,))
+    max_query_length: int = option(64, "squad: question tokens kept", marks=(PER_TASK,))
+    max_answer_length: int = option(30, "squad: longest answer span predicted, in tokens",
+                                    marks=(PER_TASK,))
+    squad_dev_fraction: float = option(0.2, "squad without --train: the articles held out as "
+                                       "dev", marks=(PER_TASK,))
+    warmup_fraction: float = option(0.1, "share of the steps warming the learning rate up")
+    weight_decay: float = engine_option("weight_decay")
+    adam_eps: float = engine_option("adam_eps")
+    gradient_clipping: float = engine_option("gradient_clipping")
+    max_train_examples: int | None = option(help="train on a fixed random subset of this many "
                                             "examples (the same for every seed)")
-    max_dev_examples: int | None = _field(help="score a fixed random subset of this many")
+    max_dev_examples: int | None = option(help="score a fixed random subset of this many")
     # SST-2's train set is mostly phrases cut from its sentences (9 words on average; dev: 20,
     # whole sentences): a small subset of phrases teaches a small model little.
-    min_train_words: int | None = _field(help="train only on examples with at least this many "
+    min_train_words: int | None = option(help="train only on examples with at least this many "
                                          "words (the texts together), before any subset")
-    random_init: bool = _field(False, "the model's architecture and vocabulary with fresh "
+    random_init: bool = option(False, "the model's architecture and vocabulary with fresh "
                                "weights: what pretraining is worth")
-    precision: str = _field("auto", "auto: bf16 where the device computes it natively, else "
-                            "fp32", choices=PRECISIONS)
-    zero_stage: int | None = _field(help="DeepSpeed ZeRO stage (default: as pretraining decides)",
-                                    choices=(0, 1, 2))
-    log_every: int | None = _field(help="steps between progress lines (default: steps/20)")
-    keep_all_models: bool = _field(False, "keep every sweep run's exported model, not only the "
-                                   "best one's")
+    precision: str = engine_option("precision")
+    # Not 3: dev is scored and the model exported from whole parameters (training.finetune.loop).
+    zero_stage: int | None = engine_option("zero_stage", choices=(0, 1, 2))
+    # How the run is shown and kept (RERUN_MAY_CHANGE).
+    log_every: int | None = option(help="steps between progress lines (default: steps/20)",
+                                   marks=(RERUN_MAY_CHANGE,))
+    keep_all_models: bool = option(False, "keep every sweep run's exported model, not only the "
+                                   "best one's", marks=(RERUN_MAY_CHANGE,))
 
     def __post_init__(self) -> None:
         if not self.task or not self.model or not self.output:
@@ -132,8 +158,7 @@ class FinetuneConfig:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
         if not 0 < self.squad_dev_fraction < 1:
             raise ValueError(f"squad_dev_fraction must be in (0, 1), got {self.squad_dev_fraction}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        check_choices(self)  # precision, zero_stage
 
     @property
     def is_squad(self) -> bool:
@@ -153,7 +178,7 @@ class FinetuneConfig:
 
     def settings(self) -> dict[str, Any]:
         """What a rerun into the same output must match to reuse finished runs."""
-        return {k: v for k, v in self.to_dict().items() if k not in NOT_SETTINGS}
+        return without_marked(self.to_dict(), FinetuneConfig, RERUN_MAY_CHANGE, SELECTS_RUNS)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

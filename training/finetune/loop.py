@@ -1,9 +1,9 @@
 """One fine-tuning run (one learning rate, one seed) on DeepSpeed; every worker calls `finetune`.
 
-Runs under Ray Train (cluster/finetune.py), `torchrun`, the `deepspeed` launcher or alone, like
-the pretraining loop. The engine is pretraining's (`training.engine.build_engine`: AdamW without
-decay on biases and LayerNorm, linear warm-up then linear decay to zero, ZeRO and precision as
-pretraining decides them); only the data and the heads differ.
+Runs under Ray Train (cluster/finetune_sweep.py), `torchrun`, the `deepspeed` launcher or
+alone, like the pretraining loop. The engine is pretraining's (`training.engine.build_engine`:
+AdamW without decay on biases and LayerNorm, linear warm-up then linear decay to zero, ZeRO and
+precision as pretraining decides them); only the data and the heads differ.
 
 Data order: each epoch is a permutation drawn from (seed, epoch); a global batch of batch_size
 examples is split across the ranks by stride, so every number of workers sees the same global
@@ -28,15 +28,15 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from bertforge.training.config import TrainConfig
+from bertforge.training.device import to_device  # pinned + non_blocking on CUDA: no sync
 from bertforge.training.distributed import all_reduce_sum, barrier
 from bertforge.training.engine import build_engine, ensure_process_group
+from bertforge.training.engine_config import EngineConfig
 from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, FinetuneConfig
 from bertforge.training.finetune.export import export_finetuned
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.model import task_model
 from bertforge.training.finetune.task_data import TaskData, load_task_data
-from bertforge.training.loop import _to_device  # pinned + non_blocking on CUDA: no sync
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.precision import resolve_precision
 
@@ -103,19 +103,20 @@ def count_steps(cfg: FinetuneConfig, num_rows: int) -> tuple[int, int]:
     return steps_per_epoch, total
 
 
-def engine_config(cfg: FinetuneConfig, num_steps: int, world_size: int) -> TrainConfig:
-    """Pretraining's engine recipe for this run: DeepSpeed takes it through build_engine."""
+def engine_config(cfg: FinetuneConfig, num_steps: int, world_size: int) -> EngineConfig:
+    """This run's engine, built as pretraining's is (`build_engine`): AdamW, linear warm-up then
+    linear decay, the engine options the config gives; "auto" precision resolved here, for the
+    run's first line."""
     if cfg.batch_size % world_size:
         raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of the {world_size} "
                          "workers; change --batch-size or --workers")
     precision, _ = resolve_precision(cfg.precision, get_accelerator().device_name())
-    return TrainConfig(
-        data_dir=cfg.train, run_dir=cfg.output, max_steps=num_steps,
-        micro_batch_size=cfg.batch_size // world_size, gradient_accumulation_steps=1,
-        learning_rate=cfg.learning_rate, warmup_steps=int(cfg.warmup_fraction * num_steps),
-        decay="linear", optimizer="adamw", weight_decay=cfg.weight_decay, adam_eps=cfg.adam_eps,
+    return EngineConfig(
+        max_steps=num_steps, learning_rate=cfg.learning_rate,
+        warmup_steps=int(cfg.warmup_fraction * num_steps),
+        micro_batch_size=cfg.batch_size // world_size,  # one micro-step per optimizer step
+        weight_decay=cfg.weight_decay, adam_eps=cfg.adam_eps,
         gradient_clipping=cfg.gradient_clipping, zero_stage=cfg.zero_stage, precision=precision,
-        seed=cfg.seeds[0],
     )
 
 
@@ -149,7 +150,7 @@ def _train(engine, data: TaskData, cfg: FinetuneConfig, steps_per_epoch: int, nu
     for step in range(num_steps):
         rows = torch.from_numpy(batch_indices(data.num_train_rows, cfg.batch_size, step,
                                               steps_per_epoch, seed, rank, world_size))
-        batch = _to_device(trim_padding({k: v[rows] for k, v in tensors.items()}),
+        batch = to_device(trim_padding({k: v[rows] for k, v in tensors.items()}),
                            engine.device)
         out = engine(**batch)
         engine.backward(out["loss"])
@@ -199,7 +200,7 @@ def evaluate(engine, data: TaskData, cfg: FinetuneConfig) -> tuple[dict[str, flo
     for start in range(bounds[rank], bounds[rank + 1], cfg.eval_batch_size):
         stop = min(start + cfg.eval_batch_size, bounds[rank + 1])
         batch = trim_padding({k: data.dev[k][start:stop] for k in MODEL_INPUTS})
-        out = module(**_to_device(batch, engine.device))
+        out = module(**to_device(batch, engine.device))
         width = data.dev["input_ids"].shape[1]  # SQuAD's logits back to the features' width
         outputs.append({k: (_pad_to(v.float().cpu(), width) if k in SPAN_LOGITS
                             else v.float().cpu()).numpy() for k, v in out.items()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bertforge.training.cpu_kernels import Dropout, Linear
-from bertforge.training.model import BertConfig, BertForPreTraining, BertModel, _key_padding
+from bertforge.training.model import BertConfig, BertForPreTraining, BertModel, key_padding_mask
 
 CLASSIFIER_PREFIX = "classifier."
 QA_PREFIX = "qa_outputs."
@@ -74,7 +74,7 @@ class _TaskModel(nn.Module):
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         embeddings = self.bert.embeddings(input_ids, token_type_ids)
-        return self.bert.encoder(embeddings, _key_padding(attention_mask))
+        return self.bert.encoder(embeddings, key_padding_mask(attention_mask))
 
 
 class BertForSequenceClassification(_TaskModel):

@@ -4,9 +4,9 @@
    fine-tunes in one worker group);
 2. fine-tuned from the same architecture and vocabulary with random weights (random_init), with
    the same examples, steps, learning rate and seed;
-3. a bag-of-words logistic regression (`training.finetune.bow_baseline`) on the same examples.
+3. a bag-of-words logistic regression (`bow_baseline`) on the same examples.
 
-SST-2 ships with bertforge for this (`demo_data/sst2/`, see its SOURCE.md): the 2,000 lines the
+SST-2 ships with bertforge for this (`data/sst2/`, see its SOURCE.md): the 2,000 lines the
 demo trains on and the whole dev set, so the stage runs on a fresh clone; `--glue-dir` points it
 at the whole of GLUE's SST-2 instead.
 
@@ -28,8 +28,9 @@ from bertforge.training.finetune.config import FinetuneConfig
 
 SST2_TRAIN_SENTENCES = 67_349  # GLUE's SST-2 train.tsv (DOWNSTREAM-SOURCES.md)
 # The shipped subset: the demo's default draw (2,000 of SST-2's 25,152 train lines of 10 words
-# or more, task_data's fixed subset seed) and the whole dev set; see demo_data/sst2/SOURCE.md.
-SHIPPED_SST2_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_data", "sst2")
+# or more, task_data's fixed subset seed) and the whole dev set; see data/sst2/SOURCE.md. Package
+# data (setup.py), found beside this module wherever bertforge is installed.
+SHIPPED_SST2_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sst2")
 SHIPPED_TRAIN_LINES = 2_000
 SHIPPED_MIN_WORDS = 10
 SHIPPED_DRAWN_FROM = 25_152
@@ -80,8 +81,8 @@ def finetune_sst2(model_dir: str, output: str, glue_dir: str | None,
         print(f"[demo] finetune: {reason}", flush=True)
         return {"skipped": reason}
     train, dev = files
-    from bertforge.cluster.finetune import run_finetunes
-    from bertforge.cluster.finetune_launch import finetune_launch
+    from bertforge.cluster.finetune_sweep import run_finetunes
+    from bertforge.cluster.finetune_workers import finetune_launch
 
     configs = [_config(model_dir, os.path.join(output, name), train, dev, budget, random_init)
                for name, random_init in (("pretrained", False), ("random_init", True))]
@@ -138,7 +139,7 @@ def _outcome(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def _bag_of_words(cfg: FinetuneConfig, seed: int) -> dict[str, Any]:
-    from bertforge.training.finetune.bow_baseline import bow_baseline
+    from bertforge.cluster.demo.bow_baseline import bow_baseline
     from bertforge.training.finetune.glue_data import read_examples
     from bertforge.training.finetune.task_data import subsample, train_examples
     from bertforge.training.finetune.tasks import task_spec

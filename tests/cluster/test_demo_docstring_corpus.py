@@ -1,13 +1,25 @@
+"""The demo's corpus: docstrings parsed (never imported), cleaned to prose, deterministic."""
+
 import json
 import sys
 
-from bertforge.pipelines.docstring_corpus import (
+import pytest
+
+from bertforge.cluster.demo.docstring_corpus import (
     clean_docstring,
     documents_from_source,
     write_docstring_corpus,
 )
 
-from .conftest import SMALL_CORPUS_BYTES
+# 150 kB of docstrings: ~150 documents, parsed in well under a second.
+SMALL_CORPUS_BYTES = 150_000
+
+
+@pytest.fixture(scope="module")
+def docstring_corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("corpus") / "docstrings.jsonl"
+    write_docstring_corpus(str(path), target_bytes=SMALL_CORPUS_BYTES)
+    return str(path)
 
 
 def _records(path: str) -> list[dict]:

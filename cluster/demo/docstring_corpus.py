@@ -1,4 +1,4 @@
-"""The built-in demo corpus: English prose from the docstrings already on this machine.
+"""The demo's built-in corpus: English prose from the docstrings already on this machine.
 
 Sources, in this order, until the requested size is reached:
 1. the standard library's modules (parsed with `ast`, never imported: importing `antigravity`

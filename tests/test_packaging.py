@@ -1,15 +1,22 @@
-"""One namespace: the wheel installs `bertforge` and nothing else at the top of site-packages.
+"""One namespace, `bertforge`, that Python and static tools resolve the same way.
 
-The wheel is built from the files the Dockerfiles copy (`SOURCES`) and installed into a fresh venv
-that already holds a user's own top-level `training` package; the console script and imports must
-work there and leave the user's `training` alone. No network: the fresh venv gets the
-dependencies from this interpreter's site-packages through a `.pth` file (its lines go on
-`sys.path` after the venv's own site-packages, and `.pth` files inside those directories are not
-run, so this checkout's editable install stays out).
+- The installation `make install` makes (setuptools' strict editable mode) imports from any
+  directory with no import hook: the package is found as files by the path-based finder, the
+  way mypy, pyright and IDEs look for it, and holds every module of the checkout.
+- A wheel, built from the files the Dockerfiles copy (`SOURCES`), installs `bertforge` and nothing
+  else at the top of site-packages: into a fresh venv that already holds a user's own top-level
+  `training` package, the console script and imports work and leave the user's `training` alone.
+- The benchmarks run from a checkout on a machine where nothing is installed, after
+  benchmarks/README.md's one offline pip step.
+
+No network: a fresh venv gets the dependencies from this interpreter's site-packages through a
+`.pth` file (its lines go on `sys.path` after the venv's own site-packages, and `.pth` files
+inside those directories are not run, so this checkout's editable install stays out).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import site
@@ -21,12 +28,20 @@ from types import SimpleNamespace
 
 import pytest
 
+from bertforge.cluster.checkout import package_folders
+
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = ("pipelines", "training", "cluster")
+FOLDERS = package_folders(str(REPO))  # pyproject.toml's [tool.bertforge] package-folders
 # What a wheel is built from; infra/dataflow/Dockerfile and infra/docker/train.Dockerfile copy
 # exactly these (tests/cluster/test_infra.py holds them to it).
 SOURCES = ("pyproject.toml", "setup.py", "README.md", *FOLDERS)
 USER_MARKER = "the user's own training package"
+
+
+def _modules() -> set[str]:
+    """Every module of the package folders, sub-packages included, as `bertforge/...` paths."""
+    return {f"bertforge/{p.relative_to(REPO).as_posix()}" for folder in FOLDERS
+            for p in (REPO / folder).rglob("*.py") if "__pycache__" not in p.parts}
 
 
 def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -46,17 +61,57 @@ def _fresh_venv(root: Path) -> SimpleNamespace:
     return SimpleNamespace(root=root, python=str(python), purelib=purelib)
 
 
+def _sources(root: Path) -> Path:
+    """A copy of the files a wheel is built from (a build writes build/ and *.egg-info beside
+    them, which must not land in this checkout)."""
+    root.mkdir()
+    for name in SOURCES:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, root / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy(REPO / name, root / name)
+    return root
+
+
+def test_the_folder_names_are_written_once():
+    assert FOLDERS == ("pipelines", "training", "cluster")
+
+
+# Run from another directory by this interpreter: how does it find bertforge?
+PROBE = """
+import importlib.machinery, json, sys
+import bertforge.cluster.cli
+spec = importlib.machinery.PathFinder.find_spec("bertforge")
+print(json.dumps({
+    "cli": bertforge.cluster.cli.__file__,
+    "hooks": [type(f).__module__ for f in sys.meta_path if "editable" in type(f).__module__],
+    "portions": list(spec.submodule_search_locations),
+}))
+"""
+
+
+def test_the_installed_package_is_files_on_the_path_with_every_module(tmp_path):
+    """What a static tool sees: directories on sys.path (a `.pth` file's lines) holding
+    bertforge/..., each module of the checkout among them (a module added since the last
+    `make install` is missing until it runs again)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    found = json.loads(_run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env).stdout)
+    assert found["hooks"] == []  # found by the path-based finder, as mypy and pyright look
+    installed = {f"bertforge/{(Path(portion) / p).relative_to(portion).as_posix()}"
+                 for portion in found["portions"]
+                 for p in Path(portion).rglob("*.py") if "__pycache__" not in p.parts}
+    missing = _modules() - installed
+    assert not missing, f"not installed (run `make install` again): {sorted(missing)}"
+    # The editable install's files are links to this checkout's: an edit shows at once.
+    cli = Path(found["cli"])
+    assert cli.resolve() == REPO / "cluster" / "cli.py"
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     build = tmp_path_factory.mktemp("wheel")
-    src = build / "src"
-    src.mkdir()
-    for name in SOURCES:
-        if (REPO / name).is_dir():
-            shutil.copytree(REPO / name, src / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            shutil.copy(REPO / name, src / name)
+    src = _sources(build / "src")
     _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
           "--no-index", str(src), "-w", str(build / "dist")])
     [built] = (build / "dist").glob("bertforge-*.whl")
@@ -83,9 +138,7 @@ def test_wheel_holds_every_module_under_bertforge_and_nothing_else(wheel):
     assert "bertforge/__init__.py" not in names  # a namespace package
     # Every module of the three folders, sub-packages included (a folder without __init__.py
     # would be dropped by find_packages), and no other.
-    modules = {f"bertforge/{p.relative_to(REPO).as_posix()}" for folder in FOLDERS
-               for p in (REPO / folder).rglob("*.py") if "__pycache__" not in p.parts}
-    assert modules == {n for n in names if n.endswith(".py")}
+    assert _modules() == {n for n in names if n.endswith(".py")}
     assert "bertforge = bertforge.cluster.cli:main" in scripts
 
 
@@ -123,15 +176,19 @@ print(len(names), generic)
 
 @pytest.mark.slow
 def test_benchmark_runs_from_a_checkout_where_bertforge_is_not_installed(tmp_path):
-    """benchmarks/README.md's recipe for the lent GPU box: dependencies only (PYTHONPATH),
+    """benchmarks/README.md's recipe for the lent GPU box: dependencies only (PYTHONPATH), one
+    offline pip step that installs the checkout into a folder, then
     `python3 benchmarks/gpu_throughput.py` from the repository root."""
     venv = _fresh_venv(tmp_path / "venv")
     absent = _run([venv.python, "-c", "import importlib.util; "
                    "print(importlib.util.find_spec('bertforge'))"], cwd=tmp_path).stdout
     assert absent.strip() == "None"
+    site_dir = tmp_path / "site"
+    _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+          "--no-build-isolation", "--target", str(site_dir), str(_sources(tmp_path / "src"))])
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in launcher}
-    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(site_dir))
     _run([venv.python, "benchmarks/gpu_throughput.py", "--device", "cpu", "--config", "tiny",
           "--seq-lens", "64", "--micro-batch", "4", "--steps", "1", "--warmup", "1",
           "--num-batches", "1", "--peak-tflops", "1", "--output-dir", str(tmp_path / "out")],

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.contract.rows import RowRules, table_problem
 from bertforge.pipelines.contract.tokenization import load_tokenizer, read_vocab
-from bertforge.pipelines.verify_shards import read_arrow_file
+from bertforge.pipelines.verify_dataset import read_arrow_file
 
 NUM_LENGTH_BINS = 8
 

@@ -1,6 +1,6 @@
 """Documents -> sentence-pair instances: the heart of the preparation job.
 
-- sentences split and tokenized (`tokenize_documents`: long documents in parts, in parallel),
+- sentences split and tokenized (`tokenize_transform`: long documents in parts, in parallel),
   documents with fewer than two sentences dropped, exact duplicates (same sentences) kept once
   (the smallest doc_id), doc_id collisions resolved;
 - each document goes to `validation` when `unit_interval(seed, "split", doc_id)` is below the
@@ -27,17 +27,17 @@ from apache_beam.pvalue import AsDict
 
 from bertforge.pipelines.beam_common import REJECTS, count, reject
 from bertforge.pipelines.contract.tokenization import parse_vocab
-from bertforge.pipelines.instances.instance_batch import InstanceBatch
-from bertforge.pipelines.instances.instances import (
+from bertforge.pipelines.instances.batch_columns import InstanceBatch
+from bertforge.pipelines.instances.pairing import (
     create_instances_from_document,
     document_rng,
     stable_hash,
     stable_hash_encoding,
     unit_interval,
 )
-from bertforge.pipelines.instances.tokenize_documents import Doc, TokenizeDocuments
+from bertforge.pipelines.instances.tokenize_transform import Doc, TokenizeDocuments
 from bertforge.pipelines.prepare_options import PrepareConfig
-from bertforge.pipelines.write import shards
+from bertforge.pipelines.write import global_order
 
 logger = logging.getLogger(__name__)
 
@@ -136,13 +136,13 @@ class CreateInstancesFromPool(beam.DoFn):
     """((split, pool), documents) -> `InstanceBatch`es of the pool's instances.
 
     A row's sort key starts with `stable_hash(seed, "order", doc_id, dupe, number)`: a uniform
-    shuffle that any worker computes the same way (see `pipelines.write.shards`).
+    shuffle that any worker computes the same way (see `pipelines.write.global_order`).
     """
 
     def __init__(self, config: PrepareConfig, vocab: dict[str, int]):
         self._config = config
         self._cls_id, self._sep_id = vocab["[CLS]"], vocab["[SEP]"]
-        self._dtype = shards.id_dtype(len(vocab))
+        self._dtype = global_order.id_dtype(len(vocab))
         self._typecode = "H" if self._dtype == np.uint16 else "i"
 
     def process(self, item: tuple[tuple[str, int], Any]):

@@ -4,7 +4,7 @@ A pool yields its instances as a few `InstanceBatch`es instead of one Beam eleme
 Per-element costs dominate a Python pipeline (every element is decoded and re-encoded by the runner
 at each grouping), so a batch of numpy columns moves ~100,000 instances for the price of one.
 
-A row's sort key is `(order_key, doc_id, dupe_index, instance_index)` (`shards.SortKey`); the
+A row's sort key is `(order_key, doc_id, dupe_index, instance_index)` (`global_order.SortKey`); the
 64-bit `order_key` alone orders rows everywhere except on exact ties, which are settled by the rest
 of the tuple so that the order stays total and the same on every worker.
 """
@@ -12,12 +12,12 @@ of the tuple so that the order stays total and the same on every worker.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-from bertforge.pipelines.write.shards import SortKey
+from bertforge.pipelines.write.global_order import SortKey
 
 
 class RowKeys(NamedTuple):
@@ -94,13 +94,6 @@ class InstanceBatch(NamedTuple):
 
     def sorted(self) -> InstanceBatch:
         return self.take(sort_order(self))
-
-    def rows(self) -> Iterator[tuple[str, SortKey, tuple[bytes, int, int]]]:
-        """(split, sort key, (ids bytes, num_a_tokens, label)) per row: for tests and tools."""
-        offsets = self.offsets()
-        for r in range(len(self)):
-            ids = self.ids[offsets[r] : offsets[r + 1]].tobytes()
-            yield self.split, self.sort_key(r), (ids, int(self.num_a[r]), int(self.labels[r]))
 
 
 def concat(batches: Sequence[InstanceBatch]) -> InstanceBatch:

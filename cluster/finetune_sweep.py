@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bertforge.cluster.paths import absolute
-from bertforge.cluster.preflight import preflight_model
-from bertforge.cluster.ray_train import _QUIET_RAY_TRAIN, LaunchConfig, connect, run_on_ray
+from bertforge.cluster.ray_train import QUIET_RAY_TRAIN, LaunchConfig, connect, run_on_ray
 from bertforge.cluster.stage_runner import (
     Stage,
     StageRunner,
@@ -40,13 +39,12 @@ from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, Finetun
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.task_data import is_squad_split
 from bertforge.training.finetune.tasks import glue_dir_files
+from bertforge.training.inputs import check_model_source
 
 RESULTS_NAME = "results.json"
 RUNS_DIR = "runs"
 SQUAD_FILE = os.path.join("squad", "dev-v1.1.json")
 SQUAD_PRIMARY = "f1"
-# LaunchConfig fields `bertforge finetune` has no flag for: a fine-tuning run keeps no checkpoints.
-LAUNCH_FIELDS_UNUSED = ("storage",)
 
 
 def default_data_root() -> str | None:
@@ -98,7 +96,7 @@ def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     # workers will read.
     pretrained = load_pretrained(cfg.model, random_init=True)
     if not cfg.random_init:
-        preflight_model(cfg.model)
+        check_model_source(cfg.model)
     provenance = {**pretrained.provenance, "random_init": cfg.random_init}
     if cfg.is_squad:
         from bertforge.training.finetune.task_data import read_squad_split
@@ -236,7 +234,7 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
             {"runs": configs, "names": names, "threads": launch.cpus_per_worker,
              "logs": runs_root}, launch,
             # Ray Train's own state in DIR/runs/ray; a restarted worker group skips finished runs.
-            RunConfig(name="ray", storage_path=runs_root, logging_config=_QUIET_RAY_TRAIN,
+            RunConfig(name="ray", storage_path=runs_root, logging_config=QUIET_RAY_TRAIN,
                       failure_config=FailureConfig(max_failures=launch.max_failures)),
         )
 

@@ -1,4 +1,4 @@
-"""Instance batches -> shard files in exact global order (the Beam side of `shards`).
+"""Instance batches -> shard files in exact global order (the Beam side of `global_order`).
 
 Memory per worker is bounded by the piece size, not the shard size: rows are grouped by
 piece (at most `rows_per_piece` consecutive ranks of one shard), each piece is sorted and written
@@ -20,13 +20,13 @@ from apache_beam.pvalue import AsSingleton
 from bertforge.pipelines.beam_common import count
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.filesystem import sha256_of
-from bertforge.pipelines.instances.instance_batch import (
+from bertforge.pipelines.instances.batch_columns import (
     InstanceBatch,
     RowKeys,
     concat,
     count_before,
 )
-from bertforge.pipelines.write import shards
+from bertforge.pipelines.write import global_order
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ COUNT_BLOCK_BITS = 10
 
 def bucket_counts(batch: RowKeys):
     """((split, block), rows per bucket of that block) for each block the batch touches."""
-    buckets = shards.bucket_of(batch.order_keys).astype(np.int64)
-    counts = np.bincount(buckets, minlength=1 << shards.BUCKET_BITS)
+    buckets = global_order.bucket_of(batch.order_keys).astype(np.int64)
+    counts = np.bincount(buckets, minlength=1 << global_order.BUCKET_BITS)
     for block in np.unique(buckets >> COUNT_BLOCK_BITS).tolist():
         start = block << COUNT_BLOCK_BITS
         yield (batch.split, block), counts[start : start + (1 << COUNT_BLOCK_BITS)].copy()
@@ -58,7 +58,8 @@ def plan_boundaries(block_counts: list, shards_per_split: dict[str, int], rows_p
     split_counts: dict[str, np.ndarray] = {}
     for (split, block), counts in block_counts:
         start = block << COUNT_BLOCK_BITS
-        dense = split_counts.setdefault(split, np.zeros(1 << shards.BUCKET_BITS, dtype=np.int64))
+        dense = split_counts.setdefault(split, np.zeros(1 << global_order.BUCKET_BITS,
+                                                          dtype=np.int64))
         dense[start : start + len(counts)] = counts
     plan: dict = {"num_rows": {}, "located": {}}
     for split, counts in sorted(split_counts.items()):
@@ -66,8 +67,8 @@ def plan_boundaries(block_counts: list, shards_per_split: dict[str, int], rows_p
         per_bucket = dict(zip(nonzero.tolist(), counts[nonzero].tolist(), strict=True))
         num_rows = int(counts.sum())
         plan["num_rows"][split] = num_rows
-        ranks = shards.piece_starts(num_rows, shards_per_split[split], rows_per_piece)
-        for bucket, pairs in shards.locate_ranks(per_bucket, ranks).items():
+        ranks = global_order.piece_starts(num_rows, shards_per_split[split], rows_per_piece)
+        for bucket, pairs in global_order.locate_ranks(per_bucket, ranks).items():
             plan["located"][(split, bucket)] = pairs
     return plan
 
@@ -75,7 +76,7 @@ def plan_boundaries(block_counts: list, shards_per_split: dict[str, int], rows_p
 def keys_in_boundary_buckets(batch: RowKeys, plan: dict):
     """((split, bucket), sort key) of every row in a bucket that holds a boundary rank."""
     located = [bucket for split, bucket in plan["located"] if split == batch.split]
-    buckets = shards.bucket_of(batch.order_keys)
+    buckets = global_order.bucket_of(batch.order_keys)
     for row in np.flatnonzero(np.isin(buckets, np.array(located, dtype=np.uint64))).tolist():
         yield (batch.split, int(buckets[row])), batch.sort_key(row)
 
@@ -98,7 +99,7 @@ def boundary_keys_by_split(pairs: list, plan: dict, shards_per_split: dict[str, 
     bounds = {}
     for split, num_rows in plan["num_rows"].items():
         keys = key_at.get(split, {})
-        shard_ranks = shards.boundary_ranks(num_rows, shards_per_split[split])
+        shard_ranks = global_order.boundary_ranks(num_rows, shards_per_split[split])
         bounds[split] = ([keys[r] for r in shard_ranks], [keys[r] for r in sorted(keys)])
     return bounds
 
@@ -138,7 +139,7 @@ class WritePieceFile(beam.DoFn):
         path = FileSystems.join(self._output, f"{rel_path}.piece{piece}-{uuid.uuid4().hex}.tmp")
         sink = _create(path)
         try:
-            num_rows, num_tokens = shards.write_columns(
+            num_rows, num_tokens = global_order.write_columns(
                 sink,
                 rows.ids,
                 rows.lengths,
@@ -168,7 +169,7 @@ class WriteShardFile(beam.DoFn):
         tmp_path = f"{path}.tmp-{uuid.uuid4().hex}"  # unique: a retried bundle may race an old one
         sink = _create(tmp_path)
         try:
-            shards.concat_shard(sink, self._open_all(p[1] for p in pieces), self._vocab_size)
+            global_order.concat_shard(sink, self._open_all(p[1] for p in pieces), self._vocab_size)
         finally:
             sink.close()
         FileSystems.rename([tmp_path], [path])
@@ -208,7 +209,7 @@ class WriteShards(beam.PTransform):
         self._output = output
         self._vocab_size = vocab_size
         self._shards_per_split = shards_per_split
-        self._rows_per_piece = shards.piece_rows(rows_per_piece)
+        self._rows_per_piece = global_order.piece_rows(rows_per_piece)
 
     def expand(self, instances):
         shards_per_split = self._shards_per_split

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from bertforge.training.finetune.bow_baseline import bow_baseline, lbfgs, ngrams
+from bertforge.cluster.demo.bow_baseline import bow_baseline, lbfgs, ngrams
 from bertforge.training.finetune.glue_data import Example
 from bertforge.training.finetune.tasks import GLUE_TASKS, custom_task, glue_dir_files
 

@@ -1,0 +1,137 @@
+"""The chain's stage bodies, shared by `bertforge pipeline` and `bertforge demo`:
+
+    vocab -> prepare -> train -> export
+
+Each orchestrator makes its own `Stage`s (names, directory layout, when a stage counts as done)
+from these functions, parameterised by what it configures; none has stage bodies of its own for
+these four. Each body returns the record the stage runner keeps, and leaves either its complete
+output or something the next attempt replaces: the vocab and the export are built beside their
+place and renamed in, prepare continues a killed attempt's recorded work (or starts over), and
+training resumes from its newest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from bertforge.cluster.stage_runner import fresh_dir
+
+if TYPE_CHECKING:  # imported where used: Beam, Ray and torch load only for the stage that runs
+    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.pipelines.prepare_options import PrepareConfig
+    from bertforge.training.config import TrainConfig
+
+VOCAB_NAME = "vocab.txt"
+
+
+def make_vocab(vocab_dir: str, *, inputs: Sequence[str], size: int, lower_case: bool,
+               existing: str | None = None) -> dict[str, Any]:
+    """`vocab_dir`/vocab.txt: a copy of `existing`, or a WordPiece vocabulary of `size` trained
+    on `inputs` (read as prepare reads them, format prefixes included)."""
+    from bertforge.pipelines.contract.manifest import sha256_file
+
+    # Built beside its place and renamed in, so a half-written vocab.txt never "exists".
+    tmp = vocab_dir + ".tmp"
+    fresh_dir(tmp)
+    if existing:
+        if not os.path.isfile(existing):
+            raise ValueError(f"vocab.path {existing} does not exist")
+        shutil.copyfile(existing, os.path.join(tmp, VOCAB_NAME))
+        source = existing
+    else:
+        from bertforge.pipelines.vocab import train_wordpiece_vocab
+
+        train_wordpiece_vocab(list(inputs), tmp, vocab_size=size, lower_case=lower_case)
+        source = "trained"
+    shutil.rmtree(vocab_dir, ignore_errors=True)
+    os.replace(tmp, vocab_dir)
+    return {"source": source, "sha256": sha256_file(os.path.join(vocab_dir, VOCAB_NAME))}
+
+
+def vocab_complete(vocab_dir: str) -> bool:
+    return os.path.isfile(os.path.join(vocab_dir, VOCAB_NAME))
+
+
+def prepare_dataset(config: PrepareConfig, beam_args: Sequence[str]) -> dict[str, Any]:
+    """The Beam job for `config` into config.output."""
+    from bertforge.pipelines.local.options import WORK_DIR_NAME
+    from bertforge.pipelines.local.work_dir import WorkConflict
+    from bertforge.pipelines.prepare import run as run_prepare
+
+    if os.path.isdir(os.path.join(config.output, WORK_DIR_NAME)):
+        # A killed attempt's recorded work: the job continues it, or starts over when it was
+        # another job's (the configuration changed since).
+        try:
+            summary = run_prepare(config, beam_args)
+        except WorkConflict:
+            summary = run_prepare(config, beam_args, start_over=True)
+    else:
+        fresh_dir(config.output)  # no manifest, no work record: its files cannot be trusted
+        summary = run_prepare(config, beam_args)
+    return {"instances": summary.get("instances"), "seconds_in_beam": summary.get("seconds")}
+
+
+def shards_complete(data_dir: str) -> bool:
+    from bertforge.pipelines.contract.manifest import MANIFEST_NAME
+
+    return os.path.isfile(os.path.join(data_dir, MANIFEST_NAME))
+
+
+def train_to_the_end(cfg: TrainConfig, launch: LaunchConfig, command: str) -> dict[str, Any]:
+    """Training of `cfg` (resume on) on Ray Train with `launch` up to its max_steps: it
+    continues from the newest committed checkpoint, or starts fresh (warm-started from
+    cfg.init_from); `command` names what to run again when it stops short."""
+    from bertforge.cluster.ray_train import train_on_ray
+
+    result = train_on_ray(cfg, launch)
+    if result["step"] < cfg.max_steps:
+        raise RuntimeError(f"{cfg.run_dir}: training stopped at step {result['step']}, "
+                           f"not {cfg.max_steps}; run the {command} again to resume")
+    return {"step": result["step"], "checkpoint": result["checkpoint_path"]}
+
+
+def training_complete(cfg: TrainConfig) -> bool:
+    from bertforge.training.checkpoint import committed_steps
+
+    steps = committed_steps(cfg.run_dir)
+    return bool(steps) and steps[-1] >= cfg.max_steps
+
+
+def export_source(run_dir: str) -> dict[str, Any] | None:
+    """The final checkpoint and its commit marker: a retrained checkpoint has a new marker."""
+    from bertforge.training.checkpoint import COMMIT_MARKER, latest_checkpoint
+
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return None
+    with open(os.path.join(path, COMMIT_MARKER), encoding="utf-8") as f:
+        return {"checkpoint": path, "committed": json.load(f)}
+
+
+def export_final(run_dir: str, hf_dir: str) -> dict[str, Any]:
+    """The newest checkpoint of `run_dir` as a Hugging Face directory `hf_dir`."""
+    from bertforge.training.export import export_checkpoint
+
+    source = export_source(run_dir)
+    assert source is not None, "export runs after training committed its final checkpoint"
+    tmp = hf_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_checkpoint(source["checkpoint"], tmp)
+    shutil.rmtree(hf_dir, ignore_errors=True)
+    os.replace(tmp, hf_dir)
+    return {"hf_dir": hf_dir, "source": source}
+
+
+def export_complete(hf_dir: str, run_dir: str, recorded: dict[str, Any] | None) -> bool:
+    """The export exists and was made from `run_dir`'s final checkpoint as it is now."""
+    from bertforge.training.hf_interop import HF_CONFIG_NAME
+
+    files = (HF_CONFIG_NAME, "model.safetensors")
+    if not all(os.path.isfile(os.path.join(hf_dir, name)) for name in files):
+        return False
+    source = (recorded or {}).get("source")
+    return source is not None and source == export_source(run_dir)

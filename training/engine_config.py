@@ -1,0 +1,110 @@
+"""What DeepSpeed's engine is built from (`training.engine.build_engine`), for pretraining and
+fine-tuning alike.
+
+The engine's options are declared here once: the optimizer and its schedule's shape, the
+precision, the ZeRO stage, clipping, compiling. `TrainConfig` offers every one of them as a flag
+and a pipeline-file key, `FinetuneConfig` the ones fine-tuning lets a user set (the others keep
+their defaults here); both take the declaration with `engine_option`, never restate it.
+
+The run's schedule and batch (steps, learning rate, warm-up, micro-batch) have no option here:
+each job derives them its own way (pretraining from its flags and recipe, fine-tuning from
+epochs, the data and the number of workers), then builds one `EngineConfig` per run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bertforge.pipelines.config_fields import check_choices, option, same_option
+
+# "auto": bf16 where the device computes it natively, else fp32 (training.precision decides it
+# when training starts, on the worker's device; the run's config.json records both).
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+DECAYS = ("linear", "polynomial")
+OPTIMIZERS = ("adamw", "lamb")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One run's engine: its schedule and batch, and the engine's options."""
+
+    max_steps: int  # optimizer steps
+    learning_rate: float  # peak
+    warmup_steps: int
+    micro_batch_size: int  # sequences per worker per micro-step
+    # With global_batch_size set, accumulation is derived from it and the live world size (so a
+    # resume on fewer workers keeps the same optimizer step); otherwise it is this.
+    gradient_accumulation_steps: int = 1
+    global_batch_size: int | None = None
+
+    decay: str = option("linear", "decay after warm-up", choices=DECAYS)
+    decay_power: float = option(1.0, "exponent of the polynomial decay")
+    optimizer: str = option("adamw", "lamb needs zero_stage 0 (see training.optim)",
+                            choices=OPTIMIZERS)
+    weight_decay: float = option(0.01, "decoupled weight decay (not on biases and LayerNorm)")
+    adam_betas: tuple[float, float] = option((0.9, 0.999), "Adam's beta1 and beta2")
+    adam_eps: float = option(1e-6, "Adam's epsilon")
+    gradient_clipping: float = option(1.0, "global gradient-norm clip")
+    # None: decided when training starts, from the live world size, the precision and the
+    # device's memory (training.recipes.default_zero_stage); a resumed run keeps its own.
+    zero_stage: int | None = option(help="DeepSpeed ZeRO stage (default: decided at start: "
+                                    "1 on several workers; on one, 0 in fp32 and 1 under bf16 "
+                                    "(DeepSpeed's fp32-accumulating path); 2/3 only when the "
+                                    "GPU's memory needs it)", choices=ZERO_STAGES)
+    precision: str = option("auto", "mixed precision of the engine; auto: bf16 on a GPU or CPU "
+                            "with native bf16, else fp32", choices=PRECISIONS)
+    compile: bool = option(False, "torch.compile the model inside the engine (in place: "
+                           "state-dict names keep no _orig_mod. prefix)")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adam_betas", tuple(self.adam_betas))
+        check_choices(self)  # precision, decay, optimizer, zero_stage
+        for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps <= self.max_steps:
+            raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be positive, got {self.learning_rate}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be at least 1, got {self.global_batch_size}")
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer == "lamb" and self.zero_stage not in (None, 0):  # None: 0 for LAMB
+            # ZeRO >= 1 hands the optimizer flat partitions that cut across parameters, so
+            # LAMB's per-layer trust ratio ||w|| / ||update|| would be computed over slices of
+            # several layers: silently wrong. DeepSpeed's FusedLamb is CUDA-only besides.
+            raise ValueError(
+                f"optimizer 'lamb' needs zero_stage 0, got {self.zero_stage}: ZeRO partitions "
+                "flatten parameters, which breaks LAMB's per-layer trust ratios; "
+                "use 'adamw' with ZeRO"
+            )
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on `world_size` ranks."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        if self.global_batch_size is None:
+            return self.gradient_accumulation_steps
+        per_pass = self.micro_batch_size * world_size
+        if self.global_batch_size % per_pass:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of "
+                f"micro_batch_size x world_size = {self.micro_batch_size} x {world_size} = "
+                f"{per_pass}; change micro_batch_size or the number of workers"
+            )
+        return self.global_batch_size // per_pass
+
+    def global_batch(self, world_size: int) -> int:
+        """Sequences per optimizer step: micro x accumulation x world."""
+        # e.g. 32 micro x 1 accumulation x 2 workers = 64 sequences per optimizer step
+        return self.micro_batch_size * self.accumulation_steps(world_size) * world_size
+
+
+def engine_option(name: str, *, choices: tuple[Any, ...] | None = None) -> Any:
+    """EngineConfig's declaration of the option `name` (default, help, choices), for a job's
+    config that offers it; `choices` narrows what that job accepts."""
+    return same_option(EngineConfig, name, choices=choices)
