@@ -74,7 +74,7 @@ def _sources(root: Path) -> Path:
     return root
 
 
-def test_the_folder_names_are_written_once():
+def test_the_folder_names_come_from_pyproject():
     assert FOLDERS == ("pipelines", "training", "cluster")
 
 
@@ -98,7 +98,7 @@ def test_the_installed_package_is_files_on_the_path_with_every_module(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     found = json.loads(_run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env).stdout)
     assert found["hooks"] == []  # found by the path-based finder, as mypy and pyright look
-    installed = {f"bertforge/{(Path(portion) / p).relative_to(portion).as_posix()}"
+    installed = {f"bertforge/{p.relative_to(portion).as_posix()}"
                  for portion in found["portions"]
                  for p in Path(portion).rglob("*.py") if "__pycache__" not in p.parts}
     missing = _modules() - installed
