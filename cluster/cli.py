@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_finetune(commands)
     _add_glue(commands)
     from bertforge.cluster.worker_output import ConsoleConfig
-    from bertforge.pipelines.config_fields import add_flags
+    from bertforge.pipelines.contract.config_fields import add_flags
 
     for command in QUIET_COMMANDS:  # one --verbose, declared once (ConsoleConfig)
         add_flags(commands.choices[command].add_argument_group("console (ConsoleConfig)"),
@@ -74,7 +74,7 @@ def _add_inspect(commands) -> None:
 
 def _add_train(commands) -> None:
     from bertforge.cluster.ray_train import LaunchConfig
-    from bertforge.pipelines.config_fields import add_flag, add_flags
+    from bertforge.pipelines.contract.config_fields import add_flag, add_flags
     from bertforge.training.config import TrainConfig
     from bertforge.training.recipes import RECIPES
 
@@ -156,7 +156,7 @@ def _add_pipeline(commands) -> None:
 
 def _add_demo(commands) -> None:
     from bertforge.cluster.demo import DemoConfig
-    from bertforge.pipelines.config_fields import add_flags
+    from bertforge.pipelines.contract.config_fields import add_flags
 
     p = commands.add_parser("demo", help="the whole chain on the built-in corpus, in minutes")
     add_flags(p, DemoConfig)
@@ -165,7 +165,7 @@ def _add_demo(commands) -> None:
 
 def _add_finetune(commands) -> None:
     from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
-    from bertforge.pipelines.config_fields import add_flags
+    from bertforge.pipelines.contract.config_fields import add_flags
     from bertforge.training.finetune.config import FinetuneConfig
 
     p = commands.add_parser(
@@ -183,7 +183,7 @@ def _add_finetune(commands) -> None:
 def _add_glue(commands) -> None:
     from bertforge.cluster.glue import GlueConfig
     from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
-    from bertforge.pipelines.config_fields import add_flags
+    from bertforge.pipelines.contract.config_fields import add_flags
     from bertforge.training.finetune.config import PER_TASK, FinetuneConfig
 
     p = commands.add_parser(
@@ -254,7 +254,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def train_config_from_args(args: argparse.Namespace):
-    from bertforge.pipelines.config_fields import given_values
+    from bertforge.pipelines.contract.config_fields import given_values
     from bertforge.training.config import TrainConfig
     from bertforge.training.recipes import recipe_by_name
 
@@ -272,7 +272,7 @@ def train_config_from_args(args: argparse.Namespace):
 
 def _run_train(args: argparse.Namespace) -> None:
     from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
-    from bertforge.pipelines.config_fields import given_values
+    from bertforge.pipelines.contract.config_fields import given_values
 
     cfg = train_config_from_args(args)
     launch = LaunchConfig(**given_values(args, LaunchConfig))
@@ -352,7 +352,7 @@ def _run_pipeline(args: argparse.Namespace) -> None:
 
 def _run_demo(args: argparse.Namespace) -> None:
     from bertforge.cluster.demo import DemoConfig, run_demo
-    from bertforge.pipelines.config_fields import given_values
+    from bertforge.pipelines.contract.config_fields import given_values
 
     run_demo(DemoConfig(**given_values(args, DemoConfig)))
 
@@ -361,7 +361,7 @@ def _run_finetune(args: argparse.Namespace) -> None:
     from bertforge.cluster.finetune_sweep import run_finetune
     from bertforge.cluster.finetune_workers import finetune_launch
     from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
-    from bertforge.pipelines.config_fields import given_values
+    from bertforge.pipelines.contract.config_fields import given_values
     from bertforge.training.finetune.config import FinetuneConfig
 
     cfg = FinetuneConfig(**given_values(args, FinetuneConfig))
@@ -373,7 +373,7 @@ def _run_glue(args: argparse.Namespace) -> None:
     from bertforge.cluster.finetune_workers import finetune_launch
     from bertforge.cluster.glue import GlueConfig, run_glue
     from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
-    from bertforge.pipelines.config_fields import given_values
+    from bertforge.pipelines.contract.config_fields import given_values
     from bertforge.training.finetune.config import PER_TASK, FinetuneConfig
 
     finetune = given_values(args, FinetuneConfig, without=(PER_TASK,))

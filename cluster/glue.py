@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bertforge.cluster.paths import absolute
-from bertforge.pipelines.config_fields import (
+from bertforge.pipelines.contract.config_fields import (
     NO_FLAG,
     RERUN_MAY_CHANGE,
     fields_marked,

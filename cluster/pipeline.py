@@ -35,7 +35,7 @@ from bertforge.cluster.stages import (
     training_complete,
     vocab_complete,
 )
-from bertforge.pipelines.config_fields import (
+from bertforge.pipelines.contract.config_fields import (
     NOT_IN_FILE,
     REQUIRED,
     RERUN_MAY_CHANGE,

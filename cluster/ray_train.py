@@ -22,7 +22,7 @@ from bertforge.cluster.paths import absolute
 from bertforge.cluster.run_lock import exclusive_directory
 from bertforge.cluster.torch_store import NodeAddressTorchConfig
 from bertforge.cluster.worker_output import LOG_DIR, is_verbose, log_driver_to, show_train_workers
-from bertforge.pipelines.config_fields import option
+from bertforge.pipelines.contract.config_fields import option
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
@@ -38,7 +38,7 @@ FOR_CHECKPOINTS = "for_checkpoints"
 @dataclass
 class LaunchConfig:
     """Where and on how many workers training runs; `bertforge train` flags and the pipeline
-    file's [cluster] table are generated from these fields (`bertforge.pipelines.config_fields`)."""
+    file's [cluster] table are generated from these fields (`pipelines.contract.config_fields`)."""
 
     workers: int = option(2, "Ray Train workers (one process each)")
     gpu: bool = option(False, "one GPU per worker")

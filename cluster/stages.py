@@ -5,7 +5,7 @@
 Each orchestrator makes its own `Stage`s (names, directory layout, when a stage counts as done)
 from these functions, parameterised by what it configures; none has stage bodies of its own for
 these four. Each body returns the record the stage runner keeps, and leaves either its complete
-output or something the next attempt replaces: the vocab and the export are built beside their
+output or something the next attempt replaces: the vocab and the export are written beside their
 place and renamed in, prepare continues a killed attempt's recorded work (or starts over), and
 training resumes from its newest committed checkpoint.
 """
@@ -31,25 +31,24 @@ VOCAB_NAME = "vocab.txt"
 def make_vocab(vocab_dir: str, *, inputs: Sequence[str], size: int, lower_case: bool,
                existing: str | None = None) -> dict[str, Any]:
     """`vocab_dir`/vocab.txt: a copy of `existing`, or a WordPiece vocabulary of `size` trained
-    on `inputs` (read as prepare reads them, format prefixes included)."""
+    on `inputs` (read as prepare reads them, format prefixes included). Either is written
+    beside its place and renamed in, so a half-written vocab.txt never "exists"."""
     from bertforge.pipelines.contract.manifest import sha256_file
 
-    # Built beside its place and renamed in, so a half-written vocab.txt never "exists".
-    tmp = vocab_dir + ".tmp"
-    fresh_dir(tmp)
+    path = os.path.join(vocab_dir, VOCAB_NAME)
+    os.makedirs(vocab_dir, exist_ok=True)
     if existing:
         if not os.path.isfile(existing):
             raise ValueError(f"vocab.path {existing} does not exist")
-        shutil.copyfile(existing, os.path.join(tmp, VOCAB_NAME))
+        shutil.copyfile(existing, path + ".tmp")
+        os.replace(path + ".tmp", path)
         source = existing
     else:
         from bertforge.pipelines.vocab import train_wordpiece_vocab
 
-        train_wordpiece_vocab(list(inputs), tmp, vocab_size=size, lower_case=lower_case)
+        train_wordpiece_vocab(list(inputs), vocab_dir, vocab_size=size, lower_case=lower_case)
         source = "trained"
-    shutil.rmtree(vocab_dir, ignore_errors=True)
-    os.replace(tmp, vocab_dir)
-    return {"source": source, "sha256": sha256_file(os.path.join(vocab_dir, VOCAB_NAME))}
+    return {"source": source, "sha256": sha256_file(path)}
 
 
 def vocab_complete(vocab_dir: str) -> bool:

@@ -43,7 +43,7 @@ from typing import TextIO
 import bertforge.cluster
 import bertforge.pipelines
 import bertforge.training
-from bertforge.pipelines.config_fields import option
+from bertforge.pipelines.contract.config_fields import option
 
 LOG_DIR = "logs"
 _OUR_DIRS = tuple(os.path.dirname(os.path.abspath(package.__file__)) + os.sep for package in

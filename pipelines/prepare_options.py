@@ -3,8 +3,8 @@
 `PrepareConfig` is the one place an option is declared: its default, its validation and its help
 text. `PrepareOptions` (the Beam options the command line and a Flex Template parse) and the
 pipeline file's [prepare] table (`bertforge.cluster.pipeline`) are generated from its fields
-(`pipelines.config_fields`). Code calls the job with objects, `prepare.run(config, beam_args)`;
-argv exists only at the command line.
+(`pipelines.contract.config_fields`). Code calls the job with objects,
+`prepare.run(config, beam_args)`; argv exists only at the command line.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
 
-from bertforge.pipelines.config_fields import (
+from bertforge.pipelines.contract.config_fields import (
     NOT_IN_FILE,
     RERUN_MAY_CHANGE,
     add_flags,

@@ -66,8 +66,9 @@ def train_wordpiece_vocab(
     assert [vocab[t] for t in tokens] == list(range(len(tokens))), "ids must be dense"
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, VOCAB_FILE_NAME)
-    with open(path, "w", encoding="utf-8") as f:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.writelines(token + "\n" for token in tokens)
+    os.replace(path + ".tmp", path)  # renamed in once whole: a half-written vocab.txt never exists
     logger.info("vocab: %d tokens from %d files -> %s", len(tokens), len(paths), path)
     return path
 

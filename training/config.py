@@ -6,14 +6,14 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from bertforge.pipelines.config_fields import NO_FLAG, NOT_IN_FILE, option
+from bertforge.pipelines.contract.config_fields import NO_FLAG, NOT_IN_FILE, option
 from bertforge.training.engine_config import EngineConfig, engine_option
 
 
 @dataclass
 class TrainConfig:
     """Everything one training run needs; `bertforge train` flags and the pipeline file's phase
-    overrides are generated from these fields (`bertforge.pipelines.config_fields`). The
+    overrides are generated from these fields (`bertforge.pipelines.contract.config_fields`). The
     engine's options are `EngineConfig`'s, offered here (`engine`)."""
 
     # `bertforge train` places these flags itself (--data, --run-dir: first and required) or

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bertforge.pipelines.config_fields import check_choices, option, same_option
+from bertforge.pipelines.contract.config_fields import check_choices, option, same_option
 
 # "auto": bf16 where the device computes it natively, else fp32 (training.precision decides it
 # when training starts, on the worker's device; the run's config.json records both).

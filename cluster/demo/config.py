@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bertforge.cluster.demo.sst2 import FinetuneBudget, check_shipped_budget
-from bertforge.pipelines.config_fields import RERUN_MAY_CHANGE, option, without_marked
+from bertforge.pipelines.contract.config_fields import RERUN_MAY_CHANGE, option, without_marked
 from bertforge.training.engine_config import engine_option
 
 DEFAULT_DEMO_DIR = "bertforge-demo"

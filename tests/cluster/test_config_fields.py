@@ -11,7 +11,7 @@ from bertforge.cluster.glue import GlueConfig
 from bertforge.cluster.pipeline import PhaseSection, PipelineConfig
 from bertforge.cluster.ray_train import LaunchConfig
 from bertforge.cluster.worker_output import ConsoleConfig
-from bertforge.pipelines.config_fields import NO_FLAG, NOT_IN_FILE, marked
+from bertforge.pipelines.contract.config_fields import NO_FLAG, NOT_IN_FILE, marked
 from bertforge.pipelines.prepare_options import PrepareConfig, PrepareOptions, parse_argv
 from bertforge.training.config import TrainConfig
 from bertforge.training.engine_config import EngineConfig

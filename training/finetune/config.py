@@ -11,7 +11,7 @@ import itertools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bertforge.pipelines.config_fields import (
+from bertforge.pipelines.contract.config_fields import (
     RERUN_MAY_CHANGE,
     check_choices,
     option,

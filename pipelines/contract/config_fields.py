@@ -28,9 +28,10 @@ elsewhere:
 A config may add marks of its own (`FinetuneConfig`'s `PER_TASK`, `LaunchConfig`'s
 `FOR_CHECKPOINTS`); `add_flags(..., without=(MARK,))` leaves the fields carrying them out.
 
-This module lives in pipelines/, the bottom layer (it imports neither training/ nor cluster/, nor
-Beam), because every layer declares options: `PrepareConfig` here, the training configs in
-training/, the launch and the commands' own in cluster/.
+This module lives in pipelines/contract/, the bottom layer's part that training may import (it
+imports neither training/ nor cluster/, nor Beam), because every layer declares options:
+`PrepareConfig` in pipelines/, the training configs in training/, the launch and the commands'
+own in cluster/.
 """
 
 from __future__ import annotations
