@@ -1,5 +1,5 @@
 """One run per run directory: the lock file (cluster/run_lock.py). Two real `bertforge train`
-runs on one run directory are in test_listening_sockets.py (one Ray start serves its checks)."""
+runs on one run directory are in test_train_from_outside.py (one Ray start serves its checks)."""
 
 from __future__ import annotations
 
