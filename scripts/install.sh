@@ -12,12 +12,12 @@
 #    with a GPU (nvidia-smi present) the default PyPI build, which carries CUDA.
 #  - deepspeed: its setup.py imports torch, so it is built without build isolation against the
 #    torch installed above (an isolated build would download a second, CUDA torch).
-#  - uv does the installing where it can be had (pip installs it into the venv first): it
-#    unpacks and links the ~300 packages in parallel, about a minute where pip takes ~3 on
-#    2 cores (README, "Set up"). It gets pip's sources (index, extra indexes, find-links,
-#    constraints: `pip config`) and pip's rule of taking the best version from any of them.
-#    Where uv cannot be installed (a mirror without it), or BERTFORGE_INSTALLER=pip, pip does
-#    every step.
+#  - BERTFORGE_INSTALLER=uv (opt-in): pip installs uv into the venv, and uv the rest, from
+#    pip's sources (index, extra indexes, find-links, constraints: `pip config`) with pip's
+#    rule of the best version from any of them. Not the default, measured on a 2-core AVX2
+#    EPYC (README, "Set up"): without bytecode uv installed in 66 s, but every first import
+#    then compiled (the first demo's prepare 78 s instead of 10, a first Ray start timed out);
+#    with bytecode (as pip writes it) uv took 4 min 55 s, pip 2 min 53 s.
 #  - bertforge: setuptools' strict editable mode. `build/__editable__.*/bertforge/` mirrors the
 #    package with a link per file and a `.pth` file puts it on sys.path: Python from any
 #    directory, mypy, pyright and IDEs all resolve `bertforge.training...` (the default mode's
@@ -77,7 +77,7 @@ fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 : > "$LOG"
-echo "bertforge: installing into $VENV (a minute or more the first time; the installers' output: $LOG)"
+echo "bertforge: installing into $VENV (a few minutes the first time; the installers' output: $LOG)"
 
 cpu_torch() {
   # The CPU wheel from pip's own sources first (a find-links folder or a mirror; its
@@ -105,16 +105,16 @@ use_uv() {
   value=$(pip_setting constraint); [ -z "$value" ] || export UV_CONSTRAINT="$value"
   value=$(pip_setting cert); [ -z "$value" ] || export SSL_CERT_FILE="$value"
   export UV_INDEX_STRATEGY=unsafe-best-match  # pip's rule: the best version of any index
-  # pip's default too: the bytecode written now, in parallel. Without it every first import
-  # compiles: the demo's first run took 36 s for its corpus stage (3.8 s warm) and 78 s for its
-  # prepare (10 s), each Beam worker compiling apache_beam again.
+  # pip's default too: the bytecode written now. Without it every first import compiles: the
+  # demo's first run took 36 s for its corpus stage (3.8 s warm) and 78 s for its prepare
+  # (10 s), each Beam worker compiling apache_beam again.
   export UV_COMPILE_BYTECODE=1
   export UV_PYTHON="$VENV/bin/python"  # into the venv, whatever is activated
   INSTALL="$VENV/bin/uv pip"
 }
 
 step "pip, setuptools, wheel" $PIP install --upgrade pip setuptools wheel
-if [ "${BERTFORGE_INSTALLER:-uv}" = uv ]; then
+if [ "${BERTFORGE_INSTALLER:-pip}" = uv ]; then
   echo "### uv: $PIP install uv" >> "$LOG"
   if use_uv >> "$LOG" 2>&1; then
     echo "bertforge:   uv (it installs the rest: faster than pip)"
