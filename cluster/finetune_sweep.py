@@ -1,5 +1,6 @@
-"""`bertforge finetune`: a pretrained BERT fine-tuned on a GLUE task or SQuAD, on Ray Train workers
-running DeepSpeed (the launch of pretraining, `ray_train.run_on_ray`).
+"""`bertforge finetune`: a pretrained BERT fine-tuned on a GLUE task or SQuAD with DeepSpeed, on Ray
+Train workers (the launch of pretraining, `ray_train.run_on_ray`), or, for one CPU worker on
+this machine (the local default), in one child process without Ray (`cluster.local_worker`).
 
 One run per (learning rate, seed): with --sweep every rate of {2e-5, 3e-5, 5e-5} times every seed,
 reported as papers report GLUE (the best dev score, the median and the spread). Each run is a
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bertforge.cluster.local_worker import run_in_local_process, runs_in_one_local_process
 from bertforge.cluster.paths import absolute
 from bertforge.cluster.ray_train import QUIET_RAY_TRAIN, LaunchConfig, connect, run_on_ray
 from bertforge.cluster.stage_runner import (
@@ -206,10 +208,11 @@ def run_dir_of(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:
 
 
 def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, int]]) -> None:
-    """Every run of `runs` (a job's config, a learning rate, a seed) in one worker group, one
-    after another: Ray Train's start, the imports and DeepSpeed's set-up are paid once, not per
-    run (minutes on a busy CPU). Each run leaves its result.json, which its stage then records.
-    The group's worker logs and Ray Train state go under the first job's DIR/runs."""
+    """Every run of `runs` (a job's config, a learning rate, a seed) in one worker group (or the
+    one local worker process), one after another: the start, the imports and DeepSpeed's set-up
+    are paid once, not per run (minutes on a busy CPU). Each run leaves its result.json, which
+    its stage then records. The worker logs and Ray Train's state go under the first job's
+    DIR/runs."""
     from ray.train import FailureConfig, RunConfig
 
     # A run with a result.json finished in a call that died before recording it: kept.
@@ -222,17 +225,22 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
     configs = [dataclasses.replace(cfg, learning_rate=lr, seeds=(seed,), sweep=False,
                                    output=run_dir_of(cfg, lr, seed)).to_dict()
                for cfg, lr, seed in runs]
-    connect(launch)
     runs_root = os.path.join(runs[0][0].output, RUNS_DIR)
     one_job = len({cfg.output for cfg, _, _ in runs}) == 1
     names = [run_name(lr, seed) if one_job else _label(cfg, lr, seed) for cfg, lr, seed in runs]
-    label = f"{len(runs)} run(s) in one worker group ({', '.join(names)})"
+    worker_config = {"runs": configs, "names": names, "threads": launch.cpus_per_worker,
+                     "logs": runs_root}
+    local = runs_in_one_local_process(launch)
+    where = "one local worker process" if local else "one worker group"
+    label = f"{len(runs)} run(s) in {where} ({', '.join(names)})"
     print(f"[finetune] {label}", flush=True)
     with heartbeat("finetune", label, every_seconds=60.0):
+        if local:  # no Ray: its processes cost one worker on few cores (cluster.local_worker)
+            run_in_local_process(_worker_main, worker_config, launch, runs_root)
+            return
+        connect(launch)
         run_on_ray(
-            _worker_main,
-            {"runs": configs, "names": names, "threads": launch.cpus_per_worker,
-             "logs": runs_root}, launch,
+            _worker_main, {**worker_config, "ray": True}, launch,
             # Ray Train's own state in DIR/runs/ray; a restarted worker group skips finished runs.
             RunConfig(name="ray", storage_path=runs_root, logging_config=QUIET_RAY_TRAIN,
                       failure_config=FailureConfig(max_failures=launch.max_failures)),
@@ -259,23 +267,35 @@ def _record(cfg: FinetuneConfig, launch: LaunchConfig, learning_rate: float,
 
 
 def _worker_main(worker_config: dict[str, Any]) -> None:
-    """Entry point on every Ray worker: the process group is already set up by Ray Train."""
+    """Entry point on every worker: a Ray Train worker (`ray` in the config: the process group
+    is already set up) or the one local worker process (`cluster.local_worker`)."""
     import gc
 
-    import ray.train
     import torch
 
     from bertforge.cluster.worker_output import quiet_worker
     from bertforge.training.errors import as_user_error
 
     torch.set_num_threads(worker_config["threads"])
-    rank = ray.train.get_context().get_world_rank()
+    if worker_config.get("ray"):
+        import ray.train
+
+        rank = ray.train.get_context().get_world_rank()
+    else:
+        rank = 0
     # Library chatter to DIR/runs/logs/worker-RANK.log only, before DeepSpeed's import logs any.
     quiet_worker(worker_config["logs"], rank, verbose=worker_config.get("verbose", False))
-    import ray.train.torch
-
     from bertforge.training.distributed import barrier
+    from bertforge.training.engine import ensure_process_group
     from bertforge.training.finetune.loop import finetune
+
+    ensure_process_group()  # Ray Train's group, or a 1-rank one in the local process
+    if worker_config.get("ray"):
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()
+    else:
+        device = torch.device("cpu")
 
     names = worker_config.get("names") or [os.path.basename(v["output"])
                                            for v in worker_config["runs"]]
@@ -287,7 +307,7 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
         # before the first group). Every rank waits, so none reads the run's old files.
         if rank == 0:
             fresh_dir(values["output"])
-        barrier(ray.train.torch.get_device())
+        barrier(device)
         started = time.time()
         try:
             record = finetune(FinetuneConfig.from_dict(values))

@@ -1,0 +1,162 @@
+"""One CPU worker on this machine, in a child process of its own, without Ray: fine-tuning's
+local default (`bertforge finetune`, `glue`, the demo's SST-2 stage).
+
+Why not Ray Train for it: a local Ray's own processes (GCS, raylet, dashboard and its agent,
+Ray Train's controller and helper actors) wake every few milliseconds and, on a 2-core machine,
+preempt one of the worker's two torch threads: every parallel region then waits for it. Measured
+by benchmarks/finetune_vs_plain_loop.py on a 2-core AMD EPYC (AVX2 only), BERT-base at 128
+tokens, 2 threads: the same `training.finetune.loop.finetune` took 5.67-5.74 s/step in a plain
+process against 6.70-7.29 s/step in a Ray Train worker, and a plain `transformers` loop
+6.1-6.8 s/step, slower by ~10 % with an idle local Ray beside it. One worker needs no process
+group across processes, so Ray brings it nothing but that cost and its ~20 s start.
+
+What Ray Train gave the worker, this gives it too:
+- a 1-rank torch process group (gloo on 127.0.0.1: `training.engine.ensure_process_group`,
+  which the worker function calls);
+- its torch threads (`OMP_NUM_THREADS` as Ray sets it, and the worker's own set_num_threads);
+- its output: the child's stdout and stderr are relayed line by line through the driver's, so
+  the console shows what the worker's `quiet_worker` lets through, when it happens, and the
+  driver's log gets it too;
+- restarts: a child that dies (a crash, the OOM killer) is started again, up to
+  `launch.max_failures` times, and skips the work it finished (the worker function's own rule);
+  a `UserInputError` in the worker ends the command at once, with the worker's message;
+- teardown: the driver's SIGTERM or Ctrl-C ends the child first; if the driver is killed
+  outright, the kernel ends the child (PR_SET_PDEATHSIG).
+
+The worker function is named by module and name (it must be importable, as for Ray) and takes
+the worker config (a JSON-able dict), as `ray_train.run_on_ray`'s does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from bertforge.cluster.stage_runner import write_json_atomic
+from bertforge.cluster.worker_output import is_verbose
+from bertforge.training.errors import UserInputError
+
+if TYPE_CHECKING:  # the child imports this module: no Ray in it unless its function needs it
+    from bertforge.cluster.ray_train import LaunchConfig
+
+# The child's exit status for a UserInputError (its message in the error file): not retried.
+USER_ERROR_EXIT = 3
+SPEC_NAME = "local-worker.json"
+ERROR_NAME = "local-worker.error"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def runs_in_one_local_process(launch: LaunchConfig) -> bool:
+    """One CPU worker on this machine: no cluster (--address), no GPU, --workers 1."""
+    return launch.workers == 1 and not launch.gpu and not launch.address
+
+
+def run_in_local_process(worker_fn: Callable[[dict[str, Any]], None],
+                         worker_config: dict[str, Any], launch: LaunchConfig,
+                         state_dir: str) -> None:
+    """`worker_fn(worker_config)` in one child process with `launch.cpus_per_worker` threads;
+    its spec and error file live in `state_dir`. Raises UserInputError for the worker's user
+    error, RuntimeError once it has failed `launch.max_failures` + 1 times."""
+    os.makedirs(state_dir, exist_ok=True)
+    spec_path = os.path.join(state_dir, SPEC_NAME)
+    error_path = os.path.join(state_dir, ERROR_NAME)
+    write_json_atomic(spec_path, {
+        "function": f"{worker_fn.__module__}:{worker_fn.__qualname__}",
+        "config": {**worker_config, "verbose": is_verbose()},
+        "error_file": error_path,
+    })
+    threads = str(launch.cpus_per_worker)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    attempts = launch.max_failures + 1
+    for attempt in range(1, attempts + 1):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(error_path)
+        status = _run_child(spec_path, env)
+        if status == 0:
+            return
+        if status == USER_ERROR_EXIT and os.path.exists(error_path):
+            with open(error_path, encoding="utf-8") as f:
+                raise UserInputError(f.read().strip())
+        how = (f"killed by {signal.Signals(-status).name}" if status < 0
+               else f"exit status {status}")
+        if attempt == attempts:
+            raise RuntimeError(f"the local worker failed {attempts} time(s), the last with "
+                               f"{how}; its log is in {worker_config.get('logs', state_dir)}")
+        print(f"bertforge: the local worker stopped ({how}); starting it again (attempt "
+              f"{attempt + 1} of {attempts})", file=sys.stderr, flush=True)
+
+
+def _run_child(spec_path: str, env: dict[str, str]) -> int:
+    """The child's exit status (negative: the signal that ended it), its lines relayed."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", __name__, spec_path], env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+    )
+    relays = [threading.Thread(target=_relay, args=(stream, target), daemon=True)
+              for stream, target in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
+    for relay in relays:
+        relay.start()
+    try:
+        status = child.wait()
+    finally:
+        if child.poll() is None:  # the driver is stopping (SIGTERM, Ctrl-C): the child first
+            child.terminate()
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        for relay in relays:
+            relay.join(timeout=10)
+    return status
+
+
+def _relay(stream, target) -> None:
+    """The child's lines through the driver's stream (its console filter and its log)."""
+    for line in stream:
+        target.write(line)
+        target.flush()
+
+
+# --- the child ---------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """The kernel sends SIGKILL to this process when the driver dies, however it died."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the driver was gone before prctl took effect
+        sys.exit(1)
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with open(argv[0], encoding="utf-8") as f:
+        spec = json.load(f)
+    module, name = spec["function"].split(":")
+    worker_fn = getattr(importlib.import_module(module), name)
+    # The function sets up its output first, then joins the process group Ray Train would have
+    # made (`training.engine.ensure_process_group` makes a 1-rank one): importing DeepSpeed
+    # here would log before the worker's output is routed.
+    try:
+        worker_fn(spec["config"])
+    except UserInputError as error:
+        with open(spec["error_file"], "w", encoding="utf-8") as f:
+            f.write(str(error))
+        return USER_ERROR_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
