@@ -9,7 +9,9 @@ on biases and LayerNorm, eps 1e-6), gradient clipping at 1.0 and 10 % linear war
 linear decay, fp32, in one process at `torch.set_num_threads(T)`. `bertforge finetune` runs as a
 subprocess (Ray, DeepSpeed), and its steps are timed from its `result.json` (`train_seconds`
 over `steps`: the training steps only, no start-up); the plain loop's are timed the same way
-(first step to last, evaluation apart). Runs alternate (plain, bertforge, plain, ...) within
+(first step to last, evaluation apart), in a fresh Python process of its own, as bertforge's
+worker is. Each side's step durations give a steady figure too (the median step after the
+first, whose warm-up a short run weighs heavily). Runs alternate (plain, bertforge, ...) within
 one invocation, so load from other jobs on the machine falls on both.
 
 Two models:
@@ -33,6 +35,7 @@ import itertools
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -143,7 +146,8 @@ def plain_loop(model_dir: str, cfg: FinetuneConfig, threads: int, evaluate: bool
         optimizer, int(cfg.warmup_fraction * num_steps), num_steps)
     names = ("input_ids", "token_type_ids", "attention_mask", "labels")
     model.train()
-    started = time.perf_counter()
+    started = last = time.perf_counter()
+    step_seconds = []
     for step in range(num_steps):
         rows = torch.from_numpy(batch_indices(data.num_train_rows, cfg.batch_size, step,
                                               steps_per_epoch, seed, 0, 1))
@@ -154,8 +158,12 @@ def plain_loop(model_dir: str, cfg: FinetuneConfig, threads: int, evaluate: bool
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()  # the step's end (on a GPU it would wait for it)
+        step_seconds.append(time.perf_counter() - last)
+        last = time.perf_counter()
     seconds = time.perf_counter() - started
-    record = {"steps": num_steps, "train_seconds": seconds, "final_train_loss": loss.item()}
+    record = {"steps": num_steps, "train_seconds": seconds, "final_train_loss": loss_value,
+              "step_durations": step_seconds}
     if evaluate:
         model.eval()
         correct = 0
@@ -170,6 +178,18 @@ def plain_loop(model_dir: str, cfg: FinetuneConfig, threads: int, evaluate: bool
     return record
 
 
+def plain_loop_in_a_fresh_process(cfg: FinetuneConfig, threads: int, evaluate: bool) -> dict:
+    """`plain_loop` in a new Python process, as a user's script runs, and as `bertforge
+    finetune`'s worker starts: neither side inherits a warm heap or warm kernels."""
+    request = json.dumps({"cfg": cfg.to_dict(), "threads": threads, "evaluate": evaluate})
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--plain-run", request],
+                          capture_output=True, text=True)
+    if done.returncode:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise RuntimeError("the plain loop failed")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 # --- bertforge finetune ------------------------------------------------------------------
 
 
@@ -181,7 +201,8 @@ def bertforge_finetune(cfg: FinetuneConfig, output: str, launch: list[str]) -> d
         "--train", cfg.train, "--dev", cfg.dev, "--lr", str(cfg.learning_rate),
         "--epochs", str(cfg.epochs), "--batch-size", str(cfg.batch_size),
         "--max-seq-length", str(cfg.seq_length), "--precision", "fp32",
-        "--seeds", str(cfg.seeds[0]), *(["--max-steps", str(cfg.max_steps)]
+        "--seeds", str(cfg.seeds[0]), "--log-every", "1",
+        *(["--max-steps", str(cfg.max_steps)]
                                          if cfg.max_steps else []), *launch,
     ]
     started = time.perf_counter()
@@ -197,6 +218,12 @@ def bertforge_finetune(cfg: FinetuneConfig, output: str, launch: list[str]) -> d
         record = json.load(f)
     record["wall_seconds"] = wall
     record["accuracy"] = record["metrics"].get("accuracy")
+    # Each step's duration from its metrics line (--log-every 1); the first one's is what the
+    # training time holds beyond the others.
+    with open(os.path.join(run["run_dir"], "metrics.jsonl"), encoding="utf-8") as f:
+        times = [json.loads(line)["time"] for line in f]
+    later = [b - a for a, b in zip(times, times[1:])]
+    record["step_durations"] = [record["train_seconds"] - sum(later)] + later
     return record
 
 
@@ -282,7 +309,7 @@ def compare(args: argparse.Namespace, work: str, name: str) -> list[dict]:
     for repeat in range(args.repeats):
         for kind, what in order:
             if kind == "plain":
-                record = plain_loop(cfg.model, cfg, what, evaluate)
+                record = plain_loop_in_a_fresh_process(cfg, what, evaluate)
                 record["threads"] = what
                 label = f"plain loop, {what} thread{'s' if what > 1 else ''}"
             else:
@@ -291,37 +318,51 @@ def compare(args: argparse.Namespace, work: str, name: str) -> list[dict]:
                 label = (f"bertforge finetune, {what} ({record['world_size']} worker(s) x "
                          f"{record.get('threads', '?')} thread(s))")
             record.update(model=name, kind=kind, what=what, label=label,
-                          step_seconds=record["train_seconds"] / record["steps"])
+                          step_seconds=record["train_seconds"] / record["steps"],
+                          steady_seconds=statistics.median(record["step_durations"][1:]
+                                                           or record["step_durations"]))
             print(f"[{name}] {label}: {record['step_seconds']:.4f} s/step over "
-                  f"{record['steps']} steps" + (f", dev accuracy {record['accuracy']:.3f}"
+                  f"{record['steps']} steps (steady {record['steady_seconds']:.4f})" + (f", dev accuracy {record['accuracy']:.3f}"
                                                 if evaluate else ""), flush=True)
             seen = best.get((kind, what))
             record["all_step_seconds"] = (seen["all_step_seconds"] if seen else []) + [
                 record["step_seconds"]]
             if seen is None or record["step_seconds"] < seen["step_seconds"]:
+                if seen is not None:
+                    record["steady_seconds"] = min(record["steady_seconds"],
+                                                   seen["steady_seconds"])
                 best[(kind, what)] = record
             else:
                 seen["all_step_seconds"] = record["all_step_seconds"]
+                seen["steady_seconds"] = min(record["steady_seconds"], seen["steady_seconds"])
     return [best[run] for run in order]
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| model | run | steps | s/step (best) | every repeat | ratio to plain, same "
-             "threads | ratio to plain's best | dev acc |", "|---|---|---|---|---|---|---|---|"]
+    """Per configuration: seconds per step over all steps (the first one's warm-up included)
+    and steady (the median step after the first), each as a ratio to the plain loop at the same
+    threads and to the plain loop's best."""
+    lines = ["| model | run | steps | s/step, all (best) | every repeat | ratio, same threads | "
+             "ratio to plain's best | s/step, steady | steady ratio, same threads | "
+             "steady ratio to plain's best | dev acc |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
-        plain = {r["what"]: r["step_seconds"] for r in mine if r["kind"] == "plain"}
-        best = min(plain.values())
+        plain = {r["what"]: r for r in mine if r["kind"] == "plain"}
+        best = min(r["step_seconds"] for r in plain.values())
+        best_steady = min(r["steady_seconds"] for r in plain.values())
         for r in mine:
-            same = ""
+            same = same_steady = ""
             threads = r.get("world_size", 1) * r.get("threads", 0)
             if r["kind"] == "bertforge" and threads in plain:
-                same = f"{r['step_seconds'] / plain[threads]:.2f}"
-            to_best = f"{r['step_seconds'] / best:.2f}"
+                same = f"{r['step_seconds'] / plain[threads]['step_seconds']:.2f}"
+                same_steady = f"{r['steady_seconds'] / plain[threads]['steady_seconds']:.2f}"
             accuracy = f"{r['accuracy']:.3f}" if r.get("accuracy") is not None else "-"
             every = " ".join(f"{x:.4f}" for x in r["all_step_seconds"])
             lines.append(f"| {model} | {r['label']} | {r['steps']} | {r['step_seconds']:.4f} | "
-                         f"{every} | {same} | {to_best} | {accuracy} |")
+                         f"{every} | {same} | {r['step_seconds'] / best:.2f} | "
+                         f"{r['steady_seconds']:.4f} | {same_steady} | "
+                         f"{r['steady_seconds'] / best_steady:.2f} | {accuracy} |")
     return lines
 
 
@@ -339,6 +380,12 @@ def cpu_facts() -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--plain-run"]:  # plain_loop_in_a_fresh_process's child
+        request = json.loads(argv[1])
+        cfg = FinetuneConfig.from_dict(request["cfg"])
+        print(json.dumps(plain_loop(cfg.model, cfg, request["threads"], request["evaluate"])))
+        return
     args = parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="ft-vs-plain-")
     load_at_start = os.getloadavg()[0]
@@ -353,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
 
     header = [f"finetune_vs_plain_loop.py, {datetime.date.today()}, commit {commit}",
               "command: python benchmarks/finetune_vs_plain_loop.py " + " ".join(
-                  sys.argv[1:] if argv is None else argv),
+                  argv),
               f"CPU: {model}, {os.cpu_count()} cores; AVX-512/AMX flags: {flags}",
               f"torch {torch.__version__}, transformers {transformers.__version__}, "
               f"deepspeed {deepspeed.__version__}; fp32",

@@ -36,20 +36,21 @@ os.environ["BERTFORGE_CPU_BF16"] = "emulated"
 # Longest first, as measured on a 2-core machine (seconds, whole module). A module not listed
 # keeps its place after these, in collection order.
 SLOWEST_MODULES = (
-    "tests/cluster/test_pipeline.py",          # ~165: Beam + two Ray Train phases + export
+    "tests/cluster/test_train_from_outside.py",  # ~210: a train SIGTERMed, resumed; eval, export
+    "tests/cluster/test_fault_tolerance.py",   # ~165: one Ray Train run, two restarts
+    "tests/cluster/test_pipeline.py",          # ~155: Beam + two Ray Train phases + export
+    "tests/cluster/test_multinode.py",         # ~120: `ray start` x2 + a submitted job
     "tests/cluster/test_demo_e2e.py",          # ~115: the demo, smaller
-    "tests/cluster/test_multinode.py",         # ~135: `ray start` x2 + a submitted job
-    "tests/cluster/test_fault_tolerance.py",   # ~130: three Ray Train runs, two restarts
-    "tests/cluster/test_submit.py",            # ~130: `ray start` + four jobs
-    "tests/cluster/test_finetune.py",          # ~70
-    "tests/cluster/test_train_from_outside.py",  # a train SIGTERMed, resumed; eval, export
-    "tests/cluster/test_dataset_guard.py",     # ~40: prepare through the CLI, a SIGTERM
+    "tests/cluster/test_submit.py",            # ~100: `ray start` + four jobs
+    "tests/cluster/test_finetune.py",          # ~80
+    "tests/cluster/test_clean_exit.py",        # ~70
+    "tests/cluster/test_dataset_guard.py",     # ~45: prepare through the CLI, a SIGTERM
     "tests/pipelines/test_prepare_any_size.py",  # ~45: prepare spilled, killed, continued
-    "tests/training/test_same_seed.py",        # ~40: 8 short runs in process groups
-    "tests/test_packaging.py",                 # ~60: wheel, fresh venvs
-    "tests/cluster/test_glue.py",              # ~50
-    "tests/cluster/test_clean_exit.py",        # ~40
-    "tests/cluster/test_failure_policy.py",    # ~25
+    "tests/training/test_same_seed.py",        # ~30: 8 short runs in process groups
+    "tests/test_packaging.py",                 # ~35: wheel, fresh venvs
+    "tests/cluster/test_failure_policy.py",    # ~35
+    "tests/cluster/test_local_worker.py",      # ~25: a local fine-tune, its worker killed
+    "tests/cluster/test_glue.py",              # ~25
 )
 
 

@@ -1,0 +1,23 @@
+"""Worker functions for `cluster.local_worker`'s tests: importable by name in the child."""
+
+from __future__ import annotations
+
+import os
+
+from bertforge.training.errors import UserInputError
+
+
+def refuse_the_inputs(config: dict) -> None:
+    raise UserInputError(f"no such column {config['column']!r} in the data")
+
+
+def crash_once_then_finish(config: dict) -> None:
+    """The first attempt dies as a crash does (no cleanup); the second writes its result."""
+    marker = os.path.join(config["dir"], "attempted")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        print("working", flush=True)
+        os._exit(9)
+    with open(os.path.join(config["dir"], "done"), "w", encoding="utf-8") as f:
+        f.write(f"{os.environ['OMP_NUM_THREADS']} {os.getppid()}")
+    print("[finetune] the worker's own line", flush=True)
