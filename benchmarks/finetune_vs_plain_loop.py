@@ -222,7 +222,7 @@ def bertforge_finetune(cfg: FinetuneConfig, output: str, launch: list[str]) -> d
     # training time holds beyond the others.
     with open(os.path.join(run["run_dir"], "metrics.jsonl"), encoding="utf-8") as f:
         times = [json.loads(line)["time"] for line in f]
-    later = [b - a for a, b in zip(times, times[1:])]
+    later = [b - a for a, b in zip(times, times[1:], strict=False)]
     record["step_durations"] = [record["train_seconds"] - sum(later)] + later
     return record
 
@@ -321,9 +321,10 @@ def compare(args: argparse.Namespace, work: str, name: str) -> list[dict]:
                           step_seconds=record["train_seconds"] / record["steps"],
                           steady_seconds=statistics.median(record["step_durations"][1:]
                                                            or record["step_durations"]))
+            accuracy = f", dev accuracy {record['accuracy']:.3f}" if evaluate else ""
             print(f"[{name}] {label}: {record['step_seconds']:.4f} s/step over "
-                  f"{record['steps']} steps (steady {record['steady_seconds']:.4f})" + (f", dev accuracy {record['accuracy']:.3f}"
-                                                if evaluate else ""), flush=True)
+                  f"{record['steps']} steps (steady {record['steady_seconds']:.4f}){accuracy}",
+                  flush=True)
             seen = best.get((kind, what))
             record["all_step_seconds"] = (seen["all_step_seconds"] if seen else []) + [
                 record["step_seconds"]]

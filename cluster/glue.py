@@ -182,7 +182,8 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
                      skip_message="done in an earlier run, reusing it",
                      dir_flag="--output") as runner:
         # Every task not done yet in one worker group, or the one local worker process (its
-        # start paid once); each task then becomes a stage. A failed group leaves the finished tasks' runs for a rerun.
+        # start paid once); each task then becomes a stage. A failed group leaves the finished
+        # tasks' runs for a rerun.
         pending = [name for name in configs if runner.recorded(name) is None]
         finished = dict(zip(pending, run_finetunes([configs[name] for name in pending], launch),
                             strict=True)) if pending else {}
