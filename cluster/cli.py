@@ -382,18 +382,37 @@ def _run_glue(args: argparse.Namespace) -> None:
                                                   without=(FOR_CHECKPOINTS,))))
 
 
-def _configure_logging() -> None:
-    """Our progress lines at INFO; the engines' own chatter only from WARNING up."""
-    logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
+class _CommandFormatter(logging.Formatter):
+    """Our records as the command's own lines ("[demo] prepare: done in 9.7 s"), like its
+    printed ones; an engine's record keeps its logger's name ("[ray.train] ...")."""
+
+    def __init__(self, command: str | None) -> None:
+        super().__init__("[%(name)s] %(message)s")
+        self.command = command
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if self.command and record.name.split(".")[0] == "bertforge":
+            return f"[{self.command}] " + text.removeprefix(f"[{record.name}] ")
+        return text
+
+
+def _configure_logging(command: str | None = None) -> None:
+    """Our progress lines at INFO, prefixed with the command; the engines' own chatter only from
+    WARNING up."""
+    logging.basicConfig(level=logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        if type(handler) is logging.StreamHandler:  # basicConfig's, not a test harness's
+            handler.setFormatter(_CommandFormatter(command))
     for package in ("bertforge",):
         logging.getLogger(package).setLevel(logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _configure_logging()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    _configure_logging(args.command)
     if args.command in QUIET_COMMANDS:
         from bertforge.cluster.worker_output import quiet_driver
 

@@ -111,3 +111,17 @@ def test_the_driver_keeps_the_engines_output_in_its_log_unless_verbose(tmp_path)
     assert "Token authentication is enabled" in console
     assert "Processing zero checkpoint" in console
     assert log_path.read_text().count("Processing zero checkpoint") == 2  # appended
+
+
+def test_our_log_records_are_the_commands_lines_and_an_engines_keep_its_name():
+    script = textwrap.dedent("""
+        import logging
+        from bertforge.cluster.cli import _configure_logging
+
+        _configure_logging("demo")
+        logging.getLogger("bertforge.pipelines.prepare").info("prepare: done in 9.7 s")
+        logging.getLogger("ray.train").warning("an engine's warning")
+        logging.getLogger("ray.train").info("an engine's chatter")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.stderr == "[demo] prepare: done in 9.7 s\n[ray.train] an engine's warning\n"
