@@ -8,7 +8,8 @@ by benchmarks/finetune_vs_plain_loop.py on a 2-core AMD EPYC (AVX2 only), BERT-b
 tokens, 2 threads: the same `training.finetune.loop.finetune` took 5.67-5.74 s/step in a plain
 process against 6.70-7.29 s/step in a Ray Train worker, and a plain `transformers` loop
 6.1-6.8 s/step, slower by ~10 % with an idle local Ray beside it. One worker needs no process
-group across processes, so Ray brings it nothing but that cost and its ~20 s start.
+group across processes, so Ray brings it nothing but that cost and its start (7-8 s for a
+local Ray alone on that machine, then Ray Train's controller and worker actors).
 
 What Ray Train gave the worker, this gives it too:
 - a 1-rank torch process group (gloo on 127.0.0.1: `training.engine.ensure_process_group`,
