@@ -4,7 +4,10 @@
 install:
 	@bash scripts/install.sh
 
-demo: install
+# The demo needs neither Dataflow's client (the dataflow extra) nor the tests' tools; `make test`
+# later adds what it lacks.
+demo:
+	@bash scripts/install.sh dev
 	.venv/bin/bertforge demo --output bertforge-demo
 
 # Two pytest-xdist workers, a whole module each at a time, the longest modules first

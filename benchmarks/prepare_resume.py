@@ -52,7 +52,7 @@ import prepare_at_scale as scale  # the sibling benchmark: its corpus generator 
 from bertforge.pipelines.local_job import code_digest
 
 REPO, BERTFORGE, MB, log = scale.REPO, scale.BERTFORGE, scale.MB, scale.log
-WORK_DIR_NAME = ".prepare-work"  # pipelines/local/options.py
+WORK_DIR_NAME = ".prepare-work"  # pipelines/local/work_dir.py
 CONTINUED = re.compile(r"continued an earlier run: (\d+) bundles it had done reused, (\d+) run now")
 R_OVER_W_TARGET, TARGET_KILL_AT = 0.40, (0.7, 0.9)  # the "a kill at ~80 %"
 

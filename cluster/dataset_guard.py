@@ -38,7 +38,7 @@ from bertforge.cluster.run_lock import (
     RunDirectoryInUse,
     exclusive_directory,
 )
-from bertforge.pipelines.local.options import WORK_DIR_NAME
+from bertforge.pipelines.local.work_dir import WORK_DIR_NAME
 
 READERS_DIR = ".readers"
 OVERWRITE_FLAG = "--overwrite"

@@ -57,8 +57,7 @@ def vocab_complete(vocab_dir: str) -> bool:
 
 def prepare_dataset(config: PrepareConfig, beam_args: Sequence[str]) -> dict[str, Any]:
     """The Beam job for `config` into config.output."""
-    from bertforge.pipelines.local.options import WORK_DIR_NAME
-    from bertforge.pipelines.local.work_dir import WorkConflict
+    from bertforge.pipelines.local.work_dir import WORK_DIR_NAME, WorkConflict
     from bertforge.pipelines.prepare import run as run_prepare
 
     if os.path.isdir(os.path.join(config.output, WORK_DIR_NAME)):

@@ -23,14 +23,13 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from bertforge.pipelines.beam_common import METRICS_NAMESPACE, NO_DOCUMENTS_MESSAGE
 from bertforge.pipelines.local.options import (
-    WORK_DIR_NAME,
     LocalRunnerOptions,
     bundle_bytes,
     progress_seconds,
 )
 from bertforge.pipelines.local.progress import Progress
 from bertforge.pipelines.local.runner import LocalRunner
-from bertforge.pipelines.local.work_dir import WorkConflict
+from bertforge.pipelines.local.work_dir import WORK_DIR_NAME, WorkConflict
 from bertforge.pipelines.prepare_options import PrepareConfig
 
 logger = logging.getLogger(__name__)

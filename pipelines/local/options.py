@@ -9,8 +9,6 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from bertforge.pipelines.local.progress import PROGRESS_SECONDS
 from bertforge.pipelines.local.runner import MAX_BUNDLE_BYTES
 
-WORK_DIR_NAME = ".prepare-work"
-
 
 class LocalRunnerOptions(PipelineOptions):
     @classmethod

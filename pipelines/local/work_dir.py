@@ -21,6 +21,8 @@ import re
 import shutil
 from typing import Any
 
+# Its name inside prepare's output directory (free of Beam: `train` checks for it too).
+WORK_DIR_NAME = ".prepare-work"
 JOB_FILE = "job.json"
 STAGE_FILE = "stage.json"
 

@@ -21,8 +21,7 @@ import pytest
 
 from bertforge.pipelines.local import runner as local_runner
 from bertforge.pipelines.local import spill
-from bertforge.pipelines.local.options import WORK_DIR_NAME
-from bertforge.pipelines.local.work_dir import WorkConflict, WorkDir
+from bertforge.pipelines.local.work_dir import WORK_DIR_NAME, WorkConflict, WorkDir
 from tests.test_numbers_unchanged import EXPECTED_SHARDS, _golden_corpus, _sha256
 from tests.training.conftest import google_layout_vocab
 
