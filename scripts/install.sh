@@ -18,12 +18,12 @@
 #    with a GPU (nvidia-smi present) the default PyPI build, which carries CUDA.
 #  - deepspeed: its setup.py imports torch, so it is built without build isolation against the
 #    torch installed above (an isolated build would download a second, CUDA torch).
-#  - BERTFORGE_INSTALLER=uv (opt-in): pip installs uv into the venv, and uv the rest, from
-#    pip's sources (index, extra indexes, find-links, constraints: `pip config`) with pip's
-#    rule of the best version from any of them. Not the default, measured on a 2-core AVX2
-#    EPYC (README, "Set up"): without bytecode uv installed in 66 s, but every first import
-#    then compiled (the first demo's prepare 78 s instead of 10, a first Ray start timed out);
-#    with bytecode (as pip writes it) uv took 4 min 55 s, pip 2 min 53 s.
+#  - uv installs (BERTFORGE_INSTALLER=pip: pip alone): pip installs uv into the venv, and uv
+#    the rest, from pip's sources (index, extra indexes, find-links, constraints: `pip config`)
+#    with pip's rule of the best version from any of them, and with the bytecode that pip would
+#    write. Measured on a 2-core AVX2 EPYC, 2026-11-26, idle, fresh clone, extras dev, caches
+#    cold: pip 2 min 14 s, uv 1 min 17 s; the demo's first run then took the same time after
+#    either. A step uv fails is tried again with pip, which then installs the rest.
 #  - bertforge: setuptools' strict editable mode. `build/__editable__.*/bertforge/` mirrors the
 #    package with a link per file and a `.pth` file puts it on sys.path: Python from any
 #    directory, mypy, pyright and IDEs all resolve `bertforge.training...` (the default mode's
@@ -63,12 +63,20 @@ step() {  # step "what is installed" COMMAND...: the command's output to LOG
   shift
   echo "bertforge:   $what"
   echo "### $what: $*" >> "$LOG"
-  if ! "$@" >> "$LOG" 2>&1; then
-    echo "bertforge: installing $what failed; the end of $LOG:" >&2
-    tail -n 40 "$LOG" >&2
-    exit 1
+  "$@" >> "$LOG" 2>&1 && return 0
+  if [ "$INSTALL" != "$PIP" ]; then
+    # uv and pip read some sources differently (a mirror's quirks, a constraint's syntax).
+    echo "bertforge:   uv failed there (see $LOG); pip installs it and the rest"
+    INSTALL=$PIP
+    echo "### $what, again with pip" >> "$LOG"
+    "$@" >> "$LOG" 2>&1 && return 0
   fi
+  echo "bertforge: installing $what failed; the end of $LOG:" >&2
+  tail -n 40 "$LOG" >&2
+  exit 1
 }
+
+installer() { $INSTALL "$@"; }  # uv's pip or pip, whichever installs at the time of the call
 
 installed_extras() { sed -n 2p "$STAMP" 2>/dev/null; }
 
@@ -95,8 +103,8 @@ echo "bertforge: installing into $VENV (a few minutes the first time; the instal
 cpu_torch() {
   # The CPU wheel from pip's own sources first (a find-links folder or a mirror; its
   # dependencies come from PyPI), then from PyTorch's CPU index.
-  $INSTALL install "torch==$TORCH_VERSION+cpu" \
-    || $INSTALL install "torch==$TORCH_VERSION+cpu" --extra-index-url "$TORCH_CPU_INDEX"
+  installer install "torch==$TORCH_VERSION+cpu" \
+    || installer install "torch==$TORCH_VERSION+cpu" --extra-index-url "$TORCH_CPU_INDEX"
 }
 
 pip_setting() {  # pip_setting NAME: pip's configured value (pip.conf or PIP_*), else nothing
@@ -127,7 +135,7 @@ use_uv() {
 }
 
 step "pip, setuptools, wheel" $PIP install --upgrade pip setuptools wheel
-if [ "${BERTFORGE_INSTALLER:-pip}" = uv ]; then
+if [ "${BERTFORGE_INSTALLER:-uv}" = uv ]; then
   echo "### uv: $PIP install uv" >> "$LOG"
   if use_uv >> "$LOG" 2>&1; then
     echo "bertforge:   uv (it installs the rest: faster than pip)"
@@ -137,17 +145,17 @@ if [ "${BERTFORGE_INSTALLER:-pip}" = uv ]; then
 fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    step "torch $TORCH_VERSION, CUDA build (a GPU was found)" $INSTALL install "torch==$TORCH_VERSION"
+    step "torch $TORCH_VERSION, CUDA build (a GPU was found)" installer install "torch==$TORCH_VERSION"
   else
     step "torch $TORCH_VERSION, CPU build (no GPU found)" cpu_torch
   fi
 fi
 # DS_BUILD_OPS=0: ops compile just in time, on the machine that runs them.
-step "deepspeed (built against that torch)" \
-  env DS_BUILD_OPS=0 $INSTALL install --no-build-isolation "deepspeed>=0.16"
+deepspeed_against_torch() { DS_BUILD_OPS=0 installer install --no-build-isolation "deepspeed>=0.16"; }
+step "deepspeed (built against that torch)" deepspeed_against_torch
 EXTRAS=$(all_extras)
 step "bertforge and its dependencies (ray, apache-beam, ...; editable, extras $EXTRAS)" \
-  $INSTALL install -e ".[$EXTRAS]" "${STRICT_EDITABLE[@]}"
+  installer install -e ".[$EXTRAS]" "${STRICT_EDITABLE[@]}"
 
 printf '%s\n%s\n' "$(fingerprint)" "$EXTRAS" > "$STAMP"
 package_files > "$LINKED"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -33,6 +34,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from apache_beam.metrics import monitoring_infos
+from apache_beam.portability import python_urns
 from apache_beam.portability.api import beam_fn_api_pb2
 from apache_beam.runners.portability.fn_api_runner import translations
 from apache_beam.runners.portability.fn_api_runner.execution import GroupingBuffer, ListBuffer
@@ -75,6 +77,21 @@ SORT_BUFFER_BYTES = 32 << 20
 # but cost 15 % in time. Set for the worker processes (and this runner), where a user has not.
 WORKER_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1"}
 M_ARENA_MAX = -8  # glibc's mallopt parameter of the same name
+
+
+# The command FnApiRunner starts its worker processes with (--direct_running_mode
+# multi_processing), and ours: the same harness, its logging set up first (quiet_harness).
+BEAM_HARNESS_COMMAND = f"{sys.executable} -m apache_beam.runners.worker.sdk_worker_main"
+QUIET_HARNESS_COMMAND = f"{sys.executable} -m bertforge.pipelines.local.quiet_harness"
+
+
+def quiet_worker_processes(pipeline_proto) -> None:
+    """Start the pipeline's worker processes with `QUIET_HARNESS_COMMAND` where Beam would start
+    its own harness (any other environment, a user's included, is left as it is)."""
+    for environment in pipeline_proto.components.environments.values():
+        if (environment.urn == python_urns.SUBPROCESS_SDK
+                and environment.payload == BEAM_HARNESS_COMMAND.encode()):
+            environment.payload = QUIET_HARNESS_COMMAND.encode()
 
 
 class LocalRunner(FnApiRunner):
@@ -135,6 +152,10 @@ class LocalRunner(FnApiRunner):
             logger.info("continued an earlier run: %d bundles it had done reused, %d run now",
                         self.num_bundles_reused, self.num_bundles_run)
         return result
+
+    def run_via_runner_api(self, pipeline_proto, options):
+        quiet_worker_processes(pipeline_proto)
+        return super().run_via_runner_api(pipeline_proto, options)
 
     def _get_bundle_manager(self, bundle_context_manager):
         stage = bundle_context_manager.stage

@@ -1,7 +1,7 @@
 """Fault injection: a Ray Train worker process is SIGKILLed mid-run; the worker group restarts,
 resumes from the newest committed checkpoint and ends with the weights of an uninterrupted run.
 Twice in one run: from the run directory, then from Ray Train storage with the node's local
-copies gone. (One faulty run and one uninterrupted one on one local Ray: each worker group's
+copies gone. (The uninterrupted run is the same loop without Ray: each Ray Train worker group's
 start costs tens of seconds of the suite.)"""
 
 import contextlib
@@ -12,12 +12,14 @@ import time
 
 import psutil
 import pytest
+import ray
 import torch
 
 from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
-from bertforge.training.checkpoint import load_fp32_state_dict
+from bertforge.training.checkpoint import latest_checkpoint, load_fp32_state_dict, read_metadata
 from bertforge.training.config import TrainConfig
 from tests.training.conftest import write_dataset
+from tests.training.test_elastic_resume import run_on
 
 pytestmark = pytest.mark.slow
 
@@ -59,18 +61,17 @@ def kill_a_worker_after(run_dir, step: int, killed: list) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """(data dir, final fp32 weights) of the run without faults; Ray stays up for the module."""
-    import ray
-
+    """(data dir, final fp32 weights) of the run without faults: the same loop in a plain
+    2-process gloo group, one thread each as on Ray (tests/training), which starts in seconds
+    where a Ray Train worker group takes tens."""
     root = tmp_path_factory.mktemp("uninterrupted")
     data = write_dataset(str(root / "shards"), {"train": [200, 200], "validation": [20]},
                          max_seq_length=64)
-    try:
-        outcome = train_on_ray(recipe(data, root / "straight"), LaunchConfig(workers=2))
-        assert outcome["step"] == MAX_STEPS
-        yield data, load_fp32_state_dict(outcome["checkpoint_path"])
-    finally:
-        ray.shutdown()
+    cfg = recipe(data, root / "straight")
+    run_on(2, cfg)
+    final = latest_checkpoint(cfg.run_dir)
+    assert read_metadata(final)["global_step"] == MAX_STEPS
+    return data, load_fp32_state_dict(final)
 
 
 def run_with_a_fault(run_dir, launch: LaunchConfig, inject, data: str) -> tuple[dict, list]:
@@ -104,8 +105,12 @@ def test_killed_workers_restart_from_local_then_from_storage_and_end_with_the_sa
     final weights are those of the run without faults, bit for bit."""
     data, straight = uninterrupted
     launch = LaunchConfig(workers=2, max_failures=2, storage=str(tmp_path / "storage"))
-    outcome, killed = run_with_a_fault(
-        tmp_path / "faulty", launch, kill_a_worker_then_another_and_lose_local_checkpoints, data)
+    try:
+        outcome, killed = run_with_a_fault(
+            tmp_path / "faulty", launch, kill_a_worker_then_another_and_lose_local_checkpoints,
+            data)
+    finally:
+        ray.shutdown()
     assert len(killed) == 2, f"a training worker to kill was not found: {killed}"
     assert FIRST_KILL_AT_STEP <= killed[0][1] < SECOND_KILL_AT_STEP <= killed[1][1] < MAX_STEPS
     output = capfd.readouterr()

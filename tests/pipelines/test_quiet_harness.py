@@ -1,0 +1,46 @@
+"""A local `prepare` on worker processes prints the project's lines only, also where Beam's GCP
+modules half-import: `google.cloud` present without Beam's clients, as in any install without the
+dataflow extra (ray[default] brings the namespace). Beam then logs a root-logger warning while it
+imports, and logging gave each worker process a stderr handler of its own: ~25 lines of
+"INFO:apache_beam.runners.worker.sdk_worker:..." per worker reached the console."""
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.test_numbers_unchanged import _golden_corpus
+from tests.training.conftest import google_layout_vocab
+
+BERTFORGE = os.path.join(os.path.dirname(sys.executable), "bertforge")
+PROJECT_LINE = re.compile(r"^(\[prepare\] |bertforge( \w+)?: )")
+
+
+def without_the_result(stdout: str) -> list[str]:
+    """The console's lines before the JSON document `prepare` ends with."""
+    lines = stdout.splitlines()
+    return lines[:lines.index("{")]
+
+
+def test_a_local_prepare_on_two_worker_processes_prints_only_its_own_lines(tmp_path):
+    # Beam's clients fail to import as they do without the dataflow extra: `apitools` is an
+    # ImportError that is not a ModuleNotFoundError (Beam then warns on the root logger).
+    stand_in = tmp_path / "site" / "apitools"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text('raise ImportError("apitools: the test\'s stand-in")\n')
+    corpus, vocab = tmp_path / "corpus.jsonl", tmp_path / "vocab.txt"
+    _golden_corpus(str(corpus))
+    vocab.write_text("\n".join(google_layout_vocab()) + "\n", encoding="utf-8")
+    path = os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [BERTFORGE, "prepare", "--input", str(corpus), "--vocab", str(vocab),
+         "--output", str(tmp_path / "shards"), "--max-seq-length", "48",
+         "--direct_num_workers=2", "--direct_running_mode=multi_processing"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
+    assert result.returncode == 0, result.stdout + result.stderr
+    foreign = [line for line in without_the_result(result.stdout) + result.stderr.splitlines()
+               if line.strip() and not PROJECT_LINE.match(line)]
+    assert foreign == []
+    # The stand-in was in effect: the driver's own import warning went to the log file.
+    log = (tmp_path / "shards" / "logs" / "prepare.log").read_text(encoding="utf-8")
+    assert "apitools not found" in log
