@@ -180,7 +180,7 @@ def bert_tiny_phase2(data_dir: str, run_dir: str, init_from: str, **overrides: A
 
 
 def demo_recipe(
-    data_dir: str, run_dir: str, *, max_steps: int = 540, micro_batch_size: int = 16,
+    data_dir: str, run_dir: str, *, max_steps: int = 450, micro_batch_size: int = 16,
     learning_rate: float = 1e-3, seed: int = 12345, precision: str = "auto", **overrides: Any,
 ) -> TrainConfig:
     """Tiny BERT that learns visibly in a few CPU minutes: a high LR suits a 2-layer model.

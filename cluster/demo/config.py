@@ -25,15 +25,17 @@ class DemoConfig:
     num_shards: int = option(4, "train shards")
     prepare_workers: int = option(2, "Beam worker processes")
     train_workers: int = option(2, "Ray Train workers")
-    # 540 steps x 32 sequences of 128 tokens = ~0.8 epoch of the ~21,900 training pairs, in
-    # fp32 on a CPU without native bf16: 0.26 s a step on 2 AVX2 cores, so the whole demo fits
-    # in five minutes there (4 min 41 s measured). Measured: MLM accuracy 0.120 (baseline 0.066),
-    # NSP 0.632; 600 steps: 0.119-0.125, 0.623; 800: 0.132, 0.630. This model seems to need
+    # 450 steps x 32 sequences of 128 tokens = ~0.65 epoch of the ~21,900 training pairs, in
+    # fp32 on a CPU without native bf16: 0.24 s a step on 2 AVX2 cores, so that the install and
+    # the demo together fit in five minutes there. Measured (2026-11-26): MLM accuracy 0.103
+    # (baseline 0.063), NSP 0.634, SST-2 dev 0.626 against 0.509 from random init; 540 steps
+    # (22 s more): 0.115, 0.629, 0.620. Earlier, before the vocabulary fix: 540 steps 0.120,
+    # 0.632; 600 steps: 0.119-0.125, 0.623; 800: 0.132, 0.630. This model seems to need
     # updates more than sequences: 1,000 x 64 took ~330 s and left the unigram plateau later;
     # 1,000 x 16 reached MLM 0.124 but fine-tuned worse (SST-2 0.591), as did 800 x 32 of 64
     # tokens (0.557). 1e-3 beat 5e-4 (MLM 0.122 vs 0.102 after 600 steps) and 2e-3 (0.080
     # after 300).
-    max_steps: int = option(540, "training steps", aliases=("--steps",))
+    max_steps: int = option(450, "training steps", aliases=("--steps",))
     micro_batch_size: int = option(16, "sequences per worker per step (x 2 workers = 32)")
     learning_rate: float = option(1e-3, "peak learning rate")
     seed: int = option(12345, "data, masking and initialisation")
