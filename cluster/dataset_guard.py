@@ -199,8 +199,10 @@ def stop_beam_workers() -> None:
     runner's cleanup, which joins them, ends at once on SIGTERM or Ctrl-C."""
     import psutil
 
+    from bertforge.pipelines.local.quiet_harness import WORKER_MODULES
+
     workers = [p for p in psutil.Process().children(recursive=True)
-               if "sdk_worker_main" in " ".join(_cmdline(p))]
+               if any(module in " ".join(_cmdline(p)) for module in WORKER_MODULES)]
     # Beam's threads watching them then fail ("Worker subprocess exited with return code
     # -15"): expected now, so not a traceback on the console.
     default_hook = threading.excepthook

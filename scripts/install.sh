@@ -6,7 +6,7 @@
 #
 # The extras are pyproject.toml's, comma-separated. The dataflow extra (apache-beam[gcp], ~40
 # Google Cloud packages) is only for submitting to Dataflow and its tests: leaving it out took
-# the install from 2 min 49 s to 2 min 11 s (2-core AVX2 EPYC, 2026-11-26, pip, cache cold).
+# the install from 2 min 48 s to 2 min 11 s (2-core AVX2 EPYC, 2026-11-26, pip, cache cold).
 # A later run asking for extras not yet installed adds them; one asking for fewer reuses all.
 #
 # The console gets one line per step; pip's output goes to .venv/install.log (its tail is shown
@@ -81,7 +81,9 @@ installer() { $INSTALL "$@"; }  # uv's pip or pip, whichever installs at the tim
 installed_extras() { sed -n 2p "$STAMP" 2>/dev/null; }
 
 # The extras asked for and those already installed, sorted, comma-separated.
-all_extras() { echo "$EXTRAS,$(installed_extras)" | tr ',' '\n' | sed '/^$/d' | LC_ALL=C sort -u | paste -sd, -; }
+all_extras() {
+  echo "$EXTRAS,$(installed_extras)" | tr ',' '\n' | sed '/^$/d' | LC_ALL=C sort -u | paste -sd, -
+}
 
 if [ -f "$STAMP" ] && [ "$(head -n 1 "$STAMP")" = "$(fingerprint)" ] \
     && [ "$(all_extras)" = "$(installed_extras)" ]; then

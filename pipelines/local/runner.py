@@ -42,6 +42,7 @@ from apache_beam.runners.portability.fn_api_runner.fn_runner import BundleManage
 from apache_beam.runners.worker import bundle_processor
 
 from bertforge.pipelines.local.progress import Progress
+from bertforge.pipelines.local.quiet_harness import BEAM_HARNESS_MODULE, QUIET_HARNESS_MODULE
 from bertforge.pipelines.local.spill import (
     GroupOutput,
     GroupSpill,
@@ -81,8 +82,8 @@ M_ARENA_MAX = -8  # glibc's mallopt parameter of the same name
 
 # The command FnApiRunner starts its worker processes with (--direct_running_mode
 # multi_processing), and ours: the same harness, its logging set up first (quiet_harness).
-BEAM_HARNESS_COMMAND = f"{sys.executable} -m apache_beam.runners.worker.sdk_worker_main"
-QUIET_HARNESS_COMMAND = f"{sys.executable} -m bertforge.pipelines.local.quiet_harness"
+BEAM_HARNESS_COMMAND = f"{sys.executable} -m {BEAM_HARNESS_MODULE}"
+QUIET_HARNESS_COMMAND = f"{sys.executable} -m {QUIET_HARNESS_MODULE}"
 
 
 def quiet_worker_processes(pipeline_proto) -> None:

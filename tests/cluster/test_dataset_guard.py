@@ -4,6 +4,7 @@ prepare is refused at once, and a failed first prepare leaves no directory behin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 
@@ -12,6 +13,7 @@ import pytest
 from bertforge.cluster.cli import main
 from bertforge.cluster.dataset_guard import reading_dataset
 from bertforge.cluster.run_lock import exclusive_directory
+from bertforge.pipelines.local.quiet_harness import QUIET_HARNESS_MODULE
 from tests.test_numbers_unchanged import _golden_corpus
 from tests.training.conftest import google_layout_vocab
 
@@ -116,11 +118,16 @@ def test_sigterm_stops_a_local_prepare_at_once_and_keeps_its_work_to_continue(in
          f"--vocab={inputs / 'vocab.txt'}", "--direct_num_workers=2",
          "--direct_running_mode=multi_processing"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def command_line(child) -> str:
+        with contextlib.suppress(psutil.Error):  # gone, or a zombie not yet reaped
+            return " ".join(child.cmdline())
+        return ""
+
     workers = []
     while not workers:  # the job is under way once its SDK workers run
         assert process.poll() is None, process.communicate()
         workers = [p for p in psutil.Process(process.pid).children(recursive=True)
-                   if "sdk_worker_main" in " ".join(p.cmdline())]
+                   if QUIET_HARNESS_MODULE in command_line(p)]
         time.sleep(0.2)
     time.sleep(2)
     process.send_signal(signal.SIGTERM)

@@ -40,6 +40,7 @@ class LocalRayCluster:
         self.node_ips: list[str] = []
         self.gcs_address: str | None = None
         self.dashboard_url: str | None = None
+        self._ports_given: set[int] = set()
 
     @property
     def head_ip(self) -> str:
@@ -47,12 +48,12 @@ class LocalRayCluster:
 
     def start_head(self, num_cpus: int) -> None:
         self._ensure_token()
-        gcs_port, dashboard_port = free_port(), free_port()
+        gcs_port, dashboard_port = self._free_port(), self._free_port()
         ip = self._next_ip()
         self._ray_start(
             ip, "--head", f"--port={gcs_port}", f"--num-cpus={num_cpus}",
             f"--dashboard-host={ip}", f"--dashboard-port={dashboard_port}",
-            f"--temp-dir={self.temp_dir}", f"--ray-client-server-port={free_port()}",
+            f"--temp-dir={self.temp_dir}", f"--ray-client-server-port={self._free_port()}",
         )
         self.gcs_address = f"{ip}:{gcs_port}"
         self.dashboard_url = f"http://{ip}:{dashboard_port}"
@@ -62,8 +63,8 @@ class LocalRayCluster:
         if self.gcs_address is None or not self.multi_node:
             raise RuntimeError("add_node needs a head of LocalRayCluster(multi_node=True)")
         self._ray_start(self._next_ip(), f"--address={self.gcs_address}",
-                        f"--num-cpus={num_cpus}", f"--node-manager-port={free_port()}",
-                        f"--object-manager-port={free_port()}")
+                        f"--num-cpus={num_cpus}", f"--node-manager-port={self._free_port()}",
+                        f"--object-manager-port={self._free_port()}")
 
     def _ensure_token(self) -> None:
         """Nodes and clients authenticate with ~/.ray/auth_token; a fresh machine has none
@@ -81,6 +82,16 @@ class LocalRayCluster:
                 subprocess.run([self._ray_cli(), "get-auth-token", "--generate"], check=True,
                                stdout=subprocess.DEVNULL, timeout=60)
 
+    def _free_port(self) -> int:
+        """A free port this cluster has not handed out yet: the ports of one `ray start` are
+        chosen before any is bound, and the kernel gave one twice (a node failed to start
+        with --dashboard-agent-grpc-port and --metrics-export-port both 53849)."""
+        port = free_port()
+        while port in self._ports_given:
+            port = free_port()
+        self._ports_given.add(port)
+        return port
+
     @staticmethod
     def _ray_cli() -> str:
         return os.path.join(os.path.dirname(sys.executable), "ray")
@@ -93,7 +104,7 @@ class LocalRayCluster:
     def _ray_start(self, ip: str, *args: str) -> None:
         # Ray's agents default to fixed ports (52365, ...): a second Ray on this machine would
         # collide and its job agent die, so every node takes free ones.
-        ports = [f"--{name}={free_port()}" for name in (
+        ports = [f"--{name}={self._free_port()}" for name in (
             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
             "runtime-env-agent-port")]
         # "Not a cluster" keeps a single node on 127.0.0.1; Ray refuses extra nodes in it.
