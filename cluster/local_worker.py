@@ -54,6 +54,14 @@ USER_ERROR_EXIT = 3
 SPEC_NAME = "local-worker.json"
 ERROR_NAME = "local-worker.error"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# A launcher's description of a process group (torchrun's, the deepspeed launcher's, or the
+# 1-rank group `training.engine.ensure_process_group` makes in a plain process and records in
+# its environment). The worker makes its own 1-rank group; inheriting these, it joined the
+# driver's instead and failed on its port (a `finetune` run from a process that had trained).
+LAUNCHER_VARIABLES = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+})
 
 
 def runs_in_one_local_process(launch: LaunchConfig) -> bool:
@@ -76,7 +84,8 @@ def run_in_local_process(worker_fn: Callable[[dict[str, Any]], None],
         "error_file": error_path,
     })
     threads = str(launch.cpus_per_worker)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_VARIABLES}
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     attempts = launch.max_failures + 1
     for attempt in range(1, attempts + 1):
         with contextlib.suppress(FileNotFoundError):

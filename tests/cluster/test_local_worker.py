@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 
@@ -51,6 +52,23 @@ def test_a_worker_that_keeps_failing_fails_the_command_after_its_restarts(tmp_pa
     with pytest.raises(RuntimeError, match="failed 1 time"):
         run_in_local_process(local_workers.crash_once_then_finish, {"dir": str(tmp_path)},
                              launch, str(tmp_path))
+
+
+def test_the_worker_makes_its_own_group_whatever_group_the_driver_is_in(tmp_path,
+                                                                        monkeypatch) -> None:
+    """A driver that trained in-process holds a 1-rank group whose port is in its environment
+    (training.engine.ensure_process_group), as torchrun's variables would be: the worker must
+    not try to join it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        run_in_local_process(local_workers.join_a_process_group, {"dir": str(tmp_path)},
+                             LaunchConfig(workers=1, max_failures=0), str(tmp_path))
+    assert (tmp_path / "group").read_text() == "0 1"
 
 
 @pytest.mark.slow

@@ -21,3 +21,14 @@ def crash_once_then_finish(config: dict) -> None:
     with open(os.path.join(config["dir"], "done"), "w", encoding="utf-8") as f:
         f.write(f"{os.environ['OMP_NUM_THREADS']} {os.getppid()}")
     print("[finetune] the worker's own line", flush=True)
+
+
+def join_a_process_group(config: dict) -> None:
+    """What a fine-tuning worker does first: its 1-rank group (training.engine)."""
+    import torch.distributed as dist
+
+    from bertforge.training.engine import ensure_process_group
+
+    ensure_process_group()
+    with open(os.path.join(config["dir"], "group"), "w", encoding="utf-8") as f:
+        f.write(f"{dist.get_rank()} {dist.get_world_size()}")
