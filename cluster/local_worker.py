@@ -13,7 +13,8 @@ local Ray alone on that machine, then Ray Train's controller and worker actors).
 
 What Ray Train gave the worker, this gives it too:
 - a 1-rank torch process group (gloo on 127.0.0.1: `training.engine.ensure_process_group`,
-  which the worker function calls);
+  which the worker function calls), its own: the driver's launcher variables (RANK,
+  MASTER_PORT, ...) are not passed on;
 - its torch threads (`OMP_NUM_THREADS` as Ray sets it, and the worker's own set_num_threads);
 - its output: the child's stdout and stderr are relayed line by line through the driver's, so
   the console shows what the worker's `quiet_worker` lets through, when it happens, and the
