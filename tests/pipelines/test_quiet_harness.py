@@ -5,21 +5,11 @@ imports, and logging gave each worker process a stderr handler of its own: ~25 l
 "INFO:apache_beam.runners.worker.sdk_worker:..." per worker reached the console."""
 
 import os
-import re
 import subprocess
-import sys
 
+from tests.cluster.test_train_from_outside import BERTFORGE, foreign_lines, json_lines
 from tests.test_numbers_unchanged import _golden_corpus
 from tests.training.conftest import google_layout_vocab
-
-BERTFORGE = os.path.join(os.path.dirname(sys.executable), "bertforge")
-PROJECT_LINE = re.compile(r"^(\[prepare\] |bertforge( \w+)?: )")
-
-
-def without_the_result(stdout: str) -> list[str]:
-    """The console's lines before the JSON document `prepare` ends with."""
-    lines = stdout.splitlines()
-    return lines[:lines.index("{")]
 
 
 def test_a_local_prepare_on_two_worker_processes_prints_only_its_own_lines(tmp_path):
@@ -38,9 +28,8 @@ def test_a_local_prepare_on_two_worker_processes_prints_only_its_own_lines(tmp_p
          "--direct_num_workers=2", "--direct_running_mode=multi_processing"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
     assert result.returncode == 0, result.stdout + result.stderr
-    foreign = [line for line in without_the_result(result.stdout) + result.stderr.splitlines()
-               if line.strip() and not PROJECT_LINE.match(line)]
-    assert foreign == []
+    assert foreign_lines(result.stdout, json_lines(result.stdout)) == []
+    assert foreign_lines(result.stderr, []) == []
     # The stand-in was in effect: the driver's own import warning went to the log file.
     log = (tmp_path / "shards" / "logs" / "prepare.log").read_text(encoding="utf-8")
     assert "apitools not found" in log
