@@ -73,7 +73,7 @@ def _add_inspect(commands) -> None:
 
 
 def _add_train(commands) -> None:
-    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.cluster.launch_config import LaunchConfig
     from bertforge.pipelines.contract.config_fields import add_flag, add_flags
     from bertforge.training.config import TrainConfig
     from bertforge.training.recipes import RECIPES
@@ -164,7 +164,7 @@ def _add_demo(commands) -> None:
 
 
 def _add_finetune(commands) -> None:
-    from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.cluster.launch_config import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.contract.config_fields import add_flags
     from bertforge.training.finetune.config import FinetuneConfig
 
@@ -182,7 +182,7 @@ def _add_finetune(commands) -> None:
 
 def _add_glue(commands) -> None:
     from bertforge.cluster.glue import GlueConfig
-    from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.cluster.launch_config import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.contract.config_fields import add_flags
     from bertforge.training.finetune.config import PER_TASK, FinetuneConfig
 
@@ -360,7 +360,7 @@ def _run_demo(args: argparse.Namespace) -> None:
 def _run_finetune(args: argparse.Namespace) -> None:
     from bertforge.cluster.finetune_sweep import run_finetune
     from bertforge.cluster.finetune_workers import finetune_launch
-    from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.cluster.launch_config import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.contract.config_fields import given_values
     from bertforge.training.finetune.config import FinetuneConfig
 
@@ -372,7 +372,7 @@ def _run_finetune(args: argparse.Namespace) -> None:
 def _run_glue(args: argparse.Namespace) -> None:
     from bertforge.cluster.finetune_workers import finetune_launch
     from bertforge.cluster.glue import GlueConfig, run_glue
-    from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.cluster.launch_config import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.contract.config_fields import given_values
     from bertforge.training.finetune.config import PER_TASK, FinetuneConfig
 

@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bertforge.cluster.launch_config import LaunchConfig
 from bertforge.cluster.local_worker import run_in_local_process, runs_in_one_local_process
 from bertforge.cluster.paths import absolute
-from bertforge.cluster.ray_train import QUIET_RAY_TRAIN, LaunchConfig, connect, run_on_ray
+from bertforge.cluster.ray_train import QUIET_RAY_TRAIN, connect, run_on_ray
 from bertforge.cluster.stage_runner import (
     Stage,
     StageRunner,

@@ -48,7 +48,7 @@ from bertforge.cluster.worker_output import is_verbose
 from bertforge.training.errors import UserInputError
 
 if TYPE_CHECKING:  # the child imports this module: no Ray in it unless its function needs it
-    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.cluster.launch_config import LaunchConfig
 
 # The child's exit status for a UserInputError (its message in the error file): not retried.
 USER_ERROR_EXIT = 3

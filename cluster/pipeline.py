@@ -23,7 +23,7 @@ import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from bertforge.cluster.ray_train import LaunchConfig
+from bertforge.cluster.launch_config import LaunchConfig
 from bertforge.cluster.stage_runner import Stage, StageRunner
 from bertforge.cluster.stages import (
     export_complete,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -18,56 +17,15 @@ from ray.train.v2.api.exceptions import ControllerError
 from bertforge.cluster import local_ray
 from bertforge.cluster.dataset_guard import reading_dataset
 from bertforge.cluster.failure_policy import user_errors_fail_at_once
+from bertforge.cluster.launch_config import LaunchConfig
 from bertforge.cluster.paths import absolute
 from bertforge.cluster.run_lock import exclusive_directory
 from bertforge.cluster.torch_store import NodeAddressTorchConfig
 from bertforge.cluster.worker_output import LOG_DIR, is_verbose, log_driver_to, show_train_workers
-from bertforge.pipelines.contract.config_fields import option
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
 from bertforge.training.inputs import check_train_inputs
-
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-
-
-# Where checkpoints persist: fine-tuning keeps none, so `finetune` and `glue` have no flag for it.
-FOR_CHECKPOINTS = "for_checkpoints"
-
-
-@dataclass
-class LaunchConfig:
-    """Where and on how many workers training runs; `bertforge train` flags and the pipeline
-    file's [cluster] table are generated from these fields (`pipelines.contract.config_fields`)."""
-
-    workers: int = option(2, "Ray Train workers (one process each)")
-    gpu: bool = option(False, "one GPU per worker")
-    cpus_per_worker: int = option(1, "CPUs (and torch threads) per worker")
-    address: str | None = option(help="Ray cluster address, 'auto' on a cluster node (default: a "
-                                 "private local Ray on 127.0.0.1)")
-    max_failures: int = option(3, "worker-group restarts from the newest checkpoint before "
-                               "giving up")
-    # Where Ray Train persists every rank's checkpoint files (gs://, s3://, or a path all nodes
-    # share); None: the run directory itself must be shared storage.
-    storage: str | None = option(help="persist every rank's checkpoints to this URI (gs://, "
-                                 "s3://) or shared path and restore from it on restart; without "
-                                 "it the run directory must be shared", marks=(FOR_CHECKPOINTS,))
-    # PACK fills a node before the next (fast collectives); SPREAD puts workers on
-    # different nodes (one GPU per node, or testing what crosses the network).
-    placement_strategy: str = option("PACK", "SPREAD puts workers on different nodes",
-                                     choices=PLACEMENT_STRATEGIES)
-
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers}")
-        if self.max_failures < 0:
-            raise ValueError(f"max_failures must be at least 0, got {self.max_failures}")
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(f"unknown placement strategy {self.placement_strategy!r}")
-        if self.cpus_per_worker < 1:
-            raise ValueError(f"cpus_per_worker must be at least 1, got {self.cpus_per_worker}")
-        self.address = self.address or None  # "" (a TOML file's "none") is a local Ray too
-
 
 # A worker group that cannot be scheduled (no node has the resources, an autoscaler that adds
 # none) times out after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s); Ray Train

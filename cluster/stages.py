@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from bertforge.cluster.stage_runner import fresh_dir
 
 if TYPE_CHECKING:  # imported where used: Beam, Ray and torch load only for the stage that runs
-    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.cluster.launch_config import LaunchConfig
     from bertforge.pipelines.prepare_options import PrepareConfig
     from bertforge.training.config import TrainConfig
 

@@ -46,12 +46,10 @@ SLOWEST_MODULES = (
     "tests/training/test_compile.py",
     "tests/cluster/test_finetune.py",          # ~95
     "tests/training/test_elastic_resume.py",   # ~90: runs in spawned process groups
-    "tests/cluster/test_multinode.py",         # ~95: `ray start` x2 + a submitted job
-    "tests/cluster/test_submit.py",            # ~85: `ray start` + four jobs
+    "tests/cluster/test_submit.py",            # ~100: `ray start` x2 + four jobs
     "tests/cluster/test_clean_exit.py",        # ~70
     "tests/pipelines/test_prepare_any_size.py",  # ~45: prepare spilled, killed, continued
     "tests/cluster/test_dataset_guard.py",     # ~35: prepare through the CLI, a SIGTERM
-    "tests/cluster/test_failure_policy.py",    # ~35
     "tests/training/test_same_seed.py",        # ~30: 8 short runs in process groups
     "tests/test_packaging.py",                 # ~30: wheel, fresh venvs
     "tests/training/test_gpu_proof_script.py",  # ~25

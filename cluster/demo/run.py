@@ -90,7 +90,7 @@ def _beam_args(config: DemoConfig) -> list[str]:
 
 
 def _train(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
-    from bertforge.cluster.ray_train import LaunchConfig
+    from bertforge.cluster.launch_config import LaunchConfig
     from bertforge.training.metrics import read_metrics
     from bertforge.training.recipes import demo_recipe
 

@@ -16,20 +16,13 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @pytest.fixture(scope="module")
-def ray_head():
-    """Yields (dashboard_url, gcs_address) of a fresh head bound to the loopback address."""
-    with LocalRayCluster() as cluster:
-        cluster.start_head(num_cpus=2)
-        _wait_for_jobs_endpoint(cluster.dashboard_url)
-        yield cluster.dashboard_url, cluster.gcs_address
-
-
-@pytest.fixture(scope="module")
 def two_node_cluster():
-    """A head and a second node with one CPU each: one training worker fits on each."""
+    """A head and a second node with one CPU each: one training worker fits on each. Yielded
+    once its jobs endpoint answers."""
     with LocalRayCluster(multi_node=True) as cluster:
         cluster.start_head(num_cpus=1)
         cluster.add_node(num_cpus=1)
+        _wait_for_jobs_endpoint(cluster.dashboard_url)
         yield cluster
 
 

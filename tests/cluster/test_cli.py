@@ -21,6 +21,19 @@ def test_console_script_help_runs():
     assert "demo" in out and "train" in out
 
 
+# What the command line may not import to read its flags: each costs seconds of a core (Ray
+# Train alone ~4 s on 2 AVX2 cores), paid by every command before its first line.
+ENGINES = ("ray", "torch", "deepspeed", "apache_beam", "transformers")
+
+
+def test_reading_the_flags_imports_no_engine():
+    probe = ("import sys; from bertforge.cluster.cli import build_parser; build_parser(); "
+             f"print(sorted(m for m in {ENGINES!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_unknown_flag_is_one_clear_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["inspect", "somewhere", "--bogus"])

@@ -8,8 +8,8 @@ import pytest
 from bertforge.cluster.cli import build_parser, train_config_from_args
 from bertforge.cluster.demo import DemoConfig
 from bertforge.cluster.glue import GlueConfig
+from bertforge.cluster.launch_config import LaunchConfig
 from bertforge.cluster.pipeline import PhaseSection, PipelineConfig
-from bertforge.cluster.ray_train import LaunchConfig
 from bertforge.cluster.worker_output import ConsoleConfig
 from bertforge.pipelines.contract.config_fields import NO_FLAG, NOT_IN_FILE, marked
 from bertforge.pipelines.prepare_options import PrepareConfig, PrepareOptions, parse_argv

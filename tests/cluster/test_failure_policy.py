@@ -1,52 +1,16 @@
-"""In a real Ray Train run, a user error inside a worker ends the run after one attempt; any
-other worker error is still retried up to max_failures."""
+"""A user error inside a worker ends the run after one attempt; any other worker error is still
+retried up to max_failures (the policy's decisions; a real Ray Train run of a user error is in
+test_fault_tolerance, on that module's local Ray)."""
 
 from __future__ import annotations
 
 import pytest
-import ray
-from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train import FailureConfig
 from ray.train.v2._internal.execution.failure_handling import FailureDecision
 from ray.train.v2.api.exceptions import WorkerGroupError
 
-from bertforge.cluster.failure_policy import UserErrorsFailAtOnce, user_errors_fail_at_once
-from bertforge.cluster.ray_train import LaunchConfig, connect
+from bertforge.cluster.failure_policy import UserErrorsFailAtOnce
 from bertforge.training.errors import UserInputError
-
-
-def fit_failing(tmp_path, name: str, error: Exception, max_failures: int) -> None:
-    """Fit a one-worker trainer whose every attempt logs itself (in NAME.attempts) and raises
-    `error`."""
-    log = tmp_path / f"{name}.attempts"
-    log.touch()
-
-    def fails(config):  # nested: shipped to the worker by value
-        with open(config["log"], "a", encoding="utf-8") as f:
-            f.write("attempt\n")
-        raise config["error"]
-
-    trainer = TorchTrainer(
-        fails, train_loop_config={"log": str(log), "error": error},
-        scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=name, storage_path=str(tmp_path),
-                             failure_config=FailureConfig(max_failures=max_failures)),
-    )
-    with user_errors_fail_at_once():
-        trainer.fit()
-
-
-@pytest.mark.slow
-def test_user_error_in_a_worker_ends_the_run_after_one_attempt(tmp_path):
-    connect(LaunchConfig(workers=1))
-    try:
-        message = "shard /data/train/part-00001.arrow row 17 is corrupt: token id 65533"
-        with pytest.raises(UserInputError, match="row 17 is corrupt") as caught:
-            fit_failing(tmp_path, "user", UserInputError(message), max_failures=3)
-        assert len((tmp_path / "user.attempts").read_text().splitlines()) == 1  # not 4
-        assert str(caught.value) == message  # the command line prints this one line
-    finally:
-        ray.shutdown()
 
 
 def test_other_worker_errors_are_still_retried():

@@ -1,8 +1,9 @@
 """Fault injection: a Ray Train worker process is SIGKILLed mid-run; the worker group restarts,
 resumes from the newest committed checkpoint and ends with the weights of an uninterrupted run.
 Twice in one run: from the run directory, then from Ray Train storage with the node's local
-copies gone. (The uninterrupted run is the same loop without Ray: each Ray Train worker group's
-start costs tens of seconds of the suite.)"""
+copies gone. A user error inside a worker, on the other hand, ends the run after one attempt.
+(One local Ray serves the module, and the uninterrupted run is the same loop without Ray: each
+Ray start and Ray Train worker group costs tens of seconds of the suite.)"""
 
 import contextlib
 import json
@@ -14,10 +15,14 @@ import psutil
 import pytest
 import ray
 import torch
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
 
-from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
+from bertforge.cluster.failure_policy import user_errors_fail_at_once
+from bertforge.cluster.ray_train import LaunchConfig, connect, train_on_ray
 from bertforge.training.checkpoint import latest_checkpoint, load_fp32_state_dict, read_metadata
 from bertforge.training.config import TrainConfig
+from bertforge.training.errors import UserInputError
 from tests.training.conftest import write_dataset
 from tests.training.test_elastic_resume import run_on
 
@@ -29,6 +34,13 @@ TINY = {"preset": "tiny", "hidden_size": 32, "num_attention_heads": 2, "intermed
 MAX_STEPS = 60
 FIRST_KILL_AT_STEP = 25
 SECOND_KILL_AT_STEP = 45
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    """The first run starts this process's local Ray (`connect`); the others join it."""
+    yield
+    ray.shutdown()
 
 
 def recipe(data_dir, run_dir) -> TrainConfig:
@@ -105,12 +117,8 @@ def test_killed_workers_restart_from_local_then_from_storage_and_end_with_the_sa
     final weights are those of the run without faults, bit for bit."""
     data, straight = uninterrupted
     launch = LaunchConfig(workers=2, max_failures=2, storage=str(tmp_path / "storage"))
-    try:
-        outcome, killed = run_with_a_fault(
-            tmp_path / "faulty", launch, kill_a_worker_then_another_and_lose_local_checkpoints,
-            data)
-    finally:
-        ray.shutdown()
+    outcome, killed = run_with_a_fault(
+        tmp_path / "faulty", launch, kill_a_worker_then_another_and_lose_local_checkpoints, data)
     assert len(killed) == 2, f"a training worker to kill was not found: {killed}"
     assert FIRST_KILL_AT_STEP <= killed[0][1] < SECOND_KILL_AT_STEP <= killed[1][1] < MAX_STEPS
     output = capfd.readouterr()
@@ -123,3 +131,33 @@ def test_killed_workers_restart_from_local_then_from_storage_and_end_with_the_sa
     assert outcome["step"] == MAX_STEPS
     assert outcome["checkpoint_path"].startswith(str(tmp_path / "storage"))
     assert same_weights(straight, outcome["checkpoint_path"])
+
+
+def fit_failing(tmp_path, name: str, error: Exception, max_failures: int) -> None:
+    """Fit a one-worker trainer whose every attempt logs itself (in NAME.attempts) and raises
+    `error`."""
+    log = tmp_path / f"{name}.attempts"
+    log.touch()
+
+    def fails(config):  # nested: shipped to the worker by value
+        with open(config["log"], "a", encoding="utf-8") as f:
+            f.write("attempt\n")
+        raise config["error"]
+
+    trainer = TorchTrainer(
+        fails, train_loop_config={"log": str(log), "error": error},
+        scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path),
+                             failure_config=FailureConfig(max_failures=max_failures)),
+    )
+    with user_errors_fail_at_once():
+        trainer.fit()
+
+
+def test_user_error_in_a_worker_ends_the_run_after_one_attempt(tmp_path):
+    connect(LaunchConfig(workers=1))  # joins the module's local Ray (starts it if first)
+    message = "shard /data/train/part-00001.arrow row 17 is corrupt: token id 65533"
+    with pytest.raises(UserInputError, match="row 17 is corrupt") as caught:
+        fit_failing(tmp_path, "user", UserInputError(message), max_failures=3)
+    assert len((tmp_path / "user.attempts").read_text().splitlines()) == 1  # not 4
+    assert str(caught.value) == message  # the command line prints this one line

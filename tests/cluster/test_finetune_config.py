@@ -15,7 +15,7 @@ from bertforge.cluster.finetune_sweep import (
     summary_line,
     sweep_statistics,
 )
-from bertforge.cluster.ray_train import FOR_CHECKPOINTS, LaunchConfig
+from bertforge.cluster.launch_config import FOR_CHECKPOINTS, LaunchConfig
 from bertforge.pipelines.contract.config_fields import given_values, marked
 from bertforge.training.finetune.config import FinetuneConfig
 from bertforge.training.finetune.loop import batch_indices, count_steps

@@ -9,7 +9,7 @@ import pytest
 from bertforge.cluster import finetune_sweep as finetune_module
 from bertforge.cluster.cli import main
 from bertforge.cluster.finetune_workers import finetune_launch, local_cores
-from bertforge.cluster.ray_train import LaunchConfig
+from bertforge.cluster.launch_config import LaunchConfig
 
 
 @pytest.mark.parametrize(("given", "workers", "threads"), [

@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from bertforge.cluster.cli import main
+from bertforge.cluster.launch_config import LaunchConfig
 from bertforge.cluster.local_worker import run_in_local_process, runs_in_one_local_process
-from bertforge.cluster.ray_train import LaunchConfig
 from bertforge.training.errors import UserInputError
 from tests.support import local_workers
 from tests.support.finetune_data import tiny_bert_dir, write_sst2_tsv

@@ -1,13 +1,19 @@
-"""`bertforge submit` against a real `ray start --head` on 127.0.0.1."""
+"""`bertforge submit` against a real two-node Ray cluster started on this machine: `ray start
+--head` plus a second `ray start --address`, each node on its own loopback address with one CPU.
+One cluster serves the module: each start costs tens of seconds of the suite."""
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from bertforge.cluster.checkout import package_folders
 from bertforge.cluster.cli import main
 from bertforge.cluster.submit import SubmitConfig, describe_runtime_env, shipped_package
+from bertforge.training.checkpoint import latest_checkpoint, read_metadata
+from bertforge.training.metrics import read_metrics
 from tests.training.conftest import write_dataset
 
 pytestmark = pytest.mark.slow
@@ -15,23 +21,36 @@ REPO = __file__.rsplit("/tests/", 1)[0]
 PACKAGE_FOLDERS = package_folders(REPO)
 
 
-def test_training_job_runs_to_success_with_logs_followed(ray_head, tmp_path, capsys):
-    url, _ = ray_head
-    data = write_dataset(str(tmp_path / "shards"), {"train": [40], "validation": [8]},
+def test_training_spans_two_nodes_through_a_submitted_job_with_logs_followed(two_node_cluster,
+                                                                            tmp_path):
+    data = write_dataset(str(tmp_path / "shards"), {"train": [80, 80], "validation": [16]},
                          max_seq_length=64)
-    code = main([
-        "submit", "--address", url, "--working-dir", REPO, "--submission-id", "bf-train-1",
+    run_dir = tmp_path / "run"
+    # Each node offers 1 CPU and each worker takes 1: the two workers must sit on different
+    # nodes, so the gradients cross between raylets (gloo over 127.0.0.2 <-> 127.0.0.3).
+    command = [
+        sys.executable, "-m", "bertforge.cluster.cli", "submit", "--address",
+        two_node_cluster.dashboard_url, "--working-dir", REPO, "--submission-id", "bf-train-1",
         "--env", "BERTFORGE_SECRET=hunter2", "--",
         "python", "-m", "bertforge.cluster.cli", "train", "--address", "auto", "--data", data,
-        "--run-dir", str(tmp_path / "run"), "--steps", "4", "--workers", "1",
-        "--batch-size", "8", "--warmup-steps", "1",
-    ])
-    out = capsys.readouterr().out
-    assert code == 0
+        "--run-dir", str(run_dir), "--steps", "12", "--workers", "2", "--cpus-per-worker", "1",
+        "--batch-size", "8", "--warmup-steps", "2", "--checkpoint-every", "6",
+    ]
+    # This process imported Ray without the token mode; the client of a fresh one needs it.
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
+                            timeout=480)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert "job bf-train-1 submitted" in out and "job bf-train-1 SUCCEEDED" in out
-    assert "[train] step 4/4" in out  # the job's own logs reached us
-    assert "hunter2" not in out  # credentials never printed
-    assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "COMMITTED").exists()
+    assert "[train] step 12/12" in out  # the job's own logs reached us
+    assert "hunter2" not in out + result.stderr  # credentials never printed
+    final = latest_checkpoint(str(run_dir))
+    assert (run_dir / "checkpoints" / "step_00000012" / "COMMITTED").exists()
+    assert read_metadata(final)["global_step"] == 12
+    assert read_metadata(final)["world_size"] == 2
+    history = read_metrics(str(run_dir))
+    assert history[-1]["step"] == 12 and history[-1]["loss"] < history[0]["loss"]
 
 
 # Run by the job from its working dir: which bertforge do the driver and a Ray worker import?
@@ -69,8 +88,9 @@ def _checkout_copy(root) -> str:
     return str(root)
 
 
-def test_job_runs_the_uploaded_checkout_not_the_installed_package(ray_head, tmp_path, capsys):
-    url, _ = ray_head
+def test_job_runs_the_uploaded_checkout_not_the_installed_package(two_node_cluster, tmp_path,
+                                                                   capsys):
+    url = two_node_cluster.dashboard_url
     checkout = _checkout_copy(tmp_path / "checkout")
     code = main(["submit", "--address", url, "--working-dir", checkout, "--",
                  "python", "probe.py"])
@@ -104,16 +124,16 @@ def test_only_a_bertforge_checkout_is_shipped_as_the_package(tmp_path):
     assert not os.path.exists(package)
 
 
-def test_failing_job_gives_a_failing_exit_code(ray_head, capsys):
-    url, _ = ray_head
+def test_failing_job_gives_a_failing_exit_code(two_node_cluster, capsys):
+    url = two_node_cluster.dashboard_url
     code = main(["submit", "--address", url, "--working-dir", REPO, "--",
                  "python", "-c", "'import sys; sys.exit(7)'"])
     assert code == 1
     assert "FAILED" in capsys.readouterr().out
 
 
-def test_running_job_can_be_stopped(ray_head, capsys):
-    url, _ = ray_head
+def test_running_job_can_be_stopped(two_node_cluster, capsys):
+    url = two_node_cluster.dashboard_url
     assert main(["submit", "--address", url, "--working-dir", REPO, "--no-wait",
                  "--submission-id", "bf-sleeper", "--",
                  "python", "-c", "'import time; time.sleep(120)'"]) == 0

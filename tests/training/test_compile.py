@@ -43,8 +43,14 @@ def test_the_model_traces_as_one_graph(mode):
 @pytest.mark.slow
 def test_compile_in_the_loop_follows_eager_without_graph_breaks_and_keeps_plain_names(tmp_path):
     """`--compile` in the real loop (fp32, no dropout so that both runs draw nothing): the
-    eager run's losses to rounding, no graph break, a bounded number of graphs over 8 steps of
-    varying batch width, and checkpoints and exports with plain parameter names."""
+    eager run's losses to rounding, no graph break, one graph over 8 steps of varying batch
+    width, and checkpoints and exports with plain parameter names.
+
+    Shapes are dynamic from the first step here (`assume_static_by_default=False`). By default
+    torch compiles a static graph first and, at the next width, one with a dynamic width: the
+    same graph in the end, at twice the compile time (on 2 CPU cores ~65 of the test's ~130
+    CPU-seconds with a cold inductor cache, as on CI). One graph still shows any guard on a
+    value of ours that changes from step to step: each such change would compile another."""
     from bertforge.training.export import export_checkpoint
     from bertforge.training.loop import train
     from bertforge.training.metrics import read_metrics
@@ -58,7 +64,8 @@ def test_compile_in_the_loop_follows_eager_without_graph_breaks_and_keeps_plain_
     train(config(data, tmp_path / "eager", **common))
     torch._dynamo.reset()
     counters.clear()
-    run = train(config(data, tmp_path / "compiled", compile=True, **common))
+    with torch._dynamo.config.patch(assume_static_by_default=False):
+        run = train(config(data, tmp_path / "compiled", compile=True, **common))
 
     def losses(run_dir) -> list[float]:
         return [r["loss"] for r in read_metrics(str(run_dir)) if "loss" in r]
@@ -66,9 +73,9 @@ def test_compile_in_the_loop_follows_eager_without_graph_breaks_and_keeps_plain_
     assert len(losses(tmp_path / "compiled")) == 8
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4)
     assert dict(counters["graph_break"]) == {}
-    # Batches are padded to their longest row, so widths vary: a static graph, then one with
-    # a dynamic width, not a recompilation per step.
-    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    # Batches are padded to their longest row, so widths vary: one graph, not a recompilation
+    # per step.
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     # nn.Module.compile works in place: no `_orig_mod.` in the checkpoint or the export.
     states = torch.load(os.path.join(run.checkpoint_path, "mp_rank_00_model_states.pt"),
                         weights_only=False)
