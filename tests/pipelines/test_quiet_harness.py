@@ -7,7 +7,7 @@ imports, and logging gave each worker process a stderr handler of its own: ~25 l
 import os
 import subprocess
 
-from tests.cluster.test_train_from_outside import BERTFORGE, foreign_lines, json_lines
+from tests.support.console import BERTFORGE, foreign_lines, json_lines
 from tests.test_numbers_unchanged import _golden_corpus
 from tests.training.conftest import google_layout_vocab
 
