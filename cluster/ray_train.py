@@ -92,6 +92,10 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
             stop = local_ray.as_stop(exit_)
             if stop is None:
                 raise
+            # Workers train on until Ray stops them: read the newest checkpoint after that, or
+            # one they commit meanwhile goes unnamed (CI: the line said step 60, the resume
+            # found 70). Stopping twice is harmless: driver_teardown's stop then does nothing.
+            local_ray.shutdown()
             newest = latest_checkpoint(run_dir)
             stop.note = (f"newest committed checkpoint {newest}; the same command resumes "
                          "from it" if newest else "no checkpoint was committed yet")
