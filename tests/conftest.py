@@ -48,6 +48,7 @@ SLOWEST_MODULES = (
     "tests/training/test_compile.py",
     "tests/training/test_elastic_resume.py",   # ~60: runs in spawned process groups
     "tests/cluster/test_dataset_guard.py",     # ~50: prepare through the CLI, a SIGTERM
+    "tests/training/test_compile_cache.py",    # ~50: two cold compiles at two CPU levels
     "tests/cluster/test_clean_exit.py",        # ~50
     "tests/pipelines/test_prepare.py",         # ~40
     "tests/training/test_same_seed.py",        # ~35: 8 short runs in process groups

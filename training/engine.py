@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from bertforge.training.compile_cache import use_cache_per_cpu_level
 from bertforge.training.engine_config import EngineConfig
 from bertforge.training.optim import Lamb
 from bertforge.training.precision import AUTO, resolve_precision, slow_precision_warning
@@ -235,5 +236,6 @@ def build_engine(
     if cfg.compile:
         # DeepSpeed compiles its module in place (nn.Module.compile): parameter names, and so
         # checkpoints and exports, never carry torch.compile's `_orig_mod.` prefix.
+        use_cache_per_cpu_level()
         engine.compile()
     return engine
