@@ -13,6 +13,8 @@ import time
 
 import psutil
 
+from bertforge.cluster.local_ray import running
+
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
@@ -90,7 +92,7 @@ class TrainProcess:
         """Processes ever seen in the tree that are still running after `timeout_s`."""
         deadline = time.time() + timeout_s
         while True:
-            alive = [p for p in self.seen.values() if _running(p)]
+            alive = [p for p in self.seen.values() if running(p)]
             if not alive or time.time() > deadline:
                 return [f"{p.pid} {_name(p)}" for p in alive]
             time.sleep(0.5)
@@ -103,7 +105,7 @@ class TrainProcess:
             self.tree()
         for process in self.seen.values():
             with contextlib.suppress(psutil.Error):
-                if _running(process):
+                if running(process):
                     process.kill()
         self.process.wait(timeout=60)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
@@ -120,13 +122,6 @@ def listening_sockets(processes: list[psutil.Process]) -> list[tuple[str, str, i
                 if is_tcp_listen or is_udp_bound:
                     found.append((_name(process), conn.laddr.ip, conn.laddr.port))
     return found
-
-
-def _running(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _name(process: psutil.Process) -> str:
