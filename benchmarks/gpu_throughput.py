@@ -1,10 +1,19 @@
-"""Training throughput and MFU of BERT on one GPU: our model in the real DeepSpeed engine.
+"""Training throughput and MFU of BERT on one GPU: our model in the real DeepSpeed engine,
+beside the transformers peer on the same batches.
 
 What runs is the training loop's own path: `training.model.BertForPreTraining` (the `large`
 preset by default) wrapped by `training.engine.build_engine` (the DeepSpeed config builder,
 optimizer and schedule the loop uses) from the `bert_large_phase1` recipe's settings (AdamW,
-bf16), with ZeRO-2, micro-batch size and accumulation 1 overridden; each step is the loop's
-`engine(**batch)`, `engine.backward(loss)`, `engine.step()` (an optimizer step every time).
+bf16) and the project's default engine settings (on one GPU: ZeRO stage 0 with fp32 weights
+under torch.autocast, ClippedAdamW, compiled encoder layers; `--zero-stage` and
+`--no-compile` give others), micro-batch size and accumulation 1 overridden; each step is the
+loop's `engine(**batch)`, `engine.backward(loss)`, `engine.step()` (an optimizer step every
+time).
+
+The peer (`--peer`, on by default on a GPU): `benchmarks/gpu_peer_hf.py`, transformers'
+`BertForPreTraining` as a user would train it (fp32 weights under bf16 autocast, torch's fused
+AdamW, clipping), eager and under torch.compile, each in a fresh process after ours, on the same
+lengths, micro-batches, batches and step counts; the table gives our sequences/s over each.
 
 Batches: synthetic ones shaped like real pretraining data (`tests/support/synthetic.py`: Google's
 length rule with short_seq_prob 0.1, the loader's masking, 15 % at most 20 predictions at 128
@@ -26,8 +35,8 @@ printed beside it as the reference for what the chip really reaches.
 Results go to `--output-dir` (default benchmarks/results/) as JSON and markdown named by the
 device and the date, e.g. gpu_throughput_nvidia-h100-80gb-hbm3_2026-11-21.json.
 
-    python benchmarks/gpu_throughput.py                      # large, bf16, ZeRO-2, 128 and 512
-    python benchmarks/gpu_throughput.py --seq-lens 128 --micro-batch 256 --compile
+    python benchmarks/gpu_throughput.py                      # large, bf16, defaults, 128 and 512
+    python benchmarks/gpu_throughput.py --seq-lens 128 --zero-stage 2 --no-compile --no-peer
     CUDA_VISIBLE_DEVICES= python benchmarks/gpu_throughput.py --device cpu --config tiny \\
         --seq-lens 128 --micro-batch 8 --steps 3 --warmup 1 --peak-tflops 1   # smoke test
 """
@@ -76,6 +85,7 @@ PEAK_BF16_TFLOPS = (
 DEFAULT_MICRO_BATCH = {128: 256, 512: 64}
 TOKENS_PER_MICRO_BATCH = 32_768
 GIB = 2**30
+PEER_SEED = 12345  # gpu_peer_hf.py builds its batches from this seed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,12 +101,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per sequence length")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     parser.add_argument("--num-batches", type=int, default=8, help="distinct batches, cycled")
-    parser.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3))
+    parser.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
+                        help="default: the project's (training.recipes.default_zero_stage)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw",
                         help="lamb needs --zero-stage 0")
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--compile", action="store_true", help="DeepSpeed's engine.compile()")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="compiled encoder layers (default: the project's, on a GPU)")
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the transformers peer, eager and compiled (default: "
+                             "on a GPU)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense peak TFLOP/s of one device (default: by GPU name)")
     parser.add_argument("--data", action="append", default=[],
@@ -258,12 +273,13 @@ def train_config(args: argparse.Namespace, case: Case):
         global_batch_size=None, gradient_accumulation_steps=1, zero_stage=args.zero_stage,
         precision=args.precision, optimizer=args.optimizer, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, max_predictions=None,
+        compile=args.compile,
     )
 
 
 def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     """Build model + engine, warm up, time `args.steps` steps; totals summed over ranks."""
-    from bertforge.training.engine import build_engine, deepspeed_config
+    from bertforge.training.engine import build_engine, deepspeed_config, resolve_for_engine
     from bertforge.training.model import BertForPreTraining, num_parameters
 
     cfg = train_config(args, case)
@@ -279,9 +295,8 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     model.gradient_checkpointing = cfg.activation_checkpointing
     model.max_predictions = max_predictions
     parameters = num_parameters(model)
-    engine = build_engine(model, cfg.engine(), world_size)
-    if args.compile:
-        engine.compile()
+    resolved = resolve_for_engine(cfg.engine(), world_size)
+    engine = build_engine(model, resolved, world_size)
     batches = [{k: v.to(engine.device) for k, v in b.items()} for b in cpu_batches]
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -291,7 +306,9 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
               for key in counts[0]}
     result = {
         "seq_len": case.seq_len, "micro_batch": case.micro_batch, "data": data,
-        "parameters": parameters, "deepspeed_config": deepspeed_config(cfg.engine(), world_size),
+        "parameters": parameters, "deepspeed_config": deepspeed_config(resolved, world_size),
+        "zero_stage": resolved.zero_stage, "compile": resolved.compile,
+        "precision": resolved.precision,
         "step_ms_median": 1e3 * statistics.median(seconds), "step_ms_min": 1e3 * min(seconds),
         "step_ms_max": 1e3 * max(seconds),
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(),
@@ -419,17 +436,21 @@ def output_paths(output_dir: str, name: str, date: str, tag: str) -> tuple[str, 
 def markdown(report: dict[str, Any]) -> str:
     env, setup = report["environment"], report["setup"]
     reference = report["matmul_reference"]
+    first = report["results"][0]
+    autocast = "torch_autocast" in first["deepspeed_config"]
     return "\n".join([
         f"# BERT training throughput: {env['device']}, {env['date']}",
         "",
         f"- command: `{env['command']}`",
         f"- commit: {env['commit'] or 'unknown'}; torch {env['torch']}, CUDA {env['cuda']}, "
         f"DeepSpeed {env['deepspeed']}, Python {env['python']}; {env['world_size']} device(s)",
-        f"- model: {setup['config']} ({report['results'][0]['parameters']:,} parameters), "
-        f"{setup['precision']}, ZeRO-{setup['zero_stage']}, {setup['optimizer']}, "
+        f"- model: {setup['config']} ({first['parameters']:,} parameters), "
+        f"{first['precision']}, ZeRO-{first['zero_stage']}"
+        f"{' (fp32 weights under torch.autocast)' if autocast else ''}, {setup['optimizer']}, "
         f"activation checkpointing {'on' if setup['activation_checkpointing'] else 'off'}, "
-        f"engine.compile {'on' if setup['compile'] else 'off'}",
-        f"- data: {report['results'][0]['data']}",
+        f"compiled encoder layers {'on' if first['compile'] else 'off'} (settings given: "
+        f"ZeRO {setup['zero_stage']}, compile {setup['compile']}; None = the project's default)",
+        f"- data: {first['data']}",
         f"- warm-up steps: {setup['warmup']}, then timed steps: {setup['steps']} per length; "
         f"{setup['num_batches']} distinct batches cycled, already on the device",
         f"- peak for MFU: {report['peak_tflops']:g} TFLOP/s per device "
@@ -442,7 +463,69 @@ def markdown(report: dict[str, Any]) -> str:
         "head and last layer at the labelled positions (+[CLS]) only. TFLOP/s computed: every "
         "padded position, as the model runs it. Both from training/flops.py.",
         "",
+        *peer_section(report),
     ])
+
+
+def peer_section(report: dict[str, Any]) -> list[str]:
+    """The transformers peer's rows beside ours, and our sequences/s over each."""
+    peers = report.get("peer") or []
+    if not peers:
+        return []
+    lines = ["## Against transformers' BertForPreTraining on the same batches", "",
+             "| seq len | micro batch | run | step ms (median) | seq/s | ours / this | "
+             "peak mem GiB | warm-up s |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for ours in report["results"]:
+        lines.append(f"| {ours['seq_len']} | {ours['micro_batch']} | bertforge (this run) "
+                     f"| {ours['step_ms_median']:.1f} | {_num(ours['sequences_per_s'])} | 1.00 "
+                     f"| {_memory(ours['peak_memory_gib'])} | |")
+        for peer in peers:
+            if (peer["seq_len"], peer["micro_batch"]) != (ours["seq_len"], ours["micro_batch"]):
+                continue
+            run = "transformers + torch.compile" if peer["compile"] else "transformers, eager"
+            ratio = ours["sequences_per_s"] / peer["sequences_per_s"]
+            lines.append(f"| {peer['seq_len']} | {peer['micro_batch']} | {run} "
+                         f"| {peer['step_ms_median']:.1f} | {_num(peer['sequences_per_s'])} "
+                         f"| **{ratio:.2f}** | {_memory(peer.get('peak_memory_gib'))} "
+                         f"| {peer.get('warmup_s', 0):.0f} |")
+    lines += ["", "The peer: benchmarks/gpu_peer_hf.py (fp32 weights under bf16 autocast, "
+              "fused AdamW, clipping at 1.0, a dense MLM head), each run in a fresh process "
+              "after ours.", ""]
+    return lines
+
+
+def _memory(gib: float | None) -> str:
+    return "n/a" if gib is None else f"{gib:.1f}"
+
+
+def run_peers(args: argparse.Namespace, cases: list[Case]) -> list[dict[str, Any]]:
+    """gpu_peer_hf.py, eager then compiled, each in a fresh process (its memory and compiled
+    graphs gone with it), on our lengths, micro-batches and step counts. Synthetic data only:
+    the peer builds the same batches from the same seed."""
+    if any(case.data_dir for case in cases) or args.seed != PEER_SEED:
+        print("[gpu_throughput] no peer rows: the peer runs on the default synthetic batches "
+              "only", flush=True)
+        return []
+    results = []
+    for compiled in (False, True):
+        out = os.path.join(args.output_dir, f".peer-{os.getpid()}-{int(compiled)}.json")
+        command = [sys.executable, os.path.join(REPO, "benchmarks", "gpu_peer_hf.py"),
+                   "--device", args.device, "--config", args.config,
+                   "--seq-lens", ",".join(str(c.seq_len) for c in cases),
+                   "--micro-batch", ",".join(str(c.micro_batch) for c in cases),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--num-batches", str(args.num_batches), "--out", out]
+        if compiled:
+            command.append("--compile")
+        print(f"[gpu_throughput] peer: {shlex.join(command[1:])}", flush=True)
+        finished = subprocess.run(command, check=False)
+        if finished.returncode != 0:
+            print(f"[gpu_throughput] WARNING: the peer exited {finished.returncode}", flush=True)
+            continue
+        with open(out, encoding="utf-8") as f:
+            results += json.load(f)
+        os.remove(out)
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -484,6 +567,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "results": results,
     }
+    if world_size > 1:
+        args.peer = False  # the peer is one process on one device
+    if rank == 0 and (args.peer if args.peer is not None else args.device == "cuda"):
+        report["peer"] = run_peers(args, cases)
     if rank == 0:
         json_path, md_path = output_paths(args.output_dir, name, report["environment"]["date"],
                                           args.tag)

@@ -28,8 +28,10 @@ class TrainConfig:
                                    "(tiny, mini, base, large) and any field to override",
                                    marks=(NO_FLAG,))
     max_steps: int = option(1000, "optimizer steps", aliases=("--steps",))
-    micro_batch_size: int = option(32, "sequences per worker per micro-step",
-                                   aliases=("--batch-size",))
+    # None (the full-size recipes): decided at start for the device and the sequence length
+    # (training.recipes.micro_batch_for_device).
+    micro_batch_size: int | None = option(32, "sequences per worker per micro-step",
+                                          aliases=("--batch-size",))
     # With global_batch_size set, accumulation is derived from it and the live world size
     # (so a resume on fewer workers keeps the same optimizer step); otherwise it is this.
     gradient_accumulation_steps: int = option(1, "micro-steps per optimizer step "
@@ -49,7 +51,7 @@ class TrainConfig:
     zero_stage: int | None = engine_option("zero_stage")
     precision: str = engine_option("precision")
     activation_checkpointing: bool = option(False, "recompute each encoder layer in backward")
-    compile: bool = engine_option("compile")
+    compile: bool | None = engine_option("compile")
     seed: int = option(12345, "model initialisation, masking and data order")
     mask_prob: float = option(0.15, "share of tokens to predict")
     max_predictions: int | None = option(help="masked positions per sequence (default: the "

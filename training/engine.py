@@ -13,8 +13,10 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from bertforge.training.clipped_adamw import ClippedAdamW
 from bertforge.training.compile_cache import use_cache_per_cpu_level
 from bertforge.training.engine_config import EngineConfig
+from bertforge.training.model import BertEncoder
 from bertforge.training.optim import Lamb
 from bertforge.training.precision import AUTO, resolve_precision, slow_precision_warning
 from bertforge.training.recipes import default_zero_stage
@@ -79,12 +81,12 @@ def resolve_zero_stage(
         precision = resolve_engine_precision(cfg)[0].precision
         stage = default_zero_stage(
             world_size=world_size, precision=precision, optimizer=cfg.optimizer,
-            num_parameters=num_parameters, device_memory_bytes=_device_memory_bytes(),
+            num_parameters=num_parameters, device_memory_bytes=device_memory_bytes(),
         )
     return dataclasses.replace(cfg, zero_stage=stage)
 
 
-def _device_memory_bytes() -> int | None:
+def device_memory_bytes() -> int | None:
     if not torch.cuda.is_available():
         return None  # a CPU run's memory is the machine's: no ZeRO escalation for it
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -98,10 +100,9 @@ def deepspeed_config(
     `load_universal`: the resume loads a universal checkpoint (one saved under ZeRO >= 1 by
     another number of ranks, converted by training.checkpoint.convert_to_universal).
     """
-    if cfg.precision == AUTO:  # the loop resolves (and logs) it first; a direct call may not
-        cfg = resolve_engine_precision(cfg)[0]
+    cfg = resolve_for_engine(cfg, world_size)
     check_precision_supported(cfg.precision)
-    stage = resolve_zero_stage(cfg, world_size).zero_stage
+    stage = cfg.zero_stage
     zero: dict[str, Any] = {"stage": stage}
     if world_size > 1 and stage in (1, 2):
         # Reduce gradient buckets on a side stream while the backward pass goes on (ZeRO-3
@@ -111,31 +112,61 @@ def deepspeed_config(
         "train_batch_size": cfg.global_batch(world_size),
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.accumulation_steps(world_size),
-        "gradient_clipping": cfg.gradient_clipping,
+        # On the fast path the optimizer clips (ClippedAdamW: multi-tensor kernels);
+        # DeepSpeed's stage-0 clip takes one norm per tensor.
+        "gradient_clipping": 0.0 if optimizer_clips(cfg) else cfg.gradient_clipping,
         "zero_optimization": zero,
         # We pass the optimizer ourselves (torch's AdamW, or our LAMB at stage 0 only).
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with it
         "wall_clock_breakdown": False,
     }
-    if cfg.precision == "bf16":
+    if cfg.precision == "bf16" and stage == 0:
+        # fp32 weights, gradients and optimizer state, the model's forward under
+        # torch.autocast: bf16 GEMMs, fp32 gradient accumulation by construction, and the
+        # optimizer stays torch's fused one (DeepSpeed's "bf16" section would wrap it in
+        # its BF16 optimizer, whose step is per tensor).
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    elif cfg.precision == "bf16":
         config["bf16"] = {"enabled": True}
-        if stage >= 1:
-            # Sum the micro-batches' gradients in fp32: DeepSpeed's default is the model dtype,
-            # and bf16's 8-bit mantissa drops small gradients from a sum of 64 micro-batches
-            # (the phase-1 recipe on one GPU). DeepSpeed 0.19 does this at stage 1 through its
-            # BF16_Optimizer, at 2 and 3 in the ZeRO optimizers' fp32 partitions; at stage 0 it
-            # refuses (NotImplementedError), so stage 0 with bf16 accumulates in bf16.
-            config["data_types"] = {"grad_accum_dtype": "fp32"}
-            # The sum over ranks is accumulation too: reduce the fp32 gradients as they are
-            # (DeepSpeed's default rounds them to bf16 first). BERT-large: 1.34 GB per
-            # optimizer step at stage 1, ~2 % of a 64 x 8-micro-step step on 8 H100s.
-            config["communication_data_type"] = "fp32"
+        # Sum the micro-batches' gradients in fp32: DeepSpeed's default is the model dtype,
+        # and bf16's 8-bit mantissa drops small gradients from a sum of 64 micro-batches.
+        # DeepSpeed 0.19 does this at stage 1 through its BF16_Optimizer, at 2 and 3 in the
+        # ZeRO optimizers' fp32 partitions.
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        # The sum over ranks is accumulation too: reduce the fp32 gradients as they are
+        # (DeepSpeed's default rounds them to bf16 first). BERT-large: 1.34 GB per
+        # optimizer step at stage 1, ~2 % of a 64 x 8-micro-step step on 8 H100s.
+        config["communication_data_type"] = "fp32"
     elif cfg.precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     return config
+
+
+def optimizer_clips(cfg: EngineConfig) -> bool:
+    """The fast path: at ZeRO stage 0 AdamW clips the gradients itself (ClippedAdamW). Under
+    ZeRO >= 1 DeepSpeed's optimizer owns the fp32 gradients and clips them; LAMB keeps
+    DeepSpeed's clip (its update is per tensor anyway)."""
+    return cfg.zero_stage == 0 and cfg.optimizer == "adamw" and cfg.precision != "fp16"
+
+
+def resolve_compile(cfg: EngineConfig) -> EngineConfig:
+    """`compile` None: on where the model trains on a GPU, off on a CPU. On a CPU the eager
+    fast paths of training.cpu_kernels serve, and a compile costs more than a short run
+    gains; on a GPU the fused kernels are most of the step's gain (benchmarks/README.md)."""
+    if cfg.compile is not None:
+        return cfg
+    return dataclasses.replace(cfg, compile=get_accelerator().device_name() == "cuda")
+
+
+def resolve_for_engine(cfg: EngineConfig, world_size: int) -> EngineConfig:
+    """`cfg` with every machine-dependent setting decided (precision, ZeRO stage, compile);
+    the loop resolves them first (and logs them), a direct call of the builder may not."""
+    if cfg.precision == AUTO:
+        cfg = resolve_engine_precision(cfg)[0]
+    return resolve_compile(resolve_zero_stage(cfg, world_size))
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -197,13 +228,14 @@ def _free_port() -> int:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: EngineConfig) -> torch.optim.Optimizer:
-    """AdamW (any ZeRO stage) or LAMB (stage 0; the config refuses it under ZeRO)."""
+    """AdamW (any ZeRO stage; clipping itself at stage 0) or LAMB (stage 0; the config
+    refuses it under ZeRO). `cfg` is resolved (`resolve_for_engine`)."""
     groups = parameter_groups(model, cfg.weight_decay)
     if cfg.optimizer == "lamb":
         return Lamb(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, eps=cfg.adam_eps)
-    return torch.optim.AdamW(
+    return ClippedAdamW(
         groups, lr=cfg.learning_rate, betas=cfg.adam_betas, eps=cfg.adam_eps,
-        fused=torch.cuda.is_available(),
+        max_grad_norm=cfg.gradient_clipping if optimizer_clips(cfg) else 0.0,
     )
 
 
@@ -211,6 +243,7 @@ def build_engine(
     model: torch.nn.Module, cfg: EngineConfig, world_size: int, *, load_universal: bool = False
 ):
     """Optimizer + warmup/decay schedule wrapped by DeepSpeed; returns the engine."""
+    cfg = resolve_for_engine(cfg, world_size)
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -234,8 +267,27 @@ def build_engine(
         # worker). The values are the same bit for bit: a sum of one tensor, divided by 1.
         engine.enable_backward_allreduce = False
     if cfg.compile:
-        # DeepSpeed compiles its module in place (nn.Module.compile): parameter names, and so
-        # checkpoints and exports, never carry torch.compile's `_orig_mod.` prefix.
         use_cache_per_cpu_level()
-        engine.compile()
+        compile_model(engine, model, cfg)
     return engine
+
+
+def compile_model(engine, model: torch.nn.Module, cfg: EngineConfig) -> None:
+    """torch.compile in place (nn.Module.compile: parameter names, and so checkpoints and
+    exports, never carry torch.compile's `_orig_mod.` prefix).
+
+    Each encoder layer is compiled on its own, as torchtitan compiles its blocks: the 24
+    layers of BERT-large share one graph (parameters are the graph's inputs), so a compile
+    takes one layer's time, not 24 layers' (and the last layer, which runs on the heads' rows
+    only, one more). Within a layer inductor fuses what eager runs as separate kernels:
+    bias + GELU, dropout + residual + LayerNorm, the attention mask. Embeddings and heads stay
+    eager: a few kernels a step. ZeRO-3 gathers each module's parameters from hooks that a
+    compiled layer would trace: there DeepSpeed compiles the whole engine its own way.
+    """
+    layers = [layer for module in model.modules() if isinstance(module, BertEncoder)
+              for layer in module.layer]
+    if cfg.zero_stage == 3 or not layers:
+        engine.compile()
+        return
+    for layer in layers:
+        layer.compile()

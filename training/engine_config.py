@@ -33,7 +33,9 @@ class EngineConfig:
     max_steps: int  # optimizer steps
     learning_rate: float  # peak
     warmup_steps: int
-    micro_batch_size: int  # sequences per worker per micro-step
+    # Sequences per worker per micro-step; None: decided when training starts, from the
+    # device's memory and the sequence length (training.recipes.micro_batch_for_device).
+    micro_batch_size: int | None
     # With global_batch_size set, accumulation is derived from it and the live world size (so a
     # resume on fewer workers keeps the same optimizer step); otherwise it is this.
     gradient_accumulation_steps: int = 1
@@ -50,19 +52,20 @@ class EngineConfig:
     # None: decided when training starts, from the live world size, the precision and the
     # device's memory (training.recipes.default_zero_stage); a resumed run keeps its own.
     zero_stage: int | None = option(help="DeepSpeed ZeRO stage (default: decided at start: "
-                                    "1 on several workers; on one, 0 in fp32 and 1 under bf16 "
-                                    "(DeepSpeed's fp32-accumulating path); 2/3 only when the "
+                                    "0 on one worker, 1 on several; 2/3 only when the "
                                     "GPU's memory needs it)", choices=ZERO_STAGES)
     precision: str = option("auto", "mixed precision of the engine; auto: bf16 on a GPU or CPU "
                             "with native bf16, else fp32", choices=PRECISIONS)
-    compile: bool = option(False, "torch.compile the model inside the engine (in place: "
-                           "state-dict names keep no _orig_mod. prefix)")
+    # None: decided at start, on where the model trains (training.engine.resolve_compile).
+    compile: bool | None = option(help="torch.compile each encoder layer (in place: "
+                                  "state-dict names keep no _orig_mod. prefix; default: on a "
+                                  "GPU, off on a CPU)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adam_betas", tuple(self.adam_betas))
         check_choices(self)  # precision, decay, optimizer, zero_stage
         for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.warmup_steps <= self.max_steps:
             raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
@@ -87,6 +90,7 @@ class EngineConfig:
         """Micro-batches per optimizer step on `world_size` ranks."""
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
+        assert self.micro_batch_size is not None, "decide micro_batch_size first (the loop does)"
         if self.global_batch_size is None:
             return self.gradient_accumulation_steps
         per_pass = self.micro_batch_size * world_size

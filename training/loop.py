@@ -28,7 +28,9 @@ from bertforge.training.distributed import all_reduce_sum, barrier
 from bertforge.training.engine import (
     PrecisionChoice,
     build_engine,
+    device_memory_bytes,
     ensure_process_group,
+    resolve_compile,
     resolve_engine_precision,
     resolve_zero_stage,
 )
@@ -37,6 +39,7 @@ from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_bat
 from bertforge.training.inputs import check_positions, resolve_model_config
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining, num_parameters
+from bertforge.training.recipes import micro_batch_for_device
 from bertforge.training.warm_start import check_resume_architecture, load_initial_weights
 
 # Called on every rank after each committed checkpoint with {"step", "checkpoint_path", ...}.
@@ -64,6 +67,10 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     # max_predictions None: the data's default (20 at 128 tokens, 80 at 512).
     masking = MaskingOptions(cfg.max_predictions, cfg.mask_prob, cfg.whole_word_masking)
     masking = masking.for_dataset(facts)
+    if cfg.micro_batch_size is None:  # the recipe leaves it to the device
+        cfg = replace(cfg, micro_batch_size=micro_batch_for_device(
+            facts.max_seq_length, world_size=world_size,
+            global_batch_size=cfg.global_batch_size, device_memory_bytes=device_memory_bytes()))
     accumulation = cfg.accumulation_steps(world_size)  # validates the batch arithmetic
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
     saved = checkpoint.read_metadata(resume_from) if resume_from is not None else None
@@ -80,7 +87,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     engine_cfg = resolve_zero_stage(
         engine_cfg, world_size, num_parameters=count_parameters(model_config),
         saved_stage=None if saved is None else saved.get("zero_stage"))
-    cfg = replace(cfg, zero_stage=engine_cfg.zero_stage)
+    engine_cfg = resolve_compile(engine_cfg)
+    cfg = replace(cfg, zero_stage=engine_cfg.zero_stage, compile=engine_cfg.compile)
     if rank == 0:
         _print_recipe(cfg, model_config, world_size)
         _print_precision(precision)
@@ -204,7 +212,8 @@ def _print_recipe(cfg: TrainConfig, model_config: BertConfig, world_size: int) -
         f"[train] recipe: {world_size} workers x {cfg.micro_batch_size} micro x {accumulation} "
         f"accumulation = {cfg.global_batch(world_size)} sequences per step, {cfg.max_steps} "
         f"steps, {cfg.optimizer} lr {cfg.learning_rate:g} (warm-up {cfg.warmup_steps}, "
-        f"{cfg.decay} decay), ZeRO {cfg.zero_stage}; all of it in "
+        f"{cfg.decay} decay), ZeRO {cfg.zero_stage}"
+        f"{', compiled layers' if cfg.compile else ''}; all of it in "
         f"{os.path.join(cfg.run_dir, 'config.json')}\n"
         f"[train] model: {model_config.num_hidden_layers} layers, hidden "
         f"{model_config.hidden_size}, {model_config.num_attention_heads} heads, vocab "

@@ -17,7 +17,10 @@ stability at large batch, and the same sequence budget as Google:
 
 The global batch is fixed; accumulation follows from the live world size (e.g. 4,096 = 64 micro
 x 8 accumulation x 8 GPUs), so the same recipe runs, and resumes, on any worker count that
-divides it. Every keyword overrides a field, e.g. `bert_base_phase1(d, r, max_steps=100)`.
+divides it. The BERT-large recipes leave the micro-batch to the device (`micro_batch_for_device`:
+512 tokens per GiB of GPU memory, so 256 x 128 on an 80 GB H100 and 512 x 128 on an H200);
+`--micro-batch-size` overrides it. Every keyword overrides a field, e.g.
+`bert_base_phase1(d, r, max_steps=100)`.
 
 ZeRO stage: the full-size recipes leave it to the hardware (`zero_stage=None`), decided when
 training starts by `default_zero_stage` from the live world size, the precision and the GPU's
@@ -33,18 +36,19 @@ states are small next to a GPU. BERT-large, 335M parameters, bf16 with AdamW:
     fp32 gradient accumulation buffer 1.34 GB (grad_accum_dtype fp32, see training.engine)
                                       ------- 6.7 GB per GPU unsharded: 8 % of an 80 GB GPU
 
-So nothing needs sharding for memory; what matters is communication:
-- one GPU: no ZeRO partitioning, the DDP-like path. In fp32 that is stage 0. Under bf16 it is
-  stage 1: DeepSpeed 0.19 accumulates gradients in fp32 only through a ZeRO optimizer (stage 0
-  with bf16 and grad_accum_dtype fp32 raises NotImplementedError), and stage 1 under bf16 with
-  fp32 accumulation is its BF16_Optimizer, which on one rank shards nothing: fp32 master
-  weights, moments and gradient buffer whole, as in DDP;
+So nothing needs sharding for memory; what matters is communication and the host:
+- one GPU: stage 0, DeepSpeed's plain path, under bf16 with fp32 weights and torch.autocast
+  (training.engine): fp32 gradients accumulate in fp32 by construction, and the optimizer step
+  is torch's fused AdamW with a multi-tensor clip (training.clipped_adamw), a few kernels where
+  DeepSpeed's BF16 and ZeRO optimizers launch ~1,200 a step for BERT-large (measured on an
+  H200: benchmarks/README.md). The model states then take 16 B a parameter (weights, gradients,
+  m, v in fp32): 5.4 GB for BERT-large;
 - several GPUs: stage 1 (optimizer state sharded: 12 B x 335M / 8 GPUs = 0.5 GB each instead of
   4 GB) with `overlap_comm`. Gradients are reduced once per optimizer step, at the end of the
   accumulation: the phase-1 recipe's 4,096 = 64 micro x 8 accumulation x 8 GPUs reduces 1.3 GB
   of fp32 gradients once per 8 micro-steps, where ZeRO-2 would reduce-scatter after every one.
   (Under bf16 the BF16_Optimizer does that reduction after backward; `overlap_comm` overlaps it
-  for the fp32 and fp16 ZeRO-1 optimizer.)
+  for the fp32 and fp16 ZeRO-1 optimizer.) Not measured on several GPUs against stage 0 yet;
 - ZeRO-2, then ZeRO-3, only when the model states at stage 1 would take more than half of the
   device's memory (the rest is for activations): never for BERT on a 16 GB or larger GPU.
 """
@@ -75,11 +79,12 @@ def model_state_bytes(
     """Bytes of weights, gradients and AdamW state per rank (the table in the module docstring).
 
     `precision` is a resolved one (bf16, fp16 or fp32; training.precision resolves "auto").
-    Per parameter: weights w (2 B in bf16/fp16, 4 in fp32), gradients g (2 or 4) and, under bf16
-    at stage >= 1, a 4 B fp32 accumulation buffer a; optimizer o = fp32 moments 8 B, plus a 4 B
-    fp32 master copy in bf16/fp16. Stage 1 shards o, stage 2 also g + a, stage 3 also w.
+    Per parameter: weights w (2 B in bf16/fp16, 4 in fp32 and in bf16 at stage 0, where the
+    weights stay fp32 under torch.autocast), gradients g (2 or 4) and, under bf16 at stage >= 1,
+    a 4 B fp32 accumulation buffer a; optimizer o = fp32 moments 8 B, plus a 4 B fp32 master copy
+    for 2-byte weights. Stage 1 shards o, stage 2 also g + a, stage 3 also w.
     """
-    low_precision = precision in ("bf16", "fp16")
+    low_precision = precision == "fp16" or (precision == "bf16" and zero_stage >= 1)
     w = g = 2 if low_precision else 4
     a = 4 if precision == "bf16" and zero_stage >= 1 else 0
     o = 8 + (4 if low_precision else 0)
@@ -100,8 +105,7 @@ def default_zero_stage(
     """The ZeRO stage for a run that does not name one (see the module docstring):
 
     - LAMB: 0 (ZeRO's flat partitions break its per-layer trust ratios; training.optim);
-    - one rank: 0, or 1 under bf16, DeepSpeed's only fp32-accumulating bf16 path (which
-      shards nothing on one rank);
+    - one rank: 0 (under bf16 with fp32 weights and torch.autocast, training.engine);
     - several ranks: 1 (with overlap_comm, set by training.engine);
     - then, on several ranks, 2 and 3 while the model states would exceed
       MODEL_STATE_MEMORY_SHARE of `device_memory_bytes` (unknown, e.g. on a CPU: no
@@ -109,7 +113,7 @@ def default_zero_stage(
     """
     if optimizer == "lamb":
         return 0
-    stage = 1 if world_size > 1 or precision == "bf16" else 0
+    stage = 1 if world_size > 1 else 0
     if num_parameters is None or device_memory_bytes is None or world_size == 1:
         return stage
     budget = MODEL_STATE_MEMORY_SHARE * device_memory_bytes
@@ -118,6 +122,44 @@ def default_zero_stage(
     ) > budget:
         stage += 1
     return stage
+
+
+# Tokens a micro-batch may hold per GiB of the device's memory (rounded down to a power of two
+# in all). BERT-large at 256 x 128 = 32,768 tokens peaked at 32.4 GiB on an H200 (bf16,
+# benchmarks/results/gpu_throughput_nvidia-h200_2026-11-26.json): 512 a GiB leaves about half
+# of the memory free. An 80 GB H100 gets 32,768 (256 x 128, 64 x 512), a 141 GB H200 65,536,
+# a 40 GB A100 16,384.
+TOKENS_PER_GIB = 512
+# Where the device's memory is unknown (a CPU: the machine's RAM is shared with everything
+# else): the recipes' fixed values before the rule (64 x 128, 16 x 512).
+CPU_TOKENS_PER_MICRO_BATCH = 8192
+
+
+def micro_batch_for_device(
+    max_seq_length: int, *, world_size: int, global_batch_size: int | None,
+    device_memory_bytes: int | None,
+) -> int:
+    """The micro-batch of a run that does not name one: the largest power of two whose tokens
+    (x `max_seq_length`) stay within the device's budget (TOKENS_PER_GIB), and that divides
+    the per-worker share of `global_batch_size` (so accumulation stays whole).
+
+    A larger micro-batch is fewer launches and optimizer-free micro-steps per sequence: on an
+    H200 BERT-large's step at 64 x 128 kept the GPU busy 23 % of the time, at 256 x 128 62 %
+    (issue 34's profile, before the fast path)."""
+    if device_memory_bytes is None:
+        budget = CPU_TOKENS_PER_MICRO_BATCH
+    else:
+        budget = _power_of_two_at_most(TOKENS_PER_GIB * device_memory_bytes // 2**30)
+    micro = _power_of_two_at_most(max(1, budget // max_seq_length))
+    if global_batch_size is not None:
+        per_worker = max(1, global_batch_size // world_size)
+        while micro > 1 and (micro > per_worker or global_batch_size % (micro * world_size)):
+            micro //= 2
+    return micro
+
+
+def _power_of_two_at_most(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
 
 def _recipe(data_dir: str, run_dir: str, values: dict[str, Any], overrides: dict[str, Any]):
@@ -131,7 +173,7 @@ def bert_large_phase1(data_dir: str, run_dir: str, **overrides: Any) -> TrainCon
     post-LN 24-layer model diverges more easily than the 12-layer one. Warmup ~5 % of steps.
     """
     return _recipe(data_dir, run_dir, dict(
-        model={"preset": "large"}, global_batch_size=4096, micro_batch_size=64,
+        model={"preset": "large"}, global_batch_size=4096, micro_batch_size=None,
         max_steps=56_250, warmup_steps=3_000, learning_rate=6e-4,
     ), overrides)
 
@@ -139,11 +181,10 @@ def bert_large_phase1(data_dir: str, run_dir: str, **overrides: Any) -> TrainCon
 def bert_large_phase2(data_dir: str, run_dir: str, init_from: str, **overrides: Any) -> TrainConfig:
     """BERT-large at 512 tokens from phase 1's weights: 2,048 seq/step, 12,500 steps, lr 4e-4.
 
-    A fresh warmup (10 %) because the optimizer state starts empty; micro 16 at 512 tokens
-    fits an 80 GB GPU in bf16 without activation checkpointing.
+    A fresh warmup (10 %) because the optimizer state starts empty.
     """
     return _recipe(data_dir, run_dir, dict(
-        model={"preset": "large"}, global_batch_size=2048, micro_batch_size=16,
+        model={"preset": "large"}, global_batch_size=2048, micro_batch_size=None,
         max_steps=12_500, warmup_steps=1_250, learning_rate=4e-4,
         init_from=init_from,
     ), overrides)

@@ -33,7 +33,7 @@ def test_bert_large_model_states_take_6_7_gb_per_gpu_unsharded():
 
 @pytest.mark.parametrize("world_size, precision, optimizer, expected", [
     (1, "fp32", "adamw", 0),   # DDP-like, nothing to shard
-    (1, "bf16", "adamw", 1),   # BF16_Optimizer: fp32 accumulation, shards nothing on one rank
+    (1, "bf16", "adamw", 0),   # fp32 weights under torch.autocast: the fused fast path
     (8, "bf16", "adamw", 1),
     (8, "fp32", "adamw", 1),
     (8, "bf16", "lamb", 0),    # LAMB needs whole parameters
@@ -56,7 +56,7 @@ def test_zero_2_and_3_only_when_the_model_states_do_not_fit():
     # 5B parameters x (8 + 12/8) B = 47.5 GB > 40 GB; x (2 + 18/8) B = 21 GB fits.
     assert stage(5_000_000_000) == 2
     assert stage(20_000_000_000) == 3  # x (2 + 18/8) B = 85 GB > 40 GB
-    assert stage(20_000_000_000, world_size=1) == 1  # one rank: sharding saves nothing
+    assert stage(20_000_000_000, world_size=1) == 0  # one rank: sharding saves nothing
     # Unknown device memory (a CPU): no escalation.
     assert recipes.default_zero_stage(world_size=8, precision="bf16",
                                       num_parameters=10**12) == 1
@@ -73,7 +73,7 @@ def test_full_size_recipes_leave_the_stage_to_the_hardware_and_small_ones_keep_t
 
 def test_resolution_keeps_an_explicit_stage_and_a_resumed_run_s_own():
     auto = TrainConfig(data_dir="d", run_dir="r", precision="bf16")
-    assert resolve_zero_stage(auto.engine(), 1).zero_stage == 1
+    assert resolve_zero_stage(auto.engine(), 1).zero_stage == 0
     assert resolve_zero_stage(auto.engine(), 4).zero_stage == 1
     fp32 = TrainConfig(data_dir="d", run_dir="r", precision="fp32")
     assert resolve_zero_stage(fp32.engine(), 1).zero_stage == 0
@@ -91,9 +91,12 @@ def test_resolution_keeps_an_explicit_stage_and_a_resumed_run_s_own():
 def test_bf16_accumulates_gradients_in_fp32_where_deepspeed_can(stage):
     bf16 = dict(data_dir="d", run_dir="r", zero_stage=stage, precision="bf16")
     ds = deepspeed_config(TrainConfig(**bf16).engine(), 2)
-    if stage == 0:  # DeepSpeed 0.19: bf16 + fp32 accumulation at stage 0 is NotImplementedError
-        assert "data_types" not in ds
+    if stage == 0:  # fp32 weights and gradients, the forward under torch.autocast
+        assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+        assert "data_types" not in ds and "bf16" not in ds
+        assert ds["gradient_clipping"] == 0.0  # ClippedAdamW clips, in multi-tensor kernels
     else:
+        assert "torch_autocast" not in ds and ds["gradient_clipping"] == 1.0
         assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
     assert ds["zero_optimization"].get("overlap_comm", False) == (stage in (1, 2))
     fp32 = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", zero_stage=stage,
@@ -107,12 +110,13 @@ def test_default_config_on_one_and_on_eight_ranks():
     cfg = TrainConfig(data_dir="d", run_dir="r", micro_batch_size=8, global_batch_size=64,
                       precision="bf16")
     one, eight = deepspeed_config(cfg.engine(), 1), deepspeed_config(cfg.engine(), 8)
-    assert one["zero_optimization"] == {"stage": 1}
+    assert one["zero_optimization"] == {"stage": 0}
+    assert one["torch_autocast"]["enabled"] and "data_types" not in one
     assert eight["zero_optimization"] == {"stage": 1, "overlap_comm": True}
-    assert one["data_types"] == eight["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert eight["data_types"] == {"grad_accum_dtype": "fp32"}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_engine_accumulates_the_mean_gradient_in_fp32_and_trains(stage):
     """The built engine: DeepSpeed's data types and buffers say fp32 accumulation; after two
     micro-batches it holds their mean gradient (an fp32 model's, up to bf16 rounding), not
@@ -133,12 +137,17 @@ def test_bf16_engine_accumulates_the_mean_gradient_in_fp32_and_trains(stage):
     reference = BertForPreTraining(model_config)
     torch.manual_seed(0)
     engine = build_engine(BertForPreTraining(model_config), cfg.engine(), world_size=1)
-    assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    if stage == 0:  # fp32 weights and gradients; the forward runs under bf16 autocast
+        assert engine.get_data_types() == (torch.float32, torch.float32)
+        assert engine.torch_autocast_enabled()
+        assert engine.torch_autocast_dtype() == torch.bfloat16
+    else:
+        assert engine.get_data_types() == (torch.bfloat16, torch.float32)
     if stage == 1:
         assert type(engine.optimizer).__name__ == "BF16_Optimizer"
         assert all(buffer.dtype == torch.float32
                    for buffer in engine.optimizer.fp32_groups_gradients_flat)
-    else:
+    elif stage >= 2:
         assert engine.optimizer.gradient_accumulation_dtype == torch.float32
 
     micro_batches = [random_batch(model_config, batch_size=4, seq_len=12, seed=s) for s in (0, 1)]
@@ -169,10 +178,10 @@ def test_the_stage_decided_at_start_is_recorded_and_a_resume_keeps_its_own(tmp_p
     data = write_dataset(str(tmp_path / "data"), {"train": [48]}, max_seq_length=64)
     auto = train(config(data, tmp_path / "auto", zero_stage=None, max_steps=2))
     with open(os.path.join(tmp_path / "auto", "config.json")) as f:
-        assert json.load(f)["train"]["zero_stage"] == 1  # bf16 on one worker
-    assert checkpoint.read_metadata(auto.checkpoint_path)["zero_stage"] == 1
+        assert json.load(f)["train"]["zero_stage"] == 0  # bf16 on one worker
+    assert checkpoint.read_metadata(auto.checkpoint_path)["zero_stage"] == 0
     # Saved under an explicit stage 2, resumed with none named: it stays at 2 (its optimizer
-    # state is laid out for stage 2), not the default 1.
+    # state is laid out for stage 2), not the default 0.
     train(config(data, tmp_path / "two", zero_stage=2, max_steps=2))
     resumed = train(config(data, tmp_path / "two", zero_stage=None, max_steps=3))
     assert resumed.global_step == 3

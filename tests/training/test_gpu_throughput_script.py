@@ -111,13 +111,17 @@ def test_script_runs_on_cpu_and_writes_results(tmp_path):
     [md_file] = list(tmp_path.glob("gpu_throughput_cpu-*_smoke.md"))
     report = json.loads(json_file.read_text())
     assert report["environment"]["date"] in json_file.name
-    assert report["peak_tflops"] == peak and report["setup"]["zero_stage"] == 2
+    # The project's defaults (none given): on one worker ZeRO 0, bf16 through torch.autocast;
+    # on a CPU no compile, and no peer rows (the peer runs on a GPU by default).
+    assert report["peak_tflops"] == peak and report["setup"]["zero_stage"] is None
+    assert "peer" not in report
     assert report["setup"]["precision"] == "bf16" and report["matmul_reference"]["tflops"] > 0
     assert [r["seq_len"] for r in report["results"]] == [64, 128]
     for result in report["results"]:
         assert result["micro_batch"] == 4 and result["sequences"] == 2 * 4
-        assert result["deepspeed_config"]["zero_optimization"]["stage"] == 2
-        assert result["deepspeed_config"]["bf16"]["enabled"] is True
+        assert result["deepspeed_config"]["zero_optimization"]["stage"] == 0
+        assert result["deepspeed_config"]["torch_autocast"]["enabled"] is True
+        assert (result["zero_stage"], result["compile"], result["precision"]) == (0, False, "bf16")
         assert result["real_tokens_per_s"] > 0
         assert result["padded_tokens_per_s"] >= result["real_tokens_per_s"]
         assert result["sequences_per_s"] > 0 and result["step_ms_median"] > 0
@@ -127,3 +131,17 @@ def test_script_runs_on_cpu_and_writes_results(tmp_path):
         assert 0 < result["tflops_needed"] <= result["tflops_computed"]
     assert "| seq len | micro batch |" in md_file.read_text()
     assert "| 128 | 4 |" in done.stdout
+
+
+def test_the_peer_rows_sit_beside_ours_with_the_ratio():
+    script = load_script()
+    ours = {"seq_len": 128, "micro_batch": 256, "step_ms_median": 100.0,
+            "sequences_per_s": 2560.0, "peak_memory_gib": 30.0}
+    peer = {"seq_len": 128, "micro_batch": 256, "step_ms_median": 200.0, "compile": True,
+            "sequences_per_s": 1280.0, "peak_memory_gib": 40.0, "warmup_s": 61.0}
+    other_length = {**peer, "seq_len": 512, "micro_batch": 64}
+    lines = script.peer_section({"results": [ours], "peer": [peer, other_length]})
+    rows = [line for line in lines if line.startswith("| 128 |")]
+    assert len(rows) == 2 and "transformers + torch.compile" in rows[1]
+    assert "**2.00**" in rows[1] and "| 61 |" in rows[1]
+    assert script.peer_section({"results": [ours]}) == []

@@ -1,5 +1,6 @@
 """Two-phase recipes and warm starts: phase 2 begins from phase 1's weights, and only them."""
 
+import dataclasses
 import os
 
 import pytest
@@ -35,6 +36,10 @@ def phases(tmp_path_factory):
 def test_full_size_recipes_keep_their_global_batch_on_any_dividing_world(name):
     phase1 = getattr(recipes, f"{name}_phase1")("d", "r")
     phase2 = getattr(recipes, f"{name}_phase2")("d", "r", init_from="r1")
+    if name == "bert_large":  # the micro-batch is the device's (decided at start)
+        assert phase1.micro_batch_size is None and phase2.micro_batch_size is None
+        phase1 = dataclasses.replace(phase1, micro_batch_size=64)
+        phase2 = dataclasses.replace(phase2, micro_batch_size=16)
     assert phase1.global_batch(8) == phase1.global_batch(32) == 4096
     assert phase2.global_batch(8) == 2048 and phase2.init_from == "r1"
     # Masked positions per sequence come from the data: 20 at 128 tokens, 80 at 512.
@@ -42,6 +47,24 @@ def test_full_size_recipes_keep_their_global_batch_on_any_dividing_world(name):
     with pytest.raises(ValueError, match="not a multiple"):
         phase1.accumulation_steps(3)
     assert recipes.bert_base_phase1("d", "r", max_steps=10, warmup_steps=1).max_steps == 10
+
+
+def test_the_micro_batch_of_a_full_size_recipe_follows_the_device_memory():
+    def micro(seq_len, memory_gib, *, world_size=1, global_batch_size=4096):
+        memory = None if memory_gib is None else int(memory_gib * 2**30)
+        return recipes.micro_batch_for_device(seq_len, world_size=world_size,
+                                              global_batch_size=global_batch_size,
+                                              device_memory_bytes=memory)
+
+    # 512 tokens per GiB, a power of two in all: H100 80 GB (79.2 GiB usable), H200 (140.4).
+    assert (micro(128, 79.2), micro(512, 79.2)) == (256, 64)
+    assert (micro(128, 140.4), micro(512, 140.4)) == (512, 128)
+    assert micro(128, 39.4) == 128  # A100 40 GB
+    assert (micro(128, None), micro(512, None)) == (64, 16)  # a CPU: the recipes' old values
+    # Never more than a worker's share of the global batch, and always a divisor of it.
+    assert micro(128, 140.4, world_size=16) == 256
+    assert micro(128, 79.2, global_batch_size=96) == 32
+    assert micro(128, 79.2, global_batch_size=None) == 256
 
 
 def test_demo_recipe_lives_in_recipes():
