@@ -47,7 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", required=True, help="results and the run directory")
     parser.add_argument("--preset", default="large", help="model size (large, base, tiny)")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps in all")
-    parser.add_argument("--micro-batch", type=int, default=64, help="sequences per step")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="sequences per step (default: the recipe's rule for the device, "
+                             "training.recipes.micro_batch_for_device)")
+    parser.add_argument("--log-every", type=int, default=10,
+                        help="steps per log line: the loop reads the device once a line")
     parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--zero-stage", type=int, default=None,
@@ -66,7 +70,8 @@ def recipe(args: argparse.Namespace, run_dir: str, max_steps: int) -> TrainConfi
     overrides = dict(
         model={"preset": args.preset}, max_steps=max_steps, micro_batch_size=args.micro_batch,
         global_batch_size=None, gradient_accumulation_steps=1, learning_rate=args.lr,
-        warmup_steps=max(1, args.steps // 10), precision=args.precision, log_every=1,
+        warmup_steps=max(1, args.steps // 10), precision=args.precision,
+        log_every=args.log_every,
         checkpoint_every=args.steps // 2, keep_checkpoints=2, eval_every=0, resume=True,
         peak_tflops=_peak_tflops(), packing=args.packing,
     )
@@ -116,7 +121,8 @@ def run(args: argparse.Namespace) -> dict:
     timed = [by_step[s] for s in steps[tenth:]]  # the first steps include compilation
     checks = {
         "checkpoint_at_half": first.global_step == half,
-        "resumed_past_half": resumed_at == half + 1,
+        # The resumed run's first log line is the first multiple of log_every past the half.
+        "resumed_past_half": resumed_at is not None and half < resumed_at <= half + args.log_every,
         "reached_steps": second.global_step == args.steps,
         "export_written": os.path.isfile(os.path.join(hf_dir, "model.safetensors")),
         "loss_fell": loss_start - loss_end >= args.min_drop,
@@ -125,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
         "device": _device_name(),
         "date": datetime.date.today().isoformat(),
         "commit": _commit(args.commit),
-        "recipe": recipe(args, run_dir, args.steps).to_dict(),
+        "recipe": _resolved_recipe(run_dir),
         "loss_first_tenth": loss_start,
         "loss_last_tenth": loss_end,
         "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed),
@@ -137,12 +143,18 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _resolved_recipe(run_dir: str) -> dict:
+    """The recipe as the loop resolved it (micro-batch, ZeRO stage, precision, compile)."""
+    with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+        return json.load(f)["train"]
+
+
 def write_results(result: dict, output_dir: str) -> str:
     name = result["device"].replace(" ", "-")
     stem = os.path.join(output_dir, f"gpu_proof_run-{name}-{result['date']}")
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
-    mfu = result["mfu_median"]
+    mfu, recipe = result["mfu_median"], result["recipe"]
     lines = [
         f"# Real-loop proof run: {result['device']}, {result['date']}, commit {result['commit']}",
         "",
@@ -151,6 +163,9 @@ def write_results(result: dict, output_dir: str) -> str:
         f"| loss, last tenth of steps | {result['loss_last_tenth']:.3f} |",
         f"| tokens/s (median step, loop's own metric) | {result['tokens_per_s_median']:,.0f} |",
         f"| MFU (median step, computed FLOPs) | {'n/a' if mfu is None else f'{mfu:.1%}'} |",
+        f"| micro-batch x accumulation, ZeRO stage, compiled layers | "
+        f"{recipe['micro_batch_size']} x {recipe['gradient_accumulation_steps']}, "
+        f"{recipe['zero_stage']}, {recipe['compile']} |",
         *(f"| {name} | {'yes' if ok else 'NO'} |" for name, ok in result["checks"].items()),
     ]
     with open(stem + ".md", "w", encoding="utf-8") as f:

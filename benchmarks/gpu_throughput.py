@@ -500,8 +500,9 @@ def _memory(gib: float | None) -> str:
 
 def run_peers(args: argparse.Namespace, cases: list[Case]) -> list[dict[str, Any]]:
     """gpu_peer_hf.py, eager then compiled, each in a fresh process (its memory and compiled
-    graphs gone with it), on our lengths, micro-batches and step counts. Synthetic data only:
-    the peer builds the same batches from the same seed."""
+    graphs gone with it; the peer is one process on one device), on our lengths,
+    micro-batches and step counts. Synthetic data only: the peer builds the same batches from
+    the same seed."""
     if any(case.data_dir for case in cases) or args.seed != PEER_SEED:
         print("[gpu_throughput] no peer rows: the peer runs on the default synthetic batches "
               "only", flush=True)
@@ -567,21 +568,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "results": results,
     }
-    if world_size > 1:
-        args.peer = False  # the peer is one process on one device
-    if rank == 0 and (args.peer if args.peer is not None else args.device == "cuda"):
+    if rank != 0:
+        return report
+    json_path, md_path = output_paths(args.output_dir, name, report["environment"]["date"],
+                                      args.tag)
+    report["files"] = {"json": json_path, "markdown": md_path}
+    write_report(report)  # ours first: a peer cut short by a time limit leaves them written
+    if world_size == 1 and (args.peer if args.peer is not None else args.device == "cuda"):
         report["peer"] = run_peers(args, cases)
-    if rank == 0:
-        json_path, md_path = output_paths(args.output_dir, name, report["environment"]["date"],
-                                          args.tag)
-        report["files"] = {"json": json_path, "markdown": md_path}
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        with open(md_path, "w", encoding="utf-8") as f:
-            f.write(markdown(report))
-        print("\n" + markdown(report))
-        print(f"wrote {json_path}\nwrote {md_path}")
+        write_report(report)
+    print("\n" + markdown(report))
+    print(f"wrote {json_path}\nwrote {md_path}")
     return report
+
+
+def write_report(report: dict[str, Any]) -> None:
+    with open(report["files"]["json"], "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    with open(report["files"]["markdown"], "w", encoding="utf-8") as f:
+        f.write(markdown(report))
 
 
 if __name__ == "__main__":

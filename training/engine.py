@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import socket
@@ -199,6 +200,14 @@ def ensure_process_group() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     skip_inference_shm_op()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    # The group this process made is this process's to end: NCCL otherwise warns at exit
+    # ("destroy_process_group() was not called"), on the console of every GPU run.
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def skip_inference_shm_op() -> None:

@@ -23,6 +23,7 @@ def _run(data: str, output: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, SCRIPT, "--data", data, "--output-dir", output, "--preset", "tiny",
          "--micro-batch", "8", "--lr", "3e-3", "--precision", "fp32", "--zero-stage", "0",
+         "--log-every", "1",
          *extra],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Issue 34's whole GPU check in one call of the lent machine (benchmarks/README.md, "The GPU
+# check in one call"): install, throughput with the transformers peer rows, the kernel profile
+# before and after the fast path, and the real loop's proof run. Each stage writes its files
+# under OUT as it finishes and has a time limit of its own, so a stage that runs long costs
+# only itself; the log is OUT/gpu_check.log.
+#
+#   bash benchmarks/gpu_check.sh                  # on the GPU machine: OUT set, .whl carried
+#   STAGES="throughput" bash benchmarks/gpu_check.sh          # one stage again
+#   SMOKE=1 OUT=/tmp/gc bash benchmarks/gpu_check.sh          # CPU smoke run (tiny, 2 steps)
+#
+# Variables: OUT (where results go), STAGES (default "throughput profile proof"), COMMIT
+# (recorded in every result: the tree has no .git there), DATA (shards for the proof run,
+# default .gpu-data/shards-128), PYTHON (default python3), SMOKE=1 (CPU, tiny model, a few
+# minutes, most of them compiling the peer).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder for results}"
+STAGES=${STAGES:-"throughput profile proof"}
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+DATA=${DATA:-.gpu-data/shards-128}
+PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+
+if [ "${SMOKE:-0}" = 1 ]; then
+  export CUDA_VISIBLE_DEVICES=
+  THROUGHPUT=(--device cpu --config tiny --seq-lens 64 --micro-batch 4 --steps 2 --warmup 1
+              --num-batches 2 --peak-tflops 1 --peer)
+  PROFILE=(--device cpu --config tiny --cases ours64x4,before64x4,hfc64x4 --warmup 1
+           --timed 1 --profiled 1)
+  PROOF=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3 --precision fp32 --min-drop 0
+         --log-every 5)
+  LIMIT=(600 600 600)
+else
+  # Where nothing is installed (the lent machine): DeepSpeed and its missing dependencies as
+  # wheels in .whl, and this checkout, into /tmp/site (benchmarks/README.md says how).
+  if ! "$PYTHON" -c "import deepspeed" 2>/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site . .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+  fi
+  nvidia-smi -L
+  THROUGHPUT=(--seq-lens 128,512 --steps 30 --warmup 10)
+  PROFILE=(--cases before128x256,ours128x256,hfc128x256 --warmup 10 --timed 10 --profiled 3)
+  PROOF=(--steps 200)
+  LIMIT=(280 110 180)  # seconds per stage: 9.5 minutes in all at most
+fi
+
+status=0
+stage() {  # name, time limit, command...
+  local name=$1 limit=$2
+  shift 2
+  case " $STAGES " in *" $name "*) ;; *) return ;; esac
+  echo "[gpu_check] $name: start $(date -u +%T), limit ${limit}s"
+  local started=$SECONDS
+  timeout "$limit" "$@"
+  local rc=$?
+  echo "[gpu_check] $name: exit $rc after $((SECONDS - started)) s"
+  [ "$rc" = 0 ] || status=1
+}
+
+stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
+  --commit "$COMMIT" --output-dir "$OUT"
+stage profile "${LIMIT[1]}" "$PYTHON" benchmarks/gpu_profile.py "${PROFILE[@]}" \
+  --commit "$COMMIT" --output-dir "$OUT"
+# The proof run's run directory and export stay out of OUT (only 8 files come back).
+stage proof "${LIMIT[2]}" "$PYTHON" benchmarks/gpu_proof_run.py --data "$DATA" \
+  --output-dir /tmp/gpu-proof "${PROOF[@]}" --commit "$COMMIT"
+cp /tmp/gpu-proof/gpu_proof_run-* "$OUT/" 2>/dev/null
+echo "[gpu_check] done $(date -u +%T), status $status"
+exit $status
