@@ -44,8 +44,8 @@ else
   nvidia-smi -L
   THROUGHPUT=(--seq-lens 128,512 --steps 30 --warmup 10)
   PROFILE=(--cases before128x256,ours128x256,hfc128x256 --warmup 10 --timed 10 --profiled 3)
-  PROOF=(--steps 200)
-  LIMIT=(280 110 180)  # seconds per stage: 9.5 minutes in all at most
+  PROOF=(--steps 120)
+  LIMIT=(320 100 150)  # seconds per stage: 9.5 minutes in all at most
 fi
 
 status=0

@@ -321,6 +321,9 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     }
     engine.destroy()
     del engine, model, batches
+    # The next length compiles afresh, static, as a run at that length would (not as a
+    # recompilation with dynamic shapes).
+    torch._dynamo.reset()
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -498,34 +501,38 @@ def _memory(gib: float | None) -> str:
     return "n/a" if gib is None else f"{gib:.1f}"
 
 
-def run_peers(args: argparse.Namespace, cases: list[Case]) -> list[dict[str, Any]]:
-    """gpu_peer_hf.py, eager then compiled, each in a fresh process (its memory and compiled
-    graphs gone with it; the peer is one process on one device), on our lengths,
-    micro-batches and step counts. Synthetic data only: the peer builds the same batches from
-    the same seed."""
+def run_peers(args: argparse.Namespace, cases: list[Case],
+              report: dict[str, Any]) -> list[dict[str, Any]]:
+    """gpu_peer_hf.py, compiled then eager for each of our cases, each in a fresh process
+    (its memory and compiled graphs gone with it; the peer is one process on one device), at
+    our micro-batch and step counts. The report is rewritten after each, so a time limit
+    that stops one keeps the others. Synthetic data only: the peer builds the same batches
+    from the same seed."""
     if any(case.data_dir for case in cases) or args.seed != PEER_SEED:
         print("[gpu_throughput] no peer rows: the peer runs on the default synthetic batches "
               "only", flush=True)
         return []
-    results = []
-    for compiled in (False, True):
-        out = os.path.join(args.output_dir, f".peer-{os.getpid()}-{int(compiled)}.json")
-        command = [sys.executable, os.path.join(REPO, "benchmarks", "gpu_peer_hf.py"),
-                   "--device", args.device, "--config", args.config,
-                   "--seq-lens", ",".join(str(c.seq_len) for c in cases),
-                   "--micro-batch", ",".join(str(c.micro_batch) for c in cases),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--num-batches", str(args.num_batches), "--out", out]
-        if compiled:
-            command.append("--compile")
-        print(f"[gpu_throughput] peer: {shlex.join(command[1:])}", flush=True)
-        finished = subprocess.run(command, check=False)
-        if finished.returncode != 0:
-            print(f"[gpu_throughput] WARNING: the peer exited {finished.returncode}", flush=True)
-            continue
-        with open(out, encoding="utf-8") as f:
-            results += json.load(f)
-        os.remove(out)
+    results = report.setdefault("peer", [])
+    for case in cases:
+        for compiled in (True, False):
+            out = os.path.join(args.output_dir, f".peer-{os.getpid()}.json")
+            command = [sys.executable, os.path.join(REPO, "benchmarks", "gpu_peer_hf.py"),
+                       "--device", args.device, "--config", args.config,
+                       "--seq-lens", str(case.seq_len), "--micro-batch", str(case.micro_batch),
+                       "--steps", str(args.steps), "--warmup", str(args.warmup),
+                       "--num-batches", str(args.num_batches), "--out", out]
+            if compiled:
+                command.append("--compile")
+            print(f"[gpu_throughput] peer: {shlex.join(command[1:])}", flush=True)
+            finished = subprocess.run(command, check=False)
+            if finished.returncode != 0:
+                print(f"[gpu_throughput] WARNING: the peer exited {finished.returncode}",
+                      flush=True)
+                continue
+            with open(out, encoding="utf-8") as f:
+                results += json.load(f)
+            os.remove(out)
+            write_report(report)
     return results
 
 
@@ -575,8 +582,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["files"] = {"json": json_path, "markdown": md_path}
     write_report(report)  # ours first: a peer cut short by a time limit leaves them written
     if world_size == 1 and (args.peer if args.peer is not None else args.device == "cuda"):
-        report["peer"] = run_peers(args, cases)
-        write_report(report)
+        run_peers(args, cases, report)
     print("\n" + markdown(report))
     print(f"wrote {json_path}\nwrote {md_path}")
     return report
