@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bertforge.pipelines.contract.manifest import VOCAB_NAME
+from bertforge.pipelines.contract.manifest import VOCAB_NAME, read_manifest
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
 from bertforge.training.data import (
@@ -411,8 +411,15 @@ class _Validation:
 
         # drop_last: every rank gets a full micro-batch, so no rank runs a forward pass on
         # zero rows (NaN NSP loss) and, under ZeRO-3, every rank joins every parameter gather.
+        # The micro-batch a device allows may exceed a small split (512 on an H200 against the
+        # 269 rows of a proof run's split, seen through Ray Train there): evaluate in batches
+        # the split fills on every rank.
+        split = read_manifest(cfg.data_dir).splits.get("validation")
+        batch_size = cfg.micro_batch_size
+        if split is not None and split.num_instances >= world_size:
+            batch_size = min(batch_size, split.num_instances // world_size)
         loader = PretrainingLoader(
-            cfg.data_dir, "validation", batch_size=cfg.micro_batch_size, seed=cfg.seed,
+            cfg.data_dir, "validation", batch_size=batch_size, seed=cfg.seed,
             rank=rank, world_size=world_size, masking=masking, prefetch=0,
             read=ReadOptions(verify_checksums=cfg.verify_checksums),
         )

@@ -159,3 +159,15 @@ def test_a_new_run_on_a_used_run_directory_loses_no_checkpoint(dataset, tmp_path
     # `--resume auto` afterwards continues the new run, under its id.
     again = train(config(dataset, run_dir, max_steps=5, checkpoint_every=1, keep_checkpoints=2))
     assert again.run_id == new.run_id and checkpoint.committed_steps(str(run_dir)) == [4, 5]
+
+
+def test_validation_of_a_split_smaller_than_the_micro_batch(dataset, tmp_path):
+    """A device's micro-batch (512 on an H200) may exceed a small validation split: the
+    evaluation then runs in batches the split fills (40 rows here, against 64 a micro-batch),
+    where the validation loader refused to start (seen through Ray Train on an H200)."""
+    run_dir = tmp_path / "run"
+    train(config(dataset, run_dir, micro_batch_size=64, max_steps=2, eval_every=1,
+                 eval_batches=0, zero_stage=0, precision="fp32"))
+    evaluations = [r for r in read_metrics(str(run_dir)) if "eval_mlm_accuracy" in r]
+    assert [r["step"] for r in evaluations] == [1, 2]
+    assert all(0 <= r["eval_mlm_accuracy"] <= 1 for r in evaluations)
