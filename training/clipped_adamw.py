@@ -4,14 +4,14 @@ The engine's fast path (ZeRO stage 0, `training.engine`) hands DeepSpeed this op
 turns DeepSpeed's own clipping off. DeepSpeed 0.19's stage-0 clip
 (`deepspeed.runtime.utils.clip_grad_norm_`) takes one fp32 norm per gradient tensor, and its
 bf16 and ZeRO optimizers scan and norm per tensor too: measured on an H200 with BERT-large
-(397 tensors) at ZeRO-2, 604 reductions, 302 fp64 norms and 311 copies a step, a third of the
+(302 tensors) at ZeRO-2, 604 reductions, 302 fp64 norms and 311 copies a step, a third of the
 step's ~7,300 kernel launches, each costing the host more than the GPU.
 
 Here the norm is `torch._foreach_norm` over all gradients (one multi-tensor kernel per device
 and dtype) and the scale one `_foreach_mul_`; the update is torch's fused AdamW
 (`fused=True`: one multi-tensor kernel per parameter group, on CUDA and on the CPU). The
 number of operations a step dispatches does not grow with the number of parameter tensors
-(tests/training/test_optimizer_dispatch.py counts them), and nothing is read back to the host:
+(tests/training/test_fast_path.py counts them), and nothing is read back to the host:
 the norm stays on the device (`last_grad_norm`) for whoever logs it.
 
 The arithmetic is torch's `clip_grad_norm_` and AdamW's: the clip scales every gradient by

@@ -133,6 +133,9 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         "zero_stage": cfg.zero_stage,
         "precision": cfg.precision,
         "precision_requested": precision.requested,
+        # bf16 at stage 0 keeps fp32 weights under torch.autocast (training.engine); before,
+        # DeepSpeed kept bf16 weights there, with another optimizer state layout.
+        "bf16_weights": cfg.precision == "bf16" and cfg.zero_stage != 0,
     }
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
     batches = _endless(loader)
@@ -234,6 +237,14 @@ def check_precision_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -
     BF16_Optimizer's files), so another one cannot load it.
     """
     saved_precision = saved.get("precision")  # None: saved before precisions were recorded
+    if (saved_precision == cfg.precision == "bf16" and saved.get("zero_stage") == 0
+            and cfg.zero_stage in (None, 0) and saved.get("bf16_weights", True)):
+        raise ValueError(
+            f"{path} was trained in bf16 at ZeRO stage 0 by an earlier bertforge, which kept "
+            "bf16 weights and DeepSpeed's bf16 optimizer state; stage 0 now keeps fp32 weights "
+            f"under torch.autocast and cannot load that state: start a new run with "
+            f"--init-from {path} to continue its weights"
+        )
     if saved_precision not in (None, cfg.precision):
         raise ValueError(
             f"{path} was trained in {saved_precision}; resuming it in {cfg.precision} is not "

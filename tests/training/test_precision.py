@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,12 +128,12 @@ def test_loop_records_the_choice_warns_once_and_resumes_in_the_saved_precision(
     out = capsys.readouterr().out
     assert out.count("WARNING: precision bf16 on this CPU will be slow: mocked") == 1
     # The recipe in two lines (ZeRO as resolved), the whole of it in config.json.
-    assert f"ZeRO 1; all of it in {run_dir / 'config.json'}\n[train] model: " in out
+    assert f"ZeRO 0; all of it in {run_dir / 'config.json'}\n[train] model: " in out
     assert '"adam_betas"' not in out  # not the 45-line dump of every field
     recorded = json.loads((run_dir / "config.json").read_text())
     assert recorded["precision"]["requested"] == "bf16"
     assert recorded["train"]["precision"] == "bf16"
-    assert recorded["train"]["zero_stage"] == 1  # one rank under bf16: DeepSpeed's fp32 path
+    assert recorded["train"]["zero_stage"] == 0  # one rank: fp32 weights under autocast
 
     # "auto" resumes in the checkpoint's precision, whatever the device would choose now.
     train(config(dataset, run_dir, precision="auto", zero_stage=None, max_steps=3))
@@ -141,6 +142,14 @@ def test_loop_records_the_choice_warns_once_and_resumes_in_the_saved_precision(
     assert (metadata["precision"], metadata["precision_requested"]) == ("bf16", "auto")
     with pytest.raises(ValueError, match="trained in bf16; resuming it in fp32"):
         train(config(dataset, run_dir, precision="fp32", zero_stage=None, max_steps=4))
+    # A bf16 stage-0 checkpoint of an earlier bertforge (bf16 weights, DeepSpeed's optimizer
+    # state) is refused in so many words, not with a state-dict error from inside DeepSpeed.
+    latest = checkpoint.latest_checkpoint(str(run_dir))
+    assert metadata["bf16_weights"] is False
+    earlier = {key: value for key, value in metadata.items() if key != "bf16_weights"}
+    (Path(latest) / checkpoint.METADATA_NAME).write_text(json.dumps(earlier))
+    with pytest.raises(ValueError, match="earlier bertforge, which kept bf16 weights"):
+        train(config(dataset, run_dir, precision="auto", zero_stage=None, max_steps=4))
 
     fresh = tmp_path / "fresh"
     train(config(dataset, fresh, precision="auto", zero_stage=None, max_steps=1, warmup_steps=0))
@@ -152,12 +161,12 @@ def test_loop_records_the_choice_warns_once_and_resumes_in_the_saved_precision(
 
 
 @pytest.mark.parametrize("capabilities, stage, engine_keys", [
-    (SAPPHIRE_RAPIDS, 1, {"bf16", "data_types"}), (ZEN_2, 0, set()),
+    (SAPPHIRE_RAPIDS, 0, {"torch_autocast"}), (ZEN_2, 0, set()),
 ])
 def test_the_zero_stage_and_deepspeed_config_follow_the_resolved_precision(
     monkeypatch, capabilities, stage, engine_keys
 ):
-    """On one rank: stage 1 under bf16 (DeepSpeed's fp32-accumulating path), 0 in fp32."""
+    """On one rank: stage 0 in both; under bf16 with fp32 weights under torch.autocast."""
     from bertforge.training.engine import deepspeed_config, resolve_zero_stage
 
     fake_cpu(monkeypatch, capabilities, onednn_bf16=capabilities is SAPPHIRE_RAPIDS)
@@ -165,7 +174,7 @@ def test_the_zero_stage_and_deepspeed_config_follow_the_resolved_precision(
     assert resolve_zero_stage(cfg, 1).zero_stage == stage
     ds = deepspeed_config(cfg, 1)
     assert ds["zero_optimization"]["stage"] == stage
-    assert engine_keys == {"bf16", "data_types"} & set(ds)
+    assert engine_keys == {"bf16", "data_types", "torch_autocast"} & set(ds)
 
 
 def test_the_override_answers_for_the_cpu_and_auto_then_trains_in_bf16(
@@ -180,7 +189,7 @@ def test_the_override_answers_for_the_cpu_and_auto_then_trains_in_bf16(
     train(config(dataset, run_dir, precision="auto", zero_stage=None, max_steps=2))
     recorded = json.loads((run_dir / "config.json").read_text())
     assert recorded["precision"]["resolved"] == "bf16"
-    assert recorded["train"]["precision"] == "bf16" and recorded["train"]["zero_stage"] == 1
+    assert recorded["train"]["precision"] == "bf16" and recorded["train"]["zero_stage"] == 0
 
     monkeypatch.setenv(precision_lib.CPU_BF16_OVERRIDE, "emulated")
     assert resolve_precision("auto", "cpu")[0] == "fp32"
