@@ -98,11 +98,12 @@ def test_the_clip_scales_every_gradient_by_the_global_norm():
 def test_the_fast_path_follows_the_eager_zero_2_path(tmp_path, precision, steps, tolerance):
     """The same data, seed and recipe (clipping at 1.0, which binds here) over 100 steps (30
     in fp32, where they agree to rounding from the first) through the default one-worker
-    engine (stage 0: ClippedAdamW; in bf16 fp32 weights under torch.autocast) and through ZeRO-2 (DeepSpeed's clip and optimizer; in bf16 its bf16 weights with fp32
-    master copies). fp32: the same arithmetic up to summation order. bf16: the two keep
-    different weights (fp32 vs bf16 copies) and LayerNorm runs in fp32 under autocast, so the
-    curves agree within bf16's tolerance (seen: 2.4e-4 at most over the 100 steps, on a Zen 4
-    with native bf16), step by step."""
+    engine (stage 0: ClippedAdamW; in bf16 fp32 weights under torch.autocast) and through
+    ZeRO-2 (DeepSpeed's clip and optimizer; in bf16 its bf16 weights with fp32 master
+    copies). fp32: the same arithmetic up to summation order. bf16: the two keep different
+    weights (fp32 vs bf16 copies) and LayerNorm runs in fp32 under autocast, so the curves
+    agree within bf16's tolerance (seen: 2.4e-4 at most over the 100 steps, on a Zen 4 with
+    native bf16), step by step."""
     from bertforge.training.loop import train
     from tests.training.conftest import write_dataset
     from tests.training.test_loop import TINY, config, losses
