@@ -8,8 +8,14 @@ namespace, and only the dataflow extra brings the clients. Every later line of t
 then reached the console of a `prepare` or `demo`. With a handler in place first there is no
 such stderr handler; the harness's own records still go to the runner through the Fn API's
 logging service (sdk_worker_main adds that handler), and from there to the run's log file.
-What is written before that handler exists (the GCP import warnings) is dropped. An uncaught
-exception's traceback is not logging: it still reaches stderr.
+What is written before that handler exists (the GCP import warnings) is dropped.
+
+The harness also prints a failed bundle's traceback to its stderr, which is the driver's
+console (Beam starts the worker with the runner's stderr), right before it logs the same
+traceback: ~60 lines ahead of `prepare`'s one-line error. Its stderr is therefore a logger here
+(`StderrToLog`), whose records take the logged copy's way, to the run's log file. An uncaught
+exception's traceback is written the same way; only what the interpreter writes to the file
+descriptor itself (a fatal error) still reaches the console.
 """
 
 from __future__ import annotations
@@ -24,8 +30,32 @@ QUIET_HARNESS_MODULE = "bertforge.pipelines.local.quiet_harness"
 WORKER_MODULES = (BEAM_HARNESS_MODULE, QUIET_HARNESS_MODULE)
 
 
+class StderrToLog:
+    """A text stream whose writes become log records, one per completed write ending a line."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        if self._pending.endswith("\n"):
+            self.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        message, self._pending = self._pending.rstrip("\n"), ""
+        if message:
+            self._logger.error(message)
+
+    def isatty(self) -> bool:
+        return False
+
+
 def main() -> None:
     logging.getLogger().addHandler(logging.NullHandler())
+    # Under Beam's name: the runner keeps the records of the harness's loggers in the log file.
+    sys.stderr = StderrToLog(logging.getLogger("apache_beam.runners.worker.stderr"))
     from apache_beam.runners.worker import sdk_worker_main
 
     sdk_worker_main.main(sys.argv)

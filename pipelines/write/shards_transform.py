@@ -176,7 +176,10 @@ class WriteShardFile(beam.DoFn):
         FileSystems.delete([p[1] for p in pieces])
         num_rows, num_tokens = sum(p[2] for p in pieces), sum(p[3] for p in pieces)
         count("tokens", num_tokens)
-        logger.info(
+        # An empty shard is in the manifest all the same; its line on the console would be
+        # noise, and with no document at all five such lines came before the one-line error
+        # (whose run then removes them).
+        (logger.info if num_rows else logger.debug)(
             "wrote %s: %d rows, %d tokens, %d pieces", rel_path, num_rows, num_tokens, len(pieces)
         )
         yield {

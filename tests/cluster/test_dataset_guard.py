@@ -83,13 +83,22 @@ def test_no_dataset_is_replaced_under_a_reader_or_by_a_second_writer(inputs, tmp
     assert hashlib.sha256(manifest_bytes(output)).hexdigest() == digest
 
 
-def test_a_corpus_with_no_usable_document_leaves_no_directory(inputs, tmp_path, capsys):
+@pytest.mark.parametrize("mode", [(), ("--direct_num_workers=2",
+                                     "--direct_running_mode=multi_processing")])
+def test_a_corpus_with_no_usable_document_is_one_line_and_leaves_no_directory(
+        inputs, tmp_path, capfd, mode):
+    """In one process and with worker processes (the demo's mode), whose harness printed the
+    failed bundle's ~60-line traceback straight to the console: the start line, the error, and
+    where the engines' output went. capfd: the workers write to the file descriptors."""
     output = tmp_path / "new" / "shards"
-    assert prepare(inputs, output, corpus="empty.jsonl") == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err  # Beam's logged copy of the error stays in the log
-    assert any(line.startswith("bertforge prepare: error: no usable document remains")
-               for line in err.splitlines())
+    assert prepare(inputs, output, *mode, corpus="empty.jsonl") == 2
+    captured = capfd.readouterr()
+    console = (captured.out + captured.err).splitlines()
+    assert not any("Traceback" in line or "wrote" in line for line in console), console
+    assert [line for line in console if "error" in line] == [
+        line for line in console
+        if line.startswith("bertforge prepare: error: no usable document remains")]
+    assert len(console) <= 5, console
     assert not output.exists()
 
 
