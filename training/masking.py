@@ -9,7 +9,8 @@ The rules are those of Google's `create_pretraining_data.py` (DESIGN.md, "Field 
 - each predicted position (each predicted *word* with whole-word masking) becomes `[MASK]` with
   p 0.8, a random non-special token with p 0.1, and stays unchanged with p 0.1.
 
-Departures from Google's code, all deliberate (the same list is in the README, "Masking"):
+Departures from Google's code, all deliberate (the same list is in DESIGN.md, "The loader
+(Python API), masking and packing"):
 
 1. Whole-word masking draws 80/10/10 once per word, not per piece. Google draws per piece, so
    a word can come out half `[MASK]`, half visible, and its visible pieces give the masked ones
