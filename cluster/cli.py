@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -34,7 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
     for command in QUIET_COMMANDS:  # one --verbose, declared once (ConsoleConfig)
         add_flags(commands.choices[command].add_argument_group("console (ConsoleConfig)"),
                   ConsoleConfig)
+    for command_parser in commands.choices.values():  # its own usage for its own mistakes
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
+
+
+def refuse_unknown_flags(command_parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Exit 2 with the command's own usage (not `bertforge`'s) and, for a mistyped flag, the
+    nearest one it takes: `train --max-setps 10` -> `did you mean --max-steps?`."""
+    known = set(re.findall(r"--[\w-]+", command_parser.format_help()))
+    hints = []
+    for flag in (word.split("=", 1)[0] for word in extra if word.startswith("--")):
+        nearest = difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.8)
+        if nearest:
+            hints.append(f"{flag}: did you mean {nearest[0]}?")
+    command_parser.error(f"unrecognized arguments: {' '.join(extra)}"
+                         + "".join(f"\n  {hint}" for hint in hints))
 
 
 # Commands whose console shows the project's own lines only; the engines' output goes to the
@@ -412,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "prepare":  # prepare passes the rest to Beam, which checks it
+        refuse_unknown_flags(args.command_parser, extra)  # before any log file or engine
     _configure_logging(args.command)
     if args.command in QUIET_COMMANDS:
         from bertforge.cluster.worker_output import quiet_driver
@@ -425,8 +444,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.command == "prepare":
                 status = args.handler(args, extra)
             else:
-                if extra:
-                    parser.error(f"unrecognized arguments: {' '.join(extra)}")
                 status = args.handler(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"bertforge {args.command}: error: {error}", file=sys.stderr)

@@ -85,7 +85,10 @@ def code_digest() -> str:
 
 
 def describe_counters(counters: Counter) -> str:
-    """The job's counters in a progress line (summed over the bundles done so far)."""
+    """The job's counters in a progress line (summed over the bundles done so far); nothing
+    until a first document is read (not "0 documents (0 MB) read")."""
+    if not counters["input_documents"]:
+        return ""
     return (f"{counters['input_documents']:,} documents ({counters['input_bytes'] / 1e6:,.0f} MB)"
             f" read, {counters['documents']:,} kept, {counters['instances']:,} instances")
 

@@ -70,6 +70,11 @@ def train_wordpiece_vocab(
         f.writelines(token + "\n" for token in tokens)
     os.replace(path + ".tmp", path)  # renamed in once whole: a half-written vocab.txt never exists
     logger.info("vocab: %d tokens from %d files -> %s", len(tokens), len(paths), path)
+    if len(tokens) < vocab_size:  # the trainer stops when no pair is left to merge
+        logger.warning(
+            "vocab: %d tokens, fewer than the %d asked for: the corpus has no more pieces "
+            "worth a token (a larger corpus gives more; the model's vocabulary is %d)",
+            len(tokens), vocab_size, len(tokens))
     return path
 
 

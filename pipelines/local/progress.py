@@ -107,8 +107,9 @@ class Progress:
     def _stage_share(self, now: float) -> str:
         total, done = self._stage_bytes, self._stage_done_bytes
         elapsed = now - self._stage_start
-        share = f"{100 * done // max(total, 1)}% of {total / 1e6:.1f} MB in " \
-            f"{format_seconds(elapsed)}"
+        if total == 0:  # its input not sized yet: "0% of 0.0 MB" would say nothing true
+            return f"{format_seconds(elapsed)} in this stage"
+        share = f"{100 * done // total}% of {total / 1e6:.1f} MB in {format_seconds(elapsed)}"
         worked = done - self._resumed_bytes  # bytes done in this run: the rate to go by
         if worked > 0 and elapsed > 0 and done < total:
             rate = worked / elapsed

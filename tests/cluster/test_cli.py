@@ -41,6 +41,18 @@ def test_unknown_flag_is_one_clear_error(capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
+def test_a_mistyped_flag_shows_the_command_s_usage_and_the_nearest_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--data", "d", "--run-dir", "r", "--max-setps", "10"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: bertforge train ")  # not the top level's `bertforge COMMAND`
+    assert "--max-setps: did you mean --max-steps?" in err
+    with pytest.raises(SystemExit):
+        main(["inspect", "somewhere", "--bogus"])
+    assert "did you mean" not in capsys.readouterr().err  # nothing near: no guess
+
+
 def test_missing_dataset_is_a_clear_error_not_a_traceback(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err

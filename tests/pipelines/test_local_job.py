@@ -45,3 +45,22 @@ def test_a_failure_the_job_reports_takes_the_work_away(tmp_path):
     after_failure(runner, ValueError("no usable document remains"), str(tmp_path / "out"))
     assert not (tmp_path / "out" / ".prepare-work").exists()
     assert not list((tmp_path / "out").rglob("*.tmp"))
+
+
+def test_progress_lines_say_nothing_of_zero_megabytes_or_documents():
+    """A stage whose input is not sized yet, before any document is read: how long it has run,
+    not '0% of 0.0 MB in 9 s; 0 documents (0 MB) read' (issue 35)."""
+    from collections import Counter
+
+    from bertforge.pipelines.local.progress import Progress
+    from bertforge.pipelines.local_job import describe_counters
+
+    progress = Progress(False, describe=describe_counters, prefix="prepare: ")
+    progress.stage_started("ReadInputs", 0, 36)
+    assert progress.line().startswith("prepare: ReadInputs (stage 1 of 36), 0 s in this stage; ")
+    assert "MB" not in progress.line() and "documents" not in progress.line()
+    progress.stage_started("TokenizeParts", 2_000_000, 36)
+    progress.counters.update(Counter(input_documents=3, input_bytes=1_500_000, documents=3,
+                                     instances=10))
+    assert "0% of 2.0 MB in 0 s; 3 documents (2 MB) read, 3 kept, 10 instances; " \
+        in progress.line()

@@ -28,9 +28,14 @@ from tests.training.conftest import google_layout_vocab
 # The recorded job's settings, as flags.
 JOB_FLAGS = ["--max-seq-length", "48", "--dupe-factor", "2", "--num-shards", "2", "--seed", "99",
              "--validation-fraction", "0.2"]
+# A stage whose input is not sized yet says how long it has run; the counters come once a
+# document is read (never "0% of 0.0 MB", never "0 documents (0 MB) read").
 PROGRESS_LINE = re.compile(
-    r"prepare: [^(;]+ \(stage \d+ of \d+\), \d+% of [\d.]+ MB in [^;]+; [\d,]+ documents "
-    r"\([\d,]+ MB\) read, [\d,]+ kept, [\d,]+ instances; \d+ (s|min \d+ s) in$")
+    r"prepare: [^(;]+ \(stage \d+ of \d+\), "
+    r"([1-9]\d*% of [\d.]+ MB in [^;]+|0% of \d*[1-9][\d.]* MB in [^;]+|"
+    r"\d+ (s|min \d+ s) in this stage)"
+    r"(; [1-9][\d,]* documents \([\d,]+ MB\) read, [\d,]+ kept, [\d,]+ instances)?"
+    r"; \d+ (s|min \d+ s) in$")
 TINY_BUNDLES = ["--local_bundle_mb", "0.002"]  # 2 KB: ~100 bundles in the tokenizing stage
 
 

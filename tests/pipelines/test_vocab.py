@@ -91,6 +91,19 @@ def test_trains_on_sentence_per_line_text(tmp_path):
         assert "cat" in f.read().splitlines()
 
 
+def test_a_vocabulary_smaller_than_asked_says_so(tmp_path, caplog):
+    (tmp_path / "small.txt").write_text("The cat sat on the mat.\nThe dog sat too.\n" * 20)
+    with caplog.at_level("WARNING", logger="bertforge"):
+        path = train_wordpiece_vocab([str(tmp_path / "small.txt")], str(tmp_path / "v"),
+                                     vocab_size=30522, min_frequency=1)
+    with open(path, encoding="utf-8") as f:
+        size = len(f.read().splitlines())
+    assert size < 30522
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"vocab: {size} tokens, fewer than the 30522 asked for: the corpus has no more pieces "
+        f"worth a token (a larger corpus gives more; the model's vocabulary is {size})"]
+
+
 def test_missing_input_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="matches no file"):
         train_wordpiece_vocab([str(tmp_path / "nothing-*.jsonl")], str(tmp_path / "v"))
