@@ -121,7 +121,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         _write_run_config(cfg, model_config, world_size, precision)
     validation = _Validation.create(cfg, rank, world_size, masking)
 
-    logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps)
+    logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps,
+                           resumed_step=None if resume_from is None else step)
     metadata = {
         "run_id": run_id,
         "vocab_sha256": facts.vocab_sha256,

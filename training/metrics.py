@@ -15,7 +15,10 @@ class MetricsLogger:
     """Rank 0 writes; other ranks get a logger that only keeps the records in memory."""
 
     def __init__(self, run_dir: str, *, enabled: bool, max_steps: int,
-                 prefix: str = "train") -> None:
+                 prefix: str = "train", resumed_step: int | None = None) -> None:
+        """`resumed_step`: the run continues from a checkpoint at that step; what an earlier
+        process logged after it (the steps it trained but never saved) is dropped first, from
+        metrics.jsonl and TensorBoard alike, so every step is in them once."""
         self.enabled = enabled
         self.prefix = prefix  # the progress line's tag: [train], [finetune]
         self.max_steps = max_steps
@@ -25,8 +28,12 @@ class MetricsLogger:
         self._file = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
+            if resumed_step is not None:
+                _drop_after(os.path.join(run_dir, METRICS_NAME), resumed_step)
             self._file = open(os.path.join(run_dir, METRICS_NAME), "a", encoding="utf-8")
-            self._writer = _tensorboard_writer(os.path.join(run_dir, "tensorboard"))
+            self._writer = _tensorboard_writer(
+                os.path.join(run_dir, "tensorboard"),
+                purge_step=None if resumed_step is None else resumed_step + 1)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
@@ -75,9 +82,25 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _tensorboard_writer(log_dir: str):
+def _drop_after(path: str, step: int) -> None:
+    """Keep the records of steps up to `step`; rewritten aside and renamed into place."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) == len(lines):
+        return
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def _tensorboard_writer(log_dir: str, purge_step: int | None = None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is a dependency, but a metrics file alone still works
         return None
-    return SummaryWriter(log_dir=log_dir)
+    # purge_step: TensorBoard hides the events of that step and later that an earlier writer
+    # of this directory wrote.
+    return SummaryWriter(log_dir=log_dir, purge_step=purge_step)

@@ -58,6 +58,19 @@ def test_resumed_run_reproduces_uninterrupted_losses_and_weights_bitwise(dataset
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_after_a_crash_and_a_resume_every_step_is_in_the_metrics_once(dataset, tmp_path):
+    """The steps a crashed run logged after its last checkpoint are trained again on resume;
+    metrics.jsonl (and the curves drawn from it) then holds each step once: the resumed
+    run's numbers."""
+    run_dir = tmp_path / "run"
+    train(config(dataset, run_dir, checkpoint_every=3))
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000006")  # the crash: 4-6 logged, not saved
+    logged_before = [r["step"] for r in read_metrics(str(run_dir))]
+    assert logged_before == [1, 2, 3, 4, 5, 6]
+    train(config(dataset, run_dir, checkpoint_every=3))
+    assert [r["step"] for r in read_metrics(str(run_dir))] == [1, 2, 3, 4, 5, 6]
+
+
 def test_rerun_of_a_finished_run_trains_no_further(dataset, tmp_path):
     first = train(config(dataset, tmp_path / "run"))
     again = train(config(dataset, tmp_path / "run"))
