@@ -76,6 +76,8 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
                                  "run_dir": absolute(cfg.run_dir),
                                  "init_from": absolute(cfg.init_from)})
     launch = dataclasses.replace(launch, storage=absolute(launch.storage))
+    # GPUs this machine lacks: refused before the run directory or its log is made.
+    check_local_resources(launch)
     check_train_inputs(cfg)
     run_dir = cfg.run_dir
     # One run per run directory (and per run in storage), taken before Ray starts.

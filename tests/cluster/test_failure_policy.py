@@ -41,6 +41,19 @@ def test_gpu_workers_a_local_machine_lacks_are_refused_before_ray_starts(monkeyp
         connect(LaunchConfig(workers=8, gpu=True))
 
 
+def test_a_refused_gpu_run_leaves_nothing(monkeypatch, tmp_path):
+    """The fault table's promise: `train --gpu` on a machine without the GPUs makes no run
+    directory (no logs/train.log either), and the dataset is not even opened."""
+    from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
+    from bertforge.training.config import TrainConfig
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    cfg = TrainConfig(data_dir=str(tmp_path / "no-data"), run_dir=str(tmp_path / "run"))
+    with pytest.raises(UserInputError, match=r"--gpu asks for one GPU per worker \(2\)"):
+        train_on_ray(cfg, LaunchConfig(workers=2, gpu=True))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_worker_group_that_cannot_be_scheduled_is_one_line_after_bounded_tries(monkeypatch):
     from ray.train import FailureConfig, RunConfig
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
