@@ -7,9 +7,11 @@
 #
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine: OUT set, .whl carried
 #   STAGES="throughput" bash benchmarks/gpu_check.sh          # one stage again
+#   STAGES="variants throughput" bash benchmarks/gpu_check.sh # + the experiments' A/B
 #   SMOKE=1 OUT=/tmp/gc bash benchmarks/gpu_check.sh          # CPU smoke run (tiny, 2 steps)
 #
-# Variables: OUT (where results go), STAGES (default "throughput profile proof"), COMMIT
+# Variables: OUT (where results go), STAGES (default "throughput profile proof"; "variants"
+# adds gpu_throughput.py's experiments at 128 tokens, e.g. --bf16-residual), COMMIT
 # (recorded in every result: the tree has no .git there), DATA (shards for the proof run,
 # default .gpu-data/shards-128), PYTHON (default python3), SMOKE=1 (CPU, tiny model, a few
 # minutes, most of them compiling the peer).
@@ -32,7 +34,9 @@ if [ "${SMOKE:-0}" = 1 ]; then
            --timed 1 --profiled 1)
   PROOF=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3 --precision fp32 --min-drop 0
          --log-every 5)
-  LIMIT=(600 600 600)
+  VARIANTS=(--device cpu --config tiny --seq-lens 64 --micro-batch 4 --steps 2 --warmup 1
+            --num-batches 2 --peak-tflops 1)
+  LIMIT=(600 600 600 600)
 else
   # Where nothing is installed (the lent machine): DeepSpeed and its missing dependencies as
   # wheels in .whl, and this checkout, into /tmp/site (benchmarks/README.md says how).
@@ -45,7 +49,8 @@ else
   THROUGHPUT=(--seq-lens 128,512 --steps 30 --warmup 10)
   PROFILE=(--cases before128x256,ours128x256,hfc128x256 --warmup 10 --timed 10 --profiled 3)
   PROOF=(--steps 120)
-  LIMIT=(320 100 150)  # seconds per stage: 9.5 minutes in all at most
+  VARIANTS=(--seq-lens 128 --steps 30 --warmup 10)
+  LIMIT=(320 100 150 120)  # seconds per stage: 9.5 minutes for the default three at most
 fi
 
 status=0
@@ -61,6 +66,9 @@ stage() {  # name, time limit, command...
   [ "$rc" = 0 ] || status=1
 }
 
+# Experiments first, each against the defaults of the throughput stage in the same call.
+stage variants "${LIMIT[3]}" "$PYTHON" benchmarks/gpu_throughput.py "${VARIANTS[@]}" \
+  --bf16-residual --no-peer --tag bf16-residual --commit "$COMMIT" --output-dir "$OUT"
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
   --commit "$COMMIT" --output-dir "$OUT"
 stage profile "${LIMIT[1]}" "$PYTHON" benchmarks/gpu_profile.py "${PROFILE[@]}" \
