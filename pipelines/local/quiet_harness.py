@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 # Beam's harness module, and this one (which runs it): a worker process runs one of them, which
 # is how its command line is told from others (cluster.dataset_guard stops them on SIGTERM).
@@ -36,17 +37,28 @@ class StderrToLog:
     def __init__(self, logger: logging.Logger) -> None:
         self._logger = logger
         self._pending = ""
+        self._lock = threading.RLock()  # the harness's threads share it
+        self._logging = False
 
     def write(self, text: str) -> int:
-        self._pending += text
-        if self._pending.endswith("\n"):
-            self.flush()
+        with self._lock:
+            if self._logging:  # a log handler reporting its own failure: not back into it
+                return sys.__stderr__.write(text)
+            self._pending += text
+            if self._pending.endswith("\n"):
+                self.flush()
         return len(text)
 
     def flush(self) -> None:
-        message, self._pending = self._pending.rstrip("\n"), ""
-        if message:
-            self._logger.error(message)
+        with self._lock:
+            message, self._pending = self._pending.rstrip("\n"), ""
+            if not message or self._logging:
+                return
+            self._logging = True
+            try:
+                self._logger.error(message)
+            finally:
+                self._logging = False
 
     def isatty(self) -> bool:
         return False
