@@ -27,7 +27,7 @@ from bertforge.pipelines.local.options import (
     bundle_bytes,
     progress_seconds,
 )
-from bertforge.pipelines.local.progress import Progress
+from bertforge.pipelines.local.progress import Progress, format_size
 from bertforge.pipelines.local.runner import LocalRunner
 from bertforge.pipelines.local.work_dir import WORK_DIR_NAME, WorkConflict
 from bertforge.pipelines.prepare_options import PrepareConfig
@@ -89,8 +89,9 @@ def describe_counters(counters: Counter) -> str:
     until a first document is read (not "0 documents (0 MB) read")."""
     if not counters["input_documents"]:
         return ""
-    return (f"{counters['input_documents']:,} documents ({counters['input_bytes'] / 1e6:,.0f} MB)"
-            f" read, {counters['documents']:,} kept, {counters['instances']:,} instances")
+    read = format_size(counters["input_bytes"], 0.5e6, ",.0f")
+    return (f"{counters['input_documents']:,} documents ({read}) read, "
+            f"{counters['documents']:,} kept, {counters['instances']:,} instances")
 
 
 def after_success(runner, output: str) -> None:

@@ -22,6 +22,16 @@ logger = logging.getLogger(__name__)
 PROGRESS_SECONDS = 10.0
 
 
+def format_size(num_bytes: float, megabytes_from: float, spec: str) -> str:
+    """MB in `spec` from `megabytes_from` bytes up, kB or bytes below: a small input is never
+    '0 MB'."""
+    if num_bytes >= megabytes_from:
+        return f"{num_bytes / 1e6:{spec}} MB"
+    if num_bytes >= 1e3:
+        return f"{num_bytes / 1e3:,.0f} kB"
+    return f"{num_bytes:,.0f} bytes"
+
+
 def format_seconds(seconds: float) -> str:
     seconds = int(seconds)
     if seconds < 60:
@@ -109,7 +119,8 @@ class Progress:
         elapsed = now - self._stage_start
         if total == 0:  # its input not sized yet: "0% of 0.0 MB" would say nothing true
             return f"{format_seconds(elapsed)} in this stage"
-        share = f"{100 * done // total}% of {total / 1e6:.1f} MB in {format_seconds(elapsed)}"
+        share = f"{100 * done // total}% of {format_size(total, 0.05e6, '.1f')} in " \
+            f"{format_seconds(elapsed)}"
         worked = done - self._resumed_bytes  # bytes done in this run: the rate to go by
         if worked > 0 and elapsed > 0 and done < total:
             rate = worked / elapsed

@@ -64,3 +64,7 @@ def test_progress_lines_say_nothing_of_zero_megabytes_or_documents():
                                      instances=10))
     assert "0% of 2.0 MB in 0 s; 3 documents (2 MB) read, 3 kept, 10 instances; " \
         in progress.line()
+    # Small ones in kB: never "0.0 MB" nor "(0 MB) read".
+    progress.stage_started("StatsDict", 30_000, 36)
+    progress.counters.update(Counter(input_bytes=-1_490_000))  # 10 kB read in all
+    assert "0% of 30 kB in 0 s; 3 documents (10 kB) read, " in progress.line()

@@ -32,9 +32,9 @@ JOB_FLAGS = ["--max-seq-length", "48", "--dupe-factor", "2", "--num-shards", "2"
 # document is read (never "0% of 0.0 MB", never "0 documents (0 MB) read").
 PROGRESS_LINE = re.compile(
     r"prepare: [^(;]+ \(stage \d+ of \d+\), "
-    r"([1-9]\d*% of [\d.]+ MB in [^;]+|0% of \d*[1-9][\d.]* MB in [^;]+|"
-    r"\d+ (s|min \d+ s) in this stage)"
-    r"(; [1-9][\d,]* documents \([\d,]+ MB\) read, [\d,]+ kept, [\d,]+ instances)?"
+    r"(\d+% of ([\d.]*[1-9][\d.]* MB|[\d,]+ (kB|bytes)) in [^;]+|\d+ (s|min \d+ s) in this stage)"
+    r"(; [1-9][\d,]* documents \(([\d,]*[1-9][\d,]* MB|[\d,]+ (kB|bytes))\) read, [\d,]+ kept, "
+    r"[\d,]+ instances)?"
     r"; \d+ (s|min \d+ s) in$")
 TINY_BUNDLES = ["--local_bundle_mb", "0.002"]  # 2 KB: ~100 bundles in the tokenizing stage
 
