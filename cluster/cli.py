@@ -147,6 +147,9 @@ def _add_eval(commands) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-batches", type=int, default=None,
                    help="score only the first N batches (default: the whole split)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the masks' seed (default: the checkpoint's training seed, as its "
+                   "run's validation and the demo's eval)")
     p.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
                    help="hash the shards against the manifest's sha256 (rows are validated "
                    "either way)")
@@ -328,7 +331,7 @@ def _run_eval(args: argparse.Namespace) -> None:
     with reading_dataset(args.data, "eval"):  # prepare will not replace it meanwhile
         result = evaluate_checkpoint(
             checkpoint, args.data, split=args.split, batch_size=args.batch_size,
-            verify_checksums=args.verify_checksums, max_batches=args.max_batches,
+            seed=args.seed, verify_checksums=args.verify_checksums, max_batches=args.max_batches,
         )
     print(json.dumps(result.to_dict(), indent=2))
 

@@ -104,12 +104,16 @@ def evaluate(model, batches, *, baseline_token_id: int, device: str = "cpu",
 
 def evaluate_checkpoint(
     checkpoint_path: str, data_dir: str, *, split: str = "validation", batch_size: int = 64,
-    seed: int = 0, mask_prob: float = 0.15, max_predictions: int | None = None,
+    seed: int | None = None, mask_prob: float = 0.15, max_predictions: int | None = None,
     verify_checksums: bool = True, max_batches: int | None = None,
     progress_seconds: float = 10.0,
 ) -> EvalResult:
     """Score a checkpoint on a split with fixed masks (seed, epoch 0), in this process; a
-    progress line every `progress_seconds` (`EvalProgress`)."""
+    progress line every `progress_seconds` (`EvalProgress`).
+
+    `seed` None: the checkpoint's training seed, whose masks its run's own validation and the
+    demo's eval drew (so `bertforge eval` of a run gives their numbers); a checkpoint saved
+    before seeds were recorded takes TrainConfig's default seed."""
     from bertforge.training.checkpoint import load_model
     from bertforge.training.data import (
         MaskingOptions,
@@ -122,6 +126,8 @@ def evaluate_checkpoint(
     model, metadata = load_model(checkpoint_path)
     if DatasetFacts.read(data_dir).vocab_sha256 != metadata["vocab_sha256"]:
         raise ValueError(f"{data_dir} uses another vocabulary than checkpoint {checkpoint_path}")
+    if seed is None:
+        seed = metadata.get("seed", _default_training_seed())
     # max_predictions None: the loader takes the data's default (20 at 128 tokens, 80 at 512).
     loader = PretrainingLoader(
         data_dir, split, batch_size=batch_size, seed=seed, drop_last=False,
@@ -138,6 +144,14 @@ def evaluate_checkpoint(
                       max_batches=max_batches, progress=progress)
     loader.wait_for_checksums()  # no numbers from shards whose bytes are not the manifest's
     return result
+
+
+def _default_training_seed() -> int:
+    from dataclasses import fields
+
+    from bertforge.training.config import TrainConfig
+
+    return next(f.default for f in fields(TrainConfig) if f.name == "seed")
 
 
 def most_frequent_token(frequencies, data_dir: str) -> int:

@@ -137,6 +137,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         # bf16 at stage 0 keeps fp32 weights under torch.autocast (training.engine); before,
         # DeepSpeed kept bf16 weights there, with another optimizer state layout.
         "bf16_weights": cfg.precision == "bf16" and cfg.zero_stage != 0,
+        "seed": cfg.seed,  # `bertforge eval` masks the validation split as this run did
     }
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
     batches = _endless(loader)

@@ -184,3 +184,14 @@ def test_validation_of_a_split_smaller_than_the_micro_batch(dataset, tmp_path):
     evaluations = [r for r in read_metrics(str(run_dir)) if "eval_mlm_accuracy" in r]
     assert [r["step"] for r in evaluations] == [1, 2]
     assert all(0 <= r["eval_mlm_accuracy"] <= 1 for r in evaluations)
+
+
+def test_eval_masks_the_split_as_the_run_did_by_default(dataset, tmp_path):
+    """`bertforge eval` of a run and the run's own numbers (its validation, the demo's eval)
+    draw the same masks: the checkpoint's training seed, recorded in bertforge.json."""
+    run = train(config(dataset, tmp_path / "run", max_steps=2, seed=7))
+    assert checkpoint.read_metadata(run.checkpoint_path)["seed"] == 7
+    default = evaluate_checkpoint(run.checkpoint_path, dataset, batch_size=16)
+    assert default == evaluate_checkpoint(run.checkpoint_path, dataset, batch_size=16, seed=7)
+    other = evaluate_checkpoint(run.checkpoint_path, dataset, batch_size=16, seed=0)
+    assert other.mlm_loss != default.mlm_loss
