@@ -8,7 +8,7 @@ that the data decides it (Google's max_predictions_per_seq: 20 at 128 tokens, 80
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bertforge.pipelines.contract.manifest import Manifest, read_manifest
 from bertforge.training.errors import as_user_error
@@ -21,6 +21,8 @@ class DatasetFacts:
     vocab_size: int
     vocab_sha256: str  # of the dataset's vocab.txt: a model must have been trained on the same
     lower_case: bool
+    # Instances per split ({"train": n, "validation": m}): the validation's batch size (loop).
+    split_sizes: dict[str, int] = field(default_factory=dict, compare=False)
 
     @classmethod
     def read(cls, data_dir: str) -> DatasetFacts:
@@ -45,6 +47,7 @@ class DatasetFacts:
             vocab_size=tokenizer.vocab_size,
             vocab_sha256=tokenizer.vocab_sha256,
             lower_case=tokenizer.lower_case,
+            split_sizes={name: split.num_instances for name, split in manifest.splits.items()},
         )
 
     def default_max_predictions(self, mask_prob: float = 0.15) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bertforge.pipelines.contract.manifest import VOCAB_NAME, read_manifest
+from bertforge.pipelines.contract.manifest import VOCAB_NAME
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
 from bertforge.training.data import (
@@ -119,7 +119,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     step = _maybe_resume(engine, loader, cfg, resume_from, facts.vocab_sha256, universal)
     if rank == 0:
         _write_run_config(cfg, model_config, world_size, precision)
-    validation = _Validation.create(cfg, rank, world_size, masking)
+    validation = _Validation.create(cfg, rank, world_size, masking, facts)
 
     logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps,
                            resumed_step=None if resume_from is None else step)
@@ -417,7 +417,8 @@ class _Validation:
         self.start_state = loader.state_dict()
 
     @classmethod
-    def create(cls, cfg: TrainConfig, rank: int, world_size: int, masking: MaskingOptions):
+    def create(cls, cfg: TrainConfig, rank: int, world_size: int, masking: MaskingOptions,
+               facts: DatasetFacts):
         if not cfg.eval_every:
             return None
         from bertforge.training.data import token_frequencies
@@ -427,10 +428,10 @@ class _Validation:
         # The micro-batch a device allows may exceed a small split (512 on an H200 against the
         # 269 rows of a proof run's split, seen through Ray Train there): evaluate in batches
         # the split fills on every rank.
-        split = read_manifest(cfg.data_dir).splits.get("validation")
+        rows = facts.split_sizes.get("validation", 0)
         batch_size = cfg.micro_batch_size
-        if split is not None and split.num_instances >= world_size:
-            batch_size = min(batch_size, split.num_instances // world_size)
+        if rows >= world_size:
+            batch_size = min(batch_size, rows // world_size)
         loader = PretrainingLoader(
             cfg.data_dir, "validation", batch_size=batch_size, seed=cfg.seed,
             rank=rank, world_size=world_size, masking=masking, prefetch=0,
