@@ -261,19 +261,11 @@ def free_device() -> None:
 
 
 def output_paths(args: argparse.Namespace, device: str, date: str) -> tuple[str, str]:
-    """(markdown, JSON); the default name never overwrites (gpu_throughput.output_paths' rule)."""
+    """(markdown, JSON): `--out`, or gpu_throughput.output_paths' rule (never overwriting)."""
     if args.out:
         return args.out, os.path.splitext(args.out)[0] + ".json"
-    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    stem = "_".join(p for p in ("gpu_profile", slug, date, args.tag) if p)
-    os.makedirs(args.output_dir, exist_ok=True)
-    candidate, n = stem, 1
-    while any(os.path.exists(os.path.join(args.output_dir, candidate + ext))
-              for ext in (".md", ".json")):
-        n += 1
-        candidate = f"{stem}_{n}"
-    base = os.path.join(args.output_dir, candidate)
-    return base + ".md", base + ".json"
+    json_path, md_path = gt.output_paths(args.output_dir, device, date, args.tag, "gpu_profile")
+    return md_path, json_path
 
 
 def _ms(x: float) -> str:

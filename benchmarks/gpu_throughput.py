@@ -459,13 +459,15 @@ def environment(args: argparse.Namespace, name: str, world_size: int) -> dict[st
     }
 
 
-def output_paths(output_dir: str, name: str, date: str, tag: str) -> tuple[str, str]:
-    """gpu_throughput_<device>_<date>[_<tag>].{json,md}; never overwrites (suffix _2, _3 ...)."""
+def output_paths(output_dir: str, name: str, date: str, tag: str,
+                 script: str = "gpu_throughput") -> tuple[str, str]:
+    """<script>_<device>_<date>[_<tag>].{json,md}; never overwrites (suffix _2, _3 ...)."""
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    stem = "_".join(p for p in ("gpu_throughput", slug, date, tag) if p)
+    stem = "_".join(p for p in (script, slug, date, tag) if p)
     os.makedirs(output_dir, exist_ok=True)
     candidate, n = stem, 1
-    while os.path.exists(os.path.join(output_dir, candidate + ".json")):
+    while any(os.path.exists(os.path.join(output_dir, candidate + ext))
+              for ext in (".json", ".md")):
         n += 1
         candidate = f"{stem}_{n}"
     base = os.path.join(output_dir, candidate)
