@@ -27,7 +27,7 @@ def write_rejects_file(rejects: list, output: str) -> dict[str, dict[str, int]]:
     lines = "".join(Reject(*r).to_json() + "\n" for r in rejects)
     write_bytes(FileSystems.join(output, manifest.REJECTS_NAME), lines.encode("utf-8"))
     counts = Counter(r[0] for r in rejects)
-    logger.info("wrote %s: %d entries %s", manifest.REJECTS_NAME, len(rejects), dict(counts))
+    # Said by WriteManifest once the dataset lands: a job with no document removes this file.
     return {
         "rejected": {r: n for r, n in sorted(counts.items()) if r not in REPAIRED_REASONS},
         "repaired": {r: n for r, n in sorted(counts.items()) if r in REPAIRED_REASONS},
@@ -55,6 +55,9 @@ class WriteManifest(beam.DoFn):
                 f"{list(self._config.inputs)}, rejected: {reject_counts['rejected'] or 'none'}"
             )
         output = self._config.output
+        num_rejects = {**reject_counts["rejected"], **reject_counts["repaired"]}
+        logger.info("wrote %s: %d entries %s", manifest.REJECTS_NAME, sum(num_rejects.values()),
+                    num_rejects)
         write_bytes(FileSystems.join(output, manifest.VOCAB_NAME), self._vocab_bytes)
         result = build_manifest(
             self._config,
