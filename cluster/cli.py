@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(commands)
     _add_finetune(commands)
     _add_glue(commands)
-    from bertforge.cluster.worker_output import ConsoleConfig
+    from bertforge.cluster.launch.worker_output import ConsoleConfig
     from bertforge.pipelines.contract.config_fields import add_flags
 
     for command in QUIET_COMMANDS:  # one --verbose, declared once (ConsoleConfig)
@@ -55,7 +55,7 @@ def refuse_unknown_flags(command_parser: argparse.ArgumentParser, extra: list[st
 
 
 # Commands whose console shows the project's own lines only; the engines' output goes to the
-# command's log file, and to the console too with --verbose (cluster.worker_output).
+# command's log file, and to the console too with --verbose (cluster.launch.worker_output).
 QUIET_COMMANDS = ("demo", "train", "finetune", "glue", "eval", "export", "prepare")
 
 
@@ -70,12 +70,16 @@ def _add_vocab(commands) -> None:
 
 
 def _add_prepare(commands) -> None:
+    from bertforge.cluster.safety.dataset_guard import OVERWRITE_FLAG
+
     p = commands.add_parser(
         "prepare", help="the Beam job: corpus -> Arrow shards + manifest",
         description="All flags go to the Beam job (pipelines/prepare.py), Beam's own included, "
         "e.g. --runner DataflowRunner --project P --region R. See `bertforge prepare --help`.",
-        add_help=False,
+        add_help=False, allow_abbrev=False,
     )
+    # The command's own flag (the dataset guard's); every other flag is the job's or Beam's.
+    p.add_argument(OVERWRITE_FLAG, action="store_true")
     p.set_defaults(handler=_run_prepare)
 
 
@@ -90,7 +94,7 @@ def _add_inspect(commands) -> None:
 
 
 def _add_train(commands) -> None:
-    from bertforge.cluster.launch_config import LaunchConfig
+    from bertforge.cluster.launch.launch_config import LaunchConfig
     from bertforge.pipelines.contract.config_fields import add_flag, add_flags
     from bertforge.training.config import TrainConfig
     from bertforge.training.recipes import RECIPES
@@ -116,7 +120,7 @@ def _add_train(commands) -> None:
 
 
 def _add_submit(commands) -> None:
-    from bertforge.cluster.submit import DEFAULT_ADDRESS
+    from bertforge.cluster.launch.submit import DEFAULT_ADDRESS
 
     p = commands.add_parser(
         "submit", help="run a command as a job on a Ray cluster (Ray Jobs API)",
@@ -184,7 +188,7 @@ def _add_demo(commands) -> None:
 
 
 def _add_finetune(commands) -> None:
-    from bertforge.cluster.launch_config import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.cluster.launch.launch_config import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.contract.config_fields import add_flags
     from bertforge.training.finetune.config import FinetuneConfig
 
@@ -201,8 +205,8 @@ def _add_finetune(commands) -> None:
 
 
 def _add_glue(commands) -> None:
-    from bertforge.cluster.glue import GlueConfig
-    from bertforge.cluster.launch_config import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.cluster.commands.glue import GlueConfig
+    from bertforge.cluster.launch.launch_config import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.contract.config_fields import add_flags
     from bertforge.training.finetune.config import PER_TASK, FinetuneConfig
 
@@ -233,28 +237,23 @@ def _run_vocab(args: argparse.Namespace) -> None:
 
 
 def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
-    from bertforge.cluster.dataset_guard import prepare_guarded
+    from bertforge.cluster.commands.guarded_prepare import OVERWRITE_HELP, prepare_guarded
+    from bertforge.pipelines.prepare_options import help_text, parse_command_line
 
+    if any(a in ("-h", "--help") for a in extra):
+        print(help_text() + OVERWRITE_HELP)
+        raise SystemExit(0)
+    command = parse_command_line(extra)
     # One writer per dataset, no other dataset replaced unasked (--overwrite), none under a run.
-    counts = prepare_guarded(extra)
+    counts = prepare_guarded(command, overwrite=args.overwrite)
     # After the job: a failed first prepare leaves no directory behind (its log goes to the
-    # temporary directory, named on the console).
-    _log_beside_output(extra)
-    print(json.dumps(counts, indent=2))
+    # temporary directory, named on the console). A dry run writes nothing, not even OUTPUT.
+    output = command.config.output
+    if "://" not in output and os.path.isdir(output):
+        from bertforge.cluster.launch.worker_output import LOG_DIR, log_driver_to
 
-
-def _log_beside_output(argv: list[str]) -> None:
-    """prepare's log in OUTPUT/logs when OUTPUT is a local directory (not gs://)."""
-    from bertforge.cluster.worker_output import LOG_DIR, log_driver_to
-    from bertforge.pipelines.prepare_options import parse_argv
-
-    try:
-        output = parse_argv(list(argv))[0].output
-    except (ValueError, SystemExit, TypeError, AttributeError):
-        return  # the job reports its own argument errors
-    # A dry run writes nothing, not even the output directory.
-    if output and "://" not in output and os.path.isdir(output):
         log_driver_to(os.path.join(output, LOG_DIR, "prepare.log"))
+    print(json.dumps(counts, indent=2))
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
@@ -291,7 +290,7 @@ def train_config_from_args(args: argparse.Namespace):
 
 
 def _run_train(args: argparse.Namespace) -> None:
-    from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
+    from bertforge.cluster.launch.ray_train import LaunchConfig, train_on_ray
     from bertforge.pipelines.contract.config_fields import given_values
 
     cfg = train_config_from_args(args)
@@ -300,7 +299,7 @@ def _run_train(args: argparse.Namespace) -> None:
 
 
 def _run_submit(args: argparse.Namespace) -> int:
-    from bertforge.cluster.submit import DEFAULT_EXCLUDES, SubmitConfig, stop, submit
+    from bertforge.cluster.launch.submit import DEFAULT_EXCLUDES, SubmitConfig, stop, submit
 
     if args.stop:
         return stop(args.address, args.stop)
@@ -320,7 +319,7 @@ def _run_submit(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> None:
-    from bertforge.cluster.dataset_guard import reading_dataset
+    from bertforge.cluster.safety.dataset_guard import reading_dataset
     from bertforge.training.checkpoint import resolve_checkpoint
     from bertforge.training.evaluate import evaluate_checkpoint
     from bertforge.training.inputs import check_eval_inputs
@@ -353,7 +352,7 @@ def _run_export(args: argparse.Namespace) -> None:
 def _log_in_run_dir(checkpoint: str, command: str) -> None:
     """eval's and export's log: RUN_DIR/logs/COMMAND.log of the checkpoint's run, beside the
     training's logs (a checkpoint outside a run directory: its own parent's logs/)."""
-    from bertforge.cluster.worker_output import LOG_DIR, log_driver_to
+    from bertforge.cluster.launch.worker_output import LOG_DIR, log_driver_to
 
     parent = os.path.dirname(os.path.abspath(checkpoint))
     run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
@@ -364,7 +363,7 @@ def _log_in_run_dir(checkpoint: str, command: str) -> None:
 
 
 def _run_pipeline(args: argparse.Namespace) -> None:
-    from bertforge.cluster.pipeline import load_config, run_pipeline
+    from bertforge.cluster.commands.pipeline import load_config, run_pipeline
 
     config, text = load_config(args.config)
     print(json.dumps(run_pipeline(config, text), indent=2))
@@ -378,9 +377,9 @@ def _run_demo(args: argparse.Namespace) -> None:
 
 
 def _run_finetune(args: argparse.Namespace) -> None:
-    from bertforge.cluster.finetune_sweep import run_finetune
-    from bertforge.cluster.finetune_workers import finetune_launch
-    from bertforge.cluster.launch_config import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.cluster.commands.finetune_sweep import run_finetune
+    from bertforge.cluster.launch.finetune_workers import finetune_launch
+    from bertforge.cluster.launch.launch_config import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.contract.config_fields import given_values
     from bertforge.training.finetune.config import FinetuneConfig
 
@@ -390,9 +389,9 @@ def _run_finetune(args: argparse.Namespace) -> None:
 
 
 def _run_glue(args: argparse.Namespace) -> None:
-    from bertforge.cluster.finetune_workers import finetune_launch
-    from bertforge.cluster.glue import GlueConfig, run_glue
-    from bertforge.cluster.launch_config import FOR_CHECKPOINTS, LaunchConfig
+    from bertforge.cluster.commands.glue import GlueConfig, run_glue
+    from bertforge.cluster.launch.finetune_workers import finetune_launch
+    from bertforge.cluster.launch.launch_config import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.contract.config_fields import given_values
     from bertforge.training.finetune.config import PER_TASK, FinetuneConfig
 
@@ -436,10 +435,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         refuse_unknown_flags(args.command_parser, extra)  # before any log file or engine
     _configure_logging(args.command)
     if args.command in QUIET_COMMANDS:
-        from bertforge.cluster.worker_output import quiet_driver
+        from bertforge.cluster.launch.worker_output import quiet_driver
 
         quiet_driver(args.command, verbose=bool(args.verbose))
-    from bertforge.cluster.local_ray import as_stop, driver_teardown
+    from bertforge.cluster.launch.local_ray import as_stop, driver_teardown
 
     try:
         # SIGTERM exits like Ctrl-C (locks released) and a local Ray this run started stops.

@@ -111,7 +111,7 @@ def _samples(
 def inspect_dataset(data_dir: str, num_samples: int = 3) -> dict[str, Any]:
     """Statistics of every split of the dataset in `data_dir`, plus decoded sample pairs."""
     found = manifest.read_manifest(data_dir)
-    max_seq_length = int(found.instance_params.get("max_seq_length", 512))
+    max_seq_length = found.instance_param("max_seq_length", data_dir)
     vocab = read_vocab(os.path.join(data_dir, manifest.VOCAB_NAME))
     rules = RowRules.from_vocab(sorted(vocab, key=vocab.__getitem__), max_seq_length,
                                 found.tokenizer.vocab_size)

@@ -17,18 +17,7 @@ from apache_beam.portability.api import beam_runner_api_pb2
 
 from bertforge.pipelines.read.readers import name_format
 
-NO_WAIT_FLAGS = ("--no-wait", "--no_wait")
-NO_WAIT_HELP = (
-    "--no-wait (DataflowRunner): return once the job is submitted, printing its id and how to "
-    "follow it, instead of waiting for it and printing the manifest's summary.\n"
-)
 MAX_LISTED_INPUTS = 20  # a dump split in 60 parts lists 20 and counts the rest
-
-
-def pop_no_wait(argv: list[str]) -> tuple[list[str], bool]:
-    """`argv` without `--no-wait` (a launch choice, not a job option), and whether it was there."""
-    kept = [a for a in argv if a not in NO_WAIT_FLAGS]
-    return kept, len(kept) != len(argv)
 
 
 def worker_images(proto: beam_runner_api_pb2.Pipeline) -> list[str]:

@@ -50,14 +50,13 @@ from bertforge.pipelines.instances.pairs_transform import (  # noqa: F401  (re-e
     pool_of,
     split_of,
 )
-from bertforge.pipelines.local.options import LocalRunnerOptions
-from bertforge.pipelines.prepare_options import (  # noqa: F401
+from bertforge.pipelines.prepare_options import (
+    PrepareCommand,
     PrepareConfig,
-    PrepareOptions,
     check_beam_args,
     check_gcs_paths,
     help_text,
-    parse_argv,
+    parse_command_line,
 )
 from bertforge.pipelines.read.inputs_transform import FORMATS, ReadInputs, match_inputs
 from bertforge.pipelines.read.readers import split_format
@@ -253,27 +252,21 @@ def _dry_run(pipeline: beam.Pipeline, runner: str, files: list, output: str) -> 
     return report
 
 
-# `bertforge prepare` takes it (cluster/dataset_guard.py); the help is the job's.
-OVERWRITE_HELP = (
-    "--overwrite replaces a dataset already in the output directory that other inputs, "
-    "vocabulary or instance parameters made (without it such a run is refused, naming what "
-    "differs; the same job again is always allowed). A dataset that a running train or eval "
-    "reads is never replaced.\n"
-    "A local run records its work in OUTPUT/.prepare-work as it goes: after a kill (kill -9, "
-    "Ctrl-C, a reboot) the same command continues it; --overwrite starts over instead.\n")
-
-
-def main(argv: Sequence[str] | None = None, start_over: bool = False) -> dict[str, Any]:
-    """The command line (`bertforge prepare`, a Flex Template): the job's flags and Beam's."""
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The job's own command line (`python -m bertforge.pipelines.prepare`, the Flex Template's
+    launcher): the job's flags and Beam's. `bertforge prepare` adds its dataset guard
+    (`cluster.commands.guarded_prepare`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(help_text() + job_report.NO_WAIT_HELP + OVERWRITE_HELP)
+        print(help_text())
         raise SystemExit(0)
-    argv, no_wait = job_report.pop_no_wait(argv)
-    config, beam_args = parse_argv(argv)
-    quiet = bool(PipelineOptions(beam_args).view_as(LocalRunnerOptions).quiet)
-    with _warnings_only(quiet):  # --quiet: the summary only
-        return run(config, beam_args, wait=not no_wait, start_over=start_over)
+    return run_command(parse_command_line(argv))
+
+
+def run_command(command: PrepareCommand, start_over: bool = False) -> dict[str, Any]:
+    """A parsed command line run to its end (`run`); --quiet: the summary only."""
+    with _warnings_only(command.quiet):
+        return run(command.config, command.beam_args, wait=command.wait, start_over=start_over)
 
 
 @contextlib.contextmanager

@@ -1,19 +1,22 @@
-"""The preparation job's configuration (`PrepareConfig`) and the flags generated from it.
+"""The preparation job's configuration (`PrepareConfig`) and its command line, parsed once.
 
 `PrepareConfig` is the one place an option is declared: its default, its validation and its help
-text. `PrepareOptions` (the Beam options the command line and a Flex Template parse) and the
-pipeline file's [prepare] table (`bertforge.cluster.pipeline`) are generated from its fields
-(`pipelines.contract.config_fields`). Code calls the job with objects,
-`prepare.run(config, beam_args)`; argv exists only at the command line.
+text. The job's flags and the pipeline file's [prepare] table (`bertforge.cluster.commands.
+pipeline`) are generated from its fields (`pipelines.contract.config_fields`).
+`parse_command_line` reads a command line once into a `PrepareCommand` (the config, Beam's own
+flags, --no-wait) that is passed down; code calls the job with objects,
+`prepare.run(config, beam_args)`.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, NoReturn
 
-from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
+from apache_beam.options.pipeline_options import PipelineOptions, TestOptions
 
 from bertforge.pipelines.contract.config_fields import (
     NOT_IN_FILE,
@@ -26,6 +29,13 @@ from bertforge.pipelines.contract.config_fields import (
 )
 from bertforge.pipelines.instances.pairing import MIN_SEQ_LENGTH
 from bertforge.pipelines.local.options import LocalRunnerOptions  # its flags are Beam's too
+
+# A launch choice, not a job option: return once a job that runs elsewhere (Dataflow) is submitted.
+NO_WAIT_FLAGS = ("--no-wait", "--no_wait")
+NO_WAIT_HELP = (
+    "--no-wait (DataflowRunner): return once the job is submitted, printing its id and how to "
+    "follow it, instead of waiting for it and printing the manifest's summary.\n"
+)
 
 # Where the job reads or writes: the manifest identifies the inputs and the vocabulary by their
 # content (input_files, vocab_sha256), so these are no instance parameters.
@@ -108,15 +118,6 @@ class PrepareConfig:
                 f"num_validation_shards must be >= 0, got {self.num_validation_shards}"
             )
 
-    @classmethod
-    def from_options(cls, options: PipelineOptions) -> PrepareConfig:
-        """The config from parsed flags; a flag left out keeps the field's default."""
-        values = given_values(options.view_as(PrepareOptions), cls)
-        values["inputs"] = tuple(
-            p.strip() for entry in values.get("inputs", ()) for p in entry.split(",") if p.strip()
-        )
-        return cls(**values)
-
     def shards_per_split(self) -> dict[str, int]:
         """{split: number of shard files}; no validation split when its fraction is 0."""
         counts = {"train": self.num_shards}
@@ -132,18 +133,55 @@ class PrepareConfig:
         return params
 
 
-class PrepareOptions(PipelineOptions):
-    """The job's own flags, one per `PrepareConfig` field; every other flag goes to Beam
-    (`--runner`, `--direct_num_workers`...).
+@dataclass(frozen=True)
+class PrepareCommand:
+    """One `prepare` command line, parsed once (`parse_command_line`): the job's configuration,
+    Beam's own flags (`--runner`, `--direct_num_workers`, ...) and whether to wait for a job
+    that runs elsewhere (`--no-wait`: Dataflow)."""
 
-    Nothing is `required=True` and no flag has a default here: Beam parses every
-    PipelineOptions subclass for any pipeline in the process, so a required flag would break
-    unrelated pipelines, and the dataclass holds the one default (shown in the help).
-    """
+    config: PrepareConfig
+    beam_args: tuple[str, ...] = ()
+    wait: bool = True
 
-    @classmethod
-    def _add_argparse_args(cls, parser: Any) -> None:
-        add_flags(parser, PrepareConfig, beam=True)
+    def beam_options(self) -> PipelineOptions:
+        return PipelineOptions(list(self.beam_args))
+
+    @property
+    def dry_run(self) -> bool:
+        return bool(self.beam_options().view_as(TestOptions).dry_run)
+
+    @property
+    def quiet(self) -> bool:
+        return bool(self.beam_options().view_as(LocalRunnerOptions).quiet)
+
+
+def parse_command_line(argv: Sequence[str]) -> PrepareCommand:
+    """The command line (`bertforge prepare`, a Flex Template's launcher), parsed once; a
+    flag that neither the job nor Beam knows, a missing or bad value: one ValueError."""
+    parser = job_parser()
+    parsed, beam_args = parser.parse_known_args(list(argv))
+    check_beam_args(beam_args)
+    values = given_values(parsed, PrepareConfig)
+    values["inputs"] = tuple(
+        p.strip() for entry in values.get("inputs", ()) for p in entry.split(",") if p.strip()
+    )
+    return PrepareCommand(PrepareConfig(**values), tuple(beam_args), wait=not parsed.no_wait)
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """A bad value (`--num-shards=abc`) is the command's one-line error, not argparse's exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def job_parser() -> argparse.ArgumentParser:
+    """The job's own flags (one per `PrepareConfig` field, in Beam's spellings too) and
+    --no-wait; everything else is Beam's."""
+    parser = _RefusingParser(prog="bertforge prepare", allow_abbrev=False, add_help=False)
+    add_flags(parser, PrepareConfig, beam=True)
+    parser.add_argument(*NO_WAIT_FLAGS, dest="no_wait", action="store_true")
+    return parser
 
 
 def job_flags() -> tuple[str, ...]:
@@ -152,24 +190,23 @@ def job_flags() -> tuple[str, ...]:
     return tuple(flag for f in fields(PrepareConfig) for flag in flag_spellings(f, beam=True))
 
 
-def _all_options_parser() -> Any:
-    """A parser of every flag Beam knows (its own options and ours), as Beam builds it."""
-    parser = _BeamArgumentParser(allow_abbrev=False, add_help=False)
-    seen: dict[str, type] = {}
-    for cls in PipelineOptions.__subclasses__():
-        seen.setdefault(str(cls), cls)
-    for cls in seen.values():
-        cls._add_argparse_args(parser)
-    return parser
+def _beam_parser() -> argparse.ArgumentParser:
+    """A parser of every flag Beam knows (its options and the local runner's), as Beam builds
+    it for a pipeline: handed over by Beam's public hook, so no private name is borrowed."""
+    built: list[argparse.ArgumentParser] = []
+    PipelineOptions([]).get_all_options(add_extra_args_fn=built.append)
+    return built[0]
 
 
-def check_argv(argv: list[str]) -> None:
-    """One clear error for a flag neither the job nor Beam knows.
-
-    Beam only logs "Discarding unparseable args" and goes on, so a typo (`--num_shard 64`) would
-    silently run with the default.
-    """
-    _, unknown = _all_options_parser().parse_known_args(argv)
+def check_beam_args(beam_args: Sequence[str]) -> None:
+    """Beam's own flags only: the job's options come from the config object, and a flag Beam
+    does not know is one clear error. (Beam itself only logs "Discarding unparseable args" and
+    goes on, so a typo, `--num_shard 64`, would silently run with the default.)"""
+    owned = [a for a in beam_args if a.split("=", 1)[0] in job_flags()]
+    if owned:
+        raise ValueError(f"Beam arguments must not set the job's own options "
+                         f"({', '.join(owned)}): they come from the configuration")
+    _, unknown = _beam_parser().parse_known_args(list(beam_args))
     flags = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
     if flags:
         raise ValueError(
@@ -182,35 +219,17 @@ def check_argv(argv: list[str]) -> None:
         )
 
 
-def parse_argv(argv: list[str]) -> tuple[PrepareConfig, list[str]]:
-    """The command line split into the job's config and the flags that go to Beam."""
-    check_argv(argv)
-    parser = _BeamArgumentParser(allow_abbrev=False, add_help=False)
-    PrepareOptions._add_argparse_args(parser)
-    _, beam_args = parser.parse_known_args(argv)
-    return PrepareConfig.from_options(PipelineOptions(argv)), beam_args
-
-
-def check_beam_args(beam_args: list[str]) -> None:
-    """Beam's own flags only: the job's options come from the config object."""
-    owned = [a for a in beam_args if a.split("=", 1)[0] in job_flags()]
-    if owned:
-        raise ValueError(f"Beam arguments must not set the job's own options "
-                         f"({', '.join(owned)}): they come from the configuration")
-    check_argv(beam_args)
-
-
 def help_text() -> str:
-    parser = _BeamArgumentParser(prog="bertforge prepare", allow_abbrev=False)
-    PrepareOptions._add_argparse_args(parser)
-    LocalRunnerOptions._add_argparse_args(parser.add_argument_group("local runs"))
+    parser = argparse.ArgumentParser(prog="bertforge prepare", allow_abbrev=False)
+    add_flags(parser, PrepareConfig, beam=True)
+    LocalRunnerOptions.add_flags(parser.add_argument_group("local runs"))
     return parser.format_help() + (
         "\nAny Beam pipeline flag is accepted as well, e.g. --runner DataflowRunner --project P "
         "--region R --temp_location gs://B/tmp, or --direct_num_workers 2 "
         "--direct_running_mode multi_processing.\n"
         "--dry_run=True translates the pipeline and lists the inputs found and their formats, "
         "without running or writing anything.\n"
-    )
+    ) + NO_WAIT_HELP
 
 
 # Cloud Storage's bucket names: 3-63 lower-case letters, digits, "-", "_" and "."; a letter or

@@ -75,15 +75,15 @@ def _row_rules(data_dir: str, found: manifest.Manifest, vocab: list[str] | None,
                result: Verification) -> RowRules | None:
     """What every row must satisfy, as the training loader sees it; None (and a problem) when
     the dataset cannot say, in which case the rows are not checked."""
-    max_seq_length = found.instance_params.get("max_seq_length")
-    if max_seq_length is None:
-        result.problems.append(f"{data_dir}: the manifest has no instance parameter "
-                               "max_seq_length: rows not checked")
+    try:
+        max_seq_length = found.instance_param("max_seq_length", data_dir)
+    except ValueError as error:
+        result.problems.append(f"{error}: rows not checked")
         return None
     if vocab is None:
         return None  # already a problem (read_vocab refuses one without [CLS]/[SEP])
     # The manifest's size, as the model's embedding has it, even if vocab.txt disagrees.
-    return RowRules.from_vocab(vocab, int(max_seq_length), found.tokenizer.vocab_size)
+    return RowRules.from_vocab(vocab, max_seq_length, found.tokenizer.vocab_size)
 
 
 def _verify_shard(path: str, entry: manifest.ShardEntry, rules: RowRules | None,

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bertforge.cluster.checkout import package_folders
+from bertforge.cluster.launch.checkout import package_folders
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = package_folders(str(REPO))  # pyproject.toml's [tool.bertforge] package-folders

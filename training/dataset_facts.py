@@ -35,15 +35,9 @@ class DatasetFacts:
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, data_dir: str = "the dataset") -> DatasetFacts:
-        length = manifest.instance_params.get("max_seq_length")
-        if length is None:
-            raise ValueError(
-                f"the manifest of {data_dir} has no instance parameter max_seq_length: "
-                "not a dataset prepared by bertforge"
-            )
         tokenizer = manifest.tokenizer
         return cls(
-            max_seq_length=int(length),
+            max_seq_length=manifest.instance_param("max_seq_length", data_dir),
             vocab_size=tokenizer.vocab_size,
             vocab_sha256=tokenizer.vocab_sha256,
             lower_case=tokenizer.lower_case,

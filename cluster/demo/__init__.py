@@ -7,8 +7,8 @@
 
 Everything of the demo is here:
 - `config`: `DemoConfig`, whose fields are the `bertforge demo` flags;
-- `run`: the stages on the stage runner (`cluster.stage_runner`); vocab, prepare, train and
-  export are `bertforge pipeline`'s own stage bodies (`cluster.stages`);
+- `run`: the stages on the stage runner (`cluster.commands.stage_runner`); vocab, prepare, train and
+  export are `bertforge pipeline`'s own stage bodies (`cluster.commands.stages`);
 - `docstring_corpus`: the corpus, gathered at run time from the docstrings on this machine;
 - `sst2` and `bow_baseline`: the last stage, SST-2 three ways on one budget, from the subset
   shipped in `data/sst2/` (package data) unless --glue-dir gives GLUE's;

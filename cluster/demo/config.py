@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -90,3 +91,20 @@ class DemoConfig:
             # benchmarks/finetune_vs_plain_loop.py).
             seed=self.seed, workers=1,
         )
+
+
+class DemoPaths:
+    """Where each stage of a demo in `root` writes."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.corpus = os.path.join(self.root, "corpus", "docstrings.jsonl")
+        self.vocab_dir = os.path.join(self.root, "vocab")
+        self.vocab = os.path.join(self.vocab_dir, "vocab.txt")
+        self.shards = os.path.join(self.root, "shards")
+        self.run = os.path.join(self.root, "run")
+        self.hf = os.path.join(self.root, "hf")
+        self.eval = os.path.join(self.root, "eval.json")
+        self.summary = os.path.join(self.root, "summary.json")
+        self.loss_curve = os.path.join(self.root, "loss_curve.png")
+        self.finetune = os.path.join(self.root, "finetune")

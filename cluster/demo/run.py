@@ -1,7 +1,7 @@
 """`bertforge demo`: the demo's stages on the stage runner, in DIR.
 
 The chain's stages (vocab, prepare, train, export) are `bertforge pipeline`'s own bodies
-(`cluster.stages`) on the demo's settings and layout; corpus, eval and the SST-2 fine-tuning are
+(`cluster.commands.stages`) on the demo's settings and layout; corpus, eval and the SST-2 fine-tuning are
 the demo's alone. Each stage is done once DIR's state file records it (the summary reads those
 records); a second run into the same DIR reuses finished stages, resumes training from its
 newest checkpoint, and refuses a DIR made with other settings.
@@ -14,29 +14,19 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from bertforge.cluster.demo.config import DemoConfig
+from bertforge.cluster.commands.stage_runner import Stage, StageRunner
+from bertforge.cluster.commands.stages import (
+    export_final,
+    make_vocab,
+    prepare_dataset,
+    train_to_the_end,
+)
+from bertforge.cluster.demo.config import DemoConfig, DemoPaths
 from bertforge.cluster.demo.sst2 import finetune_done, finetune_sst2
 from bertforge.cluster.demo.summary import summarise, training_statistics
-from bertforge.cluster.stage_runner import Stage, StageRunner
-from bertforge.cluster.stages import export_final, make_vocab, prepare_dataset, train_to_the_end
 
 if TYPE_CHECKING:  # imported where used: Beam loads only for the prepare stage
     from bertforge.pipelines.prepare_options import PrepareConfig
-
-
-class DemoPaths:
-    def __init__(self, root: str) -> None:
-        self.root = os.path.abspath(root)
-        self.corpus = os.path.join(self.root, "corpus", "docstrings.jsonl")
-        self.vocab_dir = os.path.join(self.root, "vocab")
-        self.vocab = os.path.join(self.vocab_dir, "vocab.txt")
-        self.shards = os.path.join(self.root, "shards")
-        self.run = os.path.join(self.root, "run")
-        self.hf = os.path.join(self.root, "hf")
-        self.eval = os.path.join(self.root, "eval.json")
-        self.summary = os.path.join(self.root, "summary.json")
-        self.loss_curve = os.path.join(self.root, "loss_curve.png")
-        self.finetune = os.path.join(self.root, "finetune")
 
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
@@ -90,7 +80,7 @@ def _beam_args(config: DemoConfig) -> list[str]:
 
 
 def _train(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
-    from bertforge.cluster.launch_config import LaunchConfig
+    from bertforge.cluster.launch.launch_config import LaunchConfig
     from bertforge.training.metrics import read_metrics
     from bertforge.training.recipes import demo_recipe
 

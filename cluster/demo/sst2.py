@@ -81,9 +81,9 @@ def finetune_sst2(model_dir: str, output: str, glue_dir: str | None,
         print(f"[demo] finetune: {reason}", flush=True)
         return {"skipped": reason}
     train, dev = files
-    from bertforge.cluster.finetune_sweep import run_finetunes
-    from bertforge.cluster.finetune_workers import finetune_launch
-    from bertforge.cluster.local_worker import runs_in_one_local_process
+    from bertforge.cluster.commands.finetune_sweep import run_finetunes
+    from bertforge.cluster.launch.finetune_workers import finetune_launch
+    from bertforge.cluster.launch.local_worker import runs_in_one_local_process
 
     configs = [_config(model_dir, os.path.join(output, name), train, dev, budget, random_init)
                for name, random_init in (("pretrained", False), ("random_init", True))]

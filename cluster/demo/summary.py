@@ -4,13 +4,11 @@ curve in DIR/loss_curve.png."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from bertforge.cluster.demo.config import DemoPaths
 from bertforge.cluster.demo.sst2 import summary_rows
 from bertforge.training.metrics import read_metrics
-
-if TYPE_CHECKING:
-    from bertforge.cluster.demo.run import DemoPaths
 
 
 def training_statistics(records: list[dict[str, Any]]) -> dict[str, Any]:

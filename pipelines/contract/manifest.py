@@ -91,6 +91,16 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
+    def instance_param(self, name: str, where: str = "the dataset") -> int:
+        """An instance parameter readers rely on (`max_seq_length`), read by the one rule every
+        reader follows: missing, or not a positive integer, is a ValueError naming it."""
+        value = self.instance_params.get(name)
+        if type(value) is not int or value < 1:
+            raise ValueError(
+                f"the manifest of {where} has no instance parameter {name} (a positive "
+                f"integer; found {value!r}): not a dataset prepared by bertforge")
+        return value
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         if data.get("format_version") != FORMAT_VERSION:

@@ -12,7 +12,12 @@ from bertforge.pipelines.local.runner import MAX_BUNDLE_BYTES
 
 class LocalRunnerOptions(PipelineOptions):
     @classmethod
-    def _add_argparse_args(cls, parser: Any) -> None:
+    def _add_argparse_args(cls, parser: Any) -> None:  # Beam's hook
+        cls.add_flags(parser)
+
+    @classmethod
+    def add_flags(cls, parser: Any) -> None:
+        """The flags, on any argparse parser or group (`prepare --help` shows them)."""
         parser.add_argument(
             "--local_bundle_mb", "--local-bundle-mb", dest="local_bundle_mb", type=float,
             default=None,

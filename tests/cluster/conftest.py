@@ -27,7 +27,7 @@ def two_node_cluster():
 
 
 def _wait_for_jobs_endpoint(url: str, timeout_s: float = 60.0) -> None:
-    from bertforge.cluster.submit import jobs_client
+    from bertforge.cluster.launch.submit import jobs_client
 
     deadline = time.time() + timeout_s
     while True:

@@ -1,5 +1,6 @@
-"""A dead run's local Ray is cleaned up by the next start (cluster/local_ray.py): its processes
-stopped, never those of a live run or of a Ray bertforge did not start; session folders bounded."""
+"""A dead run's local Ray is cleaned up by the next start (cluster/launch/local_ray.py): its
+processes stopped, never those of a live run or of a Ray bertforge did not start; session
+folders bounded."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import psutil
 import pytest
 
-from bertforge.cluster.local_ray import KEEP_SESSIONS, reap_dead_runs
+from bertforge.cluster.launch.local_ray import KEEP_SESSIONS, reap_dead_runs
 from tests.support.train_process import TrainProcess, train_command
 from tests.training.conftest import write_dataset
 

@@ -6,13 +6,13 @@ import dataclasses
 import pytest
 
 from bertforge.cluster.cli import build_parser, train_config_from_args
+from bertforge.cluster.commands.glue import GlueConfig
+from bertforge.cluster.commands.pipeline import PhaseSection, PipelineConfig
 from bertforge.cluster.demo import DemoConfig
-from bertforge.cluster.glue import GlueConfig
-from bertforge.cluster.launch_config import LaunchConfig
-from bertforge.cluster.pipeline import PhaseSection, PipelineConfig
-from bertforge.cluster.worker_output import ConsoleConfig
+from bertforge.cluster.launch.launch_config import LaunchConfig
+from bertforge.cluster.launch.worker_output import ConsoleConfig
 from bertforge.pipelines.contract.config_fields import NO_FLAG, NOT_IN_FILE, marked
-from bertforge.pipelines.prepare_options import PrepareConfig, PrepareOptions, parse_argv
+from bertforge.pipelines.prepare_options import PrepareConfig, parse_command_line
 from bertforge.training.config import TrainConfig
 from bertforge.training.engine_config import EngineConfig
 from bertforge.training.finetune.config import FinetuneConfig
@@ -80,11 +80,9 @@ def test_every_demo_field_has_a_demo_flag():
 
 
 def test_every_prepare_field_has_a_job_flag_and_a_pipeline_key_or_owner(tmp_path):
-    from apache_beam.options.pipeline_options import _BeamArgumentParser
+    from bertforge.pipelines.prepare_options import job_parser
 
-    parser = _BeamArgumentParser(allow_abbrev=False)
-    PrepareOptions._add_argparse_args(parser)
-    flags = _flags_by_dest(parser)
+    flags = _flags_by_dest(job_parser())
     table = {"inputs": ["a.jsonl"]}
     for f in dataclasses.fields(PrepareConfig):
         assert flags.get(f.name), f"PrepareConfig.{f.name} has no `bertforge prepare` flag"
@@ -133,11 +131,12 @@ def test_train_flags_reach_the_config_and_leave_the_rest_to_the_recipe():
 
 
 def test_prepare_argv_splits_into_the_config_and_beams_flags():
-    config, beam_args = parse_argv([
+    command = parse_command_line([
         "--input=a.jsonl,b.jsonl", "--input", "c.xml", "--output=o", "--vocab=v",
         "--lower_case=false", "--num_shards=9", "--runner=DirectRunner",
         "--direct_num_workers=2",
     ])
+    config, beam_args = command.config, list(command.beam_args)
     assert config.inputs == ("a.jsonl", "b.jsonl", "c.xml")
     assert config.num_shards == 9 and not config.lower_case
     assert config.max_seq_length == PrepareConfig.max_seq_length  # the dataclass's default

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from bertforge.cluster.cli import main
-from bertforge.cluster.dataset_guard import reading_dataset
-from bertforge.cluster.run_lock import exclusive_directory
+from bertforge.cluster.safety.dataset_guard import reading_dataset
+from bertforge.cluster.safety.run_lock import exclusive_directory
 from bertforge.pipelines.local.quiet_harness import QUIET_HARNESS_MODULE
 from tests.test_numbers_unchanged import _golden_corpus
 from tests.training.conftest import google_layout_vocab

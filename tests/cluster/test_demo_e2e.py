@@ -46,7 +46,7 @@ def test_summary_has_every_number_and_training_lowered_the_loss(finished_demo):
 
 def test_worker_logs_stay_in_the_run_directory(finished_demo):
     """The console got our lines; each worker's full output, library warnings included, is in
-    RUN_DIR/logs (cluster.worker_output)."""
+    RUN_DIR/logs (cluster.launch.worker_output)."""
     output, _ = finished_demo
     logs = sorted((output / "run" / "logs").glob("worker-*.log"))
     assert [p.name for p in logs] == ["worker-0.log", "worker-1.log"]

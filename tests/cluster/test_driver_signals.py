@@ -1,10 +1,10 @@
-"""driver_teardown (cluster/local_ray.py) turns SIGTERM/SIGHUP/SIGINT into a clean stop only
+"""driver_teardown (cluster/launch/local_ray.py) turns SIGTERM/SIGHUP/SIGINT into a clean stop only
 where they would end the process anyway: a SIGHUP that `nohup` ignores stays ignored. A real
 `bertforge train` stopped by SIGTERM, and resumed: tests/cluster/test_train_from_outside.py."""
 
 import signal
 
-from bertforge.cluster.local_ray import driver_teardown
+from bertforge.cluster.launch.local_ray import driver_teardown
 
 
 def test_ignored_sighup_stays_ignored_and_default_sigterm_is_handled_then_restored():
@@ -22,7 +22,7 @@ def test_ignored_sighup_stays_ignored_and_default_sigterm_is_handled_then_restor
 
 
 def test_a_signal_is_a_stop_however_ray_surfaces_it(monkeypatch):
-    from bertforge.cluster import local_ray
+    from bertforge.cluster.launch import local_ray
 
     monkeypatch.setattr(local_ray, "_RECEIVED", [])
     assert local_ray.as_stop(SystemExit(0)) is None and local_ray.as_stop(SystemExit(1)) is None

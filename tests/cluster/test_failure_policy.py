@@ -9,7 +9,7 @@ from ray.train import FailureConfig
 from ray.train.v2._internal.execution.failure_handling import FailureDecision
 from ray.train.v2.api.exceptions import WorkerGroupError
 
-from bertforge.cluster.failure_policy import UserErrorsFailAtOnce
+from bertforge.cluster.launch.failure_policy import UserErrorsFailAtOnce
 from bertforge.training.errors import UserInputError
 
 
@@ -27,8 +27,8 @@ def test_other_worker_errors_are_still_retried():
 def test_gpu_workers_a_local_machine_lacks_are_refused_before_ray_starts(monkeypatch):
     import ray
 
-    from bertforge.cluster import ray_train
-    from bertforge.cluster.ray_train import LaunchConfig, check_local_resources, connect
+    from bertforge.cluster.launch import ray_train
+    from bertforge.cluster.launch.ray_train import LaunchConfig, check_local_resources, connect
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
@@ -44,7 +44,7 @@ def test_gpu_workers_a_local_machine_lacks_are_refused_before_ray_starts(monkeyp
 def test_a_refused_gpu_run_leaves_nothing(monkeypatch, tmp_path):
     """The fault table's promise: `train --gpu` on a machine without the GPUs makes no run
     directory (no logs/train.log either), and the dataset is not even opened."""
-    from bertforge.cluster.ray_train import LaunchConfig, train_on_ray
+    from bertforge.cluster.launch.ray_train import LaunchConfig, train_on_ray
     from bertforge.training.config import TrainConfig
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
@@ -59,8 +59,8 @@ def test_a_worker_group_that_cannot_be_scheduled_is_one_line_after_bounded_tries
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
     from ray.train.v2.api.exceptions import ControllerError
 
-    from bertforge.cluster import ray_train
-    from bertforge.cluster.ray_train import LaunchConfig, run_on_ray
+    from bertforge.cluster.launch import ray_train
+    from bertforge.cluster.launch.ray_train import LaunchConfig, run_on_ray
 
     bounded = ray_train._bounded_scheduling(RunConfig(failure_config=FailureConfig(max_failures=3)))
     assert bounded.failure_config.controller_failure_limit == ray_train.SCHEDULING_ATTEMPTS - 1

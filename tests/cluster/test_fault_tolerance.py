@@ -18,8 +18,8 @@ import torch
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from bertforge.cluster.failure_policy import user_errors_fail_at_once
-from bertforge.cluster.ray_train import LaunchConfig, connect, train_on_ray
+from bertforge.cluster.launch.failure_policy import user_errors_fail_at_once
+from bertforge.cluster.launch.ray_train import LaunchConfig, connect, train_on_ray
 from bertforge.training.checkpoint import latest_checkpoint, load_fp32_state_dict, read_metadata
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
@@ -111,7 +111,7 @@ def same_weights(expected: dict, checkpoint_path: str) -> bool:
 
 def test_killed_workers_restart_from_local_then_from_storage_and_end_with_the_same_weights(
         uninterrupted, tmp_path, capfd):
-    """Checkpoints persisted through Ray Train storage (cluster/persistence.py). The first
+    """Checkpoints persisted through Ray Train storage (cluster/launch/persistence.py). The first
     worker dies: the group restarts from the run directory's checkpoint. The second dies and
     its node's copy of the checkpoints is lost with it: the group restores from storage. The
     final weights are those of the run without faults, bit for bit."""

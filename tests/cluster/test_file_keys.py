@@ -5,8 +5,8 @@ import pytest
 
 
 def test_a_pipeline_file_written_with_flag_spellings_is_pointed_to_the_keys():
-    from bertforge.cluster.launch_config import LaunchConfig
-    from bertforge.cluster.pipeline import PhaseSection
+    from bertforge.cluster.commands.pipeline import PhaseSection
+    from bertforge.cluster.launch.launch_config import LaunchConfig
     from bertforge.pipelines.contract.config_fields import from_table
 
     with pytest.raises(ValueError, match=r"\[cluster\]: cpus-per-worker \(keys are spelled "

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from bertforge.cluster.cli import main
-from bertforge.cluster.finetune_workers import local_cores
+from bertforge.cluster.launch.finetune_workers import local_cores
 from tests.support.finetune_data import tiny_bert_dir, write_squad_json, write_sst2_tsv
 
 

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from bertforge.cluster.cli import build_parser
-from bertforge.cluster.finetune_sweep import (
+from bertforge.cluster.commands.finetune_sweep import (
     data_note,
     resolve_data_files,
     summary_line,
     sweep_statistics,
 )
-from bertforge.cluster.launch_config import FOR_CHECKPOINTS, LaunchConfig
+from bertforge.cluster.launch.launch_config import FOR_CHECKPOINTS, LaunchConfig
 from bertforge.pipelines.contract.config_fields import given_values, marked
 from bertforge.training.finetune.config import FinetuneConfig
 from bertforge.training.finetune.loop import batch_indices, count_steps
@@ -148,7 +148,7 @@ def test_sweep_statistics_and_summary_line():
 def test_a_hugging_face_dir_without_weights_is_refused_on_the_driver(tmp_path):
     """The driver's check reads no weights, the workers do: it must refuse a directory that
     has config.json and vocab.txt but no weights file, in one line, before Ray."""
-    from bertforge.cluster.finetune_sweep import check_inputs
+    from bertforge.cluster.commands.finetune_sweep import check_inputs
     from bertforge.training.finetune.load import load_pretrained
     from bertforge.training.hf_interop import HF_WEIGHTS_NAMES
     from tests.support.finetune_data import tiny_bert_dir, write_sst2_tsv

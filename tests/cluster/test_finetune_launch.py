@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from bertforge.cluster import finetune_sweep as finetune_module
 from bertforge.cluster.cli import main
-from bertforge.cluster.finetune_workers import finetune_launch, local_cores
-from bertforge.cluster.launch_config import LaunchConfig
+from bertforge.cluster.commands import finetune_sweep as finetune_module
+from bertforge.cluster.launch.finetune_workers import finetune_launch, local_cores
+from bertforge.cluster.launch.launch_config import LaunchConfig
 
 
 @pytest.mark.parametrize(("given", "workers", "threads"), [

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from bertforge.cluster.cli import main
-from bertforge.cluster.glue import (
+from bertforge.cluster.commands.glue import (
     GLUE_COLUMNS,
     GlueConfig,
     format_glue_table,

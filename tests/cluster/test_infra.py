@@ -138,12 +138,9 @@ def _check_command(argv: list[str]) -> None:
             return
         raise AssertionError(f"bertforge {' '.join(argv)}: {err.getvalue().strip()}") from error
     if args.command == "prepare":
-        from apache_beam.options.pipeline_options import PipelineOptions
+        from bertforge.pipelines.prepare_options import parse_command_line
 
-        from bertforge.pipelines.prepare_options import PrepareConfig, check_argv
-
-        check_argv(extra)
-        PrepareConfig.from_options(PipelineOptions(extra))  # required flags and value ranges
+        parse_command_line(extra)  # the job's and Beam's flags, required ones, value ranges
     else:
         assert not extra, f"bertforge {' '.join(argv)}: unrecognized arguments {extra}"
 
@@ -406,7 +403,7 @@ def test_local_ray_listens_on_loopback_only(monkeypatch, tmp_path):
     import ray
     from ray._private import ray_constants
 
-    from bertforge.cluster.ray_train import LaunchConfig, connect
+    from bertforge.cluster.launch.ray_train import LaunchConfig, connect
 
     if ray.is_initialized():
         pytest.skip("a Ray is already running in this process")

@@ -1,5 +1,5 @@
-"""reap_dead_runs (cluster/local_ray.py) leaves alone the records, processes and session folders
-of runs in another container or on another node that share this TMPDIR: their pids are not
+"""reap_dead_runs (cluster/launch/local_ray.py) leaves alone the records, processes and session
+folders of runs in another container or on another node that share this TMPDIR: their pids are not
 this process table's."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 
 import psutil
 
-from bertforge.cluster.local_ray import reap_dead_runs
-from bertforge.cluster.run_lock import process_scope
+from bertforge.cluster.launch.local_ray import reap_dead_runs
+from bertforge.cluster.safety.run_lock import process_scope
 
 
 def write_record(root, name: str, scope: dict, driver: dict, processes: list[dict],

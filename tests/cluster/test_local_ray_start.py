@@ -12,7 +12,7 @@ import pytest
 import ray
 from ray._private import ray_constants
 
-from bertforge.cluster import local_ray
+from bertforge.cluster.launch import local_ray
 
 RAY_TIMEOUT = ("The current node timed out during startup. This could happen because some of "
                "the raylet failed to startup or the GCS has become overloaded.")

@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from bertforge.cluster.cli import main
-from bertforge.cluster.launch_config import LaunchConfig
-from bertforge.cluster.local_worker import run_in_local_process, runs_in_one_local_process
+from bertforge.cluster.launch.launch_config import LaunchConfig
+from bertforge.cluster.launch.local_worker import run_in_local_process, runs_in_one_local_process
 from bertforge.training.errors import UserInputError
 from tests.support import local_workers
 from tests.support.finetune_data import tiny_bert_dir, write_sst2_tsv
@@ -93,7 +93,7 @@ def test_a_local_finetune_starts_no_ray_and_a_killed_worker_redoes_its_run(tmp_p
         for child in psutil.Process().children(recursive=True):
             # An earlier test's child this process has not reaped yet is a zombie: skip it.
             with contextlib.suppress(psutil.Error):
-                if "bertforge.cluster.local_worker" in " ".join(child.cmdline()):
+                if "bertforge.cluster.launch.local_worker" in " ".join(child.cmdline()):
                     child.kill()
                     killed.append(child.pid)
 

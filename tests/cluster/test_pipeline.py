@@ -8,14 +8,14 @@ import shutil
 import pytest
 
 from bertforge.cluster.cli import main
-from bertforge.cluster.pipeline import (
+from bertforge.cluster.commands.pipeline import (
     HOW_TO_RUN_KEYS,
     PipelineConfig,
     PipelinePaths,
     load_config,
     run_pipeline,
 )
-from bertforge.cluster.stage_runner import (
+from bertforge.cluster.commands.stage_runner import (
     Stage,
     StageRunner,
     differing_keys,
@@ -225,7 +225,7 @@ def _forbid_work(monkeypatch):
 
     monkeypatch.setattr("bertforge.pipelines.vocab.train_wordpiece_vocab", fail)
     monkeypatch.setattr("bertforge.pipelines.prepare.run", fail)
-    monkeypatch.setattr("bertforge.cluster.ray_train.train_on_ray", fail)
+    monkeypatch.setattr("bertforge.cluster.launch.ray_train.train_on_ray", fail)
     monkeypatch.setattr("bertforge.training.export.export_checkpoint", fail)
 
 

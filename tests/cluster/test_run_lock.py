@@ -1,4 +1,4 @@
-"""One run per run directory: the lock file (cluster/run_lock.py). Two real `bertforge train`
+"""One run per run directory: the lock file (cluster/safety/run_lock.py). Two real `bertforge train`
 runs on one run directory are in test_train_from_outside.py (one Ray start serves its checks)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import psutil
 import pytest
 from pyarrow import fs
 
-from bertforge.cluster.run_lock import (
+from bertforge.cluster.safety.run_lock import (
     LOCK_NAME,
     Holder,
     RunDirectoryInUse,
@@ -187,7 +187,7 @@ def test_two_runs_racing_for_one_directory_get_one_lock(tmp_path):
 
 def test_a_lock_in_object_storage_is_written_read_back_and_refused_to_a_second_run(
         tmp_path, monkeypatch):
-    monkeypatch.setattr("bertforge.cluster.run_lock.SETTLE_SECONDS", 0.1)
+    monkeypatch.setattr("bertforge.cluster.safety.run_lock.SETTLE_SECONDS", 0.1)
     # A pyarrow filesystem as --storage sees one: a URI, no create-if-absent, no links.
     shared = fs.SubTreeFileSystem(str(tmp_path), fs.LocalFileSystem())
 

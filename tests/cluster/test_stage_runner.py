@@ -8,7 +8,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from bertforge.cluster.stage_runner import Stage, StageRunner
+from bertforge.cluster.commands.stage_runner import Stage, StageRunner
 
 
 def failing_stage() -> dict:

@@ -2,7 +2,7 @@
 storage (a worker killed, the node's local checkpoints gone) is in test_fault_tolerance.py, where
 it shares the uninterrupted reference run and the local Ray."""
 
-from bertforge.cluster.persistence import files_of_rank
+from bertforge.cluster.launch.persistence import files_of_rank
 
 
 def test_each_rank_uploads_exactly_its_own_files():

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from bertforge.cluster.checkout import package_folders
 from bertforge.cluster.cli import main
-from bertforge.cluster.submit import SubmitConfig, describe_runtime_env, shipped_package
+from bertforge.cluster.launch.checkout import package_folders
+from bertforge.cluster.launch.submit import SubmitConfig, describe_runtime_env, shipped_package
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.metrics import read_metrics
 from tests.training.conftest import write_dataset

@@ -5,7 +5,7 @@ a user and a scheduler see it:
 - SIGTERM (what a scheduler, `timeout` or `docker stop` sends) exits 143 with one line naming
   the newest committed checkpoint; the lock, Ray and its workers are gone;
 - the same command then resumes from that checkpoint, its console the project's lines only
-  (the engines' output is in the run's logs, cluster.worker_output);
+  (the engines' output is in the run's logs, cluster.launch.worker_output);
 - `eval` and `export` of the run are quiet too, and `--verbose` shows the engines' output.
 One run serves every check: each Ray start costs tens of seconds of the suite."""
 
@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from bertforge.cluster.run_lock import LOCK_NAME
+from bertforge.cluster.safety.run_lock import LOCK_NAME
 from bertforge.training.checkpoint import COMMIT_MARKER
 from tests.support.console import BERTFORGE, foreign_lines, json_lines
 from tests.support.train_process import LOOPBACK, TrainProcess, listening_sockets, train_command

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-from bertforge.cluster.worker_output import is_ours, worker_log_path
+from bertforge.cluster.launch.worker_output import is_ours, worker_log_path
 
 # Run in a fresh interpreter: quiet_worker rewires the process's stdout, stderr and warnings.
 # DeepSpeed is imported first, as in a worker, so its console handler exists and is re-pointed;
@@ -16,7 +16,7 @@ WORKER = textwrap.dedent("""
     import deepspeed  # noqa: F401
     import torch.distributed.c10d_logger as library_module
     import bertforge.training.metrics as our_module
-    from bertforge.cluster.worker_output import quiet_worker
+    from bertforge.cluster.launch.worker_output import quiet_worker
     from bertforge.training.metrics import console
 
     quiet_worker(sys.argv[2], 1)
@@ -78,7 +78,7 @@ def test_only_bertforge_files_count_as_ours():
 DRIVER = textwrap.dedent("""
     import logging, sys, warnings
     from bertforge.cluster.cli import _configure_logging
-    from bertforge.cluster.worker_output import log_driver_to, quiet_driver
+    from bertforge.cluster.launch.worker_output import log_driver_to, quiet_driver
 
     _configure_logging()
     quiet_driver("train", verbose=sys.argv[2] == "verbose")

@@ -82,13 +82,12 @@ def test_dataflow_dry_run_through_the_cli_exits_0_and_says_what_it_checked(
 def test_no_wait_is_taken_out_of_the_job_flags_and_the_follow_commands():
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from bertforge.pipelines.job_report import pop_no_wait, submitted_report
+    from bertforge.pipelines.job_report import submitted_report
+    from bertforge.pipelines.prepare_options import parse_command_line
 
-    assert pop_no_wait(["--input=x", "--no-wait", "--runner=DataflowRunner"]) == (
-        ["--input=x", "--runner=DataflowRunner"],
-        True,
-    )
-    assert pop_no_wait(["--input=x"]) == (["--input=x"], False)
+    command = parse_command_line(["--input=x", "--output=o", "--vocab=v", "--no-wait",
+                                  "--runner=DataflowRunner"])
+    assert command.beam_args == ("--runner=DataflowRunner",) and not command.wait
     options = PipelineOptions(["--project=p", "--region=europe-west4"])
     report = submitted_report("2026-11-23_12_00_00-123", options, "gs://b/shards")
     assert report["follow"] == (

@@ -3,14 +3,12 @@
 import dataclasses
 
 import pytest
-from apache_beam.options.pipeline_options import PipelineOptions
 
 from bertforge.pipelines.prepare_options import (
     PrepareConfig,
-    PrepareOptions,
     check_beam_args,
     help_text,
-    parse_argv,
+    parse_command_line,
 )
 
 REQUIRED = ["--input=a.jsonl", "--output=o", "--vocab=v"]
@@ -23,12 +21,11 @@ REQUIRED = ["--input=a.jsonl", "--output=o", "--vocab=v"]
      "--random_pool_chars=1000"],
 ])
 def test_both_spellings_reach_the_config(flags):
-    config, beam_args = parse_argv(REQUIRED + flags + ["--runner=DirectRunner"])
+    command = parse_command_line(REQUIRED + flags + ["--runner=DirectRunner"])
+    config = command.config
     assert (config.max_seq_length, config.num_shards, config.lower_case,
             config.random_pool_chars) == (64, 3, False, 1000)
-    assert beam_args == ["--runner=DirectRunner"]
-    # Beam's own parse (what a Flex Template launch and a worker see) agrees.
-    assert PipelineOptions(flags).view_as(PrepareOptions).max_seq_length == 64
+    assert command.beam_args == ("--runner=DirectRunner",)
 
 
 def test_help_shows_the_dashed_flag_first_for_every_option():
@@ -44,13 +41,31 @@ def test_help_shows_the_dashed_flag_first_for_every_option():
 
 
 def test_beam_flags_stay_as_beam_spells_them_and_may_not_set_job_options():
-    _, beam_args = parse_argv(REQUIRED + ["--direct_num_workers=2"])
-    assert beam_args == ["--direct_num_workers=2"]
+    command = parse_command_line(REQUIRED + ["--direct_num_workers=2"])
+    assert command.beam_args == ("--direct_num_workers=2",)
     with pytest.raises(ValueError, match="unknown flag.*--direct-num-workers"):
-        parse_argv(REQUIRED + ["--direct-num-workers=2"])
+        parse_command_line(REQUIRED + ["--direct-num-workers=2"])
     for spelling in ("--num-shards=2", "--num_shards=2"):
         with pytest.raises(ValueError, match="must not set the job's own options"):
             check_beam_args([spelling])
+
+
+def test_a_bad_value_or_a_missing_one_is_one_error_naming_the_flag():
+    with pytest.raises(ValueError, match="--num-shards.*invalid int value: 'abc'"):
+        parse_command_line(REQUIRED + ["--num-shards=abc"])
+    with pytest.raises(ValueError, match="inputs are required"):
+        parse_command_line(["--output=o", "--vocab=v"])
+    with pytest.raises(ValueError, match="unexpected argument.*stray"):
+        parse_command_line(REQUIRED + ["stray"])
+
+
+def test_no_wait_and_beams_own_options_are_read_from_the_one_parse():
+    command = parse_command_line(REQUIRED + ["--no-wait", "--runner=DataflowRunner", "--quiet",
+                                             "--dry_run=True"])
+    assert not command.wait and command.quiet and command.dry_run
+    assert "--no-wait" not in command.beam_args
+    plain = parse_command_line(REQUIRED)
+    assert plain.wait and not plain.quiet and not plain.dry_run
 
 
 def test_beams_worker_start_notice_is_kept_off_the_console(caplog):

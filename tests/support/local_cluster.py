@@ -71,7 +71,7 @@ class LocalRayCluster:
         until something makes one (`ray.init` does; `ray start` does not)."""
         import fcntl
 
-        from bertforge.cluster.submit import cluster_token
+        from bertforge.cluster.launch.submit import cluster_token
 
         # Two test processes (pytest-xdist workers) starting clusters at once must not each
         # write a token of their own: one's nodes would then hold a token the file no longer has.

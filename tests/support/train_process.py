@@ -13,7 +13,7 @@ import time
 
 import psutil
 
-from bertforge.cluster.local_ray import running
+from bertforge.cluster.launch.local_ray import running
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 

@@ -36,10 +36,27 @@ def test_masking_options_take_the_default_only_when_unset():
         MaskingOptions(0)
 
 
-def test_a_manifest_without_max_seq_length_is_refused(tmp_path):
+@pytest.mark.parametrize("bad", [None, "128", 0, 12.5])
+def test_every_reader_refuses_a_manifest_without_a_valid_max_seq_length(tmp_path, bad):
+    """One accessor, one rule: training, `inspect` and `inspect --verify` (which checked a missing
+    value three ways and took a wrong one for 512) all name it."""
+    from bertforge.pipelines.dataset_stats import inspect_dataset
+    from bertforge.pipelines.verify_dataset import verify_dataset
+    from bertforge.training.data import PretrainingLoader
+
     data = write_dataset(str(tmp_path))
     manifest = manifest_lib.read_manifest(data)
-    del manifest.instance_params["max_seq_length"]
+    manifest.instance_params.pop("max_seq_length")
+    if bad is not None:
+        manifest.instance_params["max_seq_length"] = bad
     manifest_lib.write_manifest(data, manifest)
-    with pytest.raises(ValueError, match="no instance parameter max_seq_length"):
+    refusal = f"no instance parameter max_seq_length .*found {bad!r}"
+    with pytest.raises(ValueError, match=refusal):
         DatasetFacts.read(data)
+    with pytest.raises(ValueError, match=refusal):
+        PretrainingLoader(data, "train", batch_size=2, seed=1, rank=0, world_size=1)
+    with pytest.raises(ValueError, match=refusal):
+        inspect_dataset(data)
+    problems = verify_dataset(data).problems
+    assert any("no instance parameter max_seq_length" in p and "rows not checked" in p
+               for p in problems), problems

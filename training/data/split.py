@@ -59,17 +59,17 @@ def open_split(data_dir: str, split: str, read: ReadOptions) -> OpenedSplit:
             "would mean other words; prepare the data with the model's vocab.txt"
         )
     tokens = read_vocab_tokens(local_dir, manifest.tokenizer)
-    max_seq_length = manifest.instance_params.get("max_seq_length")
-    if max_seq_length is None:
-        raise UserInputError(f"the manifest of {data_dir} has no instance parameter "
-                             "max_seq_length: not a dataset prepared by bertforge")
+    try:
+        max_seq_length = manifest.instance_param("max_seq_length", data_dir)
+    except ValueError as error:
+        raise UserInputError(str(error)) from error
     checksums = None
     if read.verify_checksums:
         checksums = verify_in_background([
             (os.path.join(local_dir, entry.path), entry.sha256)
             for entry in manifest.splits[split].shards
         ])
-    return OpenedSplit(manifest, rows, tokens, RowRules.from_vocab(tokens, int(max_seq_length)),
+    return OpenedSplit(manifest, rows, tokens, RowRules.from_vocab(tokens, max_seq_length),
                        checksums)
 
 

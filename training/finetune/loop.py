@@ -1,6 +1,6 @@
 """One fine-tuning run (one learning rate, one seed) on DeepSpeed; every worker calls `finetune`.
 
-Runs under Ray Train (cluster/finetune_sweep.py), `torchrun`, the `deepspeed` launcher or
+Runs under Ray Train (cluster/commands/finetune_sweep.py), `torchrun`, the `deepspeed` launcher or
 alone, like the pretraining loop. The engine is pretraining's (`training.engine.build_engine`:
 AdamW without decay on biases and LayerNorm, linear warm-up then linear decay to zero, ZeRO and
 precision as pretraining decides them); only the data and the heads differ.

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
-from bertforge.cluster.run_lock import process_scope
+from bertforge.cluster.safety.run_lock import process_scope
 
 KEEP_SESSIONS = 3
 START_ATTEMPTS = 3

@@ -43,12 +43,12 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from bertforge.cluster.stage_runner import write_json_atomic
-from bertforge.cluster.worker_output import is_verbose
+from bertforge.cluster.launch.worker_output import is_verbose
+from bertforge.cluster.safety.atomic_files import write_json_atomic
 from bertforge.training.errors import UserInputError
 
 if TYPE_CHECKING:  # the child imports this module: no Ray in it unless its function needs it
-    from bertforge.cluster.launch_config import LaunchConfig
+    from bertforge.cluster.launch.launch_config import LaunchConfig
 
 # The child's exit status for a UserInputError (its message in the error file): not retried.
 USER_ERROR_EXIT = 3

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bertforge.cluster.paths import absolute
+from bertforge.cluster.launch.paths import absolute
 from bertforge.pipelines.contract.config_fields import (
     NO_FLAG,
     RERUN_MAY_CHANGE,
@@ -142,7 +142,7 @@ def resolve_glue_dir(glue_dir: str | None) -> str:
         if not os.path.isdir(glue_dir):
             raise ValueError(f"--glue-dir {glue_dir}: no such directory")
         return os.path.abspath(glue_dir)
-    from bertforge.cluster.finetune_sweep import default_data_root
+    from bertforge.cluster.commands.finetune_sweep import default_data_root
 
     root = default_data_root()
     if root is None or not os.path.isdir(os.path.join(root, "glue")):
@@ -168,8 +168,8 @@ def task_configs(config: GlueConfig, glue_dir: str) -> dict[str, FinetuneConfig]
 
 def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
     """Fine-tune every task not done yet in config.output; print and return the table record."""
-    from bertforge.cluster.finetune_sweep import run_finetunes
-    from bertforge.cluster.stage_runner import Stage, StageRunner
+    from bertforge.cluster.commands.finetune_sweep import run_finetunes
+    from bertforge.cluster.commands.stage_runner import Stage, StageRunner
 
     started = time.time()
     glue_dir = resolve_glue_dir(config.glue_dir)

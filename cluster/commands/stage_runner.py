@@ -27,9 +27,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from bertforge.cluster.launch.worker_output import LOG_DIR, log_driver_to
+from bertforge.cluster.safety.atomic_files import write_json_atomic
+
 # One run per directory: the lock `train` takes too (host, pid, heartbeat; shared filesystems).
-from bertforge.cluster.run_lock import LOCK_NAME, exclusive_directory
-from bertforge.cluster.worker_output import LOG_DIR, log_driver_to
+from bertforge.cluster.safety.run_lock import LOCK_NAME, exclusive_directory
 
 
 @contextmanager
@@ -56,14 +58,6 @@ def fresh_dir(path: str) -> None:
     """An empty directory: a stage that died part-way leaves files that cannot be trusted."""
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
-
-
-def write_json_atomic(path: str, data: dict[str, Any]) -> None:
-    """Temp file + rename: a reader never sees half a record."""
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -104,7 +98,7 @@ class StageRunner:
         self._lock = exclusive_directory(self.root, self.command)
         self._lock.__enter__()
         self.state = self._load_or_create_state()
-        # The command's log (the engines' output: cluster.worker_output) in this directory,
+        # The command's log (the engines' output: cluster.launch.worker_output) in this directory,
         # now that it is ours; the first runner of a process claims it (the demo's, not its
         # fine-tuning's).
         log_driver_to(os.path.join(self.root, LOG_DIR, f"{self.command}.log"))

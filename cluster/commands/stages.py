@@ -18,10 +18,10 @@ import shutil
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from bertforge.cluster.stage_runner import fresh_dir
+from bertforge.cluster.commands.stage_runner import fresh_dir
 
 if TYPE_CHECKING:  # imported where used: Beam, Ray and torch load only for the stage that runs
-    from bertforge.cluster.launch_config import LaunchConfig
+    from bertforge.cluster.launch.launch_config import LaunchConfig
     from bertforge.pipelines.prepare_options import PrepareConfig
     from bertforge.training.config import TrainConfig
 
@@ -83,7 +83,7 @@ def train_to_the_end(cfg: TrainConfig, launch: LaunchConfig, command: str) -> di
     """Training of `cfg` (resume on) on Ray Train with `launch` up to its max_steps: it
     continues from the newest committed checkpoint, or starts fresh (warm-started from
     cfg.init_from); `command` names what to run again when it stops short."""
-    from bertforge.cluster.ray_train import train_on_ray
+    from bertforge.cluster.launch.ray_train import train_on_ray
 
     result = train_on_ray(cfg, launch)
     if result["step"] < cfg.max_steps:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from bertforge.cluster.launch_config import LaunchConfig
+from bertforge.cluster.launch.launch_config import LaunchConfig
 
 
 def local_cores() -> int:

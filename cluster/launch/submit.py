@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bertforge.cluster.checkout import built_package, package_folders
+from bertforge.cluster.launch.checkout import built_package, package_folders
 from bertforge.training.errors import UserInputError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"

@@ -14,14 +14,19 @@ from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.v2.api.exceptions import ControllerError
 
-from bertforge.cluster import local_ray
-from bertforge.cluster.dataset_guard import reading_dataset
-from bertforge.cluster.failure_policy import user_errors_fail_at_once
-from bertforge.cluster.launch_config import LaunchConfig
-from bertforge.cluster.paths import absolute
-from bertforge.cluster.run_lock import exclusive_directory
-from bertforge.cluster.torch_store import NodeAddressTorchConfig
-from bertforge.cluster.worker_output import LOG_DIR, is_verbose, log_driver_to, show_train_workers
+from bertforge.cluster.launch import local_ray
+from bertforge.cluster.launch.failure_policy import user_errors_fail_at_once
+from bertforge.cluster.launch.launch_config import LaunchConfig
+from bertforge.cluster.launch.paths import absolute
+from bertforge.cluster.launch.torch_store import NodeAddressTorchConfig
+from bertforge.cluster.launch.worker_output import (
+    LOG_DIR,
+    is_verbose,
+    log_driver_to,
+    show_train_workers,
+)
+from bertforge.cluster.safety.dataset_guard import reading_dataset
+from bertforge.cluster.safety.run_lock import exclusive_directory
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
@@ -191,8 +196,8 @@ def _worker_main(loop_config: dict[str, Any]) -> None:
     """Entry point on every Ray worker: the process group is already set up by Ray Train."""
     import torch
 
-    from bertforge.cluster.persistence import report_checkpoint, restore_latest
-    from bertforge.cluster.worker_output import quiet_worker
+    from bertforge.cluster.launch.persistence import report_checkpoint, restore_latest
+    from bertforge.cluster.launch.worker_output import quiet_worker
 
     torch.set_num_threads(loop_config["threads"])
     cfg = TrainConfig.from_dict(loop_config["train"])

@@ -23,9 +23,8 @@ import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from bertforge.cluster.launch_config import LaunchConfig
-from bertforge.cluster.stage_runner import Stage, StageRunner
-from bertforge.cluster.stages import (
+from bertforge.cluster.commands.stage_runner import Stage, StageRunner
+from bertforge.cluster.commands.stages import (
     export_complete,
     export_final,
     make_vocab,
@@ -35,6 +34,7 @@ from bertforge.cluster.stages import (
     training_complete,
     vocab_complete,
 )
+from bertforge.cluster.launch.launch_config import LaunchConfig
 from bertforge.pipelines.contract.config_fields import (
     NOT_IN_FILE,
     REQUIRED,
@@ -307,7 +307,7 @@ class PipelinePaths:
 def build_stages(
     config: PipelineConfig, paths: PipelinePaths, runner: StageRunner
 ) -> list[Stage]:
-    """vocab, prepare per length, a stage per phase, export (bodies: `cluster.stages`), each
+    """vocab, prepare per length, a stage per phase, export (bodies: `cluster.commands.stages`), each
     done when its outputs are."""
     stages = [Stage("vocab", lambda: _make_vocab(config, paths),
                     is_done=lambda: vocab_complete(paths.vocab_dir))]

@@ -27,17 +27,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bertforge.cluster.launch_config import LaunchConfig
-from bertforge.cluster.local_worker import run_in_local_process, runs_in_one_local_process
-from bertforge.cluster.paths import absolute
-from bertforge.cluster.ray_train import QUIET_RAY_TRAIN, connect, run_on_ray
-from bertforge.cluster.stage_runner import (
+from bertforge.cluster.commands.stage_runner import (
     Stage,
     StageRunner,
     fresh_dir,
     heartbeat,
-    write_json_atomic,
 )
+from bertforge.cluster.launch.launch_config import LaunchConfig
+from bertforge.cluster.launch.local_worker import run_in_local_process, runs_in_one_local_process
+from bertforge.cluster.launch.paths import absolute
+from bertforge.cluster.launch.ray_train import QUIET_RAY_TRAIN, connect, run_on_ray
+from bertforge.cluster.safety.atomic_files import write_json_atomic
 from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, FinetuneConfig
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.task_data import is_squad_split
@@ -274,7 +274,7 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
 
     import torch
 
-    from bertforge.cluster.worker_output import quiet_worker
+    from bertforge.cluster.launch.worker_output import quiet_worker
     from bertforge.training.errors import as_user_error
 
     torch.set_num_threads(worker_config["threads"])

@@ -25,13 +25,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import threading
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
-from bertforge.cluster import local_ray
-from bertforge.cluster.run_lock import (
+from bertforge.cluster.safety.run_lock import (
     LOCK_NAME,
     STALE_AFTER_SECONDS,
     Holder,
@@ -48,19 +45,14 @@ class DatasetConflict(ValueError):
     """The output holds another dataset, or a run reads it: a user error, one line."""
 
 
-def pop_overwrite(argv: list[str]) -> tuple[list[str], bool]:
-    """(argv without --overwrite, whether it was given): the flag is ours, not the job's."""
-    return [a for a in argv if a != OVERWRITE_FLAG], OVERWRITE_FLAG in argv
-
-
-def _is_local(path: str) -> bool:
+def is_local(path: str) -> bool:
     return "://" not in path or path.startswith("file://")
 
 
 @contextlib.contextmanager
 def writing_dataset(output: str, config, *, overwrite: bool) -> Iterator[None]:
     """Around a local `prepare` run: the lock, the identity check, the cleanup on failure."""
-    if not _is_local(output):
+    if not is_local(output):
         yield
         return
     output = output.removeprefix("file://")
@@ -148,7 +140,7 @@ def refuse_readers(data_dir: str) -> None:
 @contextlib.contextmanager
 def reading_dataset(data_dir: str, command: str) -> Iterator[None]:
     """While a run reads `data_dir`: a live reader's record that `prepare` respects."""
-    if not _is_local(data_dir):
+    if not is_local(data_dir):
         yield
         return
     record = os.path.join(data_dir.removeprefix("file://"), READERS_DIR, uuid.uuid4().hex)
@@ -165,58 +157,3 @@ def reading_dataset(data_dir: str, command: str) -> Iterator[None]:
         shutil.rmtree(record, ignore_errors=True)
         with contextlib.suppress(OSError):  # the last reader leaves no empty folder behind
             os.rmdir(os.path.dirname(record))
-
-
-def prepare_guarded(argv: list[str]) -> dict[str, Any]:
-    """`bertforge prepare ARGV` with the guard around the job (ARGV may hold --overwrite)."""
-    from apache_beam.options.pipeline_options import PipelineOptions, TestOptions
-
-    from bertforge.pipelines import job_report
-    from bertforge.pipelines.prepare import main
-    from bertforge.pipelines.prepare_options import parse_argv
-
-    argv, overwrite = pop_overwrite(list(argv))
-    if any(a in ("-h", "--help") for a in argv):
-        return main(argv)
-    config, beam_args = parse_argv(job_report.pop_no_wait(argv)[0])
-    if PipelineOptions(beam_args).view_as(TestOptions).dry_run:
-        return main(argv)  # nothing is written
-    try:
-        with writing_dataset(config.output, config, overwrite=overwrite), \
-                local_ray.on_stop(stop_beam_workers):
-            return main(argv, start_over=overwrite)
-    except SystemExit as exit_:
-        stop = local_ray.as_stop(exit_)
-        work = os.path.join(config.output, WORK_DIR_NAME)
-        if stop is None or not _is_local(config.output) or not os.path.isdir(work):
-            raise
-        stop.note = f"the same command continues it (its work is in {work})"
-        raise stop from exit_
-
-
-def stop_beam_workers() -> None:
-    """Terminate this process's Beam SDK worker processes (`multi_processing`), so that the
-    runner's cleanup, which joins them, ends at once on SIGTERM or Ctrl-C."""
-    import psutil
-
-    from bertforge.pipelines.local.quiet_harness import WORKER_MODULES
-
-    workers = [p for p in psutil.Process().children(recursive=True)
-               if any(module in " ".join(_cmdline(p)) for module in WORKER_MODULES)]
-    # Beam's threads watching them then fail ("Worker subprocess exited with return code
-    # -15"): expected now, so not a traceback on the console.
-    default_hook = threading.excepthook
-    threading.excepthook = lambda args: None if args.thread is not None and \
-        args.thread.name == "run_worker" else default_hook(args)
-    for worker in workers:
-        with contextlib.suppress(psutil.Error):
-            worker.terminate()
-
-
-def _cmdline(process) -> list[str]:
-    import psutil
-
-    try:
-        return process.cmdline()
-    except psutil.Error:
-        return []

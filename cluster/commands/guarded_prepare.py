@@ -1,0 +1,71 @@
+"""`bertforge prepare`: the Beam job (`pipelines.prepare`) inside the dataset guard
+(`cluster.safety.dataset_guard`): one writer per dataset, no other dataset replaced unasked
+(`--overwrite`), none under a run that reads it, nothing half-made left by a failure; a stop
+ends Beam's worker processes at once and keeps the work the same command continues."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any
+
+from bertforge.cluster.launch import local_ray
+from bertforge.cluster.safety.dataset_guard import OVERWRITE_FLAG, is_local, writing_dataset
+from bertforge.pipelines.local.work_dir import WORK_DIR_NAME
+from bertforge.pipelines.prepare import run_command
+from bertforge.pipelines.prepare_options import PrepareCommand
+
+OVERWRITE_HELP = (
+    f"{OVERWRITE_FLAG} replaces a dataset already in the output directory that other inputs, "
+    "vocabulary or instance parameters made (without it such a run is refused, naming what "
+    "differs; the same job again is always allowed). A dataset that a running train or eval "
+    "reads is never replaced.\n"
+    "A local run records its work in OUTPUT/.prepare-work as it goes: after a kill (kill -9, "
+    f"Ctrl-C, a reboot) the same command continues it; {OVERWRITE_FLAG} starts over instead.\n")
+
+
+def prepare_guarded(command: PrepareCommand, *, overwrite: bool) -> dict[str, Any]:
+    """Run the parsed command inside the guard; returns the job's summary."""
+    output = command.config.output
+    if command.dry_run:
+        return run_command(command)  # nothing is written
+    try:
+        with writing_dataset(output, command.config, overwrite=overwrite), \
+                local_ray.on_stop(stop_beam_workers):
+            return run_command(command, start_over=overwrite)
+    except SystemExit as exit_:
+        stop = local_ray.as_stop(exit_)
+        work = os.path.join(output, WORK_DIR_NAME)
+        if stop is None or not is_local(output) or not os.path.isdir(work):
+            raise
+        stop.note = f"the same command continues it (its work is in {work})"
+        raise stop from exit_
+
+
+def stop_beam_workers() -> None:
+    """Terminate this process's Beam SDK worker processes (`multi_processing`), so that the
+    runner's cleanup, which joins them, ends at once on SIGTERM or Ctrl-C."""
+    import psutil
+
+    from bertforge.pipelines.local.quiet_harness import WORKER_MODULES
+
+    workers = [p for p in psutil.Process().children(recursive=True)
+               if any(module in " ".join(_cmdline(p)) for module in WORKER_MODULES)]
+    # Beam's threads watching them then fail ("Worker subprocess exited with return code
+    # -15"): expected now, so not a traceback on the console.
+    default_hook = threading.excepthook
+    threading.excepthook = lambda args: None if args.thread is not None and \
+        args.thread.name == "run_worker" else default_hook(args)
+    for worker in workers:
+        with contextlib.suppress(psutil.Error):
+            worker.terminate()
+
+
+def _cmdline(process) -> list[str]:
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
