@@ -59,13 +59,13 @@ from typing import Any
 
 from bertforge.training.config import TrainConfig
 
-# Shared by every full-size recipe: Google's masking and decay, the precision and the ZeRO stage
-# that fit the hardware ("auto": bf16 where native, else fp32, training.precision; None:
-# `default_zero_stage` at start).
-_COMMON: dict[str, Any] = dict(
-    decay="linear", weight_decay=0.01, adam_betas=(0.9, 0.98), adam_eps=1e-6,
-    gradient_clipping=1.0, zero_stage=None, precision="auto", optimizer="adamw",
-    log_every=50, checkpoint_every=1000, keep_checkpoints=3, eval_every=2000, eval_batches=100,
+# Where every full-size recipe departs from TrainConfig's defaults: RoBERTa's beta2 for large
+# batches, and the logging, checkpoint and validation cadence of a run of days. The rest is the
+# default (linear decay, AdamW, precision "auto": bf16 where native, else fp32; the ZeRO stage
+# decided at start by `default_zero_stage`), said once, in the config.
+FULL_SIZE_SETTINGS: dict[str, Any] = dict(
+    adam_betas=(0.9, 0.98), log_every=50, checkpoint_every=1000, keep_checkpoints=3,
+    eval_every=2000, eval_batches=100,
 )
 
 # Share of the device's memory that model states (weights, gradients, optimizer) may take;
@@ -163,7 +163,8 @@ def _power_of_two_at_most(n: int) -> int:
 
 
 def _recipe(data_dir: str, run_dir: str, values: dict[str, Any], overrides: dict[str, Any]):
-    return TrainConfig(data_dir=data_dir, run_dir=run_dir, **{**_COMMON, **values, **overrides})
+    return TrainConfig(data_dir=data_dir, run_dir=run_dir,
+                       **{**FULL_SIZE_SETTINGS, **values, **overrides})
 
 
 def bert_large_phase1(data_dir: str, run_dir: str, **overrides: Any) -> TrainConfig:
@@ -211,8 +212,7 @@ def bert_tiny_phase1(data_dir: str, run_dir: str, **overrides: Any) -> TrainConf
     """Both phases in miniature (2 layers, 128 wide) for CPU tests and smoke runs."""
     return TrainConfig(**{**dict(
         data_dir=data_dir, run_dir=run_dir, model={"preset": "tiny"}, micro_batch_size=8,
-        max_steps=20, warmup_steps=2, learning_rate=1e-3, zero_stage=0, precision="auto",
-        log_every=5,
+        max_steps=20, warmup_steps=2, learning_rate=1e-3, zero_stage=0, log_every=5,
     ), **overrides})
 
 
@@ -220,29 +220,22 @@ def bert_tiny_phase2(data_dir: str, run_dir: str, init_from: str, **overrides: A
     return bert_tiny_phase1(data_dir, run_dir, **{"init_from": init_from, **overrides})
 
 
-def demo_recipe(
-    data_dir: str, run_dir: str, *, max_steps: int = 450, micro_batch_size: int = 16,
-    learning_rate: float = 1e-3, seed: int = 12345, precision: str = "auto", **overrides: Any,
-) -> TrainConfig:
-    """Tiny BERT that learns visibly in a few CPU minutes: a high LR suits a 2-layer model.
+# The demo's training, where it departs from TrainConfig's defaults (`bertforge demo`'s
+# --max-steps, --micro-batch-size and --learning-rate default to these): the default model, a
+# 2-layer BERT, learns visibly in a few CPU minutes, a high learning rate suiting it. What was
+# tried before these: benchmarks/README.md, "Does the demo's pretraining help?".
+DEMO_TRAINING: dict[str, Any] = dict(
+    max_steps=450, micro_batch_size=16, learning_rate=1e-3, zero_stage=2,
+)
 
-    precision "auto": fp32 on a CPU without native bf16, where emulated bf16 took the demo's
-    steps to 3.0 s each on a 2-core AVX2 EPYC (training.precision). Any other field can be
-    overridden (`bertforge train --recipe demo --resume never ...`)."""
-    return TrainConfig(**{**dict(
-        data_dir=data_dir,
-        run_dir=run_dir,
-        model={"preset": "tiny"},
-        max_steps=max_steps,
-        micro_batch_size=micro_batch_size,
-        learning_rate=learning_rate,
-        seed=seed,
-        warmup_steps=max(1, max_steps // 10),
-        weight_decay=0.01,
-        zero_stage=2,
-        precision=precision,
-        log_every=max(1, max_steps // 30),
-    ), **overrides})
+
+def demo_recipe(data_dir: str, run_dir: str, **overrides: Any) -> TrainConfig:
+    """The demo's training; warm-up and logging follow the steps (10 % and 30 lines). Any field
+    can be overridden (`bertforge train --recipe demo --resume never ...`)."""
+    values = {**DEMO_TRAINING, **overrides}
+    steps = values["max_steps"]
+    return TrainConfig(data_dir=data_dir, run_dir=run_dir, **{
+        "warmup_steps": max(1, steps // 10), "log_every": max(1, steps // 30), **values})
 
 
 # By name, for `bertforge train --recipe NAME` and pipeline files; phase 2 needs init_from.

@@ -307,8 +307,8 @@ class PipelinePaths:
 def build_stages(
     config: PipelineConfig, paths: PipelinePaths, runner: StageRunner
 ) -> list[Stage]:
-    """vocab, prepare per length, a stage per phase, export (bodies: `cluster.commands.stages`), each
-    done when its outputs are."""
+    """vocab, prepare per length, a stage per phase, export (bodies: `cluster.commands.stages`),
+    each done when its outputs are."""
     stages = [Stage("vocab", lambda: _make_vocab(config, paths),
                     is_done=lambda: vocab_complete(paths.vocab_dir))]
     for length in sorted({phase.max_seq_length for phase in config.phases()}):

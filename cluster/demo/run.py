@@ -1,10 +1,10 @@
 """`bertforge demo`: the demo's stages on the stage runner, in DIR.
 
 The chain's stages (vocab, prepare, train, export) are `bertforge pipeline`'s own bodies
-(`cluster.commands.stages`) on the demo's settings and layout; corpus, eval and the SST-2 fine-tuning are
-the demo's alone. Each stage is done once DIR's state file records it (the summary reads those
-records); a second run into the same DIR reuses finished stages, resumes training from its
-newest checkpoint, and refuses a DIR made with other settings.
+(`cluster.commands.stages`) on the demo's settings and layout; corpus, eval and the SST-2
+fine-tuning are the demo's alone. Each stage is done once DIR's state file records it (the
+summary reads those records); a second run into the same DIR reuses finished stages, resumes
+training from its newest checkpoint, and refuses a DIR made with other settings.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _train(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
         paths.shards, paths.run, max_steps=config.max_steps,
         micro_batch_size=config.micro_batch_size, learning_rate=config.learning_rate,
         seed=config.seed, precision=config.precision,
-    )
+    )  # the recipe's model and ZeRO stage; warm-up and logging follow the steps
     record = train_to_the_end(cfg, LaunchConfig(workers=config.train_workers), "demo")
     # Losses and throughput come from metrics.jsonl, which spans resumed runs too.
     return {**record, **training_statistics(read_metrics(paths.run))}

@@ -25,7 +25,8 @@ import sys
 import threading
 
 # Beam's harness module, and this one (which runs it): a worker process runs one of them, which
-# is how its command line is told from others (cluster.commands.guarded_prepare stops them on SIGTERM).
+# is how its command line is told from others (cluster.commands.guarded_prepare stops them on
+# SIGTERM).
 BEAM_HARNESS_MODULE = "apache_beam.runners.worker.sdk_worker_main"
 QUIET_HARNESS_MODULE = "bertforge.pipelines.local.quiet_harness"
 WORKER_MODULES = (BEAM_HARNESS_MODULE, QUIET_HARNESS_MODULE)

@@ -73,6 +73,14 @@ def test_pretraining_and_fine_tuning_offer_the_engines_options_as_declared_there
                                                                                    ()))
 
 
+def test_the_demos_training_defaults_are_the_demo_recipes():
+    from bertforge.training.recipes import demo_recipe
+
+    recipe, demo = demo_recipe("d", "r"), DemoConfig()
+    assert (demo.max_steps, demo.micro_batch_size, demo.learning_rate, demo.precision) == (
+        recipe.max_steps, recipe.micro_batch_size, recipe.learning_rate, recipe.precision)
+
+
 def test_every_demo_field_has_a_demo_flag():
     flags = _flags_by_dest(_subparser("demo"))
     for f in dataclasses.fields(DemoConfig):

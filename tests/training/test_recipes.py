@@ -75,6 +75,20 @@ def test_demo_recipe_lives_in_recipes():
     assert (cfg.resume, cfg.max_steps, cfg.eval_every, cfg.precision) == (False, 50, 10, "auto")
 
 
+def test_recipes_say_only_where_they_depart_from_the_configs_defaults():
+    """A default said twice drifts: the recipes restated seven of EngineConfig's."""
+    from bertforge.training.config import TrainConfig
+
+    declared = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(TrainConfig)
+                if (f.default, f.default_factory) != (dataclasses.MISSING,) * 2}
+    for name in ("FULL_SIZE_SETTINGS", "DEMO_TRAINING"):
+        restated = [key for key, value in getattr(recipes, name).items()
+                    if key in declared and declared[key] == value]
+        assert not restated, f"recipes.{name} restates the default of {restated}"
+    assert recipes.bert_tiny_phase1("d", "r").precision == declared["precision"] == "auto"
+
+
 def first_batch(data_dir: str, cfg) -> dict[str, torch.Tensor]:
     loader = PretrainingLoader(data_dir, "train", batch_size=cfg.micro_batch_size,
                                seed=cfg.seed, prefetch=0)
