@@ -88,6 +88,7 @@ def synthetic_documents(tmp: str) -> tuple[list, list, str]:
     as documents, and books made of 150 of its documents each; a vocabulary trained on it."""
     from bertforge.cluster.demo.docstring_corpus import write_docstring_corpus
     from bertforge.pipelines.vocab import train_wordpiece_vocab
+    from bertforge.pipelines.vocab_options import VocabConfig
 
     path = os.path.join(tmp, "docstrings.jsonl")
     write_docstring_corpus(path)
@@ -97,7 +98,8 @@ def synthetic_documents(tmp: str) -> tuple[list, list, str]:
         (f"book-{i}", "\n\n".join(text for _, text in docs[i * 150 : (i + 1) * 150]))
         for i in range(max(1, len(docs) // 150))
     ]
-    return docs, books, train_wordpiece_vocab([path], os.path.join(tmp, "vocab"), vocab_size=8000)
+    return docs, books, train_wordpiece_vocab(
+        VocabConfig((path,), os.path.join(tmp, "vocab"), vocab_size=8000))
 
 
 def write_corpus(docs: list[tuple[str, str]], scale: int, path: str) -> int:

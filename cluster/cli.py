@@ -60,12 +60,13 @@ QUIET_COMMANDS = ("demo", "train", "finetune", "glue", "eval", "export", "prepar
 
 
 def _add_vocab(commands) -> None:
+    from bertforge.pipelines.contract.config_fields import add_flag, add_flags
+    from bertforge.pipelines.vocab_options import VocabConfig
+
     p = commands.add_parser("vocab", help="train a WordPiece vocabulary on a corpus")
-    p.add_argument("--input", nargs="+", required=True,
-                   help="corpus files: JSON Lines with a 'text' field, or plain text")
-    p.add_argument("--output", required=True, help="directory for vocab.txt")
-    p.add_argument("--vocab-size", type=int, default=30522)
-    p.add_argument("--cased", action="store_true", help="keep case (default: lower-case)")
+    add_flag(p, VocabConfig, "inputs", required=True, metavar="INPUT")
+    add_flag(p, VocabConfig, "output", required=True)
+    add_flags(p, VocabConfig)
     p.set_defaults(handler=_run_vocab)
 
 
@@ -144,19 +145,13 @@ def _add_submit(commands) -> None:
 
 
 def _add_eval(commands) -> None:
+    from bertforge.pipelines.contract.config_fields import add_flags
+    from bertforge.training.eval_options import EvalOptions
+
     p = commands.add_parser("eval", help="masked-LM and NSP accuracy of a checkpoint")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (newest)")
     p.add_argument("--data", required=True, help="prepared shard directory")
-    p.add_argument("--split", default="validation", choices=("train", "validation"))
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-batches", type=int, default=None,
-                   help="score only the first N batches (default: the whole split)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="the masks' seed (default: the checkpoint's training seed, as its "
-                   "run's validation and the demo's eval)")
-    p.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
-                   help="hash the shards against the manifest's sha256 (rows are validated "
-                   "either way)")
+    add_flags(p, EvalOptions)
     p.set_defaults(handler=_run_eval)
 
 
@@ -228,12 +223,13 @@ def _add_glue(commands) -> None:
 
 
 def _run_vocab(args: argparse.Namespace) -> None:
+    from bertforge.pipelines.contract.config_fields import given_values
     from bertforge.pipelines.vocab import train_wordpiece_vocab
+    from bertforge.pipelines.vocab_options import VocabConfig
 
-    path = train_wordpiece_vocab(
-        args.input, args.output, vocab_size=args.vocab_size, lower_case=not args.cased
-    )
-    print(path)
+    config = VocabConfig(inputs=tuple(args.inputs), output=args.output,
+                         **given_values(args, VocabConfig))
+    print(train_wordpiece_vocab(config))
 
 
 def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
@@ -320,18 +316,18 @@ def _run_submit(args: argparse.Namespace) -> int:
 
 def _run_eval(args: argparse.Namespace) -> None:
     from bertforge.cluster.safety.dataset_guard import reading_dataset
+    from bertforge.pipelines.contract.config_fields import given_values
     from bertforge.training.checkpoint import resolve_checkpoint
+    from bertforge.training.eval_options import EvalOptions
     from bertforge.training.evaluate import evaluate_checkpoint
     from bertforge.training.inputs import check_eval_inputs
 
-    check_eval_inputs(args.checkpoint, args.data, args.split)
+    options = EvalOptions(**given_values(args, EvalOptions))
+    check_eval_inputs(args.checkpoint, args.data, options.split)
     checkpoint = resolve_checkpoint(args.checkpoint)
     _log_in_run_dir(checkpoint, "eval")
     with reading_dataset(args.data, "eval"):  # prepare will not replace it meanwhile
-        result = evaluate_checkpoint(
-            checkpoint, args.data, split=args.split, batch_size=args.batch_size,
-            seed=args.seed, verify_checksums=args.verify_checksums, max_batches=args.max_batches,
-        )
+        result = evaluate_checkpoint(checkpoint, args.data, options)
     print(json.dumps(result.to_dict(), indent=2))
 
 

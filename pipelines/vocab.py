@@ -24,6 +24,7 @@ from tokenizers.implementations import BertWordPieceTokenizer
 from bertforge.pipelines.contract.tokenization import SPECIAL_TOKENS
 from bertforge.pipelines.read.input_files import iter_texts
 from bertforge.pipelines.read.inputs_transform import match_inputs
+from bertforge.pipelines.vocab_options import VocabConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,26 +32,18 @@ VOCAB_FILE_NAME = "vocab.txt"
 
 
 def train_wordpiece_vocab(
-    text_files: list[str],
-    output_dir: str,
-    *,
-    vocab_size: int = 30522,
-    lower_case: bool = True,
-    min_frequency: int = 2,
-    limit_alphabet: int = 1000,
+    config: VocabConfig, *, min_frequency: int = 2, limit_alphabet: int = 1000
 ) -> str:
-    """Train on corpus files; return the path. `text_files` are what `prepare --input` takes:
-    files, directories or globs, with a format prefix where wanted (`books:DIR/*.txt`), read by
-    the same readers (JSON Lines, Parquet, wiki dumps, books, one sentence per line).
+    """Train on the corpus files of `config.inputs`; return the path of `config.output`/vocab.txt.
+    The inputs are what `prepare --input` takes: files, directories or globs, with a format
+    prefix where wanted (`books:DIR/*.txt`), read by the same readers (JSON Lines, Parquet, wiki
+    dumps, books, one sentence per line).
 
     `[PAD] [UNK] [CLS] [SEP] [MASK]` get ids 0-4 (Google's uncased file has 0, 100, 101, 102, 103,
     but only the names matter to every consumer here). The corpus is streamed, never loaded whole.
     """
-    if vocab_size <= len(SPECIAL_TOKENS):
-        raise ValueError(
-            f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}"
-        )
-    files = match_inputs(tuple(text_files))
+    vocab_size, lower_case, output_dir = config.vocab_size, config.lower_case, config.output
+    files = match_inputs(config.inputs)
     paths, formats = [path for path, _ in files], {path: fmt for path, fmt in files if fmt}
     settings = dict(min_frequency=min_frequency, limit_alphabet=limit_alphabet,
                     show_progress=False)

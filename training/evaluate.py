@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from bertforge.training.distributed import all_reduce_sum
+from bertforge.training.eval_options import EvalOptions
 
 
 @dataclass
@@ -103,17 +104,15 @@ def evaluate(model, batches, *, baseline_token_id: int, device: str = "cpu",
 
 
 def evaluate_checkpoint(
-    checkpoint_path: str, data_dir: str, *, split: str = "validation", batch_size: int = 64,
-    seed: int | None = None, mask_prob: float = 0.15, max_predictions: int | None = None,
-    verify_checksums: bool = True, max_batches: int | None = None,
-    progress_seconds: float = 10.0,
+    checkpoint_path: str, data_dir: str, options: EvalOptions | None = None, *,
+    mask_prob: float = 0.15, max_predictions: int | None = None, progress_seconds: float = 10.0,
 ) -> EvalResult:
     """Score a checkpoint on a split with fixed masks (seed, epoch 0), in this process; a
     progress line every `progress_seconds` (`EvalProgress`).
 
-    `seed` None: the checkpoint's training seed, whose masks its run's own validation and the
-    demo's eval drew (so `bertforge eval` of a run gives their numbers); a checkpoint saved
-    before seeds were recorded takes TrainConfig's default seed."""
+    `options.seed` None: the checkpoint's training seed, whose masks its run's own validation
+    and the demo's eval drew (so `bertforge eval` of a run gives their numbers); a checkpoint
+    saved before seeds were recorded takes TrainConfig's default seed."""
     from bertforge.training.checkpoint import load_model
     from bertforge.training.data import (
         MaskingOptions,
@@ -123,23 +122,27 @@ def evaluate_checkpoint(
     )
     from bertforge.training.dataset_facts import DatasetFacts
 
+    options = options or EvalOptions()  # the defaults `bertforge eval` shows
     model, metadata = load_model(checkpoint_path)
     if DatasetFacts.read(data_dir).vocab_sha256 != metadata["vocab_sha256"]:
         raise ValueError(f"{data_dir} uses another vocabulary than checkpoint {checkpoint_path}")
+    seed = options.seed
     if seed is None:
         seed = metadata.get("seed", _default_training_seed())
     # max_predictions None: the loader takes the data's default (20 at 128 tokens, 80 at 512).
     loader = PretrainingLoader(
-        data_dir, split, batch_size=batch_size, seed=seed, drop_last=False,
+        data_dir, options.split, batch_size=options.batch_size, seed=seed, drop_last=False,
         masking=MaskingOptions(max_predictions, mask_prob),
-        read=ReadOptions(verify_checksums=verify_checksums),
+        read=ReadOptions(verify_checksums=options.verify_checksums),
     )
     baseline_token_id = most_frequent_token(token_frequencies(data_dir, "train"), data_dir)
     # The loader's bound on labels per row: the fixed-width sparse head (no host sync).
     model.max_predictions = loader.max_predictions_per_row
+    max_batches = options.max_batches
     total = len(loader) if max_batches is None else min(max_batches, len(loader))
     progress = EvalProgress(total, every_seconds=progress_seconds)
-    progress.say(f"[eval] {checkpoint_path}: {total} batches of {batch_size} ({split})")
+    progress.say(f"[eval] {checkpoint_path}: {total} batches of {options.batch_size} "
+                 f"({options.split})")
     result = evaluate(model, loader, baseline_token_id=baseline_token_id,
                       max_batches=max_batches, progress=progress)
     loader.wait_for_checksums()  # no numbers from shards whose bytes are not the manifest's

@@ -45,10 +45,12 @@ from bertforge.pipelines.contract.config_fields import (
     from_table,
     option,
     required_fields,
+    same_option,
     table_keys,
     underscore_hint,
 )
 from bertforge.pipelines.prepare_options import PrepareConfig, check_beam_args
+from bertforge.pipelines.vocab_options import VocabConfig
 from bertforge.training.config import TrainConfig
 
 # Keys that say how to run, not what to make: outputs are byte-identical on any Beam runner and
@@ -85,25 +87,31 @@ def _string_list(section: str, key: str, table: dict[str, Any]) -> tuple[str, ..
 
 @dataclass(frozen=True)
 class VocabSection:
-    """Train a WordPiece vocab (`size`), or use an existing file (`path`, e.g. Google's)."""
+    """[vocab]: train a WordPiece vocab (`VocabConfig`'s keys; its inputs default to the
+    [prepare] inputs), or use an existing file (`path`, e.g. Google's)."""
 
     path: str | None = option(help="an existing vocab.txt to use (e.g. Google's), instead of "
                               "training one")
-    size: int = option(30522, "entries of the vocabulary to train")
-    lower_case: bool = option(True, "lower-case and strip accents (the vocab's casing, which "
-                              "prepare follows)")
-    inputs: tuple[str, ...] = option((), "files to train the vocabulary on (default: the "
-                                     "[prepare] inputs, read as text, format prefixes dropped)")
+    vocab_size: int = same_option(VocabConfig, "vocab_size")
+    lower_case: bool = same_option(VocabConfig, "lower_case")
+    inputs: tuple[str, ...] = same_option(VocabConfig, "inputs")
 
     def __post_init__(self) -> None:
-        if self.size < 6:  # the 5 special tokens and one more
-            raise ValueError(f"size must be at least 6, got {self.size}")
+        self.vocab_config(("-",), "-")  # its validation, before any stage runs
+
+    def vocab_config(self, default_inputs: tuple[str, ...], output: str) -> VocabConfig:
+        return VocabConfig(inputs=self.inputs or default_inputs, output=output,
+                           vocab_size=self.vocab_size, lower_case=self.lower_case)
 
     @classmethod
     def from_table(cls, table: Any, base_dir: str) -> VocabSection:
-        if isinstance(table, dict) and "path" in table and ("size" in table or "inputs" in table):
-            raise ValueError("vocab.path uses an existing vocab: give it without vocab.size "
-                             "and vocab.inputs, which train a new one")
+        if isinstance(table, dict) and "size" in table:
+            raise ValueError("vocab.size is spelled vocab_size, as the flag is "
+                             "(bertforge vocab --vocab-size)")
+        if isinstance(table, dict) and "path" in table and (
+                "vocab_size" in table or "inputs" in table):
+            raise ValueError("vocab.path uses an existing vocab: give it without "
+                             "vocab.vocab_size and vocab.inputs, which train a new one")
         section = from_table(cls, "vocab", table)
         return replace(
             section, path=_resolve_path(section.path, base_dir) if section.path else None,
@@ -334,8 +342,7 @@ def build_stages(
 
 def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
     # Without its own inputs: prepare's, as prepare reads them (`books:` is read as books).
-    return make_vocab(paths.vocab_dir, inputs=config.vocab.inputs or config.prepare.options.inputs,
-                      size=config.vocab.size, lower_case=config.vocab.lower_case,
+    return make_vocab(config.vocab.vocab_config(config.prepare.options.inputs, paths.vocab_dir),
                       existing=config.vocab.path)
 
 

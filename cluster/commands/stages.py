@@ -23,20 +23,20 @@ from bertforge.cluster.commands.stage_runner import fresh_dir
 if TYPE_CHECKING:  # imported where used: Beam, Ray and torch load only for the stage that runs
     from bertforge.cluster.launch.launch_config import LaunchConfig
     from bertforge.pipelines.prepare_options import PrepareConfig
+    from bertforge.pipelines.vocab_options import VocabConfig
     from bertforge.training.config import TrainConfig
 
 VOCAB_NAME = "vocab.txt"
 
 
-def make_vocab(vocab_dir: str, *, inputs: Sequence[str], size: int, lower_case: bool,
-               existing: str | None = None) -> dict[str, Any]:
-    """`vocab_dir`/vocab.txt: a copy of `existing`, or a WordPiece vocabulary of `size` trained
-    on `inputs` (read as prepare reads them, format prefixes included). Either is written
-    beside its place and renamed in, so a half-written vocab.txt never "exists"."""
+def make_vocab(config: VocabConfig, existing: str | None = None) -> dict[str, Any]:
+    """`config.output`/vocab.txt: a copy of `existing`, or a WordPiece vocabulary trained as
+    `config` says (inputs read as prepare reads them, format prefixes included). Either is
+    written beside its place and renamed in, so a half-written vocab.txt never "exists"."""
     from bertforge.pipelines.contract.manifest import sha256_file
 
-    path = os.path.join(vocab_dir, VOCAB_NAME)
-    os.makedirs(vocab_dir, exist_ok=True)
+    path = os.path.join(config.output, VOCAB_NAME)
+    os.makedirs(config.output, exist_ok=True)
     if existing:
         if not os.path.isfile(existing):
             raise ValueError(f"vocab.path {existing} does not exist")
@@ -46,7 +46,7 @@ def make_vocab(vocab_dir: str, *, inputs: Sequence[str], size: int, lower_case: 
     else:
         from bertforge.pipelines.vocab import train_wordpiece_vocab
 
-        train_wordpiece_vocab(list(inputs), vocab_dir, vocab_size=size, lower_case=lower_case)
+        train_wordpiece_vocab(config)
         source = "trained"
     return {"source": source, "sha256": sha256_file(path)}
 

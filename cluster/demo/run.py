@@ -27,6 +27,7 @@ from bertforge.cluster.demo.summary import summarise, training_statistics
 
 if TYPE_CHECKING:  # imported where used: Beam loads only for the prepare stage
     from bertforge.pipelines.prepare_options import PrepareConfig
+    from bertforge.pipelines.vocab_options import VocabConfig
 
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
@@ -38,8 +39,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
                      dir_flag="--output") as runner:
         runner.run([
             Stage("corpus", lambda: _build_corpus(paths, config)),
-            Stage("vocab", lambda: make_vocab(paths.vocab_dir, inputs=[paths.corpus],
-                                              size=config.vocab_size, lower_case=True)),
+            Stage("vocab", lambda: make_vocab(_vocab_config(paths, config))),
             Stage("prepare", lambda: prepare_dataset(_prepare_config(paths, config),
                                                      _beam_args(config))),
             Stage("train", lambda: _train(paths, config)),
@@ -61,6 +61,13 @@ def _build_corpus(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
     print(f"[demo] corpus: {stats['num_documents']} documents, {stats['num_bytes']:,} bytes "
           f"of docstrings", flush=True)
     return {"num_documents": stats["num_documents"], "num_bytes": stats["num_bytes"]}
+
+
+def _vocab_config(paths: DemoPaths, config: DemoConfig) -> VocabConfig:
+    from bertforge.pipelines.vocab_options import VocabConfig
+
+    return VocabConfig(inputs=(paths.corpus,), output=paths.vocab_dir,
+                       vocab_size=config.vocab_size)
 
 
 def _prepare_config(paths: DemoPaths, config: DemoConfig) -> PrepareConfig:
@@ -96,9 +103,11 @@ def _train(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
 
 def _evaluate(paths: DemoPaths, config: DemoConfig) -> dict[str, Any]:
     from bertforge.training.checkpoint import latest_checkpoint
+    from bertforge.training.eval_options import EvalOptions
     from bertforge.training.evaluate import evaluate_checkpoint
 
-    result = evaluate_checkpoint(latest_checkpoint(paths.run), paths.shards, seed=config.seed)
+    result = evaluate_checkpoint(latest_checkpoint(paths.run), paths.shards,
+                                 EvalOptions(seed=config.seed))
     with open(paths.eval, "w", encoding="utf-8") as f:
         json.dump(result.to_dict(), f, indent=2)
     return result.to_dict()

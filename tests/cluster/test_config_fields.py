@@ -13,8 +13,10 @@ from bertforge.cluster.launch.launch_config import LaunchConfig
 from bertforge.cluster.launch.worker_output import ConsoleConfig
 from bertforge.pipelines.contract.config_fields import NO_FLAG, NOT_IN_FILE, marked
 from bertforge.pipelines.prepare_options import PrepareConfig, parse_command_line
+from bertforge.pipelines.vocab_options import VocabConfig
 from bertforge.training.config import TrainConfig
 from bertforge.training.engine_config import EngineConfig
+from bertforge.training.eval_options import EvalOptions
 from bertforge.training.finetune.config import FinetuneConfig
 
 # The flags `bertforge train` places itself for the TrainConfig fields marked NO_FLAG.
@@ -36,7 +38,8 @@ def _flags_by_dest(parser) -> dict[str, set[str]]:
 
 
 @pytest.mark.parametrize("cls", [TrainConfig, LaunchConfig, PrepareConfig, DemoConfig,
-                                 FinetuneConfig, GlueConfig, ConsoleConfig])
+                                 FinetuneConfig, GlueConfig, ConsoleConfig, VocabConfig,
+                                 EvalOptions])
 def test_every_field_has_help_text(cls):
     missing = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("help")]
     assert not missing, f"{cls.__name__} fields without help: {missing}"
@@ -53,6 +56,42 @@ def test_every_training_and_launch_field_has_a_train_flag():
         assert flags.get(f.name), f"LaunchConfig.{f.name} has no `bertforge train` flag"
     assert {f.name for f in dataclasses.fields(TrainConfig) if marked(f, NO_FLAG)} == \
         set(HAND_FLAGS)
+
+
+def test_vocab_options_are_one_declaration_with_one_spelling(tmp_path):
+    """`bertforge vocab` flags and the pipeline file's [vocab] keys are VocabConfig's fields:
+    the flag spelled `--cased` and the key `lower_case` were one option with two names."""
+    from bertforge.cluster.commands.pipeline import VocabSection
+
+    flags = _flags_by_dest(_subparser("vocab"))
+    for f in dataclasses.fields(VocabConfig):
+        assert flags.get(f.name), f"VocabConfig.{f.name} has no `bertforge vocab` flag"
+    assert flags["lower_case"] == {"--lower-case", "--no-lower-case"}
+    assert flags["vocab_size"] == {"--vocab-size"}
+    section = {f.name: f for f in dataclasses.fields(VocabSection)}
+    for f in dataclasses.fields(VocabConfig):
+        if not marked(f, NOT_IN_FILE):
+            assert section[f.name].metadata["help"] == f.metadata["help"], f.name
+            assert section[f.name].default == f.default, f.name
+    args = build_parser().parse_args(["vocab", "--input", "a.txt", "b.txt", "--output", "o",
+                                      "--no-lower-case", "--vocab-size", "100"])
+    from bertforge.pipelines.contract.config_fields import given_values
+
+    config = VocabConfig(inputs=tuple(args.inputs), output=args.output,
+                         **given_values(args, VocabConfig))
+    assert config == VocabConfig(("a.txt", "b.txt"), "o", vocab_size=100, lower_case=False)
+
+
+def test_eval_flags_are_the_eval_options():
+    flags = _flags_by_dest(_subparser("eval"))
+    for f in dataclasses.fields(EvalOptions):
+        assert bool(flags.get(f.name)) != marked(f, NO_FLAG), f"EvalOptions.{f.name}"
+    args = build_parser().parse_args(["eval", "run", "--data", "d", "--batch-size", "8",
+                                      "--no-verify-checksums"])
+    from bertforge.pipelines.contract.config_fields import given_values
+
+    assert EvalOptions(**given_values(args, EvalOptions)) == EvalOptions(
+        batch_size=8, verify_checksums=False)
 
 
 def test_pretraining_and_fine_tuning_offer_the_engines_options_as_declared_there():

@@ -86,8 +86,9 @@ def test_phase2_warm_starts_from_phase1s_run(tmp_path):
     ({"prepare__beam_args": ["--output=/elsewhere"]},
      "must not set the job's own options (--output=/elsewhere)"),
     ({"prepare__beam_args": ["--direct_num_worker=2"]}, "prepare.beam_args: unknown flag"),
-    ({"vocab__path": "v.txt", "vocab__size": 100}, "vocab.path uses an existing vocab"),
-    ({"vocab__size": 3}, "vocab: size must be at least 6"),
+    ({"vocab__path": "v.txt", "vocab__vocab_size": 100}, "vocab.path uses an existing vocab"),
+    ({"vocab__vocab_size": 3}, "vocab: vocab_size must exceed the 5 special tokens"),
+    ({"vocab__size": 100}, "vocab.size is spelled vocab_size, as the flag is"),
     ({"vocab__lowercase": True}, "unknown key(s) in [vocab]: lowercase"),
     ({"workdir": "gs://bucket/work"}, "workdir must be a local or mounted path"),
     # One validation of the length, the job's own, for every phase.
@@ -179,7 +180,7 @@ TINY_TOML = """
 workdir = "work"
 
 [vocab]
-size = 2000
+vocab_size = 2000
 
 [prepare]
 inputs = ["corpus/*.jsonl"]
@@ -242,7 +243,7 @@ def test_first_run_does_every_stage_and_records_the_configuration(finished_pipel
     assert record["settings"]["recipes"]["phase2"]["max_steps"] == 4
     assert record["settings"]["recipes"]["phase2"]["init_from"] == str(
         root / "work" / "runs" / "phase1")
-    assert record["settings"]["config"]["vocab"]["size"] == 2000
+    assert record["settings"]["config"]["vocab"]["vocab_size"] == 2000
 
 
 @pytest.mark.slow

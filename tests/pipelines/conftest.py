@@ -14,6 +14,7 @@ from bertforge.pipelines.instances.sentences import split_sentences
 from bertforge.pipelines.prepare import run
 from bertforge.pipelines.prepare_options import PrepareConfig
 from bertforge.pipelines.vocab import train_wordpiece_vocab
+from bertforge.pipelines.vocab_options import VocabConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The team's shared, read-only data (real corpora, GLUE, vocabularies) lives beside the
@@ -48,7 +49,7 @@ def docstring_corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
 def small_vocab(tmp_path_factory: pytest.TempPathFactory, docstring_corpus: str) -> str:
     """A lower-cased 3,000-piece vocabulary trained on the small corpus."""
     out = tmp_path_factory.mktemp("vocab")
-    return train_wordpiece_vocab([docstring_corpus], str(out), vocab_size=3000)
+    return train_wordpiece_vocab(VocabConfig((docstring_corpus,), str(out), vocab_size=3000))
 
 
 def write_jsonl(path: Path, records: list) -> None:

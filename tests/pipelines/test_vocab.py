@@ -9,6 +9,7 @@ import pytest
 from bertforge.pipelines.contract.tokenization import SPECIAL_TOKENS, load_tokenizer
 from bertforge.pipelines.instances.sentences import split_sentences
 from bertforge.pipelines.vocab import train_wordpiece_vocab
+from bertforge.pipelines.vocab_options import VocabConfig
 
 from .conftest import shared_data_file
 
@@ -62,9 +63,9 @@ def _assert_same_ids(vocab_path: str, lower_case: bool, sentences: list[str], tm
 
 @pytest.mark.parametrize("lower_case", [True, False])
 def test_trained_vocab_matches_bert_tokenizer_fast(docstring_corpus, tmp_path, lower_case):
-    path = train_wordpiece_vocab(
-        [docstring_corpus], str(tmp_path / "v"), vocab_size=2000, lower_case=lower_case
-    )
+    path = train_wordpiece_vocab(VocabConfig(
+        (docstring_corpus,), str(tmp_path / "v"), vocab_size=2000, lower_case=lower_case
+    ))
     with open(path, encoding="utf-8") as f:
         tokens = f.read().splitlines()
     assert tokens[:5] == list(SPECIAL_TOKENS)
@@ -85,8 +86,8 @@ def test_trains_on_sentence_per_line_text(tmp_path):
         "The cat sat on the mat.\nThe dog sat too.\n\nA new document starts here.\n" * 50
     )
     path = train_wordpiece_vocab(
-        [str(tmp_path / "*.txt")], str(tmp_path / "v"), vocab_size=200, min_frequency=1
-    )
+        VocabConfig((str(tmp_path / "*.txt"),), str(tmp_path / "v"), vocab_size=200),
+        min_frequency=1)
     with open(path, encoding="utf-8") as f:
         assert "cat" in f.read().splitlines()
 
@@ -94,8 +95,8 @@ def test_trains_on_sentence_per_line_text(tmp_path):
 def test_a_vocabulary_smaller_than_asked_says_so(tmp_path, caplog):
     (tmp_path / "small.txt").write_text("The cat sat on the mat.\nThe dog sat too.\n" * 20)
     with caplog.at_level("WARNING", logger="bertforge"):
-        path = train_wordpiece_vocab([str(tmp_path / "small.txt")], str(tmp_path / "v"),
-                                     vocab_size=30522, min_frequency=1)
+        path = train_wordpiece_vocab(
+            VocabConfig((str(tmp_path / "small.txt"),), str(tmp_path / "v")), min_frequency=1)
     with open(path, encoding="utf-8") as f:
         size = len(f.read().splitlines())
     assert size < 30522
@@ -106,7 +107,8 @@ def test_a_vocabulary_smaller_than_asked_says_so(tmp_path, caplog):
 
 def test_missing_input_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="matches no file"):
-        train_wordpiece_vocab([str(tmp_path / "nothing-*.jsonl")], str(tmp_path / "v"))
+        train_wordpiece_vocab(VocabConfig((str(tmp_path / "nothing-*.jsonl"),),
+                                          str(tmp_path / "v")))
 
 
 # Words whose pieces tie in count: the merges the trainer picks among them depend on how it
@@ -116,7 +118,9 @@ TIED_CORPUS = " ".join(f"{a}{b}{c}" for a in "bdfhk" for b in "aeiou" for c in "
 TRAIN_IN_A_FRESH_PROCESS = """
 import hashlib, sys
 from bertforge.pipelines.vocab import train_wordpiece_vocab
-path = train_wordpiece_vocab([sys.argv[1]], sys.argv[2], vocab_size=120, min_frequency=1)
+from bertforge.pipelines.vocab_options import VocabConfig
+path = train_wordpiece_vocab(VocabConfig((sys.argv[1],), sys.argv[2], vocab_size=120),
+                             min_frequency=1)
 print(hashlib.sha256(open(path, "rb").read()).hexdigest())
 """
 
@@ -147,10 +151,11 @@ def test_inputs_are_read_as_prepare_reads_them_books_prefix_included(tmp_path):
     books.mkdir()
     (books / "a.txt").write_text("Zyxwv qrstu zyxwv qrstu.\r\n\r\nZyxwv again.\r\n" * 20,
                                  encoding="utf-8")
-    path = train_wordpiece_vocab([f"books:{books}/*.txt"], str(tmp_path / "v"),
-                                 vocab_size=60, min_frequency=1)
+    path = train_wordpiece_vocab(
+        VocabConfig((f"books:{books}/*.txt",), str(tmp_path / "v"), vocab_size=60),
+        min_frequency=1)
     tokens = open(path, encoding="utf-8").read().split()
     assert "zyxwv" in tokens and "qrstu" in tokens
     os.symlink(tmp_path / "gone.txt", books / "b.txt")
     with pytest.raises(ValueError, match="b.txt is a symbolic link to a missing file"):
-        train_wordpiece_vocab([f"books:{books}/*.txt"], str(tmp_path / "v2"))
+        train_wordpiece_vocab(VocabConfig((f"books:{books}/*.txt",), str(tmp_path / "v2")))

@@ -10,6 +10,7 @@ import torch
 
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
+from bertforge.training.eval_options import EvalOptions
 from bertforge.training.evaluate import evaluate_checkpoint
 from bertforge.training.export import export_checkpoint
 from bertforge.training.loop import train
@@ -91,7 +92,7 @@ def test_training_learns_and_checkpoint_evaluates_and_exports(dataset, tmp_path)
                        zero_stage=1, log_every=5))
     history = losses(tmp_path / "run")
     assert history[40] < history[1]
-    result = evaluate_checkpoint(run.checkpoint_path, dataset, batch_size=16)
+    result = evaluate_checkpoint(run.checkpoint_path, dataset, EvalOptions(batch_size=16))
     assert result.num_sequences == 40
     assert 0.0 <= result.mlm_accuracy <= 1.0 and 0.0 <= result.nsp_accuracy <= 1.0
     hf_dir = export_checkpoint(str(tmp_path / "run"), str(tmp_path / "hf"))
@@ -191,7 +192,8 @@ def test_eval_masks_the_split_as_the_run_did_by_default(dataset, tmp_path):
     draw the same masks: the checkpoint's training seed, recorded in bertforge.json."""
     run = train(config(dataset, tmp_path / "run", max_steps=2, seed=7))
     assert checkpoint.read_metadata(run.checkpoint_path)["seed"] == 7
-    default = evaluate_checkpoint(run.checkpoint_path, dataset, batch_size=16)
-    assert default == evaluate_checkpoint(run.checkpoint_path, dataset, batch_size=16, seed=7)
-    other = evaluate_checkpoint(run.checkpoint_path, dataset, batch_size=16, seed=0)
+    default = evaluate_checkpoint(run.checkpoint_path, dataset, EvalOptions(batch_size=16))
+    assert default == evaluate_checkpoint(run.checkpoint_path, dataset,
+                                          EvalOptions(batch_size=16, seed=7))
+    other = evaluate_checkpoint(run.checkpoint_path, dataset, EvalOptions(batch_size=16, seed=0))
     assert other.mlm_loss != default.mlm_loss

@@ -1,0 +1,23 @@
+"""How a checkpoint is scored (`EvalOptions`): `bertforge eval`'s flags are generated from these
+fields. Apart from `training.evaluate` so that building the command line imports no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bertforge.pipelines.contract.config_fields import option
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """How `evaluate_checkpoint` scores: `bertforge eval`'s flags are generated from these."""
+
+    split: str = option("validation", "the split to score", choices=("train", "validation"))
+    batch_size: int = option(64, "sequences per batch")
+    max_batches: int | None = option(
+        help="score only the first N batches (default: the whole split)")
+    seed: int | None = option(
+        help="the masks' seed (default: the checkpoint's training seed, as its run's validation "
+        "and the demo's eval)")
+    verify_checksums: bool = option(
+        True, "hash the shards against the manifest's sha256 (rows are validated either way)")
