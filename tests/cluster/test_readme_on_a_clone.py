@@ -1,5 +1,6 @@
-"""The README's one-machine commands, run as a new user runs them: in a copy of this checkout's
-files with no `../shared` beside it, on a corpus of real prose in `corpus/`.
+"""The README's one-machine commands and its Python example, run as a new user runs them: in a
+copy of this checkout's files with no `../shared` beside it, on a corpus of real prose in
+`corpus/`.
 
 The commands are read from the README itself ("Running on your own data" and the fine-tuning
 lines that name only what the clone has), so an example that stops working fails here. Only
@@ -118,3 +119,8 @@ def test_the_own_data_commands_and_the_shipped_fine_tuning_run_on_a_users_clone(
     assert checkpoints, sorted(p.name for p in (work / "runs" / "bert-mini").iterdir())
     results = list((work / "ft").glob("*/results.json"))
     assert results, consoles["finetune"][-2000:]
+    # The Python API's loader example, on the shards the commands made.
+    [loader_example] = _blocks("Python API")
+    done = subprocess.run([sys.executable, "-c", loader_example], cwd=clone,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
