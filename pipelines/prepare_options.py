@@ -27,7 +27,7 @@ from bertforge.pipelines.contract.config_fields import (
     option,
     without_marked,
 )
-from bertforge.pipelines.instances.pairing import MIN_SEQ_LENGTH
+from bertforge.pipelines.instances.pairing import check_max_seq_length
 from bertforge.pipelines.local.options import LocalRunnerOptions  # its flags are Beam's too
 
 # A launch choice, not a job option: return once a job that runs elsewhere (Dataflow) is submitted.
@@ -94,9 +94,7 @@ class PrepareConfig:
             raise ValueError("output is required (the dataset directory)")
         if not self.vocab:
             raise ValueError("vocab is required (a WordPiece vocab.txt)")
-        if self.max_seq_length < MIN_SEQ_LENGTH:
-            raise ValueError(f"max_seq_length must be at least {MIN_SEQ_LENGTH} ([CLS] A [SEP] B "
-                             f"[SEP]), got {self.max_seq_length}")
+        check_max_seq_length(self.max_seq_length)
         if not 0.0 <= self.short_seq_prob <= 1.0:
             raise ValueError(f"short_seq_prob must be in [0, 1], got {self.short_seq_prob}")
         if not 0.0 <= self.validation_fraction < 1.0:

@@ -33,6 +33,13 @@ MAX_RANDOM_DOCUMENT_TRIES = 10
 MIN_SEQ_LENGTH = 5
 
 
+def check_max_seq_length(max_seq_length: int) -> None:
+    """The one validation of a length, the job's config's and this module's callers'."""
+    if max_seq_length < MIN_SEQ_LENGTH:
+        raise ValueError(f"max_seq_length must be at least {MIN_SEQ_LENGTH} ([CLS] A [SEP] B "
+                         f"[SEP]), got {max_seq_length}")
+
+
 class Instance(NamedTuple):
     input_ids: list[int]  # [CLS] A [SEP] B [SEP], no padding; the type of the sentences given
     num_a_tokens: int  # len([CLS] A [SEP]) = len(A) + 2
@@ -159,9 +166,7 @@ def create_instances_from_document(
 
     Sentences must be non-empty. `documents` is the pool random segments are drawn from.
     """
-    if max_seq_length < MIN_SEQ_LENGTH:  # PrepareConfig checks the job's; this, direct callers
-        raise ValueError(f"max_seq_length must be at least {MIN_SEQ_LENGTH} ([CLS] A [SEP] B "
-                         f"[SEP]), got {max_seq_length}")
+    check_max_seq_length(max_seq_length)  # the job's config checked it; this, direct callers
     document = documents[doc_index]
     # [CLS], [SEP], [SEP]: 128 - 3 = 125 tokens of text at max_seq_length 128.
     max_num_tokens = max_seq_length - 3
