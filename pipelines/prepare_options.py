@@ -44,8 +44,8 @@ LOCATION = "location"
 
 @dataclass(frozen=True)
 class PrepareConfig:
-    """The job's configuration: its flags (`PrepareOptions`), the pipeline file's [prepare]
-    table and the manifest's instance parameters are all generated from these fields."""
+    """The job's configuration: its flags (`job_parser`), the pipeline file's [prepare] table
+    and the manifest's instance parameters are all generated from these fields."""
 
     inputs: tuple[str, ...] = option(
         (), "corpus file, directory or glob (local, gs://, s3://); repeatable and/or "
@@ -204,7 +204,10 @@ def check_beam_args(beam_args: Sequence[str]) -> None:
     if owned:
         raise ValueError(f"Beam arguments must not set the job's own options "
                          f"({', '.join(owned)}): they come from the configuration")
-    _, unknown = _beam_parser().parse_known_args(list(beam_args))
+    # Beam's parser would print its own help and exit: here --help is a flag out of place.
+    asked_help = [a for a in beam_args if a in ("-h", "--help")]
+    _, unknown = _beam_parser().parse_known_args([a for a in beam_args if a not in asked_help])
+    unknown = asked_help + unknown
     flags = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
     if flags:
         raise ValueError(

@@ -16,8 +16,8 @@ class VocabConfig:
 
     # The command places these two itself: first, and required.
     inputs: tuple[str, ...] = option(
-        (), "corpus files, directories or globs, read as `prepare --input` reads them (a "
-        "FORMAT: prefix too, e.g. books:DIR/*.txt)", flag="--input", marks=(NO_FLAG,))
+        (), "corpus files, directories or globs, each read by prepare's readers (a FORMAT: "
+        "prefix too, e.g. books:DIR/*.txt)", flag="--input", marks=(NO_FLAG,))
     output: str = option("", "directory for vocab.txt", marks=(NO_FLAG, NOT_IN_FILE))
     vocab_size: int = option(
         30522, "entries of the vocabulary; fewer (with a warning) when the corpus has no more "

@@ -66,11 +66,20 @@ def test_cluster_is_rooms_and_each_imports_only_the_rooms_below():
         room = parts[0] if parts[0] != "__init__" else None
         if room is None:
             continue
+        if room not in CLUSTER_ROOMS:
+            wrong.append(f"{path.relative_to(REPO)}: in no room of {CLUSTER_ROOMS}")
+            continue
         below = CLUSTER_ROOMS[CLUSTER_ROOMS.index(room):]
-        for line, module, _ in _bertforge_imports(path):
-            target = _cluster_room(module) if module.startswith("bertforge.cluster") else None
-            if target is not None and target not in below:
-                wrong.append(f"{path.relative_to(REPO)}:{line} ({room}) imports {module}")
+        for line, module, names in _bertforge_imports(path):
+            if module == "bertforge.cluster":  # `from bertforge.cluster import launch`
+                targets = names
+            elif module.startswith("bertforge.cluster."):
+                targets = [_cluster_room(module)]
+            else:
+                targets = []
+            for target in targets:
+                if target not in below:
+                    wrong.append(f"{path.relative_to(REPO)}:{line} ({room}) imports {module}")
     assert not wrong, "\n".join(wrong)
 
 

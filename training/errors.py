@@ -1,7 +1,7 @@
 """Errors that retrying cannot fix: bad data, a bad config, another architecture.
 
 A worker that raises one of these fails the same way on every attempt, so the launcher ends
-the run at once instead of spending its restarts (`cluster.failure_policy`); only crashes and
+the run at once instead of spending its restarts (`cluster.launch.failure_policy`); only crashes and
 lost nodes are worth a retry. They are `ValueError`s, so the command line prints them as one
 line like any other user error.
 """

@@ -1,6 +1,6 @@
 """`bertforge finetune`: a pretrained BERT fine-tuned on a GLUE task or SQuAD with DeepSpeed, on Ray
 Train workers (the launch of pretraining, `ray_train.run_on_ray`), or, for one CPU worker on
-this machine (the local default), in one child process without Ray (`cluster.local_worker`).
+this machine (the local default), in one child process without Ray (`cluster.launch.local_worker`).
 
 One run per (learning rate, seed): with --sweep every rate of {2e-5, 3e-5, 5e-5} times every seed,
 reported as papers report GLUE (the best dev score, the median and the spread). Each run is a
@@ -52,7 +52,11 @@ SQUAD_PRIMARY = "f1"
 
 def default_data_root() -> str | None:
     """../shared/data from the working directory, else beside this checkout; None if neither."""
-    checkout = Path(__file__).resolve().parents[1]
+    import bertforge.cluster
+
+    # The checkout holds cluster/ (bertforge.cluster's folder, links resolved), wherever in it
+    # this module lives.
+    checkout = Path(bertforge.cluster.__file__).resolve().parents[1]
     for candidate in (Path("../shared/data"), checkout.parent / "shared" / "data"):
         if candidate.is_dir():
             return str(candidate.resolve())
@@ -236,7 +240,8 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
     label = f"{len(runs)} run(s) in {where} ({', '.join(names)})"
     print(f"[finetune] {label}", flush=True)
     with heartbeat("finetune", label, every_seconds=60.0):
-        if local:  # no Ray: its processes cost one worker on few cores (cluster.local_worker)
+        # No Ray: its processes cost one worker on few cores (cluster.launch.local_worker).
+        if local:
             run_in_local_process(_worker_main, worker_config, launch, runs_root)
             return
         connect(launch)
@@ -269,7 +274,7 @@ def _record(cfg: FinetuneConfig, launch: LaunchConfig, learning_rate: float,
 
 def _worker_main(worker_config: dict[str, Any]) -> None:
     """Entry point on every worker: a Ray Train worker (`ray` in the config: the process group
-    is already set up) or the one local worker process (`cluster.local_worker`)."""
+    is already set up) or the one local worker process (`cluster.launch.local_worker`)."""
     import gc
 
     import torch

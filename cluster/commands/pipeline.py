@@ -60,6 +60,9 @@ from bertforge.training.config import TrainConfig
 HOW_TO_RUN_KEYS = ("config.cluster", "config.prepare.beam_args",
                    *(f"config.prepare.options.{name}"
                      for name in fields_marked(PrepareConfig, RERUN_MAY_CHANGE)))
+# Settings an earlier bertforge recorded under another name: [vocab] size, spelled as the flag
+# (vocab_size) since; a workdir made before still matches its file.
+RENAMED_SETTINGS = {"config.vocab.size": "vocab_size"}
 
 
 # --- configuration --------------------------------------------------------------------------
@@ -353,7 +356,7 @@ def run_pipeline(config: PipelineConfig, toml_text: str = "") -> dict[str, Any]:
     """Run every stage that is not done; returns {"ran": [...], "skipped": [...], ...}."""
     paths = PipelinePaths(config.workdir)
     with StageRunner(paths.root, "pipeline", config.settings(), ignored=HOW_TO_RUN_KEYS,
-                     dir_flag="workdir") as runner:
+                     renamed=RENAMED_SETTINGS, dir_flag="workdir") as runner:
         runner.state["toml"] = toml_text or runner.state.get("toml", "")
         runner.save()
         outcome = runner.run(build_stages(config, paths, runner))

@@ -76,16 +76,20 @@ class StageRunner:
     """Runs a job's stages in `root`: `with StageRunner(...) as runner: runner.run(stages)`.
 
     `settings` are what a later run must match to reuse this directory's outputs; keys under
-    `ignored` (dotted prefixes such as "cluster") only say how to run and may change.
+    `ignored` (dotted prefixes such as "cluster") only say how to run and may change; `renamed`
+    maps a recorded key's dotted path to its name today (a directory an earlier bertforge made
+    stays usable).
     """
 
     def __init__(self, root: str, command: str, settings: dict[str, Any], *,
-                 ignored: tuple[str, ...] = (), heartbeat_seconds: float = 60.0,
-                 skip_message: str = "output complete, skipping", dir_flag: str = "directory"):
+                 ignored: tuple[str, ...] = (), renamed: dict[str, str] | None = None,
+                 heartbeat_seconds: float = 60.0, skip_message: str = "output complete, skipping",
+                 dir_flag: str = "directory"):
         self.root = os.path.abspath(root)
         self.command = command
         self.settings = json.loads(json.dumps(settings))  # as they read back from the file
         self.ignored = ignored
+        self.renamed = renamed or {}
         self.heartbeat_seconds = heartbeat_seconds
         self.skip_message = skip_message
         self.dir_flag = dir_flag
@@ -159,7 +163,8 @@ class StageRunner:
             return state
         with open(self.state_path, encoding="utf-8") as f:
             state = json.load(f)
-        changed = differing_keys(state["settings"], self.settings, self.ignored)
+        changed = differing_keys(_with_todays_names(state["settings"], self.renamed),
+                                 self.settings, self.ignored)
         if changed and not state["stages"] and not self._holds_outputs():
             # An earlier run that failed before it made anything (a mistyped path, say) does
             # not pin its settings: the corrected command simply runs.
@@ -188,6 +193,19 @@ class StageRunner:
             if files:
                 return True
         return False
+
+
+def _with_todays_names(settings: dict[str, Any], renamed: dict[str, str]) -> dict[str, Any]:
+    """`settings` as recorded, each key of `renamed` (a dotted path) under its new name."""
+    settings = json.loads(json.dumps(settings))
+    for old, new in renamed.items():
+        *parents, key = old.split(".")
+        table: Any = settings
+        for name in parents:
+            table = table.get(name) if isinstance(table, dict) else None
+        if isinstance(table, dict) and key in table:
+            table[new] = table.pop(key)
+    return settings
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

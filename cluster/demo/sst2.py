@@ -1,7 +1,7 @@
 """The demo's last stage: is the model it just pretrained any use? SST-2, three ways, one budget.
 
 1. fine-tuned from the demo's Hugging Face export (`run_finetunes`, DeepSpeed; both fine-tunes
-   in one worker: the local default, one process without Ray, `cluster.local_worker`);
+   in one worker: the local default, one process without Ray, `cluster.launch.local_worker`);
 2. fine-tuned from the same architecture and vocabulary with random weights (random_init), with
    the same examples, steps, learning rate and seed;
 3. a bag-of-words logistic regression (`bow_baseline`) on the same examples.

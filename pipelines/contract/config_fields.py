@@ -8,7 +8,7 @@ the dataclass's own (`__post_init__`). This module reads those fields and never 
 - `add_flags` adds one flag per field, `--field-name` (or the field's `flag`; `aliases` keep
   older spellings such as `--steps`), with no argparse default: a flag left out is absent from
   `given_values`, so the dataclass's default is the only one. `beam=True` makes Beam's kind of
-  flag (`PrepareOptions`): Beam's underscore spelling beside the dashed one, `--flag=false`.
+  flag (`prepare`'s): Beam's underscore spelling beside the dashed one, `--flag=false`.
 - `from_table` checks a TOML table against the same fields (unknown keys, keys a table must
   give: `option(REQUIRED, ...)`, types by annotation) and builds the config, so the pipeline
   file's sections cannot drift from the flags either.

@@ -97,7 +97,7 @@ class Manifest:
         value = self.instance_params.get(name)
         if type(value) is not int or value < 1:
             raise ValueError(
-                f"the manifest of {where} has no instance parameter {name} (a positive "
+                f"the manifest of {where} has no valid instance parameter {name} (a positive "
                 f"integer; found {value!r}): not a dataset prepared by bertforge")
         return value
 

@@ -1,5 +1,5 @@
 """Fine-tuning's launch on one machine: one worker on every core unless the flags say otherwise
-(cluster.finetune_workers, chosen from benchmarks/finetune_vs_plain_loop.py). Pure: no
+(cluster.launch.finetune_workers, chosen from benchmarks/finetune_vs_plain_loop.py). Pure: no
 Ray; the command-line test stops at the call to run_finetune."""
 
 from __future__ import annotations
@@ -43,3 +43,18 @@ def test_the_command_line_passes_the_local_default(monkeypatch):
     assert main(["finetune", "--task", "sst2", "--model", "m", "--output", "o",
                  "--workers", "1", "--cpus-per-worker", "1"]) == 0
     assert (seen["launch"].workers, seen["launch"].cpus_per_worker) == (1, 1)
+
+
+def test_glue_data_beside_the_checkout_is_found_from_any_working_directory(tmp_path,
+                                                                          monkeypatch):
+    """`finetune --data-root` and `glue --glue-dir` default to ../shared/data, else to
+    shared/data beside this checkout (the checkout was taken for cluster/ when the module
+    moved one folder down, and the default was lost outside the checkout)."""
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parents[2]
+    beside = checkout.parent / "shared" / "data"
+    monkeypatch.chdir(tmp_path)  # no ../shared/data from here
+    assert not (tmp_path.parent / "shared" / "data").is_dir()
+    expected = str(beside.resolve()) if beside.is_dir() else None
+    assert finetune_module.default_data_root() == expected

@@ -1,4 +1,5 @@
-"""`cluster.local_worker`: fine-tuning's one local CPU worker, in a child process without Ray."""
+"""`cluster.launch.local_worker`: fine-tuning's one local CPU worker, in a child process
+without Ray."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The README's one-machine commands and its Python example, run as a new user runs them: in a
-copy of this checkout's files with no `../shared` beside it, on a corpus of real prose in
-`corpus/`.
+copy of this checkout's tracked files with no `../shared` beside it, on a corpus of real prose in
+`corpus/`. The commands are this environment's installed `bertforge` (the checkout's code): the
+copy is what they read and write, so a path an example names that a clone lacks fails here.
 
 The commands are read from the README itself ("Running on your own data" and the fine-tuning
 lines that name only what the clone has), so an example that stops working fails here. Only

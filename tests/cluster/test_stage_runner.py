@@ -46,3 +46,20 @@ def test_a_directory_holding_work_refuses_other_settings_and_says_how_to_keep_it
         with StageRunner(str(root), "pipeline", {"steps": 200}):
             pass
     assert (root / "checkpoint.pt").exists()
+
+
+def test_a_setting_recorded_under_its_old_name_still_matches(tmp_path):
+    """pipeline.json files written before [vocab] size was spelled vocab_size."""
+    root = tmp_path / "out"
+    old = {"config": {"vocab": {"size": 2000, "lower_case": True}}}
+    with StageRunner(str(root), "pipeline", old) as runner:
+        runner.run([Stage("vocab", lambda: {"sha256": "x"})])
+    today = {"config": {"vocab": {"vocab_size": 2000, "lower_case": True}}}
+    renamed = {"config.vocab.size": "vocab_size"}
+    with StageRunner(str(root), "pipeline", today, renamed=renamed) as runner:
+        assert runner.run([Stage("vocab", lambda: {})])["skipped"] == ["vocab"]
+    with pytest.raises(ValueError, match="differs in: config.vocab.vocab_size"):
+        with StageRunner(str(root), "pipeline", {"config": {"vocab": {"vocab_size": 3000,
+                                                                      "lower_case": True}}},
+                         renamed=renamed):
+            pass

@@ -48,6 +48,9 @@ def test_beam_flags_stay_as_beam_spells_them_and_may_not_set_job_options():
     for spelling in ("--num-shards=2", "--num_shards=2"):
         with pytest.raises(ValueError, match="must not set the job's own options"):
             check_beam_args([spelling])
+    # Beam's own parser would print its help and exit 0: in a pipeline file's beam_args, say.
+    with pytest.raises(ValueError, match="unknown flag.*--help"):
+        check_beam_args(["--runner=DirectRunner", "--help"])
 
 
 def test_a_bad_value_or_a_missing_one_is_one_error_naming_the_flag():

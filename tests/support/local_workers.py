@@ -1,4 +1,4 @@
-"""Worker functions for `cluster.local_worker`'s tests: importable by name in the child."""
+"""Worker functions for `cluster.launch.local_worker`'s tests: importable by name in the child."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def test_every_reader_refuses_a_manifest_without_a_valid_max_seq_length(tmp_path
     if bad is not None:
         manifest.instance_params["max_seq_length"] = bad
     manifest_lib.write_manifest(data, manifest)
-    refusal = f"no instance parameter max_seq_length .*found {bad!r}"
+    refusal = f"no valid instance parameter max_seq_length .*found {bad!r}"
     with pytest.raises(ValueError, match=refusal):
         DatasetFacts.read(data)
     with pytest.raises(ValueError, match=refusal):
@@ -58,5 +58,5 @@ def test_every_reader_refuses_a_manifest_without_a_valid_max_seq_length(tmp_path
     with pytest.raises(ValueError, match=refusal):
         inspect_dataset(data)
     problems = verify_dataset(data).problems
-    assert any("no instance parameter max_seq_length" in p and "rows not checked" in p
+    assert any("no valid instance parameter max_seq_length" in p and "rows not checked" in p
                for p in problems), problems
