@@ -3,8 +3,8 @@
 The template launcher runs `python launch_prepare.py --input=... --output=...` with the
 template's parameters as flags; this runs the installed package's Beam job on them through the
 job's own command line (`bertforge.pipelines.prepare.main`: parsed once, the job's flags and
-Beam's), which `bertforge prepare` wraps in its guard for local outputs. It lives outside the
-package: running a module file of the package as a script would put that package folder first
+Beam's), which the CLI's prepare command wraps in its guard for local outputs. It lives outside
+the package: running a module file of the package as a script would put that package folder first
 on sys.path and load a second copy of the module as `__main__`.
 """
 
