@@ -46,8 +46,6 @@ sys.path.insert(0, REPO)
 
 VOCAB_SIZE = 30522
 SEED = 12345  # gpu_throughput.py's default --seed: the same batches
-# gpu_throughput.py's defaults: 32,768 tokens a micro-batch.
-DEFAULT_MICRO_BATCH = {128: 256, 512: 64}
 # transformers.BertConfig fields; `tiny` is for a CPU smoke run only.
 SHAPES = {
     "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
@@ -66,8 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--seq-lens", default="128,512", help="comma-separated")
     parser.add_argument("--micro-batch", default=None,
-                        help="one value, or one per sequence length (default 256 at 128, 64 at "
-                             "512)")
+                        help="one value, or one per sequence length (default: 32,768 tokens, "
+                             "256 at 128, 64 at 512)")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per sequence length")
     parser.add_argument("--warmup", type=int, default=10,
                         help="untimed steps first (with --compile, keep it >= --num-batches so "
@@ -82,16 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def plan_cases(args: argparse.Namespace) -> list[tuple[int, int]]:
-    """(sequence length, micro-batch) pairs, gpu_throughput.plan_cases' rule."""
+    """(sequence length, micro-batch) pairs, by gpu_throughput.py's rule."""
+    from tests.support.synthetic import micro_batches
+
     lengths = [int(x) for x in args.seq_lens.split(",") if x.strip()]
-    if args.micro_batch is None:
-        micro = [DEFAULT_MICRO_BATCH.get(n, max(1, 32_768 // n)) for n in lengths]
-    else:
-        micro = [int(x) for x in args.micro_batch.split(",")]
-        micro = micro * len(lengths) if len(micro) == 1 else micro
-    if len(micro) != len(lengths) or min(micro) < 1:
-        raise SystemExit(f"--micro-batch: give one value or one per length {lengths}")
-    return list(zip(lengths, micro, strict=True))
+    return list(zip(lengths, micro_batches(lengths, args.micro_batch), strict=True))
 
 
 def synchronize(device: str) -> None:

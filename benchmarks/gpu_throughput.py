@@ -81,9 +81,6 @@ PEAK_BF16_TFLOPS = (
     ("H200", 989.0),
     ("A100", 312.0),
 )
-# 256 x 128 = 64 x 512 = 32,768 tokens a micro-batch; other lengths keep that token count.
-DEFAULT_MICRO_BATCH = {128: 256, 512: 64}
-TOKENS_PER_MICRO_BATCH = 32_768
 GIB = 2**30
 PEER_SEED = 12345  # gpu_peer_hf.py builds its batches from this seed
 
@@ -95,8 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-lens", default="128,512", help="comma-separated (synthetic data)")
     parser.add_argument(
         "--micro-batch", default=None,
-        help="one value, or one per sequence length (default 256 at 128, 64 at 512, else "
-             f"{TOKENS_PER_MICRO_BATCH:,} tokens)",
+        help="one value, or one per sequence length (default: 32,768 tokens, 256 at 128, 64 at "
+             "512; tests/support/synthetic.py)",
     )
     parser.add_argument("--steps", type=int, default=50, help="timed steps per sequence length")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
@@ -149,13 +146,9 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
         lengths = [DatasetFacts.read(d).max_seq_length for d in args.data]
     else:
         lengths = [int(x) for x in args.seq_lens.split(",") if x.strip()]
-    if args.micro_batch is None:
-        micro = [DEFAULT_MICRO_BATCH.get(n, max(1, TOKENS_PER_MICRO_BATCH // n)) for n in lengths]
-    else:
-        micro = [int(x) for x in args.micro_batch.split(",")]
-        micro = micro * len(lengths) if len(micro) == 1 else micro
-    if len(micro) != len(lengths) or min(micro) < 1:
-        raise SystemExit(f"--micro-batch: give one value or one per length {lengths}")
+    from tests.support.synthetic import micro_batches
+
+    micro = micro_batches(lengths, args.micro_batch)
     dirs = args.data or [None] * len(lengths)
     return [Case(n, b, d) for n, b, d in zip(lengths, micro, dirs, strict=True)]
 

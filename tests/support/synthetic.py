@@ -30,6 +30,23 @@ from bertforge.training.data import (
 )
 from bertforge.training.masking import MaskingVocab, default_max_predictions
 
+# The throughput benchmarks' micro-batch (gpu_throughput.py and its transformers peer): 32,768
+# tokens, 256 x 128 and 64 x 512.
+TOKENS_PER_MICRO_BATCH = 32_768
+
+
+def micro_batches(lengths: list[int], given: str | None) -> list[int]:
+    """One micro-batch per sequence length: `given` ("64" for all, "256,64" one per length),
+    else TOKENS_PER_MICRO_BATCH tokens each."""
+    if given is None:
+        return [max(1, TOKENS_PER_MICRO_BATCH // n) for n in lengths]
+    micro = [int(x) for x in given.split(",")]
+    micro = micro * len(lengths) if len(micro) == 1 else micro
+    if len(micro) != len(lengths) or min(micro) < 1:
+        raise SystemExit(f"--micro-batch: give one value or one per length {lengths}")
+    return micro
+
+
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(5)
 NUM_SPECIAL = 5
 GOOGLE_SHORT_SEQ_PROB = 0.1
