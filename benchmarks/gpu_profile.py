@@ -13,8 +13,10 @@ Cases (`--cases`, comma-separated, each `<kind><seq len>x<micro-batch>`):
 Each case: build, `--warmup` untimed steps, `--timed` synchronized steps (their median is the
 wall time a step), then `torch.profiler` (CPU + CUDA activities) over `--profiled` steps. CUDA
 kernel time is summed by category (the first category whose keyword is in the kernel's name;
-see CATEGORIES), over the profiled wall time: GPU busy. A step that is mostly kernels is
-compute-bound; one with the GPU idle much of the time is bound by launches, host work or syncs.
+see training.profiling.CATEGORIES; ranges such as `Optimizer.step#...`, which the profiler
+mirrors on the GPU's timeline, are not kernels), over the profiled wall time: GPU busy. A step
+that is mostly kernels is compute-bound; one with the GPU idle much of the time is bound by
+launches, host work or syncs.
 The top `--top` kernels by time are listed per case. On a CPU (`--device cpu`, a smoke run)
 there are no kernels: the wall times are still measured, GPU busy is n/a.
 
@@ -59,21 +61,15 @@ sys.path.insert(0, HERE)
 import gpu_peer_hf  # noqa: E402
 import gpu_throughput as gt  # noqa: E402
 
-# Kernel name keywords (lower case) per category; the first category with a keyword in the
-# name wins. Attention comes before gemm because fused attention kernels carry `cutlass` or
-# `sm90_` in their names (flash's template arguments are cutlass types; the memory-efficient
-# kernels are `fmha_cutlassF/B`); otherwise the categories of the shared profiling tool.
-CATEGORIES = (
-    ("attention", ("fmha", "flash", "attention", "efficient", "softmax")),
-    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "ampere_")),
-    ("optimizer", ("adam", "multi_tensor", "foreach", "lamb")),
-    ("norm", ("layer_norm", "layernorm", "norm")),
-    ("dropout/rand", ("dropout", "philox", "bernoulli", "rand")),
-    ("copy/cast", ("copy", "memcpy", "memset", "cast", "to_copy", "fill")),
-    ("reduce", ("reduce", "sum", "nccl")),
+# The training loop's own profile (`bertforge train --profile-steps`) sorts kernels the same way.
+from bertforge.training.profiling import (  # noqa: E402
+    CATEGORIES,
+    CATEGORY_NAMES,
+    OTHER,
+    device_kernels,
+    kernel_category,
 )
-OTHER = "other elementwise"
-CATEGORY_NAMES = tuple(name for name, _ in CATEGORIES) + (OTHER,)
+
 CASE_PATTERN = re.compile(r"^(ours|before|hfc|hf)(\d+)x(\d+)$")
 KINDS = {
     "ours": "our engine, gpu_throughput.py's settings",
@@ -115,14 +111,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--cases: {name!r} is not <ours|before|hfc|hf><seq len>x<micro-batch>")
         args.case_list.append((name, match[1], int(match[2]), int(match[3])))
     return args
-
-
-def category(kernel: str) -> str:
-    name = kernel.lower()
-    for cat, keys in CATEGORIES:
-        if any(k in name for k in keys):
-            return cat
-    return OTHER
 
 
 # --- building a case: (step function, what to free afterwards, what it ran) ------------------
@@ -223,13 +211,9 @@ def run_case(step: Callable[[int], torch.Tensor], args: argparse.Namespace) -> d
     n = args.profiled
     by_category = dict.fromkeys(CATEGORY_NAMES, 0.0)  # microseconds over all profiled steps
     kernels: dict[str, list[float]] = {}  # name: [calls, microseconds]
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        time_range = getattr(event, "time_range", None)
-        us = time_range.elapsed_us() if time_range is not None else event.self_device_time_total
-        by_category[category(event.name)] += us
-        entry = kernels.setdefault(event.name, [0, 0.0])
+    for name, us in device_kernels(prof.events()):
+        by_category[kernel_category(name)] += us
+        entry = kernels.setdefault(name, [0, 0.0])
         entry[0] += 1
         entry[1] += us
     kernel_ms = sum(by_category.values()) / 1e3 / n
@@ -244,8 +228,9 @@ def run_case(step: Callable[[int], torch.Tensor], args: argparse.Namespace) -> d
         "gpu_busy": kernel_ms / profiled_ms if cuda else None,
         "kernels_per_step": sum(calls for calls, _ in kernels.values()) / n,
         "category_ms_per_step": {c: us / 1e3 / n for c, us in by_category.items()},
-        "top_kernels": [{"name": name, "category": category(name), "ms_per_step": us / 1e3 / n,
-                         "calls_per_step": calls / n} for name, (calls, us) in top],
+        "top_kernels": [{"name": name, "category": kernel_category(name),
+                         "ms_per_step": us / 1e3 / n, "calls_per_step": calls / n}
+                        for name, (calls, us) in top],
         "loss_last_timed": loss.item(),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
     }
@@ -342,7 +327,7 @@ def markdown(report: dict[str, Any]) -> str:
         "synthetic batches cycled, already on the device",
         f"- `ours` cases: gpu_throughput.py's settings plus `{setup['engine_args'] or '(none)'}`",
         "- GPU busy: CUDA kernel time over the profiled wall time (the profiler's overhead "
-        "included, so a lower bound). Categories by kernel name (gpu_profile.CATEGORIES); "
+        "included, so a lower bound). Categories by kernel name (training.profiling.CATEGORIES); "
         "elementwise = everything no category named; ms are per step",
         "",
         summary_table(report["results"]),

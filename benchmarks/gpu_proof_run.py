@@ -8,7 +8,10 @@ under the `deepspeed` launcher), on a prepared shard directory on disk:
    it logs is past it), as `--resume auto` does after a failure;
 3. export the final checkpoint to a Hugging Face directory (`bertforge export`'s code);
 4. assert the loss fell: the mean of the last tenth of logged steps is below the mean of the
-   first tenth by at least `--min-drop` (nats).
+   first tenth by at least `--min-drop` (nats);
+5. profile a window of the resumed run (`--profile-steps`, the loop's own `profile_steps`;
+   by default the 12 steps before the last log interval, two log lines among them) and assert
+   that the host waits for the device only at log lines: no per-step host syncs.
 
 It writes `gpu_proof_run-DEVICE-DATE.json` and `.md` to `--output-dir` (the device's name, the
 date, the commit, the resolved recipe, the logged losses, tokens/s and MFU of the loop itself)
@@ -60,12 +63,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="nats the loss must fall from the first to the last tenth")
     parser.add_argument("--packing", action="store_true",
                         help="several instances a row (TrainConfig.packing)")
+    parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"),
+                        default=None, help="steps of the resumed run to profile (default: "
+                        "the 12 ending one log interval before the last step)")
+    parser.add_argument("--no-profile", action="store_true", help="profile no step")
     parser.add_argument("--commit", default=None,
                         help="the source commit to record when the tree has no .git")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.profile_steps is None and not args.no_profile:
+        last = args.steps - args.log_every
+        args.profile_steps = (max(args.steps // 2 + 1, last - 11), last)
+    if args.no_profile or args.profile_steps[0] > args.profile_steps[1]:
+        args.profile_steps = None  # too short a run for a window past its resume
+    return args
 
 
-def recipe(args: argparse.Namespace, run_dir: str, max_steps: int) -> TrainConfig:
+def recipe(args: argparse.Namespace, run_dir: str, max_steps: int,
+           profile_steps: tuple[int, int] | None = None) -> TrainConfig:
     """bert_large_phase1's settings at a proof run's size: no accumulation, a short warm-up."""
     overrides = dict(
         model={"preset": args.preset}, max_steps=max_steps, micro_batch_size=args.micro_batch,
@@ -73,7 +87,7 @@ def recipe(args: argparse.Namespace, run_dir: str, max_steps: int) -> TrainConfi
         warmup_steps=max(1, args.steps // 10), precision=args.precision,
         log_every=args.log_every,
         checkpoint_every=args.steps // 2, keep_checkpoints=2, eval_every=0, resume=True,
-        peak_tflops=_peak_tflops(), packing=args.packing,
+        peak_tflops=_peak_tflops(), packing=args.packing, profile_steps=profile_steps,
     )
     if args.zero_stage is not None:
         overrides["zero_stage"] = args.zero_stage
@@ -109,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
     run_dir = os.path.join(args.output_dir, "run")
     half = args.steps // 2
     first = train(recipe(args, run_dir, half))
-    second = train(recipe(args, run_dir, args.steps))
+    second = train(recipe(args, run_dir, args.steps, args.profile_steps))
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     resumed_at = min((r["step"] for r in records if r["step"] > half), default=None)
     hf_dir = export_checkpoint(run_dir, os.path.join(args.output_dir, "hf"))
@@ -119,6 +133,7 @@ def run(args: argparse.Namespace) -> dict:
     loss_start = statistics.mean(by_step[s]["loss"] for s in steps[:tenth])
     loss_end = statistics.mean(by_step[s]["loss"] for s in steps[-tenth:])
     timed = [by_step[s] for s in steps[tenth:]]  # the first steps include compilation
+    profile = _loop_profile(run_dir, args.profile_steps)
     checks = {
         "checkpoint_at_half": first.global_step == half,
         # The resumed run's first log line is the first multiple of log_every past the half.
@@ -127,6 +142,12 @@ def run(args: argparse.Namespace) -> dict:
         "export_written": os.path.isfile(os.path.join(hf_dir, "model.safetensors")),
         "loss_fell": loss_start - loss_end >= args.min_drop,
     }
+    if profile is not None:
+        # The loop reads the device once a log line (its metrics), never between them.
+        log_lines = {s for s in range(profile["steps"][0], profile["steps"][1] + 1)
+                     if s % args.log_every == 0}
+        checks["host_syncs_only_at_log_lines"] = (
+            set(profile["steps_with_host_syncs"]) <= log_lines)
     return {
         "device": _device_name(),
         "date": datetime.date.today().isoformat(),
@@ -138,9 +159,19 @@ def run(args: argparse.Namespace) -> dict:
         "mfu_median": (statistics.median(r["mfu"] for r in timed)
                        if timed and "mfu" in timed[0] else None),
         "losses": {s: by_step[s]["loss"] for s in steps},
+        "loop_profile": profile,
         "checks": checks,
         "passed": all(checks.values()),
     }
+
+
+def _loop_profile(run_dir: str, steps: tuple[int, int] | None) -> dict | None:
+    """The summary the loop wrote for the profiled window (training.profiling)."""
+    if steps is None:
+        return None
+    path = os.path.join(run_dir, "profile", f"steps-{steps[0]}-{steps[1]}-rank0.json")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _resolved_recipe(run_dir: str) -> dict:
@@ -166,12 +197,32 @@ def write_results(result: dict, output_dir: str) -> str:
         f"| micro-batch x accumulation, ZeRO stage, compiled layers | "
         f"{recipe['micro_batch_size']} x {recipe['gradient_accumulation_steps']}, "
         f"{recipe['zero_stage']}, {recipe['compile']} |",
+        *_profile_rows(result["loop_profile"]),
         *(f"| {name} | {'yes' if ok else 'NO'} |" for name, ok in result["checks"].items()),
     ]
     with open(stem + ".md", "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     return stem
+
+
+def _profile_rows(profile: dict | None) -> list[str]:
+    if profile is None:
+        return []
+    first, last = profile["steps"]
+    busy, kernels = profile["gpu_busy"], profile["kernels_per_step"]
+    synced = ", ".join(map(str, profile["steps_with_host_syncs"])) or "none"
+    rows = [f"| profiled steps {first}-{last}: wall ms a step (profiler on) "
+            f"| {profile['wall_ms_per_step']:.1f} |",
+            f"| profiled: GPU busy, kernels a step | "
+            f"{'n/a' if busy is None else f'{busy:.0%}'}, "
+            f"{'n/a' if kernels is None else f'{kernels:,.0f}'} |",
+            f"| profiled: steps in which the host waited for the device | {synced} |"]
+    if profile["category_ms_per_step"]:
+        categories = ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(
+            profile["category_ms_per_step"].items(), key=lambda kv: -kv[1]))
+        rows.append(f"| profiled: kernel ms a step by category | {categories} |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,11 @@ class TrainConfig:
     keep_checkpoints: int = option(2, "newest checkpoints kept")
     resume: bool = option(True, "continue from the newest complete checkpoint in run_dir",
                           marks=(NO_FLAG, NOT_IN_FILE))
+    # training.profiling: a window of the loop itself, logging and checkpoints included. A
+    # diagnostic of one `bertforge train` run: no key in a pipeline file's phases.
+    profile_steps: tuple[int, int] | None = option(
+        help="profile optimizer steps FIRST LAST (torch.profiler): host syncs a step, GPU "
+             "busy, kernels a step, to RUN_DIR/profile/", marks=(NOT_IN_FILE,))
     dataloader_prefetch: int = option(2, "batches prepared ahead by the loader thread")
     # Rows are validated as they are read either way (training.data.integrity).
     verify_checksums: bool = option(True, "hash every shard against the manifest's sha256 "
@@ -103,6 +108,12 @@ class TrainConfig:
         for name in ("eval_every", "eval_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.profile_steps is not None:
+            self.profile_steps = tuple(self.profile_steps)
+            first, last = self.profile_steps
+            if not 1 <= first <= last:
+                raise ValueError(f"profile_steps must be FIRST LAST with 1 <= FIRST <= LAST, "
+                                 f"got {first} {last}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
 

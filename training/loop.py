@@ -39,6 +39,7 @@ from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_bat
 from bertforge.training.inputs import check_positions, resolve_model_config
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining, num_parameters
+from bertforge.training.profiling import StepProfiler, summary_line
 from bertforge.training.recipes import micro_batch_for_device
 from bertforge.training.warm_start import check_resume_architecture, load_initial_weights
 
@@ -147,34 +148,40 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
                      loader.max_predictions_per_row)
     started = time.time()
     total_tokens = 0
-    while step < cfg.max_steps:
-        for _ in range(accumulation):
-            batch = to_device(next(batches), engine.device)
-            out = engine(**batch)
-            engine.backward(out.loss)
-            engine.step()
-            window.add(out, batch)
-        step += 1
-        if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps:
-            metrics = window.reduce(engine)
-            total_tokens += metrics["tokens"]
-            first_loss = metrics["loss"] if first_loss is None else first_loss
-            last_loss = metrics["loss"]
-            logger.log(step, metrics)
-        if validation is not None and step % cfg.eval_every == 0:
-            logger.log(step, validation.run(engine))
-            window.restart_clock()  # evaluation time is no training throughput
-        if step == cfg.max_steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-            loader.wait_for_checksums()  # no checkpoint from shards not yet verified
-            client_state.update(loader=loader.state_dict(), global_step=step)
-            path = last_saved = checkpoint.save(
-                engine, cfg.run_dir, step, client_state, metadata=metadata,
-                vocab_path=os.path.join(cfg.data_dir, VOCAB_NAME), keep=cfg.keep_checkpoints,
-            )
-            if report is not None:
-                report({"step": step, "checkpoint_path": path, "loss": last_loss})
+    profiler = StepProfiler(cfg.profile_steps, cfg.run_dir, rank, engine.device)
+    with profiler:
+        while step < cfg.max_steps:
+            profiler.begin(step + 1)
+            for _ in range(accumulation):
+                batch = to_device(next(batches), engine.device)
+                out = engine(**batch)
+                engine.backward(out.loss)
+                engine.step()
+                window.add(out, batch)
+            step += 1
+            if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps:
+                metrics = window.reduce(engine)
+                total_tokens += metrics["tokens"]
+                first_loss = metrics["loss"] if first_loss is None else first_loss
+                last_loss = metrics["loss"]
+                logger.log(step, metrics)
+            if validation is not None and step % cfg.eval_every == 0:
+                logger.log(step, validation.run(engine))
+                window.restart_clock()  # evaluation time is no training throughput
+            if step == cfg.max_steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                loader.wait_for_checksums()  # no checkpoint from shards not yet verified
+                client_state.update(loader=loader.state_dict(), global_step=step)
+                path = last_saved = checkpoint.save(
+                    engine, cfg.run_dir, step, client_state, metadata=metadata,
+                    vocab_path=os.path.join(cfg.data_dir, VOCAB_NAME), keep=cfg.keep_checkpoints,
+                )
+                if report is not None:
+                    report({"step": step, "checkpoint_path": path, "loss": last_loss})
+            profiler.end(step)
     logger.close()
     seconds = time.time() - started
+    if rank == 0 and profiler.summary is not None:
+        console(summary_line(profiler.summary, profiler.summary_path))
     if rank == 0:
         console(f"[train] run {run_id}: step {step}, weights in {last_saved}")
     return TrainResult(

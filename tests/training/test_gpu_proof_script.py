@@ -1,5 +1,6 @@
 """benchmarks/gpu_proof_run.py end to end on the CPU: the real loop, a checkpoint, a resume from
-it, an export, and the loss-falls check, on a tiny model (the GPU run is the same code)."""
+it, an export, the loss-falls check and a profile of the loop, on a tiny model (the GPU run is
+the same code)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def test_proof_run_checkpoints_resumes_exports_and_sees_the_loss_fall(tmp_path):
     assert result["passed"] and all(result["checks"].values())
     assert result["device"] == "cpu" and len(result["losses"]) == 40
     assert os.path.isfile(tmp_path / "out" / "hf" / "config.json")
+    # The resumed run's window of 12 steps, one log interval before the end, profiled by the
+    # loop itself: summed up in the result, the trace beside the run.
+    assert result["loop_profile"]["steps"] == [28, 39]
+    assert result["checks"]["host_syncs_only_at_log_lines"]
+    assert os.path.isfile(tmp_path / "out" / "run" / "profile" / "trace-steps-28-39-rank0.json.gz")
+    assert "| profiled: steps in which the host waited for the device | none |" in done.stdout
     # An unreachable target fails the run: the check is real.
     again = _run(data, str(tmp_path / "strict"), "--steps", "4", "--min-drop", "100")
     assert again.returncode == 1 and "| loss_fell | NO |" in again.stdout

@@ -1,0 +1,88 @@
+"""`--profile-steps`: a profile of the training loop itself (training.profiling; issue 34: the
+loop's logging, metrics and checkpoints must not make the host wait for the device)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import pytest
+import torch
+
+from bertforge.training.config import TrainConfig
+from bertforge.training.loop import train
+from bertforge.training.profiling import (
+    OTHER,
+    StepProfiler,
+    kernel_category,
+    summary_line,
+)
+from tests.training.test_loop import config
+
+
+def test_a_profiled_window_of_the_loop_reads_nothing_back_and_is_written(dataset_dir, tmp_path,
+                                                                          capsys):
+    """Steps 2-5 of an 6-step run logging at 1, 3 and 6 (fast path: ZeRO 0, fp32): no step
+    reads a value back from the device, the log step (3) included (its sums come back in one
+    `.tolist()`, which on a CPU is no read of a device); the summary and the trace are on disk
+    and one console line says where."""
+    run_dir = tmp_path / "run"
+    train(config(dataset_dir, run_dir, zero_stage=0, precision="fp32", log_every=3,
+                 profile_steps=(2, 5)))
+    summary_path = run_dir / "profile" / "steps-2-5-rank0.json"
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == [2, 5]
+    assert [s["step"] for s in summary["per_step"]] == [2, 3, 4, 5]
+    assert summary["steps_with_host_syncs"] == [], summary["per_step"]
+    assert all(s["host_ms"] > 0 for s in summary["per_step"])
+    assert summary["wall_ms_per_step"] >= max(s["host_ms"] for s in summary["per_step"]) / 4
+    assert summary["gpu_busy"] is None and summary["kernels_per_step"] is None  # a CPU run
+    with gzip.open(run_dir / "profile" / "trace-steps-2-5-rank0.json.gz", "rt") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert {"bertforge step 2", "bertforge step 5"} <= names
+    out = capsys.readouterr().out
+    assert "[train] profiled steps 2-5: " in out and str(summary_path) in out
+    assert "host syncs in 0 of 4 steps" in out
+
+
+def test_a_value_read_back_inside_a_step_is_counted_for_that_step(tmp_path):
+    """The measure can fail: `.item()` in step 2 (what a per-step loss log would do) marks
+    step 2 and no other. A window that starts before the first step run (a resume inside it)
+    profiles what is left; one cut short by the end of the run is written at close."""
+    x = torch.randn(64)
+    with StepProfiler((1, 9), str(tmp_path), rank=0, device=torch.device("cpu")) as profiler:
+        for step in (2, 3, 4):  # resumed at 1, stops at 4
+            profiler.begin(step)
+            y = (x * step).sum()
+            if step == 3:
+                y.item()
+            profiler.end(step)
+    summary = profiler.summary
+    assert summary["steps"] == [2, 4]
+    assert summary["steps_with_host_syncs"] == [3]
+    assert [s["host_syncs"] for s in summary["per_step"]] == [0, 1, 0]
+    assert os.path.basename(profiler.summary_path) == "steps-2-4-rank0.json"
+    assert "host syncs in 1 of 3 steps (3)" in summary_line(summary, profiler.summary_path)
+
+
+def test_steps_outside_the_window_are_not_profiled(tmp_path):
+    profiler = StepProfiler((5, 6), str(tmp_path), rank=0, device=torch.device("cpu"))
+    for step in (1, 2, 3):
+        profiler.begin(step)
+        profiler.end(step)
+    profiler.close()
+    assert profiler.summary is None and not (tmp_path / "profile").exists()
+
+
+@pytest.mark.parametrize("first, last", [(0, 3), (4, 2)])
+def test_a_window_out_of_order_is_refused(first, last):
+    with pytest.raises(ValueError, match="profile_steps"):
+        TrainConfig(data_dir="d", run_dir="r", profile_steps=(first, last))
+
+
+def test_kernels_fall_in_the_categories_of_their_names():
+    assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert kernel_category("triton_per_fused_add_native_dropout_native_layer_norm") == "norm"
+    assert kernel_category("triton_poi_fused_gelu_view_9") == OTHER
