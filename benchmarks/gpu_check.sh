@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Issue 34's whole GPU check in one call of the lent machine (benchmarks/README.md, "The GPU
 # check in one call"): install, throughput with the transformers peer rows, the kernel profile
-# before and after the fast path, and the real loop's proof run. Each stage writes its files
+# before and after the fast path, the real loop's proof run (with a profile of the loop), the
+# fast path's parity with the eager path, and the experiments' A/B. Each stage writes its files
 # under OUT as it finishes and has a time limit of its own, so a stage that runs long costs
 # only itself; the log is OUT/gpu_check.log.
 #
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine: OUT set, .whl carried
 #   STAGES="throughput" bash benchmarks/gpu_check.sh          # one stage again
-#   STAGES="variants throughput" bash benchmarks/gpu_check.sh # + the experiments' A/B
+#   STAGES="proof parity variants" bash benchmarks/gpu_check.sh  # the next session's call
 #   SMOKE=1 OUT=/tmp/gc bash benchmarks/gpu_check.sh          # CPU smoke run (tiny, 2 steps)
 #
-# Variables: OUT (where results go), STAGES (default "throughput profile proof"; "variants"
-# adds gpu_throughput.py's experiments at 128 tokens, e.g. --bf16-residual), COMMIT
+# Variables: OUT (where results go), STAGES (default "throughput profile proof"; "parity" adds
+# gpu_parity.py, "variants" gpu_throughput.py at 128 tokens without the peer, once with the
+# defaults and once per experiment in VARIANTS, in one table), COMMIT
 # (recorded in every result: the tree has no .git there), DATA (shards for the proof run,
 # default .gpu-data/shards-128), PYTHON (default python3), SMOKE=1 (CPU, tiny model, a few
 # minutes, most of them compiling the peer).
@@ -34,9 +36,12 @@ if [ "${SMOKE:-0}" = 1 ]; then
            --timed 1 --profiled 1)
   PROOF=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3 --precision fp32 --min-drop 0
          --log-every 5)
-  VARIANTS=(--device cpu --config tiny --seq-lens 64 --micro-batch 4 --steps 2 --warmup 1
-            --num-batches 2 --peak-tflops 1)
-  LIMIT=(600 600 600 600)
+  # --compile: as on a GPU, where the layers are compiled by default (the CUDA-graph variant
+  # needs them compiled; on a CPU it has no graphs to record and only times the compile).
+  VARIANT=(--device cpu --config tiny --seq-lens 64 --micro-batch 4 --steps 2 --warmup 1
+           --num-batches 2 --peak-tflops 1 --compile)
+  PARITY=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3)
+  LIMIT=(600 600 600 600 600)
 else
   # Where nothing is installed (the lent machine): DeepSpeed and its missing dependencies as
   # wheels in .whl, and this checkout, into /tmp/site (benchmarks/README.md says how).
@@ -49,9 +54,16 @@ else
   THROUGHPUT=(--seq-lens 128,512 --steps 30 --warmup 10)
   PROFILE=(--cases before128x256,ours128x256,hfc128x256 --warmup 10 --timed 10 --profiled 3)
   PROOF=(--steps 120)
-  VARIANTS=(--seq-lens 128 --steps 30 --warmup 10)
-  LIMIT=(320 100 150 120)  # seconds per stage: 9.5 minutes for the default three at most
+  VARIANT=(--seq-lens 128 --steps 30 --warmup 10)
+  PARITY=(--steps 100)
+  # Seconds per stage (a variant: each of its runs): the default three 9.5 minutes at most;
+  # "proof parity variants" with four variants 9.5 too.
+  LIMIT=(320 100 150 75 120)
 fi
+
+# Scratch of the stages that run the loop: a rerun on a warm machine starts afresh (the proof
+# run would resume the last call's finished run and refuse to overwrite its export).
+rm -rf /tmp/gpu-proof /tmp/gpu-parity /tmp/gpu-variants
 
 status=0
 stage() {  # name, time limit, command...
@@ -66,9 +78,10 @@ stage() {  # name, time limit, command...
   [ "$rc" = 0 ] || status=1
 }
 
-# Experiments first, each against the defaults of the throughput stage in the same call.
-stage variants "${LIMIT[3]}" "$PYTHON" benchmarks/gpu_throughput.py "${VARIANTS[@]}" \
-  --bf16-residual --no-peer --tag bf16-residual --commit "$COMMIT" --output-dir "$OUT"
+# The experiments of gpu_throughput.py (not the product's settings), each a row beside the
+# defaults measured in the same call: "tag:flags", flags as one word-split string.
+VARIANTS=${VARIANTS:-"defaults: bf16-residual:--bf16-residual cuda-graphs:--compile-mode=reduce-overhead bf16-residual+cuda-graphs:--bf16-residual,--compile-mode=reduce-overhead"}
+
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
   --commit "$COMMIT" --output-dir "$OUT"
 stage profile "${LIMIT[1]}" "$PYTHON" benchmarks/gpu_profile.py "${PROFILE[@]}" \
@@ -77,5 +90,22 @@ stage profile "${LIMIT[1]}" "$PYTHON" benchmarks/gpu_profile.py "${PROFILE[@]}" 
 stage proof "${LIMIT[2]}" "$PYTHON" benchmarks/gpu_proof_run.py --data "$DATA" \
   --output-dir /tmp/gpu-proof "${PROOF[@]}" --commit "$COMMIT"
 cp /tmp/gpu-proof/gpu_proof_run-* "$OUT/" 2>/dev/null
+stage parity "${LIMIT[4]}" "$PYTHON" benchmarks/gpu_parity.py --data "$DATA" \
+  --output-dir /tmp/gpu-parity "${PARITY[@]}" --commit "$COMMIT"
+cp /tmp/gpu-parity/gpu_parity-* "$OUT/" 2>/dev/null
+case " $STAGES " in *" variants "*)
+  for variant in $VARIANTS; do
+    tag=${variant%%:*}
+    flags=${variant#*:}
+    echo "[gpu_check] variant $tag: ${flags:-the defaults}"
+    stage variants "${LIMIT[3]}" "$PYTHON" benchmarks/gpu_throughput.py \
+      "${VARIANT[@]}" ${flags//,/ } --no-peer --tag "variant-$tag" --commit "$COMMIT" \
+      --output-dir /tmp/gpu-variants
+  done
+  # At most 8 files come back from the lent machine: the table, and each run's in one archive.
+  "$PYTHON" benchmarks/ab_table.py /tmp/gpu-variants/gpu_throughput_*variant-*.json \
+    | tee "$OUT/variants.md"
+  tar -czf "$OUT/variants.tar.gz" -C /tmp/gpu-variants .
+esac
 echo "[gpu_check] done $(date -u +%T), status $status"
 exit $status

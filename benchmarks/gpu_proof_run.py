@@ -103,13 +103,13 @@ def _peak_tflops() -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
-def _device_name() -> str:
+def device_name() -> str:
     import torch
 
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def _commit(given: str | None) -> str:
+def source_commit(given: str | None) -> str:
     if given:
         return given
     try:
@@ -149,9 +149,9 @@ def run(args: argparse.Namespace) -> dict:
         checks["host_syncs_only_at_log_lines"] = (
             set(profile["steps_with_host_syncs"]) <= log_lines)
     return {
-        "device": _device_name(),
+        "device": device_name(),
         "date": datetime.date.today().isoformat(),
-        "commit": _commit(args.commit),
+        "commit": source_commit(args.commit),
         "recipe": _resolved_recipe(run_dir),
         "loss_first_tenth": loss_start,
         "loss_last_tenth": loss_end,
@@ -225,12 +225,18 @@ def _profile_rows(profile: dict | None) -> list[str]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_checks(parse, run_all, write, argv: list[str] | None) -> int:
+    """A check script's main (this one's and gpu_parity.py's): parse, run, write the results
+    to --output-dir, exit 1 when a check failed."""
+    args = parse(argv)
     os.makedirs(args.output_dir, exist_ok=True)
-    result = run(args)
-    write_results(result, args.output_dir)
+    result = run_all(args)
+    write(result, args.output_dir)
     return 0 if result["passed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_checks(parse_args, run, write_results, argv)
 
 
 if __name__ == "__main__":

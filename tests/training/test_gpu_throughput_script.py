@@ -145,3 +145,28 @@ def test_the_peer_rows_sit_beside_ours_with_the_ratio():
     assert len(rows) == 2 and "transformers + torch.compile" in rows[1]
     assert "**2.00**" in rows[1] and "| 61 |" in rows[1]
     assert script.peer_section({"results": [ours]}) == []
+
+
+def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
+    """gpu_check.sh's "variants" stage: the defaults and an experiment (--bf16-residual), each
+    a gpu_throughput.py run, then benchmarks/ab_table.py's table with the ratio to the
+    defaults. A CUDA-graph variant needs compiled layers: asked without them, it says so."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    common = [sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny", "--seq-lens", "64",
+              "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
+              "--peak-tflops", "1", "--no-peer", "--output-dir", str(tmp_path)]
+    for tag, flags in (("defaults", []), ("bf16-residual", ["--bf16-residual"])):
+        done = subprocess.run(common + flags + ["--tag", f"variant-{tag}"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = sorted(str(p) for p in tmp_path.glob("gpu_throughput_*variant-*.json"))
+    table = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "ab_table.py"),
+                            *runs], capture_output=True, text=True, timeout=60, check=True).stdout
+    rows = [line for line in table.splitlines() if line.startswith("| ") and " x 4 |" in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| defaults", "| bf16-residual"]
+    assert rows[0].endswith("| 1.000x |") and rows[1].endswith("x |")
+    refused = subprocess.run(common + ["--compile-mode", "reduce-overhead", "--no-compile"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert refused.returncode != 0 and "--compile-mode needs compiled layers" in refused.stderr

@@ -1,0 +1,141 @@
+"""Issue 34, item 4 on a GPU: the fast path's losses follow the earlier eager path over 100 steps.
+
+Two runs of `bertforge train`'s own loop (`training.loop.train`) on the same real shards, seed
+and recipe (bert_large_phase1's settings, one micro-batch a step, a log line every step):
+
+- `fast`: the project's defaults on this device: on one GPU ZeRO stage 0, fp32 weights under
+  bf16 torch.autocast, ClippedAdamW, compiled encoder layers;
+- `eager ZeRO-2`: the settings before the fast path: ZeRO stage 2 (DeepSpeed's bf16 weights,
+  fp32 master copies, its clip and optimizer), no compile.
+
+Dropout is off in both (`hidden_dropout_prob` and `attention_probs_dropout_prob` 0): a compiled
+layer draws its dropout masks from inductor's random stream, not eager's, so with dropout on
+the curves would differ by the masks, not by the arithmetic under test. What differs is then
+only the precision path: where the casts fall, LayerNorm in fp32 under autocast against bf16
+in DeepSpeed's, the summation order of fused kernels. The check: at every step the losses agree
+within `--rel-tolerance` (default 1e-2, bf16's 8-bit mantissa: 7.8e-3 a rounding), and both
+fall. The CPU test of the same claim is tests/training/test_fast_path.py (tiny, 100 steps).
+
+Writes gpu_parity-DEVICE-DATE.{json,md} to `--output-dir` and exits 1 when a check fails.
+
+    python3 benchmarks/gpu_parity.py --data .gpu-data/shards-128 --output-dir $OUT
+    python3 benchmarks/gpu_parity.py --data DIR --preset tiny --steps 20 --micro-batch 8 \\
+        --lr 3e-3 --output-dir /tmp/parity                          # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+from gpu_proof_run import device_name, run_checks, source_commit
+
+from bertforge.training.loop import train
+from bertforge.training.metrics import read_metrics
+from bertforge.training.recipes import bert_large_phase1
+
+NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+# name: the settings that differ from the project's defaults
+PATHS = {"fast": {}, "eager ZeRO-2": {"zero_stage": 2, "compile": False}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="prepared shard directory (real text)")
+    parser.add_argument("--output-dir", required=True, help="results and the two run dirs")
+    parser.add_argument("--preset", default="large", help="model size (large, base, tiny)")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps of each run")
+    parser.add_argument("--micro-batch", type=int, default=64, help="sequences a step")
+    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    parser.add_argument("--rel-tolerance", type=float, default=1e-2,
+                        help="largest relative loss difference allowed at any step")
+    parser.add_argument("--commit", default=None,
+                        help="the source commit to record when the tree has no .git")
+    return parser.parse_args(argv)
+
+
+def recipe(args: argparse.Namespace, run_dir: str, **path_settings):
+    return bert_large_phase1(
+        args.data, run_dir, model={"preset": args.preset, **NO_DROPOUT},
+        max_steps=args.steps, micro_batch_size=args.micro_batch, global_batch_size=None,
+        gradient_accumulation_steps=1, learning_rate=args.lr,
+        warmup_steps=max(1, args.steps // 10), log_every=1, checkpoint_every=0,
+        eval_every=0, resume=False, **path_settings)
+
+
+def run(args: argparse.Namespace) -> dict:
+    curves, settings = {}, {}
+    for name, path_settings in PATHS.items():
+        run_dir = os.path.join(args.output_dir, name.replace(" ", "-"))
+        train(recipe(args, run_dir, **path_settings))
+        curves[name] = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+        with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+            resolved = json.load(f)["train"]
+        settings[name] = {key: resolved[key] for key in ("zero_stage", "precision", "compile")}
+    fast, eager = curves["fast"], curves["eager ZeRO-2"]
+    steps = sorted(fast)
+    relative = [abs(fast[s] - eager[s]) / abs(eager[s]) for s in steps]
+    tenth = max(1, len(steps) // 10)
+
+    def fell(curve: dict[int, float]) -> bool:
+        return (statistics.mean(curve[s] for s in steps[-tenth:])
+                < statistics.mean(curve[s] for s in steps[:tenth]))
+
+    checks = {
+        "same_steps": steps == sorted(eager) == list(range(1, args.steps + 1)),
+        "every_step_within_tolerance": max(relative) <= args.rel_tolerance,
+        "both_fell": fell(fast) and fell(eager),
+    }
+    return {
+        "device": device_name(), "date": datetime.date.today().isoformat(),
+        "commit": source_commit(args.commit), "preset": args.preset,
+        "micro_batch": args.micro_batch, "lr": args.lr, "settings": settings,
+        "rel_tolerance": args.rel_tolerance,
+        "max_rel_difference": max(relative),
+        "max_rel_difference_step": steps[relative.index(max(relative))],
+        "mean_rel_difference": statistics.mean(relative),
+        "losses": {name: [curve[s] for s in steps] for name, curve in curves.items()},
+        "checks": checks, "passed": all(checks.values()),
+    }
+
+
+def write_results(result: dict, output_dir: str) -> None:
+    stem = os.path.join(output_dir, f"gpu_parity-{result['device'].replace(' ', '-')}-"
+                                    f"{result['date']}")
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    losses = result["losses"]
+    steps = len(losses["fast"])
+    lines = [
+        f"# Fast path against the eager ZeRO-2 path: {result['device']}, {result['date']}, "
+        f"commit {result['commit']}",
+        "",
+        f"{result['preset']}, {steps} steps of {result['micro_batch']} sequences, lr "
+        f"{result['lr']:g}, dropout off; settings as resolved: "
+        + "; ".join(f"{name}: ZeRO {s['zero_stage']}, {s['precision']}, compile {s['compile']}"
+                    for name, s in result["settings"].items()),
+        "",
+        "| measure | value |", "|---|---|",
+        f"| largest relative loss difference (step) | {result['max_rel_difference']:.2e} "
+        f"({result['max_rel_difference_step']}) |",
+        f"| mean relative loss difference | {result['mean_rel_difference']:.2e} |",
+        *(f"| loss at steps 1, {steps // 2}, {steps}: {name} | "
+          + ", ".join(f"{curve[i]:.4f}" for i in (0, steps // 2 - 1, steps - 1)) + " |"
+          for name, curve in losses.items()),
+        *(f"| {name} | {'yes' if ok else 'NO'} |" for name, ok in result["checks"].items()),
+    ]
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_checks(parse_args, run, write_results, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
