@@ -107,9 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="compiled encoder layers (default: the project's, on a GPU)")
     parser.add_argument("--bf16-residual", action="store_true",
-                        help="experiment, not the product: LayerNorm returns bf16 under "
-                             "autocast (fp32 inside), so the residual stream between layers "
-                             "is bf16 (see bf16_layer_norm_outputs)")
+                        help="experiment, not yet the product's default: LayerNorm returns "
+                             "bf16 under autocast (fp32 inside), so the residual stream "
+                             "between layers is bf16 (training.model.LayerNorm)")
     parser.add_argument("--compile-mode", choices=("default", "reduce-overhead"),
                         default="default",
                         help="experiment, not the product: torch.compile's mode for the "
@@ -296,8 +296,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     model = BertForPreTraining(model_config)
     model.gradient_checkpointing = cfg.activation_checkpointing
     model.max_predictions = max_predictions
-    if args.bf16_residual:
-        bf16_layer_norm_outputs(model)
+    model.residual_in_autocast_dtype = args.bf16_residual
     parameters = num_parameters(model)
     resolved = resolve_for_engine(cfg.engine(), world_size)
     if args.compile_mode != "default" and not resolved.compile:
@@ -336,36 +335,6 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return result
-
-
-class _LayerNormToAutocastDtype(torch.nn.Module):
-    """Wraps a LayerNorm: normalises in fp32, returns the autocast dtype when autocast is on."""
-
-    def __init__(self, norm: torch.nn.LayerNorm) -> None:
-        super().__init__()
-        self.norm = norm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        device = x.device.type
-        if not torch.is_autocast_enabled(device):
-            return self.norm(x)
-        with torch.autocast(device, enabled=False):
-            out = torch.nn.functional.layer_norm(
-                x.float(), self.norm.normalized_shape, self.norm.weight, self.norm.bias,
-                self.norm.eps)
-        return out.to(torch.get_autocast_dtype(device))
-
-
-def bf16_layer_norm_outputs(model: torch.nn.Module) -> None:
-    """The issue-34 lead, as an experiment of this benchmark only: under autocast a LayerNorm
-    returns fp32, so the residual stream between layers is fp32 and every memory-bound kernel
-    on it moves twice the bytes of DeepSpeed's bf16-weights path (whose rounding this is).
-    Each LayerNorm is wrapped in place (its parameters then sit under `.norm`: a benchmark's
-    model only, never checkpointed or exported)."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.LayerNorm):
-                setattr(module, name, _LayerNormToAutocastDtype(child))
 
 
 def recompile_layers(model: torch.nn.Module, mode: str) -> None:

@@ -175,6 +175,28 @@ class PreTrainingOutput(dict):
         self.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm that can hand its output on in the autocast dtype (same parameters, same
+    state-dict names).
+
+    Under torch.autocast, layer_norm computes in fp32 and returns fp32, so with fp32 weights
+    under autocast (the engine's fast path) the post-LN residual stream between layers is
+    fp32, and each memory-bound kernel on it (dropout + residual add + LayerNorm, forward and
+    backward) moves twice the bytes of a bf16 stream. With `to_autocast_dtype` it still
+    normalises in fp32, then rounds its output to the autocast dtype: the stream DeepSpeed's
+    bf16-weights path keeps. Off, or outside autocast: exactly nn.LayerNorm.
+    """
+
+    to_autocast_dtype = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        device = x.device.type
+        if self.to_autocast_dtype and torch.is_autocast_enabled(device):
+            return out.to(torch.get_autocast_dtype(device))
+        return out
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -184,7 +206,7 @@ class BertEmbeddings(nn.Module):
         )
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(
@@ -246,7 +268,7 @@ class BertSelfOutput(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.dense = Linear(config.hidden_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -287,7 +309,7 @@ class BertOutput(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.dense = Linear(config.intermediate_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -429,7 +451,7 @@ class BertPredictionHeadTransform(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.dense = Linear(config.hidden_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(F.gelu(self.dense(hidden)))
@@ -486,6 +508,18 @@ class BertForPreTraining(nn.Module):
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, enabled: bool) -> None:
         self.bert.encoder.gradient_checkpointing = bool(enabled)
+
+    @property
+    def residual_in_autocast_dtype(self) -> bool:
+        """Every LayerNorm hands its output on in the autocast dtype (`LayerNorm`): a bf16
+        residual stream under bf16 autocast. Off by default; set it before compiling."""
+        return all(m.to_autocast_dtype for m in self.modules() if isinstance(m, LayerNorm))
+
+    @residual_in_autocast_dtype.setter
+    def residual_in_autocast_dtype(self, enabled: bool) -> None:
+        for module in self.modules():
+            if isinstance(module, LayerNorm):
+                module.to_autocast_dtype = bool(enabled)
 
     def tie_weights(self) -> None:
         """Share the word embeddings with the MLM decoder; call again after `assign=True` loads."""
