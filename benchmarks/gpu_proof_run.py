@@ -10,8 +10,10 @@ under the `deepspeed` launcher), on a prepared shard directory on disk:
 4. assert the loss fell: the mean of the last tenth of logged steps is below the mean of the
    first tenth by at least `--min-drop` (nats);
 5. profile a window of the resumed run (`--profile-steps`, the loop's own `profile_steps`;
-   by default the 12 steps before the last log interval, two log lines among them) and assert
-   that the host waits for the device only at log lines: no per-step host syncs.
+   by default its last 12 steps: two log lines and the final checkpoint among them) and
+   assert that the host waits for the device only at log lines and the checkpoint: no
+   per-step host syncs. The checkpoint step's host time against the others' says what a
+   checkpoint costs the run.
 
 It writes `gpu_proof_run-DEVICE-DATE.json` and `.md` to `--output-dir` (the device's name, the
 date, the commit, the resolved recipe, the logged losses, tokens/s and MFU of the loop itself)
@@ -65,14 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="several instances a row (TrainConfig.packing)")
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"),
                         default=None, help="steps of the resumed run to profile (default: "
-                        "the 12 ending one log interval before the last step)")
+                        "its last 12)")
     parser.add_argument("--no-profile", action="store_true", help="profile no step")
     parser.add_argument("--commit", default=None,
                         help="the source commit to record when the tree has no .git")
     args = parser.parse_args(argv)
     if args.profile_steps is None and not args.no_profile:
-        last = args.steps - args.log_every
-        args.profile_steps = (max(args.steps // 2 + 1, last - 11), last)
+        args.profile_steps = (max(args.steps // 2 + 1, args.steps - 11), args.steps)
     if args.no_profile or args.profile_steps[0] > args.profile_steps[1]:
         args.profile_steps = None  # too short a run for a window past its resume
     return args
@@ -143,9 +144,10 @@ def run(args: argparse.Namespace) -> dict:
         "loss_fell": loss_start - loss_end >= args.min_drop,
     }
     if profile is not None:
-        # The loop reads the device once a log line (its metrics), never between them.
+        # The loop reads the device once a log line (its metrics) and waits for it to save a
+        # checkpoint, never between them.
         log_lines = {s for s in range(profile["steps"][0], profile["steps"][1] + 1)
-                     if s % args.log_every == 0}
+                     if s % args.log_every == 0 or s in (half, args.steps)}
         checks["host_syncs_only_at_log_lines"] = (
             set(profile["steps_with_host_syncs"]) <= log_lines)
     return {
@@ -212,8 +214,13 @@ def _profile_rows(profile: dict | None) -> list[str]:
     first, last = profile["steps"]
     busy, kernels = profile["gpu_busy"], profile["kernels_per_step"]
     synced = ", ".join(map(str, profile["steps_with_host_syncs"])) or "none"
+    host_ms = {s["step"]: s["host_ms"] for s in profile["per_step"]}
+    others = [ms for step, ms in host_ms.items() if step != last]
     rows = [f"| profiled steps {first}-{last}: wall ms a step (profiler on) "
             f"| {profile['wall_ms_per_step']:.1f} |",
+            f"| profiled: host ms of the last step (log line, checkpoint) against the median "
+            f"of the others | {host_ms.get(last, float('nan')):,.0f} against "
+            f"{statistics.median(others) if others else float('nan'):,.1f} |",
             f"| profiled: GPU busy, kernels a step | "
             f"{'n/a' if busy is None else f'{busy:.0%}'}, "
             f"{'n/a' if kernels is None else f'{kernels:,.0f}'} |",

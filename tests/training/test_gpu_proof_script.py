@@ -44,11 +44,11 @@ def test_proof_run_checkpoints_resumes_exports_and_sees_the_loss_fall(tmp_path):
     assert result["passed"] and all(result["checks"].values())
     assert result["device"] == "cpu" and len(result["losses"]) == 40
     assert os.path.isfile(tmp_path / "out" / "hf" / "config.json")
-    # The resumed run's window of 12 steps, one log interval before the end, profiled by the
+    # The resumed run's last 12 steps (log lines, the final checkpoint), profiled by the
     # loop itself: summed up in the result, the trace beside the run.
-    assert result["loop_profile"]["steps"] == [28, 39]
+    assert result["loop_profile"]["steps"] == [29, 40]
     assert result["checks"]["host_syncs_only_at_log_lines"]
-    assert os.path.isfile(tmp_path / "out" / "run" / "profile" / "trace-steps-28-39-rank0.json.gz")
+    assert os.path.isfile(tmp_path / "out" / "run" / "profile" / "trace-steps-29-40-rank0.json.gz")
     assert "| profiled: steps in which the host waited for the device | none |" in done.stdout
     # An unreachable target fails the run: the check is real.
     again = _run(data, str(tmp_path / "strict"), "--steps", "4", "--min-drop", "100")
