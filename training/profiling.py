@@ -100,8 +100,15 @@ class StepProfiler:
     def __enter__(self) -> StepProfiler:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc_info: Any) -> None:
+        if exc_type is None:
+            self.close()
+        elif self._profiler is not None:  # the run failed: stop, write nothing, raise its error
+            if self._step_range is not None:
+                self._step_range.__exit__(None, None, None)
+                self._step_range = None
+            profiler, self._profiler = self._profiler, None
+            profiler.__exit__(None, None, None)
 
     def begin(self, step: int) -> None:
         if self.steps is None or not self.steps[0] <= step <= self.steps[1]:
@@ -124,9 +131,6 @@ class StepProfiler:
         """Stop and write, if a window is open (the loop ended inside it)."""
         if self._profiler is None:
             return
-        if self._step_range is not None:  # an exception inside a step
-            self._step_range.__exit__(None, None, None)
-            self._step_range = None
         if self.cuda:
             torch.cuda.synchronize()  # the window's queued kernels belong to it
         wall_s = time.perf_counter() - self._started

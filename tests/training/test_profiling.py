@@ -86,3 +86,16 @@ def test_kernels_fall_in_the_categories_of_their_names():
     assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
     assert kernel_category("triton_per_fused_add_native_dropout_native_layer_norm") == "norm"
     assert kernel_category("triton_poi_fused_gelu_view_9") == OTHER
+
+
+def test_a_run_that_fails_inside_the_window_stops_the_profiler_and_writes_nothing(tmp_path):
+    with pytest.raises(RuntimeError, match="step 3 failed"):
+        with StepProfiler((2, 5), str(tmp_path), rank=0, device=torch.device("cpu")) as profiler:
+            for step in (1, 2, 3):
+                profiler.begin(step)
+                if step == 3:
+                    raise RuntimeError("step 3 failed")
+                profiler.end(step)
+    assert profiler.summary is None and not (tmp_path / "profile").exists()
+    # None is left running (torch's own flag: a second profiler would start beside it).
+    assert not torch.autograd.profiler._is_profiler_enabled
