@@ -122,6 +122,11 @@ def deepspeed_config(
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with it
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronizes the device when a forward
+        # starts and when a step ends, every micro-step from the third: the host then waits
+        # for the GPU to drain twice a micro-step and queues nothing ahead. Our own metrics
+        # read the device once a log line (training.loop._Window).
+        "timers": {"throughput": {"enabled": False}},
     }
     if cfg.precision == "bf16" and stage == 0:
         # fp32 weights, gradients and optimizer state, the model's forward under
