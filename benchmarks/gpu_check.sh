@@ -13,7 +13,7 @@
 #
 # Variables: OUT (where results go), STAGES (default "throughput profile proof"; "parity" adds
 # gpu_parity.py, "variants" gpu_throughput.py at 128 tokens without the peer, once with the
-# defaults and once per experiment in VARIANTS, in one table), COMMIT
+# defaults and once per experiment in VARIANTS, in one table), VARIANTS (see below), COMMIT
 # (recorded in every result: the tree has no .git there), DATA (shards for the proof run,
 # default .gpu-data/shards-128), PYTHON (default python3), SMOKE=1 (CPU, tiny model, a few
 # minutes, most of them compiling the peer).
@@ -38,8 +38,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
          --log-every 5)
   # --compile: as on a GPU, where the layers are compiled by default (the CUDA-graph variant
   # needs them compiled; on a CPU it has no graphs to record and only times the compile).
-  VARIANT=(--device cpu --config tiny --seq-lens 64 --micro-batch 4 --steps 2 --warmup 1
-           --num-batches 2 --peak-tflops 1 --compile)
+  VARIANT_ARGS=(--device cpu --config tiny --seq-lens 64 --micro-batch 4 --steps 2 --warmup 1
+                --num-batches 2 --peak-tflops 1 --compile)
   PARITY=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3)
   LIMIT=(600 600 600 600 600)
 else
@@ -54,11 +54,12 @@ else
   THROUGHPUT=(--seq-lens 128,512 --steps 30 --warmup 10)
   PROFILE=(--cases before128x256,ours128x256,hfc128x256 --warmup 10 --timed 10 --profiled 3)
   PROOF=(--steps 120)
-  VARIANT=(--seq-lens 128 --steps 30 --warmup 10)
+  VARIANT_ARGS=(--seq-lens 128 --steps 30 --warmup 10)
   PARITY=(--steps 100)
-  # Seconds per stage (a variant: each of its runs): the default three 9.5 minutes at most;
-  # "proof parity variants" with four variants 9.5 too.
-  LIMIT=(320 100 150 75 120)
+  # Seconds per stage (variants: each of its runs), in the order of the array: throughput,
+  # profile, proof, a variant, parity. The default three 9.5 minutes at most; "proof parity
+  # variants" with the three default variants 8.5 minutes, inside one 10-minute call.
+  LIMIT=(320 100 150 70 120)
 fi
 
 # Scratch of the stages that run the loop: a rerun on a warm machine starts afresh (the proof
@@ -79,8 +80,9 @@ stage() {  # name, time limit, command...
 }
 
 # The experiments of gpu_throughput.py (not the product's settings), each a row beside the
-# defaults measured in the same call: "tag:flags", flags as one word-split string.
-VARIANTS=${VARIANTS:-"defaults: bf16-residual:--bf16-residual cuda-graphs:--compile-mode=reduce-overhead bf16-residual+cuda-graphs:--bf16-residual,--compile-mode=reduce-overhead"}
+# defaults measured in the same call: space-separated "tag:flags", the flags separated by
+# commas without spaces ("tag:" alone: no flags).
+VARIANTS=${VARIANTS:-"defaults: bf16-residual:--bf16-residual cuda-graphs:--compile-mode=reduce-overhead"}
 
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
   --commit "$COMMIT" --output-dir "$OUT"
@@ -95,17 +97,22 @@ stage parity "${LIMIT[4]}" "$PYTHON" benchmarks/gpu_parity.py --data "$DATA" \
 cp /tmp/gpu-parity/gpu_parity-* "$OUT/" 2>/dev/null
 case " $STAGES " in *" variants "*)
   for variant in $VARIANTS; do
+    case $variant in *:*) ;; *) echo "[gpu_check] VARIANTS: $variant is not tag:flags"; exit 2;; esac
     tag=${variant%%:*}
     flags=${variant#*:}
     echo "[gpu_check] variant $tag: ${flags:-the defaults}"
     stage variants "${LIMIT[3]}" "$PYTHON" benchmarks/gpu_throughput.py \
-      "${VARIANT[@]}" ${flags//,/ } --no-peer --tag "variant-$tag" --commit "$COMMIT" \
+      "${VARIANT_ARGS[@]}" ${flags//,/ } --no-peer --tag "variant-$tag" --commit "$COMMIT" \
       --output-dir /tmp/gpu-variants
+    # After each run, so that a call cut short still brings back the runs it finished. At
+    # most 8 files come back from the lent machine: the table, and each run's in one archive.
+    if compgen -G "/tmp/gpu-variants/*.json" >/dev/null; then
+      "$PYTHON" benchmarks/ab_table.py /tmp/gpu-variants/gpu_throughput_*variant-*.json \
+        > "$OUT/variants.md" || status=1
+      tar -czf "$OUT/variants.tar.gz" -C /tmp/gpu-variants .
+    fi
   done
-  # At most 8 files come back from the lent machine: the table, and each run's in one archive.
-  "$PYTHON" benchmarks/ab_table.py /tmp/gpu-variants/gpu_throughput_*variant-*.json \
-    | tee "$OUT/variants.md"
-  tar -czf "$OUT/variants.tar.gz" -C /tmp/gpu-variants .
+  cat "$OUT/variants.md" 2>/dev/null
 esac
 echo "[gpu_check] done $(date -u +%T), status $status"
 exit $status

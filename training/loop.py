@@ -56,6 +56,8 @@ class TrainResult:
     tokens_per_second: float
     train_seconds: float
     run_id: str = ""  # the run whose weights checkpoint_path holds (checkpoint.new_run_id)
+    # Of train_seconds, the time the loop spent saving checkpoints (the training stood still).
+    checkpoint_seconds: float = 0.0
 
 
 def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
@@ -148,6 +150,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
                      loader.max_predictions_per_row)
     started = time.time()
     total_tokens = 0
+    checkpoint_seconds = 0.0
     profiler = StepProfiler(cfg.profile_steps, cfg.run_dir, rank, engine.device)
     with profiler:
         while step < cfg.max_steps:
@@ -171,10 +174,12 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
             if step == cfg.max_steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 loader.wait_for_checksums()  # no checkpoint from shards not yet verified
                 client_state.update(loader=loader.state_dict(), global_step=step)
+                saving = time.time()
                 path = last_saved = checkpoint.save(
                     engine, cfg.run_dir, step, client_state, metadata=metadata,
                     vocab_path=os.path.join(cfg.data_dir, VOCAB_NAME), keep=cfg.keep_checkpoints,
                 )
+                checkpoint_seconds += time.time() - saving
                 if report is not None:
                     report({"step": step, "checkpoint_path": path, "loss": last_loss})
             profiler.end(step)
@@ -192,6 +197,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         loss_last=last_loss,
         tokens_per_second=total_tokens / seconds if seconds > 0 else 0.0,
         train_seconds=seconds,
+        checkpoint_seconds=checkpoint_seconds,
     )
 
 

@@ -39,11 +39,12 @@ OTHER = "other elementwise"
 CATEGORY_NAMES = tuple(name for name, _ in CATEGORIES) + (OTHER,)
 
 # What makes the host wait for the device. On a GPU: the CUDA runtime calls that block
-# (cudaMemcpyAsync does not, unless from pageable memory, which then shows as a
-# cudaStreamSynchronize; `.item()` and `.tolist()` of a device tensor end in one). On a CPU
-# nothing waits, but the same code would on a GPU: there a value read back by Python,
-# `.item()` called outside any operator, is counted (reads inside an operator's CPU kernel,
-# such as fused AdamW's step counts, or `_assert_async`, stay on the device on a GPU).
+# (`.item()` and `.tolist()` of a device tensor end in a cudaStreamSynchronize; a copy from
+# pageable memory blocks inside cudaMemcpyAsync itself, which `training.device.to_device`
+# avoids by pinning). On a CPU nothing waits, but the same code would on a GPU: there a value
+# read back by Python, `.item()` called outside any operator, is counted (reads inside an
+# operator's CPU kernel, such as fused AdamW's step counts, or `_assert_async`, stay on the
+# device on a GPU).
 SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize",
                         "cudaEventSynchronize", "cudaMemcpy"})
 READ_BACK = "aten::item"
@@ -59,7 +60,8 @@ def kernel_category(kernel: str) -> str:
 
 
 def device_kernels(events: Iterable[Any]) -> list[tuple[str, float]]:
-    """(name, microseconds) of every kernel run on a CUDA device among profiler `events`.
+    """(name, microseconds) of every kernel run on a CUDA device among profiler `events`
+    (memcpy and memset activities included, as the first profiles counted them).
 
     Ranges (`record_function`, the optimizer's `Optimizer.step#...`) are mirrored on the GPU's
     timeline as user annotations spanning many kernels: counting them as kernels would count

@@ -31,6 +31,16 @@ def load_script():
     return module
 
 
+def script_env() -> dict[str, str]:
+    """The script's environment: no GPU, and no process group of this one's. Other tests in
+    this process set one up and leave RANK/MASTER_PORT behind: the script would join (or
+    collide with) that store instead of its own."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
 def test_lengths_follow_googles_target_rule():
     counts = instance_token_counts(np.random.default_rng(0), 20_000, 128, short_seq_prob=0.1)
     full = counts == 125  # 128 - [CLS] - 2 x [SEP]
@@ -99,12 +109,7 @@ def test_script_runs_on_cpu_and_writes_results(tmp_path):
         "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
         "--peak-tflops", str(peak), "--output-dir", str(tmp_path), "--tag", "smoke",
     ]
-    # Other tests in this process set up a process group and leave RANK/MASTER_PORT in the
-    # environment: the script would join (or collide with) that store instead of its own.
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+    done = subprocess.run(command, cwd=REPO, env=script_env(), capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [json_file] = list(tmp_path.glob("gpu_throughput_cpu-*_smoke.json"))
@@ -150,10 +155,9 @@ def test_the_peer_rows_sit_beside_ours_with_the_ratio():
 def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
     """gpu_check.sh's "variants" stage: the defaults and an experiment (--bf16-residual), each
     a gpu_throughput.py run, then benchmarks/ab_table.py's table with the ratio to the
-    defaults. A CUDA-graph variant needs compiled layers: asked without them, it says so."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
+    defaults. An experiment that would change nothing (CUDA graphs without compiled layers, a
+    bf16 residual stream without autocast) is refused, not timed."""
+    env = script_env()
     common = [sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny", "--seq-lens", "64",
               "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
               "--peak-tflops", "1", "--no-peer", "--output-dir", str(tmp_path)]
@@ -166,7 +170,11 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
                             *runs], capture_output=True, text=True, timeout=60, check=True).stdout
     rows = [line for line in table.splitlines() if line.startswith("| ") and " x 4 |" in line]
     assert [row.split(" | ")[0] for row in rows] == ["| defaults", "| bf16-residual"]
-    assert rows[0].endswith("| 1.000x |") and rows[1].endswith("x |")
-    refused = subprocess.run(common + ["--compile-mode", "reduce-overhead", "--no-compile"],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert refused.returncode != 0 and "--compile-mode needs compiled layers" in refused.stderr
+    assert "| 1.000x | 0 |" in rows[0] and rows[1].endswith("x | 0 |")
+    for flags, reason in ((["--compile-mode", "reduce-overhead", "--no-compile"],
+                           "--compile-mode needs compiled layers"),
+                          (["--bf16-residual", "--precision", "fp32"],
+                           "--bf16-residual needs the engine's bf16 autocast")):
+        refused = subprocess.run(common + flags, cwd=REPO, env=env, capture_output=True,
+                                 text=True, timeout=240)
+        assert refused.returncode != 0 and reason in refused.stderr, refused.stderr[-2000:]

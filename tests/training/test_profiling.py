@@ -23,7 +23,7 @@ from tests.training.test_loop import config
 
 def test_a_profiled_window_of_the_loop_reads_nothing_back_and_is_written(dataset_dir, tmp_path,
                                                                           capsys):
-    """Steps 2-5 of an 6-step run logging at 1, 3 and 6 (fast path: ZeRO 0, fp32): no step
+    """Steps 2-5 of a 6-step run logging at 1, 3 and 6 (fast path: ZeRO 0, fp32): no step
     reads a value back from the device, the log step (3) included (its sums come back in one
     `.tolist()`, which on a CPU is no read of a device); the summary and the trace are on disk
     and one console line says where."""
@@ -99,3 +99,41 @@ def test_a_run_that_fails_inside_the_window_stops_the_profiler_and_writes_nothin
     assert profiler.summary is None and not (tmp_path / "profile").exists()
     # None is left running (torch's own flag: a second profiler would start beside it).
     assert not torch.autograd.profiler._is_profiler_enabled
+
+
+def test_on_a_gpu_blocking_runtime_calls_count_and_ranges_are_no_kernels():
+    """summarize() as it reads a CUDA profile (no GPU here: events as torch 2.11's profiler
+    gives them, host ranges and runtime calls on the CPU side, kernels and the ranges' mirrors
+    on the device): a cudaStreamSynchronize inside step 8's range marks step 8; launches do
+    not; the mirrors of `bertforge step N` and `Optimizer.step#...` are not kernels."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    from bertforge.training.profiling import summarize
+
+    def event(name, start, end, device=DeviceType.CPU, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=Interval(start, end),
+                               is_user_annotation=annotation, cpu_parent=None)
+
+    events = [
+        event("bertforge step 7", 0, 100, annotation=True),
+        event("bertforge step 8", 100, 200, annotation=True),
+        event("cudaLaunchKernel", 10, 11),
+        event("cudaStreamSynchronize", 150, 190),
+        event("aten::item", 149, 191),  # on a GPU the runtime call is what counts
+        event("bertforge step 7", 5, 120, DeviceType.CUDA, annotation=True),
+        event("Optimizer.step#ClippedAdamW.step", 60, 100, DeviceType.CUDA, annotation=True),
+        event("nvjet_sm90_tst_256x128_gemm", 20, 80, DeviceType.CUDA),
+        event("triton_per_fused_native_layer_norm", 80, 90, DeviceType.CUDA),
+        event("multi_tensor_apply_kernel<FusedAdam>", 120, 150, DeviceType.CUDA),
+    ]
+    summary = summarize(events, [7, 8], wall_s=200e-6, cuda=True)
+    assert summary["steps_with_host_syncs"] == [8]
+    assert [s["host_syncs"] for s in summary["per_step"]] == [0, 1]
+    assert summary["kernels_per_step"] == 1.5  # 3 kernels over 2 steps, no range
+    assert summary["kernel_ms_per_step"] == pytest.approx(0.05)
+    assert summary["gpu_busy"] == pytest.approx(0.5)
+    assert summary["category_ms_per_step"]["gemm"] == pytest.approx(0.03)
+    assert summary["category_ms_per_step"]["optimizer"] == pytest.approx(0.015)
