@@ -8,7 +8,7 @@
 #
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine: OUT set, .whl carried
 #   STAGES="throughput" bash benchmarks/gpu_check.sh          # one stage again
-#   STAGES="proof parity variants" bash benchmarks/gpu_check.sh  # the next session's call
+#   STAGES="parity variants" bash benchmarks/gpu_check.sh     # parity and the experiments
 #   SMOKE=1 OUT=/tmp/gc bash benchmarks/gpu_check.sh          # CPU smoke run (tiny, 2 steps)
 #
 # Variables: OUT (where results go), STAGES (default "throughput profile proof"; "parity" adds
@@ -57,8 +57,8 @@ else
   VARIANT_ARGS=(--seq-lens 128 --steps 30 --warmup 10)
   PARITY=(--steps 100)
   # Seconds per stage (variants: each of its runs), in the order of the array: throughput,
-  # profile, proof, a variant, parity. The default three 9.5 minutes at most; "proof parity
-  # variants" with the three default variants 8.5 minutes, inside one 10-minute call.
+  # profile, proof, a variant, parity. The default three 9.5 minutes at most, "parity
+  # variants" with the three default variants 5.5: each inside one 10-minute call.
   LIMIT=(320 100 150 70 120)
 fi
 
