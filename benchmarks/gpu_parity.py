@@ -14,7 +14,8 @@ the curves would differ by the masks, not by the arithmetic under test. What dif
 only the precision path: where the casts fall, LayerNorm in fp32 under autocast against bf16
 in DeepSpeed's, the summation order of fused kernels. The check: at every step the losses agree
 within `--rel-tolerance` (default 1e-2: bf16 keeps 8 significant bits, a rounding is up to
-3.9e-3, and 100 steps of them compound), and both fall. The CPU test of the same claim is tests/training/test_fast_path.py (tiny, 100 steps).
+3.9e-3, and 100 steps of them compound), and both fall. The CPU test of the same claim is
+tests/training/test_fast_path.py (tiny, 100 steps).
 
 Writes gpu_parity-DEVICE-DATE.{json,md} to `--output-dir` and exits 1 when a check fails.
 
