@@ -47,8 +47,8 @@ def test_a_profiled_window_of_the_loop_reads_nothing_back_and_is_written(dataset
 
 
 def test_a_value_read_back_inside_a_step_is_counted_for_that_step(tmp_path):
-    """The measure can fail: `.item()` in step 2 (what a per-step loss log would do) marks
-    step 2 and no other. A window that starts before the first step run (a resume inside it)
+    """The measure can fail: `.item()` in step 3 (what a per-step loss log would do) marks
+    step 3 and no other. A window that starts before the first step run (a resume inside it)
     profiles what is left; one cut short by the end of the run is written at close."""
     x = torch.randn(64)
     with StepProfiler((1, 9), str(tmp_path), rank=0, device=torch.device("cpu")) as profiler:
