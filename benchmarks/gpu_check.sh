@@ -81,7 +81,8 @@ stage() {  # name, time limit, command...
 
 # The experiments of gpu_throughput.py (not the product's settings), each a row beside the
 # defaults measured in the same call: space-separated "tag:flags", the flags separated by
-# commas without spaces ("tag:" alone: no flags).
+# commas without spaces ("tag:" alone: no flags). VARIANT_LIMIT overrides a run's time limit,
+# e.g. 300 for "gemm-epilogue:--compile-mode=max-autotune-no-cudagraphs" (minutes of tuning).
 VARIANTS=${VARIANTS:-"defaults: bf16-residual:--bf16-residual cuda-graphs:--compile-mode=reduce-overhead"}
 
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
@@ -101,7 +102,7 @@ case " $STAGES " in *" variants "*)
     tag=${variant%%:*}
     flags=${variant#*:}
     echo "[gpu_check] variant $tag: ${flags:-the defaults}"
-    stage variants "${LIMIT[3]}" "$PYTHON" benchmarks/gpu_throughput.py \
+    stage variants "${VARIANT_LIMIT:-${LIMIT[3]}}" "$PYTHON" benchmarks/gpu_throughput.py \
       "${VARIANT_ARGS[@]}" ${flags//,/ } --no-peer --tag "variant-$tag" --commit "$COMMIT" \
       --output-dir /tmp/gpu-variants
     # After each run, so that a call cut short still brings back the runs it finished. At
