@@ -39,7 +39,7 @@ from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_bat
 from bertforge.training.inputs import check_positions, resolve_model_config
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining, num_parameters
-from bertforge.training.profiling import StepProfiler, summary_line
+from bertforge.training.profiling import StepProfiler
 from bertforge.training.recipes import micro_batch_for_device
 from bertforge.training.warm_start import check_resume_architecture, load_initial_weights
 
@@ -185,8 +185,6 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
             profiler.end(step)
     logger.close()
     seconds = time.time() - started
-    if rank == 0 and profiler.summary is not None:
-        console(summary_line(profiler.summary, profiler.summary_path))
     if rank == 0:
         console(f"[train] run {run_id}: step {step}, weights in {last_saved}")
     return TrainResult(

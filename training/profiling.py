@@ -8,8 +8,10 @@ over the window, the wall time a step, the kernels a step, the GPU's busy share 
 time by category (`CATEGORIES`, shared with `benchmarks/gpu_profile.py`).
 
 Written per rank to RUN_DIR/profile/: `steps-F-L-rank<R>.json` (the summary) and
-`trace-steps-F-L-rank<R>.json.gz` (the whole trace, for Perfetto or chrome://tracing). Nothing
-of it runs outside the window: a run without the option never imports the profiler.
+`trace-steps-F-L-rank<R>.json.gz` (the whole trace, for Perfetto or chrome://tracing); rank 0
+says so in one console line as the window closes. Nothing of it runs outside the window: a run
+without the option never imports the profiler. A profile that cannot be written is a warning,
+never the end of the run it watches.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from bertforge.training.metrics import console
 
 # Kernel name keywords (lower case) per category; the first category with a keyword in the
 # name wins. Attention comes before gemm because fused attention kernels carry `cutlass` or
@@ -138,8 +142,18 @@ class StepProfiler:
         wall_s = time.perf_counter() - self._started
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
-        self.summary = summarize(profiler.events(), self._profiled, wall_s, cuda=self.cuda)
-        self._write(profiler)
+        try:
+            self.summary = summarize(profiler.events(), self._profiled, wall_s, cuda=self.cuda)
+            self._write(profiler)
+        except Exception as error:  # a diagnostic: the run it watches goes on
+            self.summary = None
+            if self.rank == 0:
+                console(f"[train] WARNING: the profile of steps {self._profiled[0]}-"
+                        f"{self._profiled[-1]} was not written ({type(error).__name__}: "
+                        f"{error}); training goes on")
+            return
+        if self.rank == 0:
+            console(summary_line(self.summary, self.summary_path))
 
     def _start(self) -> None:
         from torch.profiler import ProfilerActivity, profile

@@ -137,3 +137,21 @@ def test_on_a_gpu_blocking_runtime_calls_count_and_ranges_are_no_kernels():
     assert summary["gpu_busy"] == pytest.approx(0.5)
     assert summary["category_ms_per_step"]["gemm"] == pytest.approx(0.03)
     assert summary["category_ms_per_step"]["optimizer"] == pytest.approx(0.015)
+
+
+def test_a_profile_that_cannot_be_written_is_a_warning_and_the_run_goes_on(
+        dataset_dir, tmp_path, capsys, monkeypatch):
+    """A diagnostic never ends the run it watches: the summary fails (here: planted), the
+    console says so once, and the run trains to its last step and checkpoint."""
+    from bertforge.training import profiling
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(profiling, "summarize", broken)
+    result = train(config(dataset_dir, tmp_path / "run", zero_stage=0, precision="fp32",
+                          log_every=3, profile_steps=(2, 3)))
+    assert result.global_step == 6 and os.path.isdir(result.checkpoint_path)
+    out = capsys.readouterr().out
+    assert "[train] WARNING: the profile of steps 2-3 was not written (OSError: disk full)" in out
+    assert "profiled steps" not in out
