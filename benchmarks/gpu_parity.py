@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps of each run")
     parser.add_argument("--micro-batch", type=int, default=64, help="sequences a step")
     parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
+                        help="of both runs (auto: bf16 on a GPU or a CPU that computes it)")
     parser.add_argument("--rel-tolerance", type=float, default=1e-2,
                         help="largest relative loss difference allowed at any step")
     parser.add_argument("--commit", default=None,
@@ -64,8 +66,8 @@ def recipe(args: argparse.Namespace, run_dir: str, **path_settings):
         args.data, run_dir, model={"preset": args.preset, **NO_DROPOUT},
         max_steps=args.steps, micro_batch_size=args.micro_batch, global_batch_size=None,
         gradient_accumulation_steps=1, learning_rate=args.lr,
-        warmup_steps=max(1, args.steps // 10), log_every=1, checkpoint_every=0,
-        eval_every=0, resume=False, **path_settings)
+        warmup_steps=max(1, args.steps // 10), precision=args.precision, log_every=1,
+        checkpoint_every=0, eval_every=0, resume=False, **path_settings)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import pytest
 
 from bertforge.cluster.launch.checkout import package_folders
+from tests.support.alone import alone_env
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = package_folders(str(REPO))  # pyproject.toml's [tool.bertforge] package-folders
@@ -186,9 +187,7 @@ def test_benchmark_runs_from_a_checkout_where_bertforge_is_not_installed(tmp_pat
     site_dir = tmp_path / "site"
     _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
           "--no-build-isolation", "--target", str(site_dir), str(_sources(tmp_path / "src"))])
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(site_dir))
+    env = alone_env(PYTHONPATH=str(site_dir))
     _run([venv.python, "benchmarks/gpu_throughput.py", "--device", "cpu", "--config", "tiny",
           "--seq-lens", "64", "--micro-batch", "4", "--steps", "1", "--warmup", "1",
           "--num-batches", "1", "--peak-tflops", "1", "--output-dir", str(tmp_path / "out")],

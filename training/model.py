@@ -191,9 +191,8 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        device = x.device.type
-        if self.to_autocast_dtype and torch.is_autocast_enabled(device):
-            return out.to(torch.get_autocast_dtype(device))
+        if self.to_autocast_dtype and torch.is_autocast_enabled(x.device.type):
+            return out.to(torch.get_autocast_dtype(x.device.type))
         return out
 
 

@@ -11,17 +11,11 @@ import sys
 
 import pytest
 
+from tests.support.alone import alone_env
 from tests.training.conftest import write_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "benchmarks", "gpu_proof_run.py")
-
-
-def _alone() -> dict[str, str]:
-    """The environment of a process of its own, as on the GPU machine: the loop then starts
-    its own single-rank process group."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
 
 
 def _run(data: str, output: str, *extra: str) -> subprocess.CompletedProcess:
@@ -30,7 +24,7 @@ def _run(data: str, output: str, *extra: str) -> subprocess.CompletedProcess:
          "--micro-batch", "8", "--lr", "3e-3", "--precision", "fp32", "--zero-stage", "0",
          "--log-every", "1",
          *extra],
-        cwd=REPO, env=_alone(), capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=alone_env(), capture_output=True, text=True, timeout=600,
     )
 
 
@@ -59,19 +53,20 @@ def test_proof_run_checkpoints_resumes_exports_and_sees_the_loss_fall(tmp_path):
 @pytest.mark.slow
 def test_parity_script_compares_the_fast_path_with_the_eager_zero_2_path(tmp_path):
     """benchmarks/gpu_parity.py, as the GPU check runs it, on a tiny model: both paths train
-    on the same shards, their losses agree at every step within bf16's tolerance."""
+    on the same shards, their losses agree at every step within bf16's tolerance. bf16 named
+    (auto would be fp32 on a CPU without native bf16): the same paths on every CPU."""
     data = write_dataset(str(tmp_path / "data"), {"train": [70, 60]}, max_seq_length=64)
     out = tmp_path / "parity"
     done = subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmarks", "gpu_parity.py"), "--data", data,
          "--output-dir", str(out), "--preset", "tiny", "--steps", "20", "--micro-batch", "8",
-         "--lr", "3e-3"],
-        cwd=REPO, env=_alone(), capture_output=True, text=True, timeout=600)
+         "--lr", "3e-3", "--precision", "bf16"],
+        cwd=REPO, env=alone_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     [result_file] = [f for f in os.listdir(out) if f.endswith(".json")]
     result = json.loads((out / result_file).read_text())
     assert result["passed"] and result["max_rel_difference"] <= 1e-2
-    assert result["settings"]["fast"]["zero_stage"] == 0
-    assert result["settings"]["eager ZeRO-2"] == {
-        "zero_stage": 2, "precision": result["settings"]["fast"]["precision"], "compile": False}
+    assert result["settings"] == {
+        "fast": {"zero_stage": 0, "precision": "bf16", "compile": False},
+        "eager ZeRO-2": {"zero_stage": 2, "precision": "bf16", "compile": False}}
     assert [len(curve) for curve in result["losses"].values()] == [20, 20]

@@ -14,6 +14,7 @@ import torch
 
 from bertforge.training.masking import IGNORE_INDEX
 from bertforge.training.model import BertConfig
+from tests.support.alone import alone_env
 from tests.support.synthetic import instance_token_counts, synthetic_batches
 from tests.training.conftest import google_layout_vocab, write_dataset
 
@@ -29,16 +30,6 @@ def load_script():
     sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
-
-
-def script_env() -> dict[str, str]:
-    """The script's environment: no GPU, and no process group of this one's. Other tests in
-    this process set one up and leave RANK/MASTER_PORT behind: the script would join (or
-    collide with) that store instead of its own."""
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
 
 
 def test_lengths_follow_googles_target_rule():
@@ -109,7 +100,7 @@ def test_script_runs_on_cpu_and_writes_results(tmp_path):
         "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
         "--peak-tflops", str(peak), "--output-dir", str(tmp_path), "--tag", "smoke",
     ]
-    done = subprocess.run(command, cwd=REPO, env=script_env(), capture_output=True, text=True,
+    done = subprocess.run(command, cwd=REPO, env=alone_env(), capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [json_file] = list(tmp_path.glob("gpu_throughput_cpu-*_smoke.json"))
@@ -157,7 +148,7 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
     a gpu_throughput.py run, then benchmarks/ab_table.py's table with the ratio to the
     defaults. An experiment that would change nothing (CUDA graphs without compiled layers, a
     bf16 residual stream without autocast) is refused, not timed."""
-    env = script_env()
+    env = alone_env()
     common = [sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny", "--seq-lens", "64",
               "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
               "--peak-tflops", "1", "--no-peer", "--output-dir", str(tmp_path)]
