@@ -164,15 +164,18 @@ def build_pipeline(config: PrepareConfig, beam_args: Sequence[str] = ()) -> beam
 
     `beam_args` are Beam's own flags (`--runner`, `--project`, `--direct_num_workers`, ...).
     """
-    return _build(config, beam_args)[0]
+    return _build(config, pipeline_options(beam_args))[0]
 
 
-def _build(config: PrepareConfig, beam_args: Sequence[str], start_over: bool = False
+def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
+    """Beam's own flags, checked (`check_beam_args`), as Beam's options object."""
+    check_beam_args(beam_args)
+    return PipelineOptions(list(beam_args))
+
+
+def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = False
            ) -> tuple[beam.Pipeline, list]:
     """(the pipeline, the input files found)."""
-    beam_args = list(beam_args)
-    check_beam_args(beam_args)
-    options = PipelineOptions(beam_args)
     standard = options.view_as(StandardOptions)
     if not standard.runner:
         standard.runner = "DirectRunner"  # Beam's default (Prism) downloads a binary: fails offline
@@ -207,8 +210,13 @@ def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True,
     A local run continues the work a killed run of the same job left in the output
     (`pipelines.local_job`); start_over discards it first.
     """
+    return _run(config, pipeline_options(beam_args), wait, start_over)
+
+
+def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over: bool
+         ) -> dict[str, Any]:
     start = time.monotonic()
-    pipeline, files = _build(config, beam_args, start_over)
+    pipeline, files = _build(config, options, start_over)
     options = pipeline.options
     runner = options.view_as(StandardOptions).runner
     if options.view_as(TestOptions).dry_run:
@@ -265,8 +273,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def run_command(command: PrepareCommand, start_over: bool = False) -> dict[str, Any]:
     """A parsed command line run to its end (`run`); --quiet: the summary only."""
-    with _warnings_only(command.quiet):
-        return run(command.config, command.beam_args, wait=command.wait, start_over=start_over)
+    with _warnings_only(command.quiet):  # Beam's flags were checked when it was parsed
+        return _run(command.config, command.options, command.wait, start_over)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ flags, --no-wait) that is passed down; code calls the job with objects,
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -141,16 +142,19 @@ class PrepareCommand:
     beam_args: tuple[str, ...] = ()
     wait: bool = True
 
-    def beam_options(self) -> PipelineOptions:
+    @functools.cached_property
+    def options(self) -> PipelineOptions:
+        """Beam's flags as Beam's options object, built once (`parse_command_line` checked
+        them); the job's run reads and completes this one (its runner default)."""
         return PipelineOptions(list(self.beam_args))
 
     @property
     def dry_run(self) -> bool:
-        return bool(self.beam_options().view_as(TestOptions).dry_run)
+        return bool(self.options.view_as(TestOptions).dry_run)
 
     @property
     def quiet(self) -> bool:
-        return bool(self.beam_options().view_as(LocalRunnerOptions).quiet)
+        return bool(self.options.view_as(LocalRunnerOptions).quiet)
 
 
 def parse_command_line(argv: Sequence[str]) -> PrepareCommand:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from bertforge.training.config import TrainConfig
 from bertforge.training.distributed import all_reduce_sum
 from bertforge.training.eval_options import EvalOptions
 
@@ -128,7 +129,7 @@ def evaluate_checkpoint(
         raise ValueError(f"{data_dir} uses another vocabulary than checkpoint {checkpoint_path}")
     seed = options.seed
     if seed is None:
-        seed = metadata.get("seed", _default_training_seed())
+        seed = metadata.get("seed", TrainConfig.seed)  # saved before runs recorded it
     # max_predictions None: the loader takes the data's default (20 at 128 tokens, 80 at 512).
     loader = PretrainingLoader(
         data_dir, options.split, batch_size=options.batch_size, seed=seed, drop_last=False,
@@ -147,14 +148,6 @@ def evaluate_checkpoint(
                       max_batches=max_batches, progress=progress)
     loader.wait_for_checksums()  # no numbers from shards whose bytes are not the manifest's
     return result
-
-
-def _default_training_seed() -> int:
-    from dataclasses import fields
-
-    from bertforge.training.config import TrainConfig
-
-    return next(f.default for f in fields(TrainConfig) if f.name == "seed")
 
 
 def most_frequent_token(frequencies, data_dir: str) -> int:

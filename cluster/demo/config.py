@@ -7,7 +7,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bertforge.cluster.demo.sst2 import FinetuneBudget, check_shipped_budget
-from bertforge.pipelines.contract.config_fields import RERUN_MAY_CHANGE, option, without_marked
+from bertforge.pipelines.contract.config_fields import (
+    RERUN_MAY_CHANGE,
+    option,
+    same_option,
+    without_marked,
+)
+from bertforge.training.config import TrainConfig
 from bertforge.training.engine_config import engine_option
 from bertforge.training.recipes import DEMO_TRAINING
 
@@ -33,7 +39,7 @@ class DemoConfig:
     micro_batch_size: int = option(DEMO_TRAINING["micro_batch_size"],
                                    "sequences per worker per step (x 2 workers = 32)")
     learning_rate: float = option(DEMO_TRAINING["learning_rate"], "peak learning rate")
-    seed: int = option(12345, "data, masking and initialisation")
+    seed: int = same_option(TrainConfig, "seed")
     # auto: fp32 on a CPU without native bf16, where emulated bf16 is ~60x slower per matmul.
     precision: str = engine_option("precision")
     # After the export: SST-2 fine-tuned from this model and from random weights, same budget

@@ -50,11 +50,16 @@ def test_glue_data_beside_the_checkout_is_found_from_any_working_directory(tmp_p
     """`finetune --data-root` and `glue --glue-dir` default to ../shared/data, else to
     shared/data beside this checkout (the checkout was taken for cluster/ when the module
     moved one folder down, and the default was lost outside the checkout)."""
-    from pathlib import Path
+    import bertforge.cluster
 
-    checkout = Path(__file__).resolve().parents[2]
-    beside = checkout.parent / "shared" / "data"
-    monkeypatch.chdir(tmp_path)  # no ../shared/data from here
-    assert not (tmp_path.parent / "shared" / "data").is_dir()
-    expected = str(beside.resolve()) if beside.is_dir() else None
-    assert finetune_module.default_data_root() == expected
+    # A checkout laid out as this one (cluster/ in it), shared/data beside it, and a working
+    # directory elsewhere: the same answer wherever the test runs, ../shared present or not.
+    checkout = tmp_path / "checkout"
+    (checkout / "cluster").mkdir(parents=True)
+    monkeypatch.setattr(bertforge.cluster, "__file__", str(checkout / "cluster" / "__init__.py"))
+    elsewhere = tmp_path / "work" / "here"
+    elsewhere.mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)  # no ../shared/data from here
+    assert finetune_module.default_data_root() is None
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    assert finetune_module.default_data_root() == str((tmp_path / "shared" / "data").resolve())

@@ -2,6 +2,8 @@
 copy of this checkout's tracked files with no `../shared` beside it, on a corpus of real prose in
 `corpus/`. The commands are this environment's installed `bertforge` (the checkout's code): the
 copy is what they read and write, so a path an example names that a clone lacks fails here.
+What the code finds beside its own checkout (`finetune`'s default data root) is not hidden by
+the copy: that default has its own test (tests/cluster/test_finetune_launch.py).
 
 The commands are read from the README itself ("Running on your own data" and the fine-tuning
 lines that name only what the clone has), so an example that stops working fails here. Only
