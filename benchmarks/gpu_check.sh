@@ -13,7 +13,8 @@
 #
 # Variables: OUT (where results go), STAGES (default "throughput profile proof"; "parity" adds
 # gpu_parity.py, "variants" gpu_throughput.py at 128 tokens without the peer, once with the
-# defaults and once per experiment in VARIANTS, in one table), VARIANTS (see below), COMMIT
+# defaults and once per experiment in VARIANTS, in one table), PARITY_FLAGS (gpu_parity.py's
+# experiment, e.g. --bf16-residual), VARIANTS (see below), COMMIT
 # (recorded in every result: the tree has no .git there), DATA (shards for the proof run,
 # default .gpu-data/shards-128), PYTHON (default python3), SMOKE=1 (CPU, tiny model, a few
 # minutes, most of them compiling the peer).
@@ -94,7 +95,7 @@ stage proof "${LIMIT[2]}" "$PYTHON" benchmarks/gpu_proof_run.py --data "$DATA" \
   --output-dir /tmp/gpu-proof "${PROOF[@]}" --commit "$COMMIT"
 cp /tmp/gpu-proof/gpu_proof_run-* "$OUT/" 2>/dev/null
 stage parity "${LIMIT[4]}" "$PYTHON" benchmarks/gpu_parity.py --data "$DATA" \
-  --output-dir /tmp/gpu-parity "${PARITY[@]}" --commit "$COMMIT"
+  --output-dir /tmp/gpu-parity "${PARITY[@]}" ${PARITY_FLAGS:-} --commit "$COMMIT"
 cp /tmp/gpu-parity/gpu_parity-* "$OUT/" 2>/dev/null
 case " $STAGES " in *" variants "*)
   for variant in $VARIANTS; do

@@ -10,6 +10,10 @@ and recipe (bert_large_phase1's settings, one micro-batch a step, a log line eve
 - `eager ZeRO-2`: the settings before the fast path: ZeRO stage 2 (DeepSpeed's bf16 weights,
   fp32 master copies, its clip and optimizer), no compile.
 
+`--bf16-residual` (an experiment, as in gpu_throughput.py): the fast path runs with the bf16
+residual stream (`training.model.LayerNorm` hands bf16 on under autocast), named `fast, bf16
+residual`; against `eager ZeRO-0` it then shows what the bf16 stream moves.
+
 Dropout is off in both (`hidden_dropout_prob` and `attention_probs_dropout_prob` 0): a compiled
 layer draws its dropout masks from inductor's random stream, not eager's, so with dropout on
 the curves would differ by the masks, not by the arithmetic under test. What differs is then
@@ -29,6 +33,7 @@ Writes gpu_parity-DEVICE-DATE.{json,md} to `--output-dir` and exits 1 when a che
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -37,14 +42,16 @@ import sys
 
 from gpu_proof_run import device_name, run_checks, source_commit
 
+from bertforge.training import model as bert_model
+from bertforge.training.engine import deepspeed_config, resolve_engine_precision, resolve_for_engine
 from bertforge.training.loop import train
 from bertforge.training.metrics import read_metrics
 from bertforge.training.recipes import bert_large_phase1
 
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-# name: the settings that differ from the project's defaults
-PATHS = {"fast": {}, "eager ZeRO-0": {"compile": False},
-         "eager ZeRO-2": {"zero_stage": 2, "compile": False}}
+# name: the settings that differ from the project's defaults (the fast path's)
+EAGER_PATHS = {"eager ZeRO-0": {"compile": False},
+               "eager ZeRO-2": {"zero_stage": 2, "compile": False}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
     parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
                         help="of both runs (auto: bf16 on a GPU or a CPU that computes it)")
+    parser.add_argument("--bf16-residual", action="store_true",
+                        help="the fast path with the bf16 residual stream (an experiment)")
     parser.add_argument("--rel-tolerance", type=float, default=1e-2,
                         help="largest relative loss difference allowed at any step")
     parser.add_argument("--commit", default=None,
@@ -73,16 +82,42 @@ def recipe(args: argparse.Namespace, run_dir: str, **path_settings):
         checkpoint_every=0, eval_every=0, resume=False, **path_settings)
 
 
+@contextlib.contextmanager
+def residual_stream(bf16: bool):
+    """Every LayerNorm the loop builds hands bf16 on under autocast (the model's switch,
+    `BertForPreTraining.residual_in_autocast_dtype`, set where train() cannot reach it: on
+    the class, for the one run)."""
+    before = bert_model.LayerNorm.to_autocast_dtype
+    bert_model.LayerNorm.to_autocast_dtype = bf16
+    try:
+        yield
+    finally:
+        bert_model.LayerNorm.to_autocast_dtype = before
+
+
+def check_bf16_residual(args: argparse.Namespace) -> None:
+    """Refused where it would change nothing: without the engine's bf16 autocast."""
+    engine = resolve_for_engine(
+        resolve_engine_precision(recipe(args, args.output_dir).engine())[0], 1)
+    if "torch_autocast" not in deepspeed_config(engine, 1):
+        raise SystemExit("--bf16-residual needs the engine's bf16 autocast (bf16 at ZeRO 0): "
+                         f"here {engine.precision} at ZeRO {engine.zero_stage}")
+
+
 def run(args: argparse.Namespace) -> dict:
+    if args.bf16_residual:
+        check_bf16_residual(args)
+    subject = "fast, bf16 residual" if args.bf16_residual else "fast"
     curves, settings = {}, {}
-    for name, path_settings in PATHS.items():
-        run_dir = os.path.join(args.output_dir, name.replace(" ", "-"))
-        train(recipe(args, run_dir, **path_settings))
+    for name, path_settings in {subject: {}, **EAGER_PATHS}.items():
+        run_dir = os.path.join(args.output_dir, name.replace(", ", "-").replace(" ", "-"))
+        with residual_stream(args.bf16_residual and name == subject):
+            train(recipe(args, run_dir, **path_settings))
         curves[name] = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
         with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
             resolved = json.load(f)["train"]
         settings[name] = {key: resolved[key] for key in ("zero_stage", "precision", "compile")}
-    fast = curves["fast"]
+    fast = curves[subject]
     steps = sorted(fast)
     tenth = max(1, len(steps) // 10)
 
@@ -92,7 +127,7 @@ def run(args: argparse.Namespace) -> dict:
 
     comparisons, checks = {}, {}
     for name, curve in curves.items():
-        if name == "fast":
+        if name == subject:
             continue
         checks[f"same_steps_as_{name}"] = sorted(curve) == steps == list(range(1, args.steps + 1))
         shared = [s for s in steps if s in curve]
@@ -112,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "device": device_name(), "date": datetime.date.today().isoformat(),
         "commit": source_commit(args.commit), "preset": args.preset,
-        "micro_batch": args.micro_batch, "lr": args.lr, "settings": settings,
+        "micro_batch": args.micro_batch, "lr": args.lr, "subject": subject, "settings": settings,
         "rel_tolerance": args.rel_tolerance, "comparisons": comparisons,
         "losses": {name: [curve[s] for s in sorted(curve)] for name, curve in curves.items()},
         "checks": checks, "passed": all(checks.values()),
@@ -124,8 +159,8 @@ def write_results(result: dict, output_dir: str) -> None:
                                     f"{result['date']}")
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
-    losses = result["losses"]
-    steps = len(losses["fast"])
+    losses, subject = result["losses"], result["subject"]
+    steps = len(losses[subject])
     lines = [
         f"# Fast path against the eager paths: {result['device']}, {result['date']}, "
         f"commit {result['commit']}",
@@ -136,7 +171,7 @@ def write_results(result: dict, output_dir: str) -> None:
                     for name, s in result["settings"].items()),
         "",
         "| measure | value |", "|---|---|",
-        *(f"| fast against {name}: largest relative loss difference (step); mean; last tenth's "
+        *(f"| {subject} against {name}: largest relative loss difference (step); mean; last tenth's "
           f"mean loss | {c['max_rel_difference']:.2e} ({c['max_rel_difference_step']}); "
           f"{c['mean_rel_difference']:.2e}; {c['last_tenth_rel_difference']:.2e} |"
           for name, c in result["comparisons"].items()),

@@ -16,10 +16,12 @@ never the end of the run it watches.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -56,7 +58,10 @@ STEP_RANGE = "bertforge step "  # the record_function name of a profiled step, +
 
 
 def kernel_category(kernel: str) -> str:
-    name = kernel.lower()
+    # Without the C++ lambdas that name ATen's elementwise kernels (`GeluBackwardCUDAKernelImpl(
+    # ...)::{lambda()#2}`), whose "lamb" the optimizer's keywords would take: every profile
+    # before 2026-11-27 counted GELU, dropout scaling and copies as optimizer time.
+    name = kernel.lower().replace("lambda", "")
     for category, keys in CATEGORIES:
         if any(key in name for key in keys):
             return category
@@ -141,7 +146,8 @@ class StepProfiler:
             torch.cuda.synchronize()  # the window's queued kernels belong to it
         wall_s = time.perf_counter() - self._started
         profiler, self._profiler = self._profiler, None
-        profiler.__exit__(None, None, None)
+        with _without_cycle_warning():
+            profiler.__exit__(None, None, None)
         try:
             self.summary = summarize(profiler.events(), self._profiled, wall_s, cuda=self.cuda)
             self._write(profiler)
@@ -162,7 +168,8 @@ class StepProfiler:
         self._profiler = profile(activities=activities)
         if self.cuda:
             torch.cuda.synchronize()  # no earlier step's kernels in the window
-        self._profiler.__enter__()
+        with _without_cycle_warning():
+            self._profiler.__enter__()
         self._started = time.perf_counter()
 
     def _write(self, profiler) -> None:
@@ -174,6 +181,15 @@ class StepProfiler:
             json.dump(self.summary, f, indent=2)
         # ".gz": torch writes it gzipped (BERT-large's 12 steps: ~10^5 events).
         profiler.export_chrome_trace(os.path.join(self.out_dir, f"trace-{stem}.json.gz"))
+
+
+@contextlib.contextmanager
+def _without_cycle_warning() -> Iterator[None]:
+    """torch (2.11 on the H200) warns onto the run's console that a profiler "clears events at
+    the end of each cycle": the window is the profiler's only cycle, nothing is cleared."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        yield
 
 
 def summarize(events: Iterable[Any], steps: list[int], wall_s: float, *,

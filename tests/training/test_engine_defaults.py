@@ -116,6 +116,24 @@ def test_default_config_on_one_and_on_eight_ranks():
     assert eight["data_types"] == {"grad_accum_dtype": "fp32"}
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_under_zero_deepspeed_gets_an_optimizer_it_knows_and_says_nothing(stage, capfd):
+    """Under ZeRO DeepSpeed clips and hands the optimizer its fp32 partitions: torch's fused
+    AdamW, the exact type ZeRO lists as tested. A subclass of it drew "You are using ZeRO with
+    an untested optimizer" onto the console (seen in the H200 parity run of 2026-11-27)."""
+    from bertforge.training.engine import ensure_process_group
+
+    ensure_process_group()
+    cfg = TrainConfig(data_dir="d", run_dir="r", zero_stage=stage, precision="bf16",
+                      micro_batch_size=4, max_steps=4, warmup_steps=0)
+    capfd.readouterr()
+    engine = build_engine(BertForPreTraining(BertConfig(64, 32, 1, 2, 64)), cfg.engine(), 1)
+    assert type(engine.basic_optimizer) is torch.optim.AdamW
+    assert engine.basic_optimizer.defaults["fused"] is True
+    out, err = capfd.readouterr()
+    assert "untested optimizer" not in out + err
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_engine_accumulates_the_mean_gradient_in_fp32_and_trains(stage):
     """The built engine: DeepSpeed's data types and buffers say fp32 accumulation; after two

@@ -75,3 +75,31 @@ def test_parity_script_compares_the_fast_path_with_the_eager_paths(tmp_path):
         "eager ZeRO-0": {"zero_stage": 0, "precision": "bf16", "compile": False},
         "eager ZeRO-2": {"zero_stage": 2, "precision": "bf16", "compile": False}}
     assert [len(curve) for curve in result["losses"].values()] == [20, 20, 20]
+
+
+@pytest.mark.slow
+def test_parity_script_runs_the_bf16_residual_as_the_fast_path_and_refuses_it_without_autocast(
+        tmp_path):
+    """--bf16-residual: the fast path with the bf16 residual stream is the one compared; its
+    curve is not the fp32 stream's (the switch reached the loop's model) yet within tolerance.
+    In fp32 the switch would change nothing: refused before any run."""
+    data = write_dataset(str(tmp_path / "data"), {"train": [70, 60]}, max_seq_length=64)
+    command = [sys.executable, os.path.join(REPO, "benchmarks", "gpu_parity.py"), "--data", data,
+               "--preset", "tiny", "--steps", "10", "--micro-batch", "8", "--lr", "3e-3",
+               "--bf16-residual"]
+    out = tmp_path / "parity"
+    done = subprocess.run(command + ["--output-dir", str(out), "--precision", "bf16"], cwd=REPO,
+                          env=alone_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    [result_file] = [f for f in os.listdir(out) if f.endswith(".json")]
+    result = json.loads((out / result_file).read_text())
+    assert result["subject"] == "fast, bf16 residual"
+    assert list(result["losses"]) == ["fast, bf16 residual", "eager ZeRO-0", "eager ZeRO-2"]
+    assert 0 < result["comparisons"]["eager ZeRO-0"]["max_rel_difference"] <= 1e-2
+    refused = subprocess.run(command + ["--output-dir", str(tmp_path / "fp32"),
+                                        "--precision", "fp32"],
+                             cwd=REPO, env=alone_env(), capture_output=True, text=True,
+                             timeout=600)
+    assert refused.returncode != 0
+    assert "--bf16-residual needs the engine's bf16 autocast" in refused.stderr
+    assert not (tmp_path / "fp32" / "fast-bf16-residual").exists()
