@@ -43,9 +43,10 @@ import sys
 from gpu_proof_run import device_name, run_checks, source_commit
 
 from bertforge.training import model as bert_model
-from bertforge.training.engine import deepspeed_config, resolve_engine_precision, resolve_for_engine
+from bertforge.training.engine import deepspeed_config
 from bertforge.training.loop import train
 from bertforge.training.metrics import read_metrics
+from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.recipes import bert_large_phase1
 
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
@@ -97,11 +98,10 @@ def residual_stream(bf16: bool):
 
 def check_bf16_residual(args: argparse.Namespace) -> None:
     """Refused where it would change nothing: without the engine's bf16 autocast."""
-    engine = resolve_for_engine(
-        resolve_engine_precision(recipe(args, args.output_dir).engine())[0], 1)
-    if "torch_autocast" not in deepspeed_config(engine, 1):
+    resolved = resolve_engine(recipe(args, args.output_dir).engine(), 1)
+    if "torch_autocast" not in deepspeed_config(resolved):
         raise SystemExit("--bf16-residual needs the engine's bf16 autocast (bf16 at ZeRO 0): "
-                         f"here {engine.precision} at ZeRO {engine.zero_stage}")
+                         f"here {resolved.config.precision} at ZeRO {resolved.config.zero_stage}")
 
 
 def run(args: argparse.Namespace) -> dict:

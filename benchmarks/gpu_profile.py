@@ -128,21 +128,22 @@ def gt_args(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: int)
 
 def build_ours(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: int):
     """Model + engine + batches as gpu_throughput.measure builds them."""
-    from bertforge.training.engine import build_engine, resolve_for_engine
+    from bertforge.training.engine import build_engine
     from bertforge.training.masking import default_max_predictions
     from bertforge.training.model import BertConfig, BertForPreTraining
+    from bertforge.training.resolved_engine import resolve_engine
 
     targs = gt_args(args, kind, seq_len, micro_batch)
     case = gt.plan_cases(targs)[0]
     cfg = gt.train_config(targs, case)
     # What the builder decides for settings left to it (None: by the machine), for the record.
-    resolved = resolve_for_engine(cfg.engine(), 1)
+    resolved = resolve_engine(cfg.engine(), 1)
     cpu_batches, vocab_size, _ = gt.make_batches(case, targs, 0, 1)
     torch.manual_seed(cfg.seed)
     model = BertForPreTraining(BertConfig.preset(targs.config, vocab_size=vocab_size))
     model.gradient_checkpointing = cfg.activation_checkpointing
     model.max_predictions = default_max_predictions(case.seq_len)
-    engine = build_engine(model, resolved, 1)  # compiles when the config says so
+    engine = build_engine(model, resolved)  # compiles when the config says so
     batches = [{k: v.to(engine.device) for k, v in b.items()} for b in cpu_batches]
 
     def step(i: int) -> torch.Tensor:
@@ -157,8 +158,8 @@ def build_ours(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: i
 
     settings = {
         "gpu_throughput_args": parsed_settings(targs),
-        "zero_stage": engine.zero_optimization_stage(), "precision": resolved.precision,
-        "optimizer": resolved.optimizer, "compile": resolved.compile,
+        "zero_stage": engine.zero_optimization_stage(), "precision": resolved.config.precision,
+        "optimizer": resolved.config.optimizer, "compile": resolved.config.compile,
         "activation_checkpointing": cfg.activation_checkpointing,
     }
     return step, release, settings

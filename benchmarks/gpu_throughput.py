@@ -284,7 +284,8 @@ def train_config(args: argparse.Namespace, case: Case):
 
 def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     """Build model + engine, warm up, time `args.steps` steps; totals summed over ranks."""
-    from bertforge.training.engine import build_engine, deepspeed_config, resolve_for_engine
+    from bertforge.training.engine import build_engine, deepspeed_config
+    from bertforge.training.resolved_engine import resolve_engine
     from bertforge.training.model import BertForPreTraining, num_parameters
 
     cfg = train_config(args, case)
@@ -301,9 +302,9 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     model.max_predictions = max_predictions
     model.residual_in_autocast_dtype = args.bf16_residual
     parameters = num_parameters(model)
-    resolved = resolve_for_engine(cfg.engine(), world_size)
-    check_experiments(args, resolved, world_size)
-    engine = build_engine(model, resolved, world_size)
+    resolved = resolve_engine(cfg.engine(), world_size)
+    check_experiments(args, resolved)
+    engine = build_engine(model, resolved)
     if args.compile_mode != "default":
         recompile_layers(model, args.compile_mode)
     skips_before = cudagraph_skips()
@@ -316,12 +317,12 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
               for key in counts[0]}
     result = {
         "seq_len": case.seq_len, "micro_batch": case.micro_batch, "data": data,
-        "parameters": parameters, "deepspeed_config": deepspeed_config(resolved, world_size),
-        "zero_stage": resolved.zero_stage, "compile": resolved.compile,
+        "parameters": parameters, "deepspeed_config": deepspeed_config(resolved),
+        "zero_stage": resolved.config.zero_stage, "compile": resolved.config.compile,
         # Inductor leaves CUDA graphs out where it cannot use them (and says so only here):
         # a variant with skips did not measure what it is named after.
         "cudagraph_skips": cudagraph_skips() - skips_before,
-        "precision": resolved.precision,
+        "precision": resolved.config.precision,
         "step_ms_median": 1e3 * statistics.median(seconds), "step_ms_min": 1e3 * min(seconds),
         "step_ms_max": 1e3 * max(seconds),
         "loss_first": losses[0].item(), "loss_last": losses[-1].item(),
@@ -343,15 +344,15 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     return result
 
 
-def check_experiments(args: argparse.Namespace, resolved, world_size: int) -> None:
+def check_experiments(args: argparse.Namespace, resolved) -> None:
     """An experiment that would change nothing in this setting is refused, not timed."""
     from bertforge.training.engine import deepspeed_config
 
-    if args.compile_mode != "default" and not resolved.compile:
+    if args.compile_mode != "default" and not resolved.config.compile:
         raise SystemExit("--compile-mode needs compiled layers (--compile, the default on a GPU)")
-    if args.bf16_residual and "torch_autocast" not in deepspeed_config(resolved, world_size):
+    if args.bf16_residual and "torch_autocast" not in deepspeed_config(resolved):
         raise SystemExit("--bf16-residual needs the engine's bf16 autocast (bf16 at ZeRO 0): "
-                         f"here {resolved.precision} at ZeRO {resolved.zero_stage}")
+                         f"here {resolved.config.precision} at ZeRO {resolved.config.zero_stage}")
 
 
 def cudagraph_skips() -> int:

@@ -1,10 +1,10 @@
-"""DeepSpeed engine construction: the config is built in code from the run's `EngineConfig`
-(`training.engine_config`; pretraining's and fine-tuning's alike) and the world size."""
+"""DeepSpeed engine construction: the config is built in code from the run's resolved settings
+(`training.resolved_engine.ResolvedEngine`: its `EngineConfig` with everything that depends on
+the machine decided, and the world size; pretraining's and fine-tuning's alike)."""
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import os
 import socket
 import warnings
@@ -13,97 +13,32 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 
 from bertforge.training.clipped_adamw import ClippedAdamW
 from bertforge.training.compile_cache import use_cache_per_cpu_level
 from bertforge.training.engine_config import EngineConfig
 from bertforge.training.model import BertEncoder
 from bertforge.training.optim import Lamb
-from bertforge.training.precision import AUTO, resolve_precision, slow_precision_warning
-from bertforge.training.recipes import default_zero_stage
+from bertforge.training.resolved_engine import ResolvedEngine
 from bertforge.training.schedule import lr_multiplier
 
 
-def check_precision_supported(precision: str) -> None:
-    """fp16 on the CPU fails inside deepspeed.initialize; say what to do instead, up front.
-
-    DeepSpeed's CPU accelerator allows fp16 only where oneDNN has fp16 kernels (AVX512-FP16 /
-    AMX-FP16 CPUs); elsewhere it raises "Type fp16 is not supported on your device".
-    """
-    if precision != "fp16":
-        return
-    accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
-        raise ValueError(
-            "precision fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 on this "
-            "machine; use --precision auto on a CPU (bf16 where it is native, else fp32)"
-        )
+def _required(resolved: Any, caller: str) -> ResolvedEngine:
+    """What reaches the engine is decided (training.resolved_engine), never a bare config."""
+    if not isinstance(resolved, ResolvedEngine):
+        raise TypeError(f"{caller} takes a ResolvedEngine (training.resolved_engine."
+                        f"resolve_engine), got {type(resolved).__name__}")
+    return resolved
 
 
-@dataclasses.dataclass(frozen=True)
-class PrecisionChoice:
-    """What the run asked for, what it runs in and why; recorded in config.json and checkpoints."""
-
-    requested: str
-    resolved: str
-    reason: str
-    warning: str | None  # bf16 on a CPU that emulates it: said once, by rank 0
-
-    def to_dict(self) -> dict[str, str | None]:
-        return dataclasses.asdict(self)
-
-
-def resolve_engine_precision(
-    cfg: EngineConfig, *, saved_precision: str | None = None
-) -> tuple[EngineConfig, PrecisionChoice]:
-    """`cfg` with "auto" resolved for this process's device (training.precision), and the choice.
-
-    `saved_precision`: a resumed checkpoint's; "auto" keeps it (its optimizer state is in it).
-    """
-    device_type = get_accelerator().device_name()
-    resolved, reason = resolve_precision(cfg.precision, device_type, saved=saved_precision)
-    choice = PrecisionChoice(cfg.precision, resolved, reason,
-                             slow_precision_warning(resolved, device_type))
-    return dataclasses.replace(cfg, precision=resolved), choice
-
-
-def resolve_zero_stage(
-    cfg: EngineConfig, world_size: int, *, num_parameters: int | None = None,
-    saved_stage: int | None = None,
-) -> EngineConfig:
-    """`cfg` with its ZeRO stage decided: the one it names; else a resumed run's own (its
-    optimizer state is laid out for that stage); else `recipes.default_zero_stage` for the live
-    world size, the precision and this GPU's memory."""
-    if cfg.zero_stage is not None:
-        return cfg
-    stage = saved_stage
-    if stage is None:
-        # The default stage depends on the precision; the loop has resolved "auto" already.
-        precision = resolve_engine_precision(cfg)[0].precision
-        stage = default_zero_stage(
-            world_size=world_size, precision=precision, optimizer=cfg.optimizer,
-            num_parameters=num_parameters, device_memory_bytes=device_memory_bytes(),
-        )
-    return dataclasses.replace(cfg, zero_stage=stage)
-
-
-def device_memory_bytes() -> int | None:
-    if not torch.cuda.is_available():
-        return None  # a CPU run's memory is the machine's: no ZeRO escalation for it
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-
-
-def deepspeed_config(
-    cfg: EngineConfig, world_size: int, *, load_universal: bool = False
-) -> dict[str, Any]:
-    """The DeepSpeed JSON config for this run on `world_size` ranks.
+def deepspeed_config(resolved: ResolvedEngine, *, load_universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed JSON config for this run, on its resolved settings' world size.
 
     `load_universal`: the resume loads a universal checkpoint (one saved under ZeRO >= 1 by
     another number of ranks, converted by training.checkpoint.convert_to_universal).
     """
-    cfg = resolve_for_engine(cfg, world_size)
-    check_precision_supported(cfg.precision)
+    resolved = _required(resolved, "deepspeed_config")
+    cfg, world_size = resolved.config, resolved.world_size
     stage = cfg.zero_stage
     zero: dict[str, Any] = {"stage": stage}
     if world_size > 1 and stage in (1, 2):
@@ -157,23 +92,6 @@ def optimizer_clips(cfg: EngineConfig) -> bool:
     ZeRO >= 1 DeepSpeed's optimizer owns the fp32 gradients and clips them; LAMB keeps
     DeepSpeed's clip (its update is per tensor anyway)."""
     return cfg.zero_stage == 0 and cfg.optimizer == "adamw" and cfg.precision != "fp16"
-
-
-def resolve_compile(cfg: EngineConfig) -> EngineConfig:
-    """`compile` None: on where the model trains on a GPU, off on a CPU. On a CPU the eager
-    fast paths of training.cpu_kernels serve, and a compile costs more than a short run
-    gains; on a GPU the fused kernels are most of the step's gain (benchmarks/README.md)."""
-    if cfg.compile is not None:
-        return cfg
-    return dataclasses.replace(cfg, compile=get_accelerator().device_name() == "cuda")
-
-
-def resolve_for_engine(cfg: EngineConfig, world_size: int) -> EngineConfig:
-    """`cfg` with every machine-dependent setting decided (precision, ZeRO stage, compile);
-    the loop resolves them first (and logs them), a direct call of the builder may not."""
-    if cfg.precision == AUTO:
-        cfg = resolve_engine_precision(cfg)[0]
-    return resolve_compile(resolve_zero_stage(cfg, world_size))
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -249,7 +167,7 @@ def _free_port() -> int:
 
 def build_optimizer(model: torch.nn.Module, cfg: EngineConfig) -> torch.optim.Optimizer:
     """AdamW (any ZeRO stage; clipping itself at stage 0) or LAMB (stage 0; the config
-    refuses it under ZeRO). `cfg` is resolved (`resolve_for_engine`)."""
+    refuses it under ZeRO). `cfg` is a ResolvedEngine's."""
     groups = parameter_groups(model, cfg.weight_decay)
     hyper = {"lr": cfg.learning_rate, "betas": cfg.adam_betas, "eps": cfg.adam_eps}
     if cfg.optimizer == "lamb":
@@ -262,11 +180,14 @@ def build_optimizer(model: torch.nn.Module, cfg: EngineConfig) -> torch.optim.Op
     return torch.optim.AdamW(groups, fused=True, **hyper)
 
 
-def build_engine(
-    model: torch.nn.Module, cfg: EngineConfig, world_size: int, *, load_universal: bool = False
-):
+def build_engine(model: torch.nn.Module, resolved: ResolvedEngine, *,
+                 load_universal: bool = False):
     """Optimizer + warmup/decay schedule wrapped by DeepSpeed; returns the engine."""
-    cfg = resolve_for_engine(cfg, world_size)
+    resolved = _required(resolved, "build_engine")
+    cfg, world_size = resolved.config, resolved.world_size
+    if dist.is_initialized() and dist.get_world_size() != world_size:
+        raise ValueError(f"the settings were resolved for {world_size} ranks, the process "
+                         f"group has {dist.get_world_size()}")
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -280,7 +201,7 @@ def build_engine(
         model=model,
         optimizer=optimizer,
         lr_scheduler=scheduler,
-        config=deepspeed_config(cfg, world_size, load_universal=load_universal),
+        config=deepspeed_config(resolved, load_universal=load_universal),
         dist_init_required=False,
     )
     if world_size == 1 and engine.zero_optimization_stage() == 0:

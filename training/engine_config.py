@@ -56,7 +56,7 @@ class EngineConfig:
                                     "GPU's memory needs it)", choices=ZERO_STAGES)
     precision: str = option("auto", "mixed precision of the engine; auto: bf16 on a GPU or CPU "
                             "with native bf16, else fp32", choices=PRECISIONS)
-    # None: decided at start, on where the model trains (training.engine.resolve_compile).
+    # None: decided at start, on where the model trains (training.resolved_engine).
     compile: bool | None = option(help="torch.compile each encoder layer (in place: "
                                   "state-dict names keep no _orig_mod. prefix; default: on a "
                                   "GPU, off on a CPU)")

@@ -25,22 +25,14 @@ from bertforge.training.data import (
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.device import to_device
 from bertforge.training.distributed import all_reduce_sum, barrier
-from bertforge.training.engine import (
-    PrecisionChoice,
-    build_engine,
-    device_memory_bytes,
-    ensure_process_group,
-    resolve_compile,
-    resolve_engine_precision,
-    resolve_zero_stage,
-)
+from bertforge.training.engine import build_engine, ensure_process_group
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
 from bertforge.training.inputs import check_positions, resolve_model_config
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining, num_parameters
 from bertforge.training.profiling import StepProfiler
-from bertforge.training.recipes import micro_batch_for_device
+from bertforge.training.resolved_engine import DECIDED, PrecisionChoice, resolve_engine
 from bertforge.training.warm_start import check_resume_architecture, load_initial_weights
 
 # Called on every rank after each committed checkpoint with {"step", "checkpoint_path", ...}.
@@ -70,31 +62,24 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     # max_predictions None: the data's default (20 at 128 tokens, 80 at 512).
     masking = MaskingOptions(cfg.max_predictions, cfg.mask_prob, cfg.whole_word_masking)
     masking = masking.for_dataset(facts)
-    if cfg.micro_batch_size is None:  # the recipe leaves it to the device
-        cfg = replace(cfg, micro_batch_size=micro_batch_for_device(
-            facts.max_seq_length, world_size=world_size,
-            global_batch_size=cfg.global_batch_size, device_memory_bytes=device_memory_bytes()))
-    accumulation = cfg.accumulation_steps(world_size)  # validates the batch arithmetic
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
     saved = checkpoint.read_metadata(resume_from) if resume_from is not None else None
     if saved is not None:  # before any engine: a raw 'size mismatch' would say much less
         check_resume_architecture(saved, model_config, resume_from, facts.vocab_sha256)
-    # precision "auto" and zero_stage None: decided here, on the worker's device and with the
-    # world size known; a resume keeps its own. From here on cfg names both: the printed
-    # recipe, config.json, checkpoint metadata.
-    engine_cfg, precision = resolve_engine_precision(
-        cfg.engine(), saved_precision=None if saved is None else saved.get("precision"))
-    cfg = replace(cfg, precision=engine_cfg.precision)
+    # What depends on the machine (precision "auto", the ZeRO stage, compiling, the
+    # micro-batch), decided once, on the worker's device, with the world size known; a resume
+    # keeps its own precision and stage. From here on cfg names them all: the printed recipe,
+    # config.json, checkpoint metadata.
+    resolved = resolve_engine(
+        cfg.engine(), world_size, saved=saved, num_parameters=count_parameters(model_config),
+        max_seq_length=facts.max_seq_length)
+    cfg = replace(cfg, **{name: getattr(resolved.config, name) for name in DECIDED})
+    accumulation = cfg.accumulation_steps(world_size)
     if saved is not None:
         check_precision_change(saved, cfg, resume_from)
-    engine_cfg = resolve_zero_stage(
-        engine_cfg, world_size, num_parameters=count_parameters(model_config),
-        saved_stage=None if saved is None else saved.get("zero_stage"))
-    engine_cfg = resolve_compile(engine_cfg)
-    cfg = replace(cfg, zero_stage=engine_cfg.zero_stage, compile=engine_cfg.compile)
     if rank == 0:
         _print_recipe(cfg, model_config, world_size)
-        _print_precision(precision)
+        _print_precision(resolved.precision)
 
     # Another number of workers under ZeRO >= 1: load through DeepSpeed's universal format.
     universal = saved is not None and check_world_size_change(saved, cfg, resume_from)
@@ -104,7 +89,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     if resume_from is None and cfg.init_from:
         # Only a fresh run warm-starts; a resumed one has its own, newer weights.
         load_initial_weights(model, cfg.init_from, facts.vocab_sha256)
-    engine = build_engine(model, engine_cfg, world_size, load_universal=universal)
+    engine = build_engine(model, resolved, load_universal=universal)
     # A run keeps its id across resumes (one saved before runs had ids gets one now).
     run_id = (saved or {}).get("run_id") or checkpoint.new_run_id()
     if resume_from is None:
@@ -121,7 +106,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     model.max_predictions = loader.max_predictions_per_row
     step = _maybe_resume(engine, loader, cfg, resume_from, facts.vocab_sha256, universal)
     if rank == 0:
-        _write_run_config(cfg, model_config, world_size, precision)
+        _write_run_config(cfg, model_config, world_size, resolved.precision)
     validation = _Validation.create(cfg, rank, world_size, masking, facts)
 
     logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps,
@@ -136,7 +121,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         "world_size": world_size,
         "zero_stage": cfg.zero_stage,
         "precision": cfg.precision,
-        "precision_requested": precision.requested,
+        "precision_requested": resolved.precision.requested,
         # bf16 at stage 0 keeps fp32 weights under torch.autocast (training.engine); before,
         # DeepSpeed kept bf16 weights there, with another optimizer state layout.
         "bf16_weights": cfg.precision == "bf16" and cfg.zero_stage != 0,

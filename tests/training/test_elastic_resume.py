@@ -66,13 +66,15 @@ def loaded_optimizer_state(cfg, path: str, *, universal: bool) -> dict[str, torc
     from bertforge.training.engine import build_engine, ensure_process_group
     from bertforge.training.inputs import resolve_model_config
     from bertforge.training.model import BertForPreTraining
+    from bertforge.training.resolved_engine import resolve_engine
 
     ensure_process_group()
     torch.manual_seed(cfg.seed)
     model = BertForPreTraining(resolve_model_config(
         cfg.model, read_manifest(cfg.data_dir).tokenizer.vocab_size))
     world_size = torch.distributed.get_world_size()
-    engine = build_engine(model, cfg.engine(), world_size, load_universal=universal)
+    engine = build_engine(model, resolve_engine(cfg.engine(), world_size),
+                          load_universal=universal)
     checkpoint.load(engine, path, universal=universal)
     if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO 1-2
         # DeepSpeed links each parameter's view of the Adam moments at the first step; a

@@ -10,7 +10,8 @@ import torch
 
 from bertforge.training import checkpoint, recipes
 from bertforge.training.config import TrainConfig
-from bertforge.training.engine import build_engine, deepspeed_config, resolve_zero_stage
+from bertforge.training.engine import build_engine, deepspeed_config
+from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.loop import train
 from bertforge.training.model import BertConfig, BertForPreTraining
 from tests.training.test_loop import config
@@ -72,17 +73,20 @@ def test_full_size_recipes_leave_the_stage_to_the_hardware_and_small_ones_keep_t
 
 
 def test_resolution_keeps_an_explicit_stage_and_a_resumed_run_s_own():
+    def stage(cfg: TrainConfig, world_size: int, saved: dict | None = None) -> int:
+        return resolve_engine(cfg.engine(), world_size, saved=saved).config.zero_stage
+
     auto = TrainConfig(data_dir="d", run_dir="r", precision="bf16")
-    assert resolve_zero_stage(auto.engine(), 1).zero_stage == 0
-    assert resolve_zero_stage(auto.engine(), 4).zero_stage == 1
+    assert stage(auto, 1) == 0
+    assert stage(auto, 4) == 1
     fp32 = TrainConfig(data_dir="d", run_dir="r", precision="fp32")
-    assert resolve_zero_stage(fp32.engine(), 1).zero_stage == 0
+    assert stage(fp32, 1) == 0
     # A run saved under stage 0 on one GPU keeps stage 0 on four (its state loads anywhere).
-    assert resolve_zero_stage(fp32.engine(), 4, saved_stage=0).zero_stage == 0
+    assert stage(fp32, 4, saved={"zero_stage": 0, "precision": "fp32"}) == 0
     explicit = TrainConfig(data_dir="d", run_dir="r", zero_stage=3)
-    assert resolve_zero_stage(explicit.engine(), 1, saved_stage=1).zero_stage == 3
+    assert stage(explicit, 1, saved={"zero_stage": 1}) == 3
     lamb = TrainConfig(data_dir="d", run_dir="r", optimizer="lamb")
-    assert resolve_zero_stage(lamb.engine(), 8).zero_stage == 0
+    assert stage(lamb, 8) == 0
     with pytest.raises(ValueError, match="lamb"):
         TrainConfig(data_dir="d", run_dir="r", optimizer="lamb", zero_stage=1)
 
@@ -90,7 +94,7 @@ def test_resolution_keeps_an_explicit_stage_and_a_resumed_run_s_own():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_accumulates_gradients_in_fp32_where_deepspeed_can(stage):
     bf16 = dict(data_dir="d", run_dir="r", zero_stage=stage, precision="bf16")
-    ds = deepspeed_config(TrainConfig(**bf16).engine(), 2)
+    ds = deepspeed_config(resolve_engine(TrainConfig(**bf16).engine(), 2))
     if stage == 0:  # fp32 weights and gradients, the forward under torch.autocast
         assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
         assert "data_types" not in ds and "bf16" not in ds
@@ -99,17 +103,17 @@ def test_bf16_accumulates_gradients_in_fp32_where_deepspeed_can(stage):
         assert "torch_autocast" not in ds and ds["gradient_clipping"] == 1.0
         assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
     assert ds["zero_optimization"].get("overlap_comm", False) == (stage in (1, 2))
-    fp32 = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", zero_stage=stage,
-                                        precision="fp32").engine(), 2)
+    fp32 = deepspeed_config(resolve_engine(TrainConfig(
+        data_dir="d", run_dir="r", zero_stage=stage, precision="fp32").engine(), 2))
     assert "data_types" not in fp32  # the model dtype is fp32 already
-    one_rank = deepspeed_config(TrainConfig(**bf16).engine(), 1)
+    one_rank = deepspeed_config(resolve_engine(TrainConfig(**bf16).engine(), 1))
     assert "overlap_comm" not in one_rank["zero_optimization"]  # nothing to overlap
 
 
 def test_default_config_on_one_and_on_eight_ranks():
     cfg = TrainConfig(data_dir="d", run_dir="r", micro_batch_size=8, global_batch_size=64,
                       precision="bf16")
-    one, eight = deepspeed_config(cfg.engine(), 1), deepspeed_config(cfg.engine(), 8)
+    one, eight = (deepspeed_config(resolve_engine(cfg.engine(), n)) for n in (1, 8))
     assert one["zero_optimization"] == {"stage": 0}
     assert one["torch_autocast"]["enabled"] and "data_types" not in one
     assert eight["zero_optimization"] == {"stage": 1, "overlap_comm": True}
@@ -127,7 +131,8 @@ def test_under_zero_deepspeed_gets_an_optimizer_it_knows_and_says_nothing(stage,
     cfg = TrainConfig(data_dir="d", run_dir="r", zero_stage=stage, precision="bf16",
                       micro_batch_size=4, max_steps=4, warmup_steps=0)
     capfd.readouterr()
-    engine = build_engine(BertForPreTraining(BertConfig(64, 32, 1, 2, 64)), cfg.engine(), 1)
+    engine = build_engine(BertForPreTraining(BertConfig(64, 32, 1, 2, 64)),
+                          resolve_engine(cfg.engine(), 1))
     assert type(engine.basic_optimizer) is torch.optim.AdamW
     assert engine.basic_optimizer.defaults["fused"] is True
     out, err = capfd.readouterr()
@@ -154,7 +159,7 @@ def test_bf16_engine_accumulates_the_mean_gradient_in_fp32_and_trains(stage):
     torch.manual_seed(0)
     reference = BertForPreTraining(model_config)
     torch.manual_seed(0)
-    engine = build_engine(BertForPreTraining(model_config), cfg.engine(), world_size=1)
+    engine = build_engine(BertForPreTraining(model_config), resolve_engine(cfg.engine(), 1))
     if stage == 0:  # fp32 weights and gradients; the forward runs under bf16 autocast
         assert engine.get_data_types() == (torch.float32, torch.float32)
         assert engine.torch_autocast_enabled()
@@ -219,7 +224,7 @@ def test_deepspeed_does_not_compile_its_inference_shm_op_for_training(tmp_path, 
                                           num_attention_heads=2, intermediate_size=32))
     cfg = TrainConfig(data_dir=str(tmp_path), run_dir=str(tmp_path), precision="fp32",
                       zero_stage=2, micro_batch_size=2, max_steps=1)
-    engine = build_engine(model, cfg.engine(), world_size=1)
+    engine = build_engine(model, resolve_engine(cfg.engine(), 1))
     assert engine.zero_optimization_stage() == 2
     assert ds_comm.cdb is not None and ds_comm.cdb.shm_comm_op is None
     assert "shm_comm_op built successfully" not in capfd.readouterr().out

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bertforge.training.clipped_adamw import ClippedAdamW
 from bertforge.training.config import TrainConfig
 from bertforge.training.engine import build_engine, ensure_process_group
+from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.model import BertConfig, BertForPreTraining
 
 
@@ -42,7 +43,7 @@ def _ops_in_one_step(model_config: BertConfig) -> tuple[Counter[str], int]:
     model = BertForPreTraining(model_config)
     cfg = TrainConfig(data_dir="d", run_dir="r", precision="fp32", micro_batch_size=1,
                       max_steps=10, warmup_steps=2, compile=False)
-    engine = build_engine(model, cfg.engine(), world_size=1)
+    engine = build_engine(model, resolve_engine(cfg.engine(), 1))
     assert engine.zero_optimization_stage() == 0 and isinstance(engine.optimizer, ClippedAdamW)
     parameters = list(engine.module.parameters())
     for _ in range(2):

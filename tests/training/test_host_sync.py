@@ -128,6 +128,7 @@ def test_the_engine_never_synchronizes_the_device_in_a_step(stage, monkeypatch):
     from deepspeed.accelerator import get_accelerator
 
     from bertforge.training.engine import build_engine, ensure_process_group
+    from bertforge.training.resolved_engine import resolve_engine
     from tests.support.synthetic import synthetic_batches
 
     ensure_process_group()
@@ -136,7 +137,7 @@ def test_the_engine_never_synchronizes_the_device_in_a_step(stage, monkeypatch):
     model.max_predictions = 20
     cfg = TrainConfig(data_dir="d", run_dir="r", precision="fp32", micro_batch_size=4,
                       max_steps=10, warmup_steps=2, compile=False, zero_stage=stage)
-    engine = build_engine(model, cfg.engine(), world_size=1)
+    engine = build_engine(model, resolve_engine(cfg.engine(), 1))
     accelerator = get_accelerator()
     calls = []
     synchronize = accelerator.synchronize

@@ -12,7 +12,7 @@ import torch
 from bertforge.training import checkpoint
 from bertforge.training import precision as precision_lib
 from bertforge.training.config import TrainConfig
-from bertforge.training.engine import resolve_engine_precision
+from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.loop import train
 from bertforge.training.precision import (
     cpu_native_bf16,
@@ -99,11 +99,12 @@ def test_explicit_precisions_are_kept_and_a_resume_keeps_its_own():
 
 def test_the_engine_choice_carries_request_resolution_reason_and_warning(monkeypatch):
     fake_cpu(monkeypatch, ZEN_2, onednn_bf16=False, aten="AVX2")
-    cfg, choice = resolve_engine_precision(TrainConfig(data_dir="d", run_dir="r").engine())
-    assert cfg.precision == "fp32" and choice.requested == "auto" and choice.warning is None
-    cfg, choice = resolve_engine_precision(TrainConfig(data_dir="d", run_dir="r",
-                                                       precision="bf16").engine())
-    assert cfg.precision == "bf16" and "will be slow" in choice.warning
+    resolved = resolve_engine(TrainConfig(data_dir="d", run_dir="r").engine(), 1)
+    choice = resolved.precision
+    assert resolved.config.precision == "fp32" and choice.requested == "auto"
+    assert choice.warning is None
+    resolved = resolve_engine(TrainConfig(data_dir="d", run_dir="r", precision="bf16").engine(), 1)
+    assert resolved.config.precision == "bf16" and "will be slow" in resolved.precision.warning
 
 
 def test_the_isa_caps_are_honoured_by_torch_on_this_machine():
@@ -167,12 +168,12 @@ def test_the_zero_stage_and_deepspeed_config_follow_the_resolved_precision(
     monkeypatch, capabilities, stage, engine_keys
 ):
     """On one rank: stage 0 in both; under bf16 with fp32 weights under torch.autocast."""
-    from bertforge.training.engine import deepspeed_config, resolve_zero_stage
+    from bertforge.training.engine import deepspeed_config
 
     fake_cpu(monkeypatch, capabilities, onednn_bf16=capabilities is SAPPHIRE_RAPIDS)
-    cfg = TrainConfig(data_dir="d", run_dir="r").engine()
-    assert resolve_zero_stage(cfg, 1).zero_stage == stage
-    ds = deepspeed_config(cfg, 1)
+    resolved = resolve_engine(TrainConfig(data_dir="d", run_dir="r").engine(), 1)
+    assert resolved.config.zero_stage == stage
+    ds = deepspeed_config(resolved)
     assert ds["zero_optimization"]["stage"] == stage
     assert engine_keys == {"bf16", "data_types", "torch_autocast"} & set(ds)
 

@@ -1,8 +1,9 @@
 import pytest
 
-from bertforge.training import engine as engine_lib
+from bertforge.training import resolved_engine
 from bertforge.training.config import TrainConfig
 from bertforge.training.engine import deepspeed_config
+from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.flops import mfu, training_flops_per_batch, training_flops_per_sequence
 from bertforge.training.schedule import lr_multiplier
 
@@ -47,16 +48,18 @@ def test_config_round_trips_and_rejects_unknown_keys():
 def test_deepspeed_config_batch_arithmetic_and_precision(monkeypatch):
     cfg = TrainConfig(data_dir="d", run_dir="r", micro_batch_size=16,
                       gradient_accumulation_steps=4, zero_stage=3, precision="bf16")
-    ds = deepspeed_config(cfg.engine(), world_size=8)
+    ds = deepspeed_config(resolve_engine(cfg.engine(), 8))
     # 16 micro x 4 accumulation x 8 ranks = 512 sequences per optimizer step
     assert ds["train_batch_size"] == 512
     assert ds["train_micro_batch_size_per_gpu"] == 16
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
-    monkeypatch.setattr(engine_lib, "check_precision_supported", lambda precision: None)
-    fp16 = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", precision="fp16").engine(), 1)
+    monkeypatch.setattr(resolved_engine, "check_precision_supported", lambda precision: None)
+    fp16 = deepspeed_config(resolve_engine(
+        TrainConfig(data_dir="d", run_dir="r", precision="fp16").engine(), 1))
     assert fp16["fp16"]["loss_scale"] == 0  # dynamic loss scaling
-    fp32 = deepspeed_config(TrainConfig(data_dir="d", run_dir="r", precision="fp32").engine(), 1)
+    fp32 = deepspeed_config(resolve_engine(
+        TrainConfig(data_dir="d", run_dir="r", precision="fp32").engine(), 1))
     assert "bf16" not in fp32 and "fp16" not in fp32
 
 
@@ -73,7 +76,7 @@ def test_global_batch_size_derives_accumulation_from_the_world_size():
     # 512 = 16 micro x 4 accumulation x 8 ranks = 16 x 32 x 1 rank
     assert cfg.accumulation_steps(8) == 4 and cfg.accumulation_steps(1) == 32
     assert cfg.global_batch(8) == cfg.global_batch(1) == 512
-    ds = deepspeed_config(cfg.engine(), world_size=8)
+    ds = deepspeed_config(resolve_engine(cfg.engine(), 8))
     assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (512, 4)
 
 
@@ -98,9 +101,9 @@ def test_fp16_on_a_cpu_without_fp16_kernels_is_a_clear_error(monkeypatch):
         def is_fp16_supported(self):
             return False
 
-    monkeypatch.setattr(engine_lib, "get_accelerator", CpuWithoutFp16)
+    monkeypatch.setattr(resolved_engine, "get_accelerator", CpuWithoutFp16)
     with pytest.raises(ValueError, match="fp16 needs a GPU.*--precision auto"):
-        deepspeed_config(TrainConfig(data_dir="d", run_dir="r", precision="fp16").engine(), 1)
+        resolve_engine(TrainConfig(data_dir="d", run_dir="r", precision="fp16").engine(), 1)
 
 
 def test_batch_flops_count_the_padded_width_and_the_real_predictions():

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 
 from bertforge.training.device import to_device  # pinned + non_blocking on CUDA: no sync
 from bertforge.training.distributed import all_reduce_sum, barrier
@@ -38,7 +37,7 @@ from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.model import task_model
 from bertforge.training.finetune.task_data import TaskData, load_task_data
 from bertforge.training.metrics import MetricsLogger, console
-from bertforge.training.precision import resolve_precision
+from bertforge.training.resolved_engine import resolve_engine
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 TRAIN_TARGETS = ("labels", "start_positions", "end_positions")
@@ -62,14 +61,15 @@ def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str
         model.init_encoder_randomly()
     else:
         model.load_encoder(pretrained.state_dict)
-    engine_cfg = engine_config(cfg, num_steps, world_size)
+    resolved = resolve_engine(engine_config(cfg, num_steps, world_size), world_size)
+    precision = resolved.config.precision
     if rank == 0:
         console(f"[finetune] {cfg.task}: lr {cfg.learning_rate:g}, seed {seed}, "
                 f"{data.num_train_examples} train examples ({data.num_train_rows} rows), "
                 f"{num_steps} steps of "
-                f"{cfg.batch_size} ({world_size} workers), {engine_cfg.precision}")
+                f"{cfg.batch_size} ({world_size} workers), {precision}")
     torch.manual_seed(seed + rank)  # dropout: a different mask on every rank
-    engine = build_engine(model, engine_cfg, world_size)
+    engine = build_engine(model, resolved)
     started = time.time()
     last_loss = _train(engine, data, cfg, steps_per_epoch, num_steps, seed)
     train_seconds = time.time() - started
@@ -81,7 +81,7 @@ def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str
         "dev_examples": len(data.dev_examples),
         "final_train_loss": last_loss, "train_seconds": round(train_seconds, 3),
         "world_size": world_size, "threads": torch.get_num_threads(),
-        "precision": engine_cfg.precision, "zero_stage": engine.zero_optimization_stage(),
+        "precision": precision, "zero_stage": engine.zero_optimization_stage(),
         "model": pretrained.provenance,
     }
     if rank == 0:
@@ -104,19 +104,18 @@ def count_steps(cfg: FinetuneConfig, num_rows: int) -> tuple[int, int]:
 
 
 def engine_config(cfg: FinetuneConfig, num_steps: int, world_size: int) -> EngineConfig:
-    """This run's engine, built as pretraining's is (`build_engine`): AdamW, linear warm-up then
-    linear decay, the engine options the config gives; "auto" precision resolved here, for the
-    run's first line."""
+    """This run's engine, built as pretraining's is (`build_engine`, after `resolve_engine`):
+    AdamW, linear warm-up then linear decay, the engine options the config gives."""
     if cfg.batch_size % world_size:
         raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of the {world_size} "
                          "workers; change --batch-size or --workers")
-    precision, _ = resolve_precision(cfg.precision, get_accelerator().device_name())
     return EngineConfig(
         max_steps=num_steps, learning_rate=cfg.learning_rate,
         warmup_steps=int(cfg.warmup_fraction * num_steps),
         micro_batch_size=cfg.batch_size // world_size,  # one micro-step per optimizer step
         weight_decay=cfg.weight_decay, adam_eps=cfg.adam_eps,
-        gradient_clipping=cfg.gradient_clipping, zero_stage=cfg.zero_stage, precision=precision,
+        gradient_clipping=cfg.gradient_clipping, zero_stage=cfg.zero_stage,
+        precision=cfg.precision,
     )
 
 
