@@ -7,20 +7,22 @@ and recipe (bert_large_phase1's settings, one micro-batch a step, a log line eve
   bf16 torch.autocast, ClippedAdamW, compiled encoder layers;
 - `eager ZeRO-0`: the same without compiling, so that what compiling changes is told apart
   from what the precision path changes;
-- `eager ZeRO-2`: the settings before the fast path: ZeRO stage 2 (DeepSpeed's bf16 weights,
-  fp32 master copies, its clip and optimizer), no compile.
+- `eager ZeRO-2`: the settings before the fast path: ZeRO stage 2 (DeepSpeed's bf16 model,
+  fp32 master copies in its optimizer, its clip), no compile.
 
-`--bf16-residual` (an experiment, as in gpu_throughput.py): the fast path runs with the bf16
-residual stream (`training.model.LayerNorm` hands bf16 on under autocast), named `fast, bf16
-residual`; against `eager ZeRO-0` it then shows what the bf16 stream moves.
+`--bf16-residual` (an experiment, as in gpu_throughput.py) adds a fourth run, compared with the
+three: `fast, bf16 residual`, the fast path with the bf16 residual stream
+(`training.model.LayerNorm` hands bf16 on under autocast); against `fast` it shows what the
+bf16 stream alone moves.
 
-Dropout is off in both (`hidden_dropout_prob` and `attention_probs_dropout_prob` 0): a compiled
-layer draws its dropout masks from inductor's random stream, not eager's, so with dropout on
-the curves would differ by the masks, not by the arithmetic under test. What differs is then
-only the precision path: where the casts fall, LayerNorm in fp32 under autocast against bf16
-in DeepSpeed's, the summation order of fused kernels. The check: at every step the fast path's
-loss agrees with each eager path's within `--rel-tolerance` (default 1e-2: bf16 keeps 8 significant bits, a rounding is up to
-3.9e-3, and 100 steps of them compound), and both fall. The CPU test of the same claim is
+Dropout is off in every run (`hidden_dropout_prob` and `attention_probs_dropout_prob` 0): a
+compiled layer draws its dropout masks from inductor's random stream, not eager's, so with
+dropout on the curves would differ by the masks, not by the arithmetic under test. What differs
+is then only the precision path: where the casts fall, LayerNorm in fp32 under autocast against
+bf16 in DeepSpeed's bf16 model, the summation order of fused kernels. The check: at every step
+the compared run's loss (`fast`, or the bf16 residual's) agrees with each other run's within
+`--rel-tolerance` (default 1e-2: bf16 keeps 8 significant bits, a rounding is up to 3.9e-3, and
+100 steps of them compound), and all fall. The CPU test of the same claim is
 tests/training/test_fast_path.py (tiny, 100 steps).
 
 Writes gpu_parity-DEVICE-DATE.{json,md} to `--output-dir` and exits 1 when a check fails.
@@ -46,8 +48,8 @@ from bertforge.training import model as bert_model
 from bertforge.training.engine import deepspeed_config
 from bertforge.training.loop import train
 from bertforge.training.metrics import read_metrics
-from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.recipes import bert_large_phase1
+from bertforge.training.resolved_engine import resolve_engine
 
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 # name: the settings that differ from the project's defaults (the fast path's)
@@ -108,8 +110,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.bf16_residual:
         check_bf16_residual(args)
     subject = "fast, bf16 residual" if args.bf16_residual else "fast"
+    paths = {subject: {}, "fast": {}, **EAGER_PATHS}  # "fast" once where it is the subject
     curves, settings = {}, {}
-    for name, path_settings in {subject: {}, **EAGER_PATHS}.items():
+    for name, path_settings in paths.items():
         run_dir = os.path.join(args.output_dir, name.replace(", ", "-").replace(" ", "-"))
         with residual_stream(args.bf16_residual and name == subject):
             train(recipe(args, run_dir, **path_settings))
@@ -171,8 +174,8 @@ def write_results(result: dict, output_dir: str) -> None:
                     for name, s in result["settings"].items()),
         "",
         "| measure | value |", "|---|---|",
-        *(f"| {subject} against {name}: largest relative loss difference (step); mean; last tenth's "
-          f"mean loss | {c['max_rel_difference']:.2e} ({c['max_rel_difference_step']}); "
+        *(f"| {subject} against {name}: largest relative loss difference (step); mean; last "
+          f"tenth's mean loss | {c['max_rel_difference']:.2e} ({c['max_rel_difference_step']}); "
           f"{c['mean_rel_difference']:.2e}; {c['last_tenth_rel_difference']:.2e} |"
           for name, c in result["comparisons"].items()),
         *(f"| loss at steps 1, {steps // 2}, {steps}: {name} | "

@@ -69,6 +69,7 @@ from bertforge.training.profiling import (  # noqa: E402
     OTHER,
     device_kernels,
     kernel_category,
+    without_cycle_warning,
 )
 
 CASE_PATTERN = re.compile(r"^(ours|before|hfc|hf)(\d+)x(\d+)$")
@@ -204,7 +205,7 @@ def run_case(step: Callable[[int], torch.Tensor], args: argparse.Namespace) -> d
         seconds.append(time.perf_counter() - started)
     first = args.warmup + args.timed
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with without_cycle_warning(), profile(activities=activities) as prof:
         started = time.perf_counter()
         for i in range(first, first + args.profiled):
             step(i)

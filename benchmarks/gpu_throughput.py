@@ -285,8 +285,8 @@ def train_config(args: argparse.Namespace, case: Case):
 def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     """Build model + engine, warm up, time `args.steps` steps; totals summed over ranks."""
     from bertforge.training.engine import build_engine, deepspeed_config
-    from bertforge.training.resolved_engine import resolve_engine
     from bertforge.training.model import BertForPreTraining, num_parameters
+    from bertforge.training.resolved_engine import resolve_engine
 
     cfg = train_config(args, case)
     # What an earlier case left allocated (should be ~0: its engine is destroyed).

@@ -53,8 +53,9 @@ def deepspeed_config(resolved: ResolvedEngine, *, load_universal: bool = False) 
         # DeepSpeed's stage-0 clip takes one norm per tensor.
         "gradient_clipping": 0.0 if optimizer_clips(cfg) else cfg.gradient_clipping,
         "zero_optimization": zero,
-        # We pass the optimizer ourselves (torch's AdamW, or our LAMB at stage 0 only).
-        "zero_allow_untested_optimizer": True,
+        # We pass the optimizer ourselves: under ZeRO torch's own AdamW, a type ZeRO lists as
+        # tested (LAMB runs at stage 0 only), so no "zero_allow_untested_optimizer": an
+        # optimizer ZeRO does not know is DeepSpeed's error, not a warning on the console.
         "steps_per_print": 10**9,  # our own logging; DeepSpeed's would interleave with it
         "wall_clock_breakdown": False,
         # DeepSpeed's throughput timer (on by default) synchronizes the device when a forward
@@ -174,9 +175,9 @@ def build_optimizer(model: torch.nn.Module, cfg: EngineConfig) -> torch.optim.Op
         return Lamb(groups, **hyper)
     if optimizer_clips(cfg):
         return ClippedAdamW(groups, max_grad_norm=cfg.gradient_clipping, **hyper)
-    # DeepSpeed clips: torch's own fused AdamW, whose exact type ZeRO lists as tested (a
-    # subclass, ClippedAdamW with its clip off, drew DeepSpeed's "untested optimizer" warning
-    # onto the console at ZeRO >= 1).
+    # DeepSpeed clips (ZeRO >= 1, or fp16 at stage 0): torch's own fused AdamW, whose exact
+    # type ZeRO lists as tested (a subclass, ClippedAdamW with its clip off, drew DeepSpeed's
+    # "untested optimizer" warning onto the console at ZeRO >= 1).
     return torch.optim.AdamW(groups, fused=True, **hyper)
 
 

@@ -119,7 +119,8 @@ class StepProfiler:
                 self._step_range.__exit__(None, None, None)
                 self._step_range = None
             profiler, self._profiler = self._profiler, None
-            profiler.__exit__(None, None, None)
+            with without_cycle_warning():
+                profiler.__exit__(None, None, None)
 
     def begin(self, step: int) -> None:
         if self.steps is None or not self.steps[0] <= step <= self.steps[1]:
@@ -146,7 +147,7 @@ class StepProfiler:
             torch.cuda.synchronize()  # the window's queued kernels belong to it
         wall_s = time.perf_counter() - self._started
         profiler, self._profiler = self._profiler, None
-        with _without_cycle_warning():
+        with without_cycle_warning():
             profiler.__exit__(None, None, None)
         try:
             self.summary = summarize(profiler.events(), self._profiled, wall_s, cuda=self.cuda)
@@ -168,7 +169,7 @@ class StepProfiler:
         self._profiler = profile(activities=activities)
         if self.cuda:
             torch.cuda.synchronize()  # no earlier step's kernels in the window
-        with _without_cycle_warning():
+        with without_cycle_warning():
             self._profiler.__enter__()
         self._started = time.perf_counter()
 
@@ -184,9 +185,10 @@ class StepProfiler:
 
 
 @contextlib.contextmanager
-def _without_cycle_warning() -> Iterator[None]:
+def without_cycle_warning() -> Iterator[None]:
     """torch (2.11 on the H200) warns onto the run's console that a profiler "clears events at
-    the end of each cycle": the window is the profiler's only cycle, nothing is cleared."""
+    the end of each cycle": a profiler without a schedule (this window, gpu_profile.py's
+    steps) has one cycle, nothing is cleared."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Profiler clears events")
         yield

@@ -33,7 +33,6 @@ from bertforge.training.engine_config import EngineConfig
 from bertforge.training.precision import AUTO, resolve_precision, slow_precision_warning
 from bertforge.training.recipes import default_zero_stage, micro_batch_for_device
 
-
 # The EngineConfig fields that resolve_engine decides (a job that keeps its own copy of them,
 # as TrainConfig does for config.json, copies these back from the record).
 DECIDED = ("precision", "zero_stage", "compile", "micro_batch_size")

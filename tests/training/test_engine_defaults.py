@@ -11,9 +11,9 @@ import torch
 from bertforge.training import checkpoint, recipes
 from bertforge.training.config import TrainConfig
 from bertforge.training.engine import build_engine, deepspeed_config
-from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.loop import train
 from bertforge.training.model import BertConfig, BertForPreTraining
+from bertforge.training.resolved_engine import resolve_engine
 from tests.training.test_loop import config
 
 BERT_LARGE = 335_000_000

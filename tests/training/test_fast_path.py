@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bertforge.training.clipped_adamw import ClippedAdamW
 from bertforge.training.config import TrainConfig
 from bertforge.training.engine import build_engine, ensure_process_group
-from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.model import BertConfig, BertForPreTraining
+from bertforge.training.resolved_engine import resolve_engine
 
 
 class _CountOps(TorchDispatchMode):

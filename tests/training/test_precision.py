@@ -12,13 +12,13 @@ import torch
 from bertforge.training import checkpoint
 from bertforge.training import precision as precision_lib
 from bertforge.training.config import TrainConfig
-from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.loop import train
 from bertforge.training.precision import (
     cpu_native_bf16,
     resolve_precision,
     slow_precision_warning,
 )
+from bertforge.training.resolved_engine import resolve_engine
 from tests.training.conftest import write_dataset
 from tests.training.test_loop import config
 

@@ -104,7 +104,8 @@ def test_an_elementwise_kernel_named_by_a_lambda_is_not_the_optimizer():
     assert kernel_category(gelu_backward) == OTHER
     dropout_scale = ("void at::native::vectorized_elementwise_kernel<8, at::native::(anonymous "
                      "namespace)::masked_scale_kernel<bool, c10::BFloat16, float>(at::Tensor&, "
-                     "at::Tensor const&, at::Tensor const&, float)::{lambda(c10::BFloat16, bool)#1}")
+                     "at::Tensor const&, at::Tensor const&, float)::"
+                     "{lambda(c10::BFloat16, bool)#1}")
     assert kernel_category(dropout_scale) == OTHER
 
 
@@ -116,7 +117,8 @@ def test_the_profilers_cycle_warning_stays_off_the_console(tmp_path, monkeypatch
 
     def warns(method):
         def warning_then(self, *args, **kwargs):
-            warnings.warn("Warning: Profiler clears events at the end of each cycle.")
+            warnings.warn("Warning: Profiler clears events at the end of each cycle.",
+                          stacklevel=2)
             return method(self, *args, **kwargs)
         return warning_then
 

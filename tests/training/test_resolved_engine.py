@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from bertforge.training import loop
+from bertforge.training import loop, resolved_engine
 from bertforge.training.engine import build_engine, deepspeed_config, ensure_process_group
 from bertforge.training.engine_config import EngineConfig
 from bertforge.training.model import BertConfig, BertForPreTraining
@@ -74,8 +74,7 @@ def test_resolution_decides_every_setting_once_and_the_record_is_frozen():
         resolve_engine(UNDECIDED, 1)  # no sequence length to choose it for
 
 
-def test_a_resumed_run_keeps_its_precision_and_stage_and_the_stage_follows_that_precision(
-        monkeypatch):
+def test_a_resumed_run_keeps_its_precision_and_stage_and_named_ones_win(monkeypatch):
     monkeypatch.setenv("BERTFORGE_CPU_BF16", "native")  # auto alone would pick bf16
     saved = {"precision": "fp32", "zero_stage": 2}
     resolved = resolve_engine(dataclasses.replace(UNDECIDED, micro_batch_size=4), 1, saved=saved)
@@ -83,6 +82,22 @@ def test_a_resumed_run_keeps_its_precision_and_stage_and_the_stage_follows_that_
     named = dataclasses.replace(UNDECIDED, micro_batch_size=4, precision="bf16", zero_stage=1)
     resolved = resolve_engine(named, 4, saved=saved)
     assert (resolved.config.precision, resolved.config.zero_stage) == ("bf16", 1)
+
+
+def test_the_default_stage_follows_the_decided_precision(monkeypatch):
+    """1B parameters on 8 GPUs at stage 1: 9.5 GB of model states a GPU in bf16, 9.0 in fp32.
+    With 9.25 GB allowed (half of 18.5 GB), bf16 needs stage 2 and fp32 does not; "auto" that
+    keeps a checkpoint's fp32 (one saved before stages were recorded) takes fp32's stage."""
+    monkeypatch.setenv("BERTFORGE_CPU_BF16", "native")
+    monkeypatch.setattr(resolved_engine, "device_memory_bytes", lambda: 18.5e9)
+
+    def stage(saved=None, **named):
+        cfg = dataclasses.replace(UNDECIDED, micro_batch_size=4, **named)
+        return resolve_engine(cfg, 8, saved=saved, num_parameters=10**9).config.zero_stage
+
+    assert stage() == stage(precision="bf16") == 2
+    assert stage(precision="fp32") == 1
+    assert stage(saved={"precision": "fp32"}) == 1
 
 
 def test_the_decisions_are_made_in_one_module_only():

@@ -3,8 +3,8 @@ import pytest
 from bertforge.training import resolved_engine
 from bertforge.training.config import TrainConfig
 from bertforge.training.engine import deepspeed_config
-from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.flops import mfu, training_flops_per_batch, training_flops_per_sequence
+from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.schedule import lr_multiplier
 
 
