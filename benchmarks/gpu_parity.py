@@ -42,10 +42,10 @@ import os
 import statistics
 import sys
 
-from gpu_proof_run import device_name, run_checks, source_commit
+from gpu_proof_run import check_parser, device_name, run_checks, source_commit
 
 from bertforge.training import model as bert_model
-from bertforge.training.engine import deepspeed_config
+from bertforge.training.engine import bf16_autocast
 from bertforge.training.loop import train
 from bertforge.training.metrics import read_metrics
 from bertforge.training.recipes import bert_large_phase1
@@ -58,21 +58,16 @@ EAGER_PATHS = {"eager ZeRO-0": {"compile": False},
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True, help="prepared shard directory (real text)")
-    parser.add_argument("--output-dir", required=True, help="results and the two run dirs")
-    parser.add_argument("--preset", default="large", help="model size (large, base, tiny)")
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps of each run")
+    parser = check_parser(__doc__, runs="each run's directory", steps=100,
+                          steps_help="optimizer steps of each run")
     parser.add_argument("--micro-batch", type=int, default=64, help="sequences a step")
-    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
     parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
-                        help="of both runs (auto: bf16 on a GPU or a CPU that computes it)")
+                        help="of every run (auto: bf16 on a GPU or a CPU that computes it)")
     parser.add_argument("--bf16-residual", action="store_true",
-                        help="the fast path with the bf16 residual stream (an experiment)")
+                        help="a fourth run: the fast path with the bf16 residual stream "
+                             "(an experiment)")
     parser.add_argument("--rel-tolerance", type=float, default=1e-2,
                         help="largest relative loss difference allowed at any step")
-    parser.add_argument("--commit", default=None,
-                        help="the source commit to record when the tree has no .git")
     return parser.parse_args(argv)
 
 
@@ -101,7 +96,7 @@ def residual_stream(bf16: bool):
 def check_bf16_residual(args: argparse.Namespace) -> None:
     """Refused where it would change nothing: without the engine's bf16 autocast."""
     resolved = resolve_engine(recipe(args, args.output_dir).engine(), 1)
-    if "torch_autocast" not in deepspeed_config(resolved):
+    if not bf16_autocast(resolved.config):
         raise SystemExit("--bf16-residual needs the engine's bf16 autocast (bf16 at ZeRO 0): "
                          f"here {resolved.config.precision} at ZeRO {resolved.config.zero_stage}")
 

@@ -47,18 +47,29 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def check_parser(doc: str, *, runs: str, steps: int, steps_help: str) -> argparse.ArgumentParser:
+    """The options a check script of the real loop shares (this one's and gpu_parity.py's):
+    the shards, where results and `runs` go, the model, the steps, the learning rate, the
+    commit to record."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--data", required=True, help="prepared shard directory (real text)")
-    parser.add_argument("--output-dir", required=True, help="results and the run directory")
+    parser.add_argument("--output-dir", required=True, help=f"results and {runs}")
     parser.add_argument("--preset", default="large", help="model size (large, base, tiny)")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps in all")
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
+    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    parser.add_argument("--commit", default=None,
+                        help="the source commit to record when the tree has no .git")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = check_parser(__doc__, runs="the run directory", steps=300,
+                          steps_help="optimizer steps in all")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="sequences per step (default: the recipe's rule for the device, "
                              "training.recipes.micro_batch_for_device)")
     parser.add_argument("--log-every", type=int, default=10,
                         help="steps per log line: the loop reads the device once a line")
-    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--zero-stage", type=int, default=None,
                         help="default: the recipe's for the live world size")
@@ -70,8 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=None, help="steps of the resumed run to profile (default: "
                         "the 12 before its last)")
     parser.add_argument("--no-profile", action="store_true", help="profile no step")
-    parser.add_argument("--commit", default=None,
-                        help="the source commit to record when the tree has no .git")
     args = parser.parse_args(argv)
     if args.profile_steps is None and not args.no_profile:
         args.profile_steps = (max(args.steps // 2 + 1, args.steps - 12), args.steps - 1)

@@ -346,11 +346,11 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
 
 def check_experiments(args: argparse.Namespace, resolved) -> None:
     """An experiment that would change nothing in this setting is refused, not timed."""
-    from bertforge.training.engine import deepspeed_config
+    from bertforge.training.engine import bf16_autocast
 
     if args.compile_mode != "default" and not resolved.config.compile:
         raise SystemExit("--compile-mode needs compiled layers (--compile, the default on a GPU)")
-    if args.bf16_residual and "torch_autocast" not in deepspeed_config(resolved):
+    if args.bf16_residual and not bf16_autocast(resolved.config):
         raise SystemExit("--bf16-residual needs the engine's bf16 autocast (bf16 at ZeRO 0): "
                          f"here {resolved.config.precision} at ZeRO {resolved.config.zero_stage}")
 

@@ -64,7 +64,7 @@ def deepspeed_config(resolved: ResolvedEngine, *, load_universal: bool = False) 
         # read the device once a log line (training.loop._Window).
         "timers": {"throughput": {"enabled": False}},
     }
-    if cfg.precision == "bf16" and stage == 0:
+    if bf16_autocast(cfg):
         # fp32 weights, gradients and optimizer state, the model's forward under
         # torch.autocast: bf16 GEMMs, fp32 gradient accumulation by construction, and the
         # optimizer stays torch's fused one (DeepSpeed's "bf16" section would wrap it in
@@ -86,6 +86,12 @@ def deepspeed_config(resolved: ResolvedEngine, *, load_universal: bool = False) 
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     return config
+
+
+def bf16_autocast(cfg: EngineConfig) -> bool:
+    """bf16 at ZeRO stage 0: fp32 weights, the forward under torch.autocast (at stages 1-3
+    DeepSpeed's bf16 model). `cfg` is a ResolvedEngine's."""
+    return cfg.precision == "bf16" and cfg.zero_stage == 0
 
 
 def optimizer_clips(cfg: EngineConfig) -> bool:
