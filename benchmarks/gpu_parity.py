@@ -1,6 +1,6 @@
 """Issue 34, item 4 on a GPU: the fast path's losses follow the earlier eager path over 100 steps.
 
-Three runs of `bertforge train`'s own loop (`training.loop.train`) on the same real shards, seed
+Four runs of `bertforge train`'s own loop (`training.loop.train`) on the same real shards, seed
 and recipe (bert_large_phase1's settings, one micro-batch a step, a log line every step):
 
 - `fast`: the project's defaults on this device: on one GPU ZeRO stage 0, fp32 weights under
@@ -8,10 +8,13 @@ and recipe (bert_large_phase1's settings, one micro-batch a step, a log line eve
 - `eager ZeRO-0`: the same without compiling, so that what compiling changes is told apart
   from what the precision path changes;
 - `eager ZeRO-2`: the settings before the fast path: ZeRO stage 2 (DeepSpeed's bf16 model,
-  fp32 master copies in its optimizer, its clip), no compile.
+  fp32 master copies in its optimizer, its clip), no compile;
+- `fp32 reference`: fp32 throughout (weights, activations, GEMMs without TF32), no compile:
+  the arithmetic every bf16 path approximates. Each bf16 run is compared with it too, which
+  tells which of two paths that part is the one that left the exact curve.
 
-`--bf16-residual` (an experiment, as in gpu_throughput.py) adds a fourth run, compared with the
-three: `fast, bf16 residual`, the fast path with the bf16 residual stream
+`--bf16-residual` (an experiment, as in gpu_throughput.py) adds a fifth run, compared with the
+others: `fast, bf16 residual`, the fast path with the bf16 residual stream
 (`training.model.LayerNorm` hands bf16 on under autocast); against `fast` it shows what the
 bf16 stream alone moves.
 
@@ -23,13 +26,16 @@ bf16 in DeepSpeed's bf16 model, the summation order of fused kernels. The check:
 the compared run's loss (`fast`, or the bf16 residual's) agrees with each other run's within
 `--rel-tolerance` (default 1e-2: bf16 keeps 8 significant bits, a rounding is up to 3.9e-3, and
 100 steps of them compound), and all fall. The CPU test of the same claim is
-tests/training/test_fast_path.py (tiny, 100 steps).
+tests/training/test_fast_path.py (tiny, 100 steps). `--num-layers` and `--warmup-steps` scale
+the run down for a CPU (BERT-large's width, 2 layers: benchmarks/README.md, "Issue 34").
 
 Writes gpu_parity-DEVICE-DATE.{json,md} to `--output-dir` and exits 1 when a check fails.
 
     python3 benchmarks/gpu_parity.py --data .gpu-data/shards-128 --output-dir $OUT
     python3 benchmarks/gpu_parity.py --data DIR --preset tiny --steps 20 --micro-batch 8 \\
         --lr 3e-3 --output-dir /tmp/parity                          # CPU smoke run
+    python3 benchmarks/gpu_parity.py --data DIR --num-layers 2 --micro-batch 32 --steps 25 \\
+        --warmup-steps 10 --output-dir /tmp/parity                  # the warm-up on a CPU
 """
 
 from __future__ import annotations
@@ -55,6 +61,10 @@ NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 # name: the settings that differ from the project's defaults (the fast path's)
 EAGER_PATHS = {"eager ZeRO-0": {"compile": False},
                "eager ZeRO-2": {"zero_stage": 2, "compile": False}}
+# The arithmetic every bf16 path approximates: fp32 weights, activations and GEMMs (TF32 is
+# off: torch's default for matmuls, which the engine keeps).
+REFERENCE = "fp32 reference"
+REFERENCE_PATH = {"precision": "fp32", "compile": False}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,20 +74,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
                         help="of every run (auto: bf16 on a GPU or a CPU that computes it)")
     parser.add_argument("--bf16-residual", action="store_true",
-                        help="a fourth run: the fast path with the bf16 residual stream "
+                        help="a fifth run: the fast path with the bf16 residual stream "
                              "(an experiment)")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="encoder layers (default: the preset's); fewer keep the preset's "
+                             "width for a scaled-down run on a CPU")
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="learning-rate warm-up (default: a tenth of --steps)")
     parser.add_argument("--rel-tolerance", type=float, default=1e-2,
                         help="largest relative loss difference allowed at any step")
     return parser.parse_args(argv)
 
 
 def recipe(args: argparse.Namespace, run_dir: str, **path_settings):
+    layers = {} if args.num_layers is None else {"num_hidden_layers": args.num_layers}
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
+    settings = {"precision": args.precision, **path_settings}
     return bert_large_phase1(
-        args.data, run_dir, model={"preset": args.preset, **NO_DROPOUT},
+        args.data, run_dir, model={"preset": args.preset, **layers, **NO_DROPOUT},
         max_steps=args.steps, micro_batch_size=args.micro_batch, global_batch_size=None,
-        gradient_accumulation_steps=1, learning_rate=args.lr,
-        warmup_steps=max(1, args.steps // 10), precision=args.precision, log_every=1,
-        checkpoint_every=0, eval_every=0, resume=False, **path_settings)
+        gradient_accumulation_steps=1, learning_rate=args.lr, warmup_steps=warmup,
+        log_every=1, checkpoint_every=0, eval_every=0, resume=False, **settings)
 
 
 @contextlib.contextmanager
@@ -101,11 +118,28 @@ def check_bf16_residual(args: argparse.Namespace) -> None:
                          f"here {resolved.config.precision} at ZeRO {resolved.config.zero_stage}")
 
 
+def compare(curve: dict[int, float], other: dict[int, float], tenth: int) -> dict:
+    """Relative loss differences of `curve` from `other` over the steps both logged."""
+    shared = [s for s in sorted(curve) if s in other]
+    relative = [abs(curve[s] - other[s]) / abs(other[s]) for s in shared]
+    return {
+        "max_rel_difference": max(relative),
+        "max_rel_difference_step": shared[relative.index(max(relative))],
+        "mean_rel_difference": statistics.mean(relative),
+        # The last tenth's mean loss: where the curves end up, past the warm-up's transient.
+        "last_tenth_rel_difference": abs(
+            statistics.mean(curve[s] for s in shared[-tenth:])
+            - statistics.mean(other[s] for s in shared[-tenth:]))
+        / statistics.mean(other[s] for s in shared[-tenth:]),
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     if args.bf16_residual:
         check_bf16_residual(args)
     subject = "fast, bf16 residual" if args.bf16_residual else "fast"
-    paths = {subject: {}, "fast": {}, **EAGER_PATHS}  # "fast" once where it is the subject
+    # "fast" once where it is the subject
+    paths = {subject: {}, "fast": {}, **EAGER_PATHS, REFERENCE: REFERENCE_PATH}
     curves, settings = {}, {}
     for name, path_settings in paths.items():
         run_dir = os.path.join(args.output_dir, name.replace(", ", "-").replace(" ", "-"))
@@ -123,30 +157,29 @@ def run(args: argparse.Namespace) -> dict:
         ordered = [curve[s] for s in sorted(curve)]
         return statistics.mean(ordered[-tenth:]) < statistics.mean(ordered[:tenth])
 
-    comparisons, checks = {}, {}
+    # The subject against each other run, and every bf16 run against the fp32 reference: how
+    # far each is from the arithmetic it approximates.
+    comparisons = {name: compare(fast, curve, tenth)
+                   for name, curve in curves.items() if name not in (subject, REFERENCE)}
+    from_reference = {name: compare(curve, curves[REFERENCE], tenth)
+                      for name, curve in curves.items() if name != REFERENCE}
+    checks = {}
     for name, curve in curves.items():
         if name == subject:
             continue
         checks[f"same_steps_as_{name}"] = sorted(curve) == steps == list(range(1, args.steps + 1))
-        shared = [s for s in steps if s in curve]
-        relative = [abs(fast[s] - curve[s]) / abs(curve[s]) for s in shared]
-        comparisons[name] = {
-            "max_rel_difference": max(relative),
-            "max_rel_difference_step": shared[relative.index(max(relative))],
-            "mean_rel_difference": statistics.mean(relative),
-            # The last tenth's mean loss: where the curves end up, past the warm-up's transient.
-            "last_tenth_rel_difference": abs(
-                statistics.mean(fast[s] for s in shared[-tenth:])
-                - statistics.mean(curve[s] for s in shared[-tenth:]))
-            / statistics.mean(curve[s] for s in shared[-tenth:]),
-        }
-        checks[f"every_step_within_tolerance_of_{name}"] = max(relative) <= args.rel_tolerance
+        against = from_reference[subject] if name == REFERENCE else comparisons[name]
+        checks[f"every_step_within_tolerance_of_{name}"] = (
+            against["max_rel_difference"] <= args.rel_tolerance)
     checks["all_fell"] = all(fell(curve) for curve in curves.values())
     return {
         "device": device_name(), "date": datetime.date.today().isoformat(),
         "commit": source_commit(args.commit), "preset": args.preset,
-        "micro_batch": args.micro_batch, "lr": args.lr, "subject": subject, "settings": settings,
+        "num_layers": args.num_layers, "micro_batch": args.micro_batch, "lr": args.lr,
+        "warmup_steps": recipe(args, args.output_dir).warmup_steps,
+        "subject": subject, "settings": settings,
         "rel_tolerance": args.rel_tolerance, "comparisons": comparisons,
+        "from_reference": from_reference,
         "losses": {name: [curve[s] for s in sorted(curve)] for name, curve in curves.items()},
         "checks": checks, "passed": all(checks.values()),
     }
@@ -159,12 +192,15 @@ def write_results(result: dict, output_dir: str) -> None:
         json.dump(result, f, indent=2)
     losses, subject = result["losses"], result["subject"]
     steps = len(losses[subject])
+    layers = f" ({result['num_layers']} layers)" if result["num_layers"] else ""
+    warmup = min(steps, result["warmup_steps"] + 5)  # the warm-up, where the paths part most
     lines = [
-        f"# Fast path against the eager paths: {result['device']}, {result['date']}, "
+        f"# Fast path against the eager paths and fp32: {result['device']}, {result['date']}, "
         f"commit {result['commit']}",
         "",
-        f"{result['preset']}, {steps} steps of {result['micro_batch']} sequences, lr "
-        f"{result['lr']:g}, dropout off; settings as resolved: "
+        f"{result['preset']}{layers}, {steps} steps of {result['micro_batch']} sequences, lr "
+        f"{result['lr']:g} ({result['warmup_steps']} warm-up steps), dropout off; settings as "
+        "resolved: "
         + "; ".join(f"{name}: ZeRO {s['zero_stage']}, {s['precision']}, compile {s['compile']}"
                     for name, s in result["settings"].items()),
         "",
@@ -173,10 +209,22 @@ def write_results(result: dict, output_dir: str) -> None:
           f"tenth's mean loss | {c['max_rel_difference']:.2e} ({c['max_rel_difference_step']}); "
           f"{c['mean_rel_difference']:.2e}; {c['last_tenth_rel_difference']:.2e} |"
           for name, c in result["comparisons"].items()),
+        *(f"| {name} against the {REFERENCE}: largest relative loss difference (step); mean; "
+          f"last tenth's mean loss | {c['max_rel_difference']:.2e} "
+          f"({c['max_rel_difference_step']}); {c['mean_rel_difference']:.2e}; "
+          f"{c['last_tenth_rel_difference']:.2e} |"
+          for name, c in result["from_reference"].items()),
         *(f"| loss at steps 1, {steps // 2}, {steps}: {name} | "
           + ", ".join(f"{curve[i]:.4f}" for i in (0, steps // 2 - 1, steps - 1)) + " |"
           for name, curve in losses.items()),
         *(f"| {name} | {'yes' if ok else 'NO'} |" for name, ok in result["checks"].items()),
+        "",
+        f"Losses of steps 1-{warmup}:",
+        "",
+        "| step | " + " | ".join(losses) + " |",
+        "|---:|" + "---:|" * len(losses),
+        *(f"| {i + 1} | " + " | ".join(f"{curve[i]:.4f}" for curve in losses.values()) + " |"
+          for i in range(warmup)),
     ]
     with open(stem + ".md", "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")

@@ -5,7 +5,8 @@
   DeepSpeed's clip and its BF16/ZeRO optimizers it was ~20 a tensor (1,077 and 3,477 aten ops
   for tiny and base), each a kernel launch on a GPU.
 - Nothing else moves: the fast path's losses follow the eager ZeRO-2 path over 100 steps, to
-  rounding in fp32 and within bf16's tolerance in bf16 (5e-3 relative).
+  rounding in fp32 and within bf16's tolerance in bf16 (5e-3 relative); in bf16 they follow
+  fp32 arithmetic throughout within the same tolerance.
 """
 
 from __future__ import annotations
@@ -104,7 +105,10 @@ def test_the_fast_path_follows_the_eager_zero_2_path(tmp_path, precision, steps,
     copies). fp32: the same arithmetic up to summation order. bf16: the two keep different
     weights (fp32 vs bf16 copies) and LayerNorm runs in fp32 under autocast, so the curves
     agree within bf16's tolerance (seen: 2.4e-4 at most over the 100 steps, on a Zen 4 with
-    native bf16), step by step."""
+    native bf16), step by step. In bf16 the fast path also follows the fp32 arithmetic it
+    approximates (fp32 throughout) within that tolerance; at BERT-large's width (2 layers, on
+    a CPU) it is the eager ZeRO-2 path that leaves the exact curve in the warm-up (benchmarks/README.md,
+    "Issue 34")."""
     from bertforge.training.loop import train
     from tests.training.conftest import write_dataset
     from tests.training.test_loop import TINY, config, losses
@@ -119,5 +123,11 @@ def test_the_fast_path_follows_the_eager_zero_2_path(tmp_path, precision, steps,
     assert sorted(fast) == sorted(zero2) == list(range(1, steps + 1))
     order = sorted(fast)
     assert [fast[s] for s in order] == pytest.approx([zero2[s] for s in order], rel=tolerance)
+    if precision == "bf16":  # and the arithmetic bf16 approximates: fp32 throughout
+        train(config(data, tmp_path / "fp32", zero_stage=0, **{**common, "precision": "fp32"}))
+        exact = losses(tmp_path / "fp32")
+        assert [fast[s] for s in order] == pytest.approx([exact[s] for s in order],
+                                                         rel=tolerance)
+        assert [fast[s] for s in order] != [exact[s] for s in order]  # really another path
     # It learns: the last ten steps' mean loss is below the first ten's.
     assert sum(fast[s] for s in order[-10:]) < sum(fast[s] for s in order[:10]) - 0.5

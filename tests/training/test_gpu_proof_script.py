@@ -53,9 +53,9 @@ def test_proof_run_checkpoints_resumes_exports_and_sees_the_loss_fall(tmp_path):
 @pytest.mark.slow
 def test_parity_script_compares_the_fast_path_with_the_eager_paths(tmp_path):
     """benchmarks/gpu_parity.py, as the GPU check runs it, on a tiny model: the three paths
-    train on the same shards, the fast path's losses agree with each eager path's at every step
-    within bf16's tolerance. bf16 named (auto would be fp32 on a CPU without native bf16): the
-    same paths on every CPU."""
+    and the fp32 reference train on the same shards, the fast path's losses agree with each
+    other run's at every step within bf16's tolerance. bf16 named (auto would be fp32 on a CPU
+    without native bf16): the same paths on every CPU."""
     data = write_dataset(str(tmp_path / "data"), {"train": [70, 60]}, max_seq_length=64)
     out = tmp_path / "parity"
     done = subprocess.run(
@@ -68,19 +68,27 @@ def test_parity_script_compares_the_fast_path_with_the_eager_paths(tmp_path):
     result = json.loads((out / result_file).read_text())
     assert result["passed"]
     assert all(c["max_rel_difference"] <= 1e-2 for c in result["comparisons"].values())
+    assert result["checks"]["every_step_within_tolerance_of_fp32 reference"]
     # On a CPU nothing is compiled: the fast path is the eager ZeRO-0 path, step for step.
     assert result["comparisons"]["eager ZeRO-0"]["max_rel_difference"] == 0
+    # Every bf16 run is measured against the reference, which really is other arithmetic.
+    assert sorted(result["from_reference"]) == ["eager ZeRO-0", "eager ZeRO-2", "fast"]
+    assert 0 < result["from_reference"]["fast"]["max_rel_difference"] <= 1e-2
     assert result["settings"] == {
         "fast": {"zero_stage": 0, "precision": "bf16", "compile": False},
         "eager ZeRO-0": {"zero_stage": 0, "precision": "bf16", "compile": False},
-        "eager ZeRO-2": {"zero_stage": 2, "precision": "bf16", "compile": False}}
-    assert [len(curve) for curve in result["losses"].values()] == [20, 20, 20]
+        "eager ZeRO-2": {"zero_stage": 2, "precision": "bf16", "compile": False},
+        "fp32 reference": {"zero_stage": 0, "precision": "fp32", "compile": False}}
+    assert [len(curve) for curve in result["losses"].values()] == [20, 20, 20, 20]
+    table = (out / result_file.replace(".json", ".md")).read_text()
+    assert "| fast against the fp32 reference: largest relative loss difference" in table
+    assert "| step | fast | eager ZeRO-0 | eager ZeRO-2 | fp32 reference |" in table
 
 
 @pytest.mark.slow
 def test_parity_script_runs_the_bf16_residual_as_the_fast_path_and_refuses_it_without_autocast(
         tmp_path):
-    """--bf16-residual: a fourth run, the fast path with the bf16 residual stream, is the one
+    """--bf16-residual: a fifth run, the fast path with the bf16 residual stream, is the one
     compared; its curve is not the plain fast path's (the switch reached the loop's model) yet
     within tolerance. In fp32 the switch would change nothing: refused before any run."""
     data = write_dataset(str(tmp_path / "data"), {"train": [70, 60]}, max_seq_length=64)
@@ -95,7 +103,7 @@ def test_parity_script_runs_the_bf16_residual_as_the_fast_path_and_refuses_it_wi
     result = json.loads((out / result_file).read_text())
     assert result["subject"] == "fast, bf16 residual"
     assert list(result["losses"]) == ["fast, bf16 residual", "fast", "eager ZeRO-0",
-                                      "eager ZeRO-2"]
+                                      "eager ZeRO-2", "fp32 reference"]
     assert 0 < result["comparisons"]["fast"]["max_rel_difference"] <= 1e-2
     assert result["passed"]
     refused = subprocess.run(command + ["--output-dir", str(tmp_path / "fp32"),
