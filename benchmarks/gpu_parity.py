@@ -1,29 +1,27 @@
 """Issue 34, item 4 on a GPU: the fast path's losses follow the earlier eager path over 100 steps.
 
-Four runs of `bertforge train`'s own loop (`training.loop.train`) on the same real shards, seed
-and recipe (bert_large_phase1's settings, one micro-batch a step, a log line every step):
+Up to five runs of `bertforge train`'s own loop (`training.loop.train`) on the same real shards,
+seed and recipe (bert_large_phase1's settings, one micro-batch a step, a log line every step):
 
 - `fast`: the project's defaults on this device: on one GPU ZeRO stage 0, fp32 weights under
-  bf16 torch.autocast, ClippedAdamW, compiled encoder layers;
-- `eager ZeRO-0`: the same without compiling, so that what compiling changes is told apart
-  from what the precision path changes;
+  bf16 torch.autocast with the residual stream between layers in bf16 (LayerNorm normalises in
+  fp32), ClippedAdamW, compiled encoder layers;
+- `fast, fp32 residual` (where the fast path trains under bf16 autocast): the same with the
+  fp32 residual stream, the default before 2026-11-27: what the bf16 stream alone moves;
+- `eager ZeRO-0`: the fast path without compiling, so that what compiling changes is told
+  apart from what the precision path changes;
 - `eager ZeRO-2`: the settings before the fast path: ZeRO stage 2 (DeepSpeed's bf16 model,
   fp32 master copies in its optimizer, its clip), no compile;
 - `fp32 reference`: fp32 throughout (weights, activations, GEMMs without TF32), no compile:
   the arithmetic every bf16 path approximates. Each bf16 run is compared with it too, which
   tells which of two paths that part is the one that left the exact curve.
 
-`--bf16-residual` (an experiment, as in gpu_throughput.py) adds a fifth run, compared with the
-others: `fast, bf16 residual`, the fast path with the bf16 residual stream
-(`training.model.LayerNorm` hands bf16 on under autocast); against `fast` it shows what the
-bf16 stream alone moves.
-
 Dropout is off in every run (`hidden_dropout_prob` and `attention_probs_dropout_prob` 0): a
 compiled layer draws its dropout masks from inductor's random stream, not eager's, so with
 dropout on the curves would differ by the masks, not by the arithmetic under test. What differs
 is then only the precision path: where the casts fall, LayerNorm in fp32 under autocast against
 bf16 in DeepSpeed's bf16 model, the summation order of fused kernels. The check: at every step
-the compared run's loss (`fast`, or the bf16 residual's) agrees with each other run's within
+the fast path's loss agrees with each other run's within
 `--rel-tolerance` (default 1e-2: bf16 keeps 8 significant bits, a rounding is up to 3.9e-3, and
 100 steps of them compound), and all fall. The CPU test of the same claim is
 tests/training/test_fast_path.py (tiny, 100 steps). `--num-layers` and `--warmup-steps` scale
@@ -34,14 +32,13 @@ Writes gpu_parity-DEVICE-DATE.{json,md} to `--output-dir` and exits 1 when a che
     python3 benchmarks/gpu_parity.py --data .gpu-data/shards-128 --output-dir $OUT
     python3 benchmarks/gpu_parity.py --data DIR --preset tiny --steps 20 --micro-batch 8 \\
         --lr 3e-3 --output-dir /tmp/parity                          # CPU smoke run
-    python3 benchmarks/gpu_parity.py --data DIR --num-layers 2 --micro-batch 32 --steps 25 \\
+    python3 benchmarks/gpu_parity.py --data DIR --num-layers 2 --micro-batch 32 --steps 40 \\
         --warmup-steps 10 --output-dir /tmp/parity                  # the warm-up on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -50,17 +47,18 @@ import sys
 
 from gpu_proof_run import check_parser, device_name, run_checks, source_commit
 
-from bertforge.training import model as bert_model
-from bertforge.training.engine import bf16_autocast
 from bertforge.training.loop import train
 from bertforge.training.metrics import read_metrics
 from bertforge.training.recipes import bert_large_phase1
-from bertforge.training.resolved_engine import resolve_engine
+from bertforge.training.resolved_engine import bf16_autocast, resolve_engine
 
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 # name: the settings that differ from the project's defaults (the fast path's)
 EAGER_PATHS = {"eager ZeRO-0": {"compile": False},
                "eager ZeRO-2": {"zero_stage": 2, "compile": False}}
+# The fast path with the residual stream in fp32 (its default under bf16 autocast is bf16).
+FP32_STREAM = "fast, fp32 residual"
+SETTINGS = ("zero_stage", "precision", "compile", "bf16_residual")  # recorded per run
 # The arithmetic every bf16 path approximates: fp32 weights, activations and GEMMs (TF32 is
 # off: torch's default for matmuls, which the engine keeps).
 REFERENCE = "fp32 reference"
@@ -73,9 +71,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=64, help="sequences a step")
     parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
                         help="of every run (auto: bf16 on a GPU or a CPU that computes it)")
-    parser.add_argument("--bf16-residual", action="store_true",
-                        help="a fifth run: the fast path with the bf16 residual stream "
-                             "(an experiment)")
     parser.add_argument("--num-layers", type=int, default=None,
                         help="encoder layers (default: the preset's); fewer keep the preset's "
                              "width for a scaled-down run on a CPU")
@@ -97,25 +92,10 @@ def recipe(args: argparse.Namespace, run_dir: str, **path_settings):
         log_every=1, checkpoint_every=0, eval_every=0, resume=False, **settings)
 
 
-@contextlib.contextmanager
-def residual_stream(bf16: bool):
-    """Every LayerNorm the loop builds hands bf16 on under autocast (the model's switch,
-    `BertForPreTraining.residual_in_autocast_dtype`, set where train() cannot reach it: on
-    the class, for the one run)."""
-    before = bert_model.LayerNorm.to_autocast_dtype
-    bert_model.LayerNorm.to_autocast_dtype = bf16
-    try:
-        yield
-    finally:
-        bert_model.LayerNorm.to_autocast_dtype = before
-
-
-def check_bf16_residual(args: argparse.Namespace) -> None:
-    """Refused where it would change nothing: without the engine's bf16 autocast."""
-    resolved = resolve_engine(recipe(args, args.output_dir).engine(), 1)
-    if not bf16_autocast(resolved.config):
-        raise SystemExit("--bf16-residual needs the engine's bf16 autocast (bf16 at ZeRO 0): "
-                         f"here {resolved.config.precision} at ZeRO {resolved.config.zero_stage}")
+def trains_under_autocast(args: argparse.Namespace) -> bool:
+    """Whether the fast path trains under bf16 autocast here: where it does, its residual
+    stream is bf16 by default, and a run with the fp32 stream shows what that alone moves."""
+    return bf16_autocast(resolve_engine(recipe(args, args.output_dir).engine(), 1).config)
 
 
 def compare(curve: dict[int, float], other: dict[int, float], tenth: int) -> dict:
@@ -135,20 +115,17 @@ def compare(curve: dict[int, float], other: dict[int, float], tenth: int) -> dic
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.bf16_residual:
-        check_bf16_residual(args)
-    subject = "fast, bf16 residual" if args.bf16_residual else "fast"
-    # "fast" once where it is the subject
-    paths = {subject: {}, "fast": {}, **EAGER_PATHS, REFERENCE: REFERENCE_PATH}
+    subject = "fast"
+    fp32_stream = {FP32_STREAM: {"bf16_residual": False}} if trains_under_autocast(args) else {}
+    paths = {subject: {}, **fp32_stream, **EAGER_PATHS, REFERENCE: REFERENCE_PATH}
     curves, settings = {}, {}
     for name, path_settings in paths.items():
         run_dir = os.path.join(args.output_dir, name.replace(", ", "-").replace(" ", "-"))
-        with residual_stream(args.bf16_residual and name == subject):
-            train(recipe(args, run_dir, **path_settings))
+        train(recipe(args, run_dir, **path_settings))
         curves[name] = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
         with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
             resolved = json.load(f)["train"]
-        settings[name] = {key: resolved[key] for key in ("zero_stage", "precision", "compile")}
+        settings[name] = {key: resolved[key] for key in SETTINGS}
     fast = curves[subject]
     steps = sorted(fast)
     tenth = max(1, len(steps) // 10)
@@ -201,7 +178,8 @@ def write_results(result: dict, output_dir: str) -> None:
         f"{result['preset']}{layers}, {steps} steps of {result['micro_batch']} sequences, lr "
         f"{result['lr']:g} ({result['warmup_steps']} warm-up steps), dropout off; settings as "
         "resolved: "
-        + "; ".join(f"{name}: ZeRO {s['zero_stage']}, {s['precision']}, compile {s['compile']}"
+        + "; ".join(f"{name}: ZeRO {s['zero_stage']}, {s['precision']}, compile "
+                    f"{s['compile']}, bf16 residual {s['bf16_residual']}"
                     for name, s in result["settings"].items()),
         "",
         "| measure | value |", "|---|---|",

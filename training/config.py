@@ -52,6 +52,7 @@ class TrainConfig:
     precision: str = engine_option("precision")
     activation_checkpointing: bool = option(False, "recompute each encoder layer in backward")
     compile: bool | None = engine_option("compile")
+    bf16_residual: bool | None = engine_option("bf16_residual")
     seed: int = option(12345, "model initialisation, masking and data order")
     mask_prob: float = option(0.15, "share of tokens to predict")
     max_predictions: int | None = option(help="masked positions per sequence (default: the "

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from bertforge.training.clipped_adamw import ClippedAdamW
 from bertforge.training.compile_cache import use_cache_per_cpu_level
 from bertforge.training.engine_config import EngineConfig
-from bertforge.training.model import BertEncoder
+from bertforge.training.model import BertEncoder, set_residual_in_autocast_dtype
 from bertforge.training.optim import Lamb
-from bertforge.training.resolved_engine import ResolvedEngine
+from bertforge.training.resolved_engine import ResolvedEngine, bf16_autocast
 from bertforge.training.schedule import lr_multiplier
 
 
@@ -86,12 +86,6 @@ def deepspeed_config(resolved: ResolvedEngine, *, load_universal: bool = False) 
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     return config
-
-
-def bf16_autocast(cfg: EngineConfig) -> bool:
-    """bf16 at ZeRO stage 0: fp32 weights, the forward under torch.autocast (at stages 1-3
-    DeepSpeed's bf16 model). `cfg` is a ResolvedEngine's."""
-    return cfg.precision == "bf16" and cfg.zero_stage == 0
 
 
 def optimizer_clips(cfg: EngineConfig) -> bool:
@@ -195,6 +189,8 @@ def build_engine(model: torch.nn.Module, resolved: ResolvedEngine, *,
     if dist.is_initialized() and dist.get_world_size() != world_size:
         raise ValueError(f"the settings were resolved for {world_size} ranks, the process "
                          f"group has {dist.get_world_size()}")
+    # Before anything compiles: the layers are traced with the stream's dtype.
+    set_residual_in_autocast_dtype(model, cfg.bf16_residual)
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,

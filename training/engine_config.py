@@ -2,9 +2,10 @@
 fine-tuning alike.
 
 The engine's options are declared here once: the optimizer and its schedule's shape, the
-precision, the ZeRO stage, clipping, compiling. `TrainConfig` offers every one of them as a flag
-and a pipeline-file key, `FinetuneConfig` the ones fine-tuning lets a user set (the others keep
-their defaults here); both take the declaration with `engine_option`, never restate it.
+precision, the ZeRO stage, clipping, compiling, the residual stream's dtype. `TrainConfig`
+offers every one of them as a flag and a pipeline-file key, `FinetuneConfig` the ones
+fine-tuning lets a user set (the others keep their defaults here); both take the declaration
+with `engine_option`, never restate it.
 
 The run's schedule and batch (steps, learning rate, warm-up, micro-batch) have no option here:
 each job derives them its own way (pretraining from its flags and recipe, fine-tuning from
@@ -60,6 +61,12 @@ class EngineConfig:
     compile: bool | None = option(help="torch.compile each encoder layer (in place: "
                                   "state-dict names keep no _orig_mod. prefix; default: on a "
                                   "GPU, off on a CPU)")
+    # None: decided at start, on where the engine trains under bf16 autocast
+    # (training.resolved_engine); True elsewhere is refused there, as it would change nothing.
+    bf16_residual: bool | None = option(help="under bf16 autocast, hand the residual stream "
+                                        "between layers on in bf16 (LayerNorm still "
+                                        "normalises in fp32); default: on wherever bf16 runs "
+                                        "under autocast (ZeRO 0)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adam_betas", tuple(self.adam_betas))

@@ -196,6 +196,15 @@ class LayerNorm(nn.LayerNorm):
         return out
 
 
+def set_residual_in_autocast_dtype(model: nn.Module, enabled: bool) -> None:
+    """Every `LayerNorm` of `model` (pretraining's or a fine-tuning task's) hands its output on
+    in the autocast dtype, or not. Set it before compiling: a compiled layer keeps the choice
+    it was traced with until it recompiles."""
+    for module in model.modules():
+        if isinstance(module, LayerNorm):
+            module.to_autocast_dtype = bool(enabled)
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -511,14 +520,13 @@ class BertForPreTraining(nn.Module):
     @property
     def residual_in_autocast_dtype(self) -> bool:
         """Every LayerNorm hands its output on in the autocast dtype (`LayerNorm`): a bf16
-        residual stream under bf16 autocast. Off by default; set it before compiling."""
+        residual stream under bf16 autocast. Off in a bare model; the engine turns it on under
+        bf16 autocast (`EngineConfig.bf16_residual`). Set it before compiling."""
         return all(m.to_autocast_dtype for m in self.modules() if isinstance(m, LayerNorm))
 
     @residual_in_autocast_dtype.setter
     def residual_in_autocast_dtype(self, enabled: bool) -> None:
-        for module in self.modules():
-            if isinstance(module, LayerNorm):
-                module.to_autocast_dtype = bool(enabled)
+        set_residual_in_autocast_dtype(self, enabled)
 
     def tie_weights(self) -> None:
         """Share the word embeddings with the MLM decoder; call again after `assign=True` loads."""

@@ -17,7 +17,11 @@ checkpoint's state depends on it):
 - compiling: on where the model trains on a GPU, off on a CPU (there the eager fast paths of
   training.cpu_kernels serve, and a compile costs more than a short run gains; on a GPU the
   fused kernels are most of the step's gain, benchmarks/README.md);
-- the micro-batch: `recipes.micro_batch_for_device` for the sequence length and the GPU's memory.
+- the micro-batch: `recipes.micro_batch_for_device` for the sequence length and the GPU's memory;
+- the bf16 residual stream: on wherever the engine trains under bf16 autocast (bf16 at ZeRO 0),
+  where it halves the bytes of every memory-bound kernel on the stream and follows fp32
+  arithmetic as closely as the fp32 stream does (benchmarks/README.md, "Issue 34"); asked for
+  anywhere else it would change nothing, and is refused.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from bertforge.training.recipes import default_zero_stage, micro_batch_for_devic
 
 # The EngineConfig fields that resolve_engine decides (a job that keeps its own copy of them,
 # as TrainConfig does for config.json, copies these back from the record).
-DECIDED = ("precision", "zero_stage", "compile", "micro_batch_size")
+DECIDED = ("precision", "zero_stage", "compile", "micro_batch_size", "bf16_residual")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +74,11 @@ class ResolvedEngine:
             raise ValueError(f"precision {self.config.precision} in the config but "
                              f"{self.precision.resolved} in its choice")
         self.config.accumulation_steps(self.world_size)  # the batch arithmetic holds
+        if self.config.bf16_residual and not bf16_autocast(self.config):
+            raise ValueError(
+                "bf16_residual needs the engine's bf16 autocast (bf16 at ZeRO stage 0); here "
+                f"{self.config.precision} at ZeRO stage {self.config.zero_stage}, where it "
+                "would change nothing")
 
 
 def resolve_engine(
@@ -106,7 +115,15 @@ def resolve_engine(
     decided = dataclasses.replace(
         cfg, precision=precision, zero_stage=zero_stage, micro_batch_size=micro_batch_size,
         compile=cfg.compile if cfg.compile is not None else device_type == "cuda")
+    if cfg.bf16_residual is None:
+        decided = dataclasses.replace(decided, bf16_residual=bf16_autocast(decided))
     return ResolvedEngine(decided, world_size, choice)
+
+
+def bf16_autocast(cfg: EngineConfig) -> bool:
+    """bf16 at ZeRO stage 0: fp32 weights, the forward under torch.autocast (at stages 1-3
+    DeepSpeed's bf16 model). `cfg` is decided (a ResolvedEngine's, or on its way to one)."""
+    return cfg.precision == "bf16" and cfg.zero_stage == 0
 
 
 def check_precision_supported(precision: str) -> None:

@@ -107,7 +107,7 @@ def test_the_fast_path_follows_the_eager_zero_2_path(tmp_path, precision, steps,
     agree within bf16's tolerance (seen: 2.4e-4 at most over the 100 steps, on a Zen 4 with
     native bf16), step by step. In bf16 the fast path also follows the fp32 arithmetic it
     approximates (fp32 throughout) within that tolerance; at BERT-large's width (2 layers, on
-    a CPU) it is the eager ZeRO-2 path that leaves the exact curve in the warm-up (benchmarks/README.md,
+    a CPU) it is the eager ZeRO-2 path that leaves the exact curve (benchmarks/README.md,
     "Issue 34")."""
     from bertforge.training.loop import train
     from tests.training.conftest import write_dataset

@@ -51,18 +51,18 @@ def test_proof_run_checkpoints_resumes_exports_and_sees_the_loss_fall(tmp_path):
 
 
 @pytest.mark.slow
-def test_parity_script_compares_the_fast_path_with_the_eager_paths(tmp_path):
-    """benchmarks/gpu_parity.py, as the GPU check runs it, on a tiny model: the three paths
-    and the fp32 reference train on the same shards, the fast path's losses agree with each
-    other run's at every step within bf16's tolerance. bf16 named (auto would be fp32 on a CPU
-    without native bf16): the same paths on every CPU."""
+def test_parity_script_compares_the_fast_path_with_the_eager_paths_and_fp32(tmp_path):
+    """benchmarks/gpu_parity.py, as the GPU check runs it, on a tiny model: the fast path, its
+    twin with the fp32 residual stream, the two eager paths and the fp32 reference train on
+    the same shards; the fast path's losses agree with each other run's at every step within
+    bf16's tolerance. bf16 named (auto would be fp32 on a CPU without native bf16): the same
+    paths on every CPU."""
     data = write_dataset(str(tmp_path / "data"), {"train": [70, 60]}, max_seq_length=64)
     out = tmp_path / "parity"
-    done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", "gpu_parity.py"), "--data", data,
-         "--output-dir", str(out), "--preset", "tiny", "--steps", "20", "--micro-batch", "8",
-         "--lr", "3e-3", "--precision", "bf16"],
-        cwd=REPO, env=alone_env(), capture_output=True, text=True, timeout=600)
+    command = [sys.executable, os.path.join(REPO, "benchmarks", "gpu_parity.py"), "--data", data,
+               "--preset", "tiny", "--steps", "20", "--micro-batch", "8", "--lr", "3e-3"]
+    done = subprocess.run(command + ["--output-dir", str(out), "--precision", "bf16"],
+                          cwd=REPO, env=alone_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     [result_file] = [f for f in os.listdir(out) if f.endswith(".json")]
     result = json.loads((out / result_file).read_text())
@@ -71,45 +71,32 @@ def test_parity_script_compares_the_fast_path_with_the_eager_paths(tmp_path):
     assert result["checks"]["every_step_within_tolerance_of_fp32 reference"]
     # On a CPU nothing is compiled: the fast path is the eager ZeRO-0 path, step for step.
     assert result["comparisons"]["eager ZeRO-0"]["max_rel_difference"] == 0
+    # The residual stream's dtype reached the loop's model: the curves differ, within bf16.
+    assert 0 < result["comparisons"]["fast, fp32 residual"]["max_rel_difference"] <= 1e-2
     # Every bf16 run is measured against the reference, which really is other arithmetic.
-    assert sorted(result["from_reference"]) == ["eager ZeRO-0", "eager ZeRO-2", "fast"]
+    assert sorted(result["from_reference"]) == ["eager ZeRO-0", "eager ZeRO-2", "fast",
+                                                "fast, fp32 residual"]
     assert 0 < result["from_reference"]["fast"]["max_rel_difference"] <= 1e-2
+    fast = {"zero_stage": 0, "precision": "bf16", "compile": False, "bf16_residual": True}
     assert result["settings"] == {
-        "fast": {"zero_stage": 0, "precision": "bf16", "compile": False},
-        "eager ZeRO-0": {"zero_stage": 0, "precision": "bf16", "compile": False},
-        "eager ZeRO-2": {"zero_stage": 2, "precision": "bf16", "compile": False},
-        "fp32 reference": {"zero_stage": 0, "precision": "fp32", "compile": False}}
-    assert [len(curve) for curve in result["losses"].values()] == [20, 20, 20, 20]
+        "fast": fast,
+        "fast, fp32 residual": {**fast, "bf16_residual": False},
+        "eager ZeRO-0": fast,
+        "eager ZeRO-2": {"zero_stage": 2, "precision": "bf16", "compile": False,
+                         "bf16_residual": False},
+        "fp32 reference": {"zero_stage": 0, "precision": "fp32", "compile": False,
+                           "bf16_residual": False}}
+    assert [len(curve) for curve in result["losses"].values()] == [20] * 5
     table = (out / result_file.replace(".json", ".md")).read_text()
     assert "| fast against the fp32 reference: largest relative loss difference" in table
-    assert "| step | fast | eager ZeRO-0 | eager ZeRO-2 | fp32 reference |" in table
+    assert ("| step | fast | fast, fp32 residual | eager ZeRO-0 | eager ZeRO-2 | fp32 reference |"
+            in table)
+    # In fp32 there is no bf16 stream to turn off: four runs, all in the reference's arithmetic.
+    fp32 = subprocess.run(command + ["--steps", "3", "--output-dir", str(tmp_path / "fp32"),
+                                     "--precision", "fp32"],
+                          cwd=REPO, env=alone_env(), capture_output=True, text=True, timeout=600)
+    assert fp32.returncode == 0, fp32.stdout[-2000:] + fp32.stderr[-3000:]
+    [fp32_file] = (tmp_path / "fp32").glob("*.json")
+    assert list(json.loads(fp32_file.read_text())["losses"]) == [
+        "fast", "eager ZeRO-0", "eager ZeRO-2", "fp32 reference"]
 
-
-@pytest.mark.slow
-def test_parity_script_runs_the_bf16_residual_as_the_fast_path_and_refuses_it_without_autocast(
-        tmp_path):
-    """--bf16-residual: a fifth run, the fast path with the bf16 residual stream, is the one
-    compared; its curve is not the plain fast path's (the switch reached the loop's model) yet
-    within tolerance. In fp32 the switch would change nothing: refused before any run."""
-    data = write_dataset(str(tmp_path / "data"), {"train": [70, 60]}, max_seq_length=64)
-    command = [sys.executable, os.path.join(REPO, "benchmarks", "gpu_parity.py"), "--data", data,
-               "--preset", "tiny", "--steps", "10", "--micro-batch", "8", "--lr", "3e-3",
-               "--bf16-residual"]
-    out = tmp_path / "parity"
-    done = subprocess.run(command + ["--output-dir", str(out), "--precision", "bf16"], cwd=REPO,
-                          env=alone_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    [result_file] = [f for f in os.listdir(out) if f.endswith(".json")]
-    result = json.loads((out / result_file).read_text())
-    assert result["subject"] == "fast, bf16 residual"
-    assert list(result["losses"]) == ["fast, bf16 residual", "fast", "eager ZeRO-0",
-                                      "eager ZeRO-2", "fp32 reference"]
-    assert 0 < result["comparisons"]["fast"]["max_rel_difference"] <= 1e-2
-    assert result["passed"]
-    refused = subprocess.run(command + ["--output-dir", str(tmp_path / "fp32"),
-                                        "--precision", "fp32"],
-                             cwd=REPO, env=alone_env(), capture_output=True, text=True,
-                             timeout=600)
-    assert refused.returncode != 0
-    assert "--bf16-residual needs the engine's bf16 autocast" in refused.stderr
-    assert not (tmp_path / "fp32" / "fast-bf16-residual").exists()

@@ -144,15 +144,15 @@ def test_the_peer_rows_sit_beside_ours_with_the_ratio():
 
 
 def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
-    """gpu_check.sh's "variants" stage: the defaults and an experiment (--bf16-residual), each
-    a gpu_throughput.py run, then benchmarks/ab_table.py's table with the ratio to the
-    defaults. An experiment that would change nothing (CUDA graphs without compiled layers, a
-    bf16 residual stream without autocast) is refused, not timed."""
+    """gpu_check.sh's "variants" stage: the defaults and a variant (--no-bf16-residual: the
+    fp32 residual stream), each a gpu_throughput.py run, then benchmarks/ab_table.py's table
+    with the ratio to the defaults. A setting that would change nothing (CUDA graphs without
+    compiled layers, a bf16 residual stream without autocast) is refused, not timed."""
     env = alone_env()
     common = [sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny", "--seq-lens", "64",
               "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
               "--peak-tflops", "1", "--no-peer", "--output-dir", str(tmp_path)]
-    for tag, flags in (("defaults", []), ("bf16-residual", ["--bf16-residual"])):
+    for tag, flags in (("defaults", []), ("fp32-residual", ["--no-bf16-residual"])):
         done = subprocess.run(common + flags + ["--tag", f"variant-{tag}"], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -160,12 +160,17 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
     table = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "ab_table.py"),
                             *runs], capture_output=True, text=True, timeout=60, check=True).stdout
     rows = [line for line in table.splitlines() if line.startswith("| ") and " x 4 |" in line]
-    assert [row.split(" | ")[0] for row in rows] == ["| defaults", "| bf16-residual"]
+    assert [row.split(" | ")[0] for row in rows] == ["| defaults", "| fp32-residual"]
     assert "| 1.000x | 0 |" in rows[0] and rows[1].endswith("x | 0 |")
+    # bf16 under autocast (one worker): the bf16 stream is the default, the flag turns it off.
+    streams = {json.loads(open(run).read())["results"][0]["bf16_residual"] for run in runs}
+    assert len(runs) == 2 and streams == {True, False}
+    [defaults] = [run for run in runs if "variant-defaults" in run]
+    assert json.loads(open(defaults).read())["results"][0]["bf16_residual"] is True
     for flags, reason in ((["--compile-mode", "reduce-overhead", "--no-compile"],
                            "--compile-mode needs compiled layers"),
                           (["--bf16-residual", "--precision", "fp32"],
-                           "--bf16-residual needs the engine's bf16 autocast")):
+                           "bf16_residual needs the engine's bf16 autocast")):
         refused = subprocess.run(common + flags, cwd=REPO, env=env, capture_output=True,
                                  text=True, timeout=240)
         assert refused.returncode != 0 and reason in refused.stderr, refused.stderr[-2000:]

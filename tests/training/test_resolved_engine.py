@@ -43,14 +43,16 @@ def test_an_unresolved_config_cannot_reach_the_engine():
 
 def test_a_record_with_anything_undecided_cannot_be_made():
     choice = PrecisionChoice("auto", "fp32", "named", None)
-    with pytest.raises(ValueError, match="precision, zero_stage, compile, micro_batch_size "
-                                         "undecided"):
+    with pytest.raises(ValueError, match="precision, zero_stage, compile, micro_batch_size, "
+                                         "bf16_residual undecided"):
         ResolvedEngine(UNDECIDED, 1, choice)
     only_compile = dataclasses.replace(UNDECIDED, precision="fp32", zero_stage=0,
-                                       micro_batch_size=4)
-    with pytest.raises(ValueError, match="compile undecided"):
+                                       micro_batch_size=4, bf16_residual=False)
+    with pytest.raises(ValueError, match="the engine's compile undecided"):
         ResolvedEngine(only_compile, 1, choice)
     decided = dataclasses.replace(only_compile, compile=False)
+    with pytest.raises(ValueError, match="bf16_residual needs the engine's bf16 autocast"):
+        ResolvedEngine(dataclasses.replace(decided, bf16_residual=True), 1, choice)
     with pytest.raises(ValueError, match="precision fp32 in the config but bf16"):
         ResolvedEngine(decided, 1, PrecisionChoice("auto", "bf16", "named", None))
     with pytest.raises(ValueError, match="global_batch_size 64 is not a multiple"):
@@ -98,6 +100,29 @@ def test_the_default_stage_follows_the_decided_precision(monkeypatch):
     assert stage() == stage(precision="bf16") == 2
     assert stage(precision="fp32") == 1
     assert stage(saved={"precision": "fp32"}) == 1
+
+
+def test_the_residual_stream_is_bf16_wherever_the_engine_trains_under_bf16_autocast(monkeypatch):
+    """bf16 at ZeRO 0 (fp32 weights under autocast) hands a bf16 stream between the layers;
+    fp32, and DeepSpeed's bf16 model at ZeRO >= 1, keep theirs. Named, off wins; on where it
+    would change nothing is refused. The engine sets it on every LayerNorm of the model."""
+    monkeypatch.setenv("BERTFORGE_CPU_BF16", "native")  # auto: bf16 on any CPU
+    cfg = dataclasses.replace(UNDECIDED, micro_batch_size=4, compile=False)
+
+    def stream(**named):
+        return resolve_engine(dataclasses.replace(cfg, **named), 1).config.bf16_residual
+
+    assert stream() is stream(precision="bf16") is True
+    assert stream(precision="fp32") is stream(zero_stage=2) is stream(bf16_residual=False) is False
+    with pytest.raises(ValueError, match="bf16_residual needs the engine's bf16 autocast .*"
+                                         "here fp32 at ZeRO stage 0"):
+        stream(precision="fp32", bf16_residual=True)
+    ensure_process_group()
+    for named, expected in (({}, True), ({"precision": "fp32"}, False)):
+        model = BertForPreTraining(BertConfig(64, 32, 1, 2, 64))
+        engine = build_engine(model, resolve_engine(dataclasses.replace(cfg, **named), 1))
+        assert model.residual_in_autocast_dtype is expected
+        engine.destroy()
 
 
 def test_the_decisions_are_made_in_one_module_only():
