@@ -53,8 +53,8 @@ class EngineConfig:
     # None: decided when training starts, from the live world size, the precision and the
     # device's memory (training.recipes.default_zero_stage); a resumed run keeps its own.
     zero_stage: int | None = option(help="DeepSpeed ZeRO stage (default: decided at start: "
-                                    "0 on one worker, 1 on several; 2/3 only when the "
-                                    "GPU's memory needs it)", choices=ZERO_STAGES)
+                                    "0; on several workers 1, 2 or 3 only when the GPU's "
+                                    "memory needs it)", choices=ZERO_STAGES)
     precision: str = option("auto", "mixed precision of the engine; auto: bf16 on a GPU or CPU "
                             "with native bf16, else fp32", choices=PRECISIONS)
     # None: decided at start, on where the model trains (training.resolved_engine).

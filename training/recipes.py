@@ -36,21 +36,25 @@ states are small next to a GPU. BERT-large, 335M parameters, bf16 with AdamW:
     fp32 gradient accumulation buffer 1.34 GB (grad_accum_dtype fp32, see training.engine)
                                       ------- 6.7 GB per GPU unsharded: 8 % of an 80 GB GPU
 
-So nothing needs sharding for memory; what matters is communication and the host:
-- one GPU: stage 0, DeepSpeed's plain path, under bf16 with fp32 weights and torch.autocast
-  (training.engine): fp32 gradients accumulate in fp32 by construction, and the optimizer step
-  is torch's fused AdamW with a multi-tensor clip (training.clipped_adamw), a few kernels where
-  DeepSpeed's BF16 and ZeRO optimizers launch ~1,200 a step for BERT-large (measured on an
-  H200: benchmarks/README.md). The model states then take 16 B a parameter (weights, gradients,
-  m, v in fp32): 5.4 GB for BERT-large;
-- several GPUs: stage 1 (optimizer state sharded: 12 B x 335M / 8 GPUs = 0.5 GB each instead of
-  4 GB) with `overlap_comm`. Gradients are reduced once per optimizer step, at the end of the
-  accumulation: the phase-1 recipe's 4,096 = 64 micro x 8 accumulation x 8 GPUs reduces 1.3 GB
-  of fp32 gradients once per 8 micro-steps, where ZeRO-2 would reduce-scatter after every one.
-  (Under bf16 the BF16_Optimizer does that reduction after backward; `overlap_comm` overlaps it
-  for the fp32 and fp16 ZeRO-1 optimizer.) Not measured on several GPUs against stage 0 yet;
-- ZeRO-2, then ZeRO-3, only when the model states at stage 1 would take more than half of the
-  device's memory (the rest is for activations): never for BERT on a 16 GB or larger GPU.
+So nothing needs sharding for memory; what matters is communication and the host. On any
+number of GPUs the default is stage 0 while the model states fit (below), DeepSpeed's plain
+path, under bf16 with fp32 weights and torch.autocast (training.engine): fp32 gradients
+accumulate in fp32 by construction, and the optimizer step is torch's fused AdamW with a
+multi-tensor clip (training.clipped_adamw), a few kernels where DeepSpeed's BF16 and ZeRO
+optimizers launch ~1,200 a step for BERT-large (measured on an H200: benchmarks/README.md). The
+model states then take 16 B a parameter (weights, gradients, m, v in fp32): 5.4 GB for
+BERT-large, on each GPU.
+- On several GPUs stage 0 reduces the fp32 gradients once per optimizer step, at the end of the
+  accumulation (DeepSpeed's bucketed all-reduce, then a copy back per tensor): the same bytes,
+  at the same point, as the stage 1 that was the default there before 2026-11-27, whose bf16
+  path (DeepSpeed's BF16_Optimizer) also reduced fp32 gradients after the backward, then
+  normed, scaled and copied each tensor on its own and read the norm back to the host twice a
+  step. Counted on 2 CPU ranks (gloo, BERT-large's 302 tensors at tiny's width, one whole step):
+  2,481 computing operations and 2 reads to the host at stage 0, 3,003 and 4 at stage 1
+  (benchmarks/README.md, "Issue 34"). Not timed on several GPUs: none are lent to this project.
+- Stage 1, 2, then 3 only when the model states at the stage before would take more than half
+  of the device's memory (the rest is for activations): never for BERT on a 16 GB or larger
+  GPU.
 """
 
 from __future__ import annotations
@@ -104,17 +108,16 @@ def default_zero_stage(
 ) -> int:
     """The ZeRO stage for a run that does not name one (see the module docstring):
 
-    - LAMB: 0 (ZeRO's flat partitions break its per-layer trust ratios; training.optim);
-    - one rank: 0 (under bf16 with fp32 weights and torch.autocast, training.engine);
-    - several ranks: 1 (with overlap_comm, set by training.engine);
-    - then, on several ranks, 2 and 3 while the model states would exceed
+    - 0: the fast path (under bf16 fp32 weights and torch.autocast, training.engine), on one
+      rank or several; LAMB always (ZeRO's flat partitions break its per-layer trust ratios;
+      training.optim);
+    - then, on several ranks, 1, 2 and 3 while the model states would exceed
       MODEL_STATE_MEMORY_SHARE of `device_memory_bytes` (unknown, e.g. on a CPU: no
       escalation; on one rank sharding saves nothing).
     """
-    if optimizer == "lamb":
-        return 0
-    stage = 1 if world_size > 1 else 0
-    if num_parameters is None or device_memory_bytes is None or world_size == 1:
+    stage = 0
+    if (optimizer == "lamb" or num_parameters is None or device_memory_bytes is None
+            or world_size == 1):
         return stage
     budget = MODEL_STATE_MEMORY_SHARE * device_memory_bytes
     while stage < 3 and model_state_bytes(

@@ -27,9 +27,10 @@ def finetune_launch(given: dict[str, Any], cores: int | None = None) -> LaunchCo
     whose torch threads are all the machine's cores, and `--workers N` alone splits the cores
     between them (cores // N threads each); flags given always win. Why (measured on 2 cores
     by benchmarks/finetune_vs_plain_loop.py, numbers in benchmarks/README.md): LaunchConfig's
-    2 workers of 1 thread pay a gradient all-reduce and DeepSpeed's ZeRO-1 wrapper every step
-    and were slower than one process on 2 threads, and one worker on one thread (what
-    `--workers 1` gave before) left half the machine idle (issue 24's 1.54x on a 22M model).
+    2 workers of 1 thread paid a gradient all-reduce and (then the default on several workers)
+    DeepSpeed's ZeRO-1 wrapper every step and were slower than one process on 2 threads, and
+    one worker on one thread (what `--workers 1` gave before) left half the machine idle
+    (issue 24's 1.54x on a 22M model).
     On a cluster (--address) or with --gpu, LaunchConfig's defaults stand.
     """
     if given.get("address") or given.get("gpu"):

@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bertforge.training.clipped_adamw import ClippedAdamW
@@ -36,16 +38,19 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _ops_in_one_step(model_config: BertConfig) -> tuple[Counter[str], int]:
-    """Operations dispatched by one `engine.step()` of the default one-worker engine (the
-    second: the first creates the optimizer state), and the number of parameter tensors."""
+def _ops_in_one_step(model_config: BertConfig,
+                     world_size: int = 1) -> tuple[Counter[str], int]:
+    """Operations dispatched by one `engine.step()` of the default engine on `world_size`
+    ranks (the second step: the first creates the optimizer state), and the number of
+    parameter tensors."""
     ensure_process_group()
     torch.manual_seed(0)
     model = BertForPreTraining(model_config)
     cfg = TrainConfig(data_dir="d", run_dir="r", precision="fp32", micro_batch_size=1,
                       max_steps=10, warmup_steps=2, compile=False)
-    engine = build_engine(model, resolve_engine(cfg.engine(), 1))
+    engine = build_engine(model, resolve_engine(cfg.engine(), world_size))
     assert engine.zero_optimization_stage() == 0 and isinstance(engine.optimizer, ClippedAdamW)
+    assert engine.communication_data_type == torch.float32
     parameters = list(engine.module.parameters())
     for _ in range(2):
         for parameter in parameters:  # large enough for the clip to scale them
@@ -80,6 +85,36 @@ def test_an_optimizer_step_dispatches_as_many_operations_for_large_as_for_tiny()
     assert {"_foreach_norm", "_foreach_mul_", "_fused_adamw_"} <= set(large)
     assert "_local_scalar_dense" not in large  # no .item(): no host sync
     assert sum(large.values()) < 60, large
+
+
+def _ops_on_rank(rank: int, port: int, out: str) -> None:
+    """One of two ranks (gloo): `_ops_in_one_step` for tiny and for large at tiny's width,
+    through the engine the default stage builds on two ranks; rank 0 saves the counts."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    counts = [_ops_in_one_step(model_config, world_size=2)
+              for model_config in (BertConfig.preset("tiny"), _narrow("large"))]
+    if rank == 0:
+        torch.save(counts, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def test_on_two_ranks_the_default_stage_takes_the_same_fast_step(tmp_path):
+    """Several workers default to stage 0 too (training.recipes): the same step as one
+    worker's, whose operations do not grow with the parameter tensors, instead of DeepSpeed's
+    per-tensor BF16_Optimizer at stage 1 (302 norms and 2 reads to the host a step for
+    BERT-large's tensors). The gradients are reduced in fp32, as stage 1 reduced them."""
+    from tests.training.test_elastic_resume import _free_port
+
+    out = str(tmp_path / "counts.pt")
+    mp.spawn(_ops_on_rank, args=(_free_port(), out), nprocs=2)
+    (tiny, tiny_tensors), (large, large_tensors) = torch.load(out)
+    assert (tiny_tensors, large_tensors) == (38, 302)
+    assert large == tiny, (tiny, large)
+    # One norm of the stacked per-tensor norms, not one per tensor; nothing read back.
+    assert large["linalg_vector_norm"] == 1 and "_local_scalar_dense" not in large
 
 
 def test_the_clip_scales_every_gradient_by_the_global_norm():
