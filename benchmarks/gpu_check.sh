@@ -2,7 +2,7 @@
 # Issue 34's whole GPU check in one call of the lent machine (benchmarks/README.md, "The GPU
 # check in one call"): install, throughput with the transformers peer rows, the kernel profile
 # before and after the fast path, the real loop's proof run (with a profile of the loop), the
-# fast path's parity with the eager path, and the experiments' A/B. Each stage writes its files
+# fast path's parity with its twins, the eager paths and fp32, and the variants' A/B. Each stage writes its files
 # under OUT as it finishes and has a time limit of its own, so a stage that runs long costs
 # only itself; the log is OUT/gpu_check.log.
 #
@@ -37,8 +37,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
            --timed 1 --profiled 1)
   PROOF=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3 --precision fp32 --min-drop 0
          --log-every 5)
-  # --compile: as on a GPU, where the layers are compiled by default (the CUDA-graph variant
-  # needs them compiled; on a CPU it has no graphs to record and only times the compile).
+  # --compile: as on a GPU, where the layers are compiled by default (a --compile-mode
+  # variant needs them compiled; on a CPU it only times the compile).
   VARIANT_ARGS=(--device cpu --config tiny --seq-lens 64 --micro-batch 4 --steps 2 --warmup 1
                 --num-batches 2 --peak-tflops 1 --compile)
   PARITY=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3)
@@ -81,8 +81,8 @@ stage() {  # name, time limit, command...
   [ "$rc" = 0 ] || status=1
 }
 
-# The experiments of gpu_throughput.py (not the product's settings), each a row beside the
-# defaults measured in the same call: space-separated "tag:flags", the flags separated by
+# gpu_throughput.py's variants of the defaults (experiments, or a default turned off), each a
+# row beside the defaults measured in the same call: space-separated "tag:flags", the flags separated by
 # commas without spaces ("tag:" alone: no flags). VARIANT_LIMIT overrides a run's time limit,
 # e.g. 300 for "gemm-epilogue:--compile-mode=max-autotune-no-cudagraphs" (minutes of tuning).
 VARIANTS=${VARIANTS:-"defaults: fp32-residual:--no-bf16-residual"}

@@ -13,17 +13,19 @@ seed and recipe (bert_large_phase1's settings, one micro-batch a step, a log lin
 - `eager ZeRO-2`: the settings before the fast path: ZeRO stage 2 (DeepSpeed's bf16 model,
   fp32 master copies in its optimizer, its clip), no compile;
 - `fp32 reference`: fp32 throughout (weights, activations, GEMMs without TF32), no compile:
-  the arithmetic every bf16 path approximates. Each bf16 run is compared with it too, which
-  tells which of two paths that part is the one that left the exact curve.
+  the arithmetic every bf16 path approximates. Each bf16 run is compared with it too: where
+  two runs part, it tells which of them left the exact curve.
 
 Dropout is off in every run (`hidden_dropout_prob` and `attention_probs_dropout_prob` 0): a
 compiled layer draws its dropout masks from inductor's random stream, not eager's, so with
 dropout on the curves would differ by the masks, not by the arithmetic under test. What differs
 is then only the precision path: where the casts fall, LayerNorm in fp32 under autocast against
-bf16 in DeepSpeed's bf16 model, the summation order of fused kernels. The check: at every step
-the fast path's loss agrees with each other run's within
-`--rel-tolerance` (default 1e-2: bf16 keeps 8 significant bits, a rounding is up to 3.9e-3, and
-100 steps of them compound), and all fall. The CPU test of the same claim is
+bf16 in DeepSpeed's bf16 model, the summation order of fused kernels. The checks, each at every
+step within `--rel-tolerance` (default 1e-2: bf16 keeps 8 significant bits, a rounding is up to
+3.9e-3, and 100 steps of them compound): the fast path follows its uncompiled and fp32-stream
+twins; every run with fp32 weights follows the fp32 reference; and all fall. The earlier path
+is compared and recorded, not checked: its own distance from fp32 is the larger (on a CPU at
+BERT-large's width: 6.0e-2 against the fast path's 2.3e-4). The CPU test of the same claim is
 tests/training/test_fast_path.py (tiny, 100 steps). `--num-layers` and `--warmup-steps` scale
 the run down for a CPU (BERT-large's width, 2 layers: benchmarks/README.md, "Issue 34").
 
@@ -63,6 +65,9 @@ SETTINGS = ("zero_stage", "precision", "compile", "bf16_residual")  # recorded p
 # off: torch's default for matmuls, which the engine keeps).
 REFERENCE = "fp32 reference"
 REFERENCE_PATH = {"precision": "fp32", "compile": False}
+# Compared and recorded, not checked (the earlier path: see the checks in run()).
+RECORDED_ONLY = ("eager ZeRO-2",)
+RECORDED = " (recorded, not checked)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,15 +145,21 @@ def run(args: argparse.Namespace) -> dict:
                    for name, curve in curves.items() if name not in (subject, REFERENCE)}
     from_reference = {name: compare(curve, curves[REFERENCE], tenth)
                       for name, curve in curves.items() if name != REFERENCE}
-    checks = {}
-    for name, curve in curves.items():
-        if name == subject:
-            continue
-        checks[f"same_steps_as_{name}"] = sorted(curve) == steps == list(range(1, args.steps + 1))
-        against = from_reference[subject] if name == REFERENCE else comparisons[name]
-        checks[f"every_step_within_tolerance_of_{name}"] = (
-            against["max_rel_difference"] <= args.rel_tolerance)
-    checks["all_fell"] = all(fell(curve) for curve in curves.values())
+    # What must hold: every run logged every step; the fast path follows its uncompiled twin
+    # and its fp32-stream twin; every run that keeps fp32 weights follows fp32 arithmetic.
+    # The earlier path (DeepSpeed's bf16 weights) is compared and recorded, not checked: its
+    # own distance from fp32 is the larger (benchmarks/README.md, "Issue 34").
+    checks = {f"{name}: every step logged": sorted(curve) == list(range(1, args.steps + 1))
+              for name, curve in curves.items()}
+    for name in ("eager ZeRO-0", FP32_STREAM):
+        if name in comparisons:
+            checks[f"{subject} within tolerance of {name}"] = (
+                comparisons[name]["max_rel_difference"] <= args.rel_tolerance)
+    for name in (subject, FP32_STREAM, "eager ZeRO-0"):
+        if name in from_reference:
+            checks[f"{name} within tolerance of the {REFERENCE}"] = (
+                from_reference[name]["max_rel_difference"] <= args.rel_tolerance)
+    checks["all fell"] = all(fell(curve) for curve in curves.values())
     return {
         "device": device_name(), "date": datetime.date.today().isoformat(),
         "commit": source_commit(args.commit), "preset": args.preset,
@@ -183,8 +194,9 @@ def write_results(result: dict, output_dir: str) -> None:
                     for name, s in result["settings"].items()),
         "",
         "| measure | value |", "|---|---|",
-        *(f"| {subject} against {name}: largest relative loss difference (step); mean; last "
-          f"tenth's mean loss | {c['max_rel_difference']:.2e} ({c['max_rel_difference_step']}); "
+        *(f"| {subject} against {name}{RECORDED if name in RECORDED_ONLY else ''}: largest "
+          f"relative loss difference (step); mean; last tenth's mean loss | "
+          f"{c['max_rel_difference']:.2e} ({c['max_rel_difference_step']}); "
           f"{c['mean_rel_difference']:.2e}; {c['last_tenth_rel_difference']:.2e} |"
           for name, c in result["comparisons"].items()),
         *(f"| {name} against the {REFERENCE}: largest relative loss difference (step); mean; "

@@ -4,11 +4,11 @@ beside the transformers peer on the same batches.
 What runs is the training loop's own path: `training.model.BertForPreTraining` (the `large`
 preset by default) wrapped by `training.engine.build_engine` (the DeepSpeed config builder,
 optimizer and schedule the loop uses) from the `bert_large_phase1` recipe's settings (AdamW,
-bf16) and the project's default engine settings (on one GPU: ZeRO stage 0 with fp32 weights
-under torch.autocast, ClippedAdamW, compiled encoder layers; `--zero-stage` and
-`--no-compile` give others), micro-batch size and accumulation 1 overridden; each step is the
-loop's `engine(**batch)`, `engine.backward(loss)`, `engine.step()` (an optimizer step every
-time).
+bf16) and the project's default engine settings (ZeRO stage 0 with fp32 weights under
+torch.autocast and the residual stream in bf16, ClippedAdamW, compiled encoder layers;
+`--zero-stage`, `--no-bf16-residual` and `--no-compile` give others), micro-batch size and
+accumulation 1 overridden; each step is the loop's `engine(**batch)`, `engine.backward(loss)`,
+`engine.step()` (an optimizer step every time).
 
 The peer (`--peer`, on by default on a GPU): `benchmarks/gpu_peer_hf.py`, transformers'
 `BertForPreTraining` as a user would train it (fp32 weights under bf16 autocast, torch's fused

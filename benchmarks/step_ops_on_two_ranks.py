@@ -5,8 +5,10 @@ the host: two CPU ranks (gloo) train BERT-large's 24 layers (302 parameter tenso
 width in bf16, and one whole step (forward, backward with DeepSpeed's gradient reduction,
 optimizer step; the third, past the optimizer state's creation) is counted by aten operation
 on rank 0. "Computing" leaves out views, aliases and allocations, which launch no kernel on a
-GPU; "host reads" are `.item()`-style copies to the host, each a sync on a GPU. The model's own
-operations are the same at every stage: the differences are the engine's.
+GPU; "host reads" are `.item()`-style copies to the host, each a sync on a GPU. The totals are
+whole steps, the model's operations included, and those differ a little between stages too
+(at stage 0 autocast casts each weight to bf16 in the forward; at 1-3 the model is bf16): read
+the differences as net.
 
     .venv/bin/python benchmarks/step_ops_on_two_ranks.py [--stages 0 1 2]
 """

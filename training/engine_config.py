@@ -53,7 +53,7 @@ class EngineConfig:
     # None: decided when training starts, from the live world size, the precision and the
     # device's memory (training.recipes.default_zero_stage); a resumed run keeps its own.
     zero_stage: int | None = option(help="DeepSpeed ZeRO stage (default: decided at start: "
-                                    "0; on several workers 1, 2 or 3 only when the GPU's "
+                                    "0, or on several workers a higher one where the GPU's "
                                     "memory needs it)", choices=ZERO_STAGES)
     precision: str = option("auto", "mixed precision of the engine; auto: bf16 on a GPU or CPU "
                             "with native bf16, else fp32", choices=PRECISIONS)
@@ -62,7 +62,7 @@ class EngineConfig:
                                   "state-dict names keep no _orig_mod. prefix; default: on a "
                                   "GPU, off on a CPU)")
     # None: decided at start, on where the engine trains under bf16 autocast
-    # (training.resolved_engine); True elsewhere is refused there, as it would change nothing.
+    # (training.resolved_engine); True elsewhere is refused, as it would change nothing.
     bf16_residual: bool | None = option(help="under bf16 autocast, hand the residual stream "
                                         "between layers on in bf16 (LayerNorm still "
                                         "normalises in fp32); default: on wherever bf16 runs "
@@ -81,6 +81,18 @@ class EngineConfig:
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ValueError(f"global_batch_size must be at least 1, got {self.global_batch_size}")
         self._check_optimizer()
+        self._check_bf16_residual()
+
+    def _check_bf16_residual(self) -> None:
+        """Refused where the precision or stage, named or decided (training.resolved_engine
+        replaces them here), rules out bf16 autocast: on the driver for named ones."""
+        named_elsewhere = (self.precision in ("fp16", "fp32")
+                           or self.zero_stage not in (None, 0))
+        if self.bf16_residual and named_elsewhere:
+            raise ValueError(
+                f"bf16_residual needs the engine's bf16 autocast (bf16 at ZeRO stage 0), not "
+                f"precision {self.precision} at ZeRO stage {self.zero_stage}: it would change "
+                "nothing there; leave it out, or train in bf16 at --zero-stage 0")
 
     def _check_optimizer(self) -> None:
         if self.optimizer == "lamb" and self.zero_stage not in (None, 0):  # None: 0 for LAMB

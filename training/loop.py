@@ -32,7 +32,12 @@ from bertforge.training.inputs import check_positions, resolve_model_config
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining, num_parameters
 from bertforge.training.profiling import StepProfiler
-from bertforge.training.resolved_engine import DECIDED, PrecisionChoice, resolve_engine
+from bertforge.training.resolved_engine import (
+    DECIDED,
+    PrecisionChoice,
+    bf16_autocast,
+    resolve_engine,
+)
 from bertforge.training.warm_start import check_resume_architecture, load_initial_weights
 
 # Called on every rank after each committed checkpoint with {"step", "checkpoint_path", ...}.
@@ -67,9 +72,9 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     if saved is not None:  # before any engine: a raw 'size mismatch' would say much less
         check_resume_architecture(saved, model_config, resume_from, facts.vocab_sha256)
     # What depends on the machine (precision "auto", the ZeRO stage, compiling, the
-    # micro-batch), decided once, on the worker's device, with the world size known; a resume
-    # keeps its own precision and stage. From here on cfg names them all: the printed recipe,
-    # config.json, checkpoint metadata.
+    # micro-batch, the residual stream), decided once, on the worker's device, with the world
+    # size known; a resume keeps its own precision, stage and stream. From here on cfg names
+    # them all: the printed recipe, config.json, checkpoint metadata.
     resolved = resolve_engine(
         cfg.engine(), world_size, saved=saved, num_parameters=count_parameters(model_config),
         max_seq_length=facts.max_seq_length)
@@ -124,7 +129,9 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         "precision_requested": resolved.precision.requested,
         # bf16 at stage 0 keeps fp32 weights under torch.autocast (training.engine); before,
         # DeepSpeed kept bf16 weights there, with another optimizer state layout.
-        "bf16_weights": cfg.precision == "bf16" and cfg.zero_stage != 0,
+        "bf16_weights": cfg.precision == "bf16" and not bf16_autocast(cfg.engine()),
+        # The residual stream's dtype under autocast: a resume keeps it (resolved_engine).
+        "bf16_residual": cfg.bf16_residual,
         "seed": cfg.seed,  # `bertforge eval` masks the validation split as this run did
     }
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
@@ -214,7 +221,8 @@ def _print_recipe(cfg: TrainConfig, model_config: BertConfig, world_size: int) -
         f"accumulation = {cfg.global_batch(world_size)} sequences per step, {cfg.max_steps} "
         f"steps, {cfg.optimizer} lr {cfg.learning_rate:g} (warm-up {cfg.warmup_steps}, "
         f"{cfg.decay} decay), ZeRO {cfg.zero_stage}"
-        f"{', compiled layers' if cfg.compile else ''}; all of it in "
+        f"{', compiled layers' if cfg.compile else ''}"
+        f"{', bf16 residual stream' if cfg.bf16_residual else ''}; all of it in "
         f"{os.path.join(cfg.run_dir, 'config.json')}\n"
         f"[train] model: {model_config.num_hidden_layers} layers, hidden "
         f"{model_config.hidden_size}, {model_config.num_attention_heads} heads, vocab "

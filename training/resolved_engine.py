@@ -18,10 +18,11 @@ checkpoint's state depends on it):
   training.cpu_kernels serve, and a compile costs more than a short run gains; on a GPU the
   fused kernels are most of the step's gain, benchmarks/README.md);
 - the micro-batch: `recipes.micro_batch_for_device` for the sequence length and the GPU's memory;
-- the bf16 residual stream: on wherever the engine trains under bf16 autocast (bf16 at ZeRO 0),
-  where it halves the bytes of every memory-bound kernel on the stream and follows fp32
-  arithmetic as closely as the fp32 stream does (benchmarks/README.md, "Issue 34"); asked for
-  anywhere else it would change nothing, and is refused.
+- the bf16 residual stream: the checkpoint's (off for one saved before it existed); else on
+  wherever the engine trains under bf16 autocast (bf16 at ZeRO 0), where it halves the bytes of
+  every memory-bound kernel on the stream and follows fp32 arithmetic as closely as the fp32
+  stream does (benchmarks/README.md, "Issue 34"); asked for anywhere else it would change
+  nothing, and is refused.
 """
 
 from __future__ import annotations
@@ -74,11 +75,7 @@ class ResolvedEngine:
             raise ValueError(f"precision {self.config.precision} in the config but "
                              f"{self.precision.resolved} in its choice")
         self.config.accumulation_steps(self.world_size)  # the batch arithmetic holds
-        if self.config.bf16_residual and not bf16_autocast(self.config):
-            raise ValueError(
-                "bf16_residual needs the engine's bf16 autocast (bf16 at ZeRO stage 0); here "
-                f"{self.config.precision} at ZeRO stage {self.config.zero_stage}, where it "
-                "would change nothing")
+        # (A bf16 residual stream without bf16 autocast: EngineConfig refuses it itself.)
 
 
 def resolve_engine(
@@ -86,7 +83,8 @@ def resolve_engine(
     num_parameters: int | None = None, max_seq_length: int | None = None,
 ) -> ResolvedEngine:
     """`cfg` decided for this process's device and `world_size` ranks (the module docstring
-    says how). `saved`: a resumed checkpoint's metadata (its "precision" and "zero_stage");
+    says how). `saved`: a resumed checkpoint's metadata (its "precision", "zero_stage" and
+    "bf16_residual");
     `num_parameters`: the model's, for the ZeRO default; `max_seq_length`: the data's, needed
     where the micro-batch is left to the device."""
     saved = saved or {}
@@ -115,9 +113,15 @@ def resolve_engine(
     decided = dataclasses.replace(
         cfg, precision=precision, zero_stage=zero_stage, micro_batch_size=micro_batch_size,
         compile=cfg.compile if cfg.compile is not None else device_type == "cuda")
-    if cfg.bf16_residual is None:
-        decided = dataclasses.replace(decided, bf16_residual=bf16_autocast(decided))
-    return ResolvedEngine(decided, world_size, choice)
+    bf16_residual = cfg.bf16_residual
+    if bf16_residual is None and saved:
+        # A resume keeps the stream its run trained with (numbers, not state, depend on it);
+        # a checkpoint saved before the setting existed trained with the fp32 stream.
+        bf16_residual = bool(saved.get("bf16_residual")) and bf16_autocast(decided)
+    if bf16_residual is None:
+        bf16_residual = bf16_autocast(decided)
+    return ResolvedEngine(dataclasses.replace(decided, bf16_residual=bf16_residual), world_size,
+                          choice)
 
 
 def bf16_autocast(cfg: EngineConfig) -> bool:

@@ -39,7 +39,8 @@ def test_bert_large_model_states_take_6_7_gb_per_gpu_unsharded():
     (8, "fp32", "adamw", 0),
     (8, "bf16", "lamb", 0),    # LAMB needs whole parameters
 ])
-def test_default_zero_stage_follows_the_world_size(world_size, precision, optimizer, expected):
+def test_default_zero_stage_is_0_while_the_model_states_fit(world_size, precision, optimizer,
+                                                             expected):
     stage = recipes.default_zero_stage(
         world_size=world_size, precision=precision, optimizer=optimizer,
         num_parameters=BERT_LARGE, device_memory_bytes=80 * 2**30,
@@ -82,8 +83,8 @@ def test_resolution_keeps_an_explicit_stage_and_a_resumed_run_s_own():
     assert stage(auto, 1) == stage(auto, 4) == 0
     fp32 = TrainConfig(data_dir="d", run_dir="r", precision="fp32")
     assert stage(fp32, 1) == 0
-    # A run saved under stage 0 on one GPU keeps stage 0 on four (its state loads anywhere).
-    assert stage(fp32, 4, saved={"zero_stage": 0, "precision": "fp32"}) == 0
+    # A run saved under stage 1 (the default on several ranks before 2026-11-27) keeps it.
+    assert stage(fp32, 4, saved={"zero_stage": 1, "precision": "fp32"}) == 1
     explicit = TrainConfig(data_dir="d", run_dir="r", zero_stage=3)
     assert stage(explicit, 1, saved={"zero_stage": 1}) == 3
     lamb = TrainConfig(data_dir="d", run_dir="r", optimizer="lamb")

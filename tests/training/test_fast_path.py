@@ -38,15 +38,15 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _ops_in_one_step(model_config: BertConfig,
-                     world_size: int = 1) -> tuple[Counter[str], int]:
+def _ops_in_one_step(model_config: BertConfig, world_size: int = 1,
+                     precision: str = "fp32") -> tuple[Counter[str], int]:
     """Operations dispatched by one `engine.step()` of the default engine on `world_size`
     ranks (the second step: the first creates the optimizer state), and the number of
     parameter tensors."""
     ensure_process_group()
     torch.manual_seed(0)
     model = BertForPreTraining(model_config)
-    cfg = TrainConfig(data_dir="d", run_dir="r", precision="fp32", micro_batch_size=1,
+    cfg = TrainConfig(data_dir="d", run_dir="r", precision=precision, micro_batch_size=1,
                       max_steps=10, warmup_steps=2, compile=False)
     engine = build_engine(model, resolve_engine(cfg.engine(), world_size))
     assert engine.zero_optimization_stage() == 0 and isinstance(engine.optimizer, ClippedAdamW)
@@ -93,7 +93,7 @@ def _ops_on_rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
-    counts = [_ops_in_one_step(model_config, world_size=2)
+    counts = [_ops_in_one_step(model_config, world_size=2, precision="bf16")
               for model_config in (BertConfig.preset("tiny"), _narrow("large"))]
     if rank == 0:
         torch.save(counts, out)
@@ -102,10 +102,11 @@ def _ops_on_rank(rank: int, port: int, out: str) -> None:
 
 
 def test_on_two_ranks_the_default_stage_takes_the_same_fast_step(tmp_path):
-    """Several workers default to stage 0 too (training.recipes): the same step as one
-    worker's, whose operations do not grow with the parameter tensors, instead of DeepSpeed's
-    per-tensor BF16_Optimizer at stage 1 (302 norms and 2 reads to the host a step for
-    BERT-large's tensors). The gradients are reduced in fp32, as stage 1 reduced them."""
+    """Several workers default to stage 0 too (training.recipes), in bf16 as well: the same
+    step as one worker's, whose operations do not grow with the parameter tensors, instead of
+    DeepSpeed's per-tensor BF16_Optimizer at stage 1 (302 norms and 2 more reads to the host a
+    step for BERT-large's tensors: benchmarks/step_ops_on_two_ranks.py). DeepSpeed reduces the
+    gradients in the engine's communication dtype at stage 0: fp32, as stage 1 reduced them."""
     from tests.training.test_elastic_resume import _free_port
 
     out = str(tmp_path / "counts.pt")

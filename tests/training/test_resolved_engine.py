@@ -114,15 +114,45 @@ def test_the_residual_stream_is_bf16_wherever_the_engine_trains_under_bf16_autoc
 
     assert stream() is stream(precision="bf16") is True
     assert stream(precision="fp32") is stream(zero_stage=2) is stream(bf16_residual=False) is False
+    # Where it would change nothing: refused by the config, named (before any worker starts)
+    # or decided (auto giving fp32 here).
     with pytest.raises(ValueError, match="bf16_residual needs the engine's bf16 autocast .*"
-                                         "here fp32 at ZeRO stage 0"):
+                                         "not precision fp32"):
         stream(precision="fp32", bf16_residual=True)
+    with pytest.raises(ValueError, match="bf16_residual needs the engine's bf16 autocast .*"
+                                         "not precision auto at ZeRO stage 1"):
+        stream(zero_stage=1, bf16_residual=True)
+    with monkeypatch.context() as fp32_cpu:
+        fp32_cpu.setenv("BERTFORGE_CPU_BF16", "emulated")
+        with pytest.raises(ValueError, match="bf16_residual needs the engine's bf16 autocast .*"
+                                             "not precision fp32 at ZeRO stage 0"):
+            stream(bf16_residual=True)
     ensure_process_group()
     for named, expected in (({}, True), ({"precision": "fp32"}, False)):
         model = BertForPreTraining(BertConfig(64, 32, 1, 2, 64))
+        model.residual_in_autocast_dtype = not expected  # the engine sets it either way
         engine = build_engine(model, resolve_engine(dataclasses.replace(cfg, **named), 1))
         assert model.residual_in_autocast_dtype is expected
         engine.destroy()
+
+
+def test_a_resumed_run_keeps_its_residual_stream(monkeypatch):
+    """The stream changes the numbers, so a resume keeps its checkpoint's: one saved before
+    the setting existed trained with the fp32 stream and keeps it; a named one wins."""
+    monkeypatch.setenv("BERTFORGE_CPU_BF16", "native")
+    cfg = dataclasses.replace(UNDECIDED, micro_batch_size=4, compile=False)
+    before = {"precision": "bf16", "zero_stage": 0}
+
+    def stream(saved, **named):
+        cfg_named = dataclasses.replace(cfg, **named)
+        return resolve_engine(cfg_named, 1, saved=saved).config.bf16_residual
+
+    assert stream(before) is False
+    assert stream({**before, "bf16_residual": True}) is True
+    assert stream({**before, "bf16_residual": False}) is False
+    assert stream(before, bf16_residual=True) is True
+    # At ZeRO 2 (DeepSpeed's bf16 model) there is no stream to keep.
+    assert stream({"precision": "bf16", "zero_stage": 2, "bf16_residual": True}) is False
 
 
 def test_the_decisions_are_made_in_one_module_only():
@@ -172,3 +202,10 @@ def test_the_loop_records_the_settings_it_decided_and_trained_with(tmp_path):
     assert recorded["micro_batch_size"] == micro_batch_for_device(
         64, world_size=1, global_batch_size=None, device_memory_bytes=None)
     assert recorded["compile"] is False and recorded["zero_stage"] == 0
+    # Each checkpoint records what a resume keeps: the stage, precision and residual stream.
+    from bertforge.training import checkpoint
+
+    saved = checkpoint.read_metadata(checkpoint.latest_checkpoint(str(tmp_path / "run")))
+    assert {name: saved[name] for name in ("zero_stage", "precision", "bf16_residual")} == {
+        name: getattr(resolved.config, name) for name in ("zero_stage", "precision",
+                                                          "bf16_residual")}

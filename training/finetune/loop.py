@@ -82,6 +82,7 @@ def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str
         "final_train_loss": last_loss, "train_seconds": round(train_seconds, 3),
         "world_size": world_size, "threads": torch.get_num_threads(),
         "precision": precision, "zero_stage": engine.zero_optimization_stage(),
+        "bf16_residual": resolved.config.bf16_residual,
         "model": pretrained.provenance,
     }
     if rank == 0:
