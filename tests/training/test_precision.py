@@ -128,8 +128,10 @@ def test_loop_records_the_choice_warns_once_and_resumes_in_the_saved_precision(
     train(config(dataset, run_dir, precision="bf16", zero_stage=None, max_steps=2))
     out = capsys.readouterr().out
     assert out.count("WARNING: precision bf16 on this CPU will be slow: mocked") == 1
-    # The recipe in two lines (ZeRO as resolved), the whole of it in config.json.
-    assert f"ZeRO 0; all of it in {run_dir / 'config.json'}\n[train] model: " in out
+    # The recipe in two lines (ZeRO and the residual stream as resolved), the whole of it in
+    # config.json.
+    assert (f"ZeRO 0, bf16 residual stream; all of it in {run_dir / 'config.json'}\n"
+            "[train] model: ") in out
     assert '"adam_betas"' not in out  # not the 45-line dump of every field
     recorded = json.loads((run_dir / "config.json").read_text())
     assert recorded["precision"]["requested"] == "bf16"
