@@ -106,6 +106,7 @@ class FinetuneConfig:
     precision: str = engine_option("precision")
     # Not 3: dev is scored and the model exported from whole parameters (training.finetune.loop).
     zero_stage: int | None = engine_option("zero_stage", choices=(0, 1, 2))
+    bf16_residual: bool | None = engine_option("bf16_residual")
     # How the run is shown and kept (RERUN_MAY_CHANGE).
     log_every: int | None = option(help="steps between progress lines (default: steps/20)",
                                    marks=(RERUN_MAY_CHANGE,))

@@ -116,7 +116,7 @@ def engine_config(cfg: FinetuneConfig, num_steps: int, world_size: int) -> Engin
         micro_batch_size=cfg.batch_size // world_size,  # one micro-step per optimizer step
         weight_decay=cfg.weight_decay, adam_eps=cfg.adam_eps,
         gradient_clipping=cfg.gradient_clipping, zero_stage=cfg.zero_stage,
-        precision=cfg.precision,
+        precision=cfg.precision, bf16_residual=cfg.bf16_residual,
     )
 
 
