@@ -52,7 +52,6 @@ from gpu_proof_run import check_parser, device_name, run_checks, source_commit
 from bertforge.training.loop import train
 from bertforge.training.metrics import read_metrics
 from bertforge.training.recipes import bert_large_phase1
-from bertforge.training.resolved_engine import bf16_autocast, resolve_engine
 
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 # name: the settings that differ from the project's defaults (the fast path's)
@@ -97,12 +96,6 @@ def recipe(args: argparse.Namespace, run_dir: str, **path_settings):
         log_every=1, checkpoint_every=0, eval_every=0, resume=False, **settings)
 
 
-def trains_under_autocast(args: argparse.Namespace) -> bool:
-    """Whether the fast path trains under bf16 autocast here: where it does, its residual
-    stream is bf16 by default, and a run with the fp32 stream shows what that alone moves."""
-    return bf16_autocast(resolve_engine(recipe(args, args.output_dir).engine(), 1).config)
-
-
 def compare(curve: dict[int, float], other: dict[int, float], tenth: int) -> dict:
     """Relative loss differences of `curve` from `other` over the steps both logged."""
     shared = [s for s in sorted(curve) if s in other]
@@ -121,16 +114,21 @@ def compare(curve: dict[int, float], other: dict[int, float], tenth: int) -> dic
 
 def run(args: argparse.Namespace) -> dict:
     subject = "fast"
-    fp32_stream = {FP32_STREAM: {"bf16_residual": False}} if trains_under_autocast(args) else {}
-    paths = {subject: {}, **fp32_stream, **EAGER_PATHS, REFERENCE: REFERENCE_PATH}
     curves, settings = {}, {}
-    for name, path_settings in paths.items():
+
+    def run_path(name: str, **path_settings) -> None:
         run_dir = os.path.join(args.output_dir, name.replace(", ", "-").replace(" ", "-"))
         train(recipe(args, run_dir, **path_settings))
         curves[name] = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
         with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
             resolved = json.load(f)["train"]
         settings[name] = {key: resolved[key] for key in SETTINGS}
+
+    run_path(subject)
+    if settings[subject]["bf16_residual"]:  # what the bf16 stream alone moves
+        run_path(FP32_STREAM, bf16_residual=False)
+    for name, path_settings in {**EAGER_PATHS, REFERENCE: REFERENCE_PATH}.items():
+        run_path(name, **path_settings)
     fast = curves[subject]
     steps = sorted(fast)
     tenth = max(1, len(steps) // 10)

@@ -161,6 +161,7 @@ def build_ours(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: i
         "gpu_throughput_args": parsed_settings(targs),
         "zero_stage": engine.zero_optimization_stage(), "precision": resolved.config.precision,
         "optimizer": resolved.config.optimizer, "compile": resolved.config.compile,
+        "bf16_residual": resolved.config.bf16_residual,
         "activation_checkpointing": cfg.activation_checkpointing,
     }
     return step, release, settings

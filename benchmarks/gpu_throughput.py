@@ -349,7 +349,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
 
 def check_experiments(args: argparse.Namespace, resolved) -> None:
     """An experiment that would change nothing in this setting is refused, not timed (a bf16
-    residual stream without bf16 autocast: by resolve_engine)."""
+    residual stream without bf16 autocast: by EngineConfig itself)."""
     if args.compile_mode != "default" and not resolved.config.compile:
         raise SystemExit("--compile-mode needs compiled layers (--compile, the default on a GPU)")
 

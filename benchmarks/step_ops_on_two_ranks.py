@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
+import sys
 import tempfile
-from collections import Counter
 
 import torch
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # tests.support: the op counter the fast path's test uses
+
+from tests.support.local_cluster import free_port  # noqa: E402
+from tests.support.op_counts import OpCounter  # noqa: E402
 
 # Operations that launch no kernel on a GPU (views, aliases, allocations) or read to the host.
 NOT_COMPUTING = {
@@ -32,16 +36,6 @@ NOT_COMPUTING = {
     "select", "unbind", "_reshape_alias", "narrow", "empty", "empty_like", "empty_strided",
     "lift_fresh", "_local_scalar_dense", "is_nonzero", "chunk",
 }
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _rank(rank: int, port: int, stage: int, out: str) -> None:
@@ -67,7 +61,7 @@ def _rank(rank: int, port: int, stage: int, out: str) -> None:
              "attention_mask": torch.ones_like(ids), "labels": labels,
              "next_sentence_label": torch.zeros(2, dtype=torch.long)}
     for _ in range(3):
-        with _CountOps() as counted:
+        with OpCounter() as counted:
             engine.backward(engine(**batch)["loss"])
             engine.step()
     if rank == 0:
@@ -80,12 +74,6 @@ def _rank(rank: int, port: int, stage: int, out: str) -> None:
     engine.destroy()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:

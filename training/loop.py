@@ -129,7 +129,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         "precision_requested": resolved.precision.requested,
         # bf16 at stage 0 keeps fp32 weights under torch.autocast (training.engine); before,
         # DeepSpeed kept bf16 weights there, with another optimizer state layout.
-        "bf16_weights": cfg.precision == "bf16" and not bf16_autocast(cfg.engine()),
+        "bf16_weights": cfg.precision == "bf16" and not bf16_autocast(resolved.config),
         # The residual stream's dtype under autocast: a resume keeps it (resolved_engine).
         "bf16_residual": cfg.bf16_residual,
         "seed": cfg.seed,  # `bertforge eval` masks the validation split as this run did

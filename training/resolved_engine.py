@@ -75,7 +75,6 @@ class ResolvedEngine:
             raise ValueError(f"precision {self.config.precision} in the config but "
                              f"{self.precision.resolved} in its choice")
         self.config.accumulation_steps(self.world_size)  # the batch arithmetic holds
-        # (A bf16 residual stream without bf16 autocast: EngineConfig refuses it itself.)
 
 
 def resolve_engine(

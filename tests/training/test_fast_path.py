@@ -17,25 +17,14 @@ from collections import Counter
 import pytest
 import torch
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bertforge.training.clipped_adamw import ClippedAdamW
 from bertforge.training.config import TrainConfig
 from bertforge.training.engine import build_engine, ensure_process_group
 from bertforge.training.model import BertConfig, BertForPreTraining
 from bertforge.training.resolved_engine import resolve_engine
-
-
-class _CountOps(TorchDispatchMode):
-    """Every aten operation dispatched while active (what becomes a kernel launch on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
+from tests.support.local_cluster import free_port
+from tests.support.op_counts import OpCounter
 
 
 def _ops_in_one_step(model_config: BertConfig, world_size: int = 1,
@@ -55,7 +44,7 @@ def _ops_in_one_step(model_config: BertConfig, world_size: int = 1,
     for _ in range(2):
         for parameter in parameters:  # large enough for the clip to scale them
             parameter.grad = torch.full_like(parameter, 1e-2)
-        with _CountOps() as counted:
+        with OpCounter() as counted:
             engine.step()
     engine.destroy()
     return counted.ops, len(parameters)
@@ -107,10 +96,8 @@ def test_on_two_ranks_the_default_stage_takes_the_same_fast_step(tmp_path):
     DeepSpeed's per-tensor BF16_Optimizer at stage 1 (302 norms and 2 more reads to the host a
     step for BERT-large's tensors: benchmarks/step_ops_on_two_ranks.py). DeepSpeed reduces the
     gradients in the engine's communication dtype at stage 0: fp32, as stage 1 reduced them."""
-    from tests.training.test_elastic_resume import _free_port
-
     out = str(tmp_path / "counts.pt")
-    mp.spawn(_ops_on_rank, args=(_free_port(), out), nprocs=2)
+    mp.spawn(_ops_on_rank, args=(free_port(), out), nprocs=2)
     (tiny, tiny_tensors), (large, large_tensors) = torch.load(out)
     assert (tiny_tensors, large_tensors) == (38, 302)
     assert large == tiny, (tiny, large)
