@@ -1,0 +1,157 @@
+"""Stage 0 on several ranks reduces the gradients in buckets during the backward
+(training.gradient_buckets), with DeepSpeed's arithmetic: two CPU ranks (gloo) train the same
+steps through it and through DeepSpeed's own stage-0 reduction, with accumulation."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.support.local_cluster import free_port
+from tests.support.op_counts import OpCounter
+
+MICRO_STEPS = 6  # 3 optimizer steps of 2 micro-batches a rank
+SMALL_BUCKET = 6_000  # fp32 elements: the narrow model's 58 tensors fill about 12 buckets
+
+
+def _batch(rank: int, micro_step: int) -> dict[str, torch.Tensor]:
+    from bertforge.training.model import IGNORE_INDEX
+
+    generator = torch.Generator().manual_seed(1000 * rank + micro_step)
+    ids = torch.randint(5, 500, (2, 16), generator=generator)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[:, 3:7] = ids[:, 3:7]
+    return {"input_ids": ids, "token_type_ids": torch.zeros_like(ids),
+            "attention_mask": torch.ones_like(ids), "labels": labels,
+            "next_sentence_label": torch.tensor([0, 1])}
+
+
+def _train(rank: int, precision: str, buckets: bool) -> dict:
+    """MICRO_STEPS micro-steps of the default engine on this rank's batches; what a test checks:
+    the final weights, the all-reduces started per micro-step and how many gradients the
+    backward had accumulated when each started, and the boundary micro-step's operations."""
+    import bertforge.training.engine as engine_module
+    import bertforge.training.gradient_buckets as gradient_buckets
+    from bertforge.training.config import TrainConfig
+    from bertforge.training.model import BertConfig, BertForPreTraining
+    from bertforge.training.resolved_engine import resolve_engine
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=4,
+                                          num_attention_heads=2, intermediate_size=64))
+    cfg = TrainConfig(data_dir="d", run_dir="r", precision=precision, micro_batch_size=2,
+                      global_batch_size=8, max_steps=10, warmup_steps=2, compile=False)
+    reduce_in_buckets = engine_module.reduce_in_buckets
+    if not buckets:  # DeepSpeed's own stage-0 reduction, after the backward
+        engine_module.reduce_in_buckets = lambda engine: None
+    gradient_buckets.BUCKET_NUMEL = SMALL_BUCKET
+    try:
+        engine = engine_module.build_engine(model, resolve_engine(cfg.engine(), 2))
+    finally:
+        engine_module.reduce_in_buckets = reduce_in_buckets
+    assert engine.zero_optimization_stage() == 0 and engine.gradient_accumulation_steps() == 2
+    parameters = list(model.parameters())
+    initial = [p.detach().clone() for p in parameters]
+    accumulated = [0]  # gradients accumulated so far in this backward
+    for p in parameters:  # after the buckets' own hooks
+        p.register_post_accumulate_grad_hook(
+            lambda p: accumulated.__setitem__(0, accumulated[0] + 1))
+    started: list[list[int]] = []  # per micro-step: `accumulated` as each all-reduce started
+    all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        started[-1].append(accumulated[0])
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording_all_reduce
+    try:
+        for micro_step in range(MICRO_STEPS):
+            started.append([])
+            accumulated[0] = 0
+            batch = _batch(rank, micro_step)
+            with OpCounter() as counted:
+                engine.backward(engine(**batch)["loss"])
+                engine.step()
+    finally:
+        dist.all_reduce = all_reduce
+    result = {"weights": [p.detach().clone() for p in parameters], "initial": initial,
+              "started": started,
+              "boundary_ops": counted.ops, "num_tensors": len(parameters)}
+    if buckets:
+        storages = {b.untyped_storage().data_ptr() for b in engine.gradient_buckets.buckets}
+        result["num_buckets"] = len(storages)
+        result["grads_in_buckets"] = all(p.grad.untyped_storage().data_ptr() in storages
+                                         for p in parameters)
+    engine.destroy()
+    return result
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    from bertforge.training.engine import ensure_process_group
+
+    ensure_process_group()
+    results = {(precision, buckets): _train(rank, precision, buckets)
+               for precision in ("fp32", "bf16") for buckets in (True, False)}
+    # Every rank ends with the same weights (checked on rank 0 against rank 1's).
+    theirs = [None, None]
+    dist.all_gather_object(theirs, {key: r["weights"] for key, r in results.items()})
+    if rank == 0:
+        torch.save({"results": results, "rank1_weights": theirs[1]}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("buckets") / "results.pt")
+    mp.spawn(_rank, args=(free_port(), out), nprocs=2)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_buckets_train_the_weights_deepspeeds_reduction_trains(two_ranks, precision):
+    """Bit for bit: the same fp32 sums over two ranks, the same multiply by 1/2, the same
+    clip and AdamW, over 3 optimizer steps of 2 accumulated micro-batches (bf16: under
+    autocast, whose gradients are fp32 too)."""
+    ours = two_ranks["results"][(precision, True)]["weights"]
+    deepspeeds = two_ranks["results"][(precision, False)]["weights"]
+    initial = two_ranks["results"][(precision, True)]["initial"]
+    assert not all(torch.equal(a, b) for a, b in zip(ours, initial, strict=True))  # they did train
+    assert all(torch.equal(a, b) for a, b in zip(ours, deepspeeds, strict=True))
+    assert all(torch.equal(a, b)
+               for a, b in zip(ours, two_ranks["rank1_weights"][(precision, True)], strict=True))
+
+
+def test_buckets_start_during_the_backward_and_only_at_the_accumulation_boundary(two_ranks):
+    result = two_ranks["results"][("fp32", True)]
+    started, num_tensors = result["started"], result["num_tensors"]
+    assert result["num_buckets"] > 5
+    # No collective on the micro-steps that accumulate; one a bucket at each boundary.
+    assert [len(s) for s in started] == [0, result["num_buckets"]] * (MICRO_STEPS // 2)
+    for boundary in started[1::2]:
+        # The first bucket starts while most of the backward is still to come, in order.
+        assert boundary[0] < num_tensors // 4, boundary
+        assert boundary == sorted(boundary)
+    # DeepSpeed's reduction starts only after every gradient is in.
+    deepspeeds = [n for s in two_ranks["results"][("fp32", False)]["started"] for n in s]
+    assert deepspeeds and set(deepspeeds) == {num_tensors}
+
+
+def test_the_gradients_stay_in_the_buckets_and_nothing_is_copied_back(two_ranks):
+    ours = two_ranks["results"][("fp32", True)]
+    deepspeeds = two_ranks["results"][("fp32", False)]
+    assert ours["grads_in_buckets"]  # after 3 optimizer steps and their zero_grad
+    # DeepSpeed copies every reduced gradient back out of its flat buffer; the buckets are
+    # the gradients.
+    assert deepspeeds["boundary_ops"]["copy_"] >= deepspeeds["num_tensors"]
+    assert ours["boundary_ops"].get("copy_", 0) == 0
+    # No read to the host either (the model's own, a CPU-only padding check, aside).
+    assert (ours["boundary_ops"]["_local_scalar_dense"]
+            == deepspeeds["boundary_ops"]["_local_scalar_dense"])
