@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# fp32 elements a bucket holds before the next parameter starts a new one: 100 MB, ~14 buckets
+# fp32 elements a bucket holds before the next parameter starts a new one: 100 MB, 15 buckets
 # for BERT-large's 335M parameters. Larger buckets start later; smaller ones cost NCCL more per
 # byte (torch's DDP takes 25 MB, Megatron-LM ~40M elements).
 BUCKET_NUMEL = 25_000_000

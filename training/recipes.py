@@ -44,14 +44,16 @@ multi-tensor clip (training.clipped_adamw), a few kernels where DeepSpeed's BF16
 optimizers launch ~1,200 a step for BERT-large (measured on an H200: benchmarks/README.md). The
 model states then take 16 B a parameter (weights, gradients, m, v in fp32): 5.4 GB for
 BERT-large, on each GPU.
-- On several GPUs stage 0 reduces the fp32 gradients once per optimizer step, at the end of the
-  accumulation (DeepSpeed's bucketed all-reduce, then a copy back per tensor): the same bytes,
-  at the same point, as the stage 1 that was the default there before 2026-11-27, whose bf16
-  path (DeepSpeed's BF16_Optimizer) also reduced fp32 gradients after the backward, then
-  normed, scaled and copied each tensor on its own and read the norm back to the host twice a
-  step. Counted on 2 CPU ranks (gloo, BERT-large's 302 tensors at tiny's width, one whole step):
-  2,481 computing operations and 2 reads to the host at stage 0, 3,003 and 4 at stage 1
-  (benchmarks/README.md, "Issue 34"). Not timed on several GPUs: none are lent to this project.
+- On several GPUs stage 0 reduces the fp32 gradients once per optimizer step, in the backward
+  that ends the accumulation: the gradients live in ~100 MB buckets, each all-reduced as soon as
+  the backward has filled it (training.gradient_buckets), while the layers below still compute.
+  The stage 1 that was the default there before 2026-11-27 reduced the same fp32 bytes only
+  after the backward (DeepSpeed's BF16_Optimizer), then normed, scaled and copied each tensor on
+  its own and read the norm back to the host twice a step. Counted on 2 CPU ranks (gloo,
+  BERT-large's 302 tensors at tiny's width, one whole step): 2,479 computing operations, no
+  copy and 1 read to the host (the model's CPU-only padding check) at stage 0; 3,002 and 3 at
+  stage 1 (benchmarks/README.md, "Issue 34"). Not timed on several GPUs: none are lent to this
+  project.
 - Stage 1, 2, then 3 only when the model states at the stage before would take more than half
   of the device's memory (the rest is for activations): never for BERT on a 16 GB or larger
   GPU.
