@@ -182,16 +182,16 @@ class LayerNorm(nn.LayerNorm):
     Under torch.autocast, layer_norm computes in fp32 and returns fp32, so with fp32 weights
     under autocast (the engine's fast path) the post-LN residual stream between layers is
     fp32, and each memory-bound kernel on it (dropout + residual add + LayerNorm, forward and
-    backward) moves twice the bytes of a bf16 stream. With `to_autocast_dtype` it still
-    normalises in fp32, then rounds its output to the autocast dtype: the stream DeepSpeed's
-    bf16-weights path keeps. Off, or outside autocast: exactly nn.LayerNorm.
+    backward) moves twice the bytes of a bf16 stream. With `residual_in_autocast_dtype` it
+    still normalises in fp32, then rounds its output to the autocast dtype: the stream
+    DeepSpeed's bf16-weights path keeps. Off, or outside autocast: exactly nn.LayerNorm.
     """
 
-    to_autocast_dtype = False
+    residual_in_autocast_dtype = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        if self.to_autocast_dtype and torch.is_autocast_enabled(x.device.type):
+        if self.residual_in_autocast_dtype and torch.is_autocast_enabled(x.device.type):
             return out.to(torch.get_autocast_dtype(x.device.type))
         return out
 
@@ -202,7 +202,7 @@ def set_residual_in_autocast_dtype(model: nn.Module, enabled: bool) -> None:
     it was traced with until it recompiles."""
     for module in model.modules():
         if isinstance(module, LayerNorm):
-            module.to_autocast_dtype = bool(enabled)
+            module.residual_in_autocast_dtype = bool(enabled)
 
 
 class BertEmbeddings(nn.Module):
@@ -522,7 +522,8 @@ class BertForPreTraining(nn.Module):
         """Every LayerNorm hands its output on in the autocast dtype (`LayerNorm`): a bf16
         residual stream under bf16 autocast. Off in a bare model; the engine turns it on under
         bf16 autocast (`EngineConfig.bf16_residual`). Set it before compiling."""
-        return all(m.to_autocast_dtype for m in self.modules() if isinstance(m, LayerNorm))
+        return all(m.residual_in_autocast_dtype
+                   for m in self.modules() if isinstance(m, LayerNorm))
 
     @residual_in_autocast_dtype.setter
     def residual_in_autocast_dtype(self, enabled: bool) -> None:
