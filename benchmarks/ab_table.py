@@ -34,19 +34,30 @@ def table(paths: list[str]) -> str:
     names = sorted(runs, key=lambda name: (name != BASELINE, name))
     baseline = {r["seq_len"]: r["sequences_per_s"]
                 for r in runs.get(BASELINE, {}).get("results", [])}
+    base_loss = {r["seq_len"]: r["loss_last"] for r in runs.get(BASELINE, {}).get("results", [])}
     lines = [f"| run | seq len x micro-batch | step ms (median) | seq/s | MFU needed "
-             f"| over {BASELINE} | CUDA graphs skipped |", "|---|---|---:|---:|---:|---:|---:|"]
+             f"| over {BASELINE} | last loss | its difference from {BASELINE}' "
+             f"| CUDA graphs skipped |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name in names:
         for r in runs[name]["results"]:
             base = baseline.get(r["seq_len"])
             ratio = f"{r['sequences_per_s'] / base:.3f}x" if base else "n/a"
             lines.append(f"| {name} | {r['seq_len']} x {r['micro_batch']} "
                          f"| {r['step_ms_median']:.1f} | {r['sequences_per_s']:,.1f} "
-                         f"| {100 * r['mfu_needed']:.1f} % | {ratio} "
+                         f"| {100 * r['mfu_needed']:.1f} % | {ratio} | {r['loss_last']:.6f} "
+                         f"| {_relative(r['loss_last'], base_loss.get(r['seq_len']))} "
                          f"| {r.get('cudagraph_skips', 'n/a')} |")
     first = runs[names[0]]["environment"]
     return "\n".join([f"# gpu_throughput.py variants: {first['device']}, {first['date']}, "
                       f"commit {first['commit']}", "", *lines])
+
+
+def _relative(loss: float, base: float | None) -> str:
+    """The last timed step's loss against the defaults' on the same batch: 0 where a variant
+    is meant to keep the arithmetic (GPU kernels may still differ in their last bits)."""
+    if base is None:
+        return "n/a"
+    return f"{abs(loss - base) / abs(base):.1e}"
 
 
 def main(argv: list[str]) -> int:

@@ -2,9 +2,9 @@
 # Issue 34's whole GPU check in one call of the lent machine (benchmarks/README.md, "The GPU
 # check in one call"): install, throughput with the transformers peer rows, the kernel profile
 # before and after the fast path, the real loop's proof run (with a profile of the loop), the
-# fast path's parity with its twins, the eager paths and fp32, and the variants' A/B. Each stage writes its files
-# under OUT as it finishes and has a time limit of its own, so a stage that runs long costs
-# only itself; the log is OUT/gpu_check.log.
+# fast path's parity with its twins, the eager paths and fp32, and the variants' A/B. Each
+# stage writes its files under OUT as it finishes and has a time limit of its own, so a stage
+# that runs long costs only itself; the log is OUT/gpu_check.log.
 #
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine: OUT set, .whl carried
 #   STAGES="throughput" bash benchmarks/gpu_check.sh          # one stage again
@@ -60,7 +60,7 @@ else
   # Seconds per stage (variants: each of its runs), in the order of the array: throughput,
   # profile, proof, a variant, parity. The default three 9.5 minutes at most, "parity
   # variants" with the two default variants 6.5 (parity: five runs, one of them fp32, 62 s
-  # for three on 2026-11-27): each inside one 10-minute call.
+  # for three on 2026-11-27; a variant ~45 s): each inside one 10-minute call.
   LIMIT=(320 100 150 70 240)
 fi
 
@@ -85,7 +85,11 @@ stage() {  # name, time limit, command...
 # row beside the defaults measured in the same call: space-separated "tag:flags", the flags separated by
 # commas without spaces ("tag:" alone: no flags). VARIANT_LIMIT overrides a run's time limit,
 # e.g. 300 for "gemm-epilogue:--compile-mode=max-autotune-no-cudagraphs" (minutes of tuning).
-VARIANTS=${VARIANTS:-"defaults: fp32-residual:--no-bf16-residual"}
+# The default pair: several ranks' stage-0 reduction (gradient buckets, all-reduced during the
+# backward) run here over one rank, beside the defaults: its cost on one GPU, and that it runs
+# on NCCL's and autograd's streams with the defaults' loss. "fp32-residual:--no-bf16-residual"
+# times the fp32 residual stream against the default bf16 one (1.032x on 2026-11-27).
+VARIANTS=${VARIANTS:-"defaults: buckets:--gradient-buckets"}
 
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
   --commit "$COMMIT" --output-dir "$OUT"

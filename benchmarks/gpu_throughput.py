@@ -118,6 +118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "as a CUDA graph (one launch, no gaps between its kernels); "
                              "max-autotune-no-cudagraphs tries Triton GEMMs, which can take "
                              "bias + GELU into their epilogue (minutes of autotuning)")
+    parser.add_argument("--gradient-buckets", action="store_true",
+                        help="experiment: on one device, the gradient reduction several ranks "
+                             "use at stage 0 (training.gradient_buckets: each bucket "
+                             "all-reduced during the backward), here over this one rank: "
+                             "its cost, and that it runs on the device's streams")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                         help="also time the transformers peer, eager and compiled (default: "
                              "on a GPU)")
@@ -284,7 +289,7 @@ def train_config(args: argparse.Namespace, case: Case):
 
 def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     """Build model + engine, warm up, time `args.steps` steps; totals summed over ranks."""
-    from bertforge.training.engine import build_engine, deepspeed_config
+    from bertforge.training.engine import build_engine, deepspeed_config, reduce_in_buckets
     from bertforge.training.model import BertForPreTraining, num_parameters
     from bertforge.training.resolved_engine import resolve_engine
 
@@ -307,6 +312,8 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
         raise SystemExit(str(refused)) from None
     check_experiments(args, resolved)
     engine = build_engine(model, resolved)
+    if args.gradient_buckets and world_size == 1:  # on several ranks the engine has them
+        reduce_in_buckets(engine)
     if args.compile_mode != "default":
         recompile_layers(model, args.compile_mode)
     skips_before = cudagraph_skips()
@@ -322,6 +329,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
         "parameters": parameters, "deepspeed_config": deepspeed_config(resolved),
         "zero_stage": resolved.config.zero_stage, "compile": resolved.config.compile,
         "bf16_residual": resolved.config.bf16_residual,
+        "gradient_buckets": hasattr(engine, "gradient_buckets"),
         # Inductor leaves CUDA graphs out where it cannot use them (and says so only here):
         # a variant with skips did not measure what it is named after.
         "cudagraph_skips": cudagraph_skips() - skips_before,
@@ -352,6 +360,10 @@ def check_experiments(args: argparse.Namespace, resolved) -> None:
     residual stream without bf16 autocast: by EngineConfig itself)."""
     if args.compile_mode != "default" and not resolved.config.compile:
         raise SystemExit("--compile-mode needs compiled layers (--compile, the default on a GPU)")
+    if args.gradient_buckets and (resolved.config.zero_stage != 0
+                                  or resolved.config.precision == "fp16"):
+        raise SystemExit("--gradient-buckets is stage 0's reduction (not fp16's): "
+                         "--zero-stage 0 and bf16 or fp32")
 
 
 def cudagraph_skips() -> int:

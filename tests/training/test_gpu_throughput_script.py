@@ -144,15 +144,18 @@ def test_the_peer_rows_sit_beside_ours_with_the_ratio():
 
 
 def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
-    """gpu_check.sh's "variants" stage: the defaults and a variant (--no-bf16-residual: the
-    fp32 residual stream), each a gpu_throughput.py run, then benchmarks/ab_table.py's table
-    with the ratio to the defaults. A setting that would change nothing (CUDA graphs without
-    compiled layers, a bf16 residual stream without autocast) is refused, not timed."""
+    """gpu_check.sh's "variants" stage: the defaults and two variants (--no-bf16-residual: the
+    fp32 residual stream; --gradient-buckets: several ranks' stage-0 reduction on this one),
+    each a gpu_throughput.py run, then benchmarks/ab_table.py's table with the ratio to the
+    defaults and the last loss. A setting that would change nothing (CUDA graphs without
+    compiled layers, a bf16 residual stream without autocast) or is not stage 0's reduction is
+    refused, not timed."""
     env = alone_env()
     common = [sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny", "--seq-lens", "64",
               "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
               "--peak-tflops", "1", "--no-peer", "--output-dir", str(tmp_path)]
-    for tag, flags in (("defaults", []), ("fp32-residual", ["--no-bf16-residual"])):
+    for tag, flags in (("defaults", []), ("fp32-residual", ["--no-bf16-residual"]),
+                       ("buckets", ["--gradient-buckets"])):
         done = subprocess.run(common + flags + ["--tag", f"variant-{tag}"], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -160,17 +163,25 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
     table = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "ab_table.py"),
                             *runs], capture_output=True, text=True, timeout=60, check=True).stdout
     rows = [line for line in table.splitlines() if line.startswith("| ") and " x 4 |" in line]
-    assert [row.split(" | ")[0] for row in rows] == ["| defaults", "| fp32-residual"]
-    assert "| 1.000x | 0 |" in rows[0] and rows[1].endswith("x | 0 |")
+    assert [row.split(" | ")[0] for row in rows] == ["| defaults", "| buckets",
+                                                      "| fp32-residual"]
+    assert "| 1.000x |" in rows[0] and "| 0.0e+00 | 0 |" in rows[0]
+    # The reduction over one rank is the identity: the same arithmetic, the same loss.
+    assert "| 0.0e+00 | 0 |" in rows[1]
+    assert rows[2].endswith(" | 0 |") and "| 0.0e+00 |" not in rows[2]
+    results = {run.removesuffix(".json").split("variant-")[1]:
+               json.loads(open(run).read())["results"][0] for run in runs}
     # bf16 under autocast (one worker): the bf16 stream is the default, the flag turns it off.
-    streams = {json.loads(open(run).read())["results"][0]["bf16_residual"] for run in runs}
-    assert len(runs) == 2 and streams == {True, False}
-    [defaults] = [run for run in runs if "variant-defaults" in run]
-    assert json.loads(open(defaults).read())["results"][0]["bf16_residual"] is True
+    assert {tag: r["bf16_residual"] for tag, r in results.items()} == {
+        "defaults": True, "fp32-residual": False, "buckets": True}
+    assert {tag: r["gradient_buckets"] for tag, r in results.items()} == {
+        "defaults": False, "fp32-residual": False, "buckets": True}
     for flags, reason in ((["--compile-mode", "reduce-overhead", "--no-compile"],
                            "--compile-mode needs compiled layers"),
                           (["--bf16-residual", "--precision", "fp32"],
-                           "bf16_residual needs the engine's bf16 autocast")):
+                           "bf16_residual needs the engine's bf16 autocast"),
+                          (["--gradient-buckets", "--zero-stage", "2"],
+                           "--gradient-buckets is stage 0's reduction")):
         refused = subprocess.run(common + flags, cwd=REPO, env=env, capture_output=True,
                                  text=True, timeout=240)
         assert refused.returncode != 0 and reason in refused.stderr, refused.stderr[-2000:]
