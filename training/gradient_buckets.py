@@ -48,7 +48,8 @@ class GradientBuckets:
     def __init__(self, model: torch.nn.Module, is_sync_step: Callable[[], bool]) -> None:
         self.world_size = dist.get_world_size()
         parameters = [p for p in model.parameters() if p.requires_grad]
-        self.buckets, self._bucket_of = _lay_out(list(reversed(parameters)), BUCKET_NUMEL)
+        self.buckets, self._bucket_of, self._view_of = _lay_out(list(reversed(parameters)),
+                                                                BUCKET_NUMEL)
         per_bucket = Counter(self._bucket_of.values())
         self._sizes = [per_bucket[index] for index in range(len(self.buckets))]  # parameters
         self._is_sync_step = is_sync_step
@@ -76,10 +77,22 @@ class GradientBuckets:
         self._finish_queued = False
 
     def _accumulated(self, parameter: torch.Tensor) -> None:
+        view = self._view_of[parameter]
+        if parameter.grad is not view:
+            # Something set `.grad` to None (a module's or an optimizer's zero_grad, whose
+            # default is set_to_none) and autograd made a new tensor for this backward's
+            # gradient: into the bucket it goes, as torch's DDP does, or the bucket would
+            # all-reduce stale values while this rank stepped on its own gradient.
+            with torch.no_grad():
+                view.copy_(parameter.grad)
+            parameter.grad = view
         if not self._syncing:
             return
         if not self._finish_queued:
-            # Runs once the whole backward is done, on the thread that ran it.
+            # Runs once the whole backward is done, on the thread that ran it, with the
+            # caller's stream current. One graph task a backward: the model's activation
+            # checkpointing is non-reentrant (a reentrant one would end an inner backward
+            # first and run this too early).
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._finish_queued = True
         self._pending[self._bucket_of[parameter]] -= 1
@@ -98,9 +111,10 @@ class GradientBuckets:
         self._syncing = False
 
 
-def _lay_out(parameters: list[torch.Tensor], bucket_numel: int
-             ) -> tuple[list[torch.Tensor], dict[torch.Tensor, int]]:
-    """Zeroed flat buckets in `parameters`' order, each parameter's `.grad` a view into one.
+def _lay_out(parameters: list[torch.Tensor], bucket_numel: int) -> tuple[
+        list[torch.Tensor], dict[torch.Tensor, int], dict[torch.Tensor, torch.Tensor]]:
+    """Zeroed flat buckets in `parameters`' order, each parameter's `.grad` a view into one;
+    which bucket holds each parameter's gradient, and the view.
     A bucket closes before the parameter that would take it past `bucket_numel` (a parameter
     larger than that has one of its own) or that has another dtype."""
     groups: list[list[torch.Tensor]] = []
@@ -111,14 +125,14 @@ def _lay_out(parameters: list[torch.Tensor], bucket_numel: int
             numel = 0
         groups[-1].append(p)
         numel += p.numel()
-    buckets, bucket_of = [], {}
+    buckets, bucket_of, view_of = [], {}, {}
     for index, group in enumerate(groups):
         bucket = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype,
                              device=group[0].device)
         offset = 0
         for p in group:
-            p.grad = bucket[offset:offset + p.numel()].view_as(p)
+            p.grad = view_of[p] = bucket[offset:offset + p.numel()].view_as(p)
             bucket_of[p] = index
             offset += p.numel()
         buckets.append(bucket)
-    return buckets, bucket_of
+    return buckets, bucket_of, view_of

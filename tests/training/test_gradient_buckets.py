@@ -30,10 +30,15 @@ def _batch(rank: int, micro_step: int) -> dict[str, torch.Tensor]:
             "next_sentence_label": torch.tensor([0, 1])}
 
 
-def _train(rank: int, precision: str, buckets: bool) -> dict:
+BUCKETS, SET_TO_NONE, DEEPSPEED = "buckets", "buckets, .grad set to None", "deepspeed"
+
+
+def _train(rank: int, precision: str, reduction: str) -> dict:
     """MICRO_STEPS micro-steps of the default engine on this rank's batches; what a test checks:
     the final weights, the all-reduces started per micro-step and how many gradients the
-    backward had accumulated when each started, and the boundary micro-step's operations."""
+    backward had accumulated when each started, and the boundary micro-step's operations.
+    SET_TO_NONE: the buckets, and after each optimizer step `model.zero_grad()` (torch's
+    default set_to_none), as a user's code might call it."""
     import bertforge.training.engine as engine_module
     import bertforge.training.gradient_buckets as gradient_buckets
     from bertforge.training.config import TrainConfig
@@ -46,7 +51,7 @@ def _train(rank: int, precision: str, buckets: bool) -> dict:
     cfg = TrainConfig(data_dir="d", run_dir="r", precision=precision, micro_batch_size=2,
                       global_batch_size=8, max_steps=10, warmup_steps=2, compile=False)
     reduce_in_buckets = engine_module.reduce_in_buckets
-    if not buckets:  # DeepSpeed's own stage-0 reduction, after the backward
+    if reduction == DEEPSPEED:  # DeepSpeed's own stage-0 reduction, after the backward
         engine_module.reduce_in_buckets = lambda engine: None
     gradient_buckets.BUCKET_NUMEL = SMALL_BUCKET
     try:
@@ -75,13 +80,16 @@ def _train(rank: int, precision: str, buckets: bool) -> dict:
             batch = _batch(rank, micro_step)
             with OpCounter() as counted:
                 engine.backward(engine(**batch)["loss"])
+                boundary = engine.is_gradient_accumulation_boundary()
                 engine.step()
+            if reduction == SET_TO_NONE and boundary:
+                model.zero_grad()  # after the optimizer's step
     finally:
         dist.all_reduce = all_reduce
     result = {"weights": [p.detach().clone() for p in parameters], "initial": initial,
               "started": started,
               "boundary_ops": counted.ops, "num_tensors": len(parameters)}
-    if buckets:
+    if reduction == BUCKETS:
         storages = {b.untyped_storage().data_ptr() for b in engine.gradient_buckets.buckets}
         result["num_buckets"] = len(storages)
         result["grads_in_buckets"] = all(p.grad.untyped_storage().data_ptr() in storages
@@ -97,8 +105,9 @@ def _rank(rank: int, port: int, out: str) -> None:
     from bertforge.training.engine import ensure_process_group
 
     ensure_process_group()
-    results = {(precision, buckets): _train(rank, precision, buckets)
-               for precision in ("fp32", "bf16") for buckets in (True, False)}
+    runs = [(precision, reduction) for precision in ("fp32", "bf16")
+            for reduction in (BUCKETS, DEEPSPEED)] + [("fp32", SET_TO_NONE)]
+    results = {run: _train(rank, *run) for run in runs}
     # Every rank ends with the same weights (checked on rank 0 against rank 1's).
     theirs = [None, None]
     dist.all_gather_object(theirs, {key: r["weights"] for key, r in results.items()})
@@ -115,22 +124,28 @@ def two_ranks(tmp_path_factory):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_buckets_train_the_weights_deepspeeds_reduction_trains(two_ranks, precision):
+@pytest.mark.parametrize("precision, reduction", [("fp32", BUCKETS), ("bf16", BUCKETS),
+                                                  ("fp32", SET_TO_NONE)])
+def test_the_buckets_train_the_weights_deepspeeds_reduction_trains(two_ranks, precision,
+                                                                   reduction):
     """Bit for bit: the same fp32 sums over two ranks, the same multiply by 1/2, the same
     clip and AdamW, over 3 optimizer steps of 2 accumulated micro-batches (bf16: under
-    autocast, whose gradients are fp32 too)."""
-    ours = two_ranks["results"][(precision, True)]["weights"]
-    deepspeeds = two_ranks["results"][(precision, False)]["weights"]
-    initial = two_ranks["results"][(precision, True)]["initial"]
-    assert not all(torch.equal(a, b) for a, b in zip(ours, initial, strict=True))  # they did train
+    autocast, whose gradients are fp32 too); also where something sets the gradients to None
+    between steps (autograd's new tensors go back into the buckets). Two ranks cannot tell a
+    multiply before the sum from one after it (x 0.5 is exact): the code multiplies after, as
+    DeepSpeed does."""
+    ours = two_ranks["results"][(precision, reduction)]["weights"]
+    deepspeeds = two_ranks["results"][(precision, DEEPSPEED)]["weights"]
+    initial = two_ranks["results"][(precision, reduction)]["initial"]
+    # Every tensor trained (a match of untrained weights would prove nothing).
+    assert not any(torch.equal(a, b) for a, b in zip(ours, initial, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(ours, deepspeeds, strict=True))
-    assert all(torch.equal(a, b)
-               for a, b in zip(ours, two_ranks["rank1_weights"][(precision, True)], strict=True))
+    assert all(torch.equal(a, b) for a, b in
+               zip(ours, two_ranks["rank1_weights"][(precision, reduction)], strict=True))
 
 
 def test_buckets_start_during_the_backward_and_only_at_the_accumulation_boundary(two_ranks):
-    result = two_ranks["results"][("fp32", True)]
+    result = two_ranks["results"][("fp32", BUCKETS)]
     started, num_tensors = result["started"], result["num_tensors"]
     assert result["num_buckets"] > 5
     # No collective on the micro-steps that accumulate; one a bucket at each boundary.
@@ -140,13 +155,13 @@ def test_buckets_start_during_the_backward_and_only_at_the_accumulation_boundary
         assert boundary[0] < num_tensors // 4, boundary
         assert boundary == sorted(boundary)
     # DeepSpeed's reduction starts only after every gradient is in.
-    deepspeeds = [n for s in two_ranks["results"][("fp32", False)]["started"] for n in s]
+    deepspeeds = [n for s in two_ranks["results"][("fp32", DEEPSPEED)]["started"] for n in s]
     assert deepspeeds and set(deepspeeds) == {num_tensors}
 
 
 def test_the_gradients_stay_in_the_buckets_and_nothing_is_copied_back(two_ranks):
-    ours = two_ranks["results"][("fp32", True)]
-    deepspeeds = two_ranks["results"][("fp32", False)]
+    ours = two_ranks["results"][("fp32", BUCKETS)]
+    deepspeeds = two_ranks["results"][("fp32", DEEPSPEED)]
     assert ours["grads_in_buckets"]  # after 3 optimizer steps and their zero_grad
     # DeepSpeed copies every reduced gradient back out of its flat buffer; the buckets are
     # the gradients.
