@@ -31,6 +31,8 @@ def _batch(rank: int, micro_step: int) -> dict[str, torch.Tensor]:
 
 
 BUCKETS, SET_TO_NONE, DEEPSPEED = "buckets", "buckets, .grad set to None", "deepspeed"
+# The same two reductions of a model with a parameter no backward reaches.
+UNUSED_BUCKETS, UNUSED_DEEPSPEED = "buckets, an unused parameter", "deepspeed, an unused parameter"
 
 
 def _train(rank: int, precision: str, reduction: str) -> dict:
@@ -38,7 +40,8 @@ def _train(rank: int, precision: str, reduction: str) -> dict:
     the final weights, the all-reduces started per micro-step and how many gradients the
     backward had accumulated when each started, and the boundary micro-step's operations.
     SET_TO_NONE: the buckets, and after each optimizer step `model.zero_grad()` (torch's
-    default set_to_none), as a user's code might call it."""
+    default set_to_none), as a user's code might call it. UNUSED_*: the model has a head the
+    loss never reaches, registered last, so its gradient is in the first bucket."""
     import bertforge.training.engine as engine_module
     import bertforge.training.gradient_buckets as gradient_buckets
     from bertforge.training.config import TrainConfig
@@ -48,10 +51,12 @@ def _train(rank: int, precision: str, reduction: str) -> dict:
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=4,
                                           num_attention_heads=2, intermediate_size=64))
+    if reduction in (UNUSED_BUCKETS, UNUSED_DEEPSPEED):
+        model.unused_head = torch.nn.Linear(4, 4)
     cfg = TrainConfig(data_dir="d", run_dir="r", precision=precision, micro_batch_size=2,
                       global_batch_size=8, max_steps=10, warmup_steps=2, compile=False)
     reduce_in_buckets = engine_module.reduce_in_buckets
-    if reduction == DEEPSPEED:  # DeepSpeed's own stage-0 reduction, after the backward
+    if reduction in (DEEPSPEED, UNUSED_DEEPSPEED):  # DeepSpeed's own, after the backward
         engine_module.reduce_in_buckets = lambda engine: None
     gradient_buckets.BUCKET_NUMEL = SMALL_BUCKET
     try:
@@ -106,7 +111,8 @@ def _rank(rank: int, port: int, out: str) -> None:
 
     ensure_process_group()
     runs = [(precision, reduction) for precision in ("fp32", "bf16")
-            for reduction in (BUCKETS, DEEPSPEED)] + [("fp32", SET_TO_NONE)]
+            for reduction in (BUCKETS, DEEPSPEED)] + [
+        ("fp32", reduction) for reduction in (SET_TO_NONE, UNUSED_BUCKETS, UNUSED_DEEPSPEED)]
     results = {run: _train(rank, *run) for run in runs}
     # Every rank ends with the same weights (checked on rank 0 against rank 1's).
     theirs = [None, None]
@@ -157,6 +163,19 @@ def test_buckets_start_during_the_backward_and_only_at_the_accumulation_boundary
     # DeepSpeed's reduction starts only after every gradient is in.
     deepspeeds = [n for s in two_ranks["results"][("fp32", DEEPSPEED)]["started"] for n in s]
     assert deepspeeds and set(deepspeeds) == {num_tensors}
+
+
+def test_a_parameter_without_gradient_holds_its_bucket_and_those_after_it(two_ranks):
+    """A bucket waiting for a gradient that never comes starts when the backward ends, and the
+    buckets after it with it (collectives start in the same order on every rank): late, but
+    the same arithmetic as DeepSpeed's, which reduces the unused parameter's zeros too."""
+    ours = two_ranks["results"][("fp32", UNUSED_BUCKETS)]
+    deepspeeds = two_ranks["results"][("fp32", UNUSED_DEEPSPEED)]
+    assert all(torch.equal(a, b)
+               for a, b in zip(ours["weights"], deepspeeds["weights"], strict=True))
+    used = ours["num_tensors"] - 2  # the unused head's weight and bias
+    boundaries = ours["started"][1::2]
+    assert boundaries and all(len(s) > 5 and set(s) == {used} for s in boundaries)
 
 
 def test_the_gradients_stay_in_the_buckets_and_nothing_is_copied_back(two_ranks):
