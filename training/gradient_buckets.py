@@ -17,8 +17,9 @@ on its own stream while the backward computes the next layers). Buckets start in
 on every rank, as collectives must; one waiting for a gradient holds back those after it, never
 the other way round. When the backward ends, the rest start (the buckets of parameters this
 backward gave no gradient: their zeros), the device waits for them (a stream wait on NCCL, not
-a host sync) and one multi-tensor multiply turns the sums into means. Nothing is copied, nothing
-is read to the host, and `zero_grad` is one multi-tensor `zero_`.
+a host sync) and one multi-tensor multiply turns the sums into means. Nothing is copied (but a
+gradient something has set to None, which goes back into its bucket), nothing is read to the
+host, and `zero_grad` is one multi-tensor `zero_`.
 
 The arithmetic is DeepSpeed's: the sum over ranks of the fp32 gradients, then a multiply by
 1 / world size (tests/training/test_gradient_buckets.py holds it to DeepSpeed's own reduction,
@@ -92,7 +93,8 @@ class GradientBuckets:
             # Runs once the whole backward is done, on the thread that ran it, with the
             # caller's stream current. One graph task a backward: the model's activation
             # checkpointing is non-reentrant (a reentrant one would end an inner backward
-            # first and run this too early).
+            # first and run this too early). A backward that reached no parameter would queue
+            # nothing and leave the other ranks waiting: BERT's losses always reach them.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._finish_queued = True
         self._pending[self._bucket_of[parameter]] -= 1
