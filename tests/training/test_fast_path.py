@@ -94,8 +94,9 @@ def test_on_two_ranks_the_default_stage_takes_the_same_fast_step(tmp_path):
     """Several workers default to stage 0 too (training.recipes), in bf16 as well: the same
     step as one worker's, whose operations do not grow with the parameter tensors, instead of
     DeepSpeed's per-tensor BF16_Optimizer at stage 1 (302 norms and 2 more reads to the host a
-    step for BERT-large's tensors: benchmarks/step_ops_on_two_ranks.py). DeepSpeed reduces the
-    gradients in the engine's communication dtype at stage 0: fp32, as stage 1 reduced them."""
+    step for BERT-large's tensors: benchmarks/step_ops_on_two_ranks.py). The gradients are
+    reduced in fp32, as stage 1 reduced them (during the backward, by the gradient buckets:
+    tests/training/test_gradient_buckets.py)."""
     out = str(tmp_path / "counts.pt")
     mp.spawn(_ops_on_rank, args=(free_port(), out), nprocs=2)
     (tiny, tiny_tensors), (large, large_tensors) = torch.load(out)
