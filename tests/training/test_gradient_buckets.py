@@ -5,6 +5,7 @@ steps through it and through DeepSpeed's own stage-0 reduction, with accumulatio
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -31,8 +32,13 @@ def _batch(rank: int, micro_step: int) -> dict[str, torch.Tensor]:
 
 
 BUCKETS, SET_TO_NONE, DEEPSPEED = "buckets", "buckets, .grad set to None", "deepspeed"
-# The same two reductions of a model with a parameter no backward reaches.
+# The same two reductions of a model with a parameter no backward reaches, and of compiled
+# encoder layers (the GPU's default: their gradients come out of AOTAutograd's backward).
 UNUSED_BUCKETS, UNUSED_DEEPSPEED = "buckets, an unused parameter", "deepspeed, an unused parameter"
+COMPILED_BUCKETS, COMPILED_DEEPSPEED = "buckets, compiled layers", "deepspeed, compiled layers"
+# Each run of the buckets and the DeepSpeed run it must equal.
+TWIN = {BUCKETS: DEEPSPEED, SET_TO_NONE: DEEPSPEED, UNUSED_BUCKETS: UNUSED_DEEPSPEED,
+        COMPILED_BUCKETS: COMPILED_DEEPSPEED}
 
 
 def _train(rank: int, precision: str, reduction: str) -> dict:
@@ -53,10 +59,12 @@ def _train(rank: int, precision: str, reduction: str) -> dict:
                                           num_attention_heads=2, intermediate_size=64))
     if reduction in (UNUSED_BUCKETS, UNUSED_DEEPSPEED):
         model.unused_head = torch.nn.Linear(4, 4)
+    compiled = reduction in (COMPILED_BUCKETS, COMPILED_DEEPSPEED)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiled so far
     cfg = TrainConfig(data_dir="d", run_dir="r", precision=precision, micro_batch_size=2,
-                      global_batch_size=8, max_steps=10, warmup_steps=2, compile=False)
+                      global_batch_size=8, max_steps=10, warmup_steps=2, compile=compiled)
     reduce_in_buckets = engine_module.reduce_in_buckets
-    if reduction in (DEEPSPEED, UNUSED_DEEPSPEED):  # DeepSpeed's own, after the backward
+    if reduction in TWIN.values():  # DeepSpeed's own reduction, after the backward
         engine_module.reduce_in_buckets = lambda engine: None
     gradient_buckets.BUCKET_NUMEL = SMALL_BUCKET
     try:
@@ -83,7 +91,9 @@ def _train(rank: int, precision: str, reduction: str) -> dict:
             started.append([])
             accumulated[0] = 0
             batch = _batch(rank, micro_step)
-            with OpCounter() as counted:
+            # Under a dispatch mode dynamo would leave the layers eager: compiled runs are
+            # not counted.
+            with nullcontext(OpCounter()) if compiled else OpCounter() as counted:
                 engine.backward(engine(**batch)["loss"])
                 boundary = engine.is_gradient_accumulation_boundary()
                 engine.step()
@@ -93,7 +103,8 @@ def _train(rank: int, precision: str, reduction: str) -> dict:
         dist.all_reduce = all_reduce
     result = {"weights": [p.detach().clone() for p in parameters], "initial": initial,
               "started": started,
-              "boundary_ops": counted.ops, "num_tensors": len(parameters)}
+              "boundary_ops": counted.ops, "num_tensors": len(parameters),
+              "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs}
     if reduction == BUCKETS:
         storages = {b.untyped_storage().data_ptr() for b in engine.gradient_buckets.buckets}
         result["num_buckets"] = len(storages)
@@ -112,7 +123,8 @@ def _rank(rank: int, port: int, out: str) -> None:
     ensure_process_group()
     runs = [(precision, reduction) for precision in ("fp32", "bf16")
             for reduction in (BUCKETS, DEEPSPEED)] + [
-        ("fp32", reduction) for reduction in (SET_TO_NONE, UNUSED_BUCKETS, UNUSED_DEEPSPEED)]
+        ("fp32", reduction) for reduction in (SET_TO_NONE, UNUSED_BUCKETS, UNUSED_DEEPSPEED)] + [
+        ("bf16", reduction) for reduction in (COMPILED_BUCKETS, COMPILED_DEEPSPEED)]
     results = {run: _train(rank, *run) for run in runs}
     # Every rank ends with the same weights (checked on rank 0 against rank 1's).
     theirs = [None, None]
@@ -131,17 +143,22 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("precision, reduction", [("fp32", BUCKETS), ("bf16", BUCKETS),
-                                                  ("fp32", SET_TO_NONE)])
+                                                  ("fp32", SET_TO_NONE),
+                                                  ("bf16", COMPILED_BUCKETS)])
 def test_the_buckets_train_the_weights_deepspeeds_reduction_trains(two_ranks, precision,
                                                                    reduction):
     """Bit for bit: the same fp32 sums over two ranks, the same multiply by 1/2, the same
     clip and AdamW, over 3 optimizer steps of 2 accumulated micro-batches (bf16: under
     autocast, whose gradients are fp32 too); also where something sets the gradients to None
-    between steps (autograd's new tensors go back into the buckets). Two ranks cannot tell a
+    between steps (autograd's new tensors go back into the buckets), and with compiled
+    layers, as on a GPU. Two ranks cannot tell a
     multiply before the sum from one after it (x 0.5 is exact): the code multiplies after, as
     DeepSpeed does."""
+    if reduction == COMPILED_BUCKETS:  # the layers did compile (their twin, run next in the
+        # same process, reuses the graphs: parameters are graph inputs)
+        assert two_ranks["results"][(precision, reduction)]["graphs"] > 0
     ours = two_ranks["results"][(precision, reduction)]["weights"]
-    deepspeeds = two_ranks["results"][(precision, DEEPSPEED)]["weights"]
+    deepspeeds = two_ranks["results"][(precision, TWIN[reduction])]["weights"]
     initial = two_ranks["results"][(precision, reduction)]["initial"]
     # Every tensor trained (a match of untrained weights would prove nothing).
     assert not any(torch.equal(a, b) for a, b in zip(ours, initial, strict=True))
