@@ -155,11 +155,9 @@ def test_a_resumed_run_keeps_its_residual_stream(monkeypatch):
     assert stream({"precision": "bf16", "zero_stage": 2, "bf16_residual": True}) is False
 
 
-def test_the_decisions_are_made_in_one_module_only():
-    """Pretraining and fine-tuning decide through resolve_engine: no other module of training/
-    (or cluster/) calls the deciding functions itself."""
-    deciders = {"resolve_precision", "default_zero_stage", "micro_batch_for_device"}
-    callers = {}
+def _callers(functions: set[str]) -> dict[str, set[str]]:
+    """The modules of training/ and cluster/ that call any of `functions`, and which."""
+    callers: dict[str, set[str]] = {}
     root = os.path.normpath(os.path.join(TRAINING, ".."))
     for folder in ("training", "cluster"):
         for path, _, files in os.walk(os.path.join(root, folder)):
@@ -171,9 +169,20 @@ def test_the_decisions_are_made_in_one_module_only():
                 for node in ast.walk(tree):
                     if isinstance(node, ast.Call):
                         called = getattr(node.func, "id", getattr(node.func, "attr", None))
-                        if called in deciders:
+                        if called in functions:
                             callers.setdefault(os.path.relpath(file, root), set()).add(called)
-    assert callers == {os.path.join("training", "resolved_engine.py"): deciders}
+    return callers
+
+
+def test_the_decisions_are_made_in_one_module_only():
+    """Pretraining and fine-tuning decide through resolve_engine: no other module of training/
+    (or cluster/) calls the deciding functions itself; and the decided residual stream reaches
+    the model in one place, the engine's build (the model's own property aside)."""
+    deciders = {"resolve_precision", "default_zero_stage", "micro_batch_for_device"}
+    assert _callers(deciders) == {os.path.join("training", "resolved_engine.py"): deciders}
+    stream = {"set_residual_in_autocast_dtype"}
+    assert _callers(stream) == {os.path.join("training", "engine.py"): stream,
+                                os.path.join("training", "model.py"): stream}
 
 
 def test_the_loop_records_the_settings_it_decided_and_trained_with(tmp_path):
