@@ -28,6 +28,7 @@ bit for bit).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,9 @@ import torch.distributed as dist
 # for BERT-large's 335M parameters. Larger buckets start later; smaller ones cost NCCL more per
 # byte (torch's DDP takes 25 MB, Megatron-LM ~40M elements).
 BUCKET_NUMEL = 25_000_000
+
+# The GradientBuckets that holds each model's gradients now.
+_OWNER: weakref.WeakKeyDictionary[torch.nn.Module, GradientBuckets] = weakref.WeakKeyDictionary()
 
 
 class GradientBuckets:
@@ -60,9 +64,19 @@ class GradientBuckets:
         self._pending = list(self._sizes)
         self._started: list[Any] = []
         self._finish_queued = False
-        for p in self._bucket_of:
-            p.register_post_accumulate_grad_hook(self._accumulated)
-        model.register_forward_pre_hook(self._before_forward)
+        # One owner of a model's gradients: buckets laid out before for this model (an engine
+        # built again on it) let go of it, or their hooks would pull each gradient back.
+        previous = _OWNER.get(model)
+        if previous is not None:
+            previous._let_go()
+        _OWNER[model] = self
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated)
+                       for p in self._bucket_of]
+        self._hooks.append(model.register_forward_pre_hook(self._before_forward))
+
+    def _let_go(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
     @torch.no_grad()
     def zero_grad(self) -> None:

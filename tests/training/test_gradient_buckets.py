@@ -206,3 +206,28 @@ def test_the_gradients_stay_in_the_buckets_and_nothing_is_copied_back(two_ranks)
     # No read to the host either (the model's own, a CPU-only padding check, aside).
     assert (ours["boundary_ops"]["_local_scalar_dense"]
             == deepspeeds["boundary_ops"]["_local_scalar_dense"])
+
+
+def test_buckets_laid_out_again_for_a_model_take_its_gradients_over():
+    """An engine built again on the same model (one rank here): the newer buckets hold the
+    gradients, the older ones let go instead of pulling each gradient back into theirs."""
+    from bertforge.training.engine import ensure_process_group
+    from bertforge.training.gradient_buckets import GradientBuckets
+    from bertforge.training.model import BertConfig, BertForPreTraining
+
+    ensure_process_group()
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, intermediate_size=64))
+    batch = _batch(0, 0)
+    torch.manual_seed(1)  # the same dropout masks in both backwards
+    model(**batch).loss.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    older = GradientBuckets(model, lambda: True)
+    newer = GradientBuckets(model, lambda: True)
+    torch.manual_seed(1)
+    model(**batch).loss.backward()
+    storages = {b.untyped_storage().data_ptr() for b in newer.buckets}
+    assert all(p.grad.untyped_storage().data_ptr() in storages for p in model.parameters())
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected, strict=True))
+    assert not any(bucket.any() for bucket in older.buckets)
