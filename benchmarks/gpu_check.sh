@@ -82,9 +82,9 @@ stage() {  # name, time limit, command...
 }
 
 # gpu_throughput.py's variants of the defaults (experiments, or a default turned off), each a
-# row beside the defaults measured in the same call: space-separated "tag:flags", the flags separated by
-# commas without spaces ("tag:" alone: no flags). VARIANT_LIMIT overrides a run's time limit,
-# e.g. 300 for "gemm-epilogue:--compile-mode=max-autotune-no-cudagraphs" (minutes of tuning).
+# row beside the defaults measured in the same call: space-separated "tag:flags", the flags
+# separated by commas without spaces ("tag:" alone: no flags). VARIANT_LIMIT overrides a run's
+# time limit, e.g. 300 for "gemm-epilogue:--compile-mode=max-autotune-no-cudagraphs" (minutes of tuning).
 # The default pair: several ranks' stage-0 reduction (gradient buckets, all-reduced during the
 # backward) run here over one rank, beside the defaults: its cost on one GPU, and that it runs
 # on NCCL's and autograd's streams. One rank's all-reduce leaves the values as they are, so the

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # tests.support: the op counter the fast path's test uses
 
-from tests.support.local_cluster import free_port  # noqa: E402
+from tests.support.local_cluster import as_local_rank, free_port  # noqa: E402
 from tests.support.op_counts import OpCounter  # noqa: E402
 
 # Operations that launch no kernel on a GPU (views, aliases, allocations) or read to the host.
@@ -41,9 +41,8 @@ NOT_COMPUTING = {
 
 
 def _rank(rank: int, port: int, stage: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2", BERTFORGE_CPU_BF16="native")
-    torch.set_num_threads(1)
+    as_local_rank(rank, 2, port)
+    os.environ["BERTFORGE_CPU_BF16"] = "native"
     from bertforge.training.config import TrainConfig
     from bertforge.training.engine import build_engine, ensure_process_group
     from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining

@@ -53,9 +53,9 @@ class GradientBuckets:
     def __init__(self, model: torch.nn.Module, is_sync_step: Callable[[], bool]) -> None:
         self.world_size = dist.get_world_size()
         parameters = [p for p in model.parameters() if p.requires_grad]
-        self.buckets, self._bucket_of, self._view_of = _lay_out(list(reversed(parameters)),
-                                                                BUCKET_NUMEL)
-        per_bucket = Counter(self._bucket_of.values())
+        # Each parameter's bucket and its gradient's view into it.
+        self.buckets, self._slot_of = _lay_out(list(reversed(parameters)), BUCKET_NUMEL)
+        per_bucket = Counter(index for index, _ in self._slot_of.values())
         self._sizes = [per_bucket[index] for index in range(len(self.buckets))]  # parameters
         self._is_sync_step = is_sync_step
         # This backward's state, set at its forward: whether it all-reduces, each bucket's
@@ -71,7 +71,7 @@ class GradientBuckets:
             previous._let_go()
         _OWNER[model] = self
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated)
-                       for p in self._bucket_of]
+                       for p in self._slot_of]
         self._hooks.append(model.register_forward_pre_hook(self._before_forward))
 
     def _let_go(self) -> None:
@@ -92,7 +92,7 @@ class GradientBuckets:
         self._finish_queued = False
 
     def _accumulated(self, parameter: torch.Tensor) -> None:
-        view = self._view_of[parameter]
+        index, view = self._slot_of[parameter]
         if parameter.grad is not view:
             # Something set `.grad` to None (a module's or an optimizer's zero_grad, whose
             # default is set_to_none) and autograd made a new tensor for this backward's
@@ -111,7 +111,7 @@ class GradientBuckets:
             # nothing and leave the other ranks waiting: BERT's losses always reach them.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._finish_queued = True
-        self._pending[self._bucket_of[parameter]] -= 1
+        self._pending[index] -= 1
         while len(self._started) < len(self.buckets) and not self._pending[len(self._started)]:
             self._start(len(self._started))
 
@@ -128,9 +128,9 @@ class GradientBuckets:
 
 
 def _lay_out(parameters: list[torch.Tensor], bucket_numel: int) -> tuple[
-        list[torch.Tensor], dict[torch.Tensor, int], dict[torch.Tensor, torch.Tensor]]:
+        list[torch.Tensor], dict[torch.Tensor, tuple[int, torch.Tensor]]]:
     """Zeroed flat buckets in `parameters`' order, each parameter's `.grad` a view into one;
-    which bucket holds each parameter's gradient, and the view.
+    and for each parameter, its bucket's index and that view.
     A bucket closes before the parameter that would take it past `bucket_numel` (a parameter
     larger than that has one of its own) or that has another dtype."""
     groups: list[list[torch.Tensor]] = []
@@ -141,14 +141,14 @@ def _lay_out(parameters: list[torch.Tensor], bucket_numel: int) -> tuple[
             numel = 0
         groups[-1].append(p)
         numel += p.numel()
-    buckets, bucket_of, view_of = [], {}, {}
+    buckets, slot_of = [], {}
     for index, group in enumerate(groups):
         bucket = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype,
                              device=group[0].device)
         offset = 0
         for p in group:
-            p.grad = view_of[p] = bucket[offset:offset + p.numel()].view_as(p)
-            bucket_of[p] = index
+            p.grad = bucket[offset:offset + p.numel()].view_as(p)
+            slot_of[p] = (index, p.grad)
             offset += p.numel()
         buckets.append(bucket)
-    return buckets, bucket_of, view_of
+    return buckets, slot_of

@@ -25,6 +25,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def as_local_rank(rank: int, world_size: int, port: int) -> None:
+    """Makes this spawned process rank `rank` of `world_size` on this machine, as a launcher
+    would (RANK, WORLD_SIZE, MASTER_*: `training.engine.ensure_process_group` joins the group),
+    on one thread: the ranks share the machine's cores."""
+    import torch
+
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+
+
 class LocalRayCluster:
     """`with LocalRayCluster(multi_node=True) as c: c.start_head(1); c.add_node(1)`.
 

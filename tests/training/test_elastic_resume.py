@@ -5,7 +5,6 @@ checkpoints)."""
 import dataclasses
 import os
 import shutil
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 
 from bertforge.training import checkpoint
 from bertforge.training.metrics import read_metrics
+from tests.support.local_cluster import as_local_rank, free_port
 from tests.training.conftest import write_dataset
 from tests.training.test_loop import TINY, _Payload, config
 
@@ -26,19 +26,11 @@ STAGES = (0, 1, 2, 3)
 LOSS_REL_TOLERANCE = 1e-4
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, jobs: list) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    as_local_rank(rank, world_size, port)
     from bertforge.training.config import TrainConfig
     from bertforge.training.loop import train
 
-    torch.set_num_threads(1)
     for kind, cfg_dict, *args in jobs:
         cfg = TrainConfig.from_dict(cfg_dict)
         if kind == "train":
@@ -56,7 +48,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list) -> None:
 def run_on(world_size: int, cfg=None, jobs: list | None = None) -> None:
     """Each job in one process group of `world_size` spawned workers, in order."""
     jobs = jobs if jobs is not None else [("train", cfg.to_dict())]
-    mp.spawn(_worker, args=(world_size, _free_port(), jobs), nprocs=world_size)
+    mp.spawn(_worker, args=(world_size, free_port(), jobs), nprocs=world_size)
 
 
 def loaded_optimizer_state(cfg, path: str, *, universal: bool) -> dict[str, torch.Tensor]:

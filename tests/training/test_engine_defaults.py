@@ -118,7 +118,8 @@ def test_default_config_on_one_and_on_eight_ranks():
     one, eight = (deepspeed_config(resolve_engine(cfg.engine(), n)) for n in (1, 8))
     assert one["zero_optimization"] == {"stage": 0}
     assert one["torch_autocast"]["enabled"] and "data_types" not in one
-    # Eight ranks take the same fast path; DeepSpeed all-reduces the fp32 gradients.
+    # Eight ranks take the same fast path; the fp32 gradients are all-reduced during the
+    # backward (training.gradient_buckets), not by DeepSpeed.
     assert eight["zero_optimization"] == {"stage": 0}
     assert eight["torch_autocast"]["enabled"] and "data_types" not in eight
     assert "communication_data_type" not in eight  # fp32: DeepSpeed's default without "bf16"

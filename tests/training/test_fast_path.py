@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import pytest
@@ -23,7 +22,7 @@ from bertforge.training.config import TrainConfig
 from bertforge.training.engine import build_engine, ensure_process_group
 from bertforge.training.model import BertConfig, BertForPreTraining
 from bertforge.training.resolved_engine import resolve_engine
-from tests.support.local_cluster import free_port
+from tests.support.local_cluster import as_local_rank, free_port
 from tests.support.op_counts import OpCounter
 
 
@@ -79,9 +78,7 @@ def test_an_optimizer_step_dispatches_as_many_operations_for_large_as_for_tiny()
 def _ops_on_rank(rank: int, port: int, out: str) -> None:
     """One of two ranks (gloo): `_ops_in_one_step` for tiny and for large at tiny's width,
     through the engine the default stage builds on two ranks; rank 0 saves the counts."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    as_local_rank(rank, 2, port)
     counts = [_ops_in_one_step(model_config, world_size=2, precision="bf16")
               for model_config in (BertConfig.preset("tiny"), _narrow("large"))]
     if rank == 0:

@@ -4,7 +4,6 @@ steps through it and through DeepSpeed's own stage-0 reduction, with accumulatio
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.support.local_cluster import free_port
+from tests.support.local_cluster import as_local_rank, free_port
 from tests.support.op_counts import OpCounter
 
 MICRO_STEPS = 6  # 3 optimizer steps of 2 micro-batches a rank
@@ -115,9 +114,7 @@ def _train(rank: int, precision: str, reduction: str) -> dict:
 
 
 def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
+    as_local_rank(rank, 2, port)
     from bertforge.training.engine import ensure_process_group
 
     ensure_process_group()
