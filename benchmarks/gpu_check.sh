@@ -2,7 +2,7 @@
 # Issue 34's whole GPU check in one call of the lent machine (benchmarks/README.md, "The GPU
 # check in one call"): install, throughput with the transformers peer rows, the kernel profile
 # before and after the fast path, the real loop's proof run (with a profile of the loop), the
-# fast path's parity with its twins, the eager paths and fp32, and the variants' A/B. Each
+# fast path's parity with its twins, the eager paths, fp32 and FP8, and the variants' A/B. Each
 # stage writes its files under OUT as it finishes and has a time limit of its own, so a stage
 # that runs long costs only itself; the log is OUT/gpu_check.log.
 #
@@ -41,7 +41,9 @@ if [ "${SMOKE:-0}" = 1 ]; then
   # variant needs them compiled; on a CPU it only times the compile).
   VARIANT_ARGS=(--device cpu --config tiny --seq-lens 64 --micro-batch 4 --steps 2 --warmup 1
                 --num-batches 2 --peak-tflops 1 --compile)
-  PARITY=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3)
+  # --fp8: torch's _scaled_mm runs on the CPU too (slowly); under bf16 only, which "auto"
+  # gives on a CPU with native bf16 (an AVX2 machine resolves fp32 and refuses it).
+  PARITY=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3 --fp8)
   LIMIT=(600 600 600 600 600)
 else
   # Where nothing is installed (the lent machine): DeepSpeed and its missing dependencies as
@@ -56,12 +58,12 @@ else
   PROFILE=(--cases before128x256,ours128x256,hfc128x256 --warmup 10 --timed 10 --profiled 3)
   PROOF=(--steps 120)
   VARIANT_ARGS=(--seq-lens 128 --steps 30 --warmup 10)
-  PARITY=(--steps 100)
+  PARITY=(--steps 100 --fp8)
   # Seconds per stage (variants: each of its runs), in the order of the array: throughput,
   # profile, proof, a variant, parity. The default three 9.5 minutes at most, "parity
-  # variants" with the two default variants 6.5 (parity: five runs, one of them fp32, 62 s
-  # for three on 2026-11-27; a variant ~45 s): each inside one 10-minute call.
-  LIMIT=(320 100 150 70 240)
+  # variants" with the default two variants 7 (parity: six runs, one of them fp32, one FP8,
+  # 62 s for three on 2026-11-27; a variant ~45 s): each inside one 10-minute call.
+  LIMIT=(320 100 150 90 280)
 fi
 
 # Scratch of the stages that run the loop: a rerun on a warm machine starts afresh (the proof
@@ -85,13 +87,14 @@ stage() {  # name, time limit, command...
 # row beside the defaults measured in the same call: space-separated "tag:flags", the flags
 # separated by commas without spaces ("tag:" alone: no flags). VARIANT_LIMIT overrides a run's
 # time limit, e.g. 300 for "gemm-epilogue:--compile-mode=max-autotune-no-cudagraphs" (minutes of tuning).
-# The default pair: several ranks' stage-0 reduction (gradient buckets, all-reduced during the
-# backward) run here over one rank, beside the defaults: its cost on one GPU, and that it runs
-# on NCCL's and autograd's streams. One rank's all-reduce leaves the values as they are, so the
-# same loss shows the buckets' bookkeeping, not the ordering of the streams: that takes two
-# GPUs (its arithmetic is held on two CPU ranks). "fp32-residual:--no-bf16-residual"
-# times the fp32 residual stream against the default bf16 one (1.032x on 2026-11-27).
-VARIANTS=${VARIANTS:-"defaults: buckets:--gradient-buckets"}
+# By default the opt-in FP8 GEMMs (training.fp8) beside the defaults. Others:
+# "buckets:--gradient-buckets", several ranks' stage-0 reduction (gradient buckets,
+# all-reduced during the backward) run here over one rank: its cost on one GPU, and that it
+# runs on NCCL's and autograd's streams (one rank's all-reduce leaves the values as they are,
+# so the same loss shows the buckets' bookkeeping, not the ordering of the streams: that takes
+# two GPUs; its arithmetic is held on two CPU ranks); "fp32-residual:--no-bf16-residual", the
+# fp32 residual stream against the default bf16 one (1.032x on 2026-11-27).
+VARIANTS=${VARIANTS:-"defaults: fp8:--fp8"}
 
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
   --commit "$COMMIT" --output-dir "$OUT"

@@ -14,7 +14,9 @@ seed and recipe (bert_large_phase1's settings, one micro-batch a step, a log lin
   fp32 master copies in its optimizer, its clip), no compile;
 - `fp32 reference`: fp32 throughout (weights, activations, GEMMs without TF32), no compile:
   the arithmetic every bf16 path approximates. Each bf16 run is compared with it too: where
-  two runs part, it tells which of them left the exact curve.
+  two runs part, it tells which of them left the exact curve;
+- `fast, FP8` (with `--fp8`): the fast path with the opt-in FP8 GEMMs (training.fp8), compared
+  and recorded, not checked: how far FP8 moves the curve is what its owner decides on.
 
 Dropout is off in every run (`hidden_dropout_prob` and `attention_probs_dropout_prob` 0): a
 compiled layer draws its dropout masks from inductor's random stream, not eager's, so with
@@ -59,13 +61,15 @@ EAGER_PATHS = {"eager ZeRO-0": {"compile": False},
                "eager ZeRO-2": {"zero_stage": 2, "compile": False}}
 # The fast path with the residual stream in fp32 (its default under bf16 autocast is bf16).
 FP32_STREAM = "fast, fp32 residual"
-SETTINGS = ("zero_stage", "precision", "compile", "bf16_residual")  # recorded per run
+SETTINGS = ("zero_stage", "precision", "compile", "bf16_residual", "fp8")  # recorded per run
+# The fast path with FP8 GEMMs (--fp8).
+FP8_PATH = "fast, FP8"
 # The arithmetic every bf16 path approximates: fp32 weights, activations and GEMMs (TF32 is
 # off: torch's default for matmuls, which the engine keeps).
 REFERENCE = "fp32 reference"
 REFERENCE_PATH = {"precision": "fp32", "compile": False}
 # Compared and recorded, not checked (the earlier path: see the checks in run()).
-RECORDED_ONLY = ("eager ZeRO-2",)
+RECORDED_ONLY = ("eager ZeRO-2", FP8_PATH)
 RECORDED = " (recorded, not checked)"
 
 
@@ -80,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "width for a scaled-down run on a CPU")
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="learning-rate warm-up (default: a tenth of --steps)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also run the fast path with FP8 GEMMs (recorded, not checked)")
     parser.add_argument("--rel-tolerance", type=float, default=1e-2,
                         help="largest relative loss difference allowed at any step")
     return parser.parse_args(argv)
@@ -127,6 +133,13 @@ def run(args: argparse.Namespace) -> dict:
     run_path(subject)
     if settings[subject]["bf16_residual"]:  # what the bf16 stream alone moves
         run_path(FP32_STREAM, bf16_residual=False)
+    failed = {}
+    if args.fp8:
+        try:  # an experiment: its failure is recorded, and the checked runs still run
+            run_path(FP8_PATH, fp8=True)
+        except Exception as error:  # noqa: BLE001 (any error: said in the results)
+            failed[FP8_PATH] = f"{type(error).__name__}: {error}"
+            print(f"[gpu_parity] {FP8_PATH} failed: {failed[FP8_PATH]}", flush=True)
     for name, path_settings in {**EAGER_PATHS, REFERENCE: REFERENCE_PATH}.items():
         run_path(name, **path_settings)
     fast = curves[subject]
@@ -167,7 +180,7 @@ def run(args: argparse.Namespace) -> dict:
         "rel_tolerance": args.rel_tolerance, "comparisons": comparisons,
         "from_reference": from_reference,
         "losses": {name: [curve[s] for s in sorted(curve)] for name, curve in curves.items()},
-        "checks": checks, "passed": all(checks.values()),
+        "failed_experiments": failed, "checks": checks, "passed": all(checks.values()),
     }
 
 
@@ -189,6 +202,7 @@ def write_results(result: dict, output_dir: str) -> None:
         "resolved: "
         + "; ".join(f"{name}: ZeRO {s['zero_stage']}, {s['precision']}, compile "
                     f"{s['compile']}, bf16 residual {s['bf16_residual']}"
+                    f"{', FP8 GEMMs' if s.get('fp8') else ''}"
                     for name, s in result["settings"].items()),
         "",
         "| measure | value |", "|---|---|",
@@ -206,6 +220,8 @@ def write_results(result: dict, output_dir: str) -> None:
           + ", ".join(f"{curve[i]:.4f}" for i in (0, steps // 2 - 1, steps - 1)) + " |"
           for name, curve in losses.items()),
         *(f"| {name} | {'yes' if ok else 'NO'} |" for name, ok in result["checks"].items()),
+        *(f"| {name} (an experiment) failed | {error} |"
+          for name, error in result.get("failed_experiments", {}).items()),
         "",
         f"Losses of steps 1-{warmup}:",
         "",

@@ -118,6 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "as a CUDA graph (one launch, no gaps between its kernels); "
                              "max-autotune-no-cudagraphs tries Triton GEMMs, which can take "
                              "bias + GELU into their epilogue (minutes of autotuning)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the opt-in FP8 GEMMs of the encoder layers (EngineConfig.fp8, "
+                             "training.fp8): MFU stays counted against the bf16 peak")
     parser.add_argument("--gradient-buckets", action="store_true",
                         help="experiment: on one device, the gradient reduction several ranks "
                              "use at stage 0 (training.gradient_buckets: each bucket "
@@ -283,7 +286,7 @@ def train_config(args: argparse.Namespace, case: Case):
         global_batch_size=None, gradient_accumulation_steps=1, zero_stage=args.zero_stage,
         precision=args.precision, optimizer=args.optimizer, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, max_predictions=None,
-        compile=args.compile, bf16_residual=args.bf16_residual,
+        compile=args.compile, bf16_residual=args.bf16_residual, fp8=args.fp8,
     )
 
 
@@ -329,6 +332,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
         "parameters": parameters, "deepspeed_config": deepspeed_config(resolved),
         "zero_stage": resolved.config.zero_stage, "compile": resolved.config.compile,
         "bf16_residual": resolved.config.bf16_residual,
+        "fp8": resolved.config.fp8,
         "gradient_buckets": hasattr(engine, "gradient_buckets"),
         # Inductor leaves CUDA graphs out where it cannot use them (and says so only here):
         # a variant with skips did not measure what it is named after.
@@ -523,10 +527,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"activation checkpointing {'on' if setup['activation_checkpointing'] else 'off'}, "
         f"compiled encoder layers {'on' if first['compile'] else 'off'}"
         f"{', bf16 residual stream' if first.get('bf16_residual') else ''}"
+        f"{', FP8 GEMMs in the encoder layers' if first.get('fp8') else ''}"
         f"{_compile_mode(setup)} "
         f"(settings given: "
         f"ZeRO {setup['zero_stage']}, compile {setup['compile']}, bf16 residual "
-        f"{setup.get('bf16_residual')}; None = the project's default)",
+        f"{setup.get('bf16_residual')}; None = the project's default)"
+        f"{'; MFU against the bf16 peak' if first.get('fp8') else ''}",
         f"- data: {first['data']}",
         f"- warm-up steps: {setup['warmup']}, then timed steps: {setup['steps']} per length; "
         f"{setup['num_batches']} distinct batches cycled, already on the device",
@@ -638,7 +644,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "environment": environment(args, name, world_size),
         "setup": {key: getattr(args, key) for key in (
             "config", "precision", "zero_stage", "optimizer", "activation_checkpointing",
-            "compile", "bf16_residual", "compile_mode", "steps", "warmup", "num_batches",
+            "compile", "bf16_residual", "fp8", "compile_mode", "steps", "warmup", "num_batches",
             "short_seq_prob", "seed")},
         "peak_tflops": peak, "peak_source": peak_source, "matmul_reference": reference,
         "flops_accounting": {

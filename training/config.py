@@ -53,6 +53,7 @@ class TrainConfig:
     activation_checkpointing: bool = option(False, "recompute each encoder layer in backward")
     compile: bool | None = engine_option("compile")
     bf16_residual: bool | None = engine_option("bf16_residual")
+    fp8: bool = engine_option("fp8")
     seed: int = option(12345, "model initialisation, masking and data order")
     mask_prob: float = option(0.15, "share of tokens to predict")
     max_predictions: int | None = option(help="masked positions per sequence (default: the "

@@ -18,7 +18,7 @@ from bertforge.training.clipped_adamw import ClippedAdamW
 from bertforge.training.compile_cache import use_cache_per_cpu_level
 from bertforge.training.engine_config import EngineConfig
 from bertforge.training.gradient_buckets import GradientBuckets
-from bertforge.training.model import BertEncoder, set_residual_in_autocast_dtype
+from bertforge.training.model import BertEncoder, set_fp8, set_residual_in_autocast_dtype
 from bertforge.training.optim import Lamb
 from bertforge.training.resolved_engine import ResolvedEngine, bf16_autocast
 from bertforge.training.schedule import lr_multiplier
@@ -190,8 +190,9 @@ def build_engine(model: torch.nn.Module, resolved: ResolvedEngine, *,
     if dist.is_initialized() and dist.get_world_size() != world_size:
         raise ValueError(f"the settings were resolved for {world_size} ranks, the process "
                          f"group has {dist.get_world_size()}")
-    # Before anything compiles: the layers are traced with the stream's dtype.
+    # Before anything compiles: the layers are traced with the stream's dtype and GEMMs.
     set_residual_in_autocast_dtype(model, cfg.bf16_residual)
+    set_fp8(model, cfg.fp8)
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,

@@ -2,8 +2,8 @@
 fine-tuning alike.
 
 The engine's options are declared here once: the optimizer and its schedule's shape, the
-precision, the ZeRO stage, clipping, compiling, the residual stream's dtype. `TrainConfig`
-offers every one of them as a flag and a pipeline-file key, `FinetuneConfig` the ones
+precision, the ZeRO stage, clipping, compiling, the residual stream's dtype, FP8 GEMMs.
+`TrainConfig` offers every one of them as a flag and a pipeline-file key, `FinetuneConfig` the ones
 fine-tuning lets a user set (the others keep their defaults here); both take the declaration
 with `engine_option`, never restate it.
 
@@ -67,6 +67,11 @@ class EngineConfig:
                                         "between layers on in bf16 (LayerNorm still "
                                         "normalises in fp32); default: on wherever bf16 runs "
                                         "under autocast (ZeRO 0)")
+    # Opt-in: it changes the arithmetic of every encoder GEMM (training.fp8), where the
+    # defaults keep the model's numerics; measured in benchmarks/README.md, "Issue 34".
+    fp8: bool = option(False, "under bf16 autocast, multiply the encoder layers' GEMMs in FP8 "
+                       "(e4m3 forward, e5m2 gradients, a scale per tensor each step; needs a "
+                       "GPU of compute capability 8.9+: L4, L40, H100, H200)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adam_betas", tuple(self.adam_betas))
@@ -81,18 +86,20 @@ class EngineConfig:
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ValueError(f"global_batch_size must be at least 1, got {self.global_batch_size}")
         self._check_optimizer()
-        self._check_bf16_residual()
+        self._check_bf16_autocast_options()
 
-    def _check_bf16_residual(self) -> None:
-        """Refused where the precision or stage, named or decided (training.resolved_engine
-        replaces them here), rules out bf16 autocast: on the driver for named ones."""
+    def _check_bf16_autocast_options(self) -> None:
+        """bf16_residual and fp8 are refused where the precision or stage, named or decided
+        (training.resolved_engine replaces them here), rules out bf16 autocast: on the driver
+        for named ones."""
         named_elsewhere = (self.precision in ("fp16", "fp32")
                            or self.zero_stage not in (None, 0))
-        if self.bf16_residual and named_elsewhere:
-            raise ValueError(
-                f"bf16_residual needs the engine's bf16 autocast (bf16 at ZeRO stage 0), not "
-                f"precision {self.precision} at ZeRO stage {self.zero_stage}: it would change "
-                "nothing there; leave it out, or train in bf16 at --zero-stage 0")
+        for name in ("bf16_residual", "fp8"):
+            if getattr(self, name) and named_elsewhere:
+                raise ValueError(
+                    f"{name} needs the engine's bf16 autocast (bf16 at ZeRO stage 0), not "
+                    f"precision {self.precision} at ZeRO stage {self.zero_stage}: it would "
+                    "change nothing there; leave it out, or train in bf16 at --zero-stage 0")
 
     def _check_optimizer(self) -> None:
         if self.optimizer == "lamb" and self.zero_stage not in (None, 0):  # None: 0 for LAMB

@@ -132,6 +132,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         "bf16_weights": cfg.precision == "bf16" and not bf16_autocast(resolved.config),
         # The residual stream's dtype under autocast: a resume keeps it (resolved_engine).
         "bf16_residual": cfg.bf16_residual,
+        "fp8": cfg.fp8,
         "seed": cfg.seed,  # `bertforge eval` masks the validation split as this run did
     }
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
@@ -222,7 +223,8 @@ def _print_recipe(cfg: TrainConfig, model_config: BertConfig, world_size: int) -
         f"steps, {cfg.optimizer} lr {cfg.learning_rate:g} (warm-up {cfg.warmup_steps}, "
         f"{cfg.decay} decay), ZeRO {cfg.zero_stage}"
         f"{', compiled layers' if cfg.compile else ''}"
-        f"{', bf16 residual stream' if cfg.bf16_residual else ''}; all of it in "
+        f"{', bf16 residual stream' if cfg.bf16_residual else ''}"
+        f"{', FP8 GEMMs' if cfg.fp8 else ''}; all of it in "
         f"{os.path.join(cfg.run_dir, 'config.json')}\n"
         f"[train] model: {model_config.num_hidden_layers} layers, hidden "
         f"{model_config.hidden_size}, {model_config.num_attention_heads} heads, vocab "

@@ -42,6 +42,7 @@ from bertforge.training.cpu_kernels import (
     linear,
     scaled_dot_product_attention,
 )
+from bertforge.training.fp8 import fp8_linear
 
 # Hugging Face's (and PyTorch's cross_entropy default) marker for "not predicted".
 IGNORE_INDEX = -100
@@ -205,6 +206,33 @@ def set_residual_in_autocast_dtype(model: nn.Module, enabled: bool) -> None:
             module.residual_in_autocast_dtype = bool(enabled)
 
 
+class EncoderLinear(Linear):
+    """An encoder layer's Linear (same parameters and state-dict names), whose GEMMs run in
+    FP8 where `fp8` is set and the forward runs under autocast (`training.fp8`: the opt-in
+    `EngineConfig.fp8`); otherwise `Linear`'s. The embeddings, pooler and heads keep theirs."""
+
+    fp8 = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.multiply(x, self.weight, self.bias)
+
+    def multiply(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T + bias as this Linear multiplies (in FP8 or not), with its own
+        weight or a block of its rows (the fused QKV's query rows)."""
+        if self.fp8 and torch.is_autocast_enabled(x.device.type):
+            return fp8_linear(x, weight, bias)
+        return linear(x, weight, bias)
+
+
+def set_fp8(model: nn.Module, enabled: bool) -> None:
+    """Every encoder layer's Linear of `model` multiplies in FP8 under autocast, or not. Set
+    it before compiling, as the residual stream's dtype."""
+    for module in model.modules():
+        if isinstance(module, EncoderLinear):
+            module.fp8 = bool(enabled)
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -241,7 +269,7 @@ class BertSelfAttention(nn.Module):
         self.dropout_prob = config.attention_probs_dropout_prob
         # Q, K and V as one [3H, H] GEMM (rows: query, key, value): one kernel that reads the
         # input once instead of three. hf_interop splits it into HF's query/key/value and back.
-        self.qkv = Linear(config.hidden_size, 3 * config.hidden_size)
+        self.qkv = EncoderLinear(config.hidden_size, 3 * config.hidden_size)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         batch_size, seq_len, _ = x.shape
@@ -257,8 +285,8 @@ class BertSelfAttention(nn.Module):
         else:
             # Queries at a few rows only: the query block on those, key and value on all.
             weight, bias, h = self.qkv.weight, self.qkv.bias, self.hidden_size
-            query = linear(queries, weight[:h], bias[:h])
-            key, value = linear(hidden, weight[h:], bias[h:]).split(h, dim=-1)
+            query = self.qkv.multiply(queries, weight[:h], bias[:h])
+            key, value = self.qkv.multiply(hidden, weight[h:], bias[h:]).split(h, dim=-1)
         query, key, value = (self._split_heads(x) for x in (query, key, value))
         attn_mask = None
         if key_padding is not None:
@@ -275,7 +303,7 @@ class BertSelfAttention(nn.Module):
 class BertSelfOutput(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.dense = Linear(config.hidden_size, config.hidden_size)
+        self.dense = EncoderLinear(config.hidden_size, config.hidden_size)
         self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
 
@@ -306,7 +334,7 @@ class BertAttention(nn.Module):
 class BertIntermediate(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.dense = Linear(config.hidden_size, config.intermediate_size)
+        self.dense = EncoderLinear(config.hidden_size, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # Exact erf GELU, Hugging Face's "gelu" (not the tanh approximation).
@@ -316,7 +344,7 @@ class BertIntermediate(nn.Module):
 class BertOutput(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.dense = Linear(config.intermediate_size, config.hidden_size)
+        self.dense = EncoderLinear(config.intermediate_size, config.hidden_size)
         self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
 

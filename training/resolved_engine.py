@@ -23,6 +23,10 @@ checkpoint's state depends on it):
   every memory-bound kernel on the stream and follows fp32 arithmetic as closely as the fp32
   stream does (benchmarks/README.md, "Issue 34"); asked for anywhere else it would change
   nothing, and is refused.
+
+FP8 GEMMs are never decided, only asked for (`--fp8`); they are refused where the decided
+precision or stage leaves no bf16 autocast (by EngineConfig, as the bf16 stream), and here where
+the device has no FP8 matmul.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from bertforge.training.engine_config import EngineConfig
+from bertforge.training.fp8 import fp8_unsupported_reason
 from bertforge.training.precision import AUTO, resolve_precision, slow_precision_warning
 from bertforge.training.recipes import default_zero_stage, micro_batch_for_device
 
@@ -119,6 +124,8 @@ def resolve_engine(
         bf16_residual = bool(saved.get("bf16_residual")) and bf16_autocast(decided)
     if bf16_residual is None:
         bf16_residual = bf16_autocast(decided)
+    if cfg.fp8:
+        check_fp8_device()
     return ResolvedEngine(dataclasses.replace(decided, bf16_residual=bf16_residual), world_size,
                           choice)
 
@@ -127,6 +134,14 @@ def bf16_autocast(cfg: EngineConfig) -> bool:
     """bf16 at ZeRO stage 0: fp32 weights, the forward under torch.autocast (at stages 1-3
     DeepSpeed's bf16 model). `cfg` is decided (a ResolvedEngine's, or on its way to one)."""
     return cfg.precision == "bf16" and cfg.zero_stage == 0
+
+
+def check_fp8_device() -> None:
+    """FP8 GEMMs asked for on a device without them fail in cuBLASLt at the first step; say
+    so up front."""
+    reason = fp8_unsupported_reason(torch.device(get_accelerator().current_device_name()))
+    if reason:
+        raise ValueError(f"fp8: {reason}; leave --fp8 out")
 
 
 def check_precision_supported(precision: str) -> None:

@@ -177,12 +177,14 @@ def _callers(functions: set[str]) -> dict[str, set[str]]:
 def test_the_decisions_are_made_in_one_module_only():
     """Pretraining and fine-tuning decide through resolve_engine: no other module of training/
     (or cluster/) calls the deciding functions itself; and the decided residual stream reaches
-    the model in one place, the engine's build (the model's own property aside)."""
+    the model in one place, the engine's build (the model's own property aside), as do FP8
+    GEMMs."""
     deciders = {"resolve_precision", "default_zero_stage", "micro_batch_for_device"}
     assert _callers(deciders) == {os.path.join("training", "resolved_engine.py"): deciders}
     stream = {"set_residual_in_autocast_dtype"}
     assert _callers(stream) == {os.path.join("training", "engine.py"): stream,
                                 os.path.join("training", "model.py"): stream}
+    assert _callers({"set_fp8"}) == {os.path.join("training", "engine.py"): {"set_fp8"}}
 
 
 def test_the_loop_records_the_settings_it_decided_and_trained_with(tmp_path):
