@@ -61,8 +61,8 @@ else
   PARITY=(--steps 100 --fp8)
   # Seconds per stage (variants: each of its runs), in the order of the array: throughput,
   # profile, proof, a variant, parity. The default three 9.5 minutes at most, "parity
-  # variants" with the default two variants 7 (parity: six runs, one of them fp32, one FP8,
-  # 62 s for three on 2026-11-27; a variant ~45 s): each inside one 10-minute call.
+  # variants" with the default two variants 7.7 (parity: six runs, one of them fp32, one FP8;
+  # four took 100 s on 2026-11-27, a variant 25-36 s): each inside one 10-minute call.
   LIMIT=(320 100 150 90 280)
 fi
 

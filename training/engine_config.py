@@ -3,9 +3,9 @@ fine-tuning alike.
 
 The engine's options are declared here once: the optimizer and its schedule's shape, the
 precision, the ZeRO stage, clipping, compiling, the residual stream's dtype, FP8 GEMMs.
-`TrainConfig` offers every one of them as a flag and a pipeline-file key, `FinetuneConfig` the ones
-fine-tuning lets a user set (the others keep their defaults here); both take the declaration
-with `engine_option`, never restate it.
+`TrainConfig` offers every one of them as a flag and a pipeline-file key, `FinetuneConfig` the
+ones fine-tuning lets a user set (the others keep their defaults here); both take the
+declaration with `engine_option`, never restate it.
 
 The run's schedule and batch (steps, learning rate, warm-up, micro-batch) have no option here:
 each job derives them its own way (pretraining from its flags and recipe, fine-tuning from
@@ -70,8 +70,9 @@ class EngineConfig:
     # Opt-in: it changes the arithmetic of every encoder GEMM (training.fp8), where the
     # defaults keep the model's numerics; measured in benchmarks/README.md, "Issue 34".
     fp8: bool = option(False, "under bf16 autocast, multiply the encoder layers' GEMMs in FP8 "
-                       "(e4m3 forward, e5m2 gradients, a scale per tensor each step; needs a "
-                       "GPU of compute capability 8.9+: L4, L40, H100, H200)")
+                       "(e4m3 forward, e5m2 gradients, a scale per tensor each step) on a GPU "
+                       "of compute capability 8.9+ (L4, L40, H100, H200); a CPU runs them "
+                       "too, slower, for tests")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adam_betas", tuple(self.adam_betas))

@@ -18,9 +18,9 @@ owner's call, on the parity and throughput figures `benchmarks/gpu_parity.py --f
 `gpu_throughput.py --fp8` give.
 
 Nothing is read back to the host: amax, scales and casts stay on the device (under
-torch.compile, the GPU default, inductor fuses each amax, scale and cast into the kernels
-around it). A GEMM whose sizes cuBLASLt cannot take in FP8 (not multiples of 16) runs in bf16.
-On a CPU torch's `_scaled_mm` runs too, slowly: the CPU tests use it.
+torch.compile, the GPU default, inductor fuses them with the work around them where it can).
+A GEMM whose sizes cuBLASLt cannot take in FP8 (not multiples of 16) runs in bf16. On a CPU
+torch's `_scaled_mm` runs too, slower than bf16: the CPU tests use it.
 """
 
 from __future__ import annotations
