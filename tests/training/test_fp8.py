@@ -175,3 +175,24 @@ def test_a_run_with_fp8_trains_as_the_bf16_path_does(tmp_path, capsys):
     assert [fp8_curve[s] for s in steps] == pytest.approx([exact[s] for s in steps], rel=5e-3)
     assert [fp8_curve[s] for s in steps] != [bf16_curve[s] for s in steps]
     assert sum(fp8_curve[s] for s in steps[-10:]) < sum(fp8_curve[s] for s in steps[:10]) - 0.5
+
+
+def test_the_fp8_model_traces_as_one_graph():
+    """What the GPU compiles (each encoder layer, under bf16 autocast): FP8's autograd function
+    traces into the graph, with no graph break, as the bf16 model does
+    (tests/training/test_compile.py); a break would run the casts and GEMMs eagerly between
+    compiled pieces."""
+    from tests.training.test_compile import _graph_breaks
+    from tests.training.test_model import random_batch
+
+    torch.manual_seed(0)
+    config = BertConfig(99, 32, 2, 2, 64)
+    model = BertForPreTraining(config)
+    model.max_predictions = 20
+    set_fp8(model, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), OpCounter() as counted:
+        model(**random_batch(config, batch_size=4, seq_len=32))
+    assert counted.ops["_scaled_mm"] > 0  # the batch reaches FP8 GEMMs
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        count, reasons = _graph_breaks(model, random_batch(config, batch_size=4, seq_len=32))
+    assert count == 0, reasons
