@@ -25,6 +25,7 @@ from bertforge.cluster.commands.stages import export_final, train_to_the_end
 from bertforge.cluster.demo.config import DemoConfig, DemoPaths
 from bertforge.cluster.demo.run import run_demo
 from bertforge.cluster.demo.sst2 import finetune_sst2
+from bertforge.cluster.demo.summary import training_statistics
 from bertforge.cluster.launch.launch_config import LaunchConfig
 from bertforge.training.checkpoint import latest_checkpoint
 from bertforge.training.eval_options import EvalOptions
@@ -52,8 +53,9 @@ def chain_at_stage_0(demo: DemoConfig, name: str, fp8: bool) -> dict:
 
 
 def outcome(run_dir: str, evaluation: dict, sst2: dict) -> dict:
-    losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
-    return {"last_loss": losses[-1], "mlm_accuracy": evaluation["mlm_accuracy"],
+    # The demo's own reading of a run's metrics (a resumed run relogs steps).
+    last_loss = training_statistics(read_metrics(run_dir))["loss_last"]
+    return {"last_loss": last_loss, "mlm_accuracy": evaluation["mlm_accuracy"],
             "nsp_accuracy": evaluation["nsp_accuracy"],
             "sst2_dev_accuracy": sst2["pretrained"]["accuracy"]}
 

@@ -81,15 +81,14 @@ class _Fp8Matmul(torch.autograd.Function):
         ctx.save_for_backward(x8, x_inverse, w8, w_inverse)
         ctx.weight_dtype = weight.dtype
         ctx.has_bias = bias is not None
-        # cuBLASLt adds a bias in its epilogue, except into fp32 (it refuses that).
-        fused_bias = bias is not None and out_dtype != torch.float32
-        out = torch._scaled_mm(
+        # cuBLASLt adds the bias in its epilogue, in the output's dtype (the autocast dtype,
+        # never fp32, into which it would refuse a bias).
+        return torch._scaled_mm(
             x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse,
-            bias=bias.to(out_dtype) if fused_bias else None, out_dtype=out_dtype,
+            bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype,
             # Hopper's faster FP8 accumulation for the forward's output only, as torchao
             # does; the gradients accumulate exactly.
             use_fast_accum=True)
-        return out + bias if bias is not None and not fused_bias else out
 
     @staticmethod
     @torch.autograd.function.once_differentiable

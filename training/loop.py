@@ -132,7 +132,6 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         "bf16_weights": cfg.precision == "bf16" and not bf16_autocast(resolved.config),
         # The residual stream's dtype under autocast: a resume keeps it (resolved_engine).
         "bf16_residual": cfg.bf16_residual,
-        "fp8": cfg.fp8,
         "seed": cfg.seed,  # `bertforge eval` masks the validation split as this run did
     }
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
