@@ -4,6 +4,8 @@ Cases (`--cases`, comma-separated, each `<kind><seq len>x<micro-batch>`):
 - `ours128x256`: our model in the DeepSpeed engine exactly as gpu_throughput.py builds it (its
   `parse_args`, `plan_cases`, `train_config`, `make_batches`; its default settings, plus
   `--engine-args`, e.g. `--engine-args="--compile"`: with `=`, as its value starts with --);
+- `fp8128x256`: the `ours` case with `--fp8` (training.fp8: the encoder's GEMMs in FP8, opt-in),
+  to see where the casts it adds spend their time;
 - `before128x256`: the same with the settings used before the fast path (`--zero-stage 2
   --no-compile`: DeepSpeed's bf16 weights and ZeRO-2 optimizer, eager; the optimizer inside is
   ClippedAdamW with its clip off, i.e. torch's fused AdamW as before; DeepSpeed's throughput
@@ -72,9 +74,10 @@ from bertforge.training.profiling import (  # noqa: E402
     without_cycle_warning,
 )
 
-CASE_PATTERN = re.compile(r"^(ours|before|hfc|hf)(\d+)x(\d+)$")
+CASE_PATTERN = re.compile(r"^(ours|fp8|before|hfc|hf)(\d+)x(\d+)$")
 KINDS = {
     "ours": "our engine, gpu_throughput.py's settings",
+    "fp8": "our engine, gpu_throughput.py's settings with --fp8",
     "before": "our engine, the earlier settings (ZeRO-2, eager)",
     "hfc": "transformers peer, torch.compile",
     "hf": "transformers peer, eager",
@@ -85,7 +88,7 @@ GIB = 2**30
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="ours128x256,ours128x64,hfc128x256,before128x256",
-                        help="comma-separated <ours|before|hfc|hf><seq len>x<micro-batch>")
+                        help="comma-separated <ours|fp8|before|hfc|hf><seq len>x<micro-batch>")
     parser.add_argument("--config", choices=sorted(gpu_peer_hf.SHAPES), default="large",
                         help="model preset of our cases and the peer's shape (tiny: smoke run)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -110,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in (c.strip() for c in args.cases.split(",") if c.strip()):
         match = CASE_PATTERN.match(name)
         if match is None:
-            parser.error(f"--cases: {name!r} is not <ours|before|hfc|hf><seq len>x<micro-batch>")
+            parser.error(f"--cases: {name!r} is not "
+                         "<ours|fp8|before|hfc|hf><seq len>x<micro-batch>")
         args.case_list.append((name, match[1], int(match[2]), int(match[3])))
     return args
 
@@ -122,8 +126,9 @@ def gt_args(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: int)
     """gpu_throughput.py's options for one of our cases."""
     argv = ["--config", args.config, "--device", args.device, "--seq-lens", str(seq_len),
             "--micro-batch", str(micro_batch), "--num-batches", str(args.num_batches)]
-    if kind == "ours":
-        return gt.parse_args(argv + shlex.split(args.engine_args))
+    if kind in ("ours", "fp8"):
+        fp8 = ["--fp8"] if kind == "fp8" else []
+        return gt.parse_args(argv + shlex.split(args.engine_args) + fp8)
     return gt.parse_args(argv + ["--zero-stage", "2", "--no-compile"])  # before the fast path
 
 
@@ -161,7 +166,7 @@ def build_ours(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: i
         "gpu_throughput_args": parsed_settings(targs),
         "zero_stage": engine.zero_optimization_stage(), "precision": resolved.config.precision,
         "optimizer": resolved.config.optimizer, "compile": resolved.config.compile,
-        "bf16_residual": resolved.config.bf16_residual,
+        "bf16_residual": resolved.config.bf16_residual, "fp8": resolved.config.fp8,
         "activation_checkpointing": cfg.activation_checkpointing,
     }
     return step, release, settings
@@ -170,7 +175,7 @@ def build_ours(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: i
 def parsed_settings(targs: argparse.Namespace) -> list[str]:
     """What gpu_throughput.py parsed that shapes the engine, for the record."""
     keep = ("config", "zero_stage", "precision", "optimizer", "activation_checkpointing",
-            "compile", "micro_batch", "seq_lens", "num_batches")
+            "compile", "fp8", "micro_batch", "seq_lens", "num_batches")
     return [f"{k}={getattr(targs, k)}" for k in keep if hasattr(targs, k)]
 
 
@@ -329,7 +334,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{setup['timed']} timed steps (wall: their median, synchronized), then "
         f"{setup['profiled']} steps under torch.profiler; {setup['num_batches']} distinct "
         "synthetic batches cycled, already on the device",
-        f"- `ours` cases: gpu_throughput.py's settings plus `{setup['engine_args'] or '(none)'}`",
+        f"- `ours` (and `fp8`) cases: gpu_throughput.py's settings plus "
+        f"`{setup['engine_args'] or '(none)'}`",
         "- GPU busy: CUDA kernel time over the profiled wall time (the profiler's overhead "
         "included, so a lower bound). Categories by kernel name (training.profiling.CATEGORIES); "
         "elementwise = everything no category named; ms are per step",

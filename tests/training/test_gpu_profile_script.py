@@ -1,0 +1,38 @@
+"""benchmarks/gpu_profile.py end to end on the CPU (tiny model): the defaults beside FP8 GEMMs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.support.alone import alone_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "benchmarks", "gpu_profile.py")
+
+
+def test_the_fp8_case_is_the_defaults_with_fp8_gemms(tmp_path):
+    """gpu_check.sh profiles `ours128x256,fp8128x256,hfc128x256` on the GPU: the `fp8` case must
+    be our engine with the same settings and FP8 turned on, so that its rows say where FP8's
+    casts spend their time and nothing else. bf16 named (FP8 needs autocast; "auto" gives fp32
+    on an AVX2 machine); on a CPU only wall times come back."""
+    out = tmp_path / "profile.md"
+    done = subprocess.run(
+        [sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny",
+         "--cases", "ours32x4,fp832x4", "--engine-args=--precision=bf16", "--warmup", "1",
+         "--timed", "1", "--profiled", "1", "--num-batches", "2", "--out", str(out)],
+        cwd=REPO, env={**alone_env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+        text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ours, fp8 = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert (ours["kind"], fp8["kind"]) == ("ours", "fp8")
+    assert (ours["settings"]["fp8"], fp8["settings"]["fp8"]) == (False, True)
+    same = ("zero_stage", "precision", "compile", "bf16_residual", "optimizer")
+    assert {k: ours["settings"][k] for k in same} == {k: fp8["settings"][k] for k in same}
+    assert fp8["settings"]["precision"] == "bf16"
+    # The same batches and seed: only FP8's own rounding parts the two losses.
+    assert ours["loss_last_timed"] != fp8["loss_last_timed"]
+    assert abs(ours["loss_last_timed"] - fp8["loss_last_timed"]) < 0.05
+    assert "## fp832x4: our engine, gpu_throughput.py's settings with --fp8" in out.read_text()
