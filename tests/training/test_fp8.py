@@ -196,3 +196,57 @@ def test_the_fp8_model_traces_as_one_graph():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         count, reasons = _graph_breaks(model, random_batch(config, batch_size=4, seq_len=32))
     assert count == 0, reasons
+
+
+def test_every_fp8_gemm_is_one_cublaslt_takes_on_a_gpu():
+    """torch's CPU `_scaled_mm` skips the checks its CUDA kernel makes (cuBLASLt's FP8 layouts,
+    sizes, dtype pairs, scales and bias: tests/support/cublaslt_rules.py). Every FP8 GEMM the
+    GPU would run is checked against them here: the Linear's forward and backward eagerly,
+    and the model's compiled encoder layers under bf16 autocast, forward and backward, as
+    `build_engine` compiles them, where inductor lays the operands out itself."""
+    from bertforge.training.compile_cache import use_cache_per_cpu_level
+    from tests.support.cublaslt_rules import cublaslt_checked, cublaslt_refusals
+    from tests.training.test_model import random_batch
+
+    with cublaslt_checked() as calls:
+        _linear_and_grads(fp8_linear, *_operands())
+    assert len(calls) == 3 and calls == [[], [], []]
+
+    torch.manual_seed(0)
+    config = BertConfig(99, 64, 2, 2, 128)
+    model = BertForPreTraining(config)
+    model.max_predictions = 15  # 4 x (15 + 1) query rows: the last layer's rows in FP8 too
+    set_fp8(model, True)
+    use_cache_per_cpu_level()  # as build_engine: the suite also runs capped to AVX2
+    for layer in model.bert.encoder.layer:
+        layer.compile()
+    batch = random_batch(config, batch_size=4, seq_len=32)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch)["loss"]
+        loss.backward()
+
+    step()  # compiles, outside the check
+    with torch._dynamo.config.patch(error_on_recompile=True), \
+            cublaslt_checked(compiled=True) as calls:
+        step()
+    assert all(refusals == [] for refusals in calls), calls
+    # Each layer's four GEMMs and their eight backward, all from inductor's code; the last
+    # layer multiplies its query rows apart (one more, two more backward).
+    assert len(calls) == 12 * config.num_hidden_layers + 3
+
+    # The rules refuse what cuBLASLt refuses (the CPU kernel takes all of these).
+    x8 = torch.zeros(32, 64, dtype=torch.float8_e4m3fn)
+    w8 = torch.zeros(48, 64, dtype=torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32)
+    assert cublaslt_refusals(x8, w8.t(), one, one) == []
+    assert "mat2 is not column-major" in cublaslt_refusals(x8, w8.t().contiguous(), one, one)[0]
+    assert "mat1 is not row-major" in cublaslt_refusals(x8.t().contiguous().t(), w8.t(), one,
+                                                        one)[0]
+    assert cublaslt_refusals(x8.to(torch.float8_e5m2), w8.t().to(torch.float8_e5m2), one,
+                             one) == ["two float8_e5m2 operands"]
+    assert cublaslt_refusals(x8, w8.t(), one, one, bias=torch.zeros(48),
+                             out_dtype=torch.bfloat16) == ["a torch.float32 bias for a "
+                                                           "torch.bfloat16 output"]
+    assert "not multiples of 16" in cublaslt_refusals(x8[:, :40], w8[:, :40].t(), one, one)[0]
