@@ -6,10 +6,11 @@ Cases (`--cases`, comma-separated, each `<kind><seq len>x<micro-batch>`):
   `--engine-args`, e.g. `--engine-args="--compile"`: with `=`, as its value starts with --);
 - `fp8128x256`: the `ours` case with `--fp8` (training.fp8: the encoder's GEMMs in FP8, opt-in),
   to see where the casts it adds spend their time;
-- `before128x256`: the same with the settings used before the fast path (`--zero-stage 2
-  --no-compile`: DeepSpeed's bf16 weights and ZeRO-2 optimizer, eager; the optimizer inside is
-  ClippedAdamW with its clip off, i.e. torch's fused AdamW as before; DeepSpeed's throughput
-  timer, whose syncs the 2026-11-26 profile's `before` row still had, is off here too);
+- `before128x256`: our engine as `ours` builds it, with the settings used before the fast path
+  (`--zero-stage 2 --no-compile`: DeepSpeed's bf16 weights and ZeRO-2 optimizer, eager; the
+  optimizer inside is ClippedAdamW with its clip off, i.e. torch's fused AdamW as before;
+  DeepSpeed's throughput timer, whose syncs the 2026-11-26 profile's `before` row still had, is
+  off here too);
 - `hfc128x256` / `hf128x256`: the transformers peer of gpu_peer_hf.py (its step function),
   compiled / eager.
 
