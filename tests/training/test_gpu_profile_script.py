@@ -14,7 +14,7 @@ SCRIPT = os.path.join(REPO, "benchmarks", "gpu_profile.py")
 
 
 def test_the_fp8_case_is_the_defaults_with_fp8_gemms(tmp_path):
-    """gpu_check.sh profiles `ours128x256,fp8128x256,hfc128x256` on the GPU: the `fp8` case must
+    """gpu_check.sh profiles `ours128x256,hfc128x256,fp8128x256` on the GPU: the `fp8` case must
     be our engine with the same settings and FP8 turned on, so that its rows say where FP8's
     casts spend their time and nothing else. bf16 named (FP8 needs autocast; "auto" gives fp32
     on an AVX2 machine); on a CPU only wall times come back."""
