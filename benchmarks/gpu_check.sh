@@ -33,9 +33,9 @@ if [ "${SMOKE:-0}" = 1 ]; then
   export CUDA_VISIBLE_DEVICES=
   THROUGHPUT=(--device cpu --config tiny --seq-lens 64 --micro-batch 4 --steps 2 --warmup 1
               --num-batches 2 --peak-tflops 1 --peer)
-  # fp864x4: as PARITY's --fp8 below, bf16 only (an AVX2 machine refuses it).
+  # bf16 named: fp864x4 needs autocast, and "auto" is fp32 on an AVX2 machine.
   PROFILE=(--device cpu --config tiny --cases ours64x4,hfc64x4,fp864x4 --warmup 1
-           --timed 1 --profiled 1)
+           --timed 1 --profiled 1 --engine-args=--precision=bf16)
   PROOF=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3 --precision fp32 --min-drop 0
          --log-every 5)
   # --compile: as on a GPU, where the layers are compiled by default (a --compile-mode
@@ -90,7 +90,8 @@ stage() {  # name, time limit, command...
 # gpu_throughput.py's variants of the defaults (experiments, or a default turned off), each a
 # row beside the defaults measured in the same call: space-separated "tag:flags", the flags
 # separated by commas without spaces ("tag:" alone: no flags). VARIANT_LIMIT overrides a run's
-# time limit, e.g. 300 for "gemm-epilogue:--compile-mode=max-autotune-no-cudagraphs" (minutes of tuning).
+# time limit, e.g. 300 for "gemm-epilogue:--compile-mode=max-autotune-no-cudagraphs" (minutes
+# of tuning).
 # By default the opt-in FP8 GEMMs (training.fp8) beside the defaults. Others:
 # "buckets:--gradient-buckets", several ranks' stage-0 reduction (gradient buckets,
 # all-reduced during the backward) run here over one rank: its cost on one GPU, and that it
