@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 34's whole GPU check in one call of the lent machine (benchmarks/README.md, "The GPU
 # check in one call"): install, throughput with the transformers peer rows, the kernel profile
-# of the defaults, of FP8 GEMMs and of the compiled peer, the real loop's proof run (with a
+# of the defaults, of FP8 GEMMs and of the compiled peer (inductor's Triton kernels put against
+# the memory bandwidth, and their sources brought back), the real loop's proof run (with a
 # profile of the loop), the fast path's parity with its twins, the eager paths, fp32 and FP8,
 # and the variants' A/B. Each stage writes its files under OUT as it finishes and has a time
 # limit of its own, so a stage that runs long costs only itself; the log is OUT/gpu_check.log.
@@ -72,7 +73,7 @@ fi
 
 # Scratch of the stages that run the loop: a rerun on a warm machine starts afresh (the proof
 # run would resume the last call's finished run and refuse to overwrite its export).
-rm -rf /tmp/gpu-proof /tmp/gpu-parity /tmp/gpu-variants
+rm -rf /tmp/gpu-proof /tmp/gpu-parity /tmp/gpu-variants /tmp/gpu-kernels
 
 status=0
 stage() {  # name, time limit, command...
@@ -98,13 +99,20 @@ stage() {  # name, time limit, command...
 # runs on NCCL's and autograd's streams (one rank's all-reduce leaves the values as they are,
 # so the same loss shows the buckets' bookkeeping, not the ordering of the streams: that takes
 # two GPUs; its arithmetic is held on two CPU ranks); "fp32-residual:--no-bf16-residual", the
-# fp32 residual stream against the default bf16 one (1.032x on 2026-11-27).
+# fp32 residual stream against the default bf16 one (1.032x on 2026-11-27);
+# "no-dropout:--no-dropout", a diagnostic: what dropout's masks cost a step (never a way to
+# train).
 VARIANTS=${VARIANTS:-"defaults: fp8:--fp8"}
 
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
   --commit "$COMMIT" --output-dir "$OUT"
 stage profile "${LIMIT[1]}" "$PYTHON" benchmarks/gpu_profile.py "${PROFILE[@]}" \
-  --commit "$COMMIT" --output-dir "$OUT"
+  --commit "$COMMIT" --output-dir "$OUT" --kernel-sources /tmp/gpu-kernels
+# The Triton kernels the profiled cases ran, to read where there is no GPU (one file: at most
+# 8 come back, and the default stages write 7 besides).
+if compgen -G "/tmp/gpu-kernels/*" >/dev/null; then
+  tar -czf "$OUT/inductor_kernels.tar.gz" -C /tmp/gpu-kernels .
+fi
 # The proof run's run directory and export stay out of OUT (only 8 files come back).
 stage proof "${LIMIT[2]}" "$PYTHON" benchmarks/gpu_proof_run.py --data "$DATA" \
   --output-dir /tmp/gpu-proof "${PROOF[@]}" --commit "$COMMIT"

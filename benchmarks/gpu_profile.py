@@ -21,8 +21,11 @@ see training.profiling.CATEGORIES; ranges such as `Optimizer.step#...`, which th
 mirrors on the GPU's timeline, are not kernels), over the profiled wall time: GPU busy. A step
 that is mostly kernels is compute-bound; one with the GPU idle much of the time is bound by
 launches, host work or syncs.
-The top `--top` kernels by time are listed per case. On a CPU (`--device cpu`, a smoke run)
-there are no kernels: the wall times are still measured, GPU busy is n/a.
+The top `--top` kernels by time are listed per case, then inductor's Triton kernels against the
+memory bandwidth (kernel_bandwidth.py): the bytes each moves, as inductor estimates them, over
+its time, beside a device copy measured first, and the kernels that lose most time to it (those
+drawing dropout's random numbers marked). On a CPU (`--device cpu`, a smoke run) there are no
+kernels: the wall times are still measured, GPU busy and bandwidth are n/a.
 
 Output: markdown (`--out`; default benchmarks/results/gpu_profile_<device>_<date>[_<tag>].md,
 never overwriting: `_2`, `_3`) with a summary table first and one section per case, and JSON of
@@ -54,6 +57,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.exc import BackendCompilerFailed
+from torch._inductor.exc import InductorError
 from torch.profiler import ProfilerActivity, profile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,6 +69,7 @@ sys.path.insert(0, HERE)
 
 import gpu_peer_hf  # noqa: E402
 import gpu_throughput as gt  # noqa: E402
+import kernel_bandwidth  # noqa: E402
 
 # The training loop's own profile (`bertforge train --profile-steps`) sorts kernels the same way.
 from bertforge.training.profiling import (  # noqa: E402
@@ -105,6 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=25, help="kernels listed per case")
     parser.add_argument("--out", default=None, help="markdown file (default: see the module)")
     parser.add_argument("--output-dir", default=os.path.join(REPO, "benchmarks", "results"))
+    parser.add_argument("--kernel-sources", default=None, metavar="FOLDER",
+                        help="copy the source of every Triton kernel inductor compiled into "
+                             "FOLDER after each case (gpu_check.sh brings it back as "
+                             "inductor_kernels.tar.gz)")
     parser.add_argument("--tag", default="", help="appended to the default file name")
     parser.add_argument("--commit", default=None, help="source commit (default: from git)")
     args = parser.parse_args(argv)
@@ -194,8 +204,10 @@ def build_peer(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: i
 # --- measuring ------------------------------------------------------------------------------
 
 
-def run_case(step: Callable[[int], torch.Tensor], args: argparse.Namespace) -> dict[str, Any]:
-    """Warm up, time `--timed` steps, profile `--profiled` steps; kernel time by category."""
+def run_case(step: Callable[[int], torch.Tensor], args: argparse.Namespace,
+             copy_gbps: float | None = None) -> dict[str, Any]:
+    """Warm up, time `--timed` steps, profile `--profiled` steps; kernel time by category, and
+    inductor's kernels against `copy_gbps` (kernel_bandwidth)."""
     cuda = args.device == "cuda"
     started = time.perf_counter()
     for i in range(args.warmup):
@@ -241,9 +253,31 @@ def run_case(step: Callable[[int], torch.Tensor], args: argparse.Namespace) -> d
         "top_kernels": [{"name": name, "category": kernel_category(name),
                          "ms_per_step": us / 1e3 / n, "calls_per_step": calls / n}
                         for name, (calls, us) in top],
+        "bandwidth": kernel_bandwidth.bandwidth_report(
+            kernels, kernel_bandwidth.loaded_kernels(), copy_gbps, n),
         "loss_last_timed": loss.item(),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
     }
+
+
+def profile_case(args: argparse.Namespace, name: str, kind: str, seq_len: int,
+                 micro_batch: int, copy_gbps: float | None) -> dict[str, Any]:
+    """Build one case, run it (`run_case`) and free what it held."""
+    started = time.perf_counter()
+    build = build_peer if kind in ("hf", "hfc") else build_ours
+    step, release, settings = build(args, kind, seq_len, micro_batch)
+    build_s = time.perf_counter() - started
+    try:
+        measured = run_case(step, args, copy_gbps)
+    finally:
+        release()
+        compiled = settings["compile"]
+        del step, release
+        if compiled:
+            torch._dynamo.reset()  # drop the compiled graphs before the next case
+        free_device()
+    return {"case": name, "kind": kind, "description": KINDS[kind], "seq_len": seq_len,
+            "micro_batch": micro_batch, "settings": settings, "build_s": build_s, **measured}
 
 
 def free_device() -> None:
@@ -320,7 +354,8 @@ def case_section(r: dict[str, Any]) -> str:
         name = name.replace("|", "\\|")
         lines.append(f"| {_ms(k['ms_per_step'])} | {k['calls_per_step']:g} "
                      f"| {k['category']} | `{name}` |")
-    return "\n".join(lines)
+    bandwidth = kernel_bandwidth.markdown(r["bandwidth"]) if "bandwidth" in r else []
+    return "\n".join(lines + ([""] + bandwidth if bandwidth else []))
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -340,6 +375,10 @@ def markdown(report: dict[str, Any]) -> str:
         "- GPU busy: CUDA kernel time over the profiled wall time (the profiler's overhead "
         "included, so a lower bound). Categories by kernel name (training.profiling.CATEGORIES); "
         "elementwise = everything no category named; ms are per step",
+        "- Triton kernels against the bandwidth (benchmarks/kernel_bandwidth.py): bytes a call as "
+        "inductor estimates them, a device-to-device copy "
+        + (f"measured at {env['copy_gbps']:,.0f} GB/s" if env.get("copy_gbps")
+           else "not measured (no GPU)"),
         "",
         summary_table(report["results"]),
         "",
@@ -364,6 +403,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ensure_process_group()
     if args.device == "cuda":
         torch.cuda.set_device(0)
+    # Before anything compiles: each Triton kernel's bytes, for the time it loses against a copy.
+    kernel_bandwidth.enable_estimates()
+    copy_gbps = kernel_bandwidth.copy_bandwidth_gbps(args.device)
     device = gt.device_name(args.device)
     now = datetime.datetime.now(datetime.timezone.utc)
     report = {
@@ -373,6 +415,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "cuda": torch.version.cuda, "python": platform.python_version(),
             "commit": gt.source_commit(args),
             "command": " ".join(shlex.quote(a) for a in sys.argv),
+            "copy_gbps": copy_gbps,
         },
         "setup": {key: getattr(args, key) for key in (
             "config", "cases", "engine_args", "warmup", "timed", "profiled", "num_batches")},
@@ -381,24 +424,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     md_path, json_path = output_paths(args, device, report["environment"]["date"])
     for name, kind, seq_len, micro_batch in args.case_list:
-        started = time.perf_counter()
-        build = build_peer if kind in ("hf", "hfc") else build_ours
-        step, release, settings = build(args, kind, seq_len, micro_batch)
-        build_s = time.perf_counter() - started
         try:
-            measured = run_case(step, args)
-        finally:
-            release()
-            compiled = settings["compile"]
-            del step, release
-            if compiled:
-                torch._dynamo.reset()  # drop the compiled graphs before the next case
-            free_device()
-        result = {"case": name, "kind": kind, "description": KINDS[kind], "seq_len": seq_len,
-                  "micro_batch": micro_batch, "settings": settings, "build_s": build_s,
-                  **measured}
+            result = profile_case(args, name, kind, seq_len, micro_batch, copy_gbps)
+        except (BackendCompilerFailed, InductorError) as failed:
+            if not kernel_bandwidth.estimates_enabled():
+                raise
+            # The estimates come from a debugging switch of inductor's: where it breaks a
+            # compile, the profile matters more than its bandwidth section.
+            print(f"[gpu_profile] {name}: the compile failed with inductor's size estimates on "
+                  f"({type(failed).__name__}); again without them", flush=True)
+            kernel_bandwidth.disable_estimates()
+            result = profile_case(args, name, kind, seq_len, micro_batch, copy_gbps)
         report["results"].append(result)
         write(report, md_path, json_path)
+        if args.kernel_sources:
+            kernel_bandwidth.save_sources(args.kernel_sources)
         print(f"[gpu_profile] {name}: {result['wall_ms_median']:.1f} ms/step, GPU busy "
               f"{_busy(result)}, {result['kernels_per_step']:,.0f} kernels/step", flush=True)
     print("\n" + markdown(report))

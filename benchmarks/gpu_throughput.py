@@ -44,6 +44,7 @@ device and the date, e.g. gpu_throughput_nvidia-h100-80gb-hbm3_2026-11-21.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -121,6 +122,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fp8", action="store_true",
                         help="the opt-in FP8 GEMMs of the encoder layers (EngineConfig.fp8, "
                              "training.fp8): MFU stays counted against the bf16 peak")
+    parser.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-dropout: a diagnostic, never a way to train: hidden and "
+                             "attention dropout off, so the step's difference from the "
+                             "defaults is what dropout costs (its masks' random numbers, drawn "
+                             "inside the fused kernels and cuDNN's attention)")
     parser.add_argument("--gradient-buckets", action="store_true",
                         help="experiment: on one device, the gradient reduction several ranks "
                              "use at stage 0 (training.gradient_buckets: each bucket "
@@ -301,6 +307,9 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     memory_before = torch.cuda.memory_allocated() / GIB if args.device == "cuda" else None
     cpu_batches, vocab_size, data = make_batches(case, args, rank, world_size)
     model_config = BertConfig.preset(args.config, vocab_size=vocab_size)
+    if not args.dropout:
+        model_config = dataclasses.replace(model_config, hidden_dropout_prob=0.0,
+                                           attention_probs_dropout_prob=0.0)
     # The loader's bound on labels per row, as the loop sets it: a fixed-width sparse head.
     max_predictions = default_max_predictions(case.seq_len)
     counts = [batch_counts(b, model_config, max_predictions) for b in cpu_batches]
@@ -333,6 +342,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
         "zero_stage": resolved.config.zero_stage, "compile": resolved.config.compile,
         "bf16_residual": resolved.config.bf16_residual,
         "fp8": resolved.config.fp8,
+        "dropout": args.dropout,
         "gradient_buckets": hasattr(engine, "gradient_buckets"),
         # Inductor leaves CUDA graphs out where it cannot use them (and says so only here):
         # a variant with skips did not measure what it is named after.
@@ -364,6 +374,9 @@ def check_experiments(args: argparse.Namespace, resolved) -> None:
     residual stream without bf16 autocast: by EngineConfig itself)."""
     if args.compile_mode != "default" and not resolved.config.compile:
         raise SystemExit("--compile-mode needs compiled layers (--compile, the default on a GPU)")
+    if not args.dropout and (args.peer if args.peer is not None else args.device == "cuda"):
+        raise SystemExit("--no-dropout is a diagnostic beside the defaults, with --no-peer: "
+                         "the peer trains with dropout")
     if args.gradient_buckets and (resolved.config.zero_stage != 0
                                   or resolved.config.precision == "fp16"):
         raise SystemExit("--gradient-buckets is stage 0's reduction (not fp16's): "
@@ -528,6 +541,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"compiled encoder layers {'on' if first['compile'] else 'off'}"
         f"{', bf16 residual stream' if first.get('bf16_residual') else ''}"
         f"{', FP8 GEMMs in the encoder layers' if first.get('fp8') else ''}"
+        f"{'' if first.get('dropout', True) else ', dropout off (a diagnostic)'}"
         f"{_compile_mode(setup)} "
         f"(settings given: "
         f"ZeRO {setup['zero_stage']}, compile {setup['compile']}, bf16 residual "
@@ -644,7 +658,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "environment": environment(args, name, world_size),
         "setup": {key: getattr(args, key) for key in (
             "config", "precision", "zero_stage", "optimizer", "activation_checkpointing",
-            "compile", "bf16_residual", "fp8", "compile_mode", "steps", "warmup", "num_batches",
+            "compile", "bf16_residual", "fp8", "dropout", "compile_mode", "steps", "warmup",
+            "num_batches",
             "short_seq_prob", "seed")},
         "peak_tflops": peak, "peak_source": peak_source, "matmul_reference": reference,
         "flops_accounting": {

@@ -36,3 +36,48 @@ def test_the_fp8_case_is_the_defaults_with_fp8_gemms(tmp_path):
     assert ours["loss_last_timed"] != fp8["loss_last_timed"]
     assert abs(ours["loss_last_timed"] - fp8["loss_last_timed"]) < 0.05
     assert "## fp832x4: our engine, gpu_throughput.py's settings with --fp8" in out.read_text()
+    # No GPU: no Triton kernel to put against a copy, and the report says so.
+    assert ours["bandwidth"]["copy_gbps"] is None
+    assert ours["bandwidth"]["triton_ms_per_step"] == 0
+    assert "a device-to-device copy not measured (no GPU)" in out.read_text()
+
+
+RETRY = """
+import sys
+sys.argv[0] = {script!r}
+sys.path.insert(0, {benchmarks!r})
+import torch
+from torch._inductor.exc import InductorError
+import gpu_profile, kernel_bandwidth
+
+real_run_case = gpu_profile.run_case
+failed = []
+
+def run_case(step, args, copy_gbps=None):
+    if kernel_bandwidth.estimates_enabled():  # as a compile broken by the estimates would
+        failed.append(True)
+        raise InductorError(RuntimeError("broken by benchmark_kernel"), None)
+    return real_run_case(step, args, copy_gbps)
+
+gpu_profile.run_case = run_case
+report = gpu_profile.main({argv!r})
+assert failed == [True] and not kernel_bandwidth.estimates_enabled()
+print("cases", [r["case"] for r in report["results"]])
+"""
+
+
+def test_a_compile_the_size_estimates_break_is_profiled_again_without_them(tmp_path):
+    """The bandwidth section comes from a debugging switch of inductor's (`benchmark_kernel`);
+    if it ever broke a compile on the GPU, the case runs again without it rather than the
+    profile stage losing its cases."""
+    argv = ["--device", "cpu", "--config", "tiny", "--cases", "ours32x4,fp832x4",
+            "--engine-args=--precision=bf16", "--warmup", "1", "--timed", "1", "--profiled", "1",
+            "--num-batches", "2", "--out", str(tmp_path / "profile.md")]
+    code = RETRY.format(script=SCRIPT, benchmarks=os.path.dirname(SCRIPT), argv=argv)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO,
+                          env={**alone_env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "cases ['ours32x4', 'fp832x4']" in done.stdout
+    assert ("ours32x4: the compile failed with inductor's size estimates on (InductorError); "
+            "again without them") in done.stdout

@@ -144,9 +144,9 @@ def test_the_peer_rows_sit_beside_ours_with_the_ratio():
 
 
 def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
-    """gpu_check.sh's "variants" stage: the defaults and three variants (--no-bf16-residual: the
+    """gpu_check.sh's "variants" stage: the defaults and four variants (--no-bf16-residual: the
     fp32 residual stream; --gradient-buckets: several ranks' stage-0 reduction on this one;
-    --fp8: the encoder's GEMMs in FP8),
+    --fp8: the encoder's GEMMs in FP8; --no-dropout: what dropout costs, a diagnostic),
     each a gpu_throughput.py run, then benchmarks/ab_table.py's table with the ratio to the
     defaults and the last loss. A setting that would change nothing (CUDA graphs without
     compiled layers, a bf16 residual stream or FP8 without autocast) or is not stage 0's
@@ -154,9 +154,10 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
     env = alone_env()
     common = [sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny", "--seq-lens", "64",
               "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
-              "--peak-tflops", "1", "--no-peer", "--output-dir", str(tmp_path)]
+              "--peak-tflops", "1", "--output-dir", str(tmp_path)]
     for tag, flags in (("defaults", []), ("fp32-residual", ["--no-bf16-residual"]),
-                       ("buckets", ["--gradient-buckets"]), ("fp8", ["--fp8"])):
+                       ("buckets", ["--gradient-buckets"]), ("fp8", ["--fp8"]),
+                       ("no-dropout", ["--no-dropout"])):
         done = subprocess.run(common + flags + ["--tag", f"variant-{tag}"], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -165,28 +166,35 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
                             *runs], capture_output=True, text=True, timeout=60, check=True).stdout
     rows = [line for line in table.splitlines() if line.startswith("| ") and " x 4 |" in line]
     assert [row.split(" | ")[0] for row in rows] == ["| defaults", "| buckets",
-                                                      "| fp32-residual", "| fp8"]
+                                                      "| fp32-residual", "| fp8",
+                                                      "| no-dropout"]
     assert "| 1.000x |" in rows[0] and "| 0.0e+00 | 0 |" in rows[0]
     # The reduction over one rank is the identity: the same arithmetic, the same loss.
     assert "| 0.0e+00 | 0 |" in rows[1]
     assert rows[2].endswith(" | 0 |") and "| 0.0e+00 |" not in rows[2]
     assert rows[3].endswith(" | 0 |") and "| 0.0e+00 |" not in rows[3]  # FP8's own arithmetic
+    assert "| 0.0e+00 |" not in rows[4]  # no masks: another loss
     results = {run.removesuffix(".json").split("variant-")[1]:
                json.loads(open(run).read())["results"][0] for run in runs}
     # bf16 under autocast (one worker): the bf16 stream is the default, the flag turns it off.
     assert {tag: r["bf16_residual"] for tag, r in results.items()} == {
-        "defaults": True, "fp32-residual": False, "buckets": True, "fp8": True}
+        "defaults": True, "fp32-residual": False, "buckets": True, "fp8": True,
+        "no-dropout": True}
     assert {tag: r["gradient_buckets"] for tag, r in results.items()} == {
-        "defaults": False, "fp32-residual": False, "buckets": True, "fp8": False}
+        "defaults": False, "fp32-residual": False, "buckets": True, "fp8": False,
+        "no-dropout": False}
     assert {tag: r["fp8"] for tag, r in results.items()} == {
-        "defaults": False, "fp32-residual": False, "buckets": False, "fp8": True}
+        "defaults": False, "fp32-residual": False, "buckets": False, "fp8": True,
+        "no-dropout": False}
+    assert [tag for tag, r in results.items() if not r["dropout"]] == ["no-dropout"]
     for flags, reason in ((["--compile-mode", "reduce-overhead", "--no-compile"],
                            "--compile-mode needs compiled layers"),
                           (["--bf16-residual", "--precision", "fp32"],
                            "bf16_residual needs the engine's bf16 autocast"),
                           (["--fp8", "--zero-stage", "2"], "fp8 needs the engine's bf16 autocast"),
                           (["--gradient-buckets", "--zero-stage", "2"],
-                           "--gradient-buckets is stage 0's reduction")):
+                           "--gradient-buckets is stage 0's reduction"),
+                          (["--no-dropout", "--peer"], "--no-dropout is a diagnostic")):
         refused = subprocess.run(common + flags, cwd=REPO, env=env, capture_output=True,
                                  text=True, timeout=240)
         assert refused.returncode != 0 and reason in refused.stderr, refused.stderr[-2000:]
