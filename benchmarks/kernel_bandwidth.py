@@ -25,11 +25,13 @@ import torch
 import torch._inductor.config
 
 # A Triton kernel in inductor's source: its decorator's inductor_meta (a dict's repr, which
-# holds the estimate), then `@triton.jit` and the kernel's `def`. In a graph's wrapper the
-# source sits inside `async_compile.triton('name', '''...''')`; a kernel's own module holds it
-# alone.
-_KERNEL_DEF = re.compile(r"@triton\.jit\s*\n\s*def (?P<name>triton_\w+)\(")
+# holds the estimate and the kernel's name), then `@triton.jit` and the kernel's `def`. In a
+# graph's wrapper the source sits inside `async_compile.triton('name', '''...''')`; a kernel's
+# own module holds it alone. The metadata's `kernel_name` is the name: some inductor versions
+# write the def as plain `triton_`.
+_KERNEL_DEF = re.compile(r"@triton\.jit\s*\n\s*def (?P<name>triton_\w*)\(")
 _META = "inductor_meta="
+_NAME = re.compile(r"'kernel_name':\s*'(?P<name>triton_\w+)'")
 _NUM_GB = re.compile(r"'kernel_num_gb':\s*(?P<gb>[0-9.eE+-]+)")
 # What draws random numbers in inductor's Triton: tl.rand / tl.randint / tl.randn (and their
 # 4x forms), triton_helpers' rand4x and rand_eager_kernel, Philox itself.
@@ -63,9 +65,13 @@ def parse_kernels(source: str) -> dict[str, dict[str, Any]]:
         body_end = defs[i + 1].start() if i + 1 < len(defs) else len(source)
         closing = source.find(_SOURCE_END, match.end(), body_end)
         body = source[match.end():closing if closing >= 0 else body_end]
+        named = _NAME.search(meta)
+        name = named["name"] if named else match["name"]
+        if name == "triton_":  # neither says which kernel it is
+            continue
         gb = _NUM_GB.search(meta)
-        kernels[match["name"]] = {"gb": float(gb["gb"]) if gb else None,
-                                  "random": bool(_RANDOM.search(body))}
+        kernels[name] = {"gb": float(gb["gb"]) if gb else None,
+                         "random": bool(_RANDOM.search(body))}
     return kernels
 
 

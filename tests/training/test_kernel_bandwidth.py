@@ -86,9 +86,16 @@ def test_each_kernel_of_a_wrapper_has_its_own_size_and_random_draws(kb):
         # Compiled without the estimate: no size, never another kernel's.
         "triton_poi_fused_add_2": {"gb": None, "random": False},
     }
-    # A kernel's own module (the source alone, no wrapper around it) reads the same.
+    # A kernel's own module (the source alone, no wrapper around it) reads the same, also where
+    # its def is plain `triton_` (some inductor versions): the metadata names it.
     alone = GELU.split("'''")[1]
     assert kb.parse_kernels(alone) == {"triton_poi_fused_gelu_1": {"gb": 0.5, "random": False}}
+    plain = alone.replace("def triton_poi_fused_gelu_1(", "def triton_(")
+    assert kb.parse_kernels(plain) == {"triton_poi_fused_gelu_1": {"gb": 0.5, "random": False}}
+    # Neither names it (a template before its name is filled in): nothing to put a time against.
+    unnamed = plain.replace("'kernel_name': 'triton_poi_fused_gelu_1'",
+                            "'kernel_name': 'Placeholder.DESCRIPTIVE_NAME'")
+    assert kb.parse_kernels(unnamed) == {}
 
 
 def test_a_name_two_different_kernels_share_has_no_size(kb, tmp_path, monkeypatch):
