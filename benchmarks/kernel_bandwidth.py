@@ -39,11 +39,17 @@ _RANDOM = re.compile(r"\btl\.rand|\btriton_helpers\.rand|\bphilox\b|\brandint64\
 _SOURCE_END = "'''"
 
 
+_estimates_since: float | None = None  # when enable_estimates ran (time.time())
+
+
 def enable_estimates() -> None:
     """Have inductor write each Triton kernel's bytes into its source from now on (set before
     anything compiles: a kernel compiled earlier, or loaded from a cache filled without it,
     carries no estimate)."""
+    global _estimates_since
     torch._inductor.config.benchmark_kernel = True
+    if _estimates_since is None:
+        _estimates_since = time.time()
 
 
 def disable_estimates() -> None:
@@ -76,15 +82,25 @@ def parse_kernels(source: str) -> dict[str, dict[str, Any]]:
 
 
 def _loaded_sources() -> list[tuple[str, str]]:
-    """(path, source) of each module inductor has loaded in this process that holds a Triton
-    kernel (graphs' wrappers and kernels' own modules)."""
+    """(path, source) of each module with a Triton kernel that inductor loaded in this process
+    (graphs' wrappers and kernels' own modules), and, once `enable_estimates` ran, of each it
+    wrote to its cache folder since: the two ways to find them, as inductor's bookkeeping has
+    changed between versions."""
     from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+    modules = list(getattr(PyCodeCache, "modules", []))
+    modules += list(getattr(PyCodeCache, "modules_no_attr", {}).values())
+    modules += list(getattr(PyCodeCache, "cache", {}).values())  # torch before 2.5
+    paths = {m.__file__ for m in modules if getattr(m, "__file__", None)}
+    if _estimates_since is not None:
+        for folder, _, files in os.walk(cache_dir()):
+            for name in files:
+                path = os.path.join(folder, name)
+                if name.endswith(".py") and os.path.getmtime(path) >= _estimates_since:
+                    paths.add(path)
     sources = []
-    for module in list(getattr(PyCodeCache, "modules", [])):
-        path = getattr(module, "__file__", None)
-        if not path:
-            continue
+    for path in sorted(paths):
         try:
             with open(path, encoding="utf-8") as f:
                 source = f.read()

@@ -122,6 +122,25 @@ def test_a_name_two_different_kernels_share_has_no_size(kb, tmp_path, monkeypatc
     assert (tmp_path / "sources" / "wrapper0.py").read_text() == WRAPPER
 
 
+def test_kernels_written_to_the_cache_since_the_estimates_are_found_too(kb, tmp_path,
+                                                                       monkeypatch):
+    """Where inductor's bookkeeping of loaded modules does not list a kernel (it has changed
+    between versions), what it wrote to its cache folder after `enable_estimates` still counts;
+    what it wrote before (another process's kernels, no estimates) does not."""
+    monkeypatch.setattr(torch._inductor.config, "benchmark_kernel", False)
+    monkeypatch.setattr(kb, "_estimates_since", None)
+    monkeypatch.setattr(PyCodeCache, "modules", [])
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    (tmp_path / "ab").mkdir()
+    earlier = tmp_path / "ab" / "earlier.py"
+    earlier.write_text(triton_kernel("triton_poi_fused_mul_3", "    pass\n", 0.0625))
+    os.utime(earlier, (0, 0))
+    kb.enable_estimates()
+    assert kb.estimates_enabled()
+    (tmp_path / "ab" / "wrapper.py").write_text(WRAPPER)
+    assert sorted(kb.loaded_kernels()) == sorted(kb.parse_kernels(WRAPPER))
+
+
 def test_time_lost_against_the_copy_bandwidth(kb):
     known = kb.parse_kernels(WRAPPER)
     # Two profiled steps; per step: the dropout kernel twice at 100 us, GELU once at 250 us.
