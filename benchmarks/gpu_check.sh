@@ -101,7 +101,8 @@ stage() {  # name, time limit, command...
 # two GPUs; its arithmetic is held on two CPU ranks); "fp32-residual:--no-bf16-residual", the
 # fp32 residual stream against the default bf16 one (1.032x on 2026-11-27);
 # "no-dropout:--no-dropout", a diagnostic: what dropout's masks cost a step (never a way to
-# train).
+# train); "tuned:--inductor-config=coordinate_descent_tuning=True" and
+# "eager-rng:--inductor-config=fallback_random=True", inductor settings as experiments.
 VARIANTS=${VARIANTS:-"defaults: fp8:--fp8"}
 
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \

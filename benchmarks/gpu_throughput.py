@@ -44,6 +44,7 @@ device and the date, e.g. gpu_throughput_nvidia-h100-80gb-hbm3_2026-11-21.json.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import datetime
 import gc
@@ -119,6 +120,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "as a CUDA graph (one launch, no gaps between its kernels); "
                              "max-autotune-no-cudagraphs tries Triton GEMMs, which can take "
                              "bias + GELU into their epilogue (minutes of autotuning)")
+    parser.add_argument("--inductor-config", action="append", default=[], metavar="NAME=VALUE",
+                        type=inductor_setting,
+                        help="experiment, not the product (repeatable): one of "
+                             "torch._inductor.config's settings for this run, VALUE a Python "
+                             "literal, e.g. coordinate_descent_tuning=True (tunes each fused "
+                             "kernel's launch settings) or fallback_random=True (dropout as "
+                             "ATen's own kernel, its mask not drawn inside the fused ones)")
     parser.add_argument("--fp8", action="store_true",
                         help="the opt-in FP8 GEMMs of the encoder layers (EngineConfig.fp8, "
                              "training.fp8): MFU stays counted against the bf16 peak")
@@ -159,6 +167,21 @@ class Case:
     seq_len: int
     micro_batch: int
     data_dir: str | None = None
+
+
+def inductor_setting(text: str) -> tuple[str, Any]:
+    """`--inductor-config NAME=VALUE` as (NAME, VALUE): NAME one of torch._inductor.config's
+    settings, VALUE a Python literal."""
+    import torch._inductor.config as inductor_config
+
+    name, sep, value = text.partition("=")
+    if not sep or not hasattr(inductor_config, name.strip()):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=VALUE with NAME one of torch._inductor.config's settings")
+    try:
+        return name.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is no Python literal") from None
 
 
 def plan_cases(args: argparse.Namespace) -> list[Case]:
@@ -298,6 +321,8 @@ def train_config(args: argparse.Namespace, case: Case):
 
 def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     """Build model + engine, warm up, time `args.steps` steps; totals summed over ranks."""
+    import torch._inductor.config as inductor_config
+
     from bertforge.training.engine import build_engine, deepspeed_config, reduce_in_buckets
     from bertforge.training.model import BertForPreTraining, num_parameters
     from bertforge.training.resolved_engine import resolve_engine
@@ -323,6 +348,8 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     except ValueError as refused:  # e.g. a bf16 residual stream without bf16 autocast
         raise SystemExit(str(refused)) from None
     check_experiments(args, resolved)
+    for name, value in args.inductor_config:  # before anything compiles
+        setattr(inductor_config, name, value)
     engine = build_engine(model, resolved)
     if args.gradient_buckets and world_size == 1:  # on several ranks the engine has them
         reduce_in_buckets(engine)
@@ -343,6 +370,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
         "bf16_residual": resolved.config.bf16_residual,
         "fp8": resolved.config.fp8,
         "dropout": args.dropout,
+        "inductor_config": dict(args.inductor_config),
         "gradient_buckets": hasattr(engine, "gradient_buckets"),
         # Inductor leaves CUDA graphs out where it cannot use them (and says so only here):
         # a variant with skips did not measure what it is named after.
@@ -372,6 +400,9 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
 def check_experiments(args: argparse.Namespace, resolved) -> None:
     """An experiment that would change nothing in this setting is refused, not timed (a bf16
     residual stream without bf16 autocast: by EngineConfig itself)."""
+    if args.inductor_config and not resolved.config.compile:
+        raise SystemExit("--inductor-config needs compiled layers (--compile, the default on "
+                         "a GPU)")
     if args.compile_mode != "default" and not resolved.config.compile:
         raise SystemExit("--compile-mode needs compiled layers (--compile, the default on a GPU)")
     if not args.dropout and (args.peer if args.peer is not None else args.device == "cuda"):
@@ -518,6 +549,11 @@ def output_paths(output_dir: str, name: str, date: str, tag: str,
     return base + ".json", base + ".md"
 
 
+def _inductor_config(result: dict[str, Any]) -> str:
+    settings = result.get("inductor_config") or {}
+    return "".join(f", inductor {name}={value!r} (experiment)" for name, value in settings.items())
+
+
 def _compile_mode(setup: dict[str, Any]) -> str:
     mode = setup.get("compile_mode", "default")
     return "" if mode == "default" else f", compile mode {mode} (experiment)"
@@ -542,6 +578,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{', bf16 residual stream' if first.get('bf16_residual') else ''}"
         f"{', FP8 GEMMs in the encoder layers' if first.get('fp8') else ''}"
         f"{'' if first.get('dropout', True) else ', dropout off (a diagnostic)'}"
+        f"{_inductor_config(first)}"
         f"{_compile_mode(setup)} "
         f"(settings given: "
         f"ZeRO {setup['zero_stage']}, compile {setup['compile']}, bf16 residual "

@@ -198,3 +198,32 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
         refused = subprocess.run(common + flags, cwd=REPO, env=env, capture_output=True,
                                  text=True, timeout=240)
         assert refused.returncode != 0 and reason in refused.stderr, refused.stderr[-2000:]
+
+
+def test_an_inductor_setting_is_an_experiment_of_its_own_run(tmp_path):
+    """`--inductor-config NAME=VALUE`: one of inductor's settings for a variant's run (e.g.
+    fallback_random, dropout's masks from ATen's kernels instead of drawn inside the fused
+    ones). Same seed and batches: a compiled run's loss moves only if the setting took."""
+    common = [sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny", "--seq-lens", "64",
+              "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
+              "--peak-tflops", "1", "--compile", "--output-dir", str(tmp_path)]
+    losses = {}
+    for tag, flags in (("defaults", []),
+                       ("eager-rng", ["--inductor-config", "fallback_random=True"])):
+        done = subprocess.run(common + flags + ["--tag", tag], cwd=REPO, env=alone_env(),
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        [path] = tmp_path.glob(f"gpu_throughput_*_{tag}.json")
+        [result] = json.loads(path.read_text())["results"]
+        losses[tag] = result["loss_last"]
+        assert result["inductor_config"] == ({"fallback_random": True} if flags else {})
+    assert losses["eager-rng"] != losses["defaults"]
+    assert "inductor fallback_random=True (experiment)" in next(
+        tmp_path.glob("gpu_throughput_*_eager-rng.md")).read_text()
+    for flags, reason in ((["--inductor-config", "no_such_setting=1"], "is not NAME=VALUE"),
+                          (["--inductor-config", "fallback_random=Tru"], "is no Python literal"),
+                          (["--inductor-config", "fallback_random=True", "--no-compile"],
+                           "--inductor-config needs compiled layers")):
+        refused = subprocess.run(common + flags, cwd=REPO, env=alone_env(), capture_output=True,
+                                 text=True, timeout=240)
+        assert refused.returncode != 0 and reason in refused.stderr, refused.stderr[-2000:]
