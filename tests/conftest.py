@@ -47,6 +47,7 @@ SLOWEST_MODULES = (
     # the C++ kernels it compiled).
     "tests/training/test_compile.py",
     "tests/training/test_elastic_resume.py",   # ~60: runs in spawned process groups
+    "tests/training/test_gpu_throughput_script.py",  # ~70 (2026-11-27): a dozen short runs
     "tests/cluster/test_dataset_guard.py",     # ~50: prepare through the CLI, a SIGTERM
     "tests/training/test_compile_cache.py",    # ~50: two cold compiles at two CPU levels
     "tests/cluster/test_clean_exit.py",        # ~50
@@ -57,7 +58,6 @@ SLOWEST_MODULES = (
     "tests/pipelines/test_prepare_any_size.py",  # ~35: prepare spilled, killed, continued
     "tests/cluster/test_local_worker.py",      # ~30: a local fine-tune, its worker killed
     "tests/training/test_gpu_proof_script.py",  # ~20
-    "tests/training/test_gpu_throughput_script.py",  # ~20
     "tests/pipelines/test_quiet_harness.py",   # ~15: a local prepare on 2 worker processes
     "tests/cluster/test_glue.py",              # ~10
 )
