@@ -97,8 +97,11 @@ def _loaded_sources() -> list[tuple[str, str]]:
         for folder, _, files in os.walk(cache_dir()):
             for name in files:
                 path = os.path.join(folder, name)
-                if name.endswith(".py") and os.path.getmtime(path) >= _estimates_since:
-                    paths.add(path)
+                try:
+                    if name.endswith(".py") and os.path.getmtime(path) >= _estimates_since:
+                        paths.add(path)
+                except OSError:  # removed while we looked
+                    continue
     sources = []
     for path in sorted(paths):
         try:
@@ -112,7 +115,8 @@ def _loaded_sources() -> list[tuple[str, str]]:
 
 
 def loaded_kernels() -> dict[str, dict[str, Any]]:
-    """Every Triton kernel inductor has loaded in this process, as `parse_kernels` gives them.
+    """Every Triton kernel inductor has loaded in this process (or written since the estimates
+    were turned on), as `parse_kernels` gives them.
     A name that two different kernels share (two graphs can each have a `..._0`) keeps `gb`
     None: a profile sums such kernels under one name, so no single size fits its time."""
     found: dict[str, dict[str, Any]] = {}
@@ -126,7 +130,7 @@ def loaded_kernels() -> dict[str, dict[str, Any]]:
 
 
 def save_sources(folder: str) -> int:
-    """Copy the source of every module with a Triton kernel that inductor has loaded into
+    """Copy the source of every module with a Triton kernel that `_loaded_sources` finds into
     `folder` (under its own file name): the GPU's kernels, to read where there is no GPU.
     Returns how many files are there now."""
     os.makedirs(folder, exist_ok=True)
