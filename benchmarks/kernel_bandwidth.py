@@ -167,7 +167,8 @@ def bandwidth_report(kernels: dict[str, tuple[float, float]],
     """`kernels`: {name: (calls, microseconds)} over `steps` profiled steps; `known`: what
     `loaded_kernels` gives. Per step: the Triton kernels' time, the share of it with a size
     known, the bytes those move and the time they would take at `copy_gbps`; and the `top`
-    kernels losing most time against that copy, each with its achieved bandwidth."""
+    kernels losing most time against that copy, each with its achieved bandwidth; and every
+    Triton kernel's row, longest first."""
     triton = {name: v for name, v in kernels.items() if name.startswith("triton_")}
     rows = []
     for name, (calls, us) in triton.items():
@@ -197,6 +198,8 @@ def bandwidth_report(kernels: dict[str, tuple[float, float]],
         "sized_floor_ms_per_step": floor,
         "random_ms_per_step": sum(r["ms_per_step"] for r in rows if r["random"]),
         "top_lost": lost[:top],
+        # Every Triton kernel, longest first (the JSON's; the markdown lists `top_lost`).
+        "kernels": sorted(rows, key=lambda r: -r["ms_per_step"]),
     }
 
 

@@ -160,6 +160,11 @@ def test_time_lost_against_the_copy_bandwidth(kb):
     assert dropout["lost_ms_per_step"] == pytest.approx(0.075)
     assert dropout["random"] is True
     assert gelu["lost_ms_per_step"] == pytest.approx(0.25 - 0.125)
+    # Every kernel in the JSON, those without a size too, longest first.
+    assert [r["name"] for r in report["kernels"]] == [
+        "triton_poi_fused_gelu_1", "triton_per_fused_add_native_dropout_native_layer_norm_0",
+        "triton_poi_fused_add_2"]
+    assert report["kernels"][2]["lost_ms_per_step"] is None
     lines = "\n".join(kb.markdown(report))
     assert "they move 1.0 GB/step" in lines and "copy runs at 4,000 GB/s" in lines
     assert lines.index("gelu_1") < lines.index("dropout")  # most time lost first
