@@ -75,6 +75,11 @@ class GlueConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("--model is required: the pretrained model to fine-tune")
+        for name in self.tasks:
+            if tasks.canonical_task_name(name) not in tasks.GLUE_TASKS:
+                raise ValueError(
+                    f"--tasks: {name!r} is no GLUE task; bertforge glue runs "
+                    f"{', '.join(tasks.GLUE_TASKS)} (SQuAD and custom tasks: bertforge finetune)")
         self.tasks = tuple(tasks.task_spec(name).name for name in self.tasks)
         per_task = sorted(set(self.finetune) & set(fields_marked(FinetuneConfig, PER_TASK)))
         if per_task:

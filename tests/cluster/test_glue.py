@@ -59,8 +59,12 @@ def test_model_name_labels_the_row(tmp_path) -> None:
 def test_per_task_flags_and_unknown_tasks_are_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="train: set per task"):
         GlueConfig(model="m", finetune={"train": "x.tsv"})
-    with pytest.raises(ValueError, match="unknown task 'qqp'"):
+    with pytest.raises(ValueError, match="'qqp' is no GLUE task; bertforge glue runs sst2, "):
         GlueConfig(model="m", tasks=("qqp",))
+    # SQuAD and custom tasks are fine-tuning's, which the message says (not "also squad").
+    for task in ("squad", "custom"):
+        with pytest.raises(ValueError, match=rf"'{task}' is no GLUE task.*bertforge finetune"):
+            GlueConfig(model="m", tasks=(task,))
     # Missing GLUE files: the error says where to get them.
     with pytest.raises(ValueError, match="no GLUE task's train.tsv and dev.tsv.*download_glue_"):
         task_configs(GlueConfig(model="m", output=str(tmp_path / "o")), str(tmp_path))

@@ -164,6 +164,13 @@ def test_read_label_set_of_a_custom_file(tmp_path) -> None:
     assert read_label_set(path, spec) == ("2", "10")
     spec = custom_task(["s"], "l", labels=read_label_set(path, spec))
     assert [e.label for e in read_examples(path, spec)] == [1, 0, 1]
+    # Signed integers in numeric order too: +1, the positive class, is the last (F1's).
+    signed = write(tmp_path / "pm.tsv", "s\tl\na\t+1\nb\t-1\nc\t+1\n")
+    assert read_label_set(signed, spec) == ("-1", "+1")
+    # A label left out is an error naming its line, not a third class.
+    empty = write(tmp_path / "e.tsv", "s\tl\na\t1\nb\t\nc\t0\n")
+    with pytest.raises(ValueError, match=r"e\.tsv, line 3: the label is empty"):
+        read_label_set(empty, spec)
 
 
 def hf_tokenizer(vocab_path: str, lower_case: bool) -> transformers.BertTokenizerFast:

@@ -120,6 +120,19 @@ def test_bad_squad_files_give_one_clear_error(tmp_path, value, message) -> None:
         read_squad(write_json(tmp_path, value))
 
 
+def test_a_squad_file_in_another_encoding_is_named_with_its_line(tmp_path) -> None:
+    """Latin-1 where UTF-8 is due: the file and line, as the GLUE reader says it."""
+    path = tmp_path / "latin1.json"
+    text = json.dumps(squad_json([question()], context="Denver beat Carolina."), indent=1)
+    path.write_bytes(text.replace("Carolina", "Caf\u00e9").encode("latin-1"))
+    line = text[: text.index("Carolina")].count("\n") + 1
+    with pytest.raises(ValueError, match=rf"latin1\.json, line {line}: not UTF-8 text"):
+        read_squad(str(path))
+    # UTF-8 with a BOM (as Windows editors save it) reads as without.
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert [e.id for e in read_squad(str(path))] == ["q1"]
+
+
 def test_split_is_by_article_and_deterministic() -> None:
     examples = [
         SquadExample(f"{t}-{i}", "q", "c", ["a"], [0], title=f"article{t}")

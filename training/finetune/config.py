@@ -54,7 +54,8 @@ class FinetuneConfig:
                                "glue/<Task>/train.tsv; squad: an article split of "
                                "squad/dev-v1.1.json, the only SQuAD file there)",
                                marks=(PER_TASK,))
-    dev: str | None = option(help="dev file, scored after training (default: as --train)",
+    dev: str | None = option(help="dev file, scored after training (default: the task's file "
+                             "under --data-root; give both --train and --dev, or neither)",
                              marks=(PER_TASK,))
     data_root: str | None = option(help="the directory holding glue/ and squad/ (default: "
                                    "../shared/data where it exists)", marks=(PER_TASK,))

@@ -113,6 +113,13 @@ def read_label_set(path: str, spec: TaskSpec) -> tuple[str, ...]:
     of a custom classification task whose labels the user did not list."""
     header, rows = read_table(path, spec.has_header)
     field = _resolve(spec.label_column, header, len(rows[0][1]), path)
-    values = {fields[field].strip() for _, fields in rows}
-    numeric = all(v.lstrip("-").isdigit() for v in values)
+    values = set()
+    for number, fields in rows:
+        value = fields[field].strip()
+        if not value:  # a label left out, not a class of its own
+            raise ValueError(f"{path}, line {number}: the label is empty")
+        values.add(value)
+    # Integers (signed too: -1 and +1) in numeric order, so that the positive class of a
+    # binary task is the last, the one its F1 scores.
+    numeric = all(v.lstrip("+-").isdigit() for v in values)
     return tuple(sorted(values, key=int if numeric else str))

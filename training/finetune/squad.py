@@ -77,9 +77,13 @@ def _read_question(qa: dict, context: str, title: str, path: str, where: str) ->
 def read_squad(path: str) -> list[SquadExample]:
     """Every question of a SQuAD v1.1 JSON file (`{"data": [{"title", "paragraphs": [{"context",
     "qas": [{"id", "question", "answers": [{"text", "answer_start"}]}]}]}]}`), in file order."""
+    with open(path, "rb") as f:
+        data = f.read()
     try:
-        with open(path, encoding="utf-8") as f:
-            dataset = json.load(f)
+        dataset = json.loads(data.decode("utf-8-sig"))  # a BOM taken, as the GLUE reader's
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path}, line {line}: not UTF-8 text ({error.reason})") from None
     except json.JSONDecodeError as error:
         raise ValueError(
             f"{path}, line {error.lineno} column {error.colno}: not JSON ({error.msg})"
