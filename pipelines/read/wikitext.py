@@ -23,7 +23,8 @@ import html
 import re
 from collections.abc import Callable
 
-# Sections after which an article holds no more prose. The text is cut at the first of them.
+# Sections that close an article and hold no prose. The text is cut where the last run of
+# them begins (`cut_trailing_sections`).
 TRAILING_SECTIONS = (
     "references",
     "external links",
@@ -76,12 +77,9 @@ INLINE_INTERWIKI = frozenset(
     | {"wikidata", "voy", "wikivoyage"}
 )
 
-_TRAILING_HEADING = re.compile(
-    r"^[ \t]*(=+)[ \t]*(?:"
-    + "|".join(re.escape(s) for s in TRAILING_SECTIONS)
-    + r")[ \t]*:?[ \t]*\1[ \t]*$",
-    re.IGNORECASE | re.MULTILINE,
-)
+# Any section heading, `== Title ==` at any level (an optional colon after the title).
+_SECTION_HEADING = re.compile(r"^[ \t]*(=+)[ \t]*(.*?)[ \t]*:?[ \t]*\1[ \t]*$", re.MULTILINE)
+_TRAILING_TITLES = frozenset(TRAILING_SECTIONS)
 _COMMENT = re.compile(r"<!--.*?(?:-->|\Z)", re.DOTALL)
 _DROPPED_TAG_BLOCK = re.compile(
     r"<(" + "|".join(DROPPED_TAGS) + r")\b[^>]*?(?:/>|>.*?(?:</\1\s*>|\Z))",
@@ -131,8 +129,16 @@ def wikitext_to_paragraphs(wikitext: str) -> list[str]:
 
 
 def cut_trailing_sections(wikitext: str) -> str:
-    match = _TRAILING_HEADING.search(wikitext)
-    return wikitext[: match.start()] if match else wikitext
+    """The article up to its closing sections: the last run of headings that are all closing
+    ones ("See also", "References", ... at any level). A closing title inside the article, a
+    `=== Literature ===` under "In culture" followed by "=== Film ===", cuts nothing."""
+    cut = None
+    for heading in _SECTION_HEADING.finditer(wikitext):
+        if heading.group(2).lower() in _TRAILING_TITLES:
+            cut = heading.start() if cut is None else cut
+        else:
+            cut = None
+    return wikitext if cut is None else wikitext[:cut]
 
 
 def _outer_spans(text: str, token: re.Pattern, opener: str) -> list[tuple[int, int]]:

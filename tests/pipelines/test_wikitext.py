@@ -47,6 +47,11 @@ def _clean(wikitext: str) -> str:
         ("Intro.\n* item one\n# item two\nEnd.", "Intro.\n\nitem one\n\nitem two\n\nEnd."),
         ("Prose.\n== See also ==\n* [[Other]]\n== References ==\n{{reflist}}", "Prose."),
         ("Prose.\n\n==External links==\n* [http://x y]", "Prose."),
+        # A closing title inside the article (a subsection) cuts nothing: only the last run of
+        # closing sections goes.
+        ("A.\n== Culture ==\n=== Literature ===\nB.\n=== Film ===\nC.\n== Notes: ==\nx",
+         "A.\n\nB.\n\nC."),
+        ("A.\n=== Publications ===\nList.\n== History ==\nB.", "A.\n\nList.\n\nB."),
         ("Name ({{IPA|x}}) is.", "Name is."),
         ("Unclosed {{template at the end", "Unclosed"),
         ("A &lt;ref&gt;typed escaped&lt;/ref&gt; ref.", "A ref."),
