@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 # the 30x benchmark corpus); each part costs one more element in the reassembly grouping.
 PART_CHARS = 65_536
 SENTENCE_DIGEST_BYTES = 8
+LENGTH_BYTES = 4  # a sentence's token count in `sentence_lengths`: int32
 
 
 class Doc(NamedTuple):
@@ -197,6 +198,9 @@ def _assemble_one(parts: list[TokenizedPart]):
         yield reject("too_few_sentences", first.source, first.doc_id, "1 sentence")
     elif not lengths:
         yield reject("empty_after_tokenization", first.source, first.doc_id)
+    elif len(lengths) < 2 * LENGTH_BYTES:
+        # The others tokenized to nothing (U+FFFD, zero-width characters): one sentence left.
+        yield reject("too_few_sentences", first.source, first.doc_id, "1 sentence with tokens")
     else:
         yield Doc(
             first.doc_id,

@@ -71,6 +71,13 @@ def test_rejects_are_decided_on_the_whole_document(small_vocab):
     one = RawDocument("one", "src:3", text="\n\nOnly one sentence\n\n\n")
     (rejected,) = _tokenize(one, vocab_bytes, 1)[0]
     assert rejected.value.reason == "too_few_sentences"
+    # Two lines of Google's format, one of which tokenizes to nothing (a repaired byte, a
+    # zero-width space): one sentence of tokens, which cannot make a pair either.
+    for blank in ("\ufffd\ufffd", "\u200b"):
+        hollow = RawDocument("hollow", "src:4", sentences=("Doc two line one.", blank))
+        (rejected,) = _tokenize(hollow, vocab_bytes, 1)[0]
+        assert (rejected.value.reason, rejected.value.detail) == (
+            "too_few_sentences", "1 sentence with tokens")
 
 
 def test_records_sharing_doc_id_and_source_stay_apart(small_vocab):
