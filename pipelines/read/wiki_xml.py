@@ -29,8 +29,11 @@ READ_BYTES = 1 << 20
 MAX_PAGE_BYTES = 64 << 20
 MAX_OUTSIDE_BYTES = 1 << 20
 # Text outside pages that is expected: the XML declaration, the root element and <siteinfo>.
+# The dump's frame around its pages; a UTF-8 byte-order mark may open the file (as the
+# format sniffer and the other readers allow).
 _FRAME = re.compile(
-    rb"<\?xml[^>]*\?>|<mediawiki\b[^>]*>|</mediawiki>|<siteinfo>.*?</siteinfo>", re.DOTALL
+    rb"\A\xef\xbb\xbf|<\?xml[^>]*\?>|<mediawiki\b[^>]*>|</mediawiki>|<siteinfo>.*?</siteinfo>",
+    re.DOTALL,
 )
 
 

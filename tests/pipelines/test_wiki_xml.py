@@ -86,6 +86,15 @@ def test_malformed_pages_and_garbage_are_counted_and_skipped():
     assert [r.reason for r in items if isinstance(r, Reject)] == ["malformed_xml"] * 3
 
 
+def test_a_byte_order_mark_before_the_dump_is_no_garbage():
+    """Saved by an editor that writes one: the frame, not a malformed page."""
+    xml = ('<?xml version="1.0"?>\n<mediawiki>\n' + _page(1, "First. Good.")
+           + _page(2, "Second. Good.") + "</mediawiki>\n")
+    items = _read(b"\xef\xbb\xbf" + xml.encode())
+    assert [(type(i).__name__, i.doc_id) for i in items] == [
+        ("RawDocument", "w:1"), ("RawDocument", "w:2")]
+
+
 def test_a_page_split_across_reads_is_whole(monkeypatch):
     monkeypatch.setattr(wiki_xml, "READ_BYTES", 7)  # every tag straddles a read boundary
     xml = "<mediawiki>" + "".join(_page(i, f"Page {i}. Text &amp; more.") for i in range(5))
