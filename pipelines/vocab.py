@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
+from collections.abc import Iterable, Iterator
 
 from tokenizers.implementations import BertWordPieceTokenizer
 
@@ -48,11 +50,14 @@ def train_wordpiece_vocab(
     settings = dict(min_frequency=min_frequency, limit_alphabet=limit_alphabet,
                     show_progress=False)
     # Pass 1, no merges: the alphabet and the `##` characters (a set: the same in every run).
-    pieces = _train(paths, formats, lower_case, vocab_size=1, special_tokens=list(SPECIAL_TOKENS),
+    skipped: Counter = Counter()
+    texts = _counted(iter_texts(paths, formats, skipped))
+    pieces = _train(texts, lower_case, vocab_size=1, special_tokens=list(SPECIAL_TOKENS),
                     **settings)
+    _check_read(texts.count, skipped, len(paths))
     continuations = sorted(t for t in pieces if t.startswith(CONTINUATION) and len(t) == 3)
     # Pass 2: those numbered in sorted order, before the trainer meets them.
-    vocab = _train(paths, formats, lower_case, vocab_size=vocab_size,
+    vocab = _train(iter_texts(paths, formats), lower_case, vocab_size=vocab_size,
                    special_tokens=list(SPECIAL_TOKENS) + continuations, **settings)
     tokens = sorted(vocab, key=vocab.__getitem__)
     assert tokens[: len(SPECIAL_TOKENS)] == list(SPECIAL_TOKENS), tokens[:10]
@@ -74,11 +79,33 @@ def train_wordpiece_vocab(
 CONTINUATION = "##"  # WordPiece's prefix of a piece inside a word
 
 
-def _train(paths: list[str], formats: dict[str, str], lower_case: bool,
-           **trainer_settings) -> dict[str, int]:
-    """One run of the trainer over the corpus: its vocabulary, token -> id."""
+def _train(texts: Iterable[str], lower_case: bool, **trainer_settings) -> dict[str, int]:
+    """One run of the trainer over the corpus' texts: its vocabulary, token -> id."""
     tokenizer = BertWordPieceTokenizer(lowercase=lower_case, strip_accents=None,
                                        wordpieces_prefix=CONTINUATION)
-    tokenizer.train_from_iterator(iter_texts(paths, formats), wordpieces_prefix=CONTINUATION,
-                                  **trainer_settings)
+    tokenizer.train_from_iterator(texts, wordpieces_prefix=CONTINUATION, **trainer_settings)
     return tokenizer.get_vocab()
+
+
+class _counted:
+    """The texts of an iterator, counted as they pass."""
+
+    def __init__(self, texts: Iterator[str]) -> None:
+        self._texts, self.count = texts, 0
+
+    def __iter__(self) -> Iterator[str]:
+        for text in self._texts:
+            self.count += 1
+            yield text
+
+
+def _check_read(num_texts: int, skipped: Counter, num_files: int) -> None:
+    """What the inputs gave, said: nothing read is an error (a vocabulary of the special
+    tokens alone would be written), files or records skipped a warning, by reason."""
+    reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
+    if not num_texts:
+        raise ValueError(f"no text in the {num_files} input file(s)"
+                         + (f": skipped {reasons} (as prepare would reject them)" if reasons
+                            else ""))
+    if skipped:
+        logger.warning("vocab: skipped %s, as prepare would reject them", reasons)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
@@ -210,19 +211,25 @@ def open_local(path: str) -> BinaryIO:
     return open(path, "rb")
 
 
-def iter_texts(paths: list[str], formats: dict[str, str] | None = None) -> Iterator[str]:
+def iter_texts(paths: list[str], formats: dict[str, str] | None = None,
+               skipped: Counter | None = None) -> Iterator[str]:
     """Stream the texts of local corpus files (a text per record or per sentence line).
 
-    Used to train a vocabulary without ever holding the corpus in memory. Rejects (a file whose
-    name and content disagree among them) are skipped.
+    Used to train a vocabulary without ever holding the corpus in memory. What prepare would
+    reject (a file whose name and content disagree, an empty or corrupt file, a bad record) is
+    skipped, and counted by reason into `skipped` where given; repaired records are read.
     """
     formats = formats or {}
     for path, prefix in readers.doc_id_prefixes(paths).items():
         choice = detect_format(path, formats.get(path), open_local)
         if choice.mismatch:
+            if skipped is not None:
+                skipped["format_mismatch"] += 1
             continue
         for item in read_file(path, prefix, choice.fmt, open_local):
             if isinstance(item, Reject):
+                if skipped is not None and not item.repaired:
+                    skipped[item.reason] += 1
                 continue
             if item.text is not None:
                 yield item.text

@@ -105,6 +105,28 @@ def test_a_vocabulary_smaller_than_asked_says_so(tmp_path, caplog):
         f"worth a token (a larger corpus gives more; the model's vocabulary is {size})"]
 
 
+def test_inputs_prepare_would_reject_are_said_and_nothing_read_is_an_error(tmp_path, caplog):
+    """A `.jsonl` holding XML and a truncated gzip: skipped as prepare skips them, but said;
+    when nothing else is there, no vocabulary of the special tokens alone is written."""
+    import gzip
+
+    (tmp_path / "articles.jsonl").write_text("<mediawiki><page></page></mediawiki>\n")
+    good = "The cat sat on the mat.\nThe dog sat too.\n" * 200
+    (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(good.encode())[:-30])
+    bad = VocabConfig((str(tmp_path / "articles.jsonl"), str(tmp_path / "cut.txt.gz")),
+                      str(tmp_path / "v"))
+    with pytest.raises(ValueError, match=r"no text in the 2 input file\(s\): skipped 1 "
+                                         r"format_mismatch, 1 truncated_compressed_file"):
+        train_wordpiece_vocab(bad)
+    assert not (tmp_path / "v").exists()
+    (tmp_path / "good.txt").write_text(good)
+    with caplog.at_level("WARNING", logger="bertforge"):
+        train_wordpiece_vocab(VocabConfig(bad.inputs + (str(tmp_path / "good.txt"),),
+                                          str(tmp_path / "v"), vocab_size=60), min_frequency=1)
+    assert ("vocab: skipped 1 format_mismatch, 1 truncated_compressed_file, as prepare would "
+            "reject them") in [r.getMessage() for r in caplog.records]
+
+
 def test_missing_input_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="matches no file"):
         train_wordpiece_vocab(VocabConfig((str(tmp_path / "nothing-*.jsonl"),),
