@@ -40,19 +40,23 @@ def match_inputs(patterns: tuple[str, ...]) -> list[tuple[str, str | None]]:
     """(file, forced format or None) of every file the patterns match, sorted; a clear error
     for a bad pattern. The format itself is chosen where the file is read (`detect_format`).
 
-    A directory stands for the files in it. Multistream index files are not corpus: skipped.
+    A local directory stands for every file under it (`files_under`). Multistream index files
+    are not corpus: skipped.
     """
     files: dict[str, str | None] = {}
     for entry in patterns:
         forced, pattern = readers.split_format(entry)
         if FileSystems.exists(pattern) and _is_directory(pattern):
-            pattern = FileSystems.join(pattern, "*")
-        try:
-            metadata = FileSystems.match([pattern])[0].metadata_list
-        except Exception as error:  # Beam raises BeamIOError or IOError depending on the filesystem
-            raise ValueError(f"--input {entry!r}: cannot list it ({error})") from error
-        matched = [m.path for m in metadata if not _is_directory(m.path)]
-        _refuse_dangling_links(entry, pattern)
+            matched = files_under(pattern)
+            _refuse_dangling_links(entry, matched)
+        else:
+            try:
+                metadata = FileSystems.match([pattern])[0].metadata_list
+            except Exception as error:  # BeamIOError or IOError, by the filesystem
+                raise ValueError(f"--input {entry!r}: cannot list it ({error})") from error
+            matched = [m.path for m in metadata if not _is_directory(m.path)]
+            if "://" not in pattern:
+                _refuse_dangling_links(entry, sorted(glob.glob(pattern)))
         if not matched:
             raise ValueError(f"--input {entry!r} matches no file")
         for path in matched:
@@ -65,12 +69,20 @@ def match_inputs(patterns: tuple[str, ...]) -> list[tuple[str, str | None]]:
     return sorted(files.items())
 
 
-def _refuse_dangling_links(entry: str, pattern: str) -> None:
+def files_under(directory: str) -> list[str]:
+    """Every file under a local directory, in its subdirectories too (WikiExtractor writes
+    `AA/wiki_00`, `AB/wiki_00`, ...), sorted; hidden subdirectories (`.git`, `.cache`) are left
+    out, hidden files kept. Symbolic links to directories are not followed."""
+    found = []
+    for folder, subfolders, names in os.walk(directory):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+        found += [os.path.join(folder, name) for name in names]
+    return sorted(found)
+
+
+def _refuse_dangling_links(entry: str, matches: list[str]) -> None:
     """A local symbolic link whose target is gone is an error naming it: Beam's match skips it
     without a word, and a corpus would silently lose a file."""
-    if "://" in pattern:
-        return
-    matches = sorted(glob.glob(pattern))
     dangling = [p for p in matches if os.path.islink(p) and not os.path.exists(p)]
     if dangling:
         raise ValueError(f"--input {entry!r}: {dangling[0]} is a symbolic link to a missing file "

@@ -85,6 +85,19 @@ def test_nothing_usable_is_an_error(tmp_path, small_vocab):
         run(prepare_config([str(tmp_path / "in")], str(tmp_path / "out"), small_vocab))
 
 
+def test_a_directory_stands_for_every_file_under_it(tmp_path):
+    """WikiExtractor's layout (AA/wiki_00, AB/wiki_00): the files in subdirectories are corpus
+    too; a hidden subdirectory (.git) is not, a hidden file is (as before)."""
+    from bertforge.pipelines.read.inputs_transform import match_inputs
+
+    for name in ("AA/wiki_00", "AB/wiki_00", "top.txt", ".hidden.txt", ".git/objects/x"):
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_text("One. Two.\n")
+    assert match_inputs(("books:" + str(tmp_path / "in"),)) == [
+        (str(tmp_path / "in" / name), "books")
+        for name in (".hidden.txt", "AA/wiki_00", "AB/wiki_00", "top.txt")]
+
+
 def test_a_dangling_symbolic_link_among_the_inputs_is_named(tmp_path, small_vocab):
     (tmp_path / "in").mkdir()
     write_jsonl(tmp_path / "in" / "good.jsonl", [{"text": "One. Two."}])
