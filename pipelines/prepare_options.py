@@ -116,6 +116,11 @@ class PrepareConfig:
             raise ValueError(
                 f"num_validation_shards must be >= 0, got {self.num_validation_shards}"
             )
+        if self.num_validation_shards and not self.validation_fraction:
+            raise ValueError(
+                f"num_validation_shards {self.num_validation_shards} with validation_fraction "
+                "0: there is no validation split to shard (give a fraction, or leave the "
+                "shards out)")
 
     def shards_per_split(self) -> dict[str, int]:
         """{split: number of shard files}; no validation split when its fraction is 0."""

@@ -23,8 +23,9 @@ class VocabConfig:
         30522, "entries of the vocabulary; fewer (with a warning) when the corpus has no more "
         "pieces worth a token")
     lower_case: bool = option(
-        True, "lower-case and strip accents, as an uncased vocabulary needs (prepare follows "
-        "the vocabulary's casing)")
+        True, "lower-case and strip accents, as an uncased vocabulary needs (bertforge pipeline "
+        "prepares with the same casing; a prepare of its own needs --lower-case=false for a "
+        "cased one, and warns where the casing looks wrong)")
 
     def __post_init__(self) -> None:
         if self.vocab_size <= len(SPECIAL_TOKENS):

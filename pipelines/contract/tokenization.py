@@ -22,8 +22,9 @@ def read_vocab(vocab_path: str) -> dict[str, int]:
 
 def parse_vocab(vocab_bytes: bytes, name: str = "the vocabulary") -> dict[str, int]:
     """`read_vocab` on the file's bytes (the preparation job ships the vocabulary as bytes)."""
-    # Universal newlines, as reading the file in text mode gives.
-    lines = io.StringIO(vocab_bytes.decode("utf-8"), newline=None)
+    # Universal newlines, as reading the file in text mode gives; a BOM (an editor's) is no
+    # part of the first token.
+    lines = io.StringIO(vocab_bytes.decode("utf-8-sig"), newline=None)
     tokens = [line.rstrip("\n") for line in lines]
     while tokens and tokens[-1] == "":
         tokens.pop()  # a trailing blank line is not a token

@@ -123,7 +123,8 @@ def test_prepare_records_every_format_and_counts_the_mismatch(disguised, small_v
     (disguised / PART_INDEX).write_bytes(index)
     inputs = [str(disguised / n) for n in ("dump.txt", "records", "xml.jsonl", PART)]
     output = tmp_path / "out"
-    summary = run(prepare_config(inputs, str(output), small_vocab, validation_fraction=0.0))
+    summary = run(prepare_config(inputs, str(output), small_vocab, validation_fraction=0.0,
+                                 num_validation_shards=0))
     result = manifest.read_manifest(str(output))
     assert result.input_files == {
         str(disguised / "dump.txt"): {"format": "wiki", "chosen_by": "content"},

@@ -60,6 +60,9 @@ def test_a_bad_value_or_a_missing_one_is_one_error_naming_the_flag():
         parse_command_line(["--output=o", "--vocab=v"])
     with pytest.raises(ValueError, match="unexpected argument.*stray"):
         parse_command_line(REQUIRED + ["stray"])
+    # A flag that would change nothing is refused, not ignored.
+    with pytest.raises(ValueError, match="num_validation_shards 3 with validation_fraction 0"):
+        parse_command_line(REQUIRED + ["--num-validation-shards=3", "--validation-fraction=0"])
 
 
 def test_no_wait_and_beams_own_options_are_read_from_the_one_parse():

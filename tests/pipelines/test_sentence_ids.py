@@ -79,6 +79,14 @@ def test_groups_and_calls_do_not_change_the_ids(small_vocab, monkeypatch):
     _check(small_vocab, sentences + TRICKY)
 
 
+def test_a_vocabulary_saved_with_a_byte_order_mark_reads_as_without(small_vocab, tmp_path):
+    """An editor that writes a BOM: it is no part of `[PAD]` (which would then be missing)."""
+    with open(small_vocab, "rb") as f:
+        data = f.read()
+    (tmp_path / "vocab.txt").write_bytes(b"\xef\xbb\xbf" + data)
+    assert read_vocab(str(tmp_path / "vocab.txt")) == read_vocab(small_vocab)
+
+
 def test_no_sentences(small_vocab):
     ids, lengths = SentenceTokenizer(read_vocab(small_vocab), lower_case=True)([])
     assert ids.size == 0 and lengths.size == 0
