@@ -7,10 +7,12 @@
   validation fraction, so no document contributes to both splits;
 - random-B pools: a document joins pool `stable_hash(seed, "pool", doc_id) % num_pools` of its
   split, `num_pools = max(ceil(num_documents / random_pool_size), ceil(num_chars /
-  random_pool_chars))` over the split. A pool is a uniform random sample of the whole split (not a
+  random_pool_chars))` over the split, but never more than one pool per
+  `MIN_DOCUMENTS_PER_POOL` documents. A pool is a uniform random sample of the whole split (not a
   contiguous range of the input, as NVIDIA's LDDL bins are), so a random B is drawn from anywhere
   in the corpus while a worker holds only one pool in memory. Both bounds matter: 512 books are
-  hundreds of MB of text, so a count of documents alone lets a pool grow with the corpus.
+  hundreds of MB of text, so a count of documents alone lets a pool grow with the corpus; the
+  floor keeps a document from being alone in its pool, where it could draw no random B.
 """
 
 from __future__ import annotations
@@ -87,11 +89,18 @@ def split_of(seed: int, doc_id: str, validation_fraction: float) -> str:
     return "validation" if unit_interval(seed, "split", doc_id) < validation_fraction else "train"
 
 
+# Documents a pool holds at least on average. A document alone in its pool has no other to
+# draw a random B from, and every pair it makes is a real next: with pools of ~4 documents
+# (1 MB books at 4 MB a pool) that is e^-4, 1.8 % of the books; at 16, about one in 10 million.
+MIN_DOCUMENTS_PER_POOL = 16
+
+
 def num_pools(
     num_documents: int, random_pool_size: int, num_chars: int = 0, random_pool_chars: int = 1
 ) -> int:
     by_documents = math.ceil(num_documents / random_pool_size)
-    return max(1, by_documents, math.ceil(num_chars / random_pool_chars))
+    bounded = max(by_documents, math.ceil(num_chars / random_pool_chars))
+    return max(1, min(bounded, num_documents // MIN_DOCUMENTS_PER_POOL))
 
 
 def pool_of(

@@ -344,6 +344,11 @@ def test_pools_are_bounded_by_documents_and_by_text():
 
     assert num_pools(100, 512) == 1
     assert num_pools(1_000, 512) == 2
-    # 500 books of 1 MB: few documents, but 125 pools of ~4 MB, not one pool of 500 MB.
-    assert num_pools(500, 512, 500_000_000, 4_000_000) == 125
+    # 5,000 articles of 100 kB: few documents a pool by count, but 125 pools of ~4 MB, not
+    # 10 pools of 50 MB.
+    assert num_pools(5_000, 512, 500_000_000, 4_000_000) == 125
+    # 500 books of 1 MB: 31 pools of 16 books, not 125 of 4 (where e^-4, 1.8 % of the books,
+    # would be alone in their pool with no other to draw a random B from), nor one of 500 MB.
+    assert num_pools(500, 512, 500_000_000, 4_000_000) == 31
+    assert num_pools(20, 512, 20_000_000, 4_000_000) == 1
     assert num_pools(0, 512, 0, 4_000_000) == 1
