@@ -56,7 +56,7 @@ def refuse_unknown_flags(command_parser: argparse.ArgumentParser, extra: list[st
 
 # Commands whose console shows the project's own lines only; the engines' output goes to the
 # command's log file, and to the console too with --verbose (cluster.launch.worker_output).
-QUIET_COMMANDS = ("demo", "train", "finetune", "glue", "eval", "export", "prepare")
+QUIET_COMMANDS = ("demo", "train", "finetune", "glue", "eval", "export", "prepare", "pipeline")
 
 
 def _add_vocab(commands) -> None:

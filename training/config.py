@@ -116,6 +116,9 @@ class TrainConfig:
             if not 1 <= first <= last:
                 raise ValueError(f"profile_steps must be FIRST LAST with 1 <= FIRST <= LAST, "
                                  f"got {first} {last}")
+            if last > self.max_steps:  # a window the run never reaches profiles nothing
+                raise ValueError(f"profile_steps {first} {last} end after the run's last step, "
+                                 f"{self.max_steps} (max_steps)")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
 

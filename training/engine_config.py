@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bertforge.pipelines.contract.config_fields import check_choices, option, same_option
+from bertforge.training.errors import UserInputError
 
 # "auto": bf16 where the device computes it natively, else fp32 (training.precision decides it
 # when training starts, on the worker's device; the run's config.json records both).
@@ -122,7 +123,7 @@ class EngineConfig:
             return self.gradient_accumulation_steps
         per_pass = self.micro_batch_size * world_size
         if self.global_batch_size % per_pass:
-            raise ValueError(
+            raise UserInputError(
                 f"global_batch_size {self.global_batch_size} is not a multiple of "
                 f"micro_batch_size x world_size = {self.micro_batch_size} x {world_size} = "
                 f"{per_pass}; change micro_batch_size or the number of workers"

@@ -26,6 +26,7 @@ from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.device import to_device
 from bertforge.training.distributed import all_reduce_sum, barrier
 from bertforge.training.engine import build_engine, ensure_process_group
+from bertforge.training.errors import UserInputError
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
 from bertforge.training.inputs import check_positions, resolve_model_config
@@ -246,14 +247,14 @@ def check_precision_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -
     saved_precision = saved.get("precision")  # None: saved before precisions were recorded
     if (saved_precision == cfg.precision == "bf16" and saved.get("zero_stage") == 0
             and cfg.zero_stage in (None, 0) and saved.get("bf16_weights", True)):
-        raise ValueError(
+        raise UserInputError(
             f"{path} was trained in bf16 at ZeRO stage 0 by an earlier bertforge, which kept "
             "bf16 weights and DeepSpeed's bf16 optimizer state; stage 0 now keeps fp32 weights "
             f"under torch.autocast and cannot load that state: start a new run with "
             f"--init-from {path} to continue its weights"
         )
     if saved_precision not in (None, cfg.precision):
-        raise ValueError(
+        raise UserInputError(
             f"{path} was trained in {saved_precision}; resuming it in {cfg.precision} is not "
             f"supported: give --precision {saved_precision} or auto (which keeps it), or start "
             f"a new run with --init-from {path} to continue its weights in {cfg.precision}"
@@ -270,7 +271,7 @@ def _maybe_resume(
     saved = checkpoint.read_metadata(path)
     saved_sha256 = saved["vocab_sha256"]
     if saved_sha256 != vocab_sha256:  # checked first: loading would fail on shapes, unclearly
-        raise ValueError(
+        raise UserInputError(
             f"{path} was trained with another vocabulary than {cfg.data_dir} "
             f"(vocab sha256 {saved_sha256[:12]} vs {vocab_sha256[:12]})"
         )
@@ -293,11 +294,14 @@ def check_world_size_change(saved: dict[str, Any], cfg: TrainConfig, path: str) 
     """
     saved_world, saved_stage = saved.get("world_size"), saved.get("zero_stage")
     world_size = dist.get_world_size()
-    if saved_world in (None, world_size) or (saved_stage == 0 and cfg.zero_stage == 0):
+    # Stage 0 keeps whole fp32 states, stages 1-3 DeepSpeed's sharded ones: neither loads the
+    # other's, on the same number of workers too.
+    crosses = saved_stage is not None and (saved_stage == 0) != (cfg.zero_stage == 0)
+    if not crosses and (saved_world in (None, world_size) or saved_stage == 0):
         return False
-    if saved_stage is not None and saved_stage >= 1 and cfg.zero_stage >= 1:
+    if not crosses:
         return True
-    raise ValueError(
+    raise UserInputError(
         f"{path} was saved by {saved_world} workers under ZeRO stage {saved_stage}; resuming on "
         f"{world_size} workers under ZeRO stage {cfg.zero_stage} is not supported: keep "
         "zero_stage 0 in both runs, or ZeRO >= 1 in both (converted to a universal checkpoint)"

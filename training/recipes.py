@@ -169,7 +169,18 @@ def _power_of_two_at_most(n: int) -> int:
 
 def _recipe(data_dir: str, run_dir: str, values: dict[str, Any], overrides: dict[str, Any]):
     return TrainConfig(data_dir=data_dir, run_dir=run_dir,
-                       **{**FULL_SIZE_SETTINGS, **values, **overrides})
+                       **{**FULL_SIZE_SETTINGS, **_overridden(values, overrides)})
+
+
+def _overridden(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's `values` with `overrides`; other steps without another warm-up keep the
+    recipe's warm-up share (`bert_base_phase1(d, r, max_steps=100)`: 5 of 100, as 3,000 of
+    56,250), where its fixed count would exceed the run."""
+    merged = {**values, **overrides}
+    if "max_steps" in overrides and "warmup_steps" not in overrides:
+        share = values["warmup_steps"] / values["max_steps"]
+        merged["warmup_steps"] = round(share * overrides["max_steps"])
+    return merged
 
 
 def bert_large_phase1(data_dir: str, run_dir: str, **overrides: Any) -> TrainConfig:
@@ -215,10 +226,10 @@ def bert_base_phase2(data_dir: str, run_dir: str, init_from: str, **overrides: A
 
 def bert_tiny_phase1(data_dir: str, run_dir: str, **overrides: Any) -> TrainConfig:
     """Both phases in miniature (2 layers, 128 wide) for CPU tests and smoke runs."""
-    return TrainConfig(**{**dict(
+    return TrainConfig(**_overridden(dict(
         data_dir=data_dir, run_dir=run_dir, model={"preset": "tiny"}, micro_batch_size=8,
         max_steps=20, warmup_steps=2, learning_rate=1e-3, zero_stage=0, log_every=5,
-    ), **overrides})
+    ), overrides))
 
 
 def bert_tiny_phase2(data_dir: str, run_dir: str, init_from: str, **overrides: Any) -> TrainConfig:

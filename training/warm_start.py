@@ -28,14 +28,14 @@ def load_initial_weights(model: BertForPreTraining, source: str, vocab_sha256: s
     source_config, state, source_vocab_sha256 = read_initial_weights(source)
     check_architecture(source_config, model.config, source)
     if source_vocab_sha256 is not None and source_vocab_sha256 != vocab_sha256:
-        raise ValueError(
+        raise UserInputError(
             f"init_from {source} was trained with another vocabulary than the training data "
             f"(vocab sha256 {source_vocab_sha256[:12]} vs {vocab_sha256[:12]})"
         )
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [name for name in missing if name != "cls.predictions.decoder.weight"]  # tied
     if missing or unexpected:
-        raise ValueError(
+        raise UserInputError(
             f"init_from {source} does not fit the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )

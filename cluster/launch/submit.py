@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -123,6 +124,13 @@ def cluster_token() -> str | None:
     return None
 
 
+def entrypoint_command(words: list[str]) -> str:
+    """The job's command line: Ray runs it through a shell, so each word is quoted as the
+    user's shell had it (`--data "/shared/my shards"` stays one argument, `*` and `;` stay
+    literal). A single word is taken as a command line of its own, as `ray job submit` does."""
+    return words[0] if len(words) == 1 else shlex.join(words)
+
+
 def submit(config: SubmitConfig) -> int:
     """Submit, then (with follow) stream logs and return the exit code of the final status."""
     client = jobs_client(config.address)
@@ -130,7 +138,7 @@ def submit(config: SubmitConfig) -> int:
         runtime_env = config.runtime_env(package_dir)
         job_id = _submit_when_ready(
             client,
-            entrypoint=" ".join(config.entrypoint),
+            entrypoint=entrypoint_command(config.entrypoint),
             submission_id=config.submission_id,
             runtime_env=runtime_env,
         )

@@ -11,7 +11,12 @@ import pytest
 
 from bertforge.cluster.cli import main
 from bertforge.cluster.launch.checkout import package_folders
-from bertforge.cluster.launch.submit import SubmitConfig, describe_runtime_env, shipped_package
+from bertforge.cluster.launch.submit import (
+    SubmitConfig,
+    describe_runtime_env,
+    entrypoint_command,
+    shipped_package,
+)
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.metrics import read_metrics
 from tests.training.conftest import write_dataset
@@ -138,6 +143,20 @@ def test_running_job_can_be_stopped(two_node_cluster, capsys):
                  "python", "-c", "'import time; time.sleep(120)'"]) == 0
     assert main(["submit", "--address", url, "--stop", "bf-sleeper"]) == 3
     assert "bf-sleeper STOPPED" in capsys.readouterr().out
+
+
+def test_the_job_gets_the_words_it_was_given(tmp_path):
+    """Ray runs the entrypoint through a shell: a path with a space, a glob and a `;` reach
+    the job as the words the user's shell gave `bertforge submit`; one word is a command line."""
+    import json
+
+    words = [sys.executable, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))",
+             "--data", str(tmp_path / "my shards"), "*", "a;b", "$HOME"]
+    (tmp_path / "x.txt").write_text("")
+    shell = subprocess.run(entrypoint_command(words), shell=True, cwd=tmp_path,
+                           capture_output=True, text=True, check=True)
+    assert json.loads(shell.stdout) == words[3:]
+    assert entrypoint_command(["bertforge train --data d"]) == "bertforge train --data d"
 
 
 def test_runtime_env_hides_values_and_excludes_heavy_paths(tmp_path):

@@ -22,6 +22,7 @@ from bertforge.training.data import (
     rows_from_sequences,
     token_frequencies,
 )
+from bertforge.training.errors import UserInputError
 from bertforge.training.masking import IGNORE_INDEX
 from tests.training.conftest import read_split_rows, reference_and_resumed, write_dataset
 
@@ -223,7 +224,8 @@ def test_prefetch_thread_stops(dataset_dir):
 def test_validation_split_and_frequencies(dataset_dir):
     loader = PretrainingLoader(dataset_dir, "validation", batch_size=5, seed=0, drop_last=False)
     assert sum(len(b["input_ids"]) for b in loader) == 13
-    with pytest.raises(ValueError, match="fewer than one optimizer step"):
+    # A user's error (not retried on a cluster) that says which flags to change.
+    with pytest.raises(UserInputError, match="fewer than one optimizer step.*--batch-size"):
         PretrainingLoader(dataset_dir, "validation", batch_size=16, seed=0)
     with pytest.raises(ValueError, match="no split 'test'"):
         PretrainingLoader(dataset_dir, "test", batch_size=1, seed=0)

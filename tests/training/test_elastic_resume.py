@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bertforge.training import checkpoint
+from bertforge.training.errors import UserInputError
 from bertforge.training.metrics import read_metrics
 from tests.support.local_cluster import as_local_rank, free_port
 from tests.training.conftest import write_dataset
@@ -231,6 +232,12 @@ def test_world_size_change_needs_zero_0_in_both_runs_or_zero_1_to_3_in_both(monk
         check({"world_size": 2, "zero_stage": 2}, config("d", "r", zero_stage=0), "ckpt")
     with pytest.raises(ValueError, match="saved by 2 workers under ZeRO stage 0.*stage 1"):
         check({"world_size": 2, "zero_stage": 0}, config("d", "r", zero_stage=1), "ckpt")
+    # On the same number of workers too (DeepSpeed's own errors were a missing
+    # bf16_zero_pp_rank file and a NoneType without a copy), and as a user's error: not retried.
+    for saved_stage, stage in ((0, 2), (2, 0)):
+        with pytest.raises(UserInputError, match=f"ZeRO stage {saved_stage}.*stage {stage}"):
+            check({"world_size": 1, "zero_stage": saved_stage},
+                  config("d", "r", zero_stage=stage), "ckpt")
 
 
 def test_safety_check_reaches_the_files_nested_in_a_universal_checkpoint(tmp_path):

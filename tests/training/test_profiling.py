@@ -82,6 +82,13 @@ def test_a_window_out_of_order_is_refused(first, last):
         TrainConfig(data_dir="d", run_dir="r", profile_steps=(first, last))
 
 
+def test_a_window_after_the_last_step_is_refused():
+    """It would profile nothing, without a word."""
+    with pytest.raises(ValueError, match=r"profile_steps 50 60 end after the run's last step, 10"):
+        TrainConfig(data_dir="d", run_dir="r", max_steps=10, profile_steps=(50, 60))
+    TrainConfig(data_dir="d", run_dir="r", max_steps=10, profile_steps=(9, 10))
+
+
 def test_kernels_fall_in_the_categories_of_their_names():
     assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
     assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"

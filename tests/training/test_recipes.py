@@ -47,6 +47,11 @@ def test_full_size_recipes_keep_their_global_batch_on_any_dividing_world(name):
     with pytest.raises(ValueError, match="not a multiple"):
         phase1.accumulation_steps(3)
     assert recipes.bert_base_phase1("d", "r", max_steps=10, warmup_steps=1).max_steps == 10
+    # Fewer steps alone keep the recipe's warm-up share (its 3,000 would exceed them).
+    assert recipes.bert_base_phase1("d", "r", max_steps=100).warmup_steps == 5  # 3,000/56,250
+    assert recipes.bert_large_phase2("d", "r", "i", max_steps=1000).warmup_steps == 100
+    assert recipes.bert_tiny_phase1("d", "r", max_steps=1).warmup_steps == 0
+    assert recipes.bert_large_phase1("d", "r").warmup_steps == 3_000  # untouched otherwise
 
 
 def test_the_micro_batch_of_a_full_size_recipe_follows_the_device_memory():
@@ -99,7 +104,7 @@ def test_phase2_starts_from_phase1_weights_with_a_fresh_optimizer(phases, tmp_pa
     _, long, phase1_dir, phase1_ckpt = phases
     cfg = recipes.bert_tiny_phase2(long, str(tmp_path / "phase2"), init_from=phase1_dir,
                                    model=NO_DROPOUT, precision="fp32", max_steps=2,
-                                   log_every=1)
+                                   warmup_steps=2, log_every=1)
     train(cfg)
     # The first logged loss is the phase-1 model's on phase 2's first (128-token) batch.
     model, _ = checkpoint.load_model(phase1_ckpt)

@@ -3,6 +3,7 @@ import pytest
 from bertforge.training import resolved_engine
 from bertforge.training.config import TrainConfig
 from bertforge.training.engine import deepspeed_config
+from bertforge.training.errors import UserInputError
 from bertforge.training.flops import mfu, training_flops_per_batch, training_flops_per_sequence
 from bertforge.training.resolved_engine import resolve_engine
 from bertforge.training.schedule import lr_multiplier
@@ -82,7 +83,8 @@ def test_global_batch_size_derives_accumulation_from_the_world_size():
 
 def test_global_batch_size_that_does_not_divide_is_a_clear_error():
     cfg = TrainConfig(data_dir="d", run_dir="r", micro_batch_size=16, global_batch_size=512)
-    with pytest.raises(ValueError, match=r"global_batch_size 512 is not a multiple of .* 16 x 3"):
+    with pytest.raises(UserInputError,
+                       match=r"global_batch_size 512 is not a multiple of .* 16 x 3"):
         cfg.accumulation_steps(3)
     with pytest.raises(ValueError, match="global_batch_size"):
         TrainConfig(data_dir="d", run_dir="r", global_batch_size=0)

@@ -31,6 +31,7 @@ from bertforge.training.data.prefetch import BatchIterator
 from bertforge.training.data.resume import Layout, loader_state, resume_position
 from bertforge.training.data.split import ReadOptions, open_split
 from bertforge.training.dataset_facts import DatasetFacts
+from bertforge.training.errors import UserInputError
 from bertforge.training.masking import MaskingVocab
 
 
@@ -110,12 +111,12 @@ class PretrainingLoader:
             (masking or MaskingOptions()).for_dataset(self.facts),
             seed=seed,
         )
-        if len(self) == 0:
-            raise ValueError(
+        if len(self) == 0:  # only with drop_last: a training loader
+            raise UserInputError(
                 f"split {split!r} of {data_dir} has {self.num_samples} samples, fewer than one "
                 f"optimizer step ({batch_size} micro x {world_size} ranks x "
-                f"{gradient_accumulation_steps} accumulation = {self.step_batch_size}); use "
-                "drop_last=False for evaluation"
+                f"{gradient_accumulation_steps} accumulation = {self.step_batch_size}): give a "
+                "smaller --batch-size or --global-batch-size, or prepare more data"
             )
         # Read once, before any prefetch thread: the bins or groups of every epoch need them.
         needs_lengths = self.bucket_boundaries is not None or self.regroups
