@@ -106,14 +106,15 @@ def evaluate(model, batches, *, baseline_token_id: int, device: str = "cpu",
 
 def evaluate_checkpoint(
     checkpoint_path: str, data_dir: str, options: EvalOptions | None = None, *,
-    mask_prob: float = 0.15, max_predictions: int | None = None, progress_seconds: float = 10.0,
+    progress_seconds: float = 10.0,
 ) -> EvalResult:
     """Score a checkpoint on a split with fixed masks (seed, epoch 0), in this process; a
     progress line every `progress_seconds` (`EvalProgress`).
 
-    `options.seed` None: the checkpoint's training seed, whose masks its run's own validation
-    and the demo's eval drew (so `bertforge eval` of a run gives their numbers); a checkpoint
-    saved before seeds were recorded takes TrainConfig's default seed."""
+    The masks are the checkpoint's run's: `options.seed` None takes its training seed, and
+    its masking (share, predictions per row, whole words) is the run's, whose own validation
+    and the demo's eval drew them, so `bertforge eval` of a run gives their numbers. A
+    checkpoint saved before these were recorded takes TrainConfig's defaults."""
     from bertforge.training.checkpoint import load_model
     from bertforge.training.data import (
         MaskingOptions,
@@ -131,9 +132,12 @@ def evaluate_checkpoint(
     if seed is None:
         seed = metadata.get("seed", TrainConfig.seed)  # saved before runs recorded it
     # max_predictions None: the loader takes the data's default (20 at 128 tokens, 80 at 512).
+    masking = metadata.get("masking") or {}  # saved before runs recorded it: the defaults
     loader = PretrainingLoader(
         data_dir, options.split, batch_size=options.batch_size, seed=seed, drop_last=False,
-        masking=MaskingOptions(max_predictions, mask_prob),
+        masking=MaskingOptions(masking.get("max_predictions"),
+                               masking.get("mask_prob", TrainConfig.mask_prob),
+                               masking.get("whole_word", False)),
         read=ReadOptions(verify_checksums=options.verify_checksums),
     )
     baseline_token_id = most_frequent_token(token_frequencies(data_dir, "train"), data_dir)

@@ -133,7 +133,9 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         "bf16_weights": cfg.precision == "bf16" and not bf16_autocast(resolved.config),
         # The residual stream's dtype under autocast: a resume keeps it (resolved_engine).
         "bf16_residual": cfg.bf16_residual,
-        "seed": cfg.seed,  # `bertforge eval` masks the validation split as this run did
+        "seed": cfg.seed,  # `bertforge eval` masks the validation split as this run did,
+        "masking": {"mask_prob": cfg.mask_prob, "max_predictions": cfg.max_predictions,
+                    "whole_word": cfg.whole_word_masking},  # with this run's masking
     }
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
     batches = _endless(loader)

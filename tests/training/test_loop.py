@@ -201,3 +201,17 @@ def test_eval_masks_the_split_as_the_run_did_by_default(dataset, tmp_path):
                                           EvalOptions(batch_size=16, seed=7))
     other = evaluate_checkpoint(run.checkpoint_path, dataset, EvalOptions(batch_size=16, seed=0))
     assert other.mlm_loss != default.mlm_loss
+
+
+def test_eval_of_a_run_with_its_own_masking_gives_its_validation_numbers(dataset, tmp_path):
+    """A run that masks 30 % by whole words, at most 15 a row: eval of its checkpoint masks
+    the same way (recorded in bertforge.json), so its numbers are the run's own validation's
+    (the whole split, in batches of the micro-batch), not those of Google's default masking."""
+    run_dir = tmp_path / "run"
+    run = train(config(dataset, run_dir, max_steps=2, eval_every=2, eval_batches=0,
+                       zero_stage=0, precision="fp32", mask_prob=0.3, max_predictions=15,
+                       whole_word_masking=True))
+    [logged] = [r for r in read_metrics(str(run_dir)) if "eval_mlm_accuracy" in r]
+    result = evaluate_checkpoint(run.checkpoint_path, dataset, EvalOptions(batch_size=8))
+    assert result.mlm_loss == pytest.approx(logged["eval_mlm_loss"], rel=1e-5)
+    assert result.mlm_accuracy == pytest.approx(logged["eval_mlm_accuracy"], rel=1e-6)
