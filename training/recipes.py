@@ -173,10 +173,15 @@ def _recipe(data_dir: str, run_dir: str, values: dict[str, Any], overrides: dict
 
 
 def _overridden(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """The recipe's `values` with `overrides`; other steps without another warm-up keep the
-    recipe's warm-up share (`bert_base_phase1(d, r, max_steps=100)`: 5 of 100, as 3,000 of
-    56,250), where its fixed count would exceed the run."""
+    """The recipe's `values` with `overrides`. Two follow what was given: other steps without
+    another warm-up keep the recipe's warm-up share (`bert_base_phase1(d, r, max_steps=100)`:
+    5 of 100, as 3,000 of 56,250), where its fixed count would exceed the run; an accumulation
+    without a global batch sets the batch (micro x accumulation x workers)."""
     merged = {**values, **overrides}
+    if "gradient_accumulation_steps" in overrides and "global_batch_size" not in overrides:
+        # Accumulation given: the global batch follows from it (a recipe's global batch would
+        # derive the accumulation instead, and the flag would be ignored).
+        merged["global_batch_size"] = None
     if "max_steps" in overrides and "warmup_steps" not in overrides:
         share = values["warmup_steps"] / values["max_steps"]
         merged["warmup_steps"] = round(share * overrides["max_steps"])

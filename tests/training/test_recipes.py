@@ -52,6 +52,13 @@ def test_full_size_recipes_keep_their_global_batch_on_any_dividing_world(name):
     assert recipes.bert_large_phase2("d", "r", "i", max_steps=1000).warmup_steps == 100
     assert recipes.bert_tiny_phase1("d", "r", max_steps=1).warmup_steps == 0
     assert recipes.bert_large_phase1("d", "r").warmup_steps == 3_000  # untouched otherwise
+    # --grad-accum alone: the accumulation is the user's, the global batch follows from it.
+    accumulated = recipes.bert_base_phase1("d", "r", gradient_accumulation_steps=4)
+    assert (accumulated.global_batch_size, accumulated.accumulation_steps(1)) == (None, 4)
+    assert accumulated.global_batch(2) == 128 * 4 * 2
+    both = recipes.bert_base_phase1("d", "r", gradient_accumulation_steps=4,
+                                    global_batch_size=1024)
+    assert both.accumulation_steps(1) == 8  # a global batch given too: it decides, as --help says
 
 
 def test_the_micro_batch_of_a_full_size_recipe_follows_the_device_memory():
