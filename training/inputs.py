@@ -185,16 +185,80 @@ def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str
         )
 
 
-def check_train_inputs(cfg: TrainConfig) -> None:
+def check_train_inputs(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Everything `train` can know before its workers start: data, run directory, the model
-    against the data's lengths, a resume against the requested architecture, --init-from."""
+    against the data's lengths, a resume against the requested architecture (and against the
+    precision and ZeRO stage given), --init-from, and, on `world_size` workers, the step's
+    batch against them and the training split where the micro-batch is known."""
     facts = check_dataset(cfg.data_dir, ("train", "validation") if cfg.eval_every else ("train",))
     check_run_dir(cfg.run_dir)
     model_config = resolve_model_config(cfg.model, facts.vocab_size)
     check_positions(facts.max_seq_length, model_config, cfg.data_dir)
     resumed = check_resume(cfg.run_dir, model_config, facts.vocab_sha256) if cfg.resume else None
+    if resumed is not None:
+        saved = read_checkpoint_metadata(resumed)
+        if cfg.precision != "auto":  # "auto" keeps the checkpoint's
+            check_precision_change(saved, cfg, resumed)
+        if cfg.zero_stage is not None and world_size is not None:  # None: the device decides
+            check_zero_stage_change(saved, cfg.zero_stage, world_size, resumed)
     if resumed is None and cfg.init_from:
         check_model_source(cfg.init_from)
+    if world_size is not None:
+        check_step_batch(cfg, facts, world_size)
+
+
+def check_step_batch(cfg: TrainConfig, facts: DatasetFacts, world_size: int) -> None:
+    """The global batch divides among the workers and the training split fills one step, where
+    the micro-batch is known (a full-size recipe leaves it to the GPU: the worker checks it)."""
+    if cfg.micro_batch_size is None:
+        return
+    step = cfg.micro_batch_size * world_size * cfg.accumulation_steps(world_size)
+    rows = facts.split_sizes.get("train", 0)
+    if rows < step:
+        raise UserInputError(
+            f"the training split of {cfg.data_dir} has {rows} sequences, fewer than one "
+            f"optimizer step ({cfg.micro_batch_size} micro x {world_size} workers x "
+            f"{cfg.accumulation_steps(world_size)} accumulation = {step}): give a smaller "
+            "--batch-size or --global-batch-size, or prepare more data")
+
+
+def check_precision_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -> None:
+    """A resume continues in the precision its checkpoint was trained in ("auto" keeps it).
+
+    DeepSpeed lays the optimizer state out per precision (bf16 at ZeRO >= 1 writes its
+    BF16_Optimizer's files), so another one cannot load it.
+    """
+    saved_precision = saved.get("precision")  # None: saved before precisions were recorded
+    if (saved_precision == cfg.precision == "bf16" and saved.get("zero_stage") == 0
+            and cfg.zero_stage in (None, 0) and saved.get("bf16_weights", True)):
+        raise UserInputError(
+            f"{path} was trained in bf16 at ZeRO stage 0 by an earlier bertforge, which kept "
+            "bf16 weights and DeepSpeed's bf16 optimizer state; stage 0 now keeps fp32 weights "
+            f"under torch.autocast and cannot load that state: start a new run with "
+            f"--init-from {path} to continue its weights"
+        )
+    if saved_precision not in (None, cfg.precision):
+        raise UserInputError(
+            f"{path} was trained in {saved_precision}; resuming it in {cfg.precision} is not "
+            f"supported: give --precision {saved_precision} or auto (which keeps it), or start "
+            f"a new run with --init-from {path} to continue its weights in {cfg.precision}"
+        )
+
+
+
+def check_zero_stage_change(saved: dict[str, Any], zero_stage: int, world_size: int,
+                            path: str) -> None:
+    """A resume stays at stage 0 or stays at stages 1-3: stage 0 keeps whole fp32 states,
+    stages 1-3 DeepSpeed's sharded ones, and neither loads the other's (on the same number of
+    workers too: DeepSpeed's own errors are a missing bf16_zero_pp_rank file or a NoneType)."""
+    saved_world, saved_stage = saved.get("world_size"), saved.get("zero_stage")
+    if saved_stage is None or (saved_stage == 0) == (zero_stage == 0):
+        return
+    raise UserInputError(
+        f"{path} was saved by {saved_world} workers under ZeRO stage {saved_stage}; resuming on "
+        f"{world_size} workers under ZeRO stage {zero_stage} is not supported: keep "
+        "zero_stage 0 in both runs, or ZeRO >= 1 in both (converted to a universal checkpoint)"
+    )
 
 
 def check_eval_inputs(checkpoint_path: str, data_dir: str, split: str) -> None:

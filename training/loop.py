@@ -29,7 +29,12 @@ from bertforge.training.engine import build_engine, ensure_process_group
 from bertforge.training.errors import UserInputError
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
-from bertforge.training.inputs import check_positions, resolve_model_config
+from bertforge.training.inputs import (
+    check_positions,
+    check_precision_change,
+    check_zero_stage_change,
+    resolve_model_config,
+)
 from bertforge.training.metrics import MetricsLogger, console
 from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining, num_parameters
 from bertforge.training.profiling import StepProfiler
@@ -240,29 +245,6 @@ def _print_precision(choice: PrecisionChoice) -> None:
         console(f"[train] WARNING: {choice.warning}")
 
 
-def check_precision_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -> None:
-    """A resume continues in the precision its checkpoint was trained in ("auto" keeps it).
-
-    DeepSpeed lays the optimizer state out per precision (bf16 at ZeRO >= 1 writes its
-    BF16_Optimizer's files), so another one cannot load it.
-    """
-    saved_precision = saved.get("precision")  # None: saved before precisions were recorded
-    if (saved_precision == cfg.precision == "bf16" and saved.get("zero_stage") == 0
-            and cfg.zero_stage in (None, 0) and saved.get("bf16_weights", True)):
-        raise UserInputError(
-            f"{path} was trained in bf16 at ZeRO stage 0 by an earlier bertforge, which kept "
-            "bf16 weights and DeepSpeed's bf16 optimizer state; stage 0 now keeps fp32 weights "
-            f"under torch.autocast and cannot load that state: start a new run with "
-            f"--init-from {path} to continue its weights"
-        )
-    if saved_precision not in (None, cfg.precision):
-        raise UserInputError(
-            f"{path} was trained in {saved_precision}; resuming it in {cfg.precision} is not "
-            f"supported: give --precision {saved_precision} or auto (which keeps it), or start "
-            f"a new run with --init-from {path} to continue its weights in {cfg.precision}"
-        )
-
-
 def _maybe_resume(
     engine, loader: PretrainingLoader, cfg: TrainConfig, path: str | None, vocab_sha256: str,
     universal: bool,
@@ -296,18 +278,13 @@ def check_world_size_change(saved: dict[str, Any], cfg: TrainConfig, path: str) 
     """
     saved_world, saved_stage = saved.get("world_size"), saved.get("zero_stage")
     world_size = dist.get_world_size()
-    # Stage 0 keeps whole fp32 states, stages 1-3 DeepSpeed's sharded ones: neither loads the
-    # other's, on the same number of workers too.
-    crosses = saved_stage is not None and (saved_stage == 0) != (cfg.zero_stage == 0)
-    if not crosses and (saved_world in (None, world_size) or saved_stage == 0):
+    check_zero_stage_change(saved, cfg.zero_stage, world_size, path)
+    if saved_world in (None, world_size) or saved_stage == 0:
         return False
-    if not crosses:
-        return True
-    raise UserInputError(
-        f"{path} was saved by {saved_world} workers under ZeRO stage {saved_stage}; resuming on "
-        f"{world_size} workers under ZeRO stage {cfg.zero_stage} is not supported: keep "
-        "zero_stage 0 in both runs, or ZeRO >= 1 in both (converted to a universal checkpoint)"
-    )
+    if saved_stage is None:  # saved before stages were recorded: its layout is unknown
+        raise UserInputError(f"{path} was saved by {saved_world} workers under an unrecorded "
+                             f"ZeRO stage; resume it on {saved_world} workers")
+    return True
 
 
 def _endless(loader: PretrainingLoader) -> Iterator[dict[str, torch.Tensor]]:

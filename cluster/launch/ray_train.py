@@ -83,7 +83,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     launch = dataclasses.replace(launch, storage=absolute(launch.storage))
     # GPUs this machine lacks: refused before the run directory or its log is made.
     check_local_resources(launch)
-    check_train_inputs(cfg)
+    check_train_inputs(cfg, launch.workers)
     run_dir = cfg.run_dir
     # One run per run directory (and per run in storage), taken before Ray starts.
     storage_run = f"{launch.storage.rstrip('/')}/{os.path.basename(run_dir)}" \

@@ -75,14 +75,36 @@ def test_run_directory_errors_are_refused_before_ray(dataset, tmp_path, capsys):
             "neither a complete checkpoint nor a run with one")
 
 
+def test_a_batch_the_workers_or_the_data_cannot_hold_is_refused_before_ray(dataset, tmp_path,
+                                                                           capsys):
+    """Found in the workers before, where each attempt failed alike (4 tracebacks a worker)."""
+    run = ["--data", dataset, "--run-dir", str(tmp_path / "run")]
+    refused(["train", *run, "--batch-size", "16", "--global-batch-size", "40", "--workers", "1"],
+            capsys, "global_batch_size 40 is not a multiple of micro_batch_size x world_size")
+    refused(["train", *run, "--batch-size", "64", "--workers", "2"], capsys,
+            "has 70 sequences, fewer than one optimizer step (64 micro x 2 workers x 1 "
+            "accumulation = 128)")
+
+
 @pytest.mark.slow  # one real training step (DeepSpeed on the CPU) makes the checkpoint
 def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys):
     run_dir = tmp_path / "run"
     train(TrainConfig(data_dir=dataset, run_dir=str(run_dir), model=TINY, max_steps=1,
-                      micro_batch_size=8, warmup_steps=0, precision="fp32"))
+                      micro_batch_size=8, warmup_steps=0, precision="fp32", zero_stage=0))
     err = refused(["train", "--data", dataset, "--run-dir", str(run_dir), "--preset", "mini"],
                   capsys, "another architecture", "hidden_size 32 != 256")
     assert "cannot resume" in err and "step_00000001" in err
+    # The CLI's own model (the tiny preset): another precision, or a ZeRO stage across 0 and
+    # 1-3, is what no attempt could load (found in the workers before, retried four times).
+    tiny_run = tmp_path / "tiny"
+    train(TrainConfig(data_dir=dataset, run_dir=str(tiny_run), model={"preset": "tiny"},
+                      max_steps=1, micro_batch_size=8, warmup_steps=0, precision="fp32",
+                      zero_stage=0))
+    resume = ["train", "--data", dataset, "--run-dir", str(tiny_run), "--workers", "1"]
+    refused([*resume, "--precision", "bf16"], capsys,
+            "was trained in fp32; resuming it in bf16 is not supported")
+    refused([*resume, "--precision", "fp32", "--zero-stage", "2"], capsys,
+            "under ZeRO stage 0; resuming on 1 workers under ZeRO stage 2 is not supported")
     # eval and export of that checkpoint pass their pre-flight; a used output is refused.
     refused(["export", str(run_dir), "--output", str(tmp_path)], capsys, "exists")
 
