@@ -53,13 +53,28 @@ def stop_beam_workers() -> None:
     workers = [p for p in psutil.Process().children(recursive=True)
                if any(module in " ".join(_cmdline(p)) for module in WORKER_MODULES)]
     # Beam's threads watching them then fail ("Worker subprocess exited with return code
-    # -15"): expected now, so not a traceback on the console.
+    # -15", and, on a loaded machine, its control channel's reader): expected now, so not a
+    # traceback on the console.
     default_hook = threading.excepthook
-    threading.excepthook = lambda args: None if args.thread is not None and \
-        args.thread.name == "run_worker" else default_hook(args)
+    threading.excepthook = lambda args: None if _beams_thread(args) else default_hook(args)
     for worker in workers:
         with contextlib.suppress(psutil.Error):
             worker.terminate()
+
+
+def _beams_thread(args) -> bool:
+    """A thread of Beam's runner failed: one that watched a worker (`run_worker`), or one with
+    Beam's code in its traceback (the worker's control channel reader, `_control_read`)."""
+    if args.thread is None:
+        return False
+    if args.thread.name == "run_worker":
+        return True
+    frame = args.exc_traceback
+    while frame is not None:
+        if f"{os.sep}apache_beam{os.sep}" in frame.tb_frame.f_code.co_filename:
+            return True
+        frame = frame.tb_next
+    return False
 
 
 def _cmdline(process) -> list[str]:

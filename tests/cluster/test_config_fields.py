@@ -170,7 +170,8 @@ def test_train_flags_reach_the_config_and_leave_the_rest_to_the_recipe():
     assert cfg.max_steps == 7000 and cfg.adam_betas == (0.8, 0.9) and cfg.whole_word_masking
     assert not cfg.resume
     assert cfg.global_batch_size == 4096  # the recipe's, no flag given
-    assert cfg.warmup_steps == 3000  # the recipe's, not the default of 10 % of max_steps
+    # The recipe's warm-up share (3,000 of 56,250 steps), not the default of 10 % of max_steps.
+    assert cfg.warmup_steps == round(3000 * 7000 / 56_250) == 373
     plain = train_config_from_args(build_parser().parse_args(
         ["train", "--data", "d", "--run-dir", "r", "--max-steps", "300"]))
     assert plain.warmup_steps == 30 and plain.log_every == 15  # the one default of each

@@ -162,3 +162,31 @@ def test_sigterm_stops_a_local_prepare_at_once_and_keeps_its_work_to_continue(in
     assert not (output / "manifest.json").exists()
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
+
+
+def test_once_the_workers_are_stopped_only_beams_own_threads_fail_quietly(monkeypatch):
+    """On SIGTERM the Beam workers are terminated, and Beam's threads that talk to them fail:
+    the one that watched a worker, and (seen under a loaded suite) its control channel's
+    reader. Those say nothing; any other thread's failure still prints its traceback."""
+    import os
+    import threading
+
+    from bertforge.cluster.commands.guarded_prepare import stop_beam_workers
+
+    reported = []  # what the hook before the filter (Python's: a traceback) was handed
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.thread.name))
+    stop_beam_workers()  # none running here: it only installs the filter
+    beams = {}
+    beam_file = os.path.join(os.sep, "site-packages", "apache_beam", "runners", "handlers.py")
+    exec(compile("def _control_read():\n    raise RuntimeError('channel closed')\n", beam_file,
+                 "exec"), beams)
+
+    def ours():
+        raise RuntimeError("a bug of ours")
+
+    for target, name in ((beams["_control_read"], "Thread-9 (_control_read)"),
+                         (ours, "run_worker"), (ours, "Thread-10 (ours)")):
+        thread = threading.Thread(target=target, name=name)
+        thread.start()
+        thread.join()
+    assert reported == ["Thread-10 (ours)"]

@@ -131,7 +131,7 @@ def test_only_a_bertforge_checkout_is_shipped_as_the_package(tmp_path):
 def test_failing_job_gives_a_failing_exit_code(two_node_cluster, capsys):
     url = two_node_cluster.dashboard_url
     code = main(["submit", "--address", url, "--working-dir", REPO, "--",
-                 "python", "-c", "'import sys; sys.exit(7)'"])
+                 "python", "-c", "import sys; sys.exit(7)"])  # as a shell hands the words on
     assert code == 1
     assert "FAILED" in capsys.readouterr().out
 
