@@ -68,6 +68,11 @@ def train_wordpiece_vocab(
         f.writelines(token + "\n" for token in tokens)
     os.replace(path + ".tmp", path)  # renamed in once whole: a half-written vocab.txt never exists
     logger.info("vocab: %d tokens from %d files -> %s", len(tokens), len(paths), path)
+    if len(tokens) > vocab_size:  # the special tokens and the alphabet are always kept
+        logger.warning(
+            "vocab: %d tokens, more than the %d asked for: the special tokens and the corpus's "
+            "characters alone take that many (the model's vocabulary is %d)",
+            len(tokens), vocab_size, len(tokens))
     if len(tokens) < vocab_size:  # the trainer stops when no pair is left to merge
         logger.warning(
             "vocab: %d tokens, fewer than the %d asked for: the corpus has no more pieces "

@@ -127,6 +127,21 @@ def test_inputs_prepare_would_reject_are_said_and_nothing_read_is_an_error(tmp_p
             "reject them") in [r.getMessage() for r in caplog.records]
 
 
+def test_a_vocabulary_larger_than_asked_says_so(tmp_path, caplog):
+    """Fewer entries than the corpus has characters: the alphabet is kept whole, and said."""
+    (tmp_path / "small.txt").write_text("The cat sat on the mat.\nThe dog sat too.\n" * 20)
+    with caplog.at_level("WARNING", logger="bertforge"):
+        path = train_wordpiece_vocab(
+            VocabConfig((str(tmp_path / "small.txt"),), str(tmp_path / "v"), vocab_size=10),
+            min_frequency=1)
+    with open(path, encoding="utf-8") as f:
+        size = len(f.read().splitlines())
+    assert size > 10
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"vocab: {size} tokens, more than the 10 asked for: the special tokens and the corpus's "
+        f"characters alone take that many (the model's vocabulary is {size})"]
+
+
 def test_missing_input_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="matches no file"):
         train_wordpiece_vocab(VocabConfig((str(tmp_path / "nothing-*.jsonl"),),
