@@ -15,9 +15,11 @@ MAX_NAMED = 3  # input files named in a difference, then a count
 
 
 def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: list[str],
-                        vocab_sha256: str) -> list[str]:
+                        vocab_sha256: str, input_sizes: dict[str, int] | None = None
+                        ) -> list[str]:
     """What differs between the dataset `found` and the one `config` would make, one phrase
-    per difference ([] when they are the same dataset)."""
+    per difference ([] when they are the same dataset). An input whose size is not the one
+    the manifest recorded has changed since (`input_sizes`: the files' sizes now)."""
     differences = []
     wanted = config.instance_params()
     for key in sorted(set(wanted) | set(found.instance_params)):
@@ -30,6 +32,11 @@ def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: lis
     if before != now:
         differences.append("the input files (" + "; ".join(filter(None, (
             _named("no longer", before - now), _named("new", now - before)))) + ")")
+    sizes = input_sizes or {}
+    changed = {path for path in before & now
+               if found.input_files[path].get("bytes") not in (None, sizes.get(path))}
+    if changed:
+        differences.append(f"the input files' content ({_named('another size', changed)})")
     return differences
 
 

@@ -22,6 +22,15 @@ def sha256_of(path: str) -> str:
     return digest.hexdigest()
 
 
+def sizes_of(paths: list[str]) -> dict[str, int]:
+    """Each file's size in bytes (one listing call for them all; local, gs:// or s3://)."""
+    if not paths:
+        return {}
+    results = FileSystems.match(list(paths))
+    return {path: result.metadata_list[0].size_in_bytes
+            for path, result in zip(paths, results, strict=True) if result.metadata_list}
+
+
 def write_bytes(path: str, data: bytes) -> None:
     """Write under a unique temp name, then rename: a retried bundle may race an old attempt."""
     tmp_path = f"{path}.tmp-{uuid.uuid4().hex}"

@@ -94,7 +94,7 @@ def _has_content(output: str) -> bool:
 def refuse_another_dataset(output: str, config) -> None:
     from bertforge.pipelines.contract.manifest import MANIFEST_NAME, read_manifest
     from bertforge.pipelines.dataset_identity import dataset_differences
-    from bertforge.pipelines.filesystem import sha256_of
+    from bertforge.pipelines.filesystem import sha256_of, sizes_of
     from bertforge.pipelines.read.inputs_transform import match_inputs
 
     if not os.path.isfile(os.path.join(output, MANIFEST_NAME)):
@@ -104,7 +104,8 @@ def refuse_another_dataset(output: str, config) -> None:
     except (ValueError, KeyError, OSError):
         return  # not a readable dataset: nothing to protect
     paths = [path for path, _ in match_inputs(config.inputs)]
-    differences = dataset_differences(found, config, paths, sha256_of(config.vocab))
+    differences = dataset_differences(found, config, paths, sha256_of(config.vocab),
+                                      sizes_of(paths))
     if differences:
         raise DatasetConflict(
             f"{output} holds a dataset made from other inputs or settings (differs in: "

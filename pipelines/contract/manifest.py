@@ -84,9 +84,10 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     created_by: str = "bertforge"
     extra: dict[str, Any] = field(default_factory=dict)
-    # Every input file read: {path: {"format": "wiki", "chosen_by": "prefix"|"name"|"content"}}.
-    # Absent from manifests written before it existed (read back as {}).
-    input_files: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Every input file read: {path: {"format": "wiki", "chosen_by": "prefix"|"name"|"content",
+    # "bytes": its size}}. Absent from manifests written before it existed (read back as {}),
+    # "bytes" from those written before 2026-11-27.
+    input_files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

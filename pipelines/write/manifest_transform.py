@@ -11,7 +11,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from bertforge.pipelines.beam_common import NO_DOCUMENTS_MESSAGE
 from bertforge.pipelines.contract import manifest
-from bertforge.pipelines.filesystem import write_bytes
+from bertforge.pipelines.filesystem import sizes_of, write_bytes
 from bertforge.pipelines.prepare_options import PrepareConfig
 from bertforge.pipelines.read.records import REPAIRED_REASONS, Reject
 
@@ -127,8 +127,14 @@ def build_manifest(
         splits=splits,
         counts=counts,
         extra={"inputs": list(config.inputs)},
-        input_files={
-            path: {"format": fmt, "chosen_by": chosen_by}
-            for path, fmt, chosen_by in sorted(set(map(tuple, input_formats)))
-        },
+        input_files=_input_files(input_formats),
     )
+
+
+def _input_files(input_formats) -> dict[str, dict]:
+    """{path: {format, chosen_by, bytes}}: how each input was read, and its size, by which a
+    later prepare into the same output sees a file that changed (`dataset_identity`)."""
+    formats = sorted(set(map(tuple, input_formats)))
+    sizes = sizes_of([path for path, _, _ in formats])
+    return {path: {"format": fmt, "chosen_by": chosen_by, "bytes": sizes.get(path)}
+            for path, fmt, chosen_by in formats}

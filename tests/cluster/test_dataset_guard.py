@@ -65,6 +65,21 @@ def test_another_dataset_is_refused_unless_asked_and_the_same_job_runs_again(
     assert prepare(inputs, output, "--dupe-factor=2", "--overwrite") == 0
     assert json.loads(manifest_bytes(output))["instance_params"]["dupe_factor"] == 2
 
+    # The same command after the corpus grew: another dataset (its input's size is not the
+    # one recorded), refused as such; it was replaced without a word.
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    (grown / "corpus.jsonl").write_bytes((inputs / "corpus.jsonl").read_bytes())
+    (grown / "vocab.txt").write_bytes((inputs / "vocab.txt").read_bytes())
+    assert prepare(grown, tmp_path / "again") == 0
+    again = manifest_bytes(tmp_path / "again")
+    with open(grown / "corpus.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "One more document. It has two sentences."}) + "\n")
+    assert prepare(grown, tmp_path / "again") == 2
+    line = one_error_line(capsys)
+    assert f"the input files' content (another size: {grown / 'corpus.jsonl'})" in line
+    assert manifest_bytes(tmp_path / "again") == again
+
 
 def test_no_dataset_is_replaced_under_a_reader_or_by_a_second_writer(inputs, tmp_path, capsys):
     output = tmp_path / "shards"

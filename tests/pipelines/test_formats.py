@@ -126,10 +126,14 @@ def test_prepare_records_every_format_and_counts_the_mismatch(disguised, small_v
     summary = run(prepare_config(inputs, str(output), small_vocab, validation_fraction=0.0,
                                  num_validation_shards=0))
     result = manifest.read_manifest(str(output))
+    def entry(name, fmt, chosen_by):
+        return {"format": fmt, "chosen_by": chosen_by,
+                "bytes": (disguised / name).stat().st_size}
+
     assert result.input_files == {
-        str(disguised / "dump.txt"): {"format": "wiki", "chosen_by": "content"},
-        str(disguised / "records"): {"format": "jsonl", "chosen_by": "content"},
-        str(disguised / PART): {"format": "wiki", "chosen_by": "name"},
+        str(disguised / "dump.txt"): entry("dump.txt", "wiki", "content"),
+        str(disguised / "records"): entry("records", "jsonl", "content"),
+        str(disguised / PART): entry(PART, "wiki", "name"),
     }
     assert summary["input_formats"] == {"jsonl": 1, "wiki": 2}
     assert summary["rejected"]["format_mismatch"] == 1
