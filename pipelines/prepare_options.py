@@ -23,8 +23,10 @@ from bertforge.pipelines.contract.config_fields import (
     NOT_IN_FILE,
     RERUN_MAY_CHANGE,
     add_flags,
+    field_types,
     flag_spellings,
     given_values,
+    negative_spellings,
     option,
     without_marked,
 )
@@ -194,7 +196,10 @@ def job_parser() -> argparse.ArgumentParser:
 def job_flags() -> tuple[str, ...]:
     """Every flag the job owns, in both spellings (`--input`, `--max-seq-length`,
     `--max_seq_length`, ...)."""
-    return tuple(flag for f in fields(PrepareConfig) for flag in flag_spellings(f, beam=True))
+    kinds = field_types(PrepareConfig)
+    return tuple(flag for f in fields(PrepareConfig)
+                 for flag in (*flag_spellings(f, beam=True),
+                              *negative_spellings(f, kinds[f.name], beam=True)))
 
 
 def _beam_parser() -> argparse.ArgumentParser:

@@ -134,6 +134,14 @@ def flag_spellings(f: dataclasses.Field, *, beam: bool = False) -> tuple[str, ..
     return tuple(dict.fromkeys((dashed, *f.metadata.get(ALIASES, ()), *underscored)))
 
 
+def negative_spellings(f: dataclasses.Field, kind: Any, *, beam: bool = False) -> tuple[str, ...]:
+    """A Beam-style boolean's `--no-lower-case` (and `--no_lower_case`): the spelling every
+    other bertforge command takes, beside Beam's `--lower_case=false`."""
+    if not beam or kind is not bool or FLAG in f.metadata:
+        return ()
+    return (f"--no-{f.name.replace('_', '-')}", f"--no_{f.name}")
+
+
 def _has_flag(f: dataclasses.Field, without: tuple[str, ...]) -> bool:
     return not marked(f, NO_FLAG) and not any(marked(f, mark) for mark in without)
 
@@ -146,6 +154,10 @@ def add_flags(parser: Any, cls: type, *, without: tuple[str, ...] = (),
         if _has_flag(f, without):
             parser.add_argument(*flag_spellings(f, beam=beam),
                                 **_argument(cls, f, types_by_name[f.name], beam))
+            negative = negative_spellings(f, types_by_name[f.name], beam=beam)
+            if negative:
+                parser.add_argument(*negative, dest=f.name, action="store_const", const=False,
+                                    default=None, help=f"the same as --{negative[0][5:]}=false")
 
 
 def add_flag(parser: Any, cls: type, name: str, **overrides: Any) -> None:

@@ -60,6 +60,12 @@ def test_a_bad_value_or_a_missing_one_is_one_error_naming_the_flag():
         parse_command_line(["--output=o", "--vocab=v"])
     with pytest.raises(ValueError, match="unexpected argument.*stray"):
         parse_command_line(REQUIRED + ["stray"])
+    # A boolean as every other command spells it too (vocab's --no-lower-case), beside Beam's.
+    for spelling in (["--no-lower-case"], ["--no_lower_case"], ["--lower-case=false"]):
+        assert parse_command_line(REQUIRED + spelling).config.lower_case is False
+    assert parse_command_line(REQUIRED).config.lower_case is True
+    with pytest.raises(ValueError, match="must not set the job's own options"):
+        check_beam_args(["--no-lower-case"])
     # A flag that would change nothing is refused, not ignored.
     with pytest.raises(ValueError, match="num_validation_shards 3 with validation_fraction 0"):
         parse_command_line(REQUIRED + ["--num-validation-shards=3", "--validation-fraction=0"])
