@@ -24,7 +24,7 @@ class VocabConfig:
         "pieces worth a token")
     lower_case: bool = option(
         True, "lower-case and strip accents, as an uncased vocabulary needs (bertforge pipeline "
-        "prepares with the same casing; a prepare of its own needs --lower-case=false for a "
+        "prepares with the same casing; a prepare of its own needs --no-lower-case for a "
         "cased one, and warns where the casing looks wrong)")
 
     def __post_init__(self) -> None:
