@@ -26,7 +26,7 @@ from bertforge.cluster.launch.worker_output import (
     show_train_workers,
 )
 from bertforge.cluster.safety.dataset_guard import reading_dataset
-from bertforge.cluster.safety.run_lock import exclusive_directory
+from bertforge.cluster.safety.run_lock import exclusive_directory, refuse_if_in_use
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
@@ -83,6 +83,9 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     launch = dataclasses.replace(launch, storage=absolute(launch.storage))
     # GPUs this machine lacks: refused before the run directory or its log is made.
     check_local_resources(launch)
+    # Another run writing there: said first, as the lock below would (its checkpoints are
+    # being saved and pruned, and the pre-flight would read them).
+    refuse_if_in_use(cfg.run_dir)
     check_train_inputs(cfg, launch.workers)
     run_dir = cfg.run_dir
     # One run per run directory (and per run in storage), taken before Ray starts.

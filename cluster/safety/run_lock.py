@@ -335,9 +335,7 @@ class RunLock:
                         f"run uses the directory")
                 what = f"an unreadable lock file ({age:.0f} s old)"
             elif holder.is_alive(self.stale_after_seconds):
-                raise RunDirectoryInUse(
-                    f"another bertforge {holder.command} is running in {lock} "
-                    f"({holder.describe()}); wait for it to end or choose another directory")
+                raise _in_use(holder, lock)
             else:
                 what = f"the lock of a run that is gone ({holder.describe()})"
             if lock.remove_if(text):
@@ -369,6 +367,22 @@ class RunLock:
                 if holder is not None and holder.token == self.me.token:
                     lock.remove_if(text)
         self._held = []
+
+
+def _in_use(holder: Holder, lock) -> RunDirectoryInUse:
+    return RunDirectoryInUse(f"another bertforge {holder.command} is running in {lock} "
+                             f"({holder.describe()}); wait for it to end or choose another "
+                             "directory")
+
+
+def refuse_if_in_use(root: str, stale_after_seconds: float = STALE_AFTER_SECONDS) -> None:
+    """The refusal `exclusive_directory` gives a live holder of `root`, without taking the
+    lock or making the directory: a pre-flight then reads nothing of a run directory that
+    another run is writing (its checkpoints, being saved and pruned meanwhile)."""
+    lock = lock_file_for(root)
+    holder = Holder.parse(lock.read() or "")
+    if holder is not None and holder.is_alive(stale_after_seconds):
+        raise _in_use(holder, lock)
 
 
 @contextlib.contextmanager

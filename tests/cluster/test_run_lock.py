@@ -215,3 +215,18 @@ def test_a_run_directory_that_cannot_hold_a_lock_is_a_one_line_error(tmp_path):
 
 
 # --- two real `bertforge train` runs -----------------------------------------------------
+
+
+def test_a_directory_in_use_is_refused_without_taking_its_lock(tmp_path):
+    """train's pre-flight says "another train is running" before it reads the run directory,
+    whose checkpoints the other run is saving and pruning (a check read one being pruned)."""
+    from bertforge.cluster.safety.run_lock import refuse_if_in_use
+
+    run_dir = tmp_path / "run"
+    refuse_if_in_use(str(run_dir))  # nobody: nothing said, nothing made
+    assert not run_dir.exists()
+    with exclusive_directory(str(run_dir), "train"):
+        with pytest.raises(RunDirectoryInUse, match=f"another bertforge train is running in "
+                                                    f"{run_dir} \\(host "):
+            refuse_if_in_use(str(run_dir))
+    refuse_if_in_use(str(run_dir))  # released
