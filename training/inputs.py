@@ -245,7 +245,6 @@ def check_precision_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -
         )
 
 
-
 def check_zero_stage_change(saved: dict[str, Any], zero_stage: int, world_size: int,
                             path: str) -> None:
     """A resume stays at stage 0 or stays at stages 1-3: stage 0 keeps whole fp32 states,

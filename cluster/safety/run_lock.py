@@ -380,7 +380,11 @@ def refuse_if_in_use(root: str, stale_after_seconds: float = STALE_AFTER_SECONDS
     lock or making the directory: a pre-flight then reads nothing of a run directory that
     another run is writing (its checkpoints, being saved and pruned meanwhile)."""
     lock = lock_file_for(root)
-    holder = Holder.parse(lock.read() or "")
+    try:
+        text = lock.read()
+    except OSError:  # `root` is no directory (a file, say): the pre-flight names what it is
+        return
+    holder = Holder.parse(text or "")
     if holder is not None and holder.is_alive(stale_after_seconds):
         raise _in_use(holder, lock)
 

@@ -230,3 +230,5 @@ def test_a_directory_in_use_is_refused_without_taking_its_lock(tmp_path):
                                                     f"{run_dir} \\(host "):
             refuse_if_in_use(str(run_dir))
     refuse_if_in_use(str(run_dir))  # released
+    (tmp_path / "a-file").write_text("not a directory")
+    refuse_if_in_use(str(tmp_path / "a-file"))  # the pre-flight's own check names it
