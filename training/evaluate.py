@@ -132,12 +132,10 @@ def evaluate_checkpoint(
     if seed is None:
         seed = metadata.get("seed", TrainConfig.seed)  # saved before runs recorded it
     # max_predictions None: the loader takes the data's default (20 at 128 tokens, 80 at 512).
-    masking = metadata.get("masking") or {}  # saved before runs recorded it: the defaults
     loader = PretrainingLoader(
         data_dir, options.split, batch_size=options.batch_size, seed=seed, drop_last=False,
-        masking=MaskingOptions(masking.get("max_predictions"),
-                               masking.get("mask_prob", TrainConfig.mask_prob),
-                               masking.get("whole_word", False)),
+        # The run's MaskingOptions (saved before runs recorded them: the defaults, Google's).
+        masking=MaskingOptions(**metadata.get("masking", {})),
         read=ReadOptions(verify_checksums=options.verify_checksums),
     )
     baseline_token_id = most_frequent_token(token_frequencies(data_dir, "train"), data_dir)

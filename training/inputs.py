@@ -87,16 +87,17 @@ def check_run_dir(run_dir: str) -> str:
     return path
 
 
-def check_resume(run_dir: str, model_config: BertConfig, vocab_sha256: str) -> str | None:
-    """The checkpoint a resume of `run_dir` would load (None: a fresh start), once its
-    architecture and vocabulary are those of the requested model and data."""
+def check_resume(run_dir: str, model_config: BertConfig,
+                 vocab_sha256: str) -> tuple[str, dict] | None:
+    """The checkpoint a resume of `run_dir` would load and its metadata (None: a fresh start),
+    once its architecture and vocabulary are those of the requested model and data."""
     latest = checkpoint.latest_checkpoint(run_dir) if os.path.isdir(run_dir) else None
     if latest is None:
         return None
     saved = read_checkpoint_metadata(latest)
     check_resume_architecture(saved, model_config, latest, vocab_sha256)
     verify_checkpoint(latest, saved)
-    return latest
+    return latest, saved
 
 
 def verify_checkpoint(path: str, metadata: dict | None = None) -> None:
@@ -196,11 +197,11 @@ def check_train_inputs(cfg: TrainConfig, world_size: int | None = None) -> None:
     check_positions(facts.max_seq_length, model_config, cfg.data_dir)
     resumed = check_resume(cfg.run_dir, model_config, facts.vocab_sha256) if cfg.resume else None
     if resumed is not None:
-        saved = read_checkpoint_metadata(resumed)
+        path, saved = resumed
         if cfg.precision != "auto":  # "auto" keeps the checkpoint's
-            check_precision_change(saved, cfg, resumed)
+            check_precision_change(saved, cfg, path)
         if cfg.zero_stage is not None and world_size is not None:  # None: the device decides
-            check_zero_stage_change(saved, cfg.zero_stage, world_size, resumed)
+            check_zero_stage_change(saved, cfg.zero_stage, world_size, path)
     if resumed is None and cfg.init_from:
         check_model_source(cfg.init_from)
     if world_size is not None:
@@ -212,14 +213,15 @@ def check_step_batch(cfg: TrainConfig, facts: DatasetFacts, world_size: int) -> 
     the micro-batch is known (a full-size recipe leaves it to the GPU: the worker checks it)."""
     if cfg.micro_batch_size is None:
         return
-    step = cfg.micro_batch_size * world_size * cfg.accumulation_steps(world_size)
+    accumulation = cfg.accumulation_steps(world_size)  # not a divisor: its own error
+    step = cfg.micro_batch_size * world_size * accumulation
     rows = facts.split_sizes.get("train", 0)
     if rows < step:
         raise UserInputError(
             f"the training split of {cfg.data_dir} has {rows} sequences, fewer than one "
             f"optimizer step ({cfg.micro_batch_size} micro x {world_size} workers x "
-            f"{cfg.accumulation_steps(world_size)} accumulation = {step}): give a smaller "
-            "--batch-size or --global-batch-size, or prepare more data")
+            f"{accumulation} accumulation = {step}): give a smaller --batch-size or "
+            "--global-batch-size, or prepare more data")
 
 
 def check_precision_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -> None:

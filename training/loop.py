@@ -7,7 +7,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -71,8 +71,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     model_config = resolve_model_config(cfg.model, facts.vocab_size)
     check_positions(facts.max_seq_length, model_config, cfg.data_dir)
     # max_predictions None: the data's default (20 at 128 tokens, 80 at 512).
-    masking = MaskingOptions(cfg.max_predictions, cfg.mask_prob, cfg.whole_word_masking)
-    masking = masking.for_dataset(facts)
+    requested_masking = MaskingOptions(cfg.max_predictions, cfg.mask_prob, cfg.whole_word_masking)
+    masking = requested_masking.for_dataset(facts)
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
     saved = checkpoint.read_metadata(resume_from) if resume_from is not None else None
     if saved is not None:  # before any engine: a raw 'size mismatch' would say much less
@@ -138,9 +138,9 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         "bf16_weights": cfg.precision == "bf16" and not bf16_autocast(resolved.config),
         # The residual stream's dtype under autocast: a resume keeps it (resolved_engine).
         "bf16_residual": cfg.bf16_residual,
-        "seed": cfg.seed,  # `bertforge eval` masks the validation split as this run did,
-        "masking": {"mask_prob": cfg.mask_prob, "max_predictions": cfg.max_predictions,
-                    "whole_word": cfg.whole_word_masking},  # with this run's masking
+        # `bertforge eval` masks the validation split as this run did: its seed and masking.
+        "seed": cfg.seed,
+        "masking": asdict(requested_masking),  # another dataset: its own default predictions
     }
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
     batches = _endless(loader)
