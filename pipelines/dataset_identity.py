@@ -15,11 +15,13 @@ MAX_NAMED = 3  # input files named in a difference, then a count
 
 
 def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: list[str],
-                        vocab_sha256: str, input_sizes: dict[str, int] | None = None
-                        ) -> list[str]:
+                        vocab_sha256: str, input_sizes: dict[str, int] | None = None,
+                        gone_is_a_difference: bool = True) -> list[str]:
     """What differs between the dataset `found` and the one `config` would make, one phrase
     per difference ([] when they are the same dataset). An input whose size is not the one
-    the manifest recorded has changed since (`input_sizes`: the files' sizes now)."""
+    the manifest recorded has changed since (`input_sizes`: the files' sizes now). Without
+    `gone_is_a_difference`, inputs the manifest names that are not among `input_paths` any
+    more are not reported (deleted since: the dataset is all that is left of them)."""
     differences = []
     wanted = config.instance_params()
     for key in sorted(set(wanted) | set(found.instance_params)):
@@ -29,9 +31,10 @@ def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: lis
     if found.tokenizer.vocab_sha256 != vocab_sha256:
         differences.append("the vocabulary (another sha256)")
     before, now = set(found.input_files), set(input_paths)
-    if before != now:
+    gone = before - now if gone_is_a_difference else set()
+    if gone or now - before:
         differences.append("the input files (" + "; ".join(filter(None, (
-            _named("no longer", before - now), _named("new", now - before)))) + ")")
+            _named("no longer", gone), _named("new", now - before)))) + ")")
     sizes = input_sizes or {}
     changed = {path for path in before & now
                if found.input_files[path].get("bytes") not in (None, sizes.get(path))}

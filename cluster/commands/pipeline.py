@@ -13,7 +13,8 @@ the same command again.
 
 The resolved configuration (the TOML text, its normalized form and the resolved recipes) is
 recorded in WORKDIR/pipeline.json; a later run with a configuration that would make different
-outputs is refused, naming the keys that differ. Relative paths in the file are relative to the
+outputs is refused, naming the keys that differ, and so is one whose input files changed since
+its shards were made (`stages.shards_complete`). Relative paths in the file are relative to the
 file's own directory, so a run does not depend on the current directory.
 """
 
@@ -327,7 +328,8 @@ def build_stages(
             f"prepare-{length}",
             lambda length=length: prepare_dataset(config.prepare_config(length),
                                                   config.prepare.beam_args),
-            is_done=lambda length=length: shards_complete(paths.shards(length)),
+            is_done=lambda length=length: shards_complete(config.prepare_config(length),
+                                                           paths.root),
         ))
     train_configs = config.train_configs()
     for name, cfg in train_configs.items():

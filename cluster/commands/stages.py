@@ -73,10 +73,24 @@ def prepare_dataset(config: PrepareConfig, beam_args: Sequence[str]) -> dict[str
     return {"instances": summary.get("instances"), "seconds_in_beam": summary.get("seconds")}
 
 
-def shards_complete(data_dir: str) -> bool:
+def shards_complete(config: PrepareConfig, workdir: str) -> bool:
+    """The dataset `config` makes is in config.output (its manifest, written last). One made
+    from other input files or another vocabulary (edited or added since) is refused, not
+    skipped: the stages after it were trained on it, and rebuilding it alone would leave them
+    stale. Input files deleted since are no reason: the shards are all that is left of them."""
+    from bertforge.cluster.safety.dataset_guard import differences_from_dataset
     from bertforge.pipelines.contract.manifest import MANIFEST_NAME
 
-    return os.path.isfile(os.path.join(data_dir, MANIFEST_NAME))
+    if not os.path.isfile(os.path.join(config.output, MANIFEST_NAME)):
+        return False
+    differences = differences_from_dataset(config.output, config, inputs_may_be_gone=True)
+    if differences:
+        raise ValueError(
+            f"{config.output} holds a dataset made from other inputs than the configuration "
+            f"reads now (differs in: {'; '.join(differences)}), and the stages after it were "
+            f"trained on it; restore the inputs, or make everything again from them in a new "
+            f"workdir (or after deleting {workdir})")
+    return True
 
 
 def train_to_the_end(cfg: TrainConfig, launch: LaunchConfig, command: str) -> dict[str, Any]:

@@ -92,25 +92,41 @@ def _has_content(output: str) -> bool:
 
 
 def refuse_another_dataset(output: str, config) -> None:
+    differences = differences_from_dataset(output, config)
+    if differences:
+        raise DatasetConflict(
+            f"{output} holds a dataset made from other inputs or settings (differs in: "
+            f"{'; '.join(differences)}); use another --output, or add {OVERWRITE_FLAG} to "
+            "replace it")
+
+
+def differences_from_dataset(output: str, config, *, inputs_may_be_gone: bool = False
+                             ) -> list[str]:
+    """How the dataset in `output` differs from the one `config` would make from its inputs as
+    they are now (`pipelines.dataset_identity`); [] when it is the same or there is none.
+    `inputs_may_be_gone`: input files deleted since (the corpus removed once its shards were
+    made) are no difference, and a pattern that matches nothing any more is none either; a file
+    edited or added still is."""
     from bertforge.pipelines.contract.manifest import MANIFEST_NAME, read_manifest
     from bertforge.pipelines.dataset_identity import dataset_differences
     from bertforge.pipelines.filesystem import sha256_of, sizes_of
     from bertforge.pipelines.read.inputs_transform import match_inputs
 
     if not os.path.isfile(os.path.join(output, MANIFEST_NAME)):
-        return
+        return []
     try:
         found = read_manifest(output)
     except (ValueError, KeyError, OSError):
-        return  # not a readable dataset: nothing to protect
-    paths = [path for path, _ in match_inputs(config.inputs)]
-    differences = dataset_differences(found, config, paths, sha256_of(config.vocab),
-                                      sizes_of(paths))
-    if differences:
-        raise DatasetConflict(
-            f"{output} holds a dataset made from other inputs or settings (differs in: "
-            f"{'; '.join(differences)}); use another --output, or add {OVERWRITE_FLAG} to "
-            "replace it")
+        return []  # not a readable dataset: nothing to protect
+    if inputs_may_be_gone:
+        paths = []
+        for pattern in config.inputs:
+            with contextlib.suppress(ValueError):  # matches nothing now
+                paths += [path for path, _ in match_inputs((pattern,))]
+    else:
+        paths = [path for path, _ in match_inputs(config.inputs)]
+    return dataset_differences(found, config, paths, sha256_of(config.vocab), sizes_of(paths),
+                               gone_is_a_difference=not inputs_may_be_gone)
 
 
 def live_readers(data_dir: str) -> list[Holder]:

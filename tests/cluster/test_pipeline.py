@@ -276,6 +276,33 @@ def test_rerun_skips_every_stage(finished_pipeline, monkeypatch, capsys):
 
 
 @pytest.mark.slow
+def test_an_edited_or_added_input_is_refused_not_skipped(finished_pipeline, monkeypatch):
+    """The shards' manifest is there, but the corpus is no longer what made them: skipping
+    would leave the user's edit out of the model without a word."""
+    root, config, _ = finished_pipeline
+    _forbid_work(monkeypatch)
+    corpus = root / "corpus" / "docs.jsonl"
+    original = corpus.read_bytes()
+    try:
+        corpus.write_bytes(original + b'{"id": "late", "text": "A late document. Two."}\n')
+        with pytest.raises(ValueError, match=r"shards-64 holds a dataset made from other "
+                           r"inputs .*another size: .*docs\.jsonl.*new workdir"):
+            run_pipeline(config)
+        corpus.write_bytes(original)
+        (root / "corpus" / "more.jsonl").write_text('{"id": "m", "text": "More. Text."}\n')
+        with pytest.raises(ValueError, match=r"new: .*more\.jsonl"):
+            run_pipeline(config)
+        (root / "corpus" / "more.jsonl").unlink()
+        # Deleted once its shards were made (to save the disk): nothing changed, all skipped.
+        corpus.unlink()
+        assert run_pipeline(config)["ran"] == []
+    finally:
+        corpus.write_bytes(original)
+        (root / "corpus" / "more.jsonl").unlink(missing_ok=True)
+    assert run_pipeline(config)["ran"] == []  # as it was: every stage skipped again
+
+
+@pytest.mark.slow
 def test_a_lost_checkpoint_redoes_only_phase2_and_export(finished_pipeline, monkeypatch):
     from bertforge.training.checkpoint import committed_steps
 
