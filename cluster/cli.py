@@ -323,7 +323,7 @@ def _run_eval(args: argparse.Namespace) -> None:
     from bertforge.training.inputs import check_eval_inputs
 
     options = EvalOptions(**given_values(args, EvalOptions))
-    check_eval_inputs(args.checkpoint, args.data, options.split)
+    check_eval_inputs(args.checkpoint, args.data, options.split, options.device)
     checkpoint = resolve_checkpoint(args.checkpoint)
     _log_in_run_dir(checkpoint, "eval")
     with reading_dataset(args.data, "eval"):  # prepare will not replace it meanwhile

@@ -417,6 +417,21 @@ def _bf16_optimizer_files(checkpoint_path: str) -> list[str]:
     return [os.path.join(checkpoint_path, name) for _, name in sorted(ranked)]
 
 
+_RANK_OPTIMIZER_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+def missing_rank_files(checkpoint_path: str, metadata: dict[str, Any]) -> list[int]:
+    """The ranks of the run's `world_size` whose optimizer file (ZeRO 1-3: a partition of the
+    fp32 weights each) the checkpoint lacks: a multi-node run whose nodes kept their own run
+    directories has only its node's here. [] for a checkpoint with no per-rank files."""
+    ranks = {int(m.group(1)) for name in os.listdir(checkpoint_path)
+             if (m := _RANK_OPTIMIZER_FILE.match(name))}
+    world_size = metadata.get("world_size")
+    if not ranks or not isinstance(world_size, int):
+        return []
+    return sorted(set(range(world_size)) - ranks)
+
+
 def _is_bf16_optimizer_checkpoint(checkpoint_path: str) -> bool:
     """Saved by DeepSpeed's BF16_Optimizer (ZeRO-1 under bf16 with fp32 gradient
     accumulation, training.engine): its state names no ZeRO stage, unlike the ZeRO

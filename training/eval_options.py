@@ -21,3 +21,7 @@ class EvalOptions:
         "and the demo's eval)")
     verify_checksums: bool = option(
         True, "hash the shards against the manifest's sha256 (rows are validated either way)")
+    device: str = option(
+        "auto", "where to score: auto (a GPU when there is one, else the CPU), cpu or cuda; on "
+        "a GPU under the run's precision (bf16 autocast for a bf16 run), as its own validation",
+        choices=("auto", "cpu", "cuda"))

@@ -18,7 +18,7 @@ from bertforge.training.eval_options import EvalOptions
 @dataclass
 class EvalResult:
     mlm_accuracy: float
-    mlm_baseline_accuracy: float  # always predicting the most frequent training token
+    mlm_baseline_accuracy: float  # always predicting the split's most frequent token
     nsp_accuracy: float
     mlm_loss: float
     nsp_loss: float
@@ -108,13 +108,16 @@ def evaluate_checkpoint(
     checkpoint_path: str, data_dir: str, options: EvalOptions | None = None, *,
     progress_seconds: float = 10.0,
 ) -> EvalResult:
-    """Score a checkpoint on a split with fixed masks (seed, epoch 0), in this process; a
-    progress line every `progress_seconds` (`EvalProgress`).
+    """Score a checkpoint on a split with fixed masks (seed, epoch 0), in this process, on
+    `options.device`; a progress line every `progress_seconds` (`EvalProgress`).
 
     The masks are the checkpoint's run's: `options.seed` None takes its training seed, and
     its masking (share, predictions per row, whole words) is the run's, whose own validation
-    and the demo's eval drew them, so `bertforge eval` of a run gives their numbers. A
-    checkpoint saved before these were recorded takes TrainConfig's defaults."""
+    and the demo's eval drew them, so `bertforge eval` of a run gives their numbers (on a GPU
+    under its precision, as the run scored itself; on a CPU in fp32). The baseline's guess is
+    the scored split's most frequent token, as the run's validation takes it (the train split
+    may be terabytes). A checkpoint saved before these were recorded takes TrainConfig's
+    defaults."""
     from bertforge.training.checkpoint import load_model
     from bertforge.training.data import (
         MaskingOptions,
@@ -138,7 +141,8 @@ def evaluate_checkpoint(
         masking=MaskingOptions(**metadata.get("masking", {})),
         read=ReadOptions(verify_checksums=options.verify_checksums),
     )
-    baseline_token_id = most_frequent_token(token_frequencies(data_dir, "train"), data_dir)
+    baseline_token_id = most_frequent_token(token_frequencies(data_dir, options.split),
+                                            data_dir)
     # The loader's bound on labels per row: the fixed-width sparse head (no host sync).
     model.max_predictions = loader.max_predictions_per_row
     max_batches = options.max_batches
@@ -146,14 +150,25 @@ def evaluate_checkpoint(
     progress = EvalProgress(total, every_seconds=progress_seconds)
     progress.say(f"[eval] {checkpoint_path}: {total} batches of {options.batch_size} "
                  f"({options.split})")
-    result = evaluate(model, loader, baseline_token_id=baseline_token_id,
-                      max_batches=max_batches, progress=progress)
+    device = eval_device(options.device)
+    with torch.autocast("cuda", dtype=torch.bfloat16,
+                        enabled=device == "cuda" and metadata.get("precision") == "bf16"):
+        result = evaluate(model.to(device), loader, baseline_token_id=baseline_token_id,
+                          device=device, max_batches=max_batches, progress=progress)
     loader.wait_for_checksums()  # no numbers from shards whose bytes are not the manifest's
     return result
 
 
+def eval_device(asked: str) -> str:
+    """"auto": "cuda" when torch sees a GPU, else "cpu"; "cpu" and "cuda" as asked."""
+    if asked == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return asked
+
+
 def most_frequent_token(frequencies, data_dir: str) -> int:
-    """The most frequent non-special training token: the MLM baseline's constant guess."""
+    """The most frequent non-special token of `frequencies`: the MLM baseline's constant
+    guess."""
     from bertforge.pipelines.contract.tokenization import SPECIAL_TOKENS, read_vocab
 
     counts = frequencies.copy()

@@ -123,6 +123,7 @@ def read_checkpoint_metadata(path: str) -> dict:
 def check_checkpoint(path: str) -> str:
     """The complete checkpoint `path` names (itself, or a run directory's newest), readable,
     safe to unpickle and holding weights of its bertforge.json's shapes (`verify_checkpoint`)."""
+    refuse_storage_uri(path, "a checkpoint")
     if not os.path.exists(path):
         raise MissingInputError(f"checkpoint {path} does not exist")
     try:
@@ -132,6 +133,13 @@ def check_checkpoint(path: str) -> str:
     saved = read_checkpoint_metadata(resolved)
     if not os.path.exists(os.path.join(resolved, "vocab.txt")):
         raise MissingInputError(f"checkpoint {resolved} lacks its vocab.txt")
+    missing = checkpoint.missing_rank_files(resolved, saved)
+    if missing:
+        raise MissingInputError(
+            f"checkpoint {resolved} lacks the optimizer files of rank(s) "
+            f"{', '.join(map(str, missing))} of its {saved['world_size']}, which hold part of "
+            "its weights (nodes that each kept their own run directory: the whole checkpoint "
+            "is in the run's --storage; copy it here)")
     verify_checkpoint(resolved, saved)
     return resolved
 
@@ -141,6 +149,7 @@ def check_model_source(source: str) -> str:
     (returns the checkpoint), or a Hugging Face directory with config.json and weights."""
     from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES
 
+    refuse_storage_uri(source, "a model")
     if not os.path.isdir(source):
         raise MissingInputError(f"model {source}: no such directory")
     if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)) or (
@@ -154,8 +163,18 @@ def check_model_source(source: str) -> str:
         f"Hugging Face directory ({HF_CONFIG_NAME} + {HF_WEIGHTS_NAMES[0]})")
 
 
+def refuse_storage_uri(path: str, what: str) -> None:
+    """Checkpoints and exports are read and written on a local (or mounted) filesystem; a URI
+    would otherwise become a local folder named `gs:` in the current directory."""
+    if "://" in path:
+        raise UserInputError(
+            f"{path}: {what} in object storage is not read or written here; copy it to or "
+            "from a local directory (gcloud storage cp -r, aws s3 cp --recursive)")
+
+
 def check_output_dir(output: str) -> str:
     """An export's output: a new directory in a parent that can be created and written."""
+    refuse_storage_uri(output, "an export")
     path = os.path.abspath(output)
     if os.path.exists(path):
         raise UserInputError(f"output {output} exists; give a new directory (an export never "
@@ -262,13 +281,22 @@ def check_zero_stage_change(saved: dict[str, Any], zero_stage: int, world_size: 
     )
 
 
-def check_eval_inputs(checkpoint_path: str, data_dir: str, split: str) -> None:
-    """`eval`: the checkpoint resolves and the dataset's split opens with the same vocabulary."""
+def check_eval_inputs(checkpoint_path: str, data_dir: str, split: str,
+                      device: str = "cpu") -> None:
+    """`eval`: the checkpoint resolves, the dataset's split opens with the same vocabulary and
+    lengths the model has positions for, and the device asked for is there."""
     resolved = check_checkpoint(checkpoint_path)
-    facts = check_dataset(data_dir, (split, "train"))  # train: the MLM baseline's frequencies
+    facts = check_dataset(data_dir, (split,))
     saved = read_checkpoint_metadata(resolved)
     if saved.get("vocab_sha256") != facts.vocab_sha256:
         raise UserInputError(f"{data_dir} uses another vocabulary than checkpoint {resolved}")
+    check_positions(facts.max_seq_length, checkpoint.model_config_of(resolved, saved), data_dir)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserInputError("--device cuda: torch sees no GPU here (use --device auto or "
+                                 "cpu)")
 
 
 def check_export_inputs(checkpoint_path: str, output: str) -> None:

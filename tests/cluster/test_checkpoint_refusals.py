@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from bertforge.cluster.cli import main
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
@@ -113,3 +114,34 @@ def test_malicious_checkpoint_is_refused_before_ray_and_never_unpickled(
     with pytest.raises(UserInputError, match="holds objects outside"):
         check_model_source(run_dir)  # finetune --model
     assert not ran.exists()
+
+
+def test_object_storage_paths_are_one_line_not_a_local_gs_folder(
+        trained, tmp_path, monkeypatch, capsys):
+    """`--output gs://...` used to export into ./gs:/... and report success."""
+    _, run_dir = trained
+    monkeypatch.chdir(tmp_path)
+    refused(["export", run_dir, "--output", "gs://bucket/models/hf"], capsys,
+            "gs://bucket/models/hf: an export in object storage", "gcloud storage cp -r")
+    refused(["export", "gs://bucket/runs/phase1", "--output", "hf"], capsys,
+            "gs://bucket/runs/phase1: a checkpoint in object storage")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_checkpoint_missing_other_ranks_files_is_one_line(trained, tmp_path, capsys):
+    """A ZeRO checkpoint holds each rank's part of the weights in that rank's file: one of two
+    ranks' (a node that kept its own run directory) was a KeyError traceback from export."""
+    data, _ = trained
+    run_dir = str(tmp_path / "zero1")
+    train(TrainConfig(data_dir=data, run_dir=run_dir, model={"preset": "tiny"}, max_steps=1,
+                      micro_batch_size=8, warmup_steps=0, precision="fp32", zero_stage=1))
+    ckpt = checkpoint.latest_checkpoint(run_dir)
+    assert main(["export", ckpt, "--output", str(tmp_path / "whole")]) == 0  # rank 0 of 1
+    path = os.path.join(ckpt, checkpoint.METADATA_NAME)
+    with open(path) as f:
+        metadata = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**metadata, "world_size": 2}, f)  # as saved by rank 0 of two nodes
+    refused(["export", ckpt, "--output", str(tmp_path / "hf")], capsys,
+            "lacks the optimizer files of rank(s) 1 of its 2", "--storage")
+    refused(["eval", ckpt, "--data", data], capsys, "rank(s) 1 of its 2")

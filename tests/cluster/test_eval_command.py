@@ -1,0 +1,61 @@
+"""`bertforge eval`: the split scored needs nothing else of the dataset, data longer than the
+model's positions and a GPU asked for where there is none are one line before any work, and
+`--device` says where it scores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bertforge.cluster.cli import main
+from bertforge.training import checkpoint
+from bertforge.training.config import TrainConfig
+from bertforge.training.evaluate import eval_device
+from bertforge.training.loop import train
+from tests.support.refusals import refused
+from tests.training.conftest import write_dataset
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory):
+    """The checkpoint of a one-step run of tiny with 64 positions, on 64-token data."""
+    root = tmp_path_factory.mktemp("eval")
+    data = write_dataset(str(root / "data"), {"train": [24], "validation": [16]})
+    run_dir = str(root / "run")
+    train(TrainConfig(data_dir=data, run_dir=run_dir,
+                      model={"preset": "tiny", "max_position_embeddings": 64}, max_steps=1,
+                      micro_batch_size=8, warmup_steps=0, precision="fp32", zero_stage=0))
+    return root, checkpoint.latest_checkpoint(run_dir)
+
+
+def test_a_validation_split_alone_is_scored_against_its_own_baseline(short_model, capsys):
+    """No train split needed: the baseline's guess is the scored split's most frequent token,
+    as the run's own validation takes it."""
+    root, ckpt = short_model
+    held_out = write_dataset(str(root / "held_out"), {"validation": [16]}, seed=3)
+    assert main(["eval", ckpt, "--data", held_out, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("{"):])
+    assert result["num_sequences"] == 16
+    assert 0 < result["mlm_baseline_accuracy"] < 1
+
+
+def test_data_longer_than_the_models_positions_is_refused_before_scoring(short_model, capsys):
+    root, ckpt = short_model
+    longer = write_dataset(str(root / "longer"), {"validation": [8]}, max_seq_length=128)
+    refused(["eval", ckpt, "--data", longer], capsys,
+            "holds sequences of up to 128 tokens", "max_position_embeddings=64")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda is valid")
+def test_a_gpu_asked_for_where_there_is_none_is_one_line(short_model, capsys):
+    root, ckpt = short_model
+    refused(["eval", ckpt, "--data", str(root / "data"), "--device", "cuda"], capsys,
+            "--device cuda: torch sees no GPU here")
+
+
+def test_auto_scores_on_the_gpu_when_there_is_one():
+    assert eval_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert eval_device("cpu") == "cpu"
