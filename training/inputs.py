@@ -22,7 +22,10 @@ from bertforge.training.data.split import read_dataset_manifest, read_vocab_toke
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.errors import MissingInputError, UserInputError, as_user_error
 from bertforge.training.model import BertConfig
-from bertforge.training.warm_start import check_resume_architecture
+from bertforge.training.warm_start import (
+    check_initial_checkpoint,
+    check_resume_architecture,
+)
 
 # Pseudo filesystems: a directory there can look creatable and writable and still not hold files.
 _REFUSED_ROOTS = ("/proc", "/sys", "/dev")
@@ -222,7 +225,10 @@ def check_train_inputs(cfg: TrainConfig, world_size: int | None = None) -> None:
         if cfg.zero_stage is not None and world_size is not None:  # None: the device decides
             check_zero_stage_change(saved, cfg.zero_stage, world_size, path)
     if resumed is None and cfg.init_from:
-        check_model_source(cfg.init_from)
+        source = check_model_source(cfg.init_from)
+        # A checkpoint's bertforge.json says it all; a Hugging Face directory the worker reads.
+        if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)):
+            check_initial_checkpoint(source, cfg.init_from, model_config, facts.vocab_sha256)
     if world_size is not None:
         check_step_batch(cfg, facts, world_size)
 

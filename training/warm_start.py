@@ -26,12 +26,7 @@ ARCHITECTURE_FIELDS = (
 def load_initial_weights(model: BertForPreTraining, source: str, vocab_sha256: str) -> None:
     """Copy the weights of `source` into `model` after checking architecture and vocabulary."""
     source_config, state, source_vocab_sha256 = read_initial_weights(source)
-    check_architecture(source_config, model.config, source)
-    if source_vocab_sha256 is not None and source_vocab_sha256 != vocab_sha256:
-        raise UserInputError(
-            f"init_from {source} was trained with another vocabulary than the training data "
-            f"(vocab sha256 {source_vocab_sha256[:12]} vs {vocab_sha256[:12]})"
-        )
+    check_fits(source, source_config, source_vocab_sha256, model.config, vocab_sha256)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [name for name in missing if name != "cls.predictions.decoder.weight"]  # tied
     if missing or unexpected:
@@ -40,6 +35,27 @@ def load_initial_weights(model: BertForPreTraining, source: str, vocab_sha256: s
             f"unexpected {unexpected[:5]}"
         )
     model.tie_weights()
+
+
+def check_fits(source: str, source_config: BertConfig, source_vocab_sha256: str | None,
+               target: BertConfig, vocab_sha256: str) -> None:
+    """The source's architecture is the recipe's model's and its vocabulary the data's (when
+    it names one): one line naming what differs."""
+    check_architecture(source_config, target, source)
+    if source_vocab_sha256 is not None and source_vocab_sha256 != vocab_sha256:
+        raise UserInputError(
+            f"init_from {source} was trained with another vocabulary than the training data "
+            f"(vocab sha256 {source_vocab_sha256[:12]} vs {vocab_sha256[:12]})"
+        )
+
+
+def check_initial_checkpoint(checkpoint_path: str, source: str, target: BertConfig,
+                             vocab_sha256: str) -> None:
+    """`check_fits` from a checkpoint's bertforge.json alone, without reading its weights: the
+    driver's pre-flight, before any worker starts."""
+    metadata = checkpoint.read_metadata(checkpoint_path)
+    check_fits(source, checkpoint.model_config_of(checkpoint_path, metadata),
+               metadata.get("vocab_sha256"), target, vocab_sha256)
 
 
 def read_initial_weights(source: str) -> tuple[BertConfig, dict[str, torch.Tensor], str | None]:

@@ -3,6 +3,7 @@ inside a Ray run, a user error ends it after one attempt (only crashes are retri
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -10,6 +11,7 @@ import pytest
 
 from bertforge.cluster.cli import main
 from bertforge.pipelines.contract import manifest as manifest_lib
+from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
 from bertforge.training.loop import train
 from tests.support.refusals import refused
@@ -107,6 +109,27 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
             "under ZeRO stage 0; resuming on 1 workers under ZeRO stage 2 is not supported")
     # eval and export of that checkpoint pass their pre-flight; a used output is refused.
     refused(["export", str(run_dir), "--output", str(tmp_path)], capsys, "exists")
+
+
+def test_a_warm_start_of_another_architecture_or_vocabulary_is_refused_before_ray(
+        dataset, tmp_path, capsys):
+    """Phase 2 from a phase 1 of another shape: found by the worker once Ray had scheduled it
+    (minutes on a cluster), now by the driver from the checkpoint's bertforge.json."""
+    source = tmp_path / "phase1"
+    train(TrainConfig(data_dir=dataset, run_dir=str(source), model={"preset": "tiny"},
+                      max_steps=1, micro_batch_size=8, warmup_steps=0, precision="fp32",
+                      zero_stage=0))
+    phase2 = ["train", "--data", dataset, "--init-from", str(source), "--workers", "1"]
+    refused([*phase2, "--run-dir", str(tmp_path / "p2"), "--preset", "mini"], capsys,
+            f"init_from {source} has another architecture", "hidden_size 128 != 256")
+    metadata_path = os.path.join(checkpoint.latest_checkpoint(str(source)),
+                                 checkpoint.METADATA_NAME)
+    with open(metadata_path) as f:
+        metadata = json.load(f)
+    with open(metadata_path, "w") as f:  # as if phase 1 had run on another vocabulary
+        json.dump({**metadata, "vocab_sha256": "0" * 64}, f)
+    refused([*phase2, "--run-dir", str(tmp_path / "p3")], capsys, "another vocabulary")
+    assert not os.path.exists(tmp_path / "p2" / "checkpoints")
 
 
 def test_byte_flip_is_named_by_inspect_verify(dataset, capsys):
