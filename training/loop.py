@@ -63,8 +63,13 @@ class TrainResult:
     checkpoint_seconds: float = 0.0
 
 
-def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
-    """Train to cfg.max_steps, resuming from the newest complete checkpoint when cfg.resume."""
+def train(cfg: TrainConfig, *, report: ReportFn | None = None,
+          run_id: str | None = None) -> TrainResult:
+    """Train to cfg.max_steps, resuming from the newest complete checkpoint when cfg.resume.
+
+    `run_id`: the id a launch gave its new run (--resume never on Ray): a worker group that
+    Ray restarts after a failure continues this run's own newest checkpoint, where a fresh
+    start would move it aside with the older runs' and train from step 0 again."""
     ensure_process_group()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     facts = DatasetFacts.read(cfg.data_dir)
@@ -74,6 +79,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
     requested_masking = MaskingOptions(cfg.max_predictions, cfg.mask_prob, cfg.whole_word_masking)
     masking = requested_masking.for_dataset(facts)
     resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
+    if resume_from is None and run_id is not None:
+        resume_from = _own_latest_checkpoint(cfg.run_dir, run_id)
     saved = checkpoint.read_metadata(resume_from) if resume_from is not None else None
     if saved is not None:  # before any engine: a raw 'size mismatch' would say much less
         check_resume_architecture(saved, model_config, resume_from, facts.vocab_sha256)
@@ -102,7 +109,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         load_initial_weights(model, cfg.init_from, facts.vocab_sha256)
     engine = build_engine(model, resolved, load_universal=universal)
     # A run keeps its id across resumes (one saved before runs had ids gets one now).
-    run_id = (saved or {}).get("run_id") or checkpoint.new_run_id()
+    run_id = (saved or {}).get("run_id") or run_id or checkpoint.new_run_id()
     if resume_from is None:
         _start_fresh(cfg.run_dir, run_id, rank, engine.device)
     loader = PretrainingLoader(
@@ -197,6 +204,14 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None) -> TrainResult:
         train_seconds=seconds,
         checkpoint_seconds=checkpoint_seconds,
     )
+
+
+def _own_latest_checkpoint(run_dir: str, run_id: str) -> str | None:
+    """The newest complete checkpoint when the run `run_id` saved it, else None."""
+    newest = checkpoint.latest_checkpoint(run_dir)
+    if newest is not None and checkpoint.read_metadata(newest).get("run_id") == run_id:
+        return newest
+    return None
 
 
 def _start_fresh(run_dir: str, run_id: str, rank: int, device) -> None:

@@ -10,6 +10,7 @@ run directory, unless a newer complete one is already there; the loop then resum
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,6 +31,32 @@ from bertforge.training.metrics import console
 # DeepSpeed and our RNG files carry the data-parallel rank that wrote them; the rest (model
 # states, marker, metadata, vocab) come from rank 0.
 _RANK_IN_NAME = re.compile(r"(?:pp_rank_|rng_rank_)0*(\d+)")
+
+
+def storage_run_name(run_dir: str) -> str:
+    """Ray Train's name for a run directory's run in storage: its last component and a digest
+    of its whole path, so that two runs named alike (every pipeline's `runs/phase1`,
+    `exp1/bert` and `exp2/bert`) never share one, nor restore each other's checkpoints."""
+    path = os.path.abspath(run_dir.rstrip("/"))
+    digest = hashlib.sha256(path.encode("utf-8")).hexdigest()[:10]
+    return f"{os.path.basename(path)}-{digest}"
+
+
+def stored_checkpoints(storage: str, name: str) -> list[str]:
+    """The checkpoint directories (`step_NNNNNNNN`) that storage holds for the run `name`."""
+    import pyarrow.fs as pafs
+
+    if "://" in storage:
+        filesystem, root = pafs.FileSystem.from_uri(storage)
+    else:
+        filesystem, root = pafs.LocalFileSystem(), os.path.abspath(storage)
+    selector = pafs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
+    return sorted(info.base_name for info in filesystem.get_file_info(selector)
+                  if info.type == pafs.FileType.Directory
+                  and _CHECKPOINT_DIR.fullmatch(info.base_name))
+
+
+_CHECKPOINT_DIR = re.compile(r"step_\d+")
 
 
 def files_of_rank(names: list[str], rank: int) -> list[str]:

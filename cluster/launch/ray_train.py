@@ -18,6 +18,7 @@ from bertforge.cluster.launch import local_ray
 from bertforge.cluster.launch.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.launch.launch_config import LaunchConfig
 from bertforge.cluster.launch.paths import absolute
+from bertforge.cluster.launch.persistence import storage_run_name, stored_checkpoints
 from bertforge.cluster.launch.torch_store import NodeAddressTorchConfig
 from bertforge.cluster.launch.worker_output import (
     LOG_DIR,
@@ -27,7 +28,7 @@ from bertforge.cluster.launch.worker_output import (
 )
 from bertforge.cluster.safety.dataset_guard import reading_dataset
 from bertforge.cluster.safety.run_lock import exclusive_directory, refuse_if_in_use
-from bertforge.training.checkpoint import latest_checkpoint, read_metadata
+from bertforge.training.checkpoint import latest_checkpoint, new_run_id, read_metadata
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
 from bertforge.training.inputs import check_train_inputs
@@ -88,9 +89,12 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     refuse_if_in_use(cfg.run_dir)
     check_train_inputs(cfg, launch.workers)
     run_dir = cfg.run_dir
+    storage_run = None
+    if launch.storage:
+        storage_run = f"{launch.storage.rstrip('/')}/{storage_run_name(run_dir)}"
+        if not cfg.resume:
+            refuse_a_stored_run(launch.storage, run_dir)
     # One run per run directory (and per run in storage), taken before Ray starts.
-    storage_run = f"{launch.storage.rstrip('/')}/{os.path.basename(run_dir)}" \
-        if launch.storage else None
     # And a reader of its dataset, which `prepare` will not replace meanwhile.
     with exclusive_directory(run_dir, "train", storage=storage_run), \
             reading_dataset(cfg.data_dir, "train"):
@@ -112,12 +116,27 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
             raise stop from None
 
 
+def refuse_a_stored_run(storage: str, run_dir: str) -> None:
+    """--resume never with storage that already holds this run directory's run: Ray Train
+    would take the new run's checkpoints for that run's and prune the older ones, which a new
+    run must never delete (locally they are moved aside to RUN_DIR/previous/)."""
+    stored = stored_checkpoints(storage, storage_run_name(run_dir))
+    if stored:
+        raise UserInputError(
+            f"--resume never: {storage} holds an earlier run of {run_dir} ({len(stored)} "
+            f"checkpoint(s), newest {stored[-1]}); continue it (--resume auto), or start the "
+            "new run in another --run-dir or --storage")
+
+
 def _fit(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     run_dir = cfg.run_dir
+    # A new run's id, chosen once for the launch: a worker group Ray restarts after a failure
+    # continues this run's checkpoints instead of starting it over (training.loop.train).
+    run_id = None if cfg.resume else new_run_id()
     result = run_on_ray(
         _worker_main,
         {"train": cfg.to_dict(), "threads": launch.cpus_per_worker,
-         "persist": bool(launch.storage)},
+         "persist": bool(launch.storage), "run_id": run_id},
         launch, _run_config(cfg, launch),
     )
     if launch.storage:
@@ -181,7 +200,7 @@ def _run_config(cfg: TrainConfig, launch: LaunchConfig) -> RunConfig:
     if launch.storage:
         # Re-running with the same run name and storage resumes from storage's newest.
         return RunConfig(
-            name=os.path.basename(cfg.run_dir.rstrip("/")), storage_path=launch.storage,
+            name=storage_run_name(cfg.run_dir), storage_path=launch.storage,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
             failure_config=failure, logging_config=QUIET_RAY_TRAIN,
         )
@@ -209,9 +228,12 @@ def _worker_main(loop_config: dict[str, Any]) -> None:
     quiet_worker(cfg.run_dir, ray.train.get_context().get_world_rank(),
                  verbose=loop_config.get("verbose", False))
     from bertforge.training.loop import train
+    run_id = loop_config.get("run_id")
     if loop_config["persist"]:
-        if cfg.resume:
+        # A new run's storage holds only its own checkpoints (refuse_a_stored_run).
+        if cfg.resume or run_id is not None:
             restore_latest(cfg.run_dir)
-        train(cfg, report=report_checkpoint)
+        train(cfg, report=report_checkpoint, run_id=run_id)
     else:
-        train(cfg, report=lambda metrics: ray.train.report({"step": metrics["step"]}))
+        train(cfg, report=lambda metrics: ray.train.report({"step": metrics["step"]}),
+              run_id=run_id)

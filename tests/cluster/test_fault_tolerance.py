@@ -6,7 +6,9 @@ copies gone. A user error inside a worker, on the other hand, ends the run after
 Ray start and Ray Train worker group costs tens of seconds of the suite.)"""
 
 import contextlib
+import dataclasses
 import json
+import os
 import shutil
 import threading
 import time
@@ -20,7 +22,12 @@ from ray.train.torch import TorchTrainer
 
 from bertforge.cluster.launch.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.launch.ray_train import LaunchConfig, connect, train_on_ray
-from bertforge.training.checkpoint import latest_checkpoint, load_fp32_state_dict, read_metadata
+from bertforge.training.checkpoint import (
+    committed_steps,
+    latest_checkpoint,
+    load_fp32_state_dict,
+    read_metadata,
+)
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
 from tests.training.conftest import write_dataset
@@ -86,13 +93,14 @@ def uninterrupted(tmp_path_factory):
     return data, load_fp32_state_dict(final)
 
 
-def run_with_a_fault(run_dir, launch: LaunchConfig, inject, data: str) -> tuple[dict, list]:
+def run_with_a_fault(run_dir, launch: LaunchConfig, inject, data: str, *,
+                     resume: bool = True) -> tuple[dict, list]:
     """Train with `inject(run_dir, killed)` running beside it; (outcome, [(pid, step)])."""
     killed: list = []
     killer = threading.Thread(target=inject, args=(run_dir, killed))
     killer.start()
     try:
-        outcome = train_on_ray(recipe(data, run_dir), launch)
+        outcome = train_on_ray(dataclasses.replace(recipe(data, run_dir), resume=resume), launch)
     finally:
         killer.join()
     return outcome, killed
@@ -114,11 +122,18 @@ def test_killed_workers_restart_from_local_then_from_storage_and_end_with_the_sa
     """Checkpoints persisted through Ray Train storage (cluster/launch/persistence.py). The first
     worker dies: the group restarts from the run directory's checkpoint. The second dies and
     its node's copy of the checkpoints is lost with it: the group restores from storage. The
-    final weights are those of the run without faults, bit for bit."""
+    final weights are those of the run without faults, bit for bit.
+
+    A new run (--resume never) over an earlier run's checkpoints: they are moved aside once,
+    and the restarted groups continue the new run (they used to move its own checkpoints
+    aside as well and train it from step 0 again)."""
     data, straight = uninterrupted
+    earlier = tmp_path / "faulty" / "checkpoints"
+    shutil.copytree(os.path.join(os.path.dirname(data), "straight", "checkpoints"), earlier)
     launch = LaunchConfig(workers=2, max_failures=2, storage=str(tmp_path / "storage"))
     outcome, killed = run_with_a_fault(
-        tmp_path / "faulty", launch, kill_a_worker_then_another_and_lose_local_checkpoints, data)
+        tmp_path / "faulty", launch, kill_a_worker_then_another_and_lose_local_checkpoints, data,
+        resume=False)
     assert len(killed) == 2, f"a training worker to kill was not found: {killed}"
     assert FIRST_KILL_AT_STEP <= killed[0][1] < SECOND_KILL_AT_STEP <= killed[1][1] < MAX_STEPS
     output = capfd.readouterr()
@@ -131,6 +146,14 @@ def test_killed_workers_restart_from_local_then_from_storage_and_end_with_the_sa
     assert outcome["step"] == MAX_STEPS
     assert outcome["checkpoint_path"].startswith(str(tmp_path / "storage"))
     assert same_weights(straight, outcome["checkpoint_path"])
+    moved = os.listdir(tmp_path / "faulty" / "previous")
+    assert len(moved) == 1 and console.count("(--resume never)") == 1, console
+    assert committed_steps(str(tmp_path / "faulty" / "previous" / moved[0])) == [50, 60]
+    # Another new run over it would have Ray Train prune this one's checkpoints in storage.
+    with pytest.raises(UserInputError, match=r"--resume never: .*storage holds an earlier "
+                       r"run of .*faulty \(\d+ checkpoint\(s\), newest step_00000060\)"):
+        train_on_ray(dataclasses.replace(recipe(data, tmp_path / "faulty"), resume=False),
+                     launch)
 
 
 def fit_failing(tmp_path, name: str, error: Exception, max_failures: int) -> None:

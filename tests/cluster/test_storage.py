@@ -2,7 +2,11 @@
 storage (a worker killed, the node's local checkpoints gone) is in test_fault_tolerance.py, where
 it shares the uninterrupted reference run and the local Ray."""
 
-from bertforge.cluster.launch.persistence import files_of_rank
+from bertforge.cluster.launch.persistence import (
+    files_of_rank,
+    storage_run_name,
+    stored_checkpoints,
+)
 
 
 def test_each_rank_uploads_exactly_its_own_files():
@@ -17,3 +21,17 @@ def test_each_rank_uploads_exactly_its_own_files():
                             "rng_rank_00012.pt"]
     assert "COMMITTED" in per_rank[0] and "mp_rank_00_model_states.pt" in per_rank[0]
     assert sorted(sum(per_rank.values(), [])) == sorted(names)  # nothing lost, nothing twice
+
+
+def test_runs_named_alike_have_their_own_runs_in_storage(tmp_path):
+    """Every pipeline's runs are WORKDIR/runs/phase1: named by the last component alone, two
+    of them shared one run in --storage and restored each other's checkpoints."""
+    first, second = (storage_run_name(str(tmp_path / work / "runs" / "phase1"))
+                     for work in ("a", "b"))
+    assert first != second and first.startswith("phase1-") and second.startswith("phase1-")
+    assert storage_run_name(str(tmp_path / "a" / "runs" / "phase1") + "/") == first
+    assert stored_checkpoints(str(tmp_path / "storage"), first) == []  # nothing there yet
+    for name in ("step_00000010", "step_00000020", "checkpoint_tmp", ".upload"):
+        (tmp_path / "storage" / first / name).mkdir(parents=True)
+    assert stored_checkpoints(str(tmp_path / "storage"), first) == ["step_00000010",
+                                                                     "step_00000020"]
