@@ -22,6 +22,7 @@ from bertforge.training.data import (
     PretrainingLoader,
     ReadOptions,
 )
+from bertforge.training.data.download import dataset_on_this_node
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.device import to_device
 from bertforge.training.distributed import all_reduce_sum, barrier
@@ -72,6 +73,11 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     start would move it aside with the older runs' and train from step 0 again."""
     ensure_process_group()
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    # A gs:// or s3:// dataset is read from a copy on this node; records name the URI.
+    data_source = cfg.data_dir if "://" in cfg.data_dir else os.path.abspath(cfg.data_dir)
+    splits = ("train", "validation") if cfg.eval_every else ("train",)
+    cfg = replace(cfg, data_dir=dataset_on_this_node(cfg.data_dir, splits,
+                                                     _device_before_the_engine()))
     facts = DatasetFacts.read(cfg.data_dir)
     model_config = resolve_model_config(cfg.model, facts.vocab_size)
     check_positions(facts.max_seq_length, model_config, cfg.data_dir)
@@ -124,7 +130,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     model.max_predictions = loader.max_predictions_per_row
     step = _maybe_resume(engine, loader, cfg, resume_from, facts.vocab_sha256, universal)
     if rank == 0:
-        _write_run_config(cfg, model_config, world_size, resolved.precision)
+        _write_run_config(replace(cfg, data_dir=data_source), model_config, world_size,
+                          resolved.precision)
     validation = _Validation.create(cfg, rank, world_size, masking, facts)
 
     logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps,
@@ -135,7 +142,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         "lower_case": facts.lower_case,
         "model_config": model_config.to_dict(),
         "max_seq_length": facts.max_seq_length,
-        "data_dir": os.path.abspath(cfg.data_dir),
+        "data_dir": data_source,
         "world_size": world_size,
         "zero_stage": cfg.zero_stage,
         "precision": cfg.precision,
@@ -204,6 +211,14 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         train_seconds=seconds,
         checkpoint_seconds=checkpoint_seconds,
     )
+
+
+def _device_before_the_engine() -> torch.device | None:
+    """The GPU this rank will train on when its process group is NCCL's (a barrier needs it),
+    else None (gloo)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def _own_latest_checkpoint(run_dir: str, run_id: str) -> str | None:

@@ -215,3 +215,42 @@ def test_eval_of_a_run_with_its_own_masking_gives_its_validation_numbers(dataset
     result = evaluate_checkpoint(run.checkpoint_path, dataset, EvalOptions(batch_size=8))
     assert result.mlm_loss == pytest.approx(logged["eval_mlm_loss"], rel=1e-5)
     assert result.mlm_accuracy == pytest.approx(logged["eval_mlm_accuracy"], rel=1e-6)
+
+
+def test_a_dataset_in_object_storage_trains_from_a_copy_on_the_node(
+        dataset, tmp_path, monkeypatch):
+    """`--data gs://...` (a Dataflow job's output) passed the driver's pre-flight and then
+    failed in every worker ("not a prepared dataset"): the workers read a local directory.
+    Here a local folder stands in for the bucket, reached through pyarrow as gs:// would be."""
+    import tempfile
+    import types
+
+    import pyarrow.fs as pafs
+
+    from bertforge.pipelines.contract import manifest as manifest_lib
+    from bertforge.training.data import download
+
+    bucket = pafs.SubTreeFileSystem(os.path.dirname(dataset), pafs.LocalFileSystem())
+
+    def from_uri(uri):
+        assert uri.startswith("gs://bucket/"), uri
+        return bucket, uri.removeprefix("gs://bucket/")
+
+    # pyarrow's types cannot be patched: the module's name for pyarrow.fs, with gs:// routed.
+    shim = types.SimpleNamespace(**{name: getattr(pafs, name) for name in dir(pafs)})
+    shim.FileSystem = types.SimpleNamespace(from_uri=from_uri)
+    monkeypatch.setattr(download, "pafs", shim)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))
+    (tmp_path / "node-tmp").mkdir()
+    uri = f"gs://bucket/{os.path.basename(dataset)}"
+    result = train(config(uri, tmp_path / "run", max_steps=2, eval_every=2, eval_batches=1))
+    assert result.global_step == 2
+    copies = os.listdir(tmp_path / "node-tmp" / "bertforge-datasets")
+    assert len(copies) == 1  # both splits in one copy, named by the manifest's digest
+    copy = str(tmp_path / "node-tmp" / "bertforge-datasets" / copies[0])
+    manifest = manifest_lib.read_manifest(copy)
+    assert all(os.path.isfile(os.path.join(copy, entry.path))
+               for split in ("train", "validation") for entry in manifest.splits[split].shards)
+    assert checkpoint.read_metadata(result.checkpoint_path)["data_dir"] == uri
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["train"]["data_dir"]
+    assert recorded == uri

@@ -79,3 +79,26 @@ def _fetch(filesystem: pafs.FileSystem, source: str, destination: str) -> None:
         while chunk := stream.read(1 << 24):
             out.write(chunk)
     os.replace(partial, destination)
+
+
+def dataset_on_this_node(data_dir: str, splits: tuple[str, ...], device) -> str:
+    """A training run's dataset as a local directory: `data_dir` itself when local; a gs:// or
+    s3:// one copied into this node's cache (`local_dataset_dir`, each split named) by the
+    node's local rank 0 while the node's other ranks wait, so a node fetches each shard once
+    however many workers it runs. Collective when a process group is up (`device`: the one a
+    barrier runs on, `training.distributed.barrier`)."""
+    import torch.distributed as dist
+
+    from bertforge.training.distributed import barrier
+
+    if "://" not in data_dir:
+        return data_dir
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+        for split in splits:
+            local_dataset_dir(data_dir, split, None)
+    barrier(device)
+    local = data_dir
+    for split in splits:  # the copies are there now: the same directory, nothing fetched
+        local = local_dataset_dir(data_dir, split, None)
+    return local
