@@ -213,6 +213,19 @@ def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True,
     return _run(config, pipeline_options(beam_args), wait, start_over)
 
 
+def _dataflow_job_ended(submitted: dict[str, Any], error: BaseException) -> None:
+    """Waiting on a Dataflow job ended: the job failed (one line with its first error and
+    where its log is), or this process was stopped, which leaves the job running (say so,
+    and how to cancel it)."""
+    if isinstance(error, Exception):
+        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise ValueError(f"Dataflow job {submitted['job_id']} did not succeed: {first} (its "
+                         f"log: {submitted['console']})") from error
+    print(f"[prepare] the Dataflow job {submitted['job_id']} goes on without this process; "
+          f"to stop it: {submitted['cancel']}", file=sys.stderr, flush=True)
+    raise error
+
+
 def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over: bool
          ) -> dict[str, Any]:
     start = time.monotonic()
@@ -231,7 +244,11 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
             if not wait:
                 return submitted
         result.wait_until_finish()
-    except Exception as error:
+    except BaseException as error:
+        if submitted is not None:
+            _dataflow_job_ended(submitted, error)  # raises
+        if not isinstance(error, Exception):
+            raise
         local_job.after_failure(pipeline.runner, error, config.output)
         if NO_DOCUMENTS_MESSAGE in str(error):
             # Beam wraps the DoFn's error (in another process with multi_processing): unwrap it.

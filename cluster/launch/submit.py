@@ -162,15 +162,27 @@ def _submit_when_ready(client, timeout_s: float = 120.0, **job) -> str:
             return client.submit_job(**job)
         except RuntimeError as error:
             if "No available agent" not in str(error) or time.time() > deadline:
-                raise
+                # A submission id used before, a runtime env the cluster cannot build: Ray's
+                # own words, as one line.
+                raise UserInputError(f"the cluster refused the job: {_first_line(error)}"
+                                     ) from None
             time.sleep(2.0)
 
 
 def stop(address: str, job_id: str, timeout_s: float = 60.0) -> int:
     """Ask the job to stop and wait for its final status."""
     client = jobs_client(address)
-    client.stop_job(job_id)
+    try:
+        client.stop_job(job_id)
+    except RuntimeError as error:  # no such job, most often
+        raise UserInputError(f"cannot stop job {job_id}: {_first_line(error)}") from None
     return final_status(client, job_id, timeout_s=timeout_s)
+
+
+def _first_line(error: Exception) -> str:
+    """Ray's Jobs client puts the agent's whole HTTP reply in its errors; its first line says
+    what happened."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def final_status(client, job_id: str, timeout_s: float = 600.0) -> int:
@@ -182,7 +194,8 @@ def final_status(client, job_id: str, timeout_s: float = 600.0) -> int:
         status = str(client.get_job_status(job_id).value)
     print(f"[submit] job {job_id} {status}", flush=True)
     if status not in TERMINAL:
-        raise RuntimeError(f"job {job_id} still {status} after {timeout_s:.0f} s")
+        raise UserInputError(f"job {job_id} still {status} after {timeout_s:.0f} s; it goes on "
+                             f"(`bertforge submit --stop {job_id}` stops it)")
     return EXIT_CODES[status]
 
 

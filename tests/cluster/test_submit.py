@@ -143,6 +143,14 @@ def test_running_job_can_be_stopped(two_node_cluster, capsys):
                  "python", "-c", "'import time; time.sleep(120)'"]) == 0
     assert main(["submit", "--address", url, "--stop", "bf-sleeper"]) == 3
     assert "bf-sleeper STOPPED" in capsys.readouterr().out
+    # An id used before, and one the cluster never had: one line each, not Ray's traceback.
+    for argv, expected in (
+            (["--working-dir", REPO, "--no-wait", "--submission-id", "bf-sleeper", "--",
+              "true"], "the cluster refused the job: "),
+            (["--stop", "bf-no-such-job"], "cannot stop job bf-no-such-job: ")):
+        assert main(["submit", "--address", url, *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"bertforge submit: error: {expected}") and "\n" not in err, err
 
 
 def test_the_job_gets_the_words_it_was_given(tmp_path):

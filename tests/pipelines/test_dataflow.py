@@ -96,6 +96,31 @@ def test_no_wait_is_taken_out_of_the_job_flags_and_the_follow_commands():
     assert "jobs/europe-west4/2026-11-23_12_00_00-123?project=p" in report["console"]
 
 
+def test_a_waited_for_dataflow_job_that_fails_or_is_left_says_so_in_a_line(capsys):
+    """A failed job was Beam's DataflowRuntimeException as a traceback; a Ctrl-C while waiting
+    said "stopped" while the job ran on, billed, without a word of how to cancel it."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from bertforge.pipelines.job_report import submitted_report
+    from bertforge.pipelines.prepare import _dataflow_job_ended
+
+    job = submitted_report("2026-11-27_10_00_00-42", PipelineOptions(
+        ["--project=p", "--region=us-central1"]), "gs://b/shards")
+    failure = RuntimeError("Dataflow pipeline failed. State: FAILED, Error:\nTraceback ...")
+    with pytest.raises(ValueError) as raised:
+        _dataflow_job_ended(job, failure)
+    assert str(raised.value) == (
+        "Dataflow job 2026-11-27_10_00_00-42 did not succeed: Dataflow pipeline failed. State: "
+        "FAILED, Error: (its log: https://console.cloud.google.com/dataflow/jobs/us-central1/"
+        "2026-11-27_10_00_00-42?project=p)")
+    with pytest.raises(KeyboardInterrupt):
+        _dataflow_job_ended(job, KeyboardInterrupt())
+    assert capsys.readouterr().err == (
+        "[prepare] the Dataflow job 2026-11-27_10_00_00-42 goes on without this process; to "
+        "stop it: gcloud dataflow jobs cancel 2026-11-27_10_00_00-42 --project p --region "
+        "us-central1\n")
+
+
 def test_an_invalid_bucket_is_one_line_at_once_not_a_two_minute_hang(
     tmp_path, corpus_files, small_vocab, capsys
 ):
