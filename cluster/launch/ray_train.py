@@ -166,7 +166,9 @@ def run_on_ray(
         scaling_config=ScalingConfig(
             num_workers=launch.workers,
             use_gpu=launch.gpu,
-            resources_per_worker=None if launch.gpu else {"CPU": launch.cpus_per_worker},
+            # With --gpu too: the CPUs a worker's loader threads and torch ops use are its own.
+            resources_per_worker={"CPU": launch.cpus_per_worker,
+                                  **({"GPU": 1} if launch.gpu else {})},
             placement_strategy=launch.placement_strategy,
         ),
         run_config=_bounded_scheduling(run_config),
@@ -187,7 +189,7 @@ def _bounded_scheduling(run_config: RunConfig) -> RunConfig:
 
 
 def _unschedulable(launch: LaunchConfig) -> str:
-    per_worker = "1 GPU" if launch.gpu else f"{launch.cpus_per_worker} CPU"
+    per_worker = f"{'1 GPU and ' if launch.gpu else ''}{launch.cpus_per_worker} CPU"
     timeout = float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60))
     return (f"the cluster could not start {launch.workers} workers of {per_worker} each in "
             f"{SCHEDULING_ATTEMPTS} tries of {timeout:.0f} s: no node can hold them, or the "

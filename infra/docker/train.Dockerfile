@@ -16,6 +16,10 @@ ARG PYTHON=python3.11
 # mounts and cuDNN). Match the index to the CUDA version above.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# The versions tested; RAY_VERSION is the KubeRay manifests' rayVersion (keep them equal: every
+# node of a cluster, the client that submits to it too, runs one Ray).
+ARG RAY_VERSION=2.60.0
+ARG DEEPSPEED_VERSION=0.19.8
 # The autoscaler runs inside the head container and needs the cloud SDKs (GCP and AWS launchers).
 ARG CLOUD_SDKS="google-api-python-client boto3"
 
@@ -45,7 +49,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 # DeepSpeed's setup.py imports torch: build without isolation against the torch above (an
 # isolated build would download a second torch). DS_BUILD_OPS=0: the loop uses torch's AdamW, so
 # no DeepSpeed CUDA op is needed; any that is compiles just in time (then use a -devel base).
-RUN DS_BUILD_OPS=0 pip install --no-build-isolation "deepspeed>=0.16"
+RUN DS_BUILD_OPS=0 pip install --no-build-isolation "deepspeed==${DEEPSPEED_VERSION}"
 
 # Installed as the package `bertforge` (bertforge.pipelines, .training, .cluster); the sources
 # are removed, so nothing but site-packages provides it (`bertforge submit --working-dir` ships
@@ -53,7 +57,7 @@ RUN DS_BUILD_OPS=0 pip install --no-build-isolation "deepspeed>=0.16"
 # The context is the package's sources (train.Dockerfile.dockerignore admits nothing else).
 WORKDIR /tmp/bertforge
 COPY . ./
-RUN pip install . ${CLOUD_SDKS} \
+RUN pip install . "ray[train,default]==${RAY_VERSION}" ${CLOUD_SDKS} \
     && cd / && rm -rf /tmp/bertforge \
     && python -c "import torch, deepspeed, ray.train, bertforge.cluster.cli; print('torch', torch.__version__)" \
     && bertforge --help > /dev/null

@@ -69,11 +69,14 @@ def test_a_worker_group_that_cannot_be_scheduled_is_one_line_after_bounded_tries
     class NeverScheduled:
         def __init__(self, *args, **kwargs):
             assert kwargs["run_config"].failure_config.controller_failure_limit >= 0
+            # --cpus-per-worker holds with --gpu too (it was 1 CPU whatever the flag said).
+            assert kwargs["scaling_config"].resources_per_worker == {"CPU": 6, "GPU": 1}
 
         def fit(self):
             raise ControllerError(controller_failure=WorkerGroupStartupTimeoutError(0))
 
     monkeypatch.setattr(ray_train, "TorchTrainer", NeverScheduled)
-    with pytest.raises(UserInputError, match=r"could not start 4 workers of 1 GPU each in 5 "
-                                             r"tries of \d+ s: no node can hold them"):
-        run_on_ray(print, {}, LaunchConfig(workers=4, gpu=True, address="auto"), RunConfig())
+    with pytest.raises(UserInputError, match=r"could not start 4 workers of 1 GPU and 6 CPU "
+                                             r"each in 5 tries of \d+ s: no node can hold them"):
+        run_on_ray(print, {}, LaunchConfig(workers=4, gpu=True, address="auto",
+                                           cpus_per_worker=6), RunConfig())

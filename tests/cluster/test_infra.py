@@ -287,6 +287,19 @@ def test_launcher_config_is_valid_with_a_gpu_worker_and_a_private_dashboard(name
     assert "0.0.0.0" not in (INFRA / "ray" / name).read_text()
     assert "-v /shared:/shared" in config["docker"]["run_options"]
     assert any("/shared" in c for c in config["initialization_commands"])
+    # Ray gives only the head credentials: the workers pull the private image and write
+    # --storage with the head's account or role, named on them.
+    for worker in workers:
+        if name == "cluster-gcp.yaml":
+            (account,) = worker["node_config"]["serviceAccounts"]
+            assert account["email"].startswith("ray-autoscaler-sa-v1@")
+            assert "https://www.googleapis.com/auth/cloud-platform" in account["scopes"]
+        else:
+            assert worker["node_config"]["IamInstanceProfile"]["Arn"].endswith(
+                ":instance-profile/ray-autoscaler-v1")
+    registry_login = ("gcloud auth configure-docker" if name == "cluster-gcp.yaml"
+                      else "docker login")
+    assert any(registry_login in c for c in config["initialization_commands"])
 
 
 # --- images and secrets -----------------------------------------------------------------------
@@ -427,3 +440,11 @@ def test_local_ray_listens_on_loopback_only(monkeypatch, tmp_path):
         assert not exposed, f"listening beyond the loopback address: {exposed}"
     finally:
         ray.shutdown()
+
+
+def test_the_training_image_runs_the_ray_the_manifests_name():
+    """Every node of a cluster runs one Ray: the image's pin is the KubeRay rayVersion."""
+    (pinned,) = re.findall(r"^ARG RAY_VERSION=(\S+)$", DOCKERFILES["train"].read_text(), re.M)
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        versions = re.findall(r'rayVersion: "([^"]+)"', (INFRA / "kubernetes" / name).read_text())
+        assert versions == [pinned], (name, versions, pinned)
