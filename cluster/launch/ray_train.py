@@ -35,9 +35,12 @@ from bertforge.training.inputs import check_train_inputs
 
 # A worker group that cannot be scheduled (no node has the resources, an autoscaler that adds
 # none) times out after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s); Ray Train
-# then retries forever (FailureConfig.controller_failure_limit = -1). We allow this many tries,
-# ~5 minutes at the default: time for an autoscaler to add nodes, not a run that never ends.
+# then retries forever (FailureConfig.controller_failure_limit = -1). We allow this many tries:
+# on a cluster ~20 minutes at the default, time for an autoscaler to start GPU VMs from zero
+# (driver install, a multi-GB image pull: often over 5 minutes), not a run that never ends;
+# locally ~5 (nothing will be added; the pre-flight already refused GPUs that are not there).
 SCHEDULING_ATTEMPTS = 5
+SCHEDULING_ATTEMPTS_ON_A_CLUSTER = 20
 
 
 def check_local_resources(launch: LaunchConfig) -> None:
@@ -171,7 +174,7 @@ def run_on_ray(
                                   **({"GPU": 1} if launch.gpu else {})},
             placement_strategy=launch.placement_strategy,
         ),
-        run_config=_bounded_scheduling(run_config),
+        run_config=_bounded_scheduling(run_config, _scheduling_attempts(launch)),
     )
     with user_errors_fail_at_once():
         try:
@@ -182,9 +185,14 @@ def run_on_ray(
             raise
 
 
-def _bounded_scheduling(run_config: RunConfig) -> RunConfig:
+def _scheduling_attempts(launch: LaunchConfig) -> int:
+    return SCHEDULING_ATTEMPTS_ON_A_CLUSTER if launch.address else SCHEDULING_ATTEMPTS
+
+
+def _bounded_scheduling(run_config: RunConfig, attempts: int = SCHEDULING_ATTEMPTS
+                        ) -> RunConfig:
     failure = run_config.failure_config or FailureConfig()
-    failure = dataclasses.replace(failure, controller_failure_limit=SCHEDULING_ATTEMPTS - 1)
+    failure = dataclasses.replace(failure, controller_failure_limit=attempts - 1)
     return dataclasses.replace(run_config, failure_config=failure)
 
 
@@ -192,9 +200,10 @@ def _unschedulable(launch: LaunchConfig) -> str:
     per_worker = f"{'1 GPU and ' if launch.gpu else ''}{launch.cpus_per_worker} CPU"
     timeout = float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60))
     return (f"the cluster could not start {launch.workers} workers of {per_worker} each in "
-            f"{SCHEDULING_ATTEMPTS} tries of {timeout:.0f} s: no node can hold them, or the "
-            "autoscaler added none; check --workers, --gpu and --cpus-per-worker against the "
-            "cluster's nodes (`ray status`)")
+            f"{_scheduling_attempts(launch)} tries of {timeout:.0f} s: no node can hold them, "
+            "or the autoscaler added none; check --workers, --gpu and --cpus-per-worker "
+            "against the cluster's nodes (`ray status`), or give nodes that start slowly "
+            "longer (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, seconds a try)")
 
 
 def _run_config(cfg: TrainConfig, launch: LaunchConfig) -> RunConfig:

@@ -68,7 +68,9 @@ def test_a_worker_group_that_cannot_be_scheduled_is_one_line_after_bounded_tries
 
     class NeverScheduled:
         def __init__(self, *args, **kwargs):
-            assert kwargs["run_config"].failure_config.controller_failure_limit >= 0
+            # On a cluster (--address): time for an autoscaler to start GPU nodes from zero.
+            limit = kwargs["run_config"].failure_config.controller_failure_limit
+            assert limit == ray_train.SCHEDULING_ATTEMPTS_ON_A_CLUSTER - 1
             # --cpus-per-worker holds with --gpu too (it was 1 CPU whatever the flag said).
             assert kwargs["scaling_config"].resources_per_worker == {"CPU": 6, "GPU": 1}
 
@@ -77,6 +79,7 @@ def test_a_worker_group_that_cannot_be_scheduled_is_one_line_after_bounded_tries
 
     monkeypatch.setattr(ray_train, "TorchTrainer", NeverScheduled)
     with pytest.raises(UserInputError, match=r"could not start 4 workers of 1 GPU and 6 CPU "
-                                             r"each in 5 tries of \d+ s: no node can hold them"):
+                                             r"each in 20 tries of \d+ s: no node can hold them"
+                                             r".*RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"):
         run_on_ray(print, {}, LaunchConfig(workers=4, gpu=True, address="auto",
                                            cpus_per_worker=6), RunConfig())
