@@ -213,6 +213,12 @@ def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True,
     return _run(config, pipeline_options(beam_args), wait, start_over)
 
 
+def only_a_template(result) -> bool:
+    """Dataflow with --template_location (what a template launcher may pass) writes the job's
+    graph there and creates no job: nothing to watch or wait for, and no job id to name."""
+    return getattr(result, "has_job", True) is False
+
+
 def _dataflow_job_ended(submitted: dict[str, Any], error: BaseException) -> None:
     """Waiting on a Dataflow job ended: the job failed (one line with its first error and
     where its log is), or this process was stopped, which leaves the job running (say so,
@@ -237,6 +243,10 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
     try:
         result = pipeline.run()
         submitted = None
+        if only_a_template(result):
+            template = options.view_as(GoogleCloudOptions).template_location
+            logger.info("prepare: wrote the job as a template to %s", template)
+            return {"template": template, "output": config.output}
         if hasattr(result, "job_id"):  # Dataflow: where to watch it, before it runs for hours
             submitted = job_report.submitted_report(result.job_id(), options, config.output)
             logger.info("prepare: submitted Dataflow job %s: %s", submitted["job_id"],

@@ -10,9 +10,17 @@ on sys.path and load a second copy of the module as `__main__`.
 
 import json
 import logging
+import sys
 
 from bertforge.pipelines.prepare import main
+from bertforge.pipelines.prepare_options import NO_WAIT_FLAGS
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    print(json.dumps(main(), indent=2))
+    argv = sys.argv[1:]
+    # The launcher's work ends once the job exists: waiting for the job's hours would hold the
+    # launcher VM, and its launch timeout, for all of them. The job reports itself in the
+    # Dataflow console; its manifest, written last, says it is done.
+    if not any(flag in argv for flag in NO_WAIT_FLAGS):
+        argv.append(NO_WAIT_FLAGS[0])
+    print(json.dumps(main(argv), indent=2))

@@ -121,6 +121,22 @@ def test_a_waited_for_dataflow_job_that_fails_or_is_left_says_so_in_a_line(capsy
         "us-central1\n")
 
 
+def test_a_job_written_as_a_template_is_not_waited_for():
+    """With --template_location Dataflow creates no job (`job_id()` of None: an AttributeError
+    where the report named the job); a local run's result is no template."""
+    from apache_beam.runners.dataflow.dataflow_runner import DataflowPipelineResult
+    from apache_beam.runners.runner import PipelineState
+
+    from bertforge.pipelines.prepare import only_a_template
+
+    assert only_a_template(DataflowPipelineResult(None, None))
+
+    class LocalResult:  # the local runners' results have no has_job
+        state = PipelineState.DONE
+
+    assert not only_a_template(LocalResult())
+
+
 def test_an_invalid_bucket_is_one_line_at_once_not_a_two_minute_hang(
     tmp_path, corpus_files, small_vocab, capsys
 ):
