@@ -134,7 +134,9 @@ def _add_submit(commands) -> None:
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="more paths to leave out of the upload (repeatable)")
     p.add_argument("--image", default=None,
-                   help="a container image holding bertforge, instead of uploading code")
+                   help="a container image holding bertforge, instead of uploading code "
+                   "(Ray's image_uri: every node needs Podman and the cluster's Ray and Python "
+                   "versions in the image; infra/'s clusters run the training image already)")
     p.add_argument("--submission-id", default=None, help="a stable id (resubmits are refused)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment variable for the job (values are never printed)")
