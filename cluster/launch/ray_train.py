@@ -27,7 +27,11 @@ from bertforge.cluster.launch.worker_output import (
     show_train_workers,
 )
 from bertforge.cluster.safety.dataset_guard import reading_dataset
-from bertforge.cluster.safety.run_lock import exclusive_directory, refuse_if_in_use
+from bertforge.cluster.safety.run_lock import (
+    exclusive_directory,
+    held_with_token,
+    refuse_if_in_use,
+)
 from bertforge.training.checkpoint import latest_checkpoint, new_run_id, read_metadata
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
@@ -99,12 +103,13 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
             refuse_a_stored_run(launch.storage, run_dir)
     # One run per run directory (and per run in storage), taken before Ray starts.
     # And a reader of its dataset, which `prepare` will not replace meanwhile.
-    with exclusive_directory(run_dir, "train", storage=storage_run), \
+    with exclusive_directory(run_dir, "train", storage=storage_run) as lock, \
             reading_dataset(cfg.data_dir, "train"):
         log_driver_to(os.path.join(run_dir, LOG_DIR, "train.log"))
         try:
             connect(launch)
-            return _fit(TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir}), launch)
+            return _fit(TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir}), launch,
+                        lock.me.token)
         except SystemExit as exit_:
             stop = local_ray.as_stop(exit_)
             if stop is None:
@@ -131,7 +136,7 @@ def refuse_a_stored_run(storage: str, run_dir: str) -> None:
             "new run in another --run-dir or --storage")
 
 
-def _fit(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
+def _fit(cfg: TrainConfig, launch: LaunchConfig, lock_token: str) -> dict[str, Any]:
     run_dir = cfg.run_dir
     # A new run's id, chosen once for the launch: a worker group Ray restarts after a failure
     # continues this run's checkpoints instead of starting it over (training.loop.train).
@@ -139,7 +144,7 @@ def _fit(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     result = run_on_ray(
         _worker_main,
         {"train": cfg.to_dict(), "threads": launch.cpus_per_worker,
-         "persist": bool(launch.storage), "run_id": run_id},
+         "persist": bool(launch.storage), "run_id": run_id, "lock_token": lock_token},
         launch, _run_config(cfg, launch),
     )
     if launch.storage:
@@ -239,6 +244,8 @@ def _worker_main(loop_config: dict[str, Any]) -> None:
     quiet_worker(cfg.run_dir, ray.train.get_context().get_world_rank(),
                  verbose=loop_config.get("verbose", False))
     from bertforge.training.loop import train
+    if not loop_config["persist"]:
+        _refuse_a_run_dir_of_its_own(cfg.run_dir, loop_config["lock_token"])
     run_id = loop_config.get("run_id")
     if loop_config["persist"]:
         # A new run's storage holds only its own checkpoints (refuse_a_stored_run).
@@ -248,3 +255,17 @@ def _worker_main(loop_config: dict[str, Any]) -> None:
     else:
         train(cfg, report=lambda metrics: ray.train.report({"step": metrics["step"]}),
               run_id=run_id)
+
+
+def _refuse_a_run_dir_of_its_own(run_dir: str, lock_token: str) -> None:
+    """Without --storage every rank writes its part of each checkpoint into the one run
+    directory: a worker that does not see the driver's lock there has a directory of its own
+    (a node-local path, a relative --run-dir inside a job's per-node working directory), and
+    the run would end, after all its steps, with no complete checkpoint anywhere."""
+    import socket
+
+    if not held_with_token(run_dir, lock_token):
+        raise UserInputError(
+            f"--run-dir {run_dir} on node {socket.gethostname()} is not the directory the "
+            "driver locked: without --storage the run directory must be on a filesystem every "
+            "node mounts (infra/'s clusters mount one at /shared), or add --storage")

@@ -278,6 +278,22 @@ def lock_file_for(location):
     return _LocalFile(os.path.abspath(location.removeprefix("file://")))
 
 
+def held_with_token(root: str, token: str, attempts: int = 5) -> bool:
+    """Whether the lock of directory `root`, seen from this machine, is the one taken with
+    `token` (`RunLock.me.token`): a worker on another node sees the driver's lock only where
+    the directory is the same one, on a filesystem both mount."""
+    lock = lock_file_for(root)
+    for attempt in range(attempts):
+        text = lock.read()
+        holder = Holder.parse(text) if text is not None else None
+        if holder is not None:
+            return holder.token == token
+        if text is None:
+            return False
+        time.sleep(0.2 * (attempt + 1))  # a heartbeat rewriting it: read again
+    return False
+
+
 class RunLock:
     """`with RunLock([run_dir], "train"):` one holder at a time across processes and hosts."""
 

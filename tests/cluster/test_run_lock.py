@@ -232,3 +232,23 @@ def test_a_directory_in_use_is_refused_without_taking_its_lock(tmp_path):
     refuse_if_in_use(str(run_dir))  # released
     (tmp_path / "a-file").write_text("not a directory")
     refuse_if_in_use(str(tmp_path / "a-file"))  # the pre-flight's own check names it
+
+
+def test_a_worker_tells_the_drivers_run_directory_from_one_of_its_own(tmp_path):
+    """Without --storage, a worker whose --run-dir is not the driver's (a node-local path)
+    stops at once: the run used to train to the end and then find no complete checkpoint."""
+    from bertforge.cluster.launch.ray_train import _refuse_a_run_dir_of_its_own
+    from bertforge.cluster.safety.run_lock import held_with_token
+    from bertforge.training.errors import UserInputError
+
+    shared, own = tmp_path / "shared" / "run", tmp_path / "node-local" / "run"
+    own.mkdir(parents=True)
+    with exclusive_directory(str(shared), "train") as lock:
+        token = lock.me.token
+        assert held_with_token(str(shared), token)
+        assert not held_with_token(str(shared), "another-drivers-token")
+        assert not held_with_token(str(own), token)
+        _refuse_a_run_dir_of_its_own(str(shared), token)  # the driver's own: passes
+        with pytest.raises(UserInputError, match=r"--run-dir .*node-local/run on node .* is "
+                           r"not the directory the driver locked: .*or add --storage"):
+            _refuse_a_run_dir_of_its_own(str(own), token)
