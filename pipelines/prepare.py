@@ -240,9 +240,9 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
     runner = options.view_as(StandardOptions).runner
     if options.view_as(TestOptions).dry_run:
         return _dry_run(pipeline, runner, files, config.output)
+    submitted = None  # a Dataflow job's report, once one is created
     try:
         result = pipeline.run()
-        submitted = None
         if only_a_template(result):
             template = options.view_as(GoogleCloudOptions).template_location
             logger.info("prepare: wrote the job as a template to %s", template)

@@ -123,6 +123,10 @@ def read_checkpoint_metadata(path: str) -> dict:
         raise as_user_error(error) from error
 
 
+# What every bertforge has written into a checkpoint's bertforge.json, and loads rely on.
+REQUIRED_METADATA = ("model_config", "vocab_sha256", "lower_case", "global_step")
+
+
 def check_checkpoint(path: str) -> str:
     """The complete checkpoint `path` names (itself, or a run directory's newest), readable,
     safe to unpickle and holding weights of its bertforge.json's shapes (`verify_checkpoint`)."""
@@ -136,6 +140,10 @@ def check_checkpoint(path: str) -> str:
     saved = read_checkpoint_metadata(resolved)
     if not os.path.exists(os.path.join(resolved, "vocab.txt")):
         raise MissingInputError(f"checkpoint {resolved} lacks its vocab.txt")
+    lacking = [key for key in REQUIRED_METADATA if key not in saved]
+    if lacking:  # export, eval and warm starts read each of them
+        raise UserInputError(f"{os.path.join(resolved, checkpoint.METADATA_NAME)} lacks "
+                             f"{', '.join(lacking)}: not a bertforge checkpoint's, or edited")
     missing = checkpoint.missing_rank_files(resolved, saved)
     if missing:
         raise MissingInputError(

@@ -145,3 +145,17 @@ def test_a_checkpoint_missing_other_ranks_files_is_one_line(trained, tmp_path, c
     refused(["export", ckpt, "--output", str(tmp_path / "hf")], capsys,
             "lacks the optimizer files of rank(s) 1 of its 2", "--storage")
     refused(["eval", ckpt, "--data", data], capsys, "rank(s) 1 of its 2")
+
+
+def test_metadata_without_what_loads_read_is_one_line(run_copy, tmp_path, capsys):
+    """A bertforge.json without lower_case (edited, or another tool's) was a KeyError
+    traceback from export, after the weights had been read."""
+    _, ckpt = run_copy
+    path = os.path.join(ckpt, checkpoint.METADATA_NAME)
+    with open(path) as f:
+        metadata = json.load(f)
+    del metadata["lower_case"]
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    refused(["export", ckpt, "--output", str(tmp_path / "hf")], capsys,
+            f"{path} lacks lower_case")
