@@ -45,17 +45,8 @@ def download_split(
     mixes with an old copy; a shard already there with the right size is not fetched again,
     and each copy lands under a temporary name first, so an interrupted one never counts.
     """
-    manifest_path = f"{root.rstrip('/')}/{manifest_lib.MANIFEST_NAME}"
-    try:
-        with filesystem.open_input_stream(manifest_path) as stream:
-            manifest_bytes = stream.read()
-    except FileNotFoundError as error:
-        raise FileNotFoundError(
-            f"{manifest_path} not found: not a prepared dataset, or its preparation did not "
-            "finish (the manifest is written last)"
-        ) from error
-    cache_root = cache_dir or os.path.join(tempfile.gettempdir(), "bertforge-datasets")
-    target = os.path.join(cache_root, hashlib.sha256(manifest_bytes).hexdigest()[:16])
+    manifest_bytes = _read_manifest_bytes(filesystem, root)
+    target = _copy_dir(manifest_bytes, cache_dir)
     os.makedirs(target, exist_ok=True)
     manifest = manifest_lib.Manifest.from_dict(json.loads(manifest_bytes))
     if split not in manifest.splits:
@@ -65,6 +56,24 @@ def download_split(
         _fetch(filesystem, f"{root.rstrip('/')}/{relative}", os.path.join(target, relative))
     manifest_lib.write_manifest(target, manifest)  # last, as in the original
     return target
+
+
+def _read_manifest_bytes(filesystem: pafs.FileSystem, root: str) -> bytes:
+    manifest_path = f"{root.rstrip('/')}/{manifest_lib.MANIFEST_NAME}"
+    try:
+        with filesystem.open_input_stream(manifest_path) as stream:
+            return stream.read()
+    except FileNotFoundError as error:
+        raise FileNotFoundError(
+            f"{manifest_path} not found: not a prepared dataset, or its preparation did not "
+            "finish (the manifest is written last)"
+        ) from error
+
+
+def _copy_dir(manifest_bytes: bytes, cache_dir: str | None) -> str:
+    """Where a dataset's local copy lives: named by its manifest's digest."""
+    cache_root = cache_dir or os.path.join(tempfile.gettempdir(), "bertforge-datasets")
+    return os.path.join(cache_root, hashlib.sha256(manifest_bytes).hexdigest()[:16])
 
 
 def _fetch(filesystem: pafs.FileSystem, source: str, destination: str) -> None:
@@ -93,12 +102,13 @@ def dataset_on_this_node(data_dir: str, splits: tuple[str, ...], device) -> str:
 
     if "://" not in data_dir:
         return data_dir
+    filesystem, root = pafs.FileSystem.from_uri(data_dir)
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return root
     rank = dist.get_rank() if dist.is_initialized() else 0
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:
         for split in splits:
-            local_dataset_dir(data_dir, split, None)
+            download_split(filesystem, root, split)
     barrier(device)
-    local = data_dir
-    for split in splits:  # the copies are there now: the same directory, nothing fetched
-        local = local_dataset_dir(data_dir, split, None)
-    return local
+    # The node's copy, made above: its place only (the other ranks write nothing into it).
+    return _copy_dir(_read_manifest_bytes(filesystem, root), None)
