@@ -6,6 +6,7 @@ import gc
 import os
 import shutil
 import threading
+import time
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -594,3 +595,51 @@ def test_bucketing_options_are_checked(dataset_dir):
     )
     with pytest.raises(ValueError, match="keep micro-batch x ranks x gradient_accumulation"):
         other_step.load_state_dict(state)
+
+
+def _copy_on_a_node(rank: int, world_size: int, port: int, dataset_dir: str, tmp: str,
+                    results: str) -> None:
+    """One of a node's ranks: the bucket is `dataset_dir`'s parent, reached as gs://bucket."""
+    import tempfile
+    import types
+
+    import torch.distributed as dist
+
+    from bertforge.training.data import download
+
+    bucket = pafs.SubTreeFileSystem(os.path.dirname(dataset_dir), pafs.LocalFileSystem())
+    shim = types.SimpleNamespace(**{name: getattr(pafs, name) for name in dir(pafs)})
+    shim.FileSystem = types.SimpleNamespace(
+        from_uri=lambda uri: (bucket, uri.removeprefix("gs://bucket/")))
+    download.pafs = shim
+    tempfile.tempdir = tmp
+    os.environ.update(LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if rank == 0:
+        time.sleep(2.0)  # the copy takes a while: rank 1 must wait for it, not for a barrier
+    local = download.dataset_on_this_node(
+        f"gs://bucket/{os.path.basename(dataset_dir)}", ("train", "validation"), None,
+        poll_seconds=0.05)
+    complete = all(os.path.isfile(os.path.join(local, entry.path))
+                   for split in ("train", "validation")
+                   for entry in manifest_lib.read_manifest(local).splits[split].shards)
+    with open(os.path.join(results, f"rank{rank}"), "w") as f:
+        f.write(f"{local}\n{complete}")
+    dist.destroy_process_group()
+
+
+def test_a_nodes_ranks_share_one_copy_of_a_remote_dataset(dataset_dir, tmp_path):
+    """Local rank 0 copies; the others wait for its marker and read the same directory, every
+    file there by then (all of them re-resolving it raced on its manifest's temp file)."""
+    import torch.multiprocessing as mp
+
+    from tests.support.local_cluster import free_port
+
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "results").mkdir()
+    mp.spawn(_copy_on_a_node, args=(2, free_port(), dataset_dir, str(tmp_path / "tmp"),
+                                    str(tmp_path / "results")), nprocs=2)
+    seen = [(tmp_path / "results" / f"rank{r}").read_text().splitlines() for r in (0, 1)]
+    assert seen[0] == seen[1] and seen[0][1] == "True"
+    assert seen[0][0].startswith(str(tmp_path / "tmp" / "bertforge-datasets"))
+    assert os.path.exists(os.path.join(seen[0][0], ".copied-train+validation"))

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 
 import pyarrow.fs as pafs
 
@@ -90,12 +91,16 @@ def _fetch(filesystem: pafs.FileSystem, source: str, destination: str) -> None:
     os.replace(partial, destination)
 
 
-def dataset_on_this_node(data_dir: str, splits: tuple[str, ...], device) -> str:
+def dataset_on_this_node(data_dir: str, splits: tuple[str, ...], device,
+                         poll_seconds: float = 1.0) -> str:
     """A training run's dataset as a local directory: `data_dir` itself when local; a gs:// or
-    s3:// one copied into this node's cache (`local_dataset_dir`, each split named) by the
-    node's local rank 0 while the node's other ranks wait, so a node fetches each shard once
-    however many workers it runs. Collective when a process group is up (`device`: the one a
-    barrier runs on, `training.distributed.barrier`)."""
+    s3:// one copied into this node's cache (`download_split`, each split named) by the node's
+    local rank 0, so a node fetches each shard once however many workers it runs. Collective
+    when a process group is up (`device`: the one a barrier runs on).
+
+    The other ranks wait for the copy by watching for its marker, not in a collective: a copy
+    of hundreds of GB outlasts a process group's timeout (30 minutes), whose watchdog would
+    end the run as a failed one."""
     import torch.distributed as dist
 
     from bertforge.training.distributed import barrier
@@ -105,10 +110,20 @@ def dataset_on_this_node(data_dir: str, splits: tuple[str, ...], device) -> str:
     filesystem, root = pafs.FileSystem.from_uri(data_dir)
     if isinstance(filesystem, pafs.LocalFileSystem):
         return root
+    copy = _copy_dir(_read_manifest_bytes(filesystem, root), None)
+    marker = os.path.join(copy, f".copied-{'+'.join(splits)}")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+    copying = int(os.environ.get("LOCAL_RANK", rank)) == 0
+    if copying and os.path.exists(marker):
+        os.remove(marker)  # this run's copy says it is done, not an earlier run's
+    barrier(device)  # no rank reads an earlier run's marker
+    if copying:
         for split in splits:
             download_split(filesystem, root, split)
+        with open(marker, "w", encoding="utf-8"):
+            pass
+    else:
+        while not os.path.exists(marker):  # the launcher ends the group if the copy fails
+            time.sleep(poll_seconds)
     barrier(device)
-    # The node's copy, made above: its place only (the other ranks write nothing into it).
-    return _copy_dir(_read_manifest_bytes(filesystem, root), None)
+    return copy
