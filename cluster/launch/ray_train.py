@@ -84,6 +84,8 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     the run directory, where the loop commits its checkpoints. The inputs are checked here
     first, before Ray starts (`training.inputs`); a user error inside a worker is not retried.
     """
+    # Named from the path as given, before it is made absolute (persistence.storage_run_name).
+    storage_name = storage_run_name(cfg.run_dir)
     # Relative paths are the user's working directory's, not the workers'.
     cfg = TrainConfig.from_dict({**cfg.to_dict(), "data_dir": absolute(cfg.data_dir),
                                  "run_dir": absolute(cfg.run_dir),
@@ -98,9 +100,9 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     run_dir = cfg.run_dir
     storage_run = None
     if launch.storage:
-        storage_run = f"{launch.storage.rstrip('/')}/{storage_run_name(run_dir)}"
+        storage_run = f"{launch.storage.rstrip('/')}/{storage_name}"
         if not cfg.resume:
-            refuse_a_stored_run(launch.storage, run_dir)
+            refuse_a_stored_run(launch.storage, storage_name, run_dir)
     # One run per run directory (and per run in storage), taken before Ray starts.
     # And a reader of its dataset, which `prepare` will not replace meanwhile.
     with exclusive_directory(run_dir, "train", storage=storage_run) as lock, \
@@ -109,7 +111,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
         try:
             connect(launch)
             return _fit(TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir}), launch,
-                        lock.me.token)
+                        lock.me.token, storage_name)
         except SystemExit as exit_:
             stop = local_ray.as_stop(exit_)
             if stop is None:
@@ -124,11 +126,11 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
             raise stop from None
 
 
-def refuse_a_stored_run(storage: str, run_dir: str) -> None:
+def refuse_a_stored_run(storage: str, name: str, run_dir: str) -> None:
     """--resume never with storage that already holds this run directory's run: Ray Train
     would take the new run's checkpoints for that run's and prune the older ones, which a new
     run must never delete (locally they are moved aside to RUN_DIR/previous/)."""
-    stored = stored_checkpoints(storage, storage_run_name(run_dir))
+    stored = stored_checkpoints(storage, name)
     if stored:
         raise UserInputError(
             f"--resume never: {storage} holds an earlier run of {run_dir} ({len(stored)} "
@@ -136,7 +138,8 @@ def refuse_a_stored_run(storage: str, run_dir: str) -> None:
             "new run in another --run-dir or --storage")
 
 
-def _fit(cfg: TrainConfig, launch: LaunchConfig, lock_token: str) -> dict[str, Any]:
+def _fit(cfg: TrainConfig, launch: LaunchConfig, lock_token: str, storage_name: str
+         ) -> dict[str, Any]:
     run_dir = cfg.run_dir
     # A new run's id, chosen once for the launch: a worker group Ray restarts after a failure
     # continues this run's checkpoints instead of starting it over (training.loop.train).
@@ -145,7 +148,7 @@ def _fit(cfg: TrainConfig, launch: LaunchConfig, lock_token: str) -> dict[str, A
         _worker_main,
         {"train": cfg.to_dict(), "threads": launch.cpus_per_worker,
          "persist": bool(launch.storage), "run_id": run_id, "lock_token": lock_token},
-        launch, _run_config(cfg, launch),
+        launch, _run_config(cfg, launch, storage_name),
     )
     if launch.storage:
         # The driver's node need not hold the files: the outcome is what storage registered.
@@ -211,12 +214,12 @@ def _unschedulable(launch: LaunchConfig) -> str:
             "longer (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, seconds a try)")
 
 
-def _run_config(cfg: TrainConfig, launch: LaunchConfig) -> RunConfig:
+def _run_config(cfg: TrainConfig, launch: LaunchConfig, storage_name: str) -> RunConfig:
     failure = FailureConfig(max_failures=launch.max_failures)
     if launch.storage:
         # Re-running with the same run name and storage resumes from storage's newest.
         return RunConfig(
-            name=storage_run_name(cfg.run_dir), storage_path=launch.storage,
+            name=storage_name, storage_path=launch.storage,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
             failure_config=failure, logging_config=QUIET_RAY_TRAIN,
         )

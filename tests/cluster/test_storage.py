@@ -30,6 +30,10 @@ def test_runs_named_alike_have_their_own_runs_in_storage(tmp_path):
                      for work in ("a", "b"))
     assert first != second and first.startswith("phase1-") and second.startswith("phase1-")
     assert storage_run_name(str(tmp_path / "a" / "runs" / "phase1") + "/") == first
+    # A relative --run-dir is named as typed: in a `submit` job it resolves under another
+    # working directory at each submission, and the resubmitted run must find its storage.
+    assert storage_run_name("runs/bert") == storage_run_name("./runs/bert/")
+    assert storage_run_name("runs/bert") != storage_run_name(str(tmp_path / "runs" / "bert"))
     assert stored_checkpoints(str(tmp_path / "storage"), first) == []  # nothing there yet
     for name in ("step_00000010", "step_00000020", "checkpoint_tmp", ".upload"):
         (tmp_path / "storage" / first / name).mkdir(parents=True)
