@@ -224,8 +224,12 @@ def _dataflow_job_ended(submitted: dict[str, Any], error: BaseException) -> None
     where its log is), or this process was stopped, which leaves the job running (say so,
     and how to cancel it)."""
     if isinstance(error, Exception):
-        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        raise ValueError(f"Dataflow job {submitted['job_id']} did not succeed: {first} (its "
+        # Beam's message: a header ("Dataflow pipeline failed. State: FAILED, Error:") and the
+        # workers' traceback, whose last line says what went wrong.
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [
+            repr(error)]
+        what = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+        raise ValueError(f"Dataflow job {submitted['job_id']} did not succeed: {what} (its "
                          f"log: {submitted['console']})") from error
     print(f"[prepare] the Dataflow job {submitted['job_id']} goes on without this process; "
           f"to stop it: {submitted['cancel']}", file=sys.stderr, flush=True)

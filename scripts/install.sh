@@ -153,7 +153,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   fi
 fi
 # DS_BUILD_OPS=0: ops compile just in time, on the machine that runs them.
-deepspeed_against_torch() { DS_BUILD_OPS=0 installer install --no-build-isolation "deepspeed>=0.16"; }
+deepspeed_against_torch() { DS_BUILD_OPS=0 installer install --no-build-isolation "deepspeed>=0.19"; }  # pyproject's floor
 step "deepspeed (built against that torch)" deepspeed_against_torch
 EXTRAS=$(all_extras)
 step "bertforge and its dependencies (ray, apache-beam, ...; editable, extras $EXTRAS)" \

@@ -22,6 +22,6 @@ class EvalOptions:
     verify_checksums: bool = option(
         True, "hash the shards against the manifest's sha256 (rows are validated either way)")
     device: str = option(
-        "auto", "where to score: auto (a GPU when there is one, else the CPU), cpu or cuda; on "
-        "a GPU under the run's precision (bf16 autocast for a bf16 run), as its own validation",
+        "auto", "where to score: auto (a GPU when there is one, else the CPU), cpu or cuda; "
+        "on a GPU a bf16 run's checkpoint is scored under bf16 autocast, any other in fp32",
         choices=("auto", "cpu", "cuda"))

@@ -35,7 +35,7 @@ def check_dataset(data_dir: str, splits: tuple[str, ...] = ("train",)) -> Datase
     """The dataset's facts once its manifest parses, names `splits`, every shard it lists
     exists with its row count, and vocab.txt matches the manifest's hash and size."""
     if "://" in data_dir:
-        return _check_remote_dataset(data_dir)
+        return _check_remote_dataset(data_dir, splits)
     if not os.path.exists(data_dir):
         raise MissingInputError(f"dataset {data_dir} does not exist")
     if not os.path.isdir(data_dir):
@@ -51,8 +51,9 @@ def check_dataset(data_dir: str, splits: tuple[str, ...] = ("train",)) -> Datase
     return facts
 
 
-def _check_remote_dataset(data_dir: str) -> DatasetFacts:
-    """A gs:// or s3:// dataset: its manifest parses (the shards are checked once copied)."""
+def _check_remote_dataset(data_dir: str, splits: tuple[str, ...]) -> DatasetFacts:
+    """A gs:// or s3:// dataset: its manifest parses and names `splits` (the shards are
+    checked once copied)."""
     import json
 
     import pyarrow.fs as pafs
@@ -67,6 +68,10 @@ def _check_remote_dataset(data_dir: str) -> DatasetFacts:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UserInputError(
             f"{path} could not be read as a bertforge manifest ({error})") from error
+    absent = [split for split in splits if split not in manifest.splits]
+    if absent:
+        raise UserInputError(f"dataset {data_dir} has no {' or '.join(absent)} split (it has "
+                             f"{', '.join(sorted(manifest.splits))})")
     return DatasetFacts.from_manifest(manifest, data_dir)
 
 

@@ -14,8 +14,9 @@ the same command again.
 The resolved configuration (the TOML text, its normalized form and the resolved recipes) is
 recorded in WORKDIR/pipeline.json; a later run with a configuration that would make different
 outputs is refused, naming the keys that differ, and so is one whose input files were added or
-changed in size since its shards were made (`stages.shards_complete`). Relative paths in the file are relative to the
-file's own directory, so a run does not depend on the current directory.
+changed in size since its shards were made (`stages.shards_complete`). Relative paths in the
+file are relative to the file's own directory, so a run does not depend on the current
+directory.
 """
 
 from __future__ import annotations

@@ -194,8 +194,9 @@ def final_status(client, job_id: str, timeout_s: float = 600.0) -> int:
         status = str(client.get_job_status(job_id).value)
     print(f"[submit] job {job_id} {status}", flush=True)
     if status not in TERMINAL:
-        raise UserInputError(f"job {job_id} still {status} after {timeout_s:.0f} s; it goes on "
-                             f"(`bertforge submit --stop {job_id}` stops it)")
+        raise UserInputError(f"job {job_id} still {status} after {timeout_s:.0f} s; the "
+                             "cluster has it and may still end it (`ray job status "
+                             f"{job_id}`; `ray job stop {job_id}` asks again)")
     return EXIT_CODES[status]
 
 

@@ -150,3 +150,16 @@ def test_byte_flip_is_named_by_inspect_verify(dataset, capsys):
     shutil.copy(os.path.join(dataset, manifest_lib.VOCAB_NAME), not_arrow)
     assert main(["inspect", dataset]) == 2
     assert f"{not_arrow} is not a readable Arrow IPC file" in capsys.readouterr().err
+
+
+def test_a_dataset_in_object_storage_without_a_split_the_run_reads_is_refused(tmp_path):
+    """A gs:// dataset passed the pre-flight whatever its splits; a missing validation split
+    was then a plain error in every worker, retried --max-failures times."""
+    from bertforge.training.errors import UserInputError
+    from bertforge.training.inputs import check_dataset
+
+    data = write_dataset(str(tmp_path / "data"), {"train": [40]})
+    uri = "file://" + os.path.abspath(data)  # the remote path, through pyarrow as gs:// is
+    assert check_dataset(uri, ("train",)).split_sizes == {"train": 40}
+    with pytest.raises(UserInputError, match=r"has no validation split \(it has train\)"):
+        check_dataset(uri, ("train", "validation"))

@@ -106,13 +106,16 @@ def test_a_waited_for_dataflow_job_that_fails_or_is_left_says_so_in_a_line(capsy
 
     job = submitted_report("2026-11-27_10_00_00-42", PipelineOptions(
         ["--project=p", "--region=us-central1"]), "gs://b/shards")
-    failure = RuntimeError("Dataflow pipeline failed. State: FAILED, Error:\nTraceback ...")
+    failure = RuntimeError("Dataflow pipeline failed. State: FAILED, Error:\nTraceback (most "
+                           "recent call last):\n  File \"x.py\", line 1\nValueError: no usable "
+                           "document remains\n")
     with pytest.raises(ValueError) as raised:
         _dataflow_job_ended(job, failure)
     assert str(raised.value) == (
         "Dataflow job 2026-11-27_10_00_00-42 did not succeed: Dataflow pipeline failed. State: "
-        "FAILED, Error: (its log: https://console.cloud.google.com/dataflow/jobs/us-central1/"
-        "2026-11-27_10_00_00-42?project=p)")
+        "FAILED, Error: ... ValueError: no usable document remains (its log: "
+        "https://console.cloud.google.com/dataflow/jobs/us-central1/2026-11-27_10_00_00-42"
+        "?project=p)")
     with pytest.raises(KeyboardInterrupt):
         _dataflow_job_ended(job, KeyboardInterrupt())
     assert capsys.readouterr().err == (
