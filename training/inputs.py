@@ -95,15 +95,16 @@ def check_run_dir(run_dir: str) -> str:
     return path
 
 
-def check_resume(run_dir: str, model_config: BertConfig,
-                 vocab_sha256: str) -> tuple[str, dict] | None:
+def check_resume(run_dir: str, model_config: BertConfig, facts: DatasetFacts,
+                 data_dir: str) -> tuple[str, dict] | None:
     """The checkpoint a resume of `run_dir` would load and its metadata (None: a fresh start),
-    once its architecture and vocabulary are those of the requested model and data."""
+    once its architecture, vocabulary and casing are those of the requested model and data."""
     latest = checkpoint.latest_checkpoint(run_dir) if os.path.isdir(run_dir) else None
     if latest is None:
         return None
     saved = read_checkpoint_metadata(latest)
-    check_resume_architecture(saved, model_config, latest, vocab_sha256)
+    check_resume_architecture(saved, model_config, latest, facts.vocab_sha256)
+    check_casing(saved, facts, f"checkpoint {latest}", data_dir)
     verify_checkpoint(latest, saved)
     return latest, saved
 
@@ -211,6 +212,20 @@ def resolve_model_config(model: dict[str, Any], vocab_size: int) -> BertConfig:
     return BertConfig.from_dict(fields)
 
 
+def check_casing(saved: dict[str, Any], facts: DatasetFacts, what: str, data_dir: str) -> None:
+    """The same vocabulary prepared with the other casing gives its ids other words (an
+    upper-case word is [UNK] in an uncased vocabulary): a checkpoint goes on only with data of
+    its own casing."""
+    trained = saved.get("lower_case")
+    if trained is None or trained == facts.lower_case:
+        return
+    casing = {True: "lower-cased", False: "cased"}
+    raise UserInputError(
+        f"{what} was trained on {casing[trained]} text and {data_dir} is {casing[facts.lower_case]}"
+        f" (the same vocabulary, the other casing); prepare the data with "
+        f"--{'' if trained else 'no-'}lower-case")
+
+
 def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str) -> None:
     """Phase 2 data (512 tokens) needs a model with at least 512 position embeddings."""
     if max_seq_length > model_config.max_position_embeddings:
@@ -230,7 +245,7 @@ def check_train_inputs(cfg: TrainConfig, world_size: int | None = None) -> None:
     check_run_dir(cfg.run_dir)
     model_config = resolve_model_config(cfg.model, facts.vocab_size)
     check_positions(facts.max_seq_length, model_config, cfg.data_dir)
-    resumed = check_resume(cfg.run_dir, model_config, facts.vocab_sha256) if cfg.resume else None
+    resumed = check_resume(cfg.run_dir, model_config, facts, cfg.data_dir) if cfg.resume else None
     if resumed is not None:
         path, saved = resumed
         if cfg.precision != "auto":  # "auto" keeps the checkpoint's
@@ -242,6 +257,8 @@ def check_train_inputs(cfg: TrainConfig, world_size: int | None = None) -> None:
         # A checkpoint's bertforge.json says it all; a Hugging Face directory the worker reads.
         if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)):
             check_initial_checkpoint(source, cfg.init_from, model_config, facts.vocab_sha256)
+            check_casing(read_checkpoint_metadata(source), facts, f"init_from {cfg.init_from}",
+                         cfg.data_dir)
     if world_size is not None:
         check_step_batch(cfg, facts, world_size)
 
@@ -309,6 +326,7 @@ def check_eval_inputs(checkpoint_path: str, data_dir: str, split: str,
     saved = read_checkpoint_metadata(resolved)
     if saved.get("vocab_sha256") != facts.vocab_sha256:
         raise UserInputError(f"{data_dir} uses another vocabulary than checkpoint {resolved}")
+    check_casing(saved, facts, f"checkpoint {resolved}", data_dir)
     check_positions(facts.max_seq_length, checkpoint.model_config_of(resolved, saved), data_dir)
     if device == "cuda":
         import torch

@@ -163,3 +163,27 @@ def test_a_dataset_in_object_storage_without_a_split_the_run_reads_is_refused(tm
     assert check_dataset(uri, ("train",)).split_sizes == {"train": 40}
     with pytest.raises(UserInputError, match=r"has no validation split \(it has train\)"):
         check_dataset(uri, ("train", "validation"))
+
+
+def test_data_of_the_other_casing_is_refused_for_a_checkpoint(dataset, tmp_path, capsys):
+    """The same vocab.txt prepared with --no-lower-case: its ids are other words to a model
+    trained lower-cased; eval, a resume and a warm start went on with it."""
+    run_dir = tmp_path / "run"
+    train(TrainConfig(data_dir=dataset, run_dir=str(run_dir), model={"preset": "tiny"},
+                      max_steps=1, micro_batch_size=8, warmup_steps=0, precision="fp32",
+                      zero_stage=0))
+    cased = str(tmp_path / "cased")
+    shutil.copytree(dataset, cased)
+    with open(os.path.join(cased, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["tokenizer"]["lower_case"] is True
+    manifest["tokenizer"]["lower_case"] = False
+    with open(os.path.join(cased, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    why = ("was trained on lower-cased text and", "is cased (the same vocabulary, the other "
+           "casing); prepare the data with --lower-case")
+    refused(["eval", str(run_dir), "--data", cased], capsys, *why)
+    refused(["train", "--data", cased, "--run-dir", str(run_dir), "--workers", "1"], capsys,
+            *why)
+    refused(["train", "--data", cased, "--run-dir", str(tmp_path / "p2"), "--init-from",
+             str(run_dir), "--workers", "1"], capsys, f"init_from {run_dir}", *why)
