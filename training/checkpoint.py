@@ -103,7 +103,26 @@ def save(
         _write_marker(path, {"step": step, "time": time.time(), "run_id": run_id})
         _prune(run_dir, keep, run_id=run_id, step=step)
     barrier(engine.device)
+    if rank != 0 and _local_rank() == 0 and not os.path.exists(
+            os.path.join(path, COMMIT_MARKER)):
+        # This node does not see rank 0's marker: a run directory of its own, with --storage
+        # (Ray Train's copy is the checkpoint; the launch refuses one without). Only rank 0
+        # prunes the run's, so this node keeps its own parts of the newest `keep` saves.
+        prune_node_copies(run_dir, keep, step)
     return path
+
+
+def prune_node_copies(run_dir: str, keep: int, step: int) -> None:
+    """On a node whose run directory is its own: drop this node's parts of the saves older
+    than its newest `keep` up to `step`. Rank 0 writes the commit markers on its node, so
+    these parts have none; a checkpoint that has one (restored from storage, or a shared
+    directory whose marker this node saw late) is never touched here."""
+    root = checkpoints_root(run_dir)
+    parts = sorted(int(m.group(1)) for name in os.listdir(root)
+                   if (m := _TAG_PATTERN.match(name)) and int(m.group(1)) <= step
+                   and not os.path.exists(os.path.join(root, name, COMMIT_MARKER)))
+    for number in parts[:-keep]:
+        shutil.rmtree(os.path.join(root, tag_for_step(number)), ignore_errors=True)
 
 
 def load(engine, checkpoint_path: str, *, universal: bool = False) -> dict[str, Any]:

@@ -61,3 +61,48 @@ def test_truncated_and_raw_files_are_told_apart(tmp_path):
     good.write_bytes(b"\x80\x02}q\x00.")  # a raw pickle
     with pytest.raises(UserInputError, match="legacy or raw pickle"):
         checkpoint.verify_safe_to_unpickle(str(tmp_path))
+
+
+def test_a_nodes_own_parts_are_pruned_to_its_newest_keep(tmp_path):
+    for step in (10, 20, 30, 40, 50):
+        fake_checkpoint(tmp_path, step, None, committed=False)  # this node's parts: no marker
+    fake_checkpoint(tmp_path, 5, "run", committed=True)  # restored from storage: whole
+    checkpoint.prune_node_copies(str(tmp_path), keep=2, step=40)
+    names = sorted(os.listdir(tmp_path / checkpoint.CHECKPOINTS_DIR))
+    assert names == ["step_00000005", "step_00000030", "step_00000040", "step_00000050"]
+
+
+def _rank_on_its_own_node(rank: int, world_size: int, port: int, cfg_dict: dict) -> None:
+    """Rank `rank` alone on its node (LOCAL_RANK 0), with a run directory of its own."""
+    from bertforge.training.config import TrainConfig
+    from bertforge.training.loop import train
+    from tests.support.local_cluster import as_local_rank
+
+    as_local_rank(rank, world_size, port)
+    os.environ["LOCAL_RANK"] = "0"
+    cfg = TrainConfig.from_dict({**cfg_dict, "run_dir": f"{cfg_dict['run_dir']}-node{rank}"})
+    train(cfg)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_node_with_a_run_directory_of_its_own_keeps_only_the_newest_parts(tmp_path):
+    """With --storage, nodes may keep their own run directories; only rank 0 pruned, so the
+    other nodes kept their part of every save (ZeRO: a share of the weights and moments) until
+    the disk filled."""
+    import torch.multiprocessing as mp
+
+    from tests.support.local_cluster import free_port
+    from tests.training.conftest import write_dataset
+    from tests.training.test_loop import config
+
+    data = write_dataset(str(tmp_path / "data"), {"train": [64], "validation": [8]})
+    cfg = config(data, tmp_path / "run", max_steps=5, checkpoint_every=1, keep_checkpoints=2,
+                 zero_stage=1, precision="fp32", eval_every=0)
+    mp.spawn(_rank_on_its_own_node, args=(2, free_port(), cfg.to_dict()), nprocs=2)
+    assert checkpoint.committed_steps(str(tmp_path / "run-node0")) == [4, 5]
+    parts = sorted(os.listdir(tmp_path / "run-node1" / checkpoint.CHECKPOINTS_DIR))
+    assert parts == ["step_00000004", "step_00000005"]
+    assert any(name.startswith("zero_pp_rank_1") for name in
+               os.listdir(tmp_path / "run-node1" / checkpoint.CHECKPOINTS_DIR / parts[-1]))
