@@ -76,8 +76,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     # A gs:// or s3:// dataset is read from a copy on this node; records name the URI.
     data_source = cfg.data_dir if "://" in cfg.data_dir else os.path.abspath(cfg.data_dir)
     splits = ("train", "validation") if cfg.eval_every else ("train",)
-    cfg = replace(cfg, data_dir=dataset_on_this_node(cfg.data_dir, splits,
-                                                     _device_before_the_engine()))
+    cfg = replace(cfg, data_dir=dataset_on_this_node(cfg.data_dir, splits))
     facts = DatasetFacts.read(cfg.data_dir)
     model_config = resolve_model_config(cfg.model, facts.vocab_size)
     check_positions(facts.max_seq_length, model_config, cfg.data_dir)
@@ -211,14 +210,6 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         train_seconds=seconds,
         checkpoint_seconds=checkpoint_seconds,
     )
-
-
-def _device_before_the_engine() -> torch.device | None:
-    """The GPU this rank will train on when its process group is NCCL's (a barrier needs it),
-    else None (gloo)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
 
 
 def _own_latest_checkpoint(run_dir: str, run_id: str) -> str | None:

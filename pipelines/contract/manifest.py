@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -151,7 +152,7 @@ def read_manifest(data_dir: str) -> Manifest:
 def write_manifest(data_dir: str, manifest: Manifest) -> str:
     """Write atomically (temp file + rename) so a reader never sees half a manifest."""
     path = os.path.join(data_dir, MANIFEST_NAME)
-    tmp = path + ".tmp"
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # two writers (two runs' copies) never share one
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(manifest.to_json())
     os.replace(tmp, path)

@@ -597,11 +597,14 @@ def test_bucketing_options_are_checked(dataset_dir):
         other_step.load_state_dict(state)
 
 
-def _copy_on_a_node(rank: int, world_size: int, port: int, dataset_dir: str, tmp: str,
-                    results: str) -> None:
-    """One of a node's ranks: the bucket is `dataset_dir`'s parent, reached as gs://bucket."""
+def _copy_on_a_node(rank: int, world_size: int, port: int, dataset_dir: str, tmp: list,
+                    results: str, local_ranks: list) -> None:
+    """Rank `rank` of a group whose own timeout is 3 s: local rank `local_ranks[rank]` of the
+    node whose temporary directory is `tmp[rank]`. The bucket is `dataset_dir`'s parent,
+    reached as gs://bucket; rank 0's copy takes 6 s."""
     import tempfile
     import types
+    from datetime import timedelta
 
     import torch.distributed as dist
 
@@ -612,34 +615,64 @@ def _copy_on_a_node(rank: int, world_size: int, port: int, dataset_dir: str, tmp
     shim.FileSystem = types.SimpleNamespace(
         from_uri=lambda uri: (bucket, uri.removeprefix("gs://bucket/")))
     download.pafs = shim
-    tempfile.tempdir = tmp
-    os.environ.update(LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     if rank == 0:
-        time.sleep(2.0)  # the copy takes a while: rank 1 must wait for it, not for a barrier
+        real_download = download.download_split
+
+        def slow_download(*args, **kwargs):
+            time.sleep(3.0)  # twice: longer than the group's own timeout
+            return real_download(*args, **kwargs)
+
+        download.download_split = slow_download
+    tempfile.tempdir = tmp[rank]
+    os.environ.update(LOCAL_RANK=str(local_ranks[rank]), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=3))
     local = download.dataset_on_this_node(
-        f"gs://bucket/{os.path.basename(dataset_dir)}", ("train", "validation"), None,
+        f"gs://bucket/{os.path.basename(dataset_dir)}", ("train", "validation"),
         poll_seconds=0.05)
     complete = all(os.path.isfile(os.path.join(local, entry.path))
                    for split in ("train", "validation")
                    for entry in manifest_lib.read_manifest(local).splits[split].shards)
     with open(os.path.join(results, f"rank{rank}"), "w") as f:
         f.write(f"{local}\n{complete}")
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def test_a_nodes_ranks_share_one_copy_of_a_remote_dataset(dataset_dir, tmp_path):
-    """Local rank 0 copies; the others wait for its marker and read the same directory, every
-    file there by then (all of them re-resolving it raced on its manifest's temp file)."""
+@pytest.mark.parametrize("layout", ["one node", "two nodes"])
+def test_ranks_wait_for_a_nodes_copy_of_a_remote_dataset_beyond_the_groups_timeout(
+        dataset_dir, tmp_path, layout):
+    """One node: local rank 0 copies, the other rank waits for its marker and reads the same
+    directory, every file there by then (all ranks re-resolving it raced on its manifest's
+    temp file). Two nodes: the second has its copy already and waits for the first's. Either
+    wait outlasts the run's process group's timeout (3 s here, 30 minutes on a cluster, where
+    a copy of hundreds of GB takes longer), so neither may be one of its collectives."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
+    from bertforge.training.data import download
     from tests.support.local_cluster import free_port
 
-    (tmp_path / "tmp").mkdir()
+    nodes = [str(tmp_path / "node-a"), str(tmp_path / ("node-a" if layout == "one node"
+                                                        else "node-b"))]
+    for node in set(nodes):
+        os.makedirs(node)
     (tmp_path / "results").mkdir()
-    mp.spawn(_copy_on_a_node, args=(2, free_port(), dataset_dir, str(tmp_path / "tmp"),
-                                    str(tmp_path / "results")), nprocs=2)
+    if layout == "two nodes":  # node B copied it in an earlier run
+        remote = pafs.SubTreeFileSystem(os.path.dirname(dataset_dir), pafs.LocalFileSystem())
+        for split in ("train", "validation"):
+            download.download_split(remote, os.path.basename(dataset_dir), split,
+                                    cache_dir=os.path.join(nodes[1], "bertforge-datasets"))
+    local_ranks = [0, 1] if layout == "one node" else [0, 0]
+    mp.spawn(_copy_on_a_node, args=(2, free_port(), dataset_dir, nodes,
+                                    str(tmp_path / "results"), local_ranks), nprocs=2)
     seen = [(tmp_path / "results" / f"rank{r}").read_text().splitlines() for r in (0, 1)]
-    assert seen[0] == seen[1] and seen[0][1] == "True"
-    assert seen[0][0].startswith(str(tmp_path / "tmp" / "bertforge-datasets"))
-    assert os.path.exists(os.path.join(seen[0][0], ".copied-train+validation"))
+    assert [complete for _, complete in seen] == ["True", "True"]
+    for rank, (path, _) in enumerate(seen):
+        assert path.startswith(os.path.join(nodes[rank], "bertforge-datasets"))
+        leftovers = [name for name in os.listdir(path)
+                     if name.startswith(".copied-") or ".tmp" in name or ".partial" in name]
+        assert leftovers == []  # this run's marker goes once every rank has read it
+    assert tempfile.gettempdir() != nodes[0]

@@ -6,11 +6,14 @@ remote data too, and keeps every later epoch off the network.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
 import time
+import uuid
+from datetime import timedelta
 
 import pyarrow.fs as pafs
 
@@ -84,26 +87,33 @@ def _fetch(filesystem: pafs.FileSystem, source: str, destination: str) -> None:
     if os.path.exists(destination) and os.path.getsize(destination) == info.size:
         return
     os.makedirs(os.path.dirname(destination), exist_ok=True)
-    partial = destination + ".partial"
-    with filesystem.open_input_stream(source) as stream, open(partial, "wb") as out:
-        while chunk := stream.read(1 << 24):
-            out.write(chunk)
-    os.replace(partial, destination)
+    # A name of its own: two runs on one node may fetch the same shard at once.
+    handle, partial = tempfile.mkstemp(dir=os.path.dirname(destination),
+                                       prefix=os.path.basename(destination) + ".partial-")
+    try:
+        with filesystem.open_input_stream(source) as stream, os.fdopen(handle, "wb") as out:
+            while chunk := stream.read(1 << 24):
+                out.write(chunk)
+        os.replace(partial, destination)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
 
 
-def dataset_on_this_node(data_dir: str, splits: tuple[str, ...], device,
-                         poll_seconds: float = 1.0) -> str:
+def dataset_on_this_node(data_dir: str, splits: tuple[str, ...], poll_seconds: float = 1.0,
+                         wait_hours: float = 24.0) -> str:
     """A training run's dataset as a local directory: `data_dir` itself when local; a gs:// or
     s3:// one copied into this node's cache (`download_split`, each split named) by the node's
     local rank 0, so a node fetches each shard once however many workers it runs. Collective
-    when a process group is up (`device`: the one a barrier runs on).
+    when a process group is up.
 
-    The other ranks wait for the copy by watching for its marker, not in a collective: a copy
-    of hundreds of GB outlasts a process group's timeout (30 minutes), whose watchdog would
-    end the run as a failed one."""
+    No rank waits for a copy in the run's own process group: a copy of hundreds of GB outlasts
+    its timeout (30 minutes), whose watchdog would end the run as a failed one. A node's other
+    ranks watch for this run's marker file; the nodes then meet in a gloo group of their own
+    with a timeout of `wait_hours` (a node that has its copy already waits there for one that
+    fetches). A failed copy ends the run through its launcher."""
     import torch.distributed as dist
-
-    from bertforge.training.distributed import barrier
 
     if "://" not in data_dir:
         return data_dir
@@ -111,19 +121,26 @@ def dataset_on_this_node(data_dir: str, splits: tuple[str, ...], device,
     if isinstance(filesystem, pafs.LocalFileSystem):
         return root
     copy = _copy_dir(_read_manifest_bytes(filesystem, root), None)
-    marker = os.path.join(copy, f".copied-{'+'.join(splits)}")
+    waiting = None
+    token = [uuid.uuid4().hex]
+    if dist.is_initialized():
+        waiting = dist.new_group(backend="gloo", timeout=timedelta(hours=wait_hours))
+        dist.broadcast_object_list(token, src=0, group=waiting)  # this run's marker name
+    marker = os.path.join(copy, f".copied-{token[0]}")
     rank = dist.get_rank() if dist.is_initialized() else 0
     copying = int(os.environ.get("LOCAL_RANK", rank)) == 0
-    if copying and os.path.exists(marker):
-        os.remove(marker)  # this run's copy says it is done, not an earlier run's
-    barrier(device)  # no rank reads an earlier run's marker
     if copying:
         for split in splits:
             download_split(filesystem, root, split)
         with open(marker, "w", encoding="utf-8"):
             pass
     else:
-        while not os.path.exists(marker):  # the launcher ends the group if the copy fails
+        while not os.path.exists(marker):
             time.sleep(poll_seconds)
-    barrier(device)
+    if waiting is not None:
+        dist.barrier(group=waiting)  # every node's copy is there; the marker is read
+        dist.destroy_process_group(waiting)
+    if copying:
+        with contextlib.suppress(OSError):
+            os.remove(marker)
     return copy
