@@ -16,3 +16,19 @@ def absolute(path: str | None) -> str | None:
     if path is None or path == "" or "://" in path:
         return path
     return os.path.abspath(os.path.expanduser(path))
+
+
+# Set by `bertforge submit` in the job's environment: the job runs in the working directory it
+# uploaded, which is another one at each submission.
+UPLOADED_WORKING_DIR_ENV = "BERTFORGE_UPLOADED_WORKING_DIR"
+
+
+def stable_name(path: str) -> str:
+    """What names a local path across runs of a command: the absolute path, or, inside a
+    `submit` job, a path under the job's uploaded working directory relative to it (so that
+    a resubmitted job names its `--run-dir runs/bert` as the first did)."""
+    path = os.path.abspath(os.path.expanduser(path))
+    here = os.getcwd()
+    if os.environ.get(UPLOADED_WORKING_DIR_ENV) and path.startswith(here + os.sep):
+        return "job:" + os.path.relpath(path, here)
+    return path

@@ -35,14 +35,14 @@ _RANK_IN_NAME = re.compile(r"(?:pp_rank_|rng_rank_)0*(\d+)")
 
 def storage_run_name(run_dir: str) -> str:
     """Ray Train's name for a run directory's run in storage: its last component and a digest
-    of its whole path as the user gave it, so that two runs named alike (every pipeline's
+    of its whole path (`paths.stable_name`), so that two runs named alike (every pipeline's
     `runs/phase1`, `exp1/bert` and `exp2/bert`) never share one, nor restore each other's
-    checkpoints. A relative path stays relative: inside a `submit` job it resolves under the
-    job's working directory, which is another one at each submission, and a resubmitted run
-    must find its checkpoints in storage."""
-    path = os.path.normpath(run_dir)
-    digest = hashlib.sha256(path.encode("utf-8")).hexdigest()[:10]
-    return f"{os.path.basename(path)}-{digest}"
+    checkpoints, while a resubmitted `submit` job finds its run's again."""
+    from bertforge.cluster.launch.paths import stable_name
+
+    name = stable_name(run_dir)
+    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:10]
+    return f"{os.path.basename(os.path.abspath(run_dir))}-{digest}"
 
 
 def stored_checkpoints(storage: str, name: str) -> list[str]:

@@ -84,8 +84,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     the run directory, where the loop commits its checkpoints. The inputs are checked here
     first, before Ray starts (`training.inputs`); a user error inside a worker is not retried.
     """
-    # Named from the path as given, before it is made absolute (persistence.storage_run_name).
-    storage_name = storage_run_name(cfg.run_dir)
+    storage_name = storage_run_name(cfg.run_dir)  # against this directory, as `absolute`
     # Relative paths are the user's working directory's, not the workers'.
     cfg = TrainConfig.from_dict({**cfg.to_dict(), "data_dir": absolute(cfg.data_dir),
                                  "run_dir": absolute(cfg.run_dir),

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bertforge.cluster.launch.checkout import built_package, package_folders
+from bertforge.cluster.launch.paths import UPLOADED_WORKING_DIR_ENV
 from bertforge.training.errors import UserInputError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -64,13 +65,15 @@ class SubmitConfig:
         env: dict[str, Any] = {}
         if self.image:
             env["image_uri"] = self.image
+        env_vars = dict(self.env_vars)
         if self.working_dir:
             env["working_dir"] = os.path.abspath(self.working_dir)
             env["excludes"] = list(self.excludes)
+            env_vars[UPLOADED_WORKING_DIR_ENV] = "1"  # paths.stable_name
         if package_dir:
             env["py_modules"] = [os.path.abspath(package_dir)]
-        if self.env_vars:
-            env["env_vars"] = dict(self.env_vars)
+        if env_vars:
+            env["env_vars"] = env_vars
         return env
 
 

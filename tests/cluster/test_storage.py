@@ -30,12 +30,30 @@ def test_runs_named_alike_have_their_own_runs_in_storage(tmp_path):
                      for work in ("a", "b"))
     assert first != second and first.startswith("phase1-") and second.startswith("phase1-")
     assert storage_run_name(str(tmp_path / "a" / "runs" / "phase1") + "/") == first
-    # A relative --run-dir is named as typed: in a `submit` job it resolves under another
-    # working directory at each submission, and the resubmitted run must find its storage.
-    assert storage_run_name("runs/bert") == storage_run_name("./runs/bert/")
-    assert storage_run_name("runs/bert") != storage_run_name(str(tmp_path / "runs" / "bert"))
     assert stored_checkpoints(str(tmp_path / "storage"), first) == []  # nothing there yet
     for name in ("step_00000010", "step_00000020", "checkpoint_tmp", ".upload"):
         (tmp_path / "storage" / first / name).mkdir(parents=True)
     assert stored_checkpoints(str(tmp_path / "storage"), first) == ["step_00000010",
                                                                      "step_00000020"]
+
+
+def test_a_resubmitted_job_finds_its_run_in_storage_and_other_directories_do_not(
+        tmp_path, monkeypatch):
+    """Inside a `submit` job a relative --run-dir resolves under the job's uploaded working
+    directory, another one at each submission: named relative to it, the resubmitted run
+    finds its checkpoints. Anywhere else the same relative path from two directories is two
+    runs."""
+    first, second = tmp_path / "_ray_pkg_1", tmp_path / "_ray_pkg_2"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    outside = storage_run_name("runs/bert")
+    monkeypatch.chdir(second)
+    assert storage_run_name("runs/bert") != outside
+    monkeypatch.setenv("BERTFORGE_UPLOADED_WORKING_DIR", "1")
+    in_second_job = storage_run_name("runs/bert")
+    monkeypatch.chdir(first)
+    assert storage_run_name("./runs/bert/") == in_second_job
+    # An absolute path outside the job's directory is named by itself, as anywhere.
+    assert storage_run_name(str(tmp_path / "shared" / "bert")) == storage_run_name(
+        str(tmp_path / "shared" / "bert"))

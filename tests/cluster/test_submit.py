@@ -172,7 +172,8 @@ def test_runtime_env_hides_values_and_excludes_heavy_paths(tmp_path):
                           env_vars={"AWS_SECRET_ACCESS_KEY": "abc"})
     env = config.runtime_env()
     assert ".venv" in env["excludes"] and "*.arrow" in env["excludes"]
-    assert describe_runtime_env(env)["env_vars"] == {"AWS_SECRET_ACCESS_KEY": "<hidden>"}
+    assert describe_runtime_env(env)["env_vars"] == {"AWS_SECRET_ACCESS_KEY": "<hidden>",
+                                                     "BERTFORGE_UPLOADED_WORKING_DIR": "<hidden>"}
     with pytest.raises(ValueError, match="nothing to run"):
         SubmitConfig(entrypoint=[], working_dir=str(tmp_path))
     with pytest.raises(ValueError, match="either --image or --working-dir"):
