@@ -31,6 +31,7 @@ from bertforge.training.errors import UserInputError
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
 from bertforge.training.inputs import (
+    check_casing,
     check_positions,
     check_precision_change,
     check_zero_stage_change,
@@ -89,6 +90,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     saved = checkpoint.read_metadata(resume_from) if resume_from is not None else None
     if saved is not None:  # before any engine: a raw 'size mismatch' would say much less
         check_resume_architecture(saved, model_config, resume_from, facts.vocab_sha256)
+        # Again here: a checkpoint restored from storage was not there for the pre-flight.
+        check_casing(saved, facts, f"checkpoint {resume_from}", cfg.data_dir)
     # What depends on the machine (precision "auto", the ZeRO stage, compiling, the
     # micro-batch, the residual stream), decided once, on the worker's device, with the world
     # size known; a resume keeps its own precision, stage and stream. From here on cfg names

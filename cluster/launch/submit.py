@@ -154,7 +154,9 @@ def submit(config: SubmitConfig) -> int:
     if not config.follow:
         return 0
     asyncio.run(_follow_logs(client, job_id))
-    return final_status(client, job_id)
+    return final_status(client, job_id, hint=(
+        f"its logs ended; `bertforge submit --address {config.address} --stop {job_id}` stops "
+        "it"))
 
 
 def _submit_when_ready(client, timeout_s: float = 120.0, **job) -> str:
@@ -179,7 +181,8 @@ def stop(address: str, job_id: str, timeout_s: float = 60.0) -> int:
         client.stop_job(job_id)
     except RuntimeError as error:  # no such job, most often
         raise UserInputError(f"cannot stop job {job_id}: {_first_line(error)}") from None
-    return final_status(client, job_id, timeout_s=timeout_s)
+    return final_status(client, job_id, timeout_s=timeout_s, hint=(
+        "it was asked to stop and the cluster may still end it; the same command asks again"))
 
 
 def _first_line(error: Exception) -> str:
@@ -188,8 +191,9 @@ def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def final_status(client, job_id: str, timeout_s: float = 600.0) -> int:
-    """Wait for a terminal status (logs may end a moment before it is recorded)."""
+def final_status(client, job_id: str, timeout_s: float = 600.0, *, hint: str = "") -> int:
+    """Wait for a terminal status (logs may end a moment before it is recorded); `hint`: what
+    the user can do when it does not come."""
     deadline = time.time() + timeout_s
     status = str(client.get_job_status(job_id).value)
     while status not in TERMINAL and time.time() < deadline:
@@ -197,9 +201,7 @@ def final_status(client, job_id: str, timeout_s: float = 600.0) -> int:
         status = str(client.get_job_status(job_id).value)
     print(f"[submit] job {job_id} {status}", flush=True)
     if status not in TERMINAL:
-        raise UserInputError(f"job {job_id} still {status} after {timeout_s:.0f} s; the "
-                             "cluster has it and may still end it (`ray job status "
-                             f"{job_id}`; `ray job stop {job_id}` asks again)")
+        raise UserInputError(f"job {job_id} still {status} after {timeout_s:.0f} s ({hint})")
     return EXIT_CODES[status]
 
 

@@ -254,3 +254,20 @@ def test_a_dataset_in_object_storage_trains_from_a_copy_on_the_node(
     assert checkpoint.read_metadata(result.checkpoint_path)["data_dir"] == uri
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())["train"]["data_dir"]
     assert recorded == uri
+
+
+def test_a_resume_on_data_of_the_other_casing_is_refused_by_the_loop(dataset, tmp_path):
+    """Under Ray a checkpoint restored from storage reaches the loop after the driver's
+    pre-flight: the loop checks the casing itself."""
+    from bertforge.training.errors import UserInputError
+
+    train(config(dataset, tmp_path / "run", max_steps=2))
+    cased = str(tmp_path / "cased")
+    shutil.copytree(dataset, cased)
+    manifest = json.loads(open(os.path.join(cased, "manifest.json")).read())
+    manifest["tokenizer"]["lower_case"] = False
+    with open(os.path.join(cased, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(UserInputError, match="was trained on lower-cased text and .*cased is "
+                                             "cased"):
+        train(config(cased, tmp_path / "run", max_steps=3))
