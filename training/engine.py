@@ -124,11 +124,6 @@ def ensure_process_group() -> None:
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
         )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        # This rank's GPU from the start, as DeepSpeed's engine sets it later (LOCAL_RANK):
-        # a collective before the engine exists (a node's dataset copy) would otherwise run
-        # on GPU 0 in every rank of the node. Ray Train sets the device itself, before us.
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     skip_inference_shm_op()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     # DeepSpeed binds no device to a 1-rank NCCL group (DeepSpeed #8248), so torch 2.11 warns
