@@ -212,6 +212,19 @@ def resolve_model_config(model: dict[str, Any], vocab_size: int) -> BertConfig:
     return BertConfig.from_dict(fields)
 
 
+def hf_lower_case(hf_dir: str) -> bool | None:
+    """`do_lower_case` of a Hugging Face directory's tokenizer_config.json; None when it has
+    no such file or key (nothing to compare)."""
+    import json
+
+    try:
+        with open(os.path.join(hf_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            value = json.load(f).get("do_lower_case")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, bool) else None
+
+
 def check_casing(saved: dict[str, Any], facts: DatasetFacts, what: str, data_dir: str) -> None:
     """The same vocabulary prepared with the other casing gives its ids other words (an
     upper-case word is [UNK] in an uncased vocabulary): a checkpoint goes on only with data of
@@ -254,11 +267,14 @@ def check_train_inputs(cfg: TrainConfig, world_size: int | None = None) -> None:
             check_zero_stage_change(saved, cfg.zero_stage, world_size, path)
     if resumed is None and cfg.init_from:
         source = check_model_source(cfg.init_from)
-        # A checkpoint's bertforge.json says it all; a Hugging Face directory the worker reads.
+        # A checkpoint's bertforge.json says it all; a Hugging Face directory's weights the
+        # worker reads, its casing its tokenizer_config.json says (when it has one).
         if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)):
             check_initial_checkpoint(source, cfg.init_from, model_config, facts.vocab_sha256)
-            check_casing(read_checkpoint_metadata(source), facts, f"init_from {cfg.init_from}",
-                         cfg.data_dir)
+            saved = read_checkpoint_metadata(source)
+        else:
+            saved = {"lower_case": hf_lower_case(source)}
+        check_casing(saved, facts, f"init_from {cfg.init_from}", cfg.data_dir)
     if world_size is not None:
         check_step_batch(cfg, facts, world_size)
 

@@ -187,3 +187,9 @@ def test_data_of_the_other_casing_is_refused_for_a_checkpoint(dataset, tmp_path,
             *why)
     refused(["train", "--data", cased, "--run-dir", str(tmp_path / "p2"), "--init-from",
              str(run_dir), "--workers", "1"], capsys, f"init_from {run_dir}", *why)
+    # Its Hugging Face export says its casing in tokenizer_config.json.
+    hf = str(tmp_path / "hf")
+    assert main(["export", str(run_dir), "--output", hf]) == 0
+    capsys.readouterr()
+    refused(["train", "--data", cased, "--run-dir", str(tmp_path / "p3"), "--init-from", hf,
+             "--workers", "1"], capsys, f"init_from {hf}", *why)
