@@ -220,9 +220,9 @@ def only_a_template(result) -> bool:
 
 
 def _dataflow_job_ended(submitted: dict[str, Any], error: BaseException) -> None:
-    """Waiting on a Dataflow job ended: the job failed (one line with its first error and
-    where its log is), or this process was stopped, which leaves the job running (say so,
-    and how to cancel it)."""
+    """Waiting on a Dataflow job ended: the job failed (one line with the first and last
+    lines of Beam's error and where its log is), or this process was stopped, which leaves
+    the job running (say so, and how to cancel it)."""
     if isinstance(error, Exception):
         # Beam's message: a header ("Dataflow pipeline failed. State: FAILED, Error:") and the
         # workers' traceback, whose last line says what went wrong.

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bertforge.training.distributed import barrier
+from bertforge.training.distributed import barrier, local_rank
 from bertforge.training.errors import UserInputError
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -103,7 +103,7 @@ def save(
         _write_marker(path, {"step": step, "time": time.time(), "run_id": run_id})
         _prune(run_dir, keep, run_id=run_id, step=step)
     barrier(engine.device)
-    if rank != 0 and _local_rank() == 0 and not os.path.exists(
+    if rank != 0 and local_rank() == 0 and not os.path.exists(
             os.path.join(path, COMMIT_MARKER)):
         # This node does not see rank 0's marker: a run directory of its own, with --storage
         # (Ray Train's copy is the checkpoint; the launch refuses one without). Only rank 0
@@ -167,7 +167,7 @@ def convert_to_universal(checkpoint_path: str, *, device: torch.device | None = 
     engine's, where the barrier runs under NCCL (training.distributed.barrier).
     """
     target = universal_path(checkpoint_path)
-    if _local_rank() == 0 and not os.path.exists(os.path.join(target, COMMIT_MARKER)):
+    if local_rank() == 0 and not os.path.exists(os.path.join(target, COMMIT_MARKER)):
         verify_safe_to_unpickle(checkpoint_path)  # the converter unpickles with weights_only=False
         root = os.path.dirname(target)
         staging = tempfile.mkdtemp(prefix=_UNIVERSAL_STAGING_PREFIX, dir=root)
@@ -209,11 +209,6 @@ def _run_ds_to_universal(checkpoint_path: str, output: str) -> None:
         inject_missing_state=True,
     )
     ds_to_universal.main(args)
-
-
-def _local_rank() -> int:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return int(os.environ.get("LOCAL_RANK", rank))
 
 
 def verify_safe_to_unpickle(checkpoint_path: str) -> None:

@@ -9,6 +9,8 @@ one, so tests/training/test_collective_devices.py makes the difference visible.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -37,3 +39,9 @@ def barrier(device: torch.device | None) -> None:
         dist.barrier(device_ids=[torch.cuda.current_device() if index is None else index])
     else:
         dist.barrier()
+
+
+def local_rank() -> int:
+    """This process's rank on its node (the launchers' LOCAL_RANK; a lone process: its rank)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return int(os.environ.get("LOCAL_RANK", rank))

@@ -22,10 +22,7 @@ from bertforge.training.data.split import read_dataset_manifest, read_vocab_toke
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.errors import MissingInputError, UserInputError, as_user_error
 from bertforge.training.model import BertConfig
-from bertforge.training.warm_start import (
-    check_initial_checkpoint,
-    check_resume_architecture,
-)
+from bertforge.training.warm_start import check_casing, check_fits, check_resume_architecture
 
 # Pseudo filesystems: a directory there can look creatable and writable and still not hold files.
 _REFUSED_ROOTS = ("/proc", "/sys", "/dev")
@@ -103,8 +100,7 @@ def check_resume(run_dir: str, model_config: BertConfig, facts: DatasetFacts,
     if latest is None:
         return None
     saved = read_checkpoint_metadata(latest)
-    check_resume_architecture(saved, model_config, latest, facts.vocab_sha256)
-    check_casing(saved, facts, f"checkpoint {latest}", data_dir)
+    check_resume_architecture(saved, model_config, latest, facts, data_dir)
     verify_checkpoint(latest, saved)
     return latest, saved
 
@@ -225,20 +221,6 @@ def hf_lower_case(hf_dir: str) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
-def check_casing(saved: dict[str, Any], facts: DatasetFacts, what: str, data_dir: str) -> None:
-    """The same vocabulary prepared with the other casing gives its ids other words (an
-    upper-case word is [UNK] in an uncased vocabulary): a checkpoint goes on only with data of
-    its own casing."""
-    trained = saved.get("lower_case")
-    if trained is None or trained == facts.lower_case:
-        return
-    casing = {True: "lower-cased", False: "cased"}
-    raise UserInputError(
-        f"{what} was trained on {casing[trained]} text and {data_dir} is {casing[facts.lower_case]}"
-        f" (the same vocabulary, the other casing); prepare the data with "
-        f"--{'' if trained else 'no-'}lower-case")
-
-
 def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str) -> None:
     """Phase 2 data (512 tokens) needs a model with at least 512 position embeddings."""
     if max_seq_length > model_config.max_position_embeddings:
@@ -270,8 +252,9 @@ def check_train_inputs(cfg: TrainConfig, world_size: int | None = None) -> None:
         # A checkpoint's bertforge.json says it all; a Hugging Face directory's weights the
         # worker reads, its casing its tokenizer_config.json says (when it has one).
         if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)):
-            check_initial_checkpoint(source, cfg.init_from, model_config, facts.vocab_sha256)
             saved = read_checkpoint_metadata(source)
+            check_fits(cfg.init_from, checkpoint.model_config_of(source, saved),
+                       saved.get("vocab_sha256"), model_config, facts.vocab_sha256)
         else:
             saved = {"lower_case": hf_lower_case(source)}
         check_casing(saved, facts, f"init_from {cfg.init_from}", cfg.data_dir)

@@ -31,7 +31,6 @@ from bertforge.training.errors import UserInputError
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
 from bertforge.training.inputs import (
-    check_casing,
     check_positions,
     check_precision_change,
     check_zero_stage_change,
@@ -84,14 +83,15 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     # max_predictions None: the data's default (20 at 128 tokens, 80 at 512).
     requested_masking = MaskingOptions(cfg.max_predictions, cfg.mask_prob, cfg.whole_word_masking)
     masking = requested_masking.for_dataset(facts)
-    resume_from = checkpoint.latest_checkpoint(cfg.run_dir) if cfg.resume else None
-    if resume_from is None and run_id is not None:
-        resume_from = _own_latest_checkpoint(cfg.run_dir, run_id)
+    newest = checkpoint.latest_checkpoint(cfg.run_dir)
+    # A new run (run_id given) continues only what it saved itself.
+    own = run_id is not None and newest is not None and (
+        checkpoint.checkpoint_run_id(newest) == run_id)
+    resume_from = newest if cfg.resume or own else None
     saved = checkpoint.read_metadata(resume_from) if resume_from is not None else None
     if saved is not None:  # before any engine: a raw 'size mismatch' would say much less
-        check_resume_architecture(saved, model_config, resume_from, facts.vocab_sha256)
         # Again here: a checkpoint restored from storage was not there for the pre-flight.
-        check_casing(saved, facts, f"checkpoint {resume_from}", cfg.data_dir)
+        check_resume_architecture(saved, model_config, resume_from, facts, cfg.data_dir)
     # What depends on the machine (precision "auto", the ZeRO stage, compiling, the
     # micro-batch, the residual stream), decided once, on the worker's device, with the world
     # size known; a resume keeps its own precision, stage and stream. From here on cfg names
@@ -213,14 +213,6 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         train_seconds=seconds,
         checkpoint_seconds=checkpoint_seconds,
     )
-
-
-def _own_latest_checkpoint(run_dir: str, run_id: str) -> str | None:
-    """The newest complete checkpoint when the run `run_id` saved it, else None."""
-    newest = checkpoint.latest_checkpoint(run_dir)
-    if newest is not None and checkpoint.read_metadata(newest).get("run_id") == run_id:
-        return newest
-    return None
 
 
 def _start_fresh(run_dir: str, run_id: str, rank: int, device) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from bertforge.pipelines.contract.manifest import sha256_file
 from bertforge.training import checkpoint
+from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.errors import UserInputError
 from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES, import_hf_state_dict
 from bertforge.training.model import BertConfig, BertForPreTraining
@@ -47,15 +48,6 @@ def check_fits(source: str, source_config: BertConfig, source_vocab_sha256: str 
             f"init_from {source} was trained with another vocabulary than the training data "
             f"(vocab sha256 {source_vocab_sha256[:12]} vs {vocab_sha256[:12]})"
         )
-
-
-def check_initial_checkpoint(checkpoint_path: str, source: str, target: BertConfig,
-                             vocab_sha256: str) -> None:
-    """`check_fits` from a checkpoint's bertforge.json alone, without reading its weights: the
-    driver's pre-flight, before any worker starts."""
-    metadata = checkpoint.read_metadata(checkpoint_path)
-    check_fits(source, checkpoint.model_config_of(checkpoint_path, metadata),
-               metadata.get("vocab_sha256"), target, vocab_sha256)
 
 
 def read_initial_weights(source: str) -> tuple[BertConfig, dict[str, torch.Tensor], str | None]:
@@ -98,13 +90,28 @@ def check_architecture(source: BertConfig, target: BertConfig, source_name: str)
         )
 
 
+def check_casing(saved: dict, facts: DatasetFacts, what: str, data_dir: str) -> None:
+    """The same vocabulary prepared with the other casing gives its ids other words (an
+    upper-case word is [UNK] in an uncased vocabulary): a checkpoint goes on only with data of
+    its own casing (`saved`: its bertforge.json, or {"lower_case": None} when unknown)."""
+    trained = saved.get("lower_case")
+    if trained is None or trained == facts.lower_case:
+        return
+    casing = {True: "lower-cased", False: "cased"}
+    raise UserInputError(
+        f"{what} was trained on {casing[trained]} text and {data_dir} is {casing[facts.lower_case]}"
+        f" (the same vocabulary, the other casing); prepare the data with "
+        f"--{'' if trained else 'no-'}lower-case")
+
+
 def check_resume_architecture(
-    saved: dict, target: BertConfig, checkpoint_path: str, vocab_sha256: str
+    saved: dict, target: BertConfig, checkpoint_path: str, facts: DatasetFacts, data_dir: str
 ) -> None:
     """A resume loads the checkpoint's shapes: refuse, in one line and before any engine is
-    built, data of another vocabulary (`vocab_sha256`: the data's; checked first, since it
-    also changes vocab_size) or a requested model of another architecture (`saved`: the
+    built, data of another vocabulary (`facts`: the data's; checked first, since it also
+    changes vocab_size) or casing, or a requested model of another architecture (`saved`: the
     checkpoint's bertforge.json)."""
+    vocab_sha256 = facts.vocab_sha256
     if saved.get("vocab_sha256") != vocab_sha256:
         raise UserInputError(
             f"cannot resume {checkpoint_path}: it was trained with another vocabulary than the "
@@ -118,3 +125,4 @@ def check_resume_architecture(
             f"(checkpoint != requested: {', '.join(differences)}); use the run's own model, "
             "or another --run-dir (or --resume never) for a new run"
         )
+    check_casing(saved, facts, f"checkpoint {checkpoint_path}", data_dir)

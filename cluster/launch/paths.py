@@ -27,7 +27,7 @@ def stable_name(path: str) -> str:
     """What names a local path across runs of a command: the absolute path, or, inside a
     `submit` job, a path under the job's uploaded working directory relative to it (so that
     a resubmitted job names its `--run-dir runs/bert` as the first did)."""
-    path = os.path.abspath(os.path.expanduser(path))
+    path = absolute(path)
     here = os.getcwd()
     if os.environ.get(UPLOADED_WORKING_DIR_ENV) and path.startswith(here + os.sep):
         return "job:" + os.path.relpath(path, here)

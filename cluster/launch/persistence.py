@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from typing import Any
 
+from bertforge.cluster.launch.paths import absolute, stable_name
 from bertforge.training.checkpoint import (
     COMMIT_MARKER,
     METADATA_NAME,
@@ -38,11 +39,8 @@ def storage_run_name(run_dir: str) -> str:
     of its whole path (`paths.stable_name`), so that two runs named alike (every pipeline's
     `runs/phase1`, `exp1/bert` and `exp2/bert`) never share one, nor restore each other's
     checkpoints, while a resubmitted `submit` job finds its run's again."""
-    from bertforge.cluster.launch.paths import stable_name
-
-    name = stable_name(run_dir)
-    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:10]
-    return f"{os.path.basename(os.path.abspath(run_dir))}-{digest}"
+    digest = hashlib.sha256(stable_name(run_dir).encode("utf-8")).hexdigest()[:10]
+    return f"{os.path.basename(absolute(run_dir))}-{digest}"
 
 
 def stored_checkpoints(storage: str, name: str) -> list[str]:

@@ -46,6 +46,8 @@ def test_a_resubmitted_job_finds_its_run_in_storage_and_other_directories_do_not
     first, second = tmp_path / "_ray_pkg_1", tmp_path / "_ray_pkg_2"
     first.mkdir()
     second.mkdir()
+    shared = str(tmp_path / "shared" / "bert")
+    shared_anywhere = storage_run_name(shared)
     monkeypatch.chdir(first)
     outside = storage_run_name("runs/bert")
     monkeypatch.chdir(second)
@@ -55,5 +57,4 @@ def test_a_resubmitted_job_finds_its_run_in_storage_and_other_directories_do_not
     monkeypatch.chdir(first)
     assert storage_run_name("./runs/bert/") == in_second_job
     # An absolute path outside the job's directory is named by itself, as anywhere.
-    assert storage_run_name(str(tmp_path / "shared" / "bert")) == storage_run_name(
-        str(tmp_path / "shared" / "bert"))
+    assert storage_run_name(shared) == shared_anywhere

@@ -626,8 +626,12 @@ def _copy_on_a_node(rank: int, world_size: int, port: int, dataset_dir: str, tmp
     tempfile.tempdir = tmp[rank]
     os.environ.update(LOCAL_RANK=str(local_ranks[rank]), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    # Joined with time to spare (a loaded machine starts the two processes seconds apart),
+    # then the group's own timeout cut to 3 s.
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=3))
+                            timeout=timedelta(seconds=120))
+    dist.barrier()
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=3))
     local = download.dataset_on_this_node(
         f"gs://bucket/{os.path.basename(dataset_dir)}", ("train", "validation"),
         poll_seconds=0.05)
@@ -648,8 +652,6 @@ def test_ranks_wait_for_a_nodes_copy_of_a_remote_dataset_beyond_the_groups_timeo
     temp file). Two nodes: the second has its copy already and waits for the first's. Either
     wait outlasts the run's process group's timeout (3 s here, 30 minutes on a cluster, where
     a copy of hundreds of GB takes longer), so neither may be one of its collectives."""
-    import tempfile
-
     import torch.multiprocessing as mp
 
     from bertforge.training.data import download
@@ -675,4 +677,3 @@ def test_ranks_wait_for_a_nodes_copy_of_a_remote_dataset_beyond_the_groups_timeo
         leftovers = [name for name in os.listdir(path)
                      if name.startswith(".copied-") or ".tmp" in name or ".partial" in name]
         assert leftovers == []  # this run's marker goes once every rank has read it
-    assert tempfile.gettempdir() != nodes[0]

@@ -115,6 +115,8 @@ def dataset_on_this_node(data_dir: str, splits: tuple[str, ...], poll_seconds: f
     fetches). A failed copy ends the run through its launcher."""
     import torch.distributed as dist
 
+    from bertforge.training.distributed import local_rank
+
     if "://" not in data_dir:
         return data_dir
     filesystem, root = pafs.FileSystem.from_uri(data_dir)
@@ -127,8 +129,7 @@ def dataset_on_this_node(data_dir: str, splits: tuple[str, ...], poll_seconds: f
         waiting = dist.new_group(backend="gloo", timeout=timedelta(hours=wait_hours))
         dist.broadcast_object_list(token, src=0, group=waiting)  # this run's marker name
     marker = os.path.join(copy, f".copied-{token[0]}")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    copying = int(os.environ.get("LOCAL_RANK", rank)) == 0
+    copying = local_rank() == 0
     if copying:
         for split in splits:
             download_split(filesystem, root, split)
