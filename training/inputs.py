@@ -53,16 +53,24 @@ def _check_remote_dataset(data_dir: str, splits: tuple[str, ...]) -> DatasetFact
     checked once copied)."""
     import json
 
-    import pyarrow.fs as pafs
-
     from bertforge.pipelines.contract.manifest import MANIFEST_NAME, Manifest
+    from bertforge.training.object_storage import (
+        CHECK_RETRY_SECONDS,
+        checking_filesystem_of,
+        storage_error,
+    )
 
-    path = f"{data_dir.rstrip('/')}/{MANIFEST_NAME}"
+    path = f"{data_dir} ({MANIFEST_NAME})"
     try:
-        filesystem, where = pafs.FileSystem.from_uri(path)
-        with filesystem.open_input_stream(where) as stream:
-            manifest = Manifest.from_dict(json.loads(stream.read()))
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        filesystem, root = checking_filesystem_of(data_dir)  # the URI's query stays its own
+        with filesystem.open_input_stream(f"{root.rstrip('/')}/{MANIFEST_NAME}") as stream:
+            text = stream.read()
+    except OSError as error:  # FileNotFoundError too: no dataset there
+        raise UserInputError(f"{path} could not be read (within {CHECK_RETRY_SECONDS:.0f} s "
+                             f"of retries): {storage_error(error)}") from error
+    try:
+        manifest = Manifest.from_dict(json.loads(text))
+    except (ValueError, KeyError, TypeError) as error:
         raise UserInputError(
             f"{path} could not be read as a bertforge manifest ({error})") from error
     absent = [split for split in splits if split not in manifest.splits]
@@ -74,6 +82,7 @@ def _check_remote_dataset(data_dir: str, splits: tuple[str, ...]) -> DatasetFact
 
 def check_run_dir(run_dir: str) -> str:
     """`run_dir`, absolute, once it exists (created if need be) and a file can be written in it."""
+    refuse_run_dir_uri(run_dir)
     path = os.path.abspath(run_dir)
     root = next((r for r in _REFUSED_ROOTS if path == r or path.startswith(r + os.sep)), None)
     if root is not None:
@@ -90,6 +99,15 @@ def check_run_dir(run_dir: str) -> str:
             f"run directory {run_dir} cannot be created or written ({error.strerror or error})"
         ) from error
     return path
+
+
+def refuse_run_dir_uri(run_dir: str) -> None:
+    """A run directory is local or mounted: a URI would become a local folder named `gs:`, or
+    the run lock's object in a bucket named like the run."""
+    if "://" in run_dir:
+        raise UserInputError(
+            f"run directory {run_dir} is a URI; --run-dir is a local or mounted path, and "
+            "--storage gs://... (or s3://...) keeps the run's checkpoints in object storage")
 
 
 def check_resume(run_dir: str, model_config: BertConfig, facts: DatasetFacts,

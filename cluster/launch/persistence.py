@@ -27,7 +27,9 @@ from bertforge.training.checkpoint import (
     tag_for_step,
 )
 from bertforge.training.distributed import barrier
+from bertforge.training.errors import UserInputError
 from bertforge.training.metrics import console
+from bertforge.training.object_storage import checking_filesystem_of, storage_error
 
 # DeepSpeed and our RNG files carry the data-parallel rank that wrote them; the rest (model
 # states, marker, metadata, vocab) come from rank 0.
@@ -48,11 +50,15 @@ def stored_checkpoints(storage: str, name: str) -> list[str]:
     import pyarrow.fs as pafs
 
     if "://" in storage:
-        filesystem, root = pafs.FileSystem.from_uri(storage)
+        filesystem, root = checking_filesystem_of(storage)  # read before the run starts
     else:
         filesystem, root = pafs.LocalFileSystem(), os.path.abspath(storage)
     selector = pafs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
-    return sorted(info.base_name for info in filesystem.get_file_info(selector)
+    try:
+        infos = filesystem.get_file_info(selector)
+    except OSError as error:
+        raise UserInputError(f"{storage} could not be listed: {storage_error(error)}") from error
+    return sorted(info.base_name for info in infos
                   if info.type == pafs.FileType.Directory
                   and _CHECKPOINT_DIR.fullmatch(info.base_name))
 

@@ -35,7 +35,7 @@ from bertforge.cluster.safety.run_lock import (
 from bertforge.training.checkpoint import latest_checkpoint, new_run_id, read_metadata
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
-from bertforge.training.inputs import check_train_inputs
+from bertforge.training.inputs import check_train_inputs, refuse_run_dir_uri
 
 # A worker group that cannot be scheduled (no node has the resources, an autoscaler that adds
 # none) times out after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s); Ray Train
@@ -84,6 +84,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     the run directory, where the loop commits its checkpoints. The inputs are checked here
     first, before Ray starts (`training.inputs`); a user error inside a worker is not retried.
     """
+    refuse_run_dir_uri(cfg.run_dir)  # before its lock is looked for there
     storage_name = storage_run_name(cfg.run_dir)  # against this directory, as `absolute`
     # Relative paths are the user's working directory's, not the workers'.
     cfg = TrainConfig.from_dict({**cfg.to_dict(), "data_dir": absolute(cfg.data_dir),

@@ -41,6 +41,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 
+from bertforge.training.errors import UserInputError
+from bertforge.training.object_storage import storage_error
+
 LOCK_NAME = ".lock"
 HEARTBEAT_SECONDS = 30.0
 STALE_AFTER_SECONDS = 120.0  # four missed heartbeats
@@ -228,9 +231,11 @@ class _StorageFile:
     """The lock file in object storage (a pyarrow.fs URI): write if absent, then read back."""
 
     def __init__(self, uri: str, filesystem=None) -> None:
-        from pyarrow import fs
+        from bertforge.training.object_storage import checking_filesystem_of
 
-        self.fs, base = fs.FileSystem.from_uri(uri)
+        # Retries bounded: the driver takes this lock before the run starts, and a heartbeat
+        # that fails is tried again at the next one.
+        self.fs, base = checking_filesystem_of(uri)
         self.fs = filesystem or self.fs  # one shared instance (tests: a SubTreeFileSystem)
         self.uri = uri
         self.path = f"{base.rstrip('/')}/{LOCK_NAME}"
@@ -312,7 +317,13 @@ class RunLock:
     def __enter__(self) -> RunLock:
         try:
             for lock in self.files:
-                self._acquire(lock)
+                try:
+                    self._acquire(lock)
+                except OSError as error:  # storage out of reach: credentials, network
+                    if isinstance(lock, _LocalFile):
+                        raise
+                    raise UserInputError(f"the run lock in {lock} could not be taken: "
+                                         f"{storage_error(error)}") from error
                 self._held.append(lock)
         except BaseException:
             self._release()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -66,13 +68,17 @@ def test_vocabulary_with_another_sha_is_refused(dataset, tmp_path, capsys):
     assert f"BAD: {vocab}: sha256" in capsys.readouterr().err
 
 
-def test_run_directory_errors_are_refused_before_ray(dataset, tmp_path, capsys):
+def test_run_directory_errors_are_refused_before_ray(dataset, tmp_path, capsys, monkeypatch):
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
     refused(["train", "--data", dataset, "--run-dir", str(a_file)], capsys,
             f"run directory {a_file} is a file")
     refused(["train", "--data", dataset, "--run-dir", "/proc/self/run"], capsys,
             "is under /proc, a pseudo filesystem")
+    monkeypatch.chdir(tmp_path)
+    refused(["train", "--data", dataset, "--run-dir", "gs://bucket/runs/bert"], capsys,
+            "run directory gs://bucket/runs/bert is a URI", "--storage gs://")
+    assert not os.path.exists("gs:")  # it made one here before
     refused(["export", str(tmp_path), "--output", str(tmp_path / "hf")], capsys,
             "neither a complete checkpoint nor a run with one")
 
@@ -193,3 +199,31 @@ def test_data_of_the_other_casing_is_refused_for_a_checkpoint(dataset, tmp_path,
     capsys.readouterr()
     refused(["train", "--data", cased, "--run-dir", str(tmp_path / "p3"), "--init-from", hf,
              "--workers", "1"], capsys, f"init_from {hf}", *why)
+
+
+# A Cloud Storage endpoint that never answers (the discard port, closed): every request fails
+# as a credential or connection error would, which the client retries.
+UNREACHABLE_GCS = "endpoint_override=127.0.0.1:9&scheme=http"
+
+
+@pytest.mark.parametrize("where", ["data", "storage"])
+def test_object_storage_out_of_reach_is_one_line_within_the_checks_limit(dataset, tmp_path,
+                                                                          where):
+    """Without credentials, `train --data gs://...` sat silent for minutes in its pre-flight
+    (the client's retry policy; over six measured), then gave a traceback for the storage
+    lock. Now each check before the run retries for CHECK_RETRY_SECONDS (2 here), then says
+    what failed; a run that never answers is killed by the subprocess timeout, failing."""
+    args = {"data": ["--data", f"gs://bucket/shards?{UNREACHABLE_GCS}"],
+            "storage": ["--data", dataset, "--storage", f"gs://bucket/runs?{UNREACHABLE_GCS}"]}
+    argv = ["train", *args[where], "--run-dir", str(tmp_path / "run"), "--workers", "1"]
+    program = ("import sys; from bertforge.training import object_storage as o; "
+               "o.CHECK_RETRY_SECONDS = 2.0; from bertforge.cluster.cli import main; "
+               "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", program, *argv], capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("bertforge train")]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    expected = {"data": f"gs://bucket/shards?{UNREACHABLE_GCS} (manifest.json) could not be read",
+                "storage": f"the run lock in gs://bucket/runs?{UNREACHABLE_GCS}"}
+    assert expected[where] in lines[0] and "error_info" not in lines[0], lines[0]

@@ -1,0 +1,45 @@
+"""Object storage (gs://, s3://) as a pyarrow filesystem, with a bounded wait where a user waits.
+
+pyarrow's Google Cloud Storage client retries a request it cannot authenticate, or cannot
+send, under google-cloud-cpp's own retry policy: a `train --data gs://...` on a machine without
+credentials sat silent in its pre-flight for over six minutes (measured) before anything was
+said. What the driver reads or writes before a run starts (the dataset's manifest, the run lock
+in storage, the checkpoints storage holds) asks with `CHECK_RETRY_SECONDS` and then says what
+failed in one line. Workers copying a dataset keep the client's default: a copy of hundreds of
+GB rides out a short outage. S3 fails fast on its own (a host it cannot resolve: seconds).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pyarrow.fs as pafs
+
+# Long enough for a slow first token (a metadata server, a busy link), short enough that a
+# missing credential is an error while the user still watches.
+CHECK_RETRY_SECONDS = 60.0
+
+
+def filesystem_of(uri: str, *, retry_seconds: float | None = None) -> tuple[pafs.FileSystem, str]:
+    """`pyarrow.fs.FileSystem.from_uri(uri)`, with a GCS filesystem's retries limited to
+    `retry_seconds` where given (and the URI sets no limit of its own)."""
+    filesystem, path = pafs.FileSystem.from_uri(uri)
+    if retry_seconds is not None and isinstance(filesystem, pafs.GcsFileSystem):
+        # The filesystem's own options (endpoint, scheme, ... from the URI's query) with the
+        # limit added: pyarrow lets them be read only through its pickling hook.
+        rebuild, (options,) = filesystem.__reduce__()
+        if options.get("retry_time_limit") is None:
+            filesystem = rebuild({**options,
+                                  "retry_time_limit": timedelta(seconds=retry_seconds)})
+    return filesystem, path
+
+
+def checking_filesystem_of(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem a check before the run uses: `CHECK_RETRY_SECONDS` of retries."""
+    return filesystem_of(uri, retry_seconds=CHECK_RETRY_SECONDS)
+
+
+def storage_error(error: OSError) -> str:
+    """An error of the storage client, for one line: google-cloud-cpp's status without the
+    `error_info` it appends (the same message again, and the retry policy's metadata)."""
+    return str(error).split(" error_info=", 1)[0]
