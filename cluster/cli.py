@@ -184,6 +184,13 @@ def _add_demo(commands) -> None:
     p.set_defaults(handler=_run_demo)
 
 
+# `finetune_workers.finetune_launch`'s rule, where the flags' own defaults say otherwise.
+FINETUNE_LAUNCH_DEFAULTS = (
+    "On one machine (no --address, no --gpu) fine-tuning runs in one process on every core; "
+    "--workers N alone splits the cores between N workers. The defaults below are those of a "
+    "cluster or --gpu.")
+
+
 def _add_finetune(commands) -> None:
     from bertforge.cluster.launch.launch_config import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.contract.config_fields import add_flags
@@ -196,8 +203,8 @@ def _add_finetune(commands) -> None:
         "Hugging Face directory; a rerun into the same OUTPUT reuses finished runs.",
     )
     add_flags(p.add_argument_group("fine-tuning (FinetuneConfig)"), FinetuneConfig)
-    add_flags(p.add_argument_group("where it runs (LaunchConfig)"), LaunchConfig,
-              without=(FOR_CHECKPOINTS,))  # a fine-tuning run keeps no checkpoints
+    add_flags(p.add_argument_group("where it runs (LaunchConfig)", FINETUNE_LAUNCH_DEFAULTS),
+              LaunchConfig, without=(FOR_CHECKPOINTS,))  # a fine-tuning run keeps none
     p.set_defaults(handler=_run_finetune)
 
 
@@ -216,8 +223,8 @@ def _add_glue(commands) -> None:
     add_flags(p, GlueConfig)
     add_flags(p.add_argument_group("fine-tuning, for every task (FinetuneConfig)"),
               FinetuneConfig, without=(PER_TASK,))  # glue sets those for each task
-    add_flags(p.add_argument_group("where it runs (LaunchConfig)"), LaunchConfig,
-              without=(FOR_CHECKPOINTS,))
+    add_flags(p.add_argument_group("where it runs (LaunchConfig)", FINETUNE_LAUNCH_DEFAULTS),
+              LaunchConfig, without=(FOR_CHECKPOINTS,))
     p.set_defaults(handler=_run_glue)
 
 

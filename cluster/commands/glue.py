@@ -2,8 +2,8 @@
 table in the GLUE paper's layout (a column per task with its metric(s), then the average).
 
 Each task is a fine-tuning job into DIR/<task>/ (its own results.json, predictions and Hugging
-Face export) and a stage of the stage runner. The tasks not done yet run in one Ray Train worker
-group (`run_finetunes`: Ray Train's start and DeepSpeed's set-up paid once, not per task), so a
+Face export) and a stage of the stage runner. The tasks not done yet run in one local process
+or one Ray Train worker group (`run_finetunes`: the start and set-up paid once, not per task), so a
 rerun into the same DIR skips finished tasks, and a task interrupted part-way reuses its finished
 (learning rate, seed) runs. DIR/glue.json is the
 job's record: its settings, each task's record (`stages`) and the table (`glue`).
