@@ -170,7 +170,7 @@ def run_on_ray(
     group (NCCL with --gpu, else gloo): pretraining's launch, and fine-tuning's. Ray must be
     connected (`connect`); a user error in a worker is not retried. `worker_config["verbose"]`
     says whether the workers show everything (`worker_output.quiet_worker`)."""
-    trainer = TorchTrainer(
+    trainer = _Trainer(
         worker_fn,
         train_loop_config={**worker_config, "verbose": is_verbose()},
         torch_config=NodeAddressTorchConfig(backend="nccl" if launch.gpu else "gloo"),
@@ -191,6 +191,19 @@ def run_on_ray(
             if isinstance(error.controller_failure, WorkerGroupStartupTimeoutError):
                 raise UserInputError(_unschedulable(launch)) from None
             raise
+
+
+class _Trainer(TorchTrainer):
+    """Ray Train's TorchTrainer, leaving the driver's SIGINT handler in place.
+
+    `fit()` replaces it with Ray Train's own (abort the controller, then sys.exit(0) from
+    inside `ray.get`), after which Ctrl-C ended `train`, `pipeline` and `finetune --workers N`
+    with exit code 1 and not a line said. The driver's handler (`local_ray.driver_teardown`)
+    stops them as it stops them for SIGTERM: Ray shut down, the lock released, one line, 130.
+    """
+
+    def _register_sigint_handler(self, controller) -> None:  # DataParallelTrainer's hook
+        pass
 
 
 def _scheduling_attempts(launch: LaunchConfig) -> int:

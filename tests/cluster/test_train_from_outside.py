@@ -3,7 +3,8 @@ a user and a scheduler see it:
 - nothing listens beyond loopback, workers included;
 - a second `train` on its run directory is refused before it starts any Ray;
 - SIGTERM (what a scheduler, `timeout` or `docker stop` sends) exits 143 with one line naming
-  the newest committed checkpoint; the lock, Ray and its workers are gone;
+  the newest committed checkpoint; the lock, Ray and its workers are gone; Ctrl-C (SIGINT)
+  likewise, with 130;
 - the same command then resumes from that checkpoint, its console the project's lines only
   (the engines' output is in the run's logs, cluster.launch.worker_output);
 - `eval` and `export` of the run are quiet too, and `--verbose` shows the engines' output.
@@ -88,6 +89,19 @@ def observed(tmpdir):
         seen["newest"], seen["resumed_steps"] = newest, steps
         seen["resumed"] = subprocess.run(again, env=run_.env, cwd=tmpdir, capture_output=True,
                                          text=True, timeout=300)
+
+    # Ctrl-C (SIGINT to the driver) once the run has committed a checkpoint past the resume.
+    longer = again[:again.index("--max-steps") + 1] + [str(steps + 500)] + \
+        again[again.index("--max-steps") + 2:]
+    with TrainProcess(longer, cwd=tmpdir) as run_:
+        next_save = (steps // 10 + 1) * 10
+        run_.wait_for(os.path.join(run_.run_dir, "checkpoints", f"step_{next_save:08d}",
+                                   COMMIT_MARKER))
+        run_.tree()
+        run_.process.send_signal(signal.SIGINT)
+        seen["interrupted"] = run_.process.wait(timeout=120), run_.stderr()
+        seen["interrupted_survivors"] = run_.survivors(timeout_s=0)
+        seen["interrupted_lock_left"] = os.path.exists(os.path.join(run_.run_dir, LOCK_NAME))
     return seen
 
 
@@ -116,6 +130,19 @@ def test_sigterm_stops_with_one_line_and_leaves_no_process_and_no_lock(observed)
     assert "Traceback" not in stderr and "SIGTERM received" not in stderr
     assert not observed["survivors"], "running after the SIGTERMed driver exited"
     assert not observed["lock_left"], "the lock outlived a SIGTERMed run"
+
+
+def test_ctrl_c_stops_as_sigterm_does(observed):
+    """Ray Train's fit() put its own SIGINT handler in place of the driver's: Ctrl-C ended the
+    run with exit code 1 and not a line (its handler's sys.exit inside ray.get)."""
+    returncode, stderr = observed["interrupted"]
+    assert returncode == 130, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("bertforge train: stopped by SIGINT; newest committed checkpoint "
+                           f"{observed['run_dir']}/checkpoints/step_"), stderr
+    assert "Traceback" not in stderr
+    assert not observed["interrupted_survivors"], "running after the interrupted driver exited"
+    assert not observed["interrupted_lock_left"], "the lock outlived an interrupted run"
 
 
 def test_the_same_command_resumes_and_prints_only_its_own_lines(observed):

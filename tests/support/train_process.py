@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,8 @@ class TrainProcess:
         self.stderr_path = os.path.join(self.tmpdir, "stderr")
         with open(self.stdout_path, "w") as stdout, open(self.stderr_path, "w") as stderr:
             self.process = subprocess.Popen(command, env=self.env, cwd=cwd, stdout=stdout,
-                                            stderr=stderr, text=True)
+                                            stderr=stderr, text=True,
+                                            preexec_fn=_sigint_as_in_a_terminal)
         self.seen: dict[int, psutil.Process] = {}
 
     @property
@@ -109,6 +111,12 @@ class TrainProcess:
                     process.kill()
         self.process.wait(timeout=60)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _sigint_as_in_a_terminal() -> None:
+    """SIGINT's default, whatever the test runner set (one that ignores it would pass the
+    ignoring on, and Ctrl-C would do nothing to the run)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def listening_sockets(processes: list[psutil.Process]) -> list[tuple[str, str, int]]:
