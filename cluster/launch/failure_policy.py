@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 
 from ray.train.v2._internal.execution.failure_handling import (
@@ -34,6 +35,25 @@ def user_error_of(error: BaseException) -> UserInputError | None:
             if isinstance(failure, UserInputError):
                 return failure
     return None
+
+
+# Ray's memory monitor, in the error of every task or actor it kills: "... killed due to the node
+# running low on memory. Memory on the node (IP: ..., ID: ...) was 22.47GB used / 23.54GB limit"
+_OUT_OF_MEMORY = re.compile(r"running low on memory\..*? was ([\d.]+ ?GB used / [\d.]+ ?GB limit)",
+                            re.DOTALL)
+
+
+def out_of_memory_of(error: BaseException) -> UserInputError | None:
+    """A Ray Train failure whose workers (or controller) Ray's memory monitor killed, as one
+    line that says what to change; None for any other failure. Before, such a run ended with
+    Ray's traceback of some 40 lines, the node's memory table among them."""
+    found = _OUT_OF_MEMORY.search(str(error))
+    if found is None:
+        return None
+    return UserInputError(
+        f"Ray stopped the run: the node ran low on memory ({found.group(1)}) and its memory "
+        "monitor killed the workers; lower the micro-batch (--batch-size), the --workers on one "
+        "machine or the model's size, or give each worker more memory")
 
 
 class UserErrorsFailAtOnce(DefaultFailurePolicy):
@@ -61,7 +81,7 @@ def user_errors_fail_at_once() -> Iterator[None]:
     try:
         yield
     except TrainingFailedError as error:
-        user_error = user_error_of(error)
+        user_error = user_error_of(error) or out_of_memory_of(error)
         if user_error is None:
             raise
         raise user_error from error

@@ -101,6 +101,17 @@ def written_by_us(frame) -> bool:
     return is_ours(filename) or _is_python_itself(filename)
 
 
+def _caller():
+    """The frame that called `_Console.write`, or None where no Python frame did: the
+    interpreter printing an uncaught exception once the stack has unwound. (`sys._getframe(1)`
+    raises there, and the interpreter then dropped the traceback: a crash of any quiet command
+    ended with exit code 1 and nothing on the console, nor in its log.)"""
+    try:
+        return sys._getframe(2)
+    except ValueError:
+        return None
+
+
 class _Console(io.TextIOBase):
     """A stdout or stderr: every write to the log, ours (or all, verbose) to the console too."""
 
@@ -110,7 +121,7 @@ class _Console(io.TextIOBase):
     def write(self, text: str) -> int:
         global _held_back
         self.log.write(text)
-        if self.verbose or written_by_us(sys._getframe(1)):
+        if self.verbose or written_by_us(_caller()):
             self.console.write(text)
         elif text.strip():
             _held_back = True

@@ -184,3 +184,23 @@ def test_user_error_in_a_worker_ends_the_run_after_one_attempt(tmp_path):
         fit_failing(tmp_path, "user", UserInputError(message), max_failures=3)
     assert len((tmp_path / "user.attempts").read_text().splitlines()) == 1  # not 4
     assert str(caught.value) == message  # the command line prints this one line
+
+
+def test_workers_killed_for_memory_end_the_run_with_one_line():
+    """Ray's memory monitor killing the workers (and the controller) ended `train` with Ray's
+    traceback of some 40 lines. The message is Ray 2.60's, as a 2-worker BERT-large run on a
+    24 GB machine gave it."""
+    import ray.exceptions
+    from ray.train.v2.api.exceptions import ControllerError
+
+    killed = ray.exceptions.OutOfMemoryError(
+        "3 worker(s) were killed due to the node running low on memory. Memory on the node "
+        "(IP: 127.0.0.1, ID: 052ede62f013e61edef0d95c79b5448a2f3135027f11299804469a2e) was "
+        "22.47GB used / 23.54GB limit (0.954627)\nTop 10 memory users: ...")
+    with pytest.raises(UserInputError) as caught, user_errors_fail_at_once():
+        raise ControllerError(killed)
+    assert str(caught.value).startswith(
+        "Ray stopped the run: the node ran low on memory (22.47GB used / 23.54GB limit)")
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ControllerError), user_errors_fail_at_once():  # anything else: as it was
+        raise ControllerError(RuntimeError("the controller failed"))

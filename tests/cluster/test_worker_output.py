@@ -125,3 +125,29 @@ def test_our_log_records_are_the_commands_lines_and_an_engines_keep_its_name():
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.stderr == "[demo] prepare: done in 9.7 s\n[ray.train] an engine's warning\n"
+
+
+CRASH = textwrap.dedent("""
+    import sys
+    from bertforge.cluster.launch.worker_output import log_driver_to, quiet_driver
+
+    quiet_driver("train")
+    log_driver_to(sys.argv[1])
+    def deep_inside():
+        raise RuntimeError("the driver crashed")
+    deep_inside()
+""")
+
+
+def test_a_crash_shows_its_traceback_on_the_console_and_in_the_log(tmp_path):
+    """The interpreter prints an uncaught exception once the stack has unwound: the console
+    looked for the writer's frame there, failed, and the interpreter dropped the traceback
+    ("lost sys.stderr"): every crash of a quiet command was exit code 1 and no word."""
+    log_path = tmp_path / "logs" / "train.log"
+    done = subprocess.run([sys.executable, "-c", CRASH, str(log_path)], capture_output=True,
+                          text=True)
+    assert done.returncode == 1
+    assert done.stderr.startswith("Traceback (most recent call last):"), done.stderr
+    assert done.stderr.rstrip().endswith("RuntimeError: the driver crashed"), done.stderr
+    assert "in deep_inside" in done.stderr
+    assert "RuntimeError: the driver crashed" in log_path.read_text()
