@@ -352,9 +352,13 @@ def _warn_on_casing_mismatch(vocab: dict[str, int], lower_case: bool) -> None:
             "--lower_case=true, but %d vocabulary entries are capitalized: a cased vocab?",
             num_upper,
         )
-    if not lower_case and num_upper == 0:
+    # ASCII capitals only: Google's uncased vocab keeps a few capitals of other scripts ("ℝ"),
+    # and a cased one starts thousands of entries with A-Z.
+    if not lower_case and not any("A" <= token.lstrip("#")[:1] <= "Z" for token in vocab
+                                  if not token.startswith("[")):
         logger.warning(
-            "--lower_case=false, but the vocabulary has no capitalized entry: an uncased vocab?"
+            "--lower_case=false, but no vocabulary entry starts with a capital A-Z: an uncased "
+            "vocab? Capitalized words would become [UNK] or pieces; pass --lower_case=true"
         )
 
 

@@ -93,3 +93,24 @@ def test_beams_worker_start_notice_is_kept_off_the_console(caplog):
         relay.warning("Worker: severity: ERROR message: a real worker error")
     assert [r.getMessage() for r in caplog.records] == [
         "Worker: severity: ERROR message: a real worker error"]
+
+
+@pytest.mark.parametrize("lower_case", [True, False])
+def test_a_vocabulary_of_the_other_casing_is_warned_about(lower_case, caplog):
+    """Google's uncased vocab with --lower_case=false went unsaid (one capital of another
+    script, "ℝ", passed for cased): 9.5 % of a Wikipedia excerpt's tokens became [UNK]."""
+    from bertforge.pipelines.prepare import _warn_on_casing_mismatch
+    from bertforge.pipelines.contract.tokenization import parse_vocab
+    from tests.pipelines.conftest import shared_data_file
+
+    uncased = parse_vocab(shared_data_file("bert-base-uncased-vocab.txt").read_bytes())
+    cased = {**{token: i for i, token in enumerate(["[PAD]", "[UNK]", "the", "##s"])},
+             **{word: 4 + i for i, word in enumerate(["Paris", "London", "##X", "Rome"])}}
+    with caplog.at_level("WARNING", logger="bertforge.pipelines.prepare"):
+        _warn_on_casing_mismatch(uncased, lower_case)
+        _warn_on_casing_mismatch(cased, lower_case)
+    warned = [record.getMessage() for record in caplog.records]
+    if lower_case:
+        assert len(warned) == 1 and "a cased vocab?" in warned[0]
+    else:
+        assert len(warned) == 1 and "an uncased vocab?" in warned[0]
