@@ -45,6 +45,9 @@ def train_wordpiece_vocab(
     but only the names matter to every consumer here). The corpus is streamed, never loaded whole.
     """
     vocab_size, lower_case, output_dir = config.vocab_size, config.lower_case, config.output
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):  # before minutes of reading
+        raise ValueError(f"--output {output_dir} is a file; give a directory ({VOCAB_FILE_NAME} "
+                         "is written into it)")
     files = match_inputs(config.inputs)
     paths, formats = [path for path, _ in files], {path: fmt for path, fmt in files if fmt}
     settings = dict(min_frequency=min_frequency, limit_alphabet=limit_alphabet,

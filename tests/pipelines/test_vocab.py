@@ -148,6 +148,18 @@ def test_missing_input_is_a_clear_error(tmp_path):
                                           str(tmp_path / "v")))
 
 
+def test_an_output_that_is_a_file_is_a_clear_error(tmp_path):
+    """`--output work/vocab/vocab.txt` (the file, not its directory) was os.makedirs'
+    FileExistsError traceback, after the whole corpus had been read twice."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("One sentence here.\nAnother one there.\n", encoding="utf-8")
+    existing = tmp_path / "vocab.txt"
+    existing.write_text("[PAD]\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"--output .*vocab.txt is a file; give a directory"):
+        train_wordpiece_vocab(VocabConfig((str(corpus),), str(existing)))
+    assert existing.read_text(encoding="utf-8") == "[PAD]\n"
+
+
 # Words whose pieces tie in count: the merges the trainer picks among them depend on how it
 # numbers the `##` characters, which `tokenizers` alone does in a per-process hash order.
 TIED_CORPUS = " ".join(f"{a}{b}{c}" for a in "bdfhk" for b in "aeiou" for c in "lmnrst") + "\n"
