@@ -114,7 +114,9 @@ def _add_train(commands) -> None:
     p.add_argument("--preset", choices=("tiny", "mini", "base", "large"), default=None,
                    help="model size (default: the recipe's, else tiny)")
     p.add_argument("--resume", default="auto", choices=("auto", "never"),
-                   help="auto: continue from the newest complete checkpoint in --run-dir")
+                   help="auto (the default): continue from the newest complete checkpoint in "
+                   "--run-dir, or start there when it has none; never: a new run (an earlier "
+                   "run's checkpoints are moved aside to RUN_DIR/previous/)")
     add_flags(p.add_argument_group("training (TrainConfig)"), TrainConfig)
     add_flags(p.add_argument_group("where it runs (LaunchConfig)"), LaunchConfig)
     p.set_defaults(handler=_run_train)

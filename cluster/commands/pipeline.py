@@ -189,6 +189,14 @@ class PhaseSection:
                 f"overrides: unknown or pipeline-owned key(s) {', '.join(unknown)}"
                 f"{underscore_hint(unknown, known)}; allowed: {', '.join(sorted(known))}"
             )
+        # Each value as its field's type: `model = "mini"` was a TypeError of dict() in the
+        # recipe ("dictionary update sequence element #0 has length 1; 2 is required").
+        types = field_types(TrainConfig)
+        for key, value in self.overrides.items():
+            if key == "model" and not isinstance(value, dict):
+                raise ValueError(f"overrides.model must be a table of BertConfig fields, e.g. "
+                                 f"model = {{ preset = \"{value}\" }}, got {value!r}")
+            check_type("overrides", key, value, types[key])
 
     @classmethod
     def from_table(cls, name: str, table: Any) -> PhaseSection:

@@ -99,8 +99,8 @@ def test_beams_worker_start_notice_is_kept_off_the_console(caplog):
 def test_a_vocabulary_of_the_other_casing_is_warned_about(lower_case, caplog):
     """Google's uncased vocab with --lower_case=false went unsaid (one capital of another
     script, "ℝ", passed for cased): 9.5 % of a Wikipedia excerpt's tokens became [UNK]."""
-    from bertforge.pipelines.prepare import _warn_on_casing_mismatch
     from bertforge.pipelines.contract.tokenization import parse_vocab
+    from bertforge.pipelines.prepare import _warn_on_casing_mismatch
     from tests.pipelines.conftest import shared_data_file
 
     uncased = parse_vocab(shared_data_file("bert-base-uncased-vocab.txt").read_bytes())

@@ -66,8 +66,9 @@ class FinetuneConfig:
                                      "those found in the train file)", marks=(PER_TASK,))
     regression: bool = option(False, "custom task: the label is a score (Pearson/Spearman)",
                               marks=(PER_TASK,))
-    has_header: bool = option(True, "custom task: the TSV's first line names the columns",
-                              marks=(PER_TASK,))
+    has_header: bool = option(True, "custom task: the TSV's first line names the columns and is "
+                              "not read as data (on by default; --no-has-header for a file "
+                              "without one, e.g. GLUE's CoLA)", marks=(PER_TASK,))
     # Which runs to make (SELECTS_RUNS).
     learning_rate: float = option(2e-5, "peak learning rate (without --sweep)", aliases=("--lr",),
                                   marks=(SELECTS_RUNS,))
