@@ -45,6 +45,7 @@ from bertforge.training.resolved_engine import (
     bf16_autocast,
     resolve_engine,
 )
+from bertforge.training.schedule import lr_multiplier
 from bertforge.training.warm_start import check_resume_architecture, load_initial_weights
 
 # Called on every rank after each committed checkpoint with {"step", "checkpoint_path", ...}.
@@ -282,7 +283,32 @@ def _maybe_resume(
     loader.load_state_dict(state["loader"])
     if dist.get_rank() == 0:
         console(f"[train] resumed from {path} at step {state['global_step']}")
+        replanned = schedule_change(state.get("config") or {}, cfg, state["global_step"])
+        if replanned:
+            console(f"[train] {replanned}")
     return state["global_step"]
+
+
+def schedule_change(saved_config: dict[str, Any], cfg: TrainConfig, step: int) -> str | None:
+    """What a resume with another max_steps or warm-up does to the learning rate, in a line
+    (None: the schedule is the checkpoint's). The schedule is a function of the step and those
+    two, so the rate jumps from where the saved run's plan had it: extending a finished run's
+    --steps takes it from 0 back up, with no word said before."""
+    planned = {name: saved_config.get(name) for name in ("max_steps", "warmup_steps")}
+    if None in planned.values() or planned == {"max_steps": cfg.max_steps,
+                                               "warmup_steps": cfg.warmup_steps}:
+        return None
+
+    def rate(max_steps: int, warmup_steps: int) -> float:
+        return cfg.learning_rate * lr_multiplier(step, warmup_steps=warmup_steps,
+                                                 max_steps=max_steps, decay=cfg.decay,
+                                                 power=cfg.decay_power)
+
+    return (f"the learning-rate schedule is planned again: {cfg.max_steps} steps, warm-up "
+            f"{cfg.warmup_steps} (the checkpoint's run: {planned['max_steps']}, "
+            f"{planned['warmup_steps']}); step {step + 1} trains at lr "
+            f"{rate(cfg.max_steps, cfg.warmup_steps):.3g} where the run's plan had "
+            f"{rate(planned['max_steps'], planned['warmup_steps']):.3g}")
 
 
 def check_world_size_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -> bool:

@@ -103,6 +103,22 @@ def test_training_learns_and_checkpoint_evaluates_and_exports(dataset, tmp_path)
     assert os.path.exists(os.path.join(hf_dir, "model.safetensors"))
 
 
+def test_a_resume_with_more_steps_says_how_the_learning_rate_moves(dataset, tmp_path, capsys):
+    """Extending a finished run (6 steps, warm-up 2, lr 1e-3) to 10 plans the schedule again:
+    step 7's rate goes from the old plan's 0 to 5e-4 (1e-3 x (10 - 6) / (10 - 2)), said once."""
+    run_dir = tmp_path / "run"
+    train(config(dataset, run_dir, zero_stage=0))
+    train(config(dataset, run_dir, zero_stage=0))  # the same plan: nothing to say
+    assert "planned again" not in capsys.readouterr().out
+    train(config(dataset, run_dir, zero_stage=0, max_steps=10))
+    out = capsys.readouterr().out
+    assert ("[train] the learning-rate schedule is planned again: 10 steps, warm-up 2 (the "
+            "checkpoint's run: 6, 2); step 7 trains at lr 0.0005 where the run's plan had 0"
+            ) in out, out
+    # A step's line shows the rate of the step after it: 1e-3 x (10 - 7) / 8 after step 7.
+    assert {r["step"]: r["lr"] for r in read_metrics(str(run_dir))}[7] == pytest.approx(3.75e-4)
+
+
 def test_vocabulary_mismatch_on_resume_is_refused(dataset, tmp_path):
     run_dir = tmp_path / "run"
     train(config(dataset, run_dir, max_steps=2, warmup_steps=1))
