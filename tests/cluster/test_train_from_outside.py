@@ -89,6 +89,11 @@ def observed(tmpdir):
         seen["newest"], seen["resumed_steps"] = newest, steps
         seen["resumed"] = subprocess.run(again, env=run_.env, cwd=tmpdir, capture_output=True,
                                          text=True, timeout=300)
+        sessions = set(os.listdir(run_.ray_root))
+        finished = subprocess.Popen(again, env=run_.env, cwd=tmpdir, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+        seen["finished"] = finished.communicate(timeout=120), finished.returncode
+        seen["finished_sessions"] = set(os.listdir(run_.ray_root)) - sessions
 
     # Ctrl-C (SIGINT to the driver) once the run has committed a checkpoint past the resume.
     longer = again[:again.index("--max-steps") + 1] + [str(steps + 500)] + \
@@ -158,6 +163,15 @@ def test_the_same_command_resumes_and_prints_only_its_own_lines(observed):
     assert "(RayTrainWorker pid=" in driver_log  # Ray's own forwarding, kept in the file
     worker_log = open(os.path.join(logs, "worker-0.log"), encoding="utf-8").read()
     assert f"[train] step {steps}/{steps}" in worker_log
+
+
+def test_the_same_command_on_a_finished_run_says_so_without_starting_ray(observed):
+    (stdout, stderr), returncode = observed["finished"]
+    steps = observed["resumed_steps"]
+    assert returncode == 0 and stderr == "", stderr
+    assert f"is at step {steps} of {steps}: nothing to train" in stdout
+    assert json.loads("\n".join(json_lines(stdout)))["step"] == steps
+    assert observed["finished_sessions"] == set()  # no Ray session of its own
 
 
 def test_eval_shows_progress_is_limited_by_max_batches_and_prints_only_its_own(observed,
