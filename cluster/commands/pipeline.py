@@ -65,6 +65,9 @@ HOW_TO_RUN_KEYS = ("config.cluster", "config.prepare.beam_args",
 # Settings an earlier bertforge recorded under another name: [vocab] size, spelled as the flag
 # (vocab_size) since; a workdir made before still matches its file.
 RENAMED_SETTINGS = {"config.vocab.size": "vocab_size"}
+# [phase2] added to a workdir whose phase 1 is done: its settings are new, not other; phase 1's
+# outputs stay, phase 2 and its prepare run, and the export is made again from phase 2.
+PHASE2_SETTINGS = {"config.phase2": "phase2", "recipes.phase2": "phase2"}
 
 
 # --- configuration --------------------------------------------------------------------------
@@ -367,7 +370,8 @@ def run_pipeline(config: PipelineConfig, toml_text: str = "") -> dict[str, Any]:
     """Run every stage that is not done; returns {"ran": [...], "skipped": [...], ...}."""
     paths = PipelinePaths(config.workdir)
     with StageRunner(paths.root, "pipeline", config.settings(), ignored=HOW_TO_RUN_KEYS,
-                     renamed=RENAMED_SETTINGS, dir_flag="workdir") as runner:
+                     renamed=RENAMED_SETTINGS, may_add=PHASE2_SETTINGS,
+                     dir_flag="workdir") as runner:
         runner.state["toml"] = toml_text or runner.state.get("toml", "")
         runner.save()
         outcome = runner.run(build_stages(config, paths, runner))

@@ -78,11 +78,14 @@ class StageRunner:
     `settings` are what a later run must match to reuse this directory's outputs; keys under
     `ignored` (dotted prefixes such as "cluster") only say how to run and may change; `renamed`
     maps a recorded key's dotted path to its name today (a directory an earlier bertforge made
-    stays usable).
+    stays usable); `may_add` maps a dotted prefix to the stage it configures: settings there
+    that the recorded run did not have (a pipeline's [phase2], added once phase 1 is done) are
+    no difference while that stage has not run.
     """
 
     def __init__(self, root: str, command: str, settings: dict[str, Any], *,
                  ignored: tuple[str, ...] = (), renamed: dict[str, str] | None = None,
+                 may_add: dict[str, str] | None = None,
                  heartbeat_seconds: float = 60.0, skip_message: str = "output complete, skipping",
                  dir_flag: str = "directory"):
         self.root = os.path.abspath(root)
@@ -90,6 +93,7 @@ class StageRunner:
         self.settings = json.loads(json.dumps(settings))  # as they read back from the file
         self.ignored = ignored
         self.renamed = renamed or {}
+        self.may_add = may_add or {}
         self.heartbeat_seconds = heartbeat_seconds
         self.skip_message = skip_message
         self.dir_flag = dir_flag
@@ -163,8 +167,9 @@ class StageRunner:
             return state
         with open(self.state_path, encoding="utf-8") as f:
             state = json.load(f)
-        changed = differing_keys(_with_todays_names(state["settings"], self.renamed),
-                                 self.settings, self.ignored)
+        recorded = _with_todays_names(state["settings"], self.renamed)
+        changed = [key for key in differing_keys(recorded, self.settings, self.ignored)
+                   if not self._added_for_a_stage_to_come(key, recorded, state["stages"])]
         if changed and not state["stages"] and not self._holds_outputs():
             # An earlier run that failed before it made anything (a mistyped path, say) does
             # not pin its settings: the corrected command simply runs.
@@ -182,6 +187,18 @@ class StageRunner:
         write_json_atomic(self.state_path, state)
         return state
 
+
+    def _added_for_a_stage_to_come(self, key: str, recorded: dict[str, Any],
+                                   stages_done: dict[str, Any]) -> bool:
+        """Whether `key` lies under a `may_add` prefix that the recorded settings left empty,
+        and that prefix's stage has not run (nothing of it can be in the directory)."""
+        for prefix, stage in self.may_add.items():
+            if key != prefix and not key.startswith(f"{prefix}."):
+                continue
+            before = [value for name, value in _flatten(recorded).items()
+                      if name == prefix or name.startswith(f"{prefix}.")]
+            return stage not in stages_done and all(value is None for value in before)
+        return False
 
     def _holds_outputs(self) -> bool:
         """Whether any file but the state, the lock and the logs is in the directory."""

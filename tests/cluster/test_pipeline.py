@@ -215,9 +215,13 @@ def finished_pipeline(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("pipeline")
     write_docstring_corpus(str(root / "corpus" / "docs.jsonl"), target_bytes=300_000)
+    # Phase 1 alone first, then the file with [phase2] added, as a user grows a pipeline.
+    phase2 = TINY_TOML[TINY_TOML.index("[phase2]"):TINY_TOML.index("[cluster]")]
+    (root / "pipeline.toml").write_text(TINY_TOML.replace(phase2, ""))
+    phase1_only = run_pipeline(*load_config(str(root / "pipeline.toml")))
     (root / "pipeline.toml").write_text(TINY_TOML)
     config, text = load_config(str(root / "pipeline.toml"))
-    first = run_pipeline(config, text)
+    first = {**run_pipeline(config, text), "phase1_only": phase1_only}
     yield root, config, first
     ray.shutdown()
 
@@ -238,7 +242,11 @@ def test_first_run_does_every_stage_and_records_the_configuration(finished_pipel
     from bertforge.training.checkpoint import committed_steps
 
     root, config, first = finished_pipeline
-    assert first["ran"] == ["vocab", "prepare-64", "prepare-128", "phase1", "phase2", "export"]
+    assert first["phase1_only"]["ran"] == ["vocab", "prepare-64", "phase1", "export"]
+    # [phase2] added afterwards: no refusal ("made with other settings" before), and only
+    # what it adds runs; the export is made again, from phase 2.
+    assert first["ran"] == ["prepare-128", "phase2", "export"]
+    assert first["skipped"] == ["vocab", "prepare-64", "phase1"]
     assert committed_steps(str(root / "work" / "runs" / "phase1")) == [8]
     assert committed_steps(str(root / "work" / "runs" / "phase2")) == [2, 4]
     record = json.loads((root / "work" / "pipeline.json").read_text())
@@ -330,4 +338,9 @@ def test_a_changed_configuration_is_refused_before_any_work(finished_pipeline, m
     changed.write_text(TINY_TOML.replace("max_steps = 8", "max_steps = 9"))
     config, text = load_config(str(changed))
     with pytest.raises(ValueError, match="phase1.overrides.max_steps"):
+        run_pipeline(config, text)
+    # Phase 2's settings are open only while it has never run: now it has.
+    changed.write_text(TINY_TOML.replace("max_steps = 4", "max_steps = 5"))
+    config, text = load_config(str(changed))
+    with pytest.raises(ValueError, match="phase2.overrides.max_steps"):
         run_pipeline(config, text)
