@@ -30,6 +30,8 @@ def prepare_guarded(command: PrepareCommand, *, overwrite: bool) -> dict[str, An
     output = command.config.output
     if command.dry_run:
         return run_command(command)  # nothing is written
+    if is_local(output) and os.path.isfile(output):  # else the lock's "File exists" first
+        raise ValueError(f"--output {output} is a file; give a directory for the dataset")
     try:
         with writing_dataset(output, command.config, overwrite=overwrite), \
                 local_ray.on_stop(stop_beam_workers):

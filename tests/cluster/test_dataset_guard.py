@@ -97,6 +97,10 @@ def test_no_dataset_is_replaced_under_a_reader_or_by_a_second_writer(inputs, tmp
         assert "another bertforge prepare is running in" in one_error_line(capsys)
     assert hashlib.sha256(manifest_bytes(output)).hexdigest() == digest
 
+    # An output that is a file (the vocab's, say): said so, not "cannot write the run lock".
+    assert prepare(inputs, inputs / "vocab.txt") == 2
+    assert f"--output {inputs / 'vocab.txt'} is a file" in one_error_line(capsys)
+
 
 @pytest.mark.parametrize("mode", [(), ("--direct_num_workers=2",
                                      "--direct_running_mode=multi_processing")])
