@@ -135,6 +135,10 @@ class ReadFile(beam.DoFn):
             return
         if not item.byte_range or item.byte_range[0] == 0:
             logger.info("input %s: format %s (by %s)", item.path, choice.fmt, choice.chosen_by)
+            if choice.doubt:
+                logger.warning("input %s: read as a sentence a line, but %s Name it "
+                               "books:%s to read it as paragraphs", item.path, choice.doubt,
+                               item.path)
             yield TaggedOutput(FORMATS, (item.path, choice.fmt, choice.chosen_by))
         num_documents = num_rejects = 0
         for record in read_file(

@@ -70,3 +70,26 @@ def test_iter_texts_streams_compressed_files(tmp_path):
     texts = iter_texts([str(path), str(plain)])
     assert not isinstance(texts, list)
     assert list(texts) == ["Hello there. General.", "Line one.", "Line two.", "Line three."]
+
+
+def test_hard_wrapped_prose_read_as_sentences_is_doubted_and_sentences_are_not():
+    """A book's .txt without `books:` is read a sentence a line: every wrapped line a sentence
+    (a newcomer's run: NSP cut at random places, 1,494 paragraphs rejected as too short), and
+    the console said nothing. Its format stays what the content says; the doubt is warned."""
+    import random
+    import textwrap
+
+    from bertforge.pipelines.read.readers import choose_format
+
+    rng = random.Random(3)
+    words = ["the", "whale", "sea", "captain", "ship", "long", "night", "under", "grey", "sky"]
+    sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 30))).capitalize()
+                 + "." for _ in range(300)]
+    wrapped = "\n\n".join(textwrap.fill(" ".join(sentences[i:i + 6]), width=70)
+                          for i in range(0, 300, 6))
+    one_a_line = "\n".join(sentences)
+    book = choose_format("book.txt", None, wrapped.encode()[:8192])
+    assert book.fmt == "sentences" and book.chosen_by == "content"
+    assert "end mid-sentence: hard-wrapped prose, such as a book?" in book.doubt
+    assert choose_format("sents.txt", None, one_a_line.encode()[:8192]).doubt == ""
+    assert choose_format("book.txt", "books", wrapped.encode()).doubt == ""  # named: trusted
