@@ -50,9 +50,9 @@ def test_a_name_the_content_contradicts_is_a_mismatch():
     assert choose_format("a.jsonl", None, XML_HEAD).mismatch.startswith("named jsonl (.jsonl)")
     assert "wiki:a.jsonl" in choose_format("a.jsonl", None, XML_HEAD).mismatch
     assert choose_format("d.xml", None, b'{"text": "x"}\n').mismatch
-    assert choose_format("a.jsonl", None, b"plain\n") == ("jsonl", "name", "")  # invalid_json later
-    assert choose_format("a.jsonl", "wiki", b'{"text": "x"}\n') == ("wiki", "prefix", "")
-    assert choose_format("notes", None, b"plain\n") == ("sentences", "content", "")
+    assert choose_format("a.jsonl", None, b"plain\n") == ("jsonl", "name", "", "")  # invalid_json later
+    assert choose_format("a.jsonl", "wiki", b'{"text": "x"}\n') == ("wiki", "prefix", "", "")
+    assert choose_format("notes", None, b"plain\n") == ("sentences", "content", "", "")
 
 
 def test_multistream_part_names_find_their_index():
@@ -88,11 +88,11 @@ def disguised(tmp_path):
 
 def test_detect_format_reads_disguised_files_right(disguised):
     expected = {
-        "dump.txt": ("wiki", "content", ""),
-        "dump-no-extension": ("wiki", "content", ""),
-        "records": ("jsonl", "content", ""),
-        "table": ("parquet", "content", ""),
-        "plain": ("sentences", "content", ""),
+        "dump.txt": ("wiki", "content", "", ""),
+        "dump-no-extension": ("wiki", "content", "", ""),
+        "records": ("jsonl", "content", "", ""),
+        "table": ("parquet", "content", "", ""),
+        "plain": ("sentences", "content", "", ""),
     }
     for name, choice in expected.items():
         assert detect_format(str(disguised / name), None, open_local) == choice, name
