@@ -50,7 +50,8 @@ def test_a_name_the_content_contradicts_is_a_mismatch():
     assert choose_format("a.jsonl", None, XML_HEAD).mismatch.startswith("named jsonl (.jsonl)")
     assert "wiki:a.jsonl" in choose_format("a.jsonl", None, XML_HEAD).mismatch
     assert choose_format("d.xml", None, b'{"text": "x"}\n').mismatch
-    assert choose_format("a.jsonl", None, b"plain\n") == ("jsonl", "name", "", "")  # invalid_json later
+    # invalid_json later
+    assert choose_format("a.jsonl", None, b"plain\n") == ("jsonl", "name", "", "")
     assert choose_format("a.jsonl", "wiki", b'{"text": "x"}\n') == ("wiki", "prefix", "", "")
     assert choose_format("notes", None, b"plain\n") == ("sentences", "content", "", "")
 
