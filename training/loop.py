@@ -283,32 +283,53 @@ def _maybe_resume(
     loader.load_state_dict(state["loader"])
     if dist.get_rank() == 0:
         console(f"[train] resumed from {path} at step {state['global_step']}")
-        replanned = schedule_change(state.get("config") or {}, cfg, state["global_step"])
-        if replanned:
+    replanned = schedule_change(state.get("config") or {}, cfg, state["global_step"])
+    if replanned:
+        follow_this_runs_schedule(engine.lr_scheduler, cfg.learning_rate)
+        if dist.get_rank() == 0:
             console(f"[train] {replanned}")
     return state["global_step"]
 
 
+# What makes the learning-rate schedule: the rate at a step is a function of these alone.
+SCHEDULE_FIELDS = ("learning_rate", "max_steps", "warmup_steps", "decay", "decay_power")
+
+
 def schedule_change(saved_config: dict[str, Any], cfg: TrainConfig, step: int) -> str | None:
-    """What a resume with another max_steps or warm-up does to the learning rate, in a line
-    (None: the schedule is the checkpoint's). The schedule is a function of the step and those
-    two, so the rate jumps from where the saved run's plan had it: extending a finished run's
-    --steps takes it from 0 back up, with no word said before."""
-    planned = {name: saved_config.get(name) for name in ("max_steps", "warmup_steps")}
-    if None in planned.values() or planned == {"max_steps": cfg.max_steps,
-                                               "warmup_steps": cfg.warmup_steps}:
+    """What a resume with other schedule settings (another --steps, warm-up, --lr, decay) does
+    to the learning rate, in a line; None where the schedule is the checkpoint's (or a
+    checkpoint too old to say). Extending a finished run's --steps takes the rate from the old
+    plan's 0 back up, with no word said before."""
+    saved = {name: saved_config.get(name) for name in SCHEDULE_FIELDS}
+    wanted = {name: getattr(cfg, name) for name in SCHEDULE_FIELDS}
+    if None in saved.values() or saved == wanted:
         return None
 
-    def rate(max_steps: int, warmup_steps: int) -> float:
-        return cfg.learning_rate * lr_multiplier(step, warmup_steps=warmup_steps,
-                                                 max_steps=max_steps, decay=cfg.decay,
-                                                 power=cfg.decay_power)
+    def rate(plan: dict[str, Any]) -> float:
+        return plan["learning_rate"] * lr_multiplier(
+            step, warmup_steps=plan["warmup_steps"], max_steps=plan["max_steps"],
+            decay=plan["decay"], power=plan["decay_power"])
 
-    return (f"the learning-rate schedule is planned again: {cfg.max_steps} steps, warm-up "
-            f"{cfg.warmup_steps} (the checkpoint's run: {planned['max_steps']}, "
-            f"{planned['warmup_steps']}); step {step + 1} trains at lr "
-            f"{rate(cfg.max_steps, cfg.warmup_steps):.3g} where the run's plan had "
-            f"{rate(planned['max_steps'], planned['warmup_steps']):.3g}")
+    changes = ", ".join(f"{name} {wanted[name]:g} (was {saved[name]:g})"
+                        if isinstance(wanted[name], (int, float)) else
+                        f"{name} {wanted[name]} (was {saved[name]})"
+                        for name in SCHEDULE_FIELDS if wanted[name] != saved[name])
+    return (f"the learning-rate schedule follows this run's settings: {changes}; step "
+            f"{step + 1} trains at lr {rate(wanted):.3g} where the checkpoint's plan had "
+            f"{rate(saved):.3g}")
+
+
+def follow_this_runs_schedule(scheduler, learning_rate: float) -> None:
+    """Put this run's schedule in effect from the next step. A load restores the optimizer's
+    rate (the saved plan's next one) and the scheduler's peak: the first step after a resume
+    trained at the old plan's rate (an extended finished run: lr 0) and another --lr never
+    took effect. The scheduler's rule (`lr_lambdas`) is this run's already; its step count is
+    the checkpoint's."""
+    scheduler.base_lrs = [learning_rate] * len(scheduler.base_lrs)
+    for group, rule in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = learning_rate
+        group["lr"] = learning_rate * rule(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
 def check_world_size_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -> bool:
