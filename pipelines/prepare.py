@@ -358,7 +358,7 @@ def _warn_on_casing_mismatch(vocab: dict[str, int], lower_case: bool) -> None:
                                   if not token.startswith("[")):
         logger.warning(
             "--lower_case=false, but no vocabulary entry starts with a capital A-Z: an uncased "
-            "vocab? Capitalized words would become [UNK] or pieces; pass --lower_case=true"
+            "vocab? If so, capitalized words become [UNK] or pieces: pass --lower_case=true"
         )
 
 

@@ -65,9 +65,14 @@ def _check_remote_dataset(data_dir: str, splits: tuple[str, ...]) -> DatasetFact
         filesystem, root = checking_filesystem_of(data_dir)  # the URI's query stays its own
         with filesystem.open_input_stream(f"{root.rstrip('/')}/{MANIFEST_NAME}") as stream:
             text = stream.read()
-    except OSError as error:  # FileNotFoundError too: no dataset there
-        raise UserInputError(f"{path} could not be read (within {CHECK_RETRY_SECONDS:.0f} s "
-                             f"of retries): {storage_error(error)}") from error
+    except FileNotFoundError as error:
+        raise MissingInputError(f"no dataset at {data_dir}: it has no {MANIFEST_NAME}; give "
+                                "the --output of a finished prepare") from error
+    except (OSError, ValueError) as error:  # out of reach (credentials, network); a bad URI
+        retried = (f" (within {CHECK_RETRY_SECONDS:.0f} s of retries)"
+                   if data_dir.startswith("gs://") else "")
+        raise UserInputError(f"{path} could not be read{retried}: "
+                             f"{storage_error(error)}") from error
     try:
         manifest = Manifest.from_dict(json.loads(text))
     except (ValueError, KeyError, TypeError) as error:

@@ -11,6 +11,7 @@ GB rides out a short outage. S3 fails fast on its own (a host it cannot resolve:
 
 from __future__ import annotations
 
+import urllib.parse
 from datetime import timedelta
 
 import pyarrow.fs as pafs
@@ -24,7 +25,7 @@ def filesystem_of(uri: str, *, retry_seconds: float | None = None) -> tuple[pafs
     """`pyarrow.fs.FileSystem.from_uri(uri)`, with a GCS filesystem's retries limited to
     `retry_seconds` where given (and the URI sets no limit of its own)."""
     filesystem, path = pafs.FileSystem.from_uri(uri)
-    if retry_seconds is not None and isinstance(filesystem, pafs.GcsFileSystem):
+    if retry_seconds is not None and isinstance(filesystem, _gcs_filesystem_class()):
         # The filesystem's own options (endpoint, scheme, ... from the URI's query) with the
         # limit added: pyarrow lets them be read only through its pickling hook.
         rebuild, (options,) = filesystem.__reduce__()
@@ -32,6 +33,22 @@ def filesystem_of(uri: str, *, retry_seconds: float | None = None) -> tuple[pafs
             filesystem = rebuild({**options,
                                   "retry_time_limit": timedelta(seconds=retry_seconds)})
     return filesystem, path
+
+
+def _gcs_filesystem_class() -> type | tuple:
+    """pyarrow's GcsFileSystem, or () where pyarrow was built without it (an s3:// URI must
+    not fail on the name)."""
+    try:
+        return pafs.GcsFileSystem
+    except ImportError:
+        return ()
+
+
+def child_uri(uri: str, name: str) -> str:
+    """`name` under the URI's path, its query kept: gs://b/runs?endpoint_override=h + x is
+    gs://b/runs/x?endpoint_override=h (appended to the text, the name became the query's)."""
+    parts = urllib.parse.urlsplit(uri)
+    return urllib.parse.urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
 
 
 def checking_filesystem_of(uri: str) -> tuple[pafs.FileSystem, str]:

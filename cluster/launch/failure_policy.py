@@ -44,16 +44,17 @@ _OUT_OF_MEMORY = re.compile(r"running low on memory\..*? was ([\d.]+ ?GB used / 
 
 
 def out_of_memory_of(error: BaseException) -> UserInputError | None:
-    """A Ray Train failure whose workers (or controller) Ray's memory monitor killed, as one
-    line that says what to change; None for any other failure. Before, such a run ended with
-    Ray's traceback of some 40 lines, the node's memory table among them."""
+    """A Ray Train failure whose workers Ray's memory monitor killed (the controller then
+    fails with their error), as one line that says what to change; None for any other failure.
+    Before, such a run ended with Ray's traceback of some 40 lines, the node's memory table
+    among them, in the run's log only."""
     found = _OUT_OF_MEMORY.search(str(error))
     if found is None:
         return None
     return UserInputError(
         f"Ray stopped the run: the node ran low on memory ({found.group(1)}) and its memory "
-        "monitor killed the workers; lower the micro-batch (--batch-size), the --workers on one "
-        "machine or the model's size, or give each worker more memory")
+        "monitor killed the workers; lower the micro-batch, the workers on one machine or the "
+        "model's size, or give each worker more memory (Ray's report is in the run's log)")
 
 
 class UserErrorsFailAtOnce(DefaultFailurePolicy):

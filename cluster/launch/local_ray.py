@@ -343,6 +343,12 @@ _ON_STOP: list = []  # what must happen before the stop can unwind (see `on_stop
 
 def _exit_on_signal(signum, frame) -> None:
     _RECEIVED.append(signum)
+    if len(_RECEIVED) > 1:
+        # A stop is under way (workers stopping, Ray shutting down, the lock being released):
+        # a second Ctrl-C must not cut it short. A third ends the process at once.
+        if len(_RECEIVED) > 2:
+            os._exit(128 + signum)
+        return
     for callback in list(_ON_STOP):
         with contextlib.suppress(Exception):
             callback()

@@ -49,12 +49,12 @@ def stored_checkpoints(storage: str, name: str) -> list[str]:
     """The checkpoint directories (`step_NNNNNNNN`) that storage holds for the run `name`."""
     import pyarrow.fs as pafs
 
-    if "://" in storage:
-        filesystem, root = checking_filesystem_of(storage)  # read before the run starts
-    else:
-        filesystem, root = pafs.LocalFileSystem(), os.path.abspath(storage)
-    selector = pafs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
     try:
+        if "://" in storage:
+            filesystem, root = checking_filesystem_of(storage)  # read before the run starts
+        else:
+            filesystem, root = pafs.LocalFileSystem(), os.path.abspath(storage)
+        selector = pafs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
         infos = filesystem.get_file_info(selector)
     except OSError as error:
         raise UserInputError(f"{storage} could not be listed: {storage_error(error)}") from error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
 from bertforge.training.inputs import check_train_inputs, refuse_run_dir_uri
 from bertforge.training.metrics import console
+from bertforge.training.object_storage import child_uri
 
 # A worker group that cannot be scheduled (no node has the resources, an autoscaler that adds
 # none) times out after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s); Ray Train
@@ -101,7 +103,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     run_dir = cfg.run_dir
     storage_run = None
     if launch.storage:
-        storage_run = f"{launch.storage.rstrip('/')}/{storage_name}"
+        storage_run = child_uri(launch.storage, storage_name)
         if not cfg.resume:
             refuse_a_stored_run(launch.storage, storage_name, run_dir)
     # One run per run directory (and per run in storage), taken before Ray starts.
@@ -207,6 +209,10 @@ def run_on_ray(
     with user_errors_fail_at_once():
         try:
             return trainer.fit()
+        except SystemExit:  # a stop (SIGTERM, Ctrl-C): see _Trainer
+            if launch.address:
+                trainer.abort()
+            raise
         except ControllerError as error:
             if isinstance(error.controller_failure, WorkerGroupStartupTimeoutError):
                 raise UserInputError(_unschedulable(launch)) from None
@@ -220,10 +226,21 @@ class _Trainer(TorchTrainer):
     inside `ray.get`), after which Ctrl-C ended `train`, `pipeline` and `finetune --workers N`
     with exit code 1 and not a line said. The driver's handler (`local_ray.driver_teardown`)
     stops them as it stops them for SIGTERM: Ray shut down, the lock released, one line, 130.
+    On a cluster (--address) shutting Ray down only disconnects the driver, and its workers
+    would die after the lock is gone: a stop first aborts the run (`abort`), as Ray's handler
+    did, and waits for it.
     """
 
+    controller = None
+
     def _register_sigint_handler(self, controller) -> None:  # DataParallelTrainer's hook
-        pass
+        self.controller = controller
+
+    def abort(self, timeout_s: float = 120.0) -> None:
+        """The run's workers stopped before the driver goes on (a stop's clean-up)."""
+        if self.controller is not None:
+            with contextlib.suppress(Exception):  # a controller already gone: nothing to stop
+                ray.get(self.controller.abort.remote(), timeout=timeout_s)
 
 
 def _scheduling_attempts(launch: LaunchConfig) -> int:

@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 
 from bertforge.training.errors import UserInputError
-from bertforge.training.object_storage import storage_error
 
 LOCK_NAME = ".lock"
 HEARTBEAT_SECONDS = 30.0
@@ -231,11 +230,15 @@ class _StorageFile:
     """The lock file in object storage (a pyarrow.fs URI): write if absent, then read back."""
 
     def __init__(self, uri: str, filesystem=None) -> None:
-        from bertforge.training.object_storage import checking_filesystem_of
+        from bertforge.training.object_storage import checking_filesystem_of, storage_error
 
         # Retries bounded: the driver takes this lock before the run starts, and a heartbeat
         # that fails is tried again at the next one.
-        self.fs, base = checking_filesystem_of(uri)
+        try:
+            self.fs, base = checking_filesystem_of(uri)  # s3:// asks for the bucket's region
+        except OSError as error:
+            raise UserInputError(f"the run lock in {uri} could not be taken: "
+                                 f"{storage_error(error)}") from error
         self.fs = filesystem or self.fs  # one shared instance (tests: a SubTreeFileSystem)
         self.uri = uri
         self.path = f"{base.rstrip('/')}/{LOCK_NAME}"
@@ -322,6 +325,8 @@ class RunLock:
                 except OSError as error:  # storage out of reach: credentials, network
                     if isinstance(lock, _LocalFile):
                         raise
+                    from bertforge.training.object_storage import storage_error
+
                     raise UserInputError(f"the run lock in {lock} could not be taken: "
                                          f"{storage_error(error)}") from error
                 self._held.append(lock)

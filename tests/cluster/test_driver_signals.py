@@ -32,3 +32,17 @@ def test_a_signal_is_a_stop_however_ray_surfaces_it(monkeypatch):
     local_ray._RECEIVED.append(signal.SIGINT)
     stop = local_ray.as_stop(SystemExit(1))
     assert stop.code == 130 and stop.describe() == "stopped by SIGINT"
+
+
+def test_a_second_signal_does_not_cut_the_stop_short(monkeypatch):
+    """The first stop unwinds (workers stopped, Ray shut down, the lock released); a second
+    Ctrl-C during that raised again and cut it short, leaving the lock behind."""
+    import pytest
+
+    from bertforge.cluster.launch import local_ray
+
+    monkeypatch.setattr(local_ray, "_RECEIVED", [])
+    with pytest.raises(local_ray.StoppedBySignal):
+        local_ray._exit_on_signal(signal.SIGINT, None)
+    assert local_ray._exit_on_signal(signal.SIGINT, None) is None  # ignored: the stop goes on
+    assert local_ray.as_stop(SystemExit(1)).describe() == "stopped by SIGINT"

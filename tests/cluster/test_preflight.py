@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -201,8 +202,9 @@ def test_data_of_the_other_casing_is_refused_for_a_checkpoint(dataset, tmp_path,
              "--workers", "1"], capsys, f"init_from {hf}", *why)
 
 
-# A Cloud Storage endpoint that never answers (the discard port, closed): every request fails
-# as a credential or connection error would, which the client retries.
+# A Cloud Storage endpoint that never answers (the discard port, closed), reached anonymously
+# (no credential looked up, whatever the machine has): every request fails to connect, which
+# the client retries.
 UNREACHABLE_GCS = "endpoint_override=127.0.0.1:9&scheme=http"
 
 
@@ -213,8 +215,9 @@ def test_object_storage_out_of_reach_is_one_line_within_the_checks_limit(dataset
     (the client's retry policy; over six measured), then gave a traceback for the storage
     lock. Now each check before the run retries for CHECK_RETRY_SECONDS (2 here), then says
     what failed; a run that never answers is killed by the subprocess timeout, failing."""
-    args = {"data": ["--data", f"gs://bucket/shards?{UNREACHABLE_GCS}"],
-            "storage": ["--data", dataset, "--storage", f"gs://bucket/runs?{UNREACHABLE_GCS}"]}
+    args = {"data": ["--data", f"gs://anonymous@bucket/shards?{UNREACHABLE_GCS}"],
+            "storage": ["--data", dataset,
+                        "--storage", f"gs://anonymous@bucket/runs?{UNREACHABLE_GCS}"]}
     argv = ["train", *args[where], "--run-dir", str(tmp_path / "run"), "--workers", "1"]
     program = ("import sys; from bertforge.training import object_storage as o; "
                "o.CHECK_RETRY_SECONDS = 2.0; from bertforge.cluster.cli import main; "
@@ -224,6 +227,10 @@ def test_object_storage_out_of_reach_is_one_line_within_the_checks_limit(dataset
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("bertforge train")]
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    expected = {"data": f"gs://bucket/shards?{UNREACHABLE_GCS} (manifest.json) could not be read",
-                "storage": f"the run lock in gs://bucket/runs?{UNREACHABLE_GCS}"}
+    # The run's own lock: its name under the storage's path, the URI's query kept.
+    expected = {"data": f"gs://anonymous@bucket/shards?{UNREACHABLE_GCS} (manifest.json) could "
+                        "not be read (within 2 s of retries)",
+                "storage": "the run lock in gs://anonymous@bucket/runs/run-"}
     assert expected[where] in lines[0] and "error_info" not in lines[0], lines[0]
+    if where == "storage":
+        assert re.search(r"runs/run-[0-9a-f]{10}\?" + re.escape(UNREACHABLE_GCS), lines[0])
