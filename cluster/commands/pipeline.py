@@ -196,6 +196,10 @@ class PhaseSection:
         # recipe ("dictionary update sequence element #0 has length 1; 2 is required").
         types = field_types(TrainConfig)
         for key, value in self.overrides.items():
+            if value is None:  # a Python caller's "unset" (a file has no null)
+                continue
+            if isinstance(value, tuple):  # as a Python caller gives a list field
+                value = list(value)
             if key == "model" and not isinstance(value, dict):
                 raise ValueError(f"overrides.model must be a table of BertConfig fields, e.g. "
                                  f"model = {{ preset = \"{value}\" }}, got {value!r}")

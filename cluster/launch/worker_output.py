@@ -104,8 +104,9 @@ def written_by_us(frame) -> bool:
 def _caller():
     """The frame that called `_Console.write`, or None where no Python frame did: the
     interpreter printing an uncaught exception once the stack has unwound. (`sys._getframe(1)`
-    raises there, and the interpreter then dropped the traceback: a crash of any quiet command
-    ended with exit code 1 and nothing on the console, nor in its log.)"""
+    raises there, and the interpreter then dropped the rest of the traceback: a crash of any
+    quiet command ended with exit code 1, nothing on the console and at most the report's first
+    piece in its log.)"""
     try:
         return sys._getframe(2)
     except ValueError:

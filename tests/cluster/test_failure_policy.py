@@ -77,7 +77,7 @@ def test_a_worker_group_that_cannot_be_scheduled_is_one_line_after_bounded_tries
         def fit(self):
             raise ControllerError(controller_failure=WorkerGroupStartupTimeoutError(0))
 
-    monkeypatch.setattr(ray_train, "TorchTrainer", NeverScheduled)
+    monkeypatch.setattr(ray_train, "_Trainer", NeverScheduled)
     with pytest.raises(UserInputError, match=r"could not start 4 workers of 1 GPU and 6 CPU "
                                              r"each in 20 tries of \d+ s: no node can hold them"
                                              r".*RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"):
