@@ -45,7 +45,6 @@ from bertforge.training.resolved_engine import (
     bf16_autocast,
     resolve_engine,
 )
-from bertforge.training.schedule import lr_multiplier
 from bertforge.training.warm_start import check_resume_architecture, load_initial_weights
 
 # Called on every rank after each committed checkpoint with {"step", "checkpoint_path", ...}.
@@ -283,11 +282,16 @@ def _maybe_resume(
     loader.load_state_dict(state["loader"])
     if dist.get_rank() == 0:
         console(f"[train] resumed from {path} at step {state['global_step']}")
-    replanned = schedule_change(state.get("config") or {}, cfg, state["global_step"])
-    if replanned:
-        follow_this_runs_schedule(engine.lr_scheduler, cfg.learning_rate)
+    changes = schedule_changes(state.get("config") or {}, cfg)
+    if changes:
+        scheduler = engine.lr_scheduler
+        restored = scheduler.optimizer.param_groups[0]["lr"]  # the checkpoint's plan's next
+        follow_this_runs_schedule(scheduler, cfg.learning_rate)
         if dist.get_rank() == 0:
-            console(f"[train] {replanned}")
+            console(f"[train] the learning-rate schedule follows this run's settings: "
+                    f"{changes}; step {state['global_step'] + 1} trains at lr "
+                    f"{scheduler.optimizer.param_groups[0]['lr']:.3g} where the checkpoint's "
+                    f"plan had {restored:.3g}")
     return state["global_step"]
 
 
@@ -295,28 +299,19 @@ def _maybe_resume(
 SCHEDULE_FIELDS = ("learning_rate", "max_steps", "warmup_steps", "decay", "decay_power")
 
 
-def schedule_change(saved_config: dict[str, Any], cfg: TrainConfig, step: int) -> str | None:
-    """What a resume with other schedule settings (another --steps, warm-up, --lr, decay) does
-    to the learning rate, in a line; None where the schedule is the checkpoint's (or a
-    checkpoint too old to say). Extending a finished run's --steps takes the rate from the old
-    plan's 0 back up, with no word said before."""
-    saved = {name: saved_config.get(name) for name in SCHEDULE_FIELDS}
-    wanted = {name: getattr(cfg, name) for name in SCHEDULE_FIELDS}
-    if None in saved.values() or saved == wanted:
-        return None
+def schedule_changes(saved_config: dict[str, Any], cfg: TrainConfig) -> str:
+    """The schedule settings (another --steps, warm-up, --lr, decay) this resume changes, as
+    "max_steps 10 (was 6)", ...; "" where the schedule is the checkpoint's (or a checkpoint
+    too old to say). Extending a finished run's --steps takes the rate from the old plan's 0
+    back up, with no word said before."""
+    if any(saved_config.get(name) is None for name in SCHEDULE_FIELDS):
+        return ""
 
-    def rate(plan: dict[str, Any]) -> float:
-        return plan["learning_rate"] * lr_multiplier(
-            step, warmup_steps=plan["warmup_steps"], max_steps=plan["max_steps"],
-            decay=plan["decay"], power=plan["decay_power"])
+    def shown(value: Any) -> str:
+        return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
-    changes = ", ".join(f"{name} {wanted[name]:g} (was {saved[name]:g})"
-                        if isinstance(wanted[name], (int, float)) else
-                        f"{name} {wanted[name]} (was {saved[name]})"
-                        for name in SCHEDULE_FIELDS if wanted[name] != saved[name])
-    return (f"the learning-rate schedule follows this run's settings: {changes}; step "
-            f"{step + 1} trains at lr {rate(wanted):.3g} where the checkpoint's plan had "
-            f"{rate(saved):.3g}")
+    return ", ".join(f"{name} {shown(getattr(cfg, name))} (was {shown(saved_config[name])})"
+                     for name in SCHEDULE_FIELDS if getattr(cfg, name) != saved_config[name])
 
 
 def follow_this_runs_schedule(scheduler, learning_rate: float) -> None:

@@ -21,20 +21,6 @@ import pyarrow.fs as pafs
 CHECK_RETRY_SECONDS = 60.0
 
 
-def filesystem_of(uri: str, *, retry_seconds: float | None = None) -> tuple[pafs.FileSystem, str]:
-    """`pyarrow.fs.FileSystem.from_uri(uri)`, with a GCS filesystem's retries limited to
-    `retry_seconds` where given (and the URI sets no limit of its own)."""
-    filesystem, path = pafs.FileSystem.from_uri(uri)
-    if retry_seconds is not None and isinstance(filesystem, _gcs_filesystem_class()):
-        # The filesystem's own options (endpoint, scheme, ... from the URI's query) with the
-        # limit added: pyarrow lets them be read only through its pickling hook.
-        rebuild, (options,) = filesystem.__reduce__()
-        if options.get("retry_time_limit") is None:
-            filesystem = rebuild({**options,
-                                  "retry_time_limit": timedelta(seconds=retry_seconds)})
-    return filesystem, path
-
-
 def _gcs_filesystem_class() -> type | tuple:
     """pyarrow's GcsFileSystem, or () where pyarrow was built without it (an s3:// URI must
     not fail on the name)."""
@@ -52,8 +38,17 @@ def child_uri(uri: str, name: str) -> str:
 
 
 def checking_filesystem_of(uri: str) -> tuple[pafs.FileSystem, str]:
-    """The filesystem a check before the run uses: `CHECK_RETRY_SECONDS` of retries."""
-    return filesystem_of(uri, retry_seconds=CHECK_RETRY_SECONDS)
+    """`pyarrow.fs.FileSystem.from_uri(uri)` for a check before the run: a GCS filesystem's
+    retries limited to `CHECK_RETRY_SECONDS` (unless the URI sets a limit of its own)."""
+    filesystem, path = pafs.FileSystem.from_uri(uri)
+    if isinstance(filesystem, _gcs_filesystem_class()):
+        # The filesystem's own options (endpoint, scheme, ... from the URI's query) with the
+        # limit added: pyarrow lets them be read only through its pickling hook.
+        rebuild, (options,) = filesystem.__reduce__()
+        if options.get("retry_time_limit") is None:
+            filesystem = rebuild({**options,
+                                  "retry_time_limit": timedelta(seconds=CHECK_RETRY_SECONDS)})
+    return filesystem, path
 
 
 def storage_error(error: OSError) -> str:

@@ -168,8 +168,9 @@ class StageRunner:
         with open(self.state_path, encoding="utf-8") as f:
             state = json.load(f)
         recorded = _with_todays_names(state["settings"], self.renamed)
+        recorded_keys = _flatten(recorded)
         changed = [key for key in differing_keys(recorded, self.settings, self.ignored)
-                   if not self._added_for_a_stage_to_come(key, recorded, state["stages"])]
+                   if not self._added_for_a_stage_to_come(key, recorded_keys, state["stages"])]
         if changed and not state["stages"] and not self._holds_outputs():
             # An earlier run that failed before it made anything (a mistyped path, say) does
             # not pin its settings: the corrected command simply runs.
@@ -187,17 +188,15 @@ class StageRunner:
         write_json_atomic(self.state_path, state)
         return state
 
-
-    def _added_for_a_stage_to_come(self, key: str, recorded: dict[str, Any],
+    def _added_for_a_stage_to_come(self, key: str, recorded_keys: dict[str, Any],
                                    stages_done: dict[str, Any]) -> bool:
-        """Whether `key` lies under a `may_add` prefix that the recorded settings left empty,
-        and that prefix's stage has not run (nothing of it can be in the directory)."""
+        """Whether `key` lies under a `may_add` prefix that the recorded settings (flattened,
+        `recorded_keys`) left empty, and that prefix's stage has not run (nothing of it can be
+        in the directory)."""
         for prefix, stage in self.may_add.items():
-            if key != prefix and not key.startswith(f"{prefix}."):
-                continue
-            before = [value for name, value in _flatten(recorded).items()
-                      if name == prefix or name.startswith(f"{prefix}.")]
-            return stage not in stages_done and all(value is None for value in before)
+            if _under(key, prefix):
+                before = [value for name, value in recorded_keys.items() if _under(name, prefix)]
+                return stage not in stages_done and all(value is None for value in before)
         return False
 
     def _holds_outputs(self) -> bool:
@@ -234,6 +233,11 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
+def _under(key: str, prefix: str) -> bool:
+    """Whether dotted `key` is `prefix` or lies under it."""
+    return key == prefix or key.startswith(f"{prefix}.")
+
+
 def differing_keys(
     recorded: dict[str, Any], wanted: dict[str, Any], ignored: tuple[str, ...] = ()
 ) -> list[str]:
@@ -241,7 +245,7 @@ def differing_keys(
     old, new = _flatten(recorded), _flatten(wanted)
 
     def is_ignored(key: str) -> bool:
-        return any(key == k or key.startswith(f"{k}.") for k in ignored)
+        return any(_under(key, k) for k in ignored)
 
     return sorted(k for k in set(old) | set(new)
                   if not is_ignored(k) and old.get(k) != new.get(k))

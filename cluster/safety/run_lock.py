@@ -230,15 +230,14 @@ class _StorageFile:
     """The lock file in object storage (a pyarrow.fs URI): write if absent, then read back."""
 
     def __init__(self, uri: str, filesystem=None) -> None:
-        from bertforge.training.object_storage import checking_filesystem_of, storage_error
+        from bertforge.training.object_storage import checking_filesystem_of
 
         # Retries bounded: the driver takes this lock before the run starts, and a heartbeat
         # that fails is tried again at the next one.
         try:
             self.fs, base = checking_filesystem_of(uri)  # s3:// asks for the bucket's region
         except OSError as error:
-            raise UserInputError(f"the run lock in {uri} could not be taken: "
-                                 f"{storage_error(error)}") from error
+            raise _out_of_reach(uri, error) from error
         self.fs = filesystem or self.fs  # one shared instance (tests: a SubTreeFileSystem)
         self.uri = uri
         self.path = f"{base.rstrip('/')}/{LOCK_NAME}"
@@ -275,6 +274,14 @@ class _StorageFile:
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(self.path)
         return True
+
+
+def _out_of_reach(where, error: OSError) -> UserInputError:
+    """A lock in object storage that could not be reached (credentials, network), in a line.
+    Only where it is taken: a heartbeat or a release that fails is tried again, or let go."""
+    from bertforge.training.object_storage import storage_error
+
+    return UserInputError(f"the run lock in {where} could not be taken: {storage_error(error)}")
 
 
 def lock_file_for(location):
@@ -325,10 +332,7 @@ class RunLock:
                 except OSError as error:  # storage out of reach: credentials, network
                     if isinstance(lock, _LocalFile):
                         raise
-                    from bertforge.training.object_storage import storage_error
-
-                    raise UserInputError(f"the run lock in {lock} could not be taken: "
-                                         f"{storage_error(error)}") from error
+                    raise _out_of_reach(lock, error) from error
                 self._held.append(lock)
         except BaseException:
             self._release()
