@@ -328,41 +328,45 @@ def _run_submit(args: argparse.Namespace) -> int:
 def _run_eval(args: argparse.Namespace) -> None:
     from bertforge.cluster.safety.dataset_guard import reading_dataset
     from bertforge.pipelines.contract.config_fields import given_values
-    from bertforge.training.checkpoint import resolve_checkpoint
     from bertforge.training.eval_options import EvalOptions
     from bertforge.training.evaluate import evaluate_checkpoint
     from bertforge.training.inputs import check_eval_inputs
 
     options = EvalOptions(**given_values(args, EvalOptions))
     check_eval_inputs(args.checkpoint, args.data, options.split, options.device)
-    checkpoint = resolve_checkpoint(args.checkpoint)
-    _log_in_run_dir(checkpoint, "eval")
+    _log_in_run_dir(args.checkpoint, "eval")
     with reading_dataset(args.data, "eval"):  # prepare will not replace it meanwhile
-        result = evaluate_checkpoint(checkpoint, args.data, options)
+        # The path as given: a run's newest checkpoint is picked where it is read.
+        result = evaluate_checkpoint(args.checkpoint, args.data, options)
     print(json.dumps(result.to_dict(), indent=2))
 
 
 def _run_export(args: argparse.Namespace) -> None:
-    from bertforge.training.checkpoint import read_metadata, resolve_checkpoint
-    from bertforge.training.export import export_checkpoint
+    from bertforge.training.export import export_checkpoint, exported_source
     from bertforge.training.inputs import check_export_inputs
 
     check_export_inputs(args.checkpoint, args.output)
-    checkpoint = resolve_checkpoint(args.checkpoint)
-    _log_in_run_dir(checkpoint, "export")
-    metadata = read_metadata(checkpoint)
-    print(f"[export] run {metadata.get('run_id') or '(no id: an older run)'}, step "
-          f"{metadata.get('global_step')}, from {checkpoint}", flush=True)
-    print(export_checkpoint(checkpoint, args.output))
+    _log_in_run_dir(args.checkpoint, "export")
+    # The path as given: a run's newest checkpoint is picked where it is read.
+    output = export_checkpoint(args.checkpoint, args.output)
+    source = exported_source(output)
+    print(f"[export] run {source['run_id'] or '(no id: an older run)'}, step "
+          f"{source['global_step']}, from {source['checkpoint']}", flush=True)
+    print(output)
 
 
-def _log_in_run_dir(checkpoint: str, command: str) -> None:
+def _log_in_run_dir(checkpoint_or_run_dir: str, command: str) -> None:
     """eval's and export's log: RUN_DIR/logs/COMMAND.log of the checkpoint's run, beside the
     training's logs (a checkpoint outside a run directory: its own parent's logs/)."""
     from bertforge.cluster.launch.worker_output import LOG_DIR, log_driver_to
+    from bertforge.training.checkpoint import COMMIT_MARKER
 
-    parent = os.path.dirname(os.path.abspath(checkpoint))
-    run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
+    path = os.path.abspath(checkpoint_or_run_dir)
+    if not os.path.exists(os.path.join(path, COMMIT_MARKER)):
+        run_dir = path
+    else:
+        parent = os.path.dirname(path)
+        run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
     try:
         log_driver_to(os.path.join(run_dir, LOG_DIR, f"{command}.log"))
     except OSError:

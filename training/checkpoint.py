@@ -33,13 +33,16 @@ import shutil
 import tempfile
 import time
 import zipfile
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from bertforge.training.distributed import barrier, local_rank
 from bertforge.training.errors import UserInputError
+
+T = TypeVar("T")
 
 CHECKPOINTS_DIR = "checkpoints"
 COMMIT_MARKER = "COMMITTED"
@@ -48,6 +51,10 @@ UNIVERSAL_SUFFIX = ".universal"
 _TAG_PATTERN = re.compile(r"^step_(\d{8})$")
 _UNIVERSAL_PATTERN = re.compile(r"^step_(\d{8})\.universal$")
 _UNIVERSAL_STAGING_PREFIX = ".universal-staging-"
+_RETIRED_PREFIX = ".retired-"  # a pruned checkpoint on its way out (`_retire`)
+# How often a reader picks a run's newest checkpoint again when a running train prunes the one
+# it is reading (`read_newest`): each try is one save interval of the train's.
+READ_TRIES = 3
 PREVIOUS_DIR = "previous"  # RUN_DIR/previous/<UTC time>/: the runs a fresh start moved aside
 # What a run writes beside its checkpoints, moved aside with them (training.metrics, loop).
 _RUN_FILES = ("metrics.jsonl", "tensorboard", "config.json")
@@ -122,7 +129,7 @@ def prune_node_copies(run_dir: str, keep: int, step: int) -> None:
                    if (m := _TAG_PATTERN.match(name)) and int(m.group(1)) <= step
                    and not os.path.exists(os.path.join(root, name, COMMIT_MARKER)))
     for number in parts[:-keep]:
-        shutil.rmtree(os.path.join(root, tag_for_step(number)), ignore_errors=True)
+        _retire(os.path.join(root, tag_for_step(number)))
 
 
 def load(engine, checkpoint_path: str, *, universal: bool = False) -> dict[str, Any]:
@@ -382,6 +389,11 @@ def _compare_shapes(checkpoint_path: str, config, saved: dict[str, tuple[int, ..
         )
 
 
+def holds_checkpoint(path: str) -> bool:
+    """`path` is a complete checkpoint or a run directory with one."""
+    return os.path.exists(os.path.join(path, COMMIT_MARKER)) or bool(committed_steps(path))
+
+
 def resolve_checkpoint(path: str) -> str:
     """Accept a checkpoint directory or a run directory (then its newest complete checkpoint)."""
     if os.path.exists(os.path.join(path, COMMIT_MARKER)):
@@ -390,6 +402,33 @@ def resolve_checkpoint(path: str) -> str:
     if latest is None:
         raise ValueError(f"{path} is neither a complete checkpoint nor a run with one")
     return latest
+
+
+def read_newest(path: str, read: Callable[[str], T]) -> tuple[str, T]:
+    """(checkpoint, `read(checkpoint)`) for the complete checkpoint `path` names: itself, or a
+    run directory's newest.
+
+    A `bertforge train` still running in that run removes its older checkpoints after each
+    save (--keep-checkpoints), so the one picked can go while it is read. For a run directory
+    the newest is then picked again (`READ_TRIES` times); a checkpoint named by its own path
+    that goes is a UserInputError saying so, not the missing file's error. A read that fails
+    while its checkpoint is still there fails with its own error."""
+    for _ in range(READ_TRIES):
+        picked = resolve_checkpoint(path)
+        try:
+            return picked, read(picked)
+        except Exception:
+            if os.path.exists(os.path.join(picked, COMMIT_MARKER)):
+                raise
+        if os.path.abspath(picked) == os.path.abspath(path):
+            raise UserInputError(
+                f"checkpoint {path} was removed while it was read: a bertforge train still "
+                "running in its run keeps only its newest --keep-checkpoints; give the run "
+                "directory (its newest checkpoint) or a newer checkpoint")
+    raise UserInputError(
+        f"the newest checkpoint of {path} was removed while it was read, {READ_TRIES} times: "
+        "a bertforge train still running there saves faster than this reads; give it a "
+        "larger --keep-checkpoints, or wait for it to end")
 
 
 def load_fp32_state_dict(checkpoint_path: str) -> dict[str, torch.Tensor]:
@@ -531,9 +570,23 @@ def _prune(run_dir: str, keep: int, *, run_id: str | None = None, step: int | No
             number = int(match.group(1))
             # An uncommitted tag below `step` is a killed save: never a checkpoint.
             if number in drop or (number not in committed and number < step):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        elif name.startswith(_UNIVERSAL_STAGING_PREFIX):  # a conversion killed mid-way
+                _retire(os.path.join(root, name))
+        elif name.startswith((_UNIVERSAL_STAGING_PREFIX,  # a conversion killed mid-way
+                              _RETIRED_PREFIX)):  # a removal killed mid-way
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _retire(path: str) -> None:
+    """Remove a checkpoint so that no reader (an export, an eval, a warm start beside the
+    running train) ever finds it part-deleted: first renamed away from the step names in one
+    atomic step, so a reader sees it whole or not at all (and files it has open stay
+    readable), then deleted. Deleted in place, its commit marker could outlive its weights."""
+    retired = tempfile.mkdtemp(prefix=_RETIRED_PREFIX, dir=os.path.dirname(path))
+    try:
+        os.rename(path, os.path.join(retired, os.path.basename(path)))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def checkpoint_run_id(checkpoint_path: str) -> str | None:

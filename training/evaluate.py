@@ -13,6 +13,7 @@ import torch.distributed as dist
 from bertforge.training.config import TrainConfig
 from bertforge.training.distributed import all_reduce_sum
 from bertforge.training.eval_options import EvalOptions
+from bertforge.training.metrics import counted
 
 
 @dataclass
@@ -108,8 +109,9 @@ def evaluate_checkpoint(
     checkpoint_path: str, data_dir: str, options: EvalOptions | None = None, *,
     progress_seconds: float = 10.0,
 ) -> EvalResult:
-    """Score a checkpoint on a split with fixed masks (seed, epoch 0), in this process, on
-    `options.device`; a progress line every `progress_seconds` (`EvalProgress`).
+    """Score a checkpoint (or a run directory's newest) on a split with fixed masks (seed,
+    epoch 0), in this process, on `options.device`; a progress line every `progress_seconds`
+    (`EvalProgress`).
 
     The masks are the checkpoint's run's: `options.seed` None takes its training seed, and
     its masking (share, predictions per row, whole words) is the run's, whose own validation
@@ -118,7 +120,7 @@ def evaluate_checkpoint(
     the scored split's most frequent token, as the run's validation takes it (the train split
     may be terabytes). A checkpoint saved before these were recorded takes TrainConfig's
     defaults."""
-    from bertforge.training.checkpoint import load_model
+    from bertforge.training.checkpoint import load_model, read_newest
     from bertforge.training.data import (
         MaskingOptions,
         PretrainingLoader,
@@ -128,7 +130,8 @@ def evaluate_checkpoint(
     from bertforge.training.dataset_facts import DatasetFacts
 
     options = options or EvalOptions()  # the defaults `bertforge eval` shows
-    model, metadata = load_model(checkpoint_path)
+    # A run directory's newest, read before a train still running there may remove it.
+    checkpoint_path, (model, metadata) = read_newest(checkpoint_path, load_model)
     if DatasetFacts.read(data_dir).vocab_sha256 != metadata["vocab_sha256"]:
         raise ValueError(f"{data_dir} uses another vocabulary than checkpoint {checkpoint_path}")
     seed = options.seed
@@ -148,8 +151,8 @@ def evaluate_checkpoint(
     max_batches = options.max_batches
     total = len(loader) if max_batches is None else min(max_batches, len(loader))
     progress = EvalProgress(total, every_seconds=progress_seconds)
-    progress.say(f"[eval] {checkpoint_path}: {total} batches of {options.batch_size} "
-                 f"({options.split})")
+    progress.say(f"[eval] {checkpoint_path}: {counted(total, 'batch', 'batches')} of "
+                 f"{options.batch_size} ({options.split})")
     device = eval_device(options.device)
     with torch.autocast("cuda", dtype=torch.bfloat16,
                         enabled=device == "cuda" and metadata.get("precision") == "bf16"):

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 
-from bertforge.training.checkpoint import load_model, resolve_checkpoint
-from bertforge.training.hf_interop import hf_config_dict, to_hf_state_dict, write_hf_directory
+from bertforge.training.checkpoint import load_model, read_newest
+from bertforge.training.hf_interop import (
+    HF_CONFIG_NAME,
+    hf_config_dict,
+    to_hf_state_dict,
+    write_hf_directory,
+)
 
 # config.json's record of the weights' origin: which checkpoint, run and step they come from.
 SOURCE_KEY = "bertforge_source"
@@ -15,13 +23,28 @@ def export_checkpoint(checkpoint_or_run_dir: str, output_dir: str) -> str:
     """Write config.json, model.safetensors, vocab and tokenizer files; returns output_dir.
 
     config.json names the checkpoint, run id and step the weights come from (`SOURCE_KEY`;
-    transformers keeps an unknown key as an attribute of the config)."""
-    checkpoint_path = resolve_checkpoint(checkpoint_or_run_dir)
-    model, metadata = load_model(checkpoint_path)
-    source = {"checkpoint": os.path.abspath(checkpoint_path), "run_id": metadata.get("run_id"),
-              "global_step": metadata.get("global_step")}
-    return write_hf_directory(
-        to_hf_state_dict(model.state_dict(), model.config),
-        {**hf_config_dict(model.config), SOURCE_KEY: source}, model.config,
-        os.path.join(checkpoint_path, "vocab.txt"), metadata["lower_case"], output_dir,
-    )
+    transformers keeps an unknown key as an attribute of the config; `exported_source` reads
+    it back). Everything is read from the checkpoint first (its weights and its vocab.txt), so
+    a train still running in the run may remove it afterwards (`read_newest`)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        vocab_path = os.path.join(scratch, "vocab.txt")
+
+        def read(checkpoint_path: str):
+            model, metadata = load_model(checkpoint_path)
+            shutil.copyfile(os.path.join(checkpoint_path, "vocab.txt"), vocab_path)
+            return model, metadata
+
+        checkpoint_path, (model, metadata) = read_newest(checkpoint_or_run_dir, read)
+        source = {"checkpoint": os.path.abspath(checkpoint_path),
+                  "run_id": metadata.get("run_id"), "global_step": metadata.get("global_step")}
+        return write_hf_directory(
+            to_hf_state_dict(model.state_dict(), model.config),
+            {**hf_config_dict(model.config), SOURCE_KEY: source}, model.config,
+            vocab_path, metadata["lower_case"], output_dir,
+        )
+
+
+def exported_source(output_dir: str) -> dict:
+    """The checkpoint, run id and step an export's weights come from (its config.json)."""
+    with open(os.path.join(output_dir, HF_CONFIG_NAME), encoding="utf-8") as f:
+        return json.load(f)[SOURCE_KEY]

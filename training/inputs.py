@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from bertforge.training import checkpoint
@@ -21,6 +22,7 @@ from bertforge.training.config import TrainConfig
 from bertforge.training.data.split import read_dataset_manifest, read_vocab_tokens, split_rows
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.errors import MissingInputError, UserInputError, as_user_error
+from bertforge.training.metrics import counted
 from bertforge.training.model import BertConfig
 from bertforge.training.warm_start import check_casing, check_fits, check_resume_architecture
 
@@ -152,16 +154,25 @@ def read_checkpoint_metadata(path: str) -> dict:
 REQUIRED_METADATA = ("model_config", "vocab_sha256", "lower_case", "global_step")
 
 
-def check_checkpoint(path: str) -> str:
+def check_checkpoint(path: str,
+                     also: Callable[[str, dict[str, Any]], None] | None = None) -> str:
     """The complete checkpoint `path` names (itself, or a run directory's newest), readable,
-    safe to unpickle and holding weights of its bertforge.json's shapes (`verify_checkpoint`)."""
+    safe to unpickle and holding weights of its bertforge.json's shapes (`verify_checkpoint`);
+    `also(checkpoint, its bertforge.json)` checks more. A run's newest that a running train
+    removes meanwhile: its next newest is checked."""
     refuse_storage_uri(path, "a checkpoint")
     if not os.path.exists(path):
         raise MissingInputError(f"checkpoint {path} does not exist")
     try:
-        resolved = checkpoint.resolve_checkpoint(path)
+        resolved, _ = checkpoint.read_newest(
+            path, lambda resolved: _check_complete_checkpoint(resolved, also))
     except ValueError as error:
         raise as_user_error(error) from error
+    return resolved
+
+
+def _check_complete_checkpoint(
+        resolved: str, also: Callable[[str, dict[str, Any]], None] | None) -> None:
     saved = read_checkpoint_metadata(resolved)
     if not os.path.exists(os.path.join(resolved, "vocab.txt")):
         raise MissingInputError(f"checkpoint {resolved} lacks its vocab.txt")
@@ -177,7 +188,8 @@ def check_checkpoint(path: str) -> str:
             "its weights (nodes that each kept their own run directory: the whole checkpoint "
             "is in the run's --storage; copy it here)")
     verify_checkpoint(resolved, saved)
-    return resolved
+    if also is not None:
+        also(resolved, saved)
 
 
 def check_model_source(source: str) -> str:
@@ -296,7 +308,7 @@ def check_step_batch(cfg: TrainConfig, facts: DatasetFacts, world_size: int) -> 
     if rows < step:
         raise UserInputError(
             f"the training split of {cfg.data_dir} has {rows} sequences, fewer than one "
-            f"optimizer step ({cfg.micro_batch_size} micro x {world_size} workers x "
+            f"optimizer step ({cfg.micro_batch_size} micro x {counted(world_size, 'worker')} x "
             f"{accumulation} accumulation = {step}): give a smaller --batch-size or "
             "--global-batch-size, or prepare more data")
 
@@ -333,9 +345,10 @@ def check_zero_stage_change(saved: dict[str, Any], zero_stage: int, world_size: 
     if saved_stage is None or (saved_stage == 0) == (zero_stage == 0):
         return
     raise UserInputError(
-        f"{path} was saved by {saved_world} workers under ZeRO stage {saved_stage}; resuming on "
-        f"{world_size} workers under ZeRO stage {zero_stage} is not supported: keep "
-        "zero_stage 0 in both runs, or ZeRO >= 1 in both (converted to a universal checkpoint)"
+        f"{path} was saved by {counted(saved_world, 'worker')} under ZeRO stage {saved_stage}; "
+        f"resuming on {counted(world_size, 'worker')} under ZeRO stage {zero_stage} is not "
+        "supported: keep zero_stage 0 in both runs, or ZeRO >= 1 in both (converted to a "
+        "universal checkpoint)"
     )
 
 
@@ -343,13 +356,16 @@ def check_eval_inputs(checkpoint_path: str, data_dir: str, split: str,
                       device: str = "cpu") -> None:
     """`eval`: the checkpoint resolves, the dataset's split opens with the same vocabulary and
     lengths the model has positions for, and the device asked for is there."""
-    resolved = check_checkpoint(checkpoint_path)
     facts = check_dataset(data_dir, (split,))
-    saved = read_checkpoint_metadata(resolved)
-    if saved.get("vocab_sha256") != facts.vocab_sha256:
-        raise UserInputError(f"{data_dir} uses another vocabulary than checkpoint {resolved}")
-    check_casing(saved, facts, f"checkpoint {resolved}", data_dir)
-    check_positions(facts.max_seq_length, checkpoint.model_config_of(resolved, saved), data_dir)
+
+    def fits_the_data(resolved: str, saved: dict[str, Any]) -> None:
+        if saved.get("vocab_sha256") != facts.vocab_sha256:
+            raise UserInputError(f"{data_dir} uses another vocabulary than checkpoint {resolved}")
+        check_casing(saved, facts, f"checkpoint {resolved}", data_dir)
+        check_positions(facts.max_seq_length, checkpoint.model_config_of(resolved, saved),
+                        data_dir)
+
+    check_checkpoint(checkpoint_path, also=fits_the_data)
     if device == "cuda":
         import torch
 

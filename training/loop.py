@@ -36,7 +36,7 @@ from bertforge.training.inputs import (
     check_zero_stage_change,
     resolve_model_config,
 )
-from bertforge.training.metrics import MetricsLogger, console
+from bertforge.training.metrics import MetricsLogger, console, counted
 from bertforge.training.model import IGNORE_INDEX, BertConfig, BertForPreTraining, num_parameters
 from bertforge.training.profiling import StepProfiler
 from bertforge.training.resolved_engine import (
@@ -241,10 +241,10 @@ def _print_recipe(cfg: TrainConfig, model_config: BertConfig, world_size: int) -
     push the progress lines off a terminal)."""
     accumulation = cfg.accumulation_steps(world_size)
     console(
-        f"[train] recipe: {world_size} workers x {cfg.micro_batch_size} micro x {accumulation} "
-        f"accumulation = {cfg.global_batch(world_size)} sequences per step, {cfg.max_steps} "
-        f"steps, {cfg.optimizer} lr {cfg.learning_rate:g} (warm-up {cfg.warmup_steps}, "
-        f"{cfg.decay} decay), ZeRO {cfg.zero_stage}"
+        f"[train] recipe: {counted(world_size, 'worker')} x {cfg.micro_batch_size} micro x "
+        f"{accumulation} accumulation = {cfg.global_batch(world_size)} sequences per step, "
+        f"{cfg.max_steps} steps, {cfg.optimizer} lr {cfg.learning_rate:g} (warm-up "
+        f"{cfg.warmup_steps}, {cfg.decay} decay), ZeRO {cfg.zero_stage}"
         f"{', compiled layers' if cfg.compile else ''}"
         f"{', bf16 residual stream' if cfg.bf16_residual else ''}"
         f"{', FP8 GEMMs' if cfg.fp8 else ''}; all of it in "
@@ -340,8 +340,9 @@ def check_world_size_change(saved: dict[str, Any], cfg: TrainConfig, path: str) 
     if saved_world in (None, world_size) or saved_stage == 0:
         return False
     if saved_stage is None:  # saved before stages were recorded: its layout is unknown
-        raise UserInputError(f"{path} was saved by {saved_world} workers under an unrecorded "
-                             f"ZeRO stage; resume it on {saved_world} workers")
+        workers = counted(saved_world, "worker")
+        raise UserInputError(f"{path} was saved by {workers} under an unrecorded ZeRO stage; "
+                             f"resume it on {workers}")
     return True
 
 

@@ -11,6 +11,12 @@ from typing import Any
 METRICS_NAME = "metrics.jsonl"
 
 
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """"1 worker", "2 workers" ("1 batch", "3 batches" with `plural`): console lines read as
+    sentences."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks get a logger that only keeps the records in memory."""
 

@@ -53,12 +53,9 @@ def check_fits(source: str, source_config: BertConfig, source_vocab_sha256: str 
 def read_initial_weights(source: str) -> tuple[BertConfig, dict[str, torch.Tensor], str | None]:
     """(config, fp32 state dict in our names, vocab sha256 or None) of a warm-start source."""
     # Checkpoints first: a run directory also holds a config.json (the resolved recipe).
-    try:
-        path = checkpoint.resolve_checkpoint(source)
-    except ValueError:
-        path = None
-    if path is not None:
-        model, metadata = checkpoint.load_model(path)
+    if checkpoint.holds_checkpoint(source):
+        # A run's newest, read before a train still running there may remove it.
+        _, (model, metadata) = checkpoint.read_newest(source, checkpoint.load_model)
         return model.config, model.state_dict(), metadata["vocab_sha256"]
     if not any(os.path.exists(os.path.join(source, name)) for name in HF_WEIGHTS_NAMES):
         raise ValueError(

@@ -151,7 +151,7 @@ def run_finetunes(cfgs: list[FinetuneConfig], launch: LaunchConfig) -> list[dict
         pending = [(job.cfg, lr, seed) for job, runner in zip(jobs, runners, strict=True)
                    for name, (lr, seed) in zip(job.names, job.cfg.runs(), strict=True)
                    if runner.recorded(name) is None]
-        if len(pending) > 1:
+        if pending:  # one run too: its worker prints its line, the stage only records it
             _run_pending(launch, pending)
         all_results = [job.finish(runner, launch, started)
                        for job, runner in zip(jobs, runners, strict=True)]

@@ -37,7 +37,7 @@ from bertforge.training.checkpoint import latest_checkpoint, new_run_id, read_me
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
 from bertforge.training.inputs import check_train_inputs, refuse_run_dir_uri
-from bertforge.training.metrics import console
+from bertforge.training.metrics import console, counted
 from bertforge.training.object_storage import child_uri
 
 # A worker group that cannot be scheduled (no node has the resources, an autoscaler that adds
@@ -257,9 +257,9 @@ def _bounded_scheduling(run_config: RunConfig, attempts: int = SCHEDULING_ATTEMP
 def _unschedulable(launch: LaunchConfig) -> str:
     per_worker = f"{'1 GPU and ' if launch.gpu else ''}{launch.cpus_per_worker} CPU"
     timeout = float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60))
-    return (f"the cluster could not start {launch.workers} workers of {per_worker} each in "
-            f"{_scheduling_attempts(launch)} tries of {timeout:.0f} s: no node can hold them, "
-            "or the autoscaler added none; check --workers, --gpu and --cpus-per-worker "
+    return (f"the cluster could not start {counted(launch.workers, 'worker')} of {per_worker} "
+            f"each in {_scheduling_attempts(launch)} tries of {timeout:.0f} s: no node can hold "
+            "them, or the autoscaler added none; check --workers, --gpu and --cpus-per-worker "
             "against the cluster's nodes (`ray status`), or give nodes that start slowly "
             "longer (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, seconds a try)")
 

@@ -139,6 +139,12 @@ class _Console(io.TextIOBase):
         return self.console.isatty()
 
     @property
+    def closed(self) -> bool:
+        """The console's state: an atexit hook (Ray's colorama) asks this before `isatty`, and
+        a console closed under us (pytest's capture) must not raise there."""
+        return self.console.closed
+
+    @property
     def encoding(self) -> str:
         return getattr(self.console, "encoding", "utf-8")
 

@@ -117,5 +117,9 @@ def test_a_local_finetune_starts_no_ray_and_a_killed_worker_redoes_its_run(tmp_p
     assert steps == list(range(1, results["training"]["steps"] + 1))
     # The worker's lines came through the driver: its own, a step line among them.
     assert "[finetune] step 1/" in captured.out
+    # One line for the finished run, the worker's, with its score (not a second one from the
+    # stage that records it).
+    finished = [line for line in captured.out.splitlines() if "finished in" in line]
+    assert len(finished) == 1 and "(accuracy " in finished[0], finished
     assert not [p for p in psutil.Process().children(recursive=True)
                 if "local_worker" in " ".join(p.cmdline())]

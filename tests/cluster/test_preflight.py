@@ -113,7 +113,7 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
     refused([*resume, "--precision", "bf16"], capsys,
             "was trained in fp32; resuming it in bf16 is not supported")
     refused([*resume, "--precision", "fp32", "--zero-stage", "2"], capsys,
-            "under ZeRO stage 0; resuming on 1 workers under ZeRO stage 2 is not supported")
+            "under ZeRO stage 0; resuming on 1 worker under ZeRO stage 2 is not supported")
     # eval and export of that checkpoint pass their pre-flight; a used output is refused.
     refused(["export", str(run_dir), "--output", str(tmp_path)], capsys, "exists")
 

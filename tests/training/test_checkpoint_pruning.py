@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -106,3 +107,28 @@ def test_a_node_with_a_run_directory_of_its_own_keeps_only_the_newest_parts(tmp_
     assert parts == ["step_00000004", "step_00000005"]
     assert any(name.startswith("zero_pp_rank_1") for name in
                os.listdir(tmp_path / "run-node1" / checkpoint.CHECKPOINTS_DIR / parts[-1]))
+
+
+def test_a_pruned_checkpoint_is_never_seen_part_deleted(tmp_path, monkeypatch):
+    """Deleted in place, a checkpoint's commit marker could outlive its weights, and an export
+    beside the train would pick it as complete: it leaves the step names first, whole."""
+    for step in (1, 2, 3):
+        fake_checkpoint(tmp_path, step, "run")
+    seen_while_deleting = []
+    rmtree = shutil.rmtree
+
+    def watched_rmtree(path, *args, **kwargs):
+        deleting = {int(name[len("step_"):]) for _, dirs, _ in os.walk(path)
+                    for name in dirs if name.startswith("step_")}
+        deleting |= {int(os.path.basename(path)[len("step_"):])} if "step_" in path else set()
+        seen_while_deleting.append((deleting, checkpoint.committed_steps(str(tmp_path))))
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", watched_rmtree)
+    checkpoint._prune(str(tmp_path), keep=1, run_id="run", step=3)
+    assert seen_while_deleting == [({1}, [2, 3]), ({2}, [3])]
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000003"]
+    # A removal killed part-way leaves its renamed folder: the next prune clears it.
+    (tmp_path / "checkpoints" / ".retired-killed" / "step_00000002").mkdir(parents=True)
+    checkpoint._prune(str(tmp_path), keep=1, run_id="run", step=3)
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000003"]

@@ -9,8 +9,11 @@ Hugging Face directory may be a pretraining export, `bert-base-uncased` as downl
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from typing import Any, NamedTuple
 
 import torch
@@ -74,16 +77,27 @@ def load_pretrained(source: str, *, random_init: bool = False) -> PretrainedMode
 
 
 def _from_checkpoint(source: str, kind: str, random_init: bool) -> PretrainedModel:
-    path = checkpoint.resolve_checkpoint(source)
-    metadata = checkpoint.read_metadata(path)
-    if random_init:
-        config, state = checkpoint.model_config_of(path, metadata), None
-    else:
+    def read(path: str):
+        metadata = checkpoint.read_metadata(path)
+        vocab_path = _copy_for_this_process(os.path.join(path, "vocab.txt"))
+        if random_init:
+            return metadata, checkpoint.model_config_of(path, metadata), None, vocab_path
         config, state, _ = read_initial_weights(path)
-    provenance = _provenance(source, kind, random_init, os.path.join(path, "vocab.txt"),
+        return metadata, config, state, vocab_path
+
+    # Everything read at once, a run's newest picked again if a train still running there
+    # removes it meanwhile; the vocabulary copied, as the fine-tune reads it until its export.
+    path, (metadata, config, state, vocab_path) = checkpoint.read_newest(source, read)
+    provenance = _provenance(source, kind, random_init, vocab_path,
                              step=metadata["global_step"], checkpoint=os.path.abspath(path))
-    return PretrainedModel(config, state, os.path.join(path, "vocab.txt"),
-                           bool(metadata["lower_case"]), provenance)
+    return PretrainedModel(config, state, vocab_path, bool(metadata["lower_case"]), provenance)
+
+
+def _copy_for_this_process(path: str) -> str:
+    """A copy of `path` in a temporary directory removed when this process exits."""
+    directory = tempfile.mkdtemp(prefix="bertforge-model-")
+    atexit.register(shutil.rmtree, directory, True)
+    return shutil.copy(path, directory)
 
 
 def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:

@@ -36,7 +36,7 @@ from bertforge.training.finetune.export import export_finetuned
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.model import task_model
 from bertforge.training.finetune.task_data import TaskData, load_task_data
-from bertforge.training.metrics import MetricsLogger, console
+from bertforge.training.metrics import MetricsLogger, console, counted
 from bertforge.training.resolved_engine import resolve_engine
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
@@ -67,7 +67,7 @@ def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str
         console(f"[finetune] {cfg.task}: lr {cfg.learning_rate:g}, seed {seed}, "
                 f"{data.num_train_examples} train examples ({data.num_train_rows} rows), "
                 f"{num_steps} steps of "
-                f"{cfg.batch_size} ({world_size} workers), {precision}")
+                f"{cfg.batch_size} ({counted(world_size, 'worker')}), {precision}")
     torch.manual_seed(seed + rank)  # dropout: a different mask on every rank
     engine = build_engine(model, resolved)
     started = time.time()
