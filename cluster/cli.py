@@ -128,22 +128,31 @@ def _add_submit(commands) -> None:
     p = commands.add_parser(
         "submit", help="run a command as a job on a Ray cluster (Ray Jobs API)",
         description="Submit e.g. `bertforge train ...` to a running Ray cluster, follow its "
-        "logs, and exit with its final status (0 succeeded, 1 failed, 3 stopped). "
+        "logs, and exit with its final status (0 succeeded, 1 failed, 3 stopped). Ctrl-C stops "
+        "following, not the job (--stop stops it). Paths in the command are the cluster's: "
+        "give absolute ones every node mounts. "
         "Usage: bertforge submit [options] -- COMMAND ...",
     )
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="the cluster's Jobs endpoint")
-    p.add_argument("--working-dir", default=".", help="code to upload (default: this directory)")
+    p.add_argument("--working-dir", default=".",
+                   help="the job's working directory, uploaded (default: this directory); "
+                   "from a bertforge checkout its code runs, else the cluster's bertforge")
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="more paths to leave out of the upload (repeatable)")
     p.add_argument("--image", default=None,
                    help="a container image holding bertforge, instead of uploading code "
                    "(Ray's image_uri: every node needs Podman and the cluster's Ray and Python "
                    "versions in the image; infra/'s clusters run the training image already)")
-    p.add_argument("--submission-id", default=None, help="a stable id (resubmits are refused)")
+    p.add_argument("--submission-id", default=None,
+                   help="the job's id (default: Ray's); an id names one job for good, so a "
+                   "resubmitted command needs a new one")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment variable for the job (values are never printed)")
     p.add_argument("--no-wait", action="store_true", help="return once submitted")
     p.add_argument("--stop", metavar="SUBMISSION_ID", help="stop a running job instead")
+    p.add_argument("--follow", metavar="SUBMISSION_ID",
+                   help="follow a job submitted earlier (its logs from the start) to its end "
+                   "instead; Ctrl-C stops following, never the job")
     p.add_argument("entrypoint", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     p.set_defaults(handler=_run_submit)
 
@@ -306,10 +315,20 @@ def _run_train(args: argparse.Namespace) -> None:
 
 
 def _run_submit(args: argparse.Namespace) -> int:
-    from bertforge.cluster.launch.submit import DEFAULT_EXCLUDES, SubmitConfig, stop, submit
+    from bertforge.cluster.launch.submit import (
+        DEFAULT_EXCLUDES,
+        SubmitConfig,
+        follow_job,
+        stop,
+        submit,
+    )
 
+    if args.stop and args.follow:
+        raise ValueError("give --stop or --follow, not both")
     if args.stop:
         return stop(args.address, args.stop)
+    if args.follow:
+        return follow_job(args.address, args.follow)
     entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
     env_vars = {}
     for item in args.env:
@@ -438,6 +457,18 @@ def _configure_logging(command: str | None = None) -> None:
         logging.getLogger(package).setLevel(logging.INFO)
 
 
+def _refuse_outputs_in_the_jobs_copy(args: argparse.Namespace) -> None:
+    """Inside a `submit` job, a command's outputs given as relative paths would be written in
+    the job's copy of the working directory and lost (`paths.refuse_output_in_the_jobs_copy`);
+    a run directory whose checkpoints go to --storage is fine there."""
+    from bertforge.cluster.launch.paths import refuse_output_in_the_jobs_copy
+
+    if getattr(args, "output", None):
+        refuse_output_in_the_jobs_copy(args.output, "--output")
+    if getattr(args, "run_dir", None) and not getattr(args, "storage", None):
+        refuse_output_in_the_jobs_copy(args.run_dir, "--run-dir")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -452,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bertforge.cluster.launch.local_ray import as_stop, driver_teardown
 
     try:
+        _refuse_outputs_in_the_jobs_copy(args)
         # SIGTERM exits like Ctrl-C (locks released) and a local Ray this run started stops.
         with driver_teardown():
             if args.command == "prepare":
@@ -459,7 +491,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 status = args.handler(args)
     except (ValueError, FileNotFoundError) as error:
-        print(f"bertforge {args.command}: error: {error}", file=sys.stderr)
+        from bertforge.cluster.launch.paths import jobs_copy_hint
+
+        print(f"bertforge {args.command}: error: {error}{jobs_copy_hint(str(error))}",
+              file=sys.stderr)
         return 2
     except SystemExit as exit_:  # SIGTERM, SIGINT, SIGHUP: workers stopped, locks released
         stop = as_stop(exit_)

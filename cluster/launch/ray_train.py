@@ -18,7 +18,7 @@ from ray.train.v2.api.exceptions import ControllerError
 from bertforge.cluster.launch import local_ray
 from bertforge.cluster.launch.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.launch.launch_config import LaunchConfig
-from bertforge.cluster.launch.paths import absolute
+from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_copy
 from bertforge.cluster.launch.persistence import storage_run_name, stored_checkpoints
 from bertforge.cluster.launch.torch_store import NodeAddressTorchConfig
 from bertforge.cluster.launch.worker_output import (
@@ -94,6 +94,8 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
                                  "run_dir": absolute(cfg.run_dir),
                                  "init_from": absolute(cfg.init_from)})
     launch = dataclasses.replace(launch, storage=absolute(launch.storage))
+    if not launch.storage:  # with storage, storage holds the checkpoints a resubmit resumes
+        refuse_output_in_the_jobs_copy(cfg.run_dir, "--run-dir")
     # GPUs this machine lacks: refused before the run directory or its log is made.
     check_local_resources(launch)
     # Another run writing there: said first, as the lock below would (its checkpoints are

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import re
 import shlex
 import sys
 import time
@@ -104,6 +106,12 @@ def jobs_client(address: str):
     """
     from ray.job_submission import JobSubmissionClient
 
+    # Its INFO lines ("Uploading package ...", "Creating a file package ...", "WebSocket
+    # closed ...") are no news to a user who just submitted; warnings still show.
+    # (dashboard_sdk and the job sdk set INFO on their own loggers.)
+    for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
+                 "ray._private.runtime_env.packaging"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     token = cluster_token()
     headers = {"authorization": f"Bearer {token}"} if token else None
     try:
@@ -149,14 +157,53 @@ def submit(config: SubmitConfig) -> int:
         folders = ", ".join(package_folders(config.working_dir))
         runtime_env["py_modules"] = [
             f"bertforge ({folders} of {os.path.abspath(config.working_dir)})"]
+    elif config.working_dir:
+        print(f"[submit] {os.path.abspath(config.working_dir)} is no bertforge checkout: the "
+              "job runs the bertforge installed on the cluster", flush=True)
     print(f"[submit] job {job_id} submitted to {config.address} "
           f"(runtime env {describe_runtime_env(runtime_env)})", flush=True)
     if not config.follow:
+        print(f"[submit] {_how_to_reach(config.address, job_id)}", flush=True)
         return 0
-    asyncio.run(_follow_logs(client, job_id))
+    return follow(client, config.address, job_id)
+
+
+def follow(client, address: str, job_id: str) -> int:
+    """Stream a job's logs (from its start) to its end and return the exit code of its final
+    status. A stop of this command (Ctrl-C, SIGTERM) stops following, not the job: a training
+    job outlives the terminal that submitted it; the stop's line says how to reach it."""
+    from bertforge.cluster.launch.local_ray import StoppedBySignal
+
+    try:
+        asyncio.run(_follow_logs(client, job_id))
+    except StoppedBySignal as stop:
+        # The log tail's HTTP session, cut short, would be reported as "Task was destroyed but
+        # it is pending!" when the loop goes: expected here, and no news to the user.
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        status = None
+        with contextlib.suppress(Exception):  # the note is best effort; the stop goes on
+            status = str(client.get_job_status(job_id).value)
+        stop.note = (f"job {job_id} {status}" if status in TERMINAL else
+                     f"job {job_id} keeps running; {_how_to_reach(address, job_id)}")
+        raise
     return final_status(client, job_id, hint=(
-        f"its logs ended; `bertforge submit --address {config.address} --stop {job_id}` stops "
-        "it"))
+        f"its logs ended; `bertforge submit --address {address} --stop {job_id}` stops it"))
+
+
+def follow_job(address: str, job_id: str) -> int:
+    """`bertforge submit --follow ID`: a job submitted earlier, followed to its end."""
+    client = jobs_client(address)
+    try:
+        status = client.get_job_status(job_id)
+    except RuntimeError as error:  # no such job, most often
+        raise UserInputError(f"cannot follow job {job_id}: {_ray_reason(error)}") from None
+    print(f"[submit] following job {job_id} ({status.value})", flush=True)
+    return follow(client, address, job_id)
+
+
+def _how_to_reach(address: str, job_id: str) -> str:
+    command = f"bertforge submit --address {address}"
+    return f"`{command} --follow {job_id}` follows it, `{command} --stop {job_id}` stops it"
 
 
 def _submit_when_ready(client, timeout_s: float = 120.0, **job) -> str:
@@ -169,8 +216,12 @@ def _submit_when_ready(client, timeout_s: float = 120.0, **job) -> str:
             if "No available agent" not in str(error) or time.time() > deadline:
                 # A submission id used before, a runtime env the cluster cannot build: Ray's
                 # own words, as one line.
-                raise UserInputError(f"the cluster refused the job: {_first_line(error)}"
-                                     ) from None
+                reason = _ray_reason(error)
+                if "already exists" in reason:
+                    reason += (" (an id names one job for good; a resubmitted command needs a "
+                               "new --submission-id or none, and --resume auto still finds its "
+                               "run)")
+                raise UserInputError(f"the cluster refused the job: {reason}") from None
             time.sleep(2.0)
 
 
@@ -180,15 +231,20 @@ def stop(address: str, job_id: str, timeout_s: float = 60.0) -> int:
     try:
         client.stop_job(job_id)
     except RuntimeError as error:  # no such job, most often
-        raise UserInputError(f"cannot stop job {job_id}: {_first_line(error)}") from None
+        raise UserInputError(f"cannot stop job {job_id}: {_ray_reason(error)}") from None
     return final_status(client, job_id, timeout_s=timeout_s, hint=(
         "it was asked to stop and the cluster may still end it; the same command asks again"))
 
 
-def _first_line(error: Exception) -> str:
-    """Ray's Jobs client puts the agent's whole HTTP reply in its errors; its first line says
-    what happened."""
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+def _ray_reason(error: Exception) -> str:
+    """What Ray's Jobs client error says happened, in one line. The client puts the agent's
+    whole HTTP reply in it: where that is a traceback, its last exception line ("ValueError:
+    Job with submission_id x already exists. ..."), else the reply's first line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)]
+    if raised:
+        return raised[-1].split(": ", 1)[1]
+    return lines[0] if lines else type(error).__name__
 
 
 def final_status(client, job_id: str, timeout_s: float = 600.0, *, hint: str = "") -> int:

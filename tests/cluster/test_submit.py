@@ -4,6 +4,7 @@ One cluster serves the module: each start costs tens of seconds of the suite."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 
 from bertforge.cluster.cli import main
 from bertforge.cluster.launch.checkout import package_folders
+from bertforge.cluster.launch.paths import UPLOADED_WORKING_DIR_ENV, in_the_jobs_copy
 from bertforge.cluster.launch.submit import (
     SubmitConfig,
     describe_runtime_env,
@@ -136,21 +138,67 @@ def test_failing_job_gives_a_failing_exit_code(two_node_cluster, capsys):
     assert "FAILED" in capsys.readouterr().out
 
 
-def test_running_job_can_be_stopped(two_node_cluster, capsys):
+def test_running_job_can_be_followed_again_and_stopped(two_node_cluster, capsys):
     url = two_node_cluster.dashboard_url
     assert main(["submit", "--address", url, "--working-dir", REPO, "--no-wait",
                  "--submission-id", "bf-sleeper", "--",
-                 "python", "-c", "'import time; time.sleep(120)'"]) == 0
+                 "python", "-c", "import time; print('as' + 'leep', flush=True); "
+                 "time.sleep(120)"]) == 0
+    assert (f"`bertforge submit --address {url} --follow bf-sleeper` follows it, `bertforge "
+            f"submit --address {url} --stop bf-sleeper` stops it") in capsys.readouterr().out
+    # Ctrl-C while following stops the following, not the job, and says how to reach it.
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "bertforge.cluster.cli", "submit", "--address", url,
+         "--follow", "bf-sleeper"], env={**os.environ, "RAY_AUTH_MODE": "token"}, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    while "asleep\n" not in lines:  # its logs from the start reached us (not the command's)
+        lines.append(follower.stdout.readline())
+        assert lines[-1], "".join(lines) + follower.stderr.read()
+    follower.send_signal(signal.SIGINT)
+    out, err = follower.communicate(timeout=60)
+    assert follower.returncode == 130, err
+    assert err.strip() == ("bertforge submit: stopped by SIGINT; job bf-sleeper keeps running; "
+                           f"`bertforge submit --address {url} --follow bf-sleeper` follows it, "
+                           f"`bertforge submit --address {url} --stop bf-sleeper` stops it")
     assert main(["submit", "--address", url, "--stop", "bf-sleeper"]) == 3
     assert "bf-sleeper STOPPED" in capsys.readouterr().out
     # An id used before, and one the cluster never had: one line each, not Ray's traceback.
     for argv, expected in (
             (["--working-dir", REPO, "--no-wait", "--submission-id", "bf-sleeper", "--",
-              "true"], "the cluster refused the job: "),
-            (["--stop", "bf-no-such-job"], "cannot stop job bf-no-such-job: ")):
+              "true"], "the cluster refused the job: Job with submission_id bf-sleeper already "
+                       "exists. Please use a different submission_id. (an id names one job"),
+            (["--stop", "bf-no-such-job"], "cannot stop job bf-no-such-job: "),
+            (["--follow", "bf-no-such-job"], "cannot follow job bf-no-such-job: ")):
         assert main(["submit", "--address", url, *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"bertforge submit: error: {expected}") and "\n" not in err, err
+
+
+def test_outputs_inside_a_jobs_copy_of_its_working_dir_are_refused(tmp_path, monkeypatch,
+                                                                   capsys):
+    """Inside a submitted job a relative path lands in the job's uploaded copy of the working
+    directory, which Ray deletes: a run written there was lost, and a resubmitted `--resume
+    auto` started over without a word."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(UPLOADED_WORKING_DIR_ENV, "1")
+    data = write_dataset(str(tmp_path.parent / "shards"), {"train": [16]}, max_seq_length=32)
+    for argv, flag in ((["train", "--data", data, "--run-dir", "runs/rel"], "--run-dir runs/rel"),
+                       (["finetune", "--task", "sst2", "--model", data, "--output", "ft"],
+                        "--output ft")):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.startswith(
+            f"bertforge {argv[0]}: error: {flag} is inside this job's uploaded copy of the "
+            f"working directory ({tmp_path}), which Ray deletes")
+    assert not (tmp_path / "runs").exists()
+    # An input found missing there says where the relative path went.
+    assert main(["train", "--data", "shards", "--run-dir", str(tmp_path.parent / "run")]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"(inside a submitted job a relative path is in the job's uploaded copy of the working "
+        f"directory, {tmp_path}: give absolute paths every node mounts)")
+    # Outside a job, the same relative paths are the user's own.
+    monkeypatch.delenv(UPLOADED_WORKING_DIR_ENV)
+    assert not in_the_jobs_copy("runs/rel")
 
 
 def test_the_job_gets_the_words_it_was_given(tmp_path):
