@@ -492,9 +492,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 status = args.handler(args)
     except (ValueError, FileNotFoundError) as error:
         from bertforge.cluster.launch.paths import jobs_copy_hint
+        from bertforge.cluster.launch.worker_output import ended_with_user_error
 
         print(f"bertforge {args.command}: error: {error}{jobs_copy_hint(str(error))}",
               file=sys.stderr)
+        ended_with_user_error()
         return 2
     except SystemExit as exit_:  # SIGTERM, SIGINT, SIGHUP: workers stopped, locks released
         stop = as_stop(exit_)

@@ -225,13 +225,15 @@ class ConsoleConfig:
 
 _driver_command: str | None = None
 _held_back = False  # whether the log holds lines the console did not show
+_refused = False  # the command ended with a user error's one line (`ended_with_user_error`)
 
 
 def quiet_driver(command: str, verbose: bool = False) -> None:
     """Route this `bertforge COMMAND` process's output (module docstring); the log is kept in
     memory until `log_driver_to` names its file, or written to the temporary directory at exit."""
-    global _driver_command
+    global _driver_command, _refused
     _driver_command = command
+    _refused = False
     for name, value in _PRINT_PATCHES_OFF.items():
         os.environ.setdefault(name, value)
     _route(_MemoryLog(), verbose)
@@ -260,15 +262,27 @@ def is_verbose() -> bool:
     return _verbose
 
 
+def ended_with_user_error() -> None:
+    """The command ends with a user error's one line (exit code 2)."""
+    global _refused
+    _refused = True
+
+
 def _flush_unclaimed_log() -> None:
     """A command that never claimed a directory (it failed first, or its output is gs://...):
-    its log goes to the temporary directory, named on the console."""
-    if isinstance(_log, _MemoryLog) and _log.getvalue():
-        path = log_driver_to(os.path.join(tempfile.gettempdir(),
-                                          f"bertforge-{_driver_command}-{os.getpid()}.log"))
-        if _held_back:  # a refusal's one line is all there is: no second line for it
-            console = sys.stderr.console if isinstance(sys.stderr, _Console) else sys.stderr
-            console.write(f"bertforge {_driver_command}: the engines' output is in {path}\n")
+    its log goes to the temporary directory, named on the console. Not for a refusal whose
+    log holds only the engines' import chatter (DeepSpeed's "Setting accelerator to CPU"):
+    its one line says it all, and every mistyped flag left a file in /tmp; a refusal after an
+    engine's traceback (a Beam job that failed) keeps it."""
+    if not isinstance(_log, _MemoryLog) or not _log.getvalue():
+        return
+    if _refused and "Traceback (most recent call last)" not in _log.getvalue():
+        return
+    path = log_driver_to(os.path.join(tempfile.gettempdir(),
+                                      f"bertforge-{_driver_command}-{os.getpid()}.log"))
+    if _held_back:  # a refusal's one line is all there is: no second line for it
+        console = sys.stderr.console if isinstance(sys.stderr, _Console) else sys.stderr
+        console.write(f"bertforge {_driver_command}: the engines' output is in {path}\n")
 
 
 def show_train_workers() -> None:

@@ -1,6 +1,7 @@
 """A Ray worker's and the driver's console: our lines and errors; the libraries' output (warnings,
 log records, prints) only in the log file."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -151,3 +152,44 @@ def test_a_crash_shows_its_traceback_on_the_console_and_in_the_log(tmp_path):
     assert done.stderr.rstrip().endswith("RuntimeError: the driver crashed"), done.stderr
     assert "in deep_inside" in done.stderr
     assert "RuntimeError: the driver crashed" in log_path.read_text()
+
+
+def test_a_refusal_leaves_no_log_in_the_temporary_directory_a_failure_does(tmp_path):
+    """A command refused before it claimed a directory held only the engines' import chatter
+    in its log (DeepSpeed's accelerator line), yet wrote it to /tmp and named it on the
+    console: every mistyped flag left a file. A failure with an engine's traceback keeps it."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    refused = subprocess.run(
+        [sys.executable, "-m", "bertforge.cluster.cli", "export", str(tmp_path / "no-run"),
+         "--output", str(tmp_path / "hf")], capture_output=True, text=True, env=env)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (f"bertforge export: error: checkpoint "
+                                      f"{tmp_path / 'no-run'} does not exist"), refused.stderr
+    assert not list(tmp_path.glob("bertforge-*.log"))
+    # The same refusal after an engine logged a traceback (a failed Beam bundle, say).
+    (tmp_path / "engine.py").write_text(
+        "import logging\n"
+        "def run():\n"
+        "    try:\n"
+        "        raise RuntimeError('inside the engine')\n"
+        "    except RuntimeError:\n"
+        "        logging.getLogger('engine').exception('a bundle failed')\n")
+    script = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import engine\n"
+        "from bertforge.cluster import cli\n"
+        "def handler(args):\n"
+        "    engine.run()\n"
+        "    raise ValueError('the job failed')\n"
+        "parser = cli.build_parser\n"
+        "def build():\n"
+        "    p = parser()\n"
+        "    p._subparsers._group_actions[0].choices['export'].set_defaults(handler=handler)\n"
+        "    return p\n"
+        "cli.build_parser = build\n"
+        "sys.exit(cli.main(['export', 'x', '--output', 'y']))\n")
+    failed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env)
+    assert failed.returncode == 2, failed.stderr
+    (log,) = tmp_path.glob("bertforge-export-*.log")
+    assert "RuntimeError: inside the engine" in log.read_text()
