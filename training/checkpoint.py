@@ -642,6 +642,14 @@ def load_model(checkpoint_path: str):
     return model, metadata
 
 
+def positions_trained(metadata: dict[str, Any]) -> int:
+    """The longest sequences the checkpoint's weights have trained position embeddings for
+    (its run's data and, through resumes and warm starts, every run before it). Checkpoints
+    saved before this was recorded: max_position_embeddings (their history is unknown)."""
+    return int(metadata.get("positions_trained")
+               or metadata["model_config"]["max_position_embeddings"])
+
+
 def describe(checkpoint_path: str, metadata: dict[str, Any] | None = None) -> str:
     """'run 20250301T142501Z, step 300' (a checkpoint saved before runs had ids: 'step 300')."""
     metadata = read_metadata(checkpoint_path) if metadata is None else metadata

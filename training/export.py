@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 
-from bertforge.training.checkpoint import load_model, read_newest
+from bertforge.training.checkpoint import load_model, positions_trained, read_newest
 from bertforge.training.hf_interop import (
     HF_CONFIG_NAME,
     hf_config_dict,
@@ -24,8 +24,9 @@ def export_checkpoint(checkpoint_or_run_dir: str, output_dir: str) -> str:
 
     config.json names the checkpoint, run id and step the weights come from (`SOURCE_KEY`;
     transformers keeps an unknown key as an attribute of the config; `exported_source` reads
-    it back). Everything is read from the checkpoint first (its weights and its vocab.txt), so
-    a train still running in the run may remove it afterwards (`read_newest`)."""
+    it back); the tokenizer's model_max_length is the positions the weights were trained at.
+    Everything is read from the checkpoint first (its weights and its vocab.txt), so a train
+    still running in the run may remove it afterwards (`read_newest`)."""
     with tempfile.TemporaryDirectory() as scratch:
         vocab_path = os.path.join(scratch, "vocab.txt")
 
@@ -41,6 +42,8 @@ def export_checkpoint(checkpoint_or_run_dir: str, output_dir: str) -> str:
             to_hf_state_dict(model.state_dict(), model.config),
             {**hf_config_dict(model.config), SOURCE_KEY: source}, model.config,
             vocab_path, metadata["lower_case"], output_dir,
+            # A tokenizer then truncates where the trained positions end (128 after phase 1).
+            model_max_length=positions_trained(metadata),
         )
 
 

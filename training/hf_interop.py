@@ -341,9 +341,12 @@ def write_hf_directory(
     output_dir: str,
     *,
     overwrite: bool = False,
+    model_max_length: int | None = None,
 ) -> str:
     """A Hugging Face model + tokenizer directory: `config_dict` as config.json and
     `hf_state_dict` (Hugging Face's names) as model.safetensors; returns its path.
+    `model_max_length`: the tokenizer's, where fewer positions than max_position_embeddings
+    were trained (a model pretrained at 128 tokens only).
 
     Files go to a sibling temp directory renamed into place at the end, so a crash leaves
     either no `output_dir` or a complete one (with `overwrite`, the old one until the swap).
@@ -362,7 +365,7 @@ def write_hf_directory(
         # mkdtemp makes it 0700 and safetensors writes 0600: a model directory is for sharing.
         os.chmod(staging, 0o755)
         _write_hf_files(staging, hf_state_dict, config_dict, vocab_path, lower_case,
-                        config.max_position_embeddings)
+                        model_max_length or config.max_position_embeddings)
         _replace_directory(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

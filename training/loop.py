@@ -112,9 +112,14 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = BertForPreTraining(model_config)
     model.gradient_checkpointing = cfg.activation_checkpointing
+    # Position embeddings trained so far: this run's length, and what its weights came with.
+    positions_trained = facts.max_seq_length
+    if saved is not None:
+        positions_trained = max(positions_trained, checkpoint.positions_trained(saved))
     if resume_from is None and cfg.init_from:
         # Only a fresh run warm-starts; a resumed one has its own, newer weights.
-        load_initial_weights(model, cfg.init_from, facts.vocab_sha256)
+        positions_trained = max(positions_trained, load_initial_weights(
+            model, cfg.init_from, facts.vocab_sha256))
     engine = build_engine(model, resolved, load_universal=universal)
     # A run keeps its id across resumes (one saved before runs had ids gets one now).
     run_id = (saved or {}).get("run_id") or run_id or checkpoint.new_run_id()
@@ -144,6 +149,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         "lower_case": facts.lower_case,
         "model_config": model_config.to_dict(),
         "max_seq_length": facts.max_seq_length,
+        "positions_trained": positions_trained,  # exports and fine-tunes read it
         "data_dir": data_source,
         "world_size": world_size,
         "zero_stage": cfg.zero_stage,

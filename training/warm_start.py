@@ -6,7 +6,9 @@ and the loader start anew, as in Google's and NVIDIA's two-phase recipes.
 
 from __future__ import annotations
 
+import json
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -24,9 +26,10 @@ ARCHITECTURE_FIELDS = (
 )
 
 
-def load_initial_weights(model: BertForPreTraining, source: str, vocab_sha256: str) -> None:
-    """Copy the weights of `source` into `model` after checking architecture and vocabulary."""
-    source_config, state, source_vocab_sha256 = read_initial_weights(source)
+def load_initial_weights(model: BertForPreTraining, source: str, vocab_sha256: str) -> int:
+    """Copy the weights of `source` into `model` after checking architecture and vocabulary;
+    returns the positions its training reached (`InitialWeights.positions_trained`)."""
+    source_config, state, source_vocab_sha256, positions_trained = read_initial_weights(source)
     check_fits(source, source_config, source_vocab_sha256, model.config, vocab_sha256)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [name for name in missing if name != "cls.predictions.decoder.weight"]  # tied
@@ -36,6 +39,7 @@ def load_initial_weights(model: BertForPreTraining, source: str, vocab_sha256: s
             f"unexpected {unexpected[:5]}"
         )
     model.tie_weights()
+    return positions_trained
 
 
 def check_fits(source: str, source_config: BertConfig, source_vocab_sha256: str | None,
@@ -50,13 +54,23 @@ def check_fits(source: str, source_config: BertConfig, source_vocab_sha256: str 
         )
 
 
-def read_initial_weights(source: str) -> tuple[BertConfig, dict[str, torch.Tensor], str | None]:
-    """(config, fp32 state dict in our names, vocab sha256 or None) of a warm-start source."""
+class InitialWeights(NamedTuple):
+    config: BertConfig
+    state_dict: dict[str, torch.Tensor]  # fp32, our names
+    vocab_sha256: str | None
+    # The longest sequences its pretraining has trained position embeddings for: the rest of
+    # max_position_embeddings are still at their random initial values.
+    positions_trained: int
+
+
+def read_initial_weights(source: str) -> InitialWeights:
+    """The weights of a warm-start source, with what they were trained on."""
     # Checkpoints first: a run directory also holds a config.json (the resolved recipe).
     if checkpoint.holds_checkpoint(source):
         # A run's newest, read before a train still running there may remove it.
         _, (model, metadata) = checkpoint.read_newest(source, checkpoint.load_model)
-        return model.config, model.state_dict(), metadata["vocab_sha256"]
+        return InitialWeights(model.config, model.state_dict(), metadata["vocab_sha256"],
+                              checkpoint.positions_trained(metadata))
     if not any(os.path.exists(os.path.join(source, name)) for name in HF_WEIGHTS_NAMES):
         raise ValueError(
             f"init_from {source} is neither a complete checkpoint, a run directory with one, "
@@ -65,7 +79,22 @@ def read_initial_weights(source: str) -> tuple[BertConfig, dict[str, torch.Tenso
     config, state = import_hf_state_dict(source)
     vocab_path = os.path.join(source, "vocab.txt")
     vocab_sha256 = sha256_file(vocab_path) if os.path.exists(vocab_path) else None
-    return config, {name: tensor.float() for name, tensor in state.items()}, vocab_sha256
+    return InitialWeights(config, {name: tensor.float() for name, tensor in state.items()},
+                          vocab_sha256, hf_positions_trained(source, config))
+
+
+def hf_positions_trained(hf_dir: str, config: BertConfig) -> int:
+    """A Hugging Face directory's trained positions: its tokenizer's model_max_length where
+    that is below max_position_embeddings (a bertforge export says so), else all of them
+    (Google's and Hugging Face's releases trained every position)."""
+    try:
+        with open(os.path.join(hf_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            length = json.load(f).get("model_max_length")
+    except (OSError, ValueError):
+        length = None
+    if isinstance(length, int) and 0 < length < config.max_position_embeddings:
+        return length
+    return config.max_position_embeddings
 
 
 def architecture_differences(source: BertConfig, target: BertConfig) -> list[str]:

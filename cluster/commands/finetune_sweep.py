@@ -67,9 +67,9 @@ def data_note(cfg: FinetuneConfig) -> str | None:
     """Said in the output when train and dev are not two files of their own."""
     if not is_squad_split(cfg):
         return None
-    return (f"SQuAD: train and dev are a deterministic split by article of {cfg.train} "
-            f"({cfg.squad_dev_fraction:.0%} of the articles held out as dev; dev-v1.1.json is "
-            "the only SQuAD v1.1 file here): the scores are not the official dev set's")
+    return (f"SQuAD: train and dev are one file, {cfg.train}, split by article "
+            f"({cfg.squad_dev_fraction:.0%} of the articles held out as dev, none of them "
+            "trained on): the scores are not the official dev set's")
 
 
 def resolve_data_files(cfg: FinetuneConfig) -> FinetuneConfig:
@@ -125,6 +125,14 @@ def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     if cfg.seq_length > pretrained.config.max_position_embeddings:
         raise ValueError(f"max_seq_length {cfg.seq_length} exceeds the model's "
                          f"max_position_embeddings {pretrained.config.max_position_embeddings}")
+    trained = provenance["positions_trained"]
+    if cfg.seq_length > trained and not cfg.random_init:
+        # Google's recipe pretrains at 512 tokens last for this reason.
+        print(f"[finetune] warning: max_seq_length {cfg.seq_length} is longer than the "
+              f"{trained} tokens {cfg.model} was pretrained at: positions {trained + 1}-"
+              f"{cfg.seq_length} keep their random initial embeddings; pretrain a phase at "
+              f"that length first (the pipeline's [phase2]), or give --max-seq-length "
+              f"{trained}", flush=True)
     return {"model": provenance, "num_train_examples": len(train), "num_dev_examples": len(dev)}
 
 

@@ -111,8 +111,8 @@ def test_eval_warm_start_and_fine_tuning_read_a_run_beside_its_train(run_dir, da
     assert len(calls) == 2 and result.num_sequences > 0
 
     calls.clear()
-    config, state, _ = read_initial_weights(str(run_dir))
-    assert len(calls) == 2 and config.hidden_size == 32 and state
+    initial = read_initial_weights(str(run_dir))
+    assert len(calls) == 2 and initial.config.hidden_size == 32 and initial.state_dict
 
     # A fine-tune reads the vocabulary until its export: it keeps a copy of its own.
     pretrained = load_pretrained(str(run_dir))

@@ -55,7 +55,8 @@ class FinetuneConfig:
                                "squad/dev-v1.1.json, the only SQuAD file there)",
                                marks=(PER_TASK,))
     dev: str | None = option(help="dev file, scored after training (default: the task's file "
-                             "under --data-root; give both --train and --dev, or neither)",
+                             "under --data-root; give both --train and --dev, or neither; "
+                             "SQuAD given one file as both: split by article)",
                              marks=(PER_TASK,))
     data_root: str | None = option(help="the directory holding glue/ and squad/ (default: "
                                    "../shared/data where it exists)", marks=(PER_TASK,))

@@ -32,7 +32,7 @@ from bertforge.training.hf_interop import (
 )
 from bertforge.training.inputs import check_model_source
 from bertforge.training.model import BertConfig
-from bertforge.training.warm_start import read_initial_weights
+from bertforge.training.warm_start import hf_positions_trained, read_initial_weights
 
 CHECKPOINT, RUN_DIR, HF_DIR = "checkpoint", "run_dir", "hf_dir"
 _WHAT_WE_TAKE = ("a bertforge checkpoint, a run directory with one, or a Hugging Face BERT "
@@ -82,14 +82,15 @@ def _from_checkpoint(source: str, kind: str, random_init: bool) -> PretrainedMod
         vocab_path = _copy_for_this_process(os.path.join(path, "vocab.txt"))
         if random_init:
             return metadata, checkpoint.model_config_of(path, metadata), None, vocab_path
-        config, state, _ = read_initial_weights(path)
-        return metadata, config, state, vocab_path
+        initial = read_initial_weights(path)
+        return metadata, initial.config, initial.state_dict, vocab_path
 
     # Everything read at once, a run's newest picked again if a train still running there
     # removes it meanwhile; the vocabulary copied, as the fine-tune reads it until its export.
     path, (metadata, config, state, vocab_path) = checkpoint.read_newest(source, read)
     provenance = _provenance(source, kind, random_init, vocab_path,
-                             step=metadata["global_step"], checkpoint=os.path.abspath(path))
+                             step=metadata["global_step"], checkpoint=os.path.abspath(path),
+                             positions_trained=checkpoint.positions_trained(metadata))
     return PretrainedModel(config, state, vocab_path, bool(metadata["lower_case"]), provenance)
 
 
@@ -109,7 +110,8 @@ def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:
     if not random_init:  # weights required: the driver's pre-flight rule, checked here too
         check_model_source(source)
     state = None if random_init else _hf_encoder(source, config)
-    provenance = _provenance(source, HF_DIR, random_init, vocab_path, step=None)
+    provenance = _provenance(source, HF_DIR, random_init, vocab_path, step=None,
+                             positions_trained=hf_positions_trained(source, config))
     if state is not None and "bert.pooler.dense.weight" not in state:
         provenance["pooler"] = "initialised randomly (the source has none)"
     return PretrainedModel(config, state, vocab_path, _hf_lower_case(source), provenance)
