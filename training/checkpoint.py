@@ -25,6 +25,7 @@ command that exits 0 loses a committed checkpoint.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -96,14 +97,20 @@ def save(
     """Collective: every rank calls it. Returns the checkpoint path once committed."""
     root = checkpoints_root(run_dir)
     tag = tag_for_step(step)
-    engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = os.path.join(root, tag)
-    torch.save(_rng_state(), os.path.join(path, f"rng_rank_{rank:05d}.pt"))
-    if rank == 0:
-        with open(os.path.join(path, METADATA_NAME), "w", encoding="utf-8") as f:
-            json.dump({**metadata, "global_step": step}, f, indent=2, sort_keys=True)
-        shutil.copyfile(vocab_path, os.path.join(path, "vocab.txt"))
+    try:
+        engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
+        torch.save(_rng_state(), os.path.join(path, f"rng_rank_{rank:05d}.pt"))
+        if rank == 0:
+            with open(os.path.join(path, METADATA_NAME), "w", encoding="utf-8") as f:
+                json.dump({**metadata, "global_step": step}, f, indent=2, sort_keys=True)
+            shutil.copyfile(vocab_path, os.path.join(path, "vocab.txt"))
+    except Exception as error:
+        if not _disk_full(error, root):
+            raise
+        _retire(path)  # never a checkpoint, and it holds the space a rerun needs
+        raise UserInputError(_disk_full_message(run_dir, step, keep)) from error
     barrier(engine.device)  # every rank's files are on disk before the marker says so
     if rank == 0:
         run_id = metadata.get("run_id")
@@ -117,6 +124,39 @@ def save(
         # prunes the run's, so this node keeps its own parts of the newest `keep` saves.
         prune_node_copies(run_dir, keep, step)
     return path
+
+
+# Less than this free after a failed save: the disk is what failed. torch.save reports a full
+# disk as "[enforce fail at inline_container.cc] unexpected pos ...", with no errno.
+_FULL_BELOW_BYTES = 16 * 2**20
+
+
+def _disk_full(error: BaseException, directory: str) -> bool:
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(directory).free < _FULL_BELOW_BYTES
+    except OSError:
+        return False
+
+
+def _disk_full_message(run_dir: str, step: int, keep: int) -> str:
+    """What a run that filled its disk while saving says: where it can resume from and what
+    makes room. (Retrying cannot: a restarted worker group trained to the same wall again.)"""
+    newest = latest_checkpoint(run_dir)
+    if newest is None:
+        since = "no checkpoint of this run is committed yet"
+    else:
+        size = sum(os.path.getsize(os.path.join(folder, name))
+                   for folder, _, names in os.walk(newest) for name in names)
+        since = (f"the newest committed checkpoint, {newest}, is whole ({size / 2**20:,.0f} MiB; "
+                 f"--keep-checkpoints {keep} keeps that many)")
+    return (f"no space left on the disk of {run_dir} while saving the checkpoint of step "
+            f"{step}; its partial files were removed and {since}: make room (or keep fewer "
+            "checkpoints, or give a --run-dir with more space) and the same command resumes")
 
 
 def prune_node_copies(run_dir: str, keep: int, step: int) -> None:

@@ -33,6 +33,7 @@ import atexit
 import io
 import logging
 import os
+import re
 import sys
 import sysconfig
 import tempfile
@@ -83,9 +84,25 @@ def record_is_ours(record: logging.LogRecord) -> bool:
     record at the caller's line), or an error from anyone but Beam (whose errors reach us)."""
     package = record.name.split(".")[0]
     # Beam logs a failing DoFn's error with its traceback, then raises it to the pipeline's
-    # run(), where the command reports it in one line: its copy belongs in the log only.
-    return ((record.levelno >= logging.ERROR and package != "apache_beam")
+    # run(), where the command reports it in one line: its copy belongs in the log only. So
+    # does Ray Train's "Error in training function" traceback of a worker's user error, which
+    # is not retried and which the driver reports in one line.
+    return ((record.levelno >= logging.ERROR and package != "apache_beam"
+             and not _ray_train_copy_of_a_user_error(record))
             or package == "bertforge" or is_ours(record.pathname))
+
+
+# The last line of a traceback whose exception is one of training.errors' user errors.
+_USER_ERROR_LINE = re.compile(
+    r"^bertforge\.training\.errors\.(UserInputError|MissingInputError): ", re.MULTILINE)
+
+
+def _ray_train_copy_of_a_user_error(record: logging.LogRecord) -> bool:
+    if not record.name.startswith("ray.train"):
+        return False
+    message = record.getMessage()
+    return message.startswith("Error in training function") and bool(
+        _USER_ERROR_LINE.search(message))
 
 
 def written_by_us(frame) -> bool:

@@ -193,3 +193,25 @@ def test_a_refusal_leaves_no_log_in_the_temporary_directory_a_failure_does(tmp_p
     assert failed.returncode == 2, failed.stderr
     (log,) = tmp_path.glob("bertforge-export-*.log")
     assert "RuntimeError: inside the engine" in log.read_text()
+
+
+def test_ray_trains_traceback_of_a_workers_user_error_stays_in_the_log():
+    """The driver reports a worker's user error in one line and does not retry it; Ray
+    Train's worker had also put its 30-line traceback on the console before that line. A
+    crash's traceback still shows."""
+    import logging
+
+    from bertforge.cluster.launch.worker_output import record_is_ours
+
+    def ray_train_error(last_line: str) -> logging.LogRecord:
+        message = ("Error in training function:\nTraceback (most recent call last):\n  File "
+                   f'"/x/checkpoint.py", line 113, in save\n{last_line}\n')
+        return logging.LogRecord("ray.train.v2._internal.util", logging.ERROR,
+                                 "/site-packages/ray/train/v2/_internal/util.py", 252,
+                                 message, None, None)
+
+    assert not record_is_ours(ray_train_error(
+        "bertforge.training.errors.UserInputError: no space left on the disk of /r"))
+    assert not record_is_ours(ray_train_error(
+        "bertforge.training.errors.MissingInputError: dataset /d does not exist"))
+    assert record_is_ours(ray_train_error("RuntimeError: CUDA error: an illegal memory access"))
