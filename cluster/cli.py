@@ -11,6 +11,8 @@ import re
 import sys
 from collections.abc import Sequence
 
+from bertforge.cluster.launch.paths import refuse_output_in_the_jobs_copy
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -249,6 +251,7 @@ def _run_vocab(args: argparse.Namespace) -> None:
 
     config = VocabConfig(inputs=tuple(args.inputs), output=args.output,
                          **given_values(args, VocabConfig))
+    refuse_output_in_the_jobs_copy(config.output, "--output")
     print(train_wordpiece_vocab(config))
 
 
@@ -260,6 +263,7 @@ def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
         print(help_text() + OVERWRITE_HELP)
         raise SystemExit(0)
     command = parse_command_line(extra)
+    refuse_output_in_the_jobs_copy(command.config.output, "--output")
     # One writer per dataset, no other dataset replaced unasked (--overwrite), none under a run.
     counts = prepare_guarded(command, overwrite=args.overwrite)
     # After the job: a failed first prepare leaves no directory behind (its log goes to the
@@ -323,13 +327,13 @@ def _run_submit(args: argparse.Namespace) -> int:
         submit,
     )
 
-    if args.stop and args.follow:
-        raise ValueError("give --stop or --follow, not both")
+    entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
+    if (args.stop or args.follow) and (entrypoint or args.stop and args.follow):
+        raise ValueError("give a command to submit, --follow ID or --stop ID: one of them")
     if args.stop:
         return stop(args.address, args.stop)
     if args.follow:
         return follow_job(args.address, args.follow)
-    entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
     env_vars = {}
     for item in args.env:
         name, sep, value = item.partition("=")
@@ -364,6 +368,7 @@ def _run_export(args: argparse.Namespace) -> None:
     from bertforge.training.export import export_checkpoint, exported_source
     from bertforge.training.inputs import check_export_inputs
 
+    refuse_output_in_the_jobs_copy(args.output, "--output")
     check_export_inputs(args.checkpoint, args.output)
     _log_in_run_dir(args.checkpoint, "export")
     # The path as given: a run's newest checkpoint is picked where it is read.
@@ -457,18 +462,6 @@ def _configure_logging(command: str | None = None) -> None:
         logging.getLogger(package).setLevel(logging.INFO)
 
 
-def _refuse_outputs_in_the_jobs_copy(args: argparse.Namespace) -> None:
-    """Inside a `submit` job, a command's outputs given as relative paths would be written in
-    the job's copy of the working directory and lost (`paths.refuse_output_in_the_jobs_copy`);
-    a run directory whose checkpoints go to --storage is fine there."""
-    from bertforge.cluster.launch.paths import refuse_output_in_the_jobs_copy
-
-    if getattr(args, "output", None):
-        refuse_output_in_the_jobs_copy(args.output, "--output")
-    if getattr(args, "run_dir", None) and not getattr(args, "storage", None):
-        refuse_output_in_the_jobs_copy(args.run_dir, "--run-dir")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -483,7 +476,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bertforge.cluster.launch.local_ray import as_stop, driver_teardown
 
     try:
-        _refuse_outputs_in_the_jobs_copy(args)
         # SIGTERM exits like Ctrl-C (locks released) and a local Ray this run started stops.
         with driver_teardown():
             if args.command == "prepare":

@@ -25,6 +25,7 @@ command that exits 0 loses a committed checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -54,7 +55,7 @@ _UNIVERSAL_PATTERN = re.compile(r"^step_(\d{8})\.universal$")
 _UNIVERSAL_STAGING_PREFIX = ".universal-staging-"
 _RETIRED_PREFIX = ".retired-"  # a pruned checkpoint on its way out (`_retire`)
 # How often a reader picks a run's newest checkpoint again when a running train prunes the one
-# it is reading (`read_newest`): each try is one save interval of the train's.
+# it is reading (`read_newest`): the tries follow one another at once, each on the newest.
 READ_TRIES = 3
 PREVIOUS_DIR = "previous"  # RUN_DIR/previous/<UTC time>/: the runs a fresh start moved aside
 # What a run writes beside its checkpoints, moved aside with them (training.metrics, loop).
@@ -170,6 +171,9 @@ def prune_node_copies(run_dir: str, keep: int, step: int) -> None:
                    and not os.path.exists(os.path.join(root, name, COMMIT_MARKER)))
     for number in parts[:-keep]:
         _retire(os.path.join(root, tag_for_step(number)))
+    for name in os.listdir(root):  # a removal killed part-way
+        if name.startswith(_RETIRED_PREFIX):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def load(engine, checkpoint_path: str, *, universal: bool = False) -> dict[str, Any]:
@@ -458,7 +462,7 @@ def read_newest(path: str, read: Callable[[str], T]) -> tuple[str, T]:
         try:
             return picked, read(picked)
         except Exception:
-            if os.path.exists(os.path.join(picked, COMMIT_MARKER)):
+            if _still_committed(picked):
                 raise
         if os.path.abspath(picked) == os.path.abspath(path):
             raise UserInputError(
@@ -469,6 +473,16 @@ def read_newest(path: str, read: Callable[[str], T]) -> tuple[str, T]:
         f"the newest checkpoint of {path} was removed while it was read, {READ_TRIES} times: "
         "a bertforge train still running there saves faster than this reads; give it a "
         "larger --keep-checkpoints, or wait for it to end")
+
+
+def _still_committed(path: str) -> bool:
+    """Whether a checkpoint is still there, complete: its name listed in its directory (read
+    afresh, where another NFS client's cached name may lag) and its marker present."""
+    try:
+        listed = os.path.basename(path) in os.listdir(os.path.dirname(path))
+    except OSError:
+        return False
+    return listed and os.path.exists(os.path.join(path, COMMIT_MARKER))
 
 
 def load_fp32_state_dict(checkpoint_path: str) -> dict[str, torch.Tensor]:
@@ -619,13 +633,22 @@ def _prune(run_dir: str, keep: int, *, run_id: str | None = None, step: int | No
 def _retire(path: str) -> None:
     """Remove a checkpoint so that no reader (an export, an eval, a warm start beside the
     running train) ever finds it part-deleted: first renamed away from the step names in one
-    atomic step, so a reader sees it whole or not at all (and files it has open stay
-    readable), then deleted. Deleted in place, its commit marker could outlive its weights."""
+    atomic step, so a reader sees it whole or not at all, then its commit marker goes (another
+    NFS client may still see the old name for a while: it then finds no marker), then the rest.
+    Deleted in place, its marker could outlive its weights. Where a directory cannot be renamed
+    (some FUSE mounts), the marker goes first and the rest in place."""
     retired = tempfile.mkdtemp(prefix=_RETIRED_PREFIX, dir=os.path.dirname(path))
+    target = os.path.join(retired, os.path.basename(path))
     try:
-        os.rename(path, os.path.join(retired, os.path.basename(path)))
+        os.rename(path, target)
     except FileNotFoundError:
-        pass
+        target = None
+    except OSError:
+        target = path
+    if target is not None:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(target, COMMIT_MARKER))
+        shutil.rmtree(target, ignore_errors=True)
     shutil.rmtree(retired, ignore_errors=True)
 
 

@@ -35,7 +35,7 @@ from bertforge.cluster.commands.stage_runner import (
 )
 from bertforge.cluster.launch.launch_config import LaunchConfig
 from bertforge.cluster.launch.local_worker import run_in_local_process, runs_in_one_local_process
-from bertforge.cluster.launch.paths import absolute
+from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_copy
 from bertforge.cluster.launch.ray_train import QUIET_RAY_TRAIN, connect, run_on_ray
 from bertforge.cluster.safety.atomic_files import write_json_atomic
 from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, FinetuneConfig
@@ -177,6 +177,7 @@ class _Job:
 
     @classmethod
     def open(cls, cfg: FinetuneConfig, launch: LaunchConfig) -> _Job:
+        refuse_output_in_the_jobs_copy(cfg.output, "--output")  # before reading the inputs
         cfg = resolve_data_files(cfg)
         # Relative paths are the user's working directory's, not the workers'.
         cfg = dataclasses.replace(cfg, output=absolute(cfg.output), model=absolute(cfg.model))
@@ -387,7 +388,10 @@ def summarise(cfg: FinetuneConfig, launch: LaunchConfig, records: list[dict[str,
         "output": cfg.output,
         "hf_dir": os.path.join(cfg.output, HF_DIR_NAME),
         "predictions": os.path.join(cfg.output, os.path.basename(best["predictions"])),
-        "model": facts["model"],
+        # What the best run trained from (a run directory's newest when it started: beside a
+        # running train a later run may have started from a newer checkpoint; each run's
+        # result.json names its own). Runs recorded before runs named it: the driver's check.
+        "model": best.get("model", facts["model"]),
         "data": {"train": cfg.train, "dev": cfg.dev, "note": data_note(cfg),
                  "num_train_examples": facts["num_train_examples"],
                  "num_dev_examples": facts["num_dev_examples"]},

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bertforge.cluster.launch.paths import absolute
+from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_copy
 from bertforge.pipelines.contract.config_fields import (
     NO_FLAG,
     RERUN_MAY_CHANGE,
@@ -177,6 +177,7 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
     from bertforge.cluster.commands.stage_runner import Stage, StageRunner
 
     started = time.time()
+    refuse_output_in_the_jobs_copy(config.output, "--output")  # before reading the inputs
     glue_dir = resolve_glue_dir(config.glue_dir)
     configs = task_configs(config, glue_dir)
     settings = {

@@ -37,7 +37,6 @@ from bertforge.cluster.commands.stages import (
     vocab_complete,
 )
 from bertforge.cluster.launch.launch_config import LaunchConfig
-from bertforge.cluster.launch.paths import refuse_output_in_the_jobs_copy
 from bertforge.pipelines.contract.config_fields import (
     NOT_IN_FILE,
     REQUIRED,
@@ -373,7 +372,6 @@ def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
 
 def run_pipeline(config: PipelineConfig, toml_text: str = "") -> dict[str, Any]:
     """Run every stage that is not done; returns {"ran": [...], "skipped": [...], ...}."""
-    refuse_output_in_the_jobs_copy(config.workdir, "workdir")
     paths = PipelinePaths(config.workdir)
     with StageRunner(paths.root, "pipeline", config.settings(), ignored=HOW_TO_RUN_KEYS,
                      renamed=RENAMED_SETTINGS, may_add=PHASE2_SETTINGS,

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from bertforge.cluster.launch.paths import refuse_output_in_the_jobs_copy
 from bertforge.cluster.launch.worker_output import LOG_DIR, log_driver_to
 from bertforge.cluster.safety.atomic_files import write_json_atomic
 
@@ -102,6 +103,8 @@ class StageRunner:
         self._lock = None
 
     def __enter__(self) -> StageRunner:
+        # demo, finetune, glue and pipeline outputs (given or default) inside a submit job
+        refuse_output_in_the_jobs_copy(self.root, self.dir_flag)
         self._refuse_foreign_directory()
         self._lock = exclusive_directory(self.root, self.command)
         self._lock.__enter__()

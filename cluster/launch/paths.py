@@ -8,6 +8,7 @@ start. Each command that hands paths to workers makes them absolute first, in th
 from __future__ import annotations
 
 import os
+import re
 
 
 def absolute(path: str | None) -> str | None:
@@ -18,46 +19,49 @@ def absolute(path: str | None) -> str | None:
     return os.path.abspath(os.path.expanduser(path))
 
 
-# Set by `bertforge submit` in the job's environment: the job runs in the working directory it
-# uploaded, which is another one at each submission.
-UPLOADED_WORKING_DIR_ENV = "BERTFORGE_UPLOADED_WORKING_DIR"
-
-
 def stable_name(path: str) -> str:
     """What names a local path across runs of a command: the absolute path, or, inside a
-    `submit` job, a path under the job's uploaded working directory relative to it (so that
-    a resubmitted job names its `--run-dir runs/bert` as the first did)."""
+    job's uploaded working directory (`jobs_copy_of`), the path relative to it, so that a
+    resubmitted job names its `--run-dir runs/bert` as the first did."""
     path = absolute(path)
-    if in_the_jobs_copy(path):
-        return "job:" + os.path.relpath(path, os.getcwd())
+    copy = jobs_copy_of(path)
+    if copy is not None:
+        return "job:" + os.path.relpath(path, copy)
     return path
 
 
-def in_the_jobs_copy(path: str) -> bool:
-    """Inside a `submit` job: `path` is in the job's uploaded copy of the working directory
-    (where a relative path lands), a folder in Ray's session directory that Ray deletes and
-    that a resubmitted job never sees (it gets a new one)."""
-    return bool(os.environ.get(UPLOADED_WORKING_DIR_ENV)) and (
-        absolute(path) + os.sep).startswith(os.getcwd() + os.sep)
+# Where Ray unpacks a job's uploaded working directory (`submit --working-dir`, Ray's
+# runtime_env working_dir): SESSION/runtime_resources/working_dir_files/_ray_pkg_<hash>.
+_JOBS_COPY = re.compile(r"(/(?:[^/\s]+/)*working_dir_files/_ray_pkg_[^/\s)]+)")
 
 
-def refuse_output_in_the_jobs_copy(path: str, flag: str) -> None:
-    """An output written inside the job's copy is lost with it, and a resubmitted job's
-    `--resume auto` would find nothing and start over: refused before anything runs."""
-    if in_the_jobs_copy(path):
+def jobs_copy_of(path: str) -> str | None:
+    """The uploaded copy of a job's working directory that `path` lies in, or None: where a
+    relative path lands inside a `submit` job. Ray deletes that folder with its session, and
+    each submission gets another, so a resubmitted job never sees what an earlier one wrote
+    there."""
+    found = _JOBS_COPY.match(absolute(path) + "/")
+    return found.group(1) if found else None
+
+
+def refuse_output_in_the_jobs_copy(path: str | None, flag: str) -> None:
+    """An output written inside a job's copy of its working directory is lost with it, and a
+    resubmitted job's `--resume auto` would find nothing and start over: refused before
+    anything runs. (A URI or None passes.)"""
+    copy = jobs_copy_of(path) if path and "://" not in path else None
+    if copy is not None:
         raise ValueError(
-            f"{flag} {path} is inside this job's uploaded copy of the working directory "
-            f"({os.getcwd()}), which Ray deletes and a resubmitted job never sees: give an "
-            "absolute path on a filesystem every node mounts (e.g. /shared/runs/NAME)"
+            f"{flag} {path} is inside this job's uploaded copy of its working directory "
+            f"({copy}), which Ray deletes and a resubmitted job never sees: give an absolute "
+            "path on a filesystem every node mounts (e.g. /shared/runs/NAME)"
             + (", or keep the checkpoints in --storage" if flag == "--run-dir" else ""))
 
 
 def jobs_copy_hint(message: str) -> str:
-    """Inside a `submit` job, an error that names a path in the job's copy of the working
-    directory (a relative `--data`, say, found missing there) says where that path came
-    from; elsewhere "" ."""
-    here = os.getcwd()
-    if not os.environ.get(UPLOADED_WORKING_DIR_ENV) or here + os.sep not in message:
+    """For an error that names a path in a job's copy of its working directory (a relative
+    `--data` found missing there, say): where that path came from; "" for any other."""
+    found = _JOBS_COPY.search(message)
+    if found is None or "uploaded copy" in message:
         return ""
-    return (f" (inside a submitted job a relative path is in the job's uploaded copy of the "
-            f"working directory, {here}: give absolute paths every node mounts)")
+    return (f" (inside a submitted job a relative path is in the job's uploaded copy of its "
+            f"working directory, {found.group(1)}: give absolute paths every node mounts)")

@@ -88,14 +88,16 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     first, before Ray starts (`training.inputs`); a user error inside a worker is not retried.
     """
     refuse_run_dir_uri(cfg.run_dir)  # before its lock is looked for there
+    # With storage, storage holds the checkpoints a resubmitted job resumes (stable_name).
+    refuse_output_in_the_jobs_copy(launch.storage, "--storage")
+    if not launch.storage:
+        refuse_output_in_the_jobs_copy(cfg.run_dir, "--run-dir")
     storage_name = storage_run_name(cfg.run_dir)  # against this directory, as `absolute`
     # Relative paths are the user's working directory's, not the workers'.
     cfg = TrainConfig.from_dict({**cfg.to_dict(), "data_dir": absolute(cfg.data_dir),
                                  "run_dir": absolute(cfg.run_dir),
                                  "init_from": absolute(cfg.init_from)})
     launch = dataclasses.replace(launch, storage=absolute(launch.storage))
-    if not launch.storage:  # with storage, storage holds the checkpoints a resubmit resumes
-        refuse_output_in_the_jobs_copy(cfg.run_dir, "--run-dir")
     # GPUs this machine lacks: refused before the run directory or its log is made.
     check_local_resources(launch)
     # Another run writing there: said first, as the lock below would (its checkpoints are

@@ -22,13 +22,13 @@ import os
 import re
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from bertforge.cluster.launch.checkout import built_package, package_folders
-from bertforge.cluster.launch.paths import UPLOADED_WORKING_DIR_ENV
 from bertforge.training.errors import UserInputError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -71,7 +71,6 @@ class SubmitConfig:
         if self.working_dir:
             env["working_dir"] = os.path.abspath(self.working_dir)
             env["excludes"] = list(self.excludes)
-            env_vars[UPLOADED_WORKING_DIR_ENV] = "1"  # paths.stable_name
         if package_dir:
             env["py_modules"] = [os.path.abspath(package_dir)]
         if env_vars:
@@ -176,18 +175,31 @@ def follow(client, address: str, job_id: str) -> int:
 
     try:
         asyncio.run(_follow_logs(client, job_id))
+        return final_status(client, job_id, hint=(
+            f"its logs ended; {_how_to_reach(address, job_id)}"))
     except StoppedBySignal as stop:
         # The log tail's HTTP session, cut short, would be reported as "Task was destroyed but
         # it is pending!" when the loop goes: expected here, and no news to the user.
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-        status = None
-        with contextlib.suppress(Exception):  # the note is best effort; the stop goes on
-            status = str(client.get_job_status(job_id).value)
+        status = _status_within(client, job_id, seconds=5.0)
         stop.note = (f"job {job_id} {status}" if status in TERMINAL else
                      f"job {job_id} keeps running; {_how_to_reach(address, job_id)}")
         raise
-    return final_status(client, job_id, hint=(
-        f"its logs ended; `bertforge submit --address {address} --stop {job_id}` stops it"))
+
+
+def _status_within(client, job_id: str, seconds: float) -> str | None:
+    """The job's status, or None where the cluster does not answer within `seconds` (Ray's
+    client has no timeout of its own; a stop must not hang on a stalled tunnel)."""
+    result: list[str] = []
+
+    def ask() -> None:
+        with contextlib.suppress(Exception):
+            result.append(str(client.get_job_status(job_id).value))
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    asker.join(seconds)
+    return result[0] if result else None
 
 
 def follow_job(address: str, job_id: str) -> int:

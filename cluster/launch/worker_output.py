@@ -159,7 +159,7 @@ class _Console(io.TextIOBase):
     def closed(self) -> bool:
         """The console's state: an atexit hook (Ray's colorama) asks this before `isatty`, and
         a console closed under us (pytest's capture) must not raise there."""
-        return self.console.closed
+        return bool(getattr(self.console, "closed", False))
 
     @property
     def encoding(self) -> str:

@@ -43,18 +43,26 @@ def test_a_resubmitted_job_finds_its_run_in_storage_and_other_directories_do_not
     directory, another one at each submission: named relative to it, the resubmitted run
     finds its checkpoints. Anywhere else the same relative path from two directories is two
     runs."""
-    first, second = tmp_path / "_ray_pkg_1", tmp_path / "_ray_pkg_2"
-    first.mkdir()
+    # Where Ray unpacks each submission's working directory.
+    uploads = tmp_path / "ray" / "session_1" / "runtime_resources" / "working_dir_files"
+    first, second = uploads / "_ray_pkg_1", uploads / "_ray_pkg_2"
+    first.mkdir(parents=True)
     second.mkdir()
     shared = str(tmp_path / "shared" / "bert")
     shared_anywhere = storage_run_name(shared)
-    monkeypatch.chdir(first)
+    elsewhere = tmp_path / "a", tmp_path / "b"
+    for directory in elsewhere:
+        directory.mkdir()
+    monkeypatch.chdir(elsewhere[0])
     outside = storage_run_name("runs/bert")
-    monkeypatch.chdir(second)
+    monkeypatch.chdir(elsewhere[1])
     assert storage_run_name("runs/bert") != outside
-    monkeypatch.setenv("BERTFORGE_UPLOADED_WORKING_DIR", "1")
+    monkeypatch.chdir(second)
     in_second_job = storage_run_name("runs/bert")
     monkeypatch.chdir(first)
     assert storage_run_name("./runs/bert/") == in_second_job
+    # A job that changed directory names the path by where it lies, not by where it runs.
+    monkeypatch.chdir(tmp_path)
+    assert storage_run_name(str(second / "runs" / "bert")) == in_second_job
     # An absolute path outside the job's directory is named by itself, as anywhere.
     assert storage_run_name(shared) == shared_anywhere

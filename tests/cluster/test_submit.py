@@ -3,6 +3,7 @@
 One cluster serves the module: each start costs tens of seconds of the suite."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 
 from bertforge.cluster.cli import main
 from bertforge.cluster.launch.checkout import package_folders
-from bertforge.cluster.launch.paths import UPLOADED_WORKING_DIR_ENV, in_the_jobs_copy
+from bertforge.cluster.launch.paths import jobs_copy_of
 from bertforge.cluster.launch.submit import (
     SubmitConfig,
     describe_runtime_env,
@@ -136,6 +137,15 @@ def test_failing_job_gives_a_failing_exit_code(two_node_cluster, capsys):
                  "python", "-c", "import sys; sys.exit(7)"])  # as a shell hands the words on
     assert code == 1
     assert "FAILED" in capsys.readouterr().out
+    # A relative --run-dir in a real job: Ray's copy of the working directory is recognised.
+    code = main(["submit", "--address", url, "--working-dir", REPO, "--", "python", "-m",
+                 "bertforge.cluster.cli", "train", "--address", "auto", "--data", "/no/data",
+                 "--run-dir", "runs/rel"])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert re.search(r"bertforge train: error: --run-dir runs/rel is inside this job's uploaded "
+                     r"copy of its working directory \(\S+/working_dir_files/_ray_pkg_\w+\), "
+                     "which Ray deletes", out), out[-3000:]
 
 
 def test_running_job_can_be_followed_again_and_stopped(two_node_cluster, capsys):
@@ -177,28 +187,38 @@ def test_running_job_can_be_followed_again_and_stopped(two_node_cluster, capsys)
 
 def test_outputs_inside_a_jobs_copy_of_its_working_dir_are_refused(tmp_path, monkeypatch,
                                                                    capsys):
-    """Inside a submitted job a relative path lands in the job's uploaded copy of the working
+    """Inside a submitted job a relative path lands in the job's uploaded copy of its working
     directory, which Ray deletes: a run written there was lost, and a resubmitted `--resume
-    auto` started over without a word."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(UPLOADED_WORKING_DIR_ENV, "1")
-    data = write_dataset(str(tmp_path.parent / "shards"), {"train": [16]}, max_seq_length=32)
-    for argv, flag in ((["train", "--data", data, "--run-dir", "runs/rel"], "--run-dir runs/rel"),
-                       (["finetune", "--task", "sst2", "--model", data, "--output", "ft"],
-                        "--output ft")):
+    auto` started over without a word. (A real job's refusal: the two-node test above.)"""
+    copy = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_ab12"
+    copy.mkdir(parents=True)
+    monkeypatch.chdir(copy)
+    data = write_dataset(str(tmp_path / "shards"), {"train": [16]}, max_seq_length=32)
+    refused = [
+        (["train", "--data", data, "--run-dir", "runs/rel"], "--run-dir runs/rel"),
+        (["train", "--data", data, "--run-dir", str(tmp_path / "run"), "--storage", "st"],
+         "--storage st"),
+        (["finetune", "--task", "sst2", "--model", data, "--output", "ft"], "--output ft"),
+        (["demo"], f"--output {copy / 'bertforge-demo'}"),  # a default output too
+        (["export", data, "--output", "hf"], "--output hf"),
+        (["prepare", "--input", "x.jsonl", "--output", "shards", "--vocab", "v.txt"],
+         "--output shards"),
+    ]
+    for argv, flag in refused:
         assert main(argv) == 2
-        assert capsys.readouterr().err.startswith(
-            f"bertforge {argv[0]}: error: {flag} is inside this job's uploaded copy of the "
-            f"working directory ({tmp_path}), which Ray deletes")
-    assert not (tmp_path / "runs").exists()
+        err = capsys.readouterr().err
+        assert err.startswith(f"bertforge {argv[0]}: error: {flag} is inside this job's "
+                              f"uploaded copy of its working directory ({copy}), which Ray "
+                              "deletes"), err
+    assert sorted(os.listdir(copy)) == []
     # An input found missing there says where the relative path went.
-    assert main(["train", "--data", "shards", "--run-dir", str(tmp_path.parent / "run")]) == 2
+    assert main(["train", "--data", "shards", "--run-dir", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err.strip().endswith(
-        f"(inside a submitted job a relative path is in the job's uploaded copy of the working "
-        f"directory, {tmp_path}: give absolute paths every node mounts)")
-    # Outside a job, the same relative paths are the user's own.
-    monkeypatch.delenv(UPLOADED_WORKING_DIR_ENV)
-    assert not in_the_jobs_copy("runs/rel")
+        f"(inside a submitted job a relative path is in the job's uploaded copy of its working "
+        f"directory, {copy}: give absolute paths every node mounts)")
+    # A job that changed to a shared directory writes there as it asks.
+    monkeypatch.chdir(tmp_path)
+    assert jobs_copy_of("runs/rel") is None and jobs_copy_of(str(copy / "runs")) == str(copy)
 
 
 def test_the_job_gets_the_words_it_was_given(tmp_path):
@@ -220,8 +240,7 @@ def test_runtime_env_hides_values_and_excludes_heavy_paths(tmp_path):
                           env_vars={"AWS_SECRET_ACCESS_KEY": "abc"})
     env = config.runtime_env()
     assert ".venv" in env["excludes"] and "*.arrow" in env["excludes"]
-    assert describe_runtime_env(env)["env_vars"] == {"AWS_SECRET_ACCESS_KEY": "<hidden>",
-                                                     "BERTFORGE_UPLOADED_WORKING_DIR": "<hidden>"}
+    assert describe_runtime_env(env)["env_vars"] == {"AWS_SECRET_ACCESS_KEY": "<hidden>"}
     with pytest.raises(ValueError, match="nothing to run"):
         SubmitConfig(entrypoint=[], working_dir=str(tmp_path))
     with pytest.raises(ValueError, match="either --image or --working-dir"):

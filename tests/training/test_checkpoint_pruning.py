@@ -3,6 +3,7 @@ a fresh start moves another run's checkpoints aside (files only: no engine)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -68,6 +69,9 @@ def test_a_nodes_own_parts_are_pruned_to_its_newest_keep(tmp_path):
     for step in (10, 20, 30, 40, 50):
         fake_checkpoint(tmp_path, step, None, committed=False)  # this node's parts: no marker
     fake_checkpoint(tmp_path, 5, "run", committed=True)  # restored from storage: whole
+    # A removal killed part-way on this node: cleared here too (GBs of a node's parts).
+    (tmp_path / checkpoint.CHECKPOINTS_DIR / ".retired-killed" / "step_00000001").mkdir(
+        parents=True)
     checkpoint.prune_node_copies(str(tmp_path), keep=2, step=40)
     names = sorted(os.listdir(tmp_path / checkpoint.CHECKPOINTS_DIR))
     assert names == ["step_00000005", "step_00000030", "step_00000040", "step_00000050"]
@@ -121,7 +125,8 @@ def test_a_pruned_checkpoint_is_never_seen_part_deleted(tmp_path, monkeypatch):
         deleting = {int(name[len("step_"):]) for _, dirs, _ in os.walk(path)
                     for name in dirs if name.startswith("step_")}
         deleting |= {int(os.path.basename(path)[len("step_"):])} if "step_" in path else set()
-        seen_while_deleting.append((deleting, checkpoint.committed_steps(str(tmp_path))))
+        if deleting:
+            seen_while_deleting.append((deleting, checkpoint.committed_steps(str(tmp_path))))
         rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint.shutil, "rmtree", watched_rmtree)
@@ -132,3 +137,30 @@ def test_a_pruned_checkpoint_is_never_seen_part_deleted(tmp_path, monkeypatch):
     (tmp_path / "checkpoints" / ".retired-killed" / "step_00000002").mkdir(parents=True)
     checkpoint._prune(str(tmp_path), keep=1, run_id="run", step=3)
     assert os.listdir(tmp_path / "checkpoints") == ["step_00000003"]
+
+
+def test_where_a_checkpoint_cannot_be_renamed_its_marker_goes_first(tmp_path, monkeypatch):
+    """Some FUSE mounts cannot rename a directory: pruning must not fail the run there (it
+    deleted in place before), and the checkpoint stops counting before its weights go."""
+    for step in (1, 2):
+        fake_checkpoint(tmp_path, step, "run")
+    order = []
+    remove, rmtree = os.remove, shutil.rmtree
+
+    def no_rename(source, target):
+        raise OSError(errno.ENOTSUP, "Operation not supported")
+
+    def watched_remove(path, *args, **kwargs):
+        order.append(("remove", os.path.basename(path)))
+        remove(path, *args, **kwargs)
+
+    def watched_rmtree(path, *args, **kwargs):
+        order.append(("rmtree", os.path.basename(path)))
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.os, "rename", no_rename)
+    monkeypatch.setattr(checkpoint.os, "remove", watched_remove)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", watched_rmtree)
+    checkpoint._prune(str(tmp_path), keep=1, run_id="run", step=2)
+    assert order[:2] == [("remove", checkpoint.COMMIT_MARKER), ("rmtree", "step_00000001")]
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]

@@ -115,9 +115,12 @@ def test_eval_warm_start_and_fine_tuning_read_a_run_beside_its_train(run_dir, da
     assert len(calls) == 2 and initial.config.hidden_size == 32 and initial.state_dict
 
     # A fine-tune reads the vocabulary until its export: it keeps a copy of its own.
-    pretrained = load_pretrained(str(run_dir))
+    copy_dir = run_dir.parent / "fine-tune's"
+    copy_dir.mkdir()
+    pretrained = load_pretrained(str(run_dir), vocab_copy_dir=str(copy_dir))
     assert pretrained.provenance["step"] == 4
     a_train_saves_and_prunes(run_dir)
+    assert pretrained.vocab_path == str(copy_dir / "vocab.txt")
     with open(pretrained.vocab_path, encoding="utf-8") as f:
         assert f.read().startswith("[PAD]")
 

@@ -9,11 +9,9 @@ Hugging Face directory may be a pretraining export, `bert-base-uncased` as downl
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
-import tempfile
 from typing import Any, NamedTuple
 
 import torch
@@ -63,12 +61,15 @@ def source_kind(source: str) -> str:
     raise ValueError(f"model {source} is none of {_WHAT_WE_TAKE}")
 
 
-def load_pretrained(source: str, *, random_init: bool = False) -> PretrainedModel:
+def load_pretrained(source: str, *, random_init: bool = False,
+                    vocab_copy_dir: str | None = None) -> PretrainedModel:
     """The encoder of `source`; `random_init` keeps its architecture and vocabulary but none of
-    its weights (state_dict None), for comparing fine-tuning with and without pretraining."""
+    its weights (state_dict None), for comparing fine-tuning with and without pretraining.
+    `vocab_copy_dir`: a checkpoint's vocabulary is copied there, read with its weights (the
+    vocab_path then names the copy), for a caller that reads it later."""
     kind = source_kind(source)
-    loaded = _from_checkpoint(source, kind, random_init) if kind != HF_DIR else _from_hf_dir(
-        source, random_init)
+    loaded = (_from_checkpoint(source, kind, random_init, vocab_copy_dir) if kind != HF_DIR
+              else _from_hf_dir(source, random_init))
     num_tokens = len(read_vocab(loaded.vocab_path))
     if num_tokens > loaded.config.vocab_size:
         raise ValueError(f"model {source}: {loaded.vocab_path} has {num_tokens} tokens, more than "
@@ -76,29 +77,25 @@ def load_pretrained(source: str, *, random_init: bool = False) -> PretrainedMode
     return loaded
 
 
-def _from_checkpoint(source: str, kind: str, random_init: bool) -> PretrainedModel:
+def _from_checkpoint(source: str, kind: str, random_init: bool,
+                     vocab_copy_dir: str | None) -> PretrainedModel:
     def read(path: str):
         metadata = checkpoint.read_metadata(path)
-        vocab_path = _copy_for_this_process(os.path.join(path, "vocab.txt"))
+        vocab_path = os.path.join(path, "vocab.txt")
+        if vocab_copy_dir is not None:
+            vocab_path = shutil.copy(vocab_path, vocab_copy_dir)
         if random_init:
             return metadata, checkpoint.model_config_of(path, metadata), None, vocab_path
         initial = read_initial_weights(path)
         return metadata, initial.config, initial.state_dict, vocab_path
 
     # Everything read at once, a run's newest picked again if a train still running there
-    # removes it meanwhile; the vocabulary copied, as the fine-tune reads it until its export.
+    # removes it meanwhile.
     path, (metadata, config, state, vocab_path) = checkpoint.read_newest(source, read)
     provenance = _provenance(source, kind, random_init, vocab_path,
                              step=metadata["global_step"], checkpoint=os.path.abspath(path),
                              positions_trained=checkpoint.positions_trained(metadata))
     return PretrainedModel(config, state, vocab_path, bool(metadata["lower_case"]), provenance)
-
-
-def _copy_for_this_process(path: str) -> str:
-    """A copy of `path` in a temporary directory removed when this process exits."""
-    directory = tempfile.mkdtemp(prefix="bertforge-model-")
-    atexit.register(shutil.rmtree, directory, True)
-    return shutil.copy(path, directory)
 
 
 def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:

@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,10 +50,17 @@ ReportFn = Callable[[dict[str, Any]], None]
 def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str, Any]:
     """Train on cfg.train at cfg.learning_rate with cfg.seeds[0], score cfg.dev, write the
     outputs into cfg.output (rank 0); returns the run's record (also in output/result.json)."""
+    # The pretrained model's vocabulary is read until the export: a copy of it lives here (a
+    # train still running in MODEL's run may remove the checkpoint meanwhile).
+    with tempfile.TemporaryDirectory(prefix="bertforge-finetune-") as scratch:
+        return _finetune(cfg, report, scratch)
+
+
+def _finetune(cfg: FinetuneConfig, report: ReportFn | None, scratch: str) -> dict[str, Any]:
     ensure_process_group()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     seed = cfg.seeds[0]
-    pretrained = load_pretrained(cfg.model, random_init=cfg.random_init)
+    pretrained = load_pretrained(cfg.model, random_init=cfg.random_init, vocab_copy_dir=scratch)
     data = load_task_data(cfg, pretrained.vocab_path, pretrained.lower_case)
     steps_per_epoch, num_steps = count_steps(cfg, data.num_train_rows)
     torch.manual_seed(seed)  # identical head (and random encoder) on every rank
