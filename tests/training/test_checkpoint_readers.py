@@ -91,6 +91,17 @@ def test_export_of_a_run_takes_the_newer_checkpoint_when_its_pick_is_removed(
     assert f", step 3, from {newest}\n" in capsys.readouterr().out
 
 
+def test_a_checkpoint_removed_half_way_through_its_read_is_read_again_from_the_newest(
+        run_dir, tmp_path, monkeypatch):
+    """The train prunes after the export has read the checkpoint's bertforge.json and before
+    it reads the weights."""
+    load_weights, calls = interrupted_once(checkpoint.load_fp32_state_dict, run_dir)
+    monkeypatch.setattr(checkpoint, "load_fp32_state_dict", load_weights)
+    export.export_checkpoint(str(run_dir), str(tmp_path / "hf"))
+    assert [os.path.basename(path) for path, in calls] == ["step_00000002", "step_00000003"]
+    assert export.exported_source(str(tmp_path / "hf"))["global_step"] == 3
+
+
 def test_a_named_checkpoint_removed_while_it_is_read_is_one_clear_error(run_dir, tmp_path,
                                                                         monkeypatch):
     load, _ = interrupted_once(export.load_model, run_dir)
