@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from collections.abc import Sequence
 
 from bertforge.cluster.launch.paths import refuse_output_in_the_jobs_copy
@@ -482,21 +483,47 @@ def main(argv: Sequence[str] | None = None) -> int:
                 status = args.handler(args, extra)
             else:
                 status = args.handler(args)
-    except (ValueError, FileNotFoundError) as error:
+    # A path that is a directory, or not one, or not ours to read: the user's to fix, too.
+    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+            PermissionError) as error:
         from bertforge.cluster.launch.paths import jobs_copy_hint
-        from bertforge.cluster.launch.worker_output import ended_with_user_error
 
-        print(f"bertforge {args.command}: error: {error}{jobs_copy_hint(str(error))}",
-              file=sys.stderr)
-        ended_with_user_error()
-        return 2
+        return _one_line(args.command, f"error: {error}{jobs_copy_hint(str(error))}", 2)
     except SystemExit as exit_:  # SIGTERM, SIGINT, SIGHUP: workers stopped, locks released
         stop = as_stop(exit_)
         if stop is None:
             raise
-        print(f"bertforge {args.command}: {stop.describe()}", file=sys.stderr)
-        return stop.code
+        return _one_line(args.command, stop.describe(), stop.code)
+    except Exception as error:
+        from bertforge.training.errors import disk_full
+
+        if disk_full(error):  # what to do is plain; the engine's traceback would hide it
+            return _one_line(args.command, f"error: {_disk_full_line(error)}", 2)
+        # Printed here, not by the interpreter: importing Ray replaces sys.excepthook with one
+        # whose lines the quiet console counts as Ray's (a finetune's crash showed nothing).
+        traceback.print_exception(error)
+        return 1
     return status or 0  # handlers that run a job return its exit code
+
+
+def _one_line(command: str, text: str, code: int) -> int:
+    """The command's last word, when it ends with one line of its own (a refusal, a stop): no
+    engine log is left in $TMPDIR for it (`worker_output.ended_with_its_own_line`)."""
+    from bertforge.cluster.launch.worker_output import ended_with_its_own_line
+
+    print(f"bertforge {command}: {text}", file=sys.stderr)
+    ended_with_its_own_line()
+    return code
+
+
+def _disk_full_line(error: BaseException) -> str:
+    """A full disk in one line: our own message where we raised it (prepare's names the
+    output), else the engine's first line with what to do."""
+    if isinstance(error, OSError) and error.strerror and "no space left" in error.strerror:
+        return error.strerror
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return (f"no space left on the disk ({first}): make room, or write elsewhere, and run the "
+            "same command again")
 
 
 if __name__ == "__main__":

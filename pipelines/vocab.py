@@ -16,6 +16,7 @@ fixed. The vocabulary holds the same tokens as a lucky run; only their order in 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter
@@ -67,9 +68,14 @@ def train_wordpiece_vocab(
     assert [vocab[t] for t in tokens] == list(range(len(tokens))), "ids must be dense"
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, VOCAB_FILE_NAME)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(token + "\n" for token in tokens)
-    os.replace(path + ".tmp", path)  # renamed in once whole: a half-written vocab.txt never exists
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(token + "\n" for token in tokens)
+        os.replace(path + ".tmp", path)  # renamed in whole: a half-written vocab.txt never exists
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk: its part would keep the disk full
+            os.remove(path + ".tmp")
+        raise
     logger.info("vocab: %d tokens from %d files -> %s", len(tokens), len(paths), path)
     if len(tokens) > vocab_size:  # the special tokens and the alphabet are always kept
         logger.warning(

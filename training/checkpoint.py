@@ -26,7 +26,6 @@ command that exits 0 loses a committed checkpoint.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import pickle
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from bertforge.training.distributed import barrier, local_rank
-from bertforge.training.errors import UserInputError
+from bertforge.training.errors import UserInputError, disk_full
 
 T = TypeVar("T")
 
@@ -133,11 +132,8 @@ _FULL_BELOW_BYTES = 16 * 2**20
 
 
 def _disk_full(error: BaseException, directory: str) -> bool:
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        seen = seen.__cause__ or seen.__context__
+    if disk_full(error):
+        return True
     try:
         return shutil.disk_usage(directory).free < _FULL_BELOW_BYTES
     except OSError:

@@ -8,6 +8,8 @@ line like any other user error.
 
 from __future__ import annotations
 
+import errno
+
 
 class UserInputError(ValueError):
     """The run's inputs (data, vocabulary, config, run directory) are wrong: do not retry."""
@@ -15,6 +17,19 @@ class UserInputError(ValueError):
 
 class MissingInputError(UserInputError, FileNotFoundError):
     """A file the inputs name does not exist (also a FileNotFoundError)."""
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether `error` (or one it was raised from) is a full disk or quota: an OSError's errno,
+    or the OS's words in the message of a library that drops the errno (safetensors)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def as_user_error(error: Exception) -> UserInputError:

@@ -288,8 +288,8 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
 
     import torch
 
+    from bertforge.cluster.launch.local_worker import stop_if_asked, stops_held
     from bertforge.cluster.launch.worker_output import quiet_worker
-    from bertforge.training.errors import as_user_error
 
     torch.set_num_threads(worker_config["threads"])
     if worker_config.get("ray"):
@@ -302,7 +302,6 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
     quiet_worker(worker_config["logs"], rank, verbose=worker_config.get("verbose", False))
     from bertforge.training.distributed import barrier
     from bertforge.training.engine import ensure_process_group
-    from bertforge.training.finetune.loop import finetune
 
     ensure_process_group()  # Ray Train's group, or a 1-rank one in the local process
     if worker_config.get("ray"):
@@ -315,6 +314,7 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
     names = worker_config.get("names") or [os.path.basename(v["output"])
                                            for v in worker_config["runs"]]
     for number, (values, name) in enumerate(zip(worker_config["runs"], names, strict=True), 1):
+        stop_if_asked()  # a stop that landed in the last run's clean-up (its gc) is not lost
         if os.path.exists(os.path.join(values["output"], RESULT_NAME)):
             continue  # finished before this worker group restarted
         # A restarted group re-runs a run its predecessor left half done: start it over, or
@@ -324,16 +324,38 @@ def _worker_main(worker_config: dict[str, Any]) -> None:
             fresh_dir(values["output"])
         barrier(device)
         started = time.time()
-        try:
-            record = finetune(FinetuneConfig.from_dict(values))
-        except ValueError as error:  # bad inputs fail the same way on every attempt: no retry
-            raise as_user_error(error) from None
+        record = fine_tune_one(values)
         if rank == 0:  # the run's line now, with its real duration, not when the group ends
             _finished(values["output"], f"[{number}/{len(names)}] {name}", record,
                       time.time() - started)
-        gc.collect()  # the run's engine and model, before the next one's
+        with stops_held():
+            gc.collect()  # the run's engine and model, before the next one's
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def fine_tune_one(values: dict[str, Any]) -> dict[str, Any]:
+    """One run of a worker's list; what no retry can fix raised as a user error (the worker
+    group is then not restarted): bad inputs, and a full disk, into which each of the local
+    worker's four attempts fine-tuned from the start before."""
+    from bertforge.training.errors import UserInputError, as_user_error, disk_full
+    from bertforge.training.finetune.loop import finetune
+
+    try:
+        return finetune(FinetuneConfig.from_dict(values))
+    except ValueError as error:
+        raise as_user_error(error) from None
+    except Exception as error:
+        if not disk_full(error):
+            raise
+        raise UserInputError(
+            f"no space left on the disk of {values['output']} ({_first_line(error)}): make "
+            "room, or give an --output with more space, and the same command continues "
+            "(finished runs are kept)") from error
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _finished(run_dir: str, label: str, record: dict[str, Any], seconds: float) -> None:

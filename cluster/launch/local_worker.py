@@ -40,7 +40,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from bertforge.cluster.launch.worker_output import is_verbose
@@ -150,9 +150,48 @@ def _die_with_parent() -> None:
         sys.exit(1)
 
 
+_STOPS: list[int] = []  # the stop signals this child received
+_holding = False  # within `stops_held`
+
+
+def _stop(signum: int, frame) -> None:
+    _STOPS.append(signum)
+    if not _holding:
+        sys.exit(128 + signum)
+
+
+def stop_if_asked() -> None:
+    """Exit as a stop signal asked, if one came. The signal's own exit is lost where it lands
+    in a finalizer (the garbage collection after a fine-tuning run: "Exception ignored in ...
+    SystemExit"), and the child trained on until the driver killed it; a worker calls this
+    between units of work. Nothing to do outside the local worker process."""
+    if _STOPS:
+        sys.exit(128 + _STOPS[0])
+
+
+@contextlib.contextmanager
+def stops_held() -> Iterator[None]:
+    """A stop (SIGINT, SIGTERM) that comes within the block exits when it ends: one that
+    lands in a finalizer (garbage collection) is lost there, printed as "Exception ignored in
+    ..."; held, its exit unwinds from here. (Masking the signal would not do: a thread that
+    does not mask it takes it, and Python runs the handler in the main thread all the same.)"""
+    global _holding
+    _holding = True
+    try:
+        yield
+    finally:
+        _holding = False
+    stop_if_asked()
+
+
 def main(argv: list[str]) -> int:
     _die_with_parent()
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # This file runs as __main__; the worker function imports it again under its own name, and
+    # that module's `stops_held` and `stop_if_asked` must see the stops: its handler, then.
+    from bertforge.cluster.launch import local_worker
+
+    signal.signal(signal.SIGTERM, local_worker._stop)
+    signal.signal(signal.SIGINT, local_worker._stop)  # Ctrl-C reaches the whole process group
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)
     module, name = spec["function"].split(":")

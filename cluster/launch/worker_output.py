@@ -242,7 +242,7 @@ class ConsoleConfig:
 
 _driver_command: str | None = None
 _held_back = False  # whether the log holds lines the console did not show
-_refused = False  # the command ended with a user error's one line (`ended_with_user_error`)
+_refused = False  # the command ended with a line of its own (`ended_with_its_own_line`)
 
 
 def quiet_driver(command: str, verbose: bool = False) -> None:
@@ -279,18 +279,18 @@ def is_verbose() -> bool:
     return _verbose
 
 
-def ended_with_user_error() -> None:
-    """The command ends with a user error's one line (exit code 2)."""
+def ended_with_its_own_line() -> None:
+    """The command ends with one line of its own: a user error's (exit code 2) or a stop's."""
     global _refused
     _refused = True
 
 
 def _flush_unclaimed_log() -> None:
     """A command that never claimed a directory (it failed first, or its output is gs://...):
-    its log goes to the temporary directory, named on the console. Not for a refusal whose
-    log holds only the engines' import chatter (DeepSpeed's "Setting accelerator to CPU"):
-    its one line says it all, and every mistyped flag left a file in /tmp; a refusal after an
-    engine's traceback (a Beam job that failed) keeps it."""
+    its log goes to the temporary directory, named on the console. Not for a refusal or a
+    stop whose log holds only the engines' import chatter (DeepSpeed's "Setting accelerator to
+    CPU"): its one line says it all, and every mistyped flag or Ctrl-C left a file in /tmp; one
+    after an engine's traceback (a Beam job that failed) keeps it."""
     if not isinstance(_log, _MemoryLog) or not _log.getvalue():
         return
     if _refused and "Traceback (most recent call last)" not in _log.getvalue():
