@@ -109,7 +109,9 @@ def save(
     except Exception as error:
         if not _disk_full(error, root):
             raise
-        _retire(path)  # never a checkpoint, and it holds the space a rerun needs
+        if local_rank() == 0:  # this node's copy: never a checkpoint, and it holds the space
+            # In place: `_retire`'s rename needs a new directory, which a full disk refuses.
+            shutil.rmtree(path, ignore_errors=True)
         raise UserInputError(_disk_full_message(run_dir, step, keep)) from error
     barrier(engine.device)  # every rank's files are on disk before the marker says so
     if rank == 0:

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -348,10 +349,24 @@ def fine_tune_one(values: dict[str, Any]) -> dict[str, Any]:
     except Exception as error:
         if not disk_full(error):
             raise
+        where = _fullest_of(values["output"], tempfile.gettempdir())
         raise UserInputError(
-            f"no space left on the disk of {values['output']} ({_first_line(error)}): make "
-            "room, or give an --output with more space, and the same command continues "
-            "(finished runs are kept)") from error
+            f"no space left on the disk of {where} ({_first_line(error)}): make room there "
+            "and the same command continues (finished runs are kept)") from error
+
+
+def _fullest_of(*directories: str) -> str:
+    """Which of the directories a run writes to (its output; the temporary directory, which
+    holds its copy of the vocabulary) has the least room: the one that filled."""
+    def free(directory: str) -> int:
+        while directory and not os.path.exists(directory):
+            directory = os.path.dirname(directory)
+        try:
+            return shutil.disk_usage(directory or "/").free
+        except OSError:
+            return 2**63
+
+    return min(directories, key=free)
 
 
 def _first_line(error: BaseException) -> str:

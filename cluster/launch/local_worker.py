@@ -191,7 +191,10 @@ def main(argv: list[str]) -> int:
     from bertforge.cluster.launch import local_worker
 
     signal.signal(signal.SIGTERM, local_worker._stop)
-    signal.signal(signal.SIGINT, local_worker._stop)  # Ctrl-C reaches the whole process group
+    # Ctrl-C reaches the whole process group; where the driver ignores it (a script's `&`),
+    # so does this child (driver_teardown's rule).
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, local_worker._stop)
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)
     module, name = spec["function"].split(":")

@@ -32,7 +32,8 @@ def stable_name(path: str) -> str:
 
 # Where Ray unpacks a job's uploaded working directory (`submit --working-dir`, Ray's
 # runtime_env working_dir): SESSION/runtime_resources/working_dir_files/_ray_pkg_<hash>.
-_JOBS_COPY = re.compile(r"(/(?:[^/\s]+/)*working_dir_files/_ray_pkg_[^/\s)]+)")
+_MARK = "/working_dir_files/_ray_pkg_"
+_JOBS_COPY = re.compile(r"(/(?:[^/\s]+/)*working_dir_files/_ray_pkg_[^/\s)'\",:;]+)")
 
 
 def jobs_copy_of(path: str) -> str | None:
@@ -40,7 +41,8 @@ def jobs_copy_of(path: str) -> str | None:
     relative path lands inside a `submit` job. Ray deletes that folder with its session, and
     each submission gets another, so a resubmitted job never sees what an earlier one wrote
     there."""
-    found = _JOBS_COPY.match(absolute(path) + "/")
+    path = absolute(path) + "/"
+    found = _JOBS_COPY.match(path) if _MARK in path else None
     return found.group(1) if found else None
 
 
@@ -60,7 +62,7 @@ def refuse_output_in_the_jobs_copy(path: str | None, flag: str) -> None:
 def jobs_copy_hint(message: str) -> str:
     """For an error that names a path in a job's copy of its working directory (a relative
     `--data` found missing there, say): where that path came from; "" for any other."""
-    found = _JOBS_COPY.search(message)
+    found = _JOBS_COPY.search(message) if _MARK in message else None
     if found is None or "uploaded copy" in message:
         return ""
     return (f" (inside a submitted job a relative path is in the job's uploaded copy of its "

@@ -30,6 +30,7 @@ and writes it out once the command has claimed the directory (`log_driver_to`).
 from __future__ import annotations
 
 import atexit
+import importlib
 import io
 import logging
 import os
@@ -92,17 +93,29 @@ def record_is_ours(record: logging.LogRecord) -> bool:
             or package == "bertforge" or is_ours(record.pathname))
 
 
-# The last line of a traceback whose exception is one of training.errors' user errors.
-_USER_ERROR_LINE = re.compile(
-    r"^bertforge\.training\.errors\.(UserInputError|MissingInputError): ", re.MULTILINE)
+# A traceback's last line: "package.module.ClassName: message".
+_RAISED = re.compile(r"^(bertforge(?:\.\w+)+)\.(\w+): ")
 
 
 def _ray_train_copy_of_a_user_error(record: logging.LogRecord) -> bool:
+    """Ray Train's traceback of an exception that ended a worker, when that exception (the
+    traceback's last line: not one it was raised while handling) is a UserInputError."""
     if not record.name.startswith("ray.train"):
         return False
     message = record.getMessage()
-    return message.startswith("Error in training function") and bool(
-        _USER_ERROR_LINE.search(message))
+    if not message.startswith("Error in training function"):
+        return False
+    lines = message.strip().splitlines()
+    raised = _RAISED.match(lines[-1]) if lines else None
+    if raised is None:
+        return False
+    from bertforge.training.errors import UserInputError
+
+    try:
+        error_class = getattr(importlib.import_module(raised.group(1)), raised.group(2))
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(error_class, type) and issubclass(error_class, UserInputError)
 
 
 def written_by_us(frame) -> bool:

@@ -214,4 +214,11 @@ def test_ray_trains_traceback_of_a_workers_user_error_stays_in_the_log():
         "bertforge.training.errors.UserInputError: no space left on the disk of /r"))
     assert not record_is_ours(ray_train_error(
         "bertforge.training.errors.MissingInputError: dataset /d does not exist"))
+    assert not record_is_ours(ray_train_error(  # a subclass, from its own module
+        "bertforge.training.data.integrity.CorruptRowError: shard 3 row 7 is damaged"))
     assert record_is_ours(ray_train_error("RuntimeError: CUDA error: an illegal memory access"))
+    # A crash while handling a user error is a crash: Ray retries it, and it shows.
+    assert record_is_ours(ray_train_error(
+        "bertforge.training.errors.UserInputError: x\n\nDuring handling of the above "
+        "exception, another exception occurred:\n\nTraceback (most recent call last):\n"
+        "RuntimeError: y"))

@@ -32,3 +32,18 @@ def join_a_process_group(config: dict) -> None:
     ensure_process_group()
     with open(os.path.join(config["dir"], "group"), "w", encoding="utf-8") as f:
         f.write(f"{dist.get_rank()} {dist.get_world_size()}")
+
+
+def stop_inside_a_hold(config: dict) -> None:
+    """A SIGTERM inside `stops_held` (a run's garbage collection): the child exits as the hold
+    ends, not inside it, and not never."""
+    import signal
+    import time
+
+    from bertforge.cluster.launch.local_worker import stops_held
+
+    with stops_held():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+        open(os.path.join(config["dir"], "held"), "w").close()
+    open(os.path.join(config["dir"], "after"), "w").close()
