@@ -634,20 +634,27 @@ def _retire(path: str) -> None:
     atomic step, so a reader sees it whole or not at all, then its commit marker goes (another
     NFS client may still see the old name for a while: it then finds no marker), then the rest.
     Deleted in place, its marker could outlive its weights. Where a directory cannot be renamed
-    (some FUSE mounts), the marker goes first and the rest in place."""
-    retired = tempfile.mkdtemp(prefix=_RETIRED_PREFIX, dir=os.path.dirname(path))
-    target = os.path.join(retired, os.path.basename(path))
+    (some FUSE mounts) or made (a full disk, which this removal is to relieve), the marker goes
+    first and the rest in place."""
+    target: str | None = path
     try:
-        os.rename(path, target)
-    except FileNotFoundError:
-        target = None
+        retired = tempfile.mkdtemp(prefix=_RETIRED_PREFIX, dir=os.path.dirname(path))
     except OSError:
-        target = path
+        retired = None
+    if retired is not None:
+        try:
+            os.rename(path, os.path.join(retired, os.path.basename(path)))
+            target = os.path.join(retired, os.path.basename(path))
+        except FileNotFoundError:
+            target = None
+        except OSError:
+            pass  # in place
     if target is not None:
         with contextlib.suppress(OSError):
             os.remove(os.path.join(target, COMMIT_MARKER))
         shutil.rmtree(target, ignore_errors=True)
-    shutil.rmtree(retired, ignore_errors=True)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
 
 
 def checkpoint_run_id(checkpoint_path: str) -> str | None:

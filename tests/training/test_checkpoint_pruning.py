@@ -139,16 +139,19 @@ def test_a_pruned_checkpoint_is_never_seen_part_deleted(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "checkpoints") == ["step_00000003"]
 
 
-def test_where_a_checkpoint_cannot_be_renamed_its_marker_goes_first(tmp_path, monkeypatch):
-    """Some FUSE mounts cannot rename a directory: pruning must not fail the run there (it
-    deleted in place before), and the checkpoint stops counting before its weights go."""
+@pytest.mark.parametrize("refused", ["rename", "mkdtemp"])
+def test_where_a_checkpoint_cannot_be_renamed_its_marker_goes_first(tmp_path, monkeypatch,
+                                                                   refused):
+    """Some FUSE mounts cannot rename a directory, and a full disk cannot make the one it
+    would go to: pruning (which is to make room) must not fail the run there, and the
+    checkpoint stops counting before its weights go."""
     for step in (1, 2):
         fake_checkpoint(tmp_path, step, "run")
     order = []
     remove, rmtree = os.remove, shutil.rmtree
 
-    def no_rename(source, target):
-        raise OSError(errno.ENOTSUP, "Operation not supported")
+    def no_rename(*args, **kwargs):
+        raise OSError(errno.ENOTSUP if refused == "rename" else errno.ENOSPC, "refused")
 
     def watched_remove(path, *args, **kwargs):
         order.append(("remove", os.path.basename(path)))
@@ -158,7 +161,10 @@ def test_where_a_checkpoint_cannot_be_renamed_its_marker_goes_first(tmp_path, mo
         order.append(("rmtree", os.path.basename(path)))
         rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint.os, "rename", no_rename)
+    if refused == "rename":
+        monkeypatch.setattr(checkpoint.os, "rename", no_rename)
+    else:
+        monkeypatch.setattr(checkpoint.tempfile, "mkdtemp", no_rename)
     monkeypatch.setattr(checkpoint.os, "remove", watched_remove)
     monkeypatch.setattr(checkpoint.shutil, "rmtree", watched_rmtree)
     checkpoint._prune(str(tmp_path), keep=1, run_id="run", step=2)
