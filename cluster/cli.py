@@ -521,9 +521,10 @@ def _disk_full_line(error: BaseException) -> str:
     output), else the engine's first line with what to do."""
     if isinstance(error, OSError) and error.strerror and "no space left" in error.strerror:
         return error.strerror
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return (f"no space left on the disk ({first}): make room, or write elsewhere, and run the "
-            "same command again")
+    from bertforge.training.errors import first_line
+
+    return (f"no space left on the disk ({first_line(error)}): make room, or write elsewhere, "
+            "and run the same command again")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from bertforge.training.distributed import barrier, local_rank
-from bertforge.training.errors import UserInputError, disk_full
+from bertforge.training.errors import UserInputError, disk_full, first_line
 
 T = TypeVar("T")
 
@@ -280,7 +280,7 @@ def verify_safe_to_unpickle(checkpoint_path: str) -> None:
                 ) from None
             except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as error:
                 raise UserInputError(
-                    f"{path} is truncated or damaged ({_first_line(error)}); refusing to load it"
+                    f"{path} is truncated or damaged ({first_line(error)}); refusing to load it"
                 ) from None
 
 
@@ -308,12 +308,7 @@ def _unpickler_verdict(error: BaseException) -> str:
     the advice around it, which tells how to load the file anyway."""
     match = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\.\s|$)",
                       str(error), flags=re.MULTILINE)
-    return match.group(1).strip() if match else _first_line(error)
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
+    return match.group(1).strip() if match else first_line(error)
 
 
 def _pt_files(directory: str) -> list[str]:
@@ -347,7 +342,7 @@ def read_metadata(checkpoint_path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             metadata = json.load(f)
     except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
-        raise UserInputError(f"{path} is not valid JSON ({_first_line(error)})") from None
+        raise UserInputError(f"{path} is not valid JSON ({first_line(error)})") from None
     if not isinstance(metadata, dict):
         raise UserInputError(f"{path} is not a bertforge checkpoint's metadata (not an object)")
     return metadata
@@ -367,7 +362,7 @@ def model_config_of(checkpoint_path: str, metadata: dict[str, Any] | None = None
         return BertConfig.from_dict(values)
     except (TypeError, ValueError) as error:
         raise UserInputError(f"{path}: model_config is not a valid BertConfig "
-                             f"({_first_line(error)})") from None
+                             f"({first_line(error)})") from None
 
 
 def check_weights_match_config(checkpoint_path: str, metadata: dict[str, Any] | None = None):

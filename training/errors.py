@@ -32,6 +32,11 @@ def disk_full(error: BaseException) -> bool:
     return False
 
 
+def first_line(error: BaseException) -> str:
+    """An error's message's first line (engines put tracebacks and HTTP replies in theirs)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def as_user_error(error: Exception) -> UserInputError:
     """`error` as a UserInputError with the same message (a missing file stays one)."""
     if isinstance(error, UserInputError):

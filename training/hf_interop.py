@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -287,6 +288,26 @@ def _tokenizer_config(lower_case: bool, model_max_length: int) -> dict:
         "clean_up_tokenization_spaces": True,
         **_special_tokens_map(),
     }
+
+
+def tokenizer_setting(hf_dir: str, key: str) -> Any:
+    """One value of a Hugging Face directory's tokenizer_config.json; None when it has no such
+    file, key, or readable JSON."""
+    try:
+        with open(os.path.join(hf_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            return json.load(f).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def hf_positions_trained(hf_dir: str, config: BertConfig) -> int:
+    """A Hugging Face directory's trained positions: its tokenizer's model_max_length where
+    that is below max_position_embeddings (a bertforge export says so, `_tokenizer_config`),
+    else all of them (Google's and Hugging Face's releases trained every position)."""
+    length = tokenizer_setting(hf_dir, "model_max_length")
+    if isinstance(length, int) and 0 < length < config.max_position_embeddings:
+        return length
+    return config.max_position_embeddings
 
 
 def _write_json(path: str, values: dict) -> None:

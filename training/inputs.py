@@ -200,8 +200,7 @@ def check_model_source(source: str) -> str:
     refuse_storage_uri(source, "a model")
     if not os.path.isdir(source):
         raise MissingInputError(f"model {source}: no such directory")
-    if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)) or (
-            checkpoint.latest_checkpoint(source) is not None):
+    if checkpoint.holds_checkpoint(source):
         return check_checkpoint(source)
     if os.path.exists(os.path.join(source, HF_CONFIG_NAME)) and any(
             os.path.exists(os.path.join(source, name)) for name in HF_WEIGHTS_NAMES):
@@ -246,13 +245,9 @@ def resolve_model_config(model: dict[str, Any], vocab_size: int) -> BertConfig:
 def hf_lower_case(hf_dir: str) -> bool | None:
     """`do_lower_case` of a Hugging Face directory's tokenizer_config.json; None when it has
     no such file or key (nothing to compare)."""
-    import json
+    from bertforge.training.hf_interop import tokenizer_setting
 
-    try:
-        with open(os.path.join(hf_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-            value = json.load(f).get("do_lower_case")
-    except (OSError, ValueError, AttributeError):
-        return None
+    value = tokenizer_setting(hf_dir, "do_lower_case")
     return value if isinstance(value, bool) else None
 
 

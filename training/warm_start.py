@@ -6,7 +6,6 @@ and the loader start anew, as in Google's and NVIDIA's two-phase recipes.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import NamedTuple
 
@@ -16,7 +15,12 @@ from bertforge.pipelines.contract.manifest import sha256_file
 from bertforge.training import checkpoint
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.errors import UserInputError
-from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES, import_hf_state_dict
+from bertforge.training.hf_interop import (
+    HF_CONFIG_NAME,
+    HF_WEIGHTS_NAMES,
+    hf_positions_trained,
+    import_hf_state_dict,
+)
 from bertforge.training.model import BertConfig, BertForPreTraining
 
 # The fields that fix parameter shapes and meaning; dropout and init range may differ.
@@ -81,20 +85,6 @@ def read_initial_weights(source: str) -> InitialWeights:
     vocab_sha256 = sha256_file(vocab_path) if os.path.exists(vocab_path) else None
     return InitialWeights(config, {name: tensor.float() for name, tensor in state.items()},
                           vocab_sha256, hf_positions_trained(source, config))
-
-
-def hf_positions_trained(hf_dir: str, config: BertConfig) -> int:
-    """A Hugging Face directory's trained positions: its tokenizer's model_max_length where
-    that is below max_position_embeddings (a bertforge export says so), else all of them
-    (Google's and Hugging Face's releases trained every position)."""
-    try:
-        with open(os.path.join(hf_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-            length = json.load(f).get("model_max_length")
-    except (OSError, ValueError):
-        length = None
-    if isinstance(length, int) and 0 < length < config.max_position_embeddings:
-        return length
-    return config.max_position_embeddings
 
 
 def architecture_differences(source: BertConfig, target: BertConfig) -> list[str]:

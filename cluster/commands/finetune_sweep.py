@@ -339,7 +339,7 @@ def fine_tune_one(values: dict[str, Any]) -> dict[str, Any]:
     """One run of a worker's list; what no retry can fix raised as a user error (the worker
     group is then not restarted): bad inputs, and a full disk, into which each of the local
     worker's four attempts fine-tuned from the start before."""
-    from bertforge.training.errors import UserInputError, as_user_error, disk_full
+    from bertforge.training.errors import UserInputError, as_user_error, disk_full, first_line
     from bertforge.training.finetune.loop import finetune
 
     try:
@@ -351,7 +351,7 @@ def fine_tune_one(values: dict[str, Any]) -> dict[str, Any]:
             raise
         where = _fullest_of(values["output"], tempfile.gettempdir())
         raise UserInputError(
-            f"no space left on the disk of {where} ({_first_line(error)}): make room there "
+            f"no space left on the disk of {where} ({first_line(error)}): make room there "
             "and the same command continues (finished runs are kept)") from error
 
 
@@ -367,10 +367,6 @@ def _fullest_of(*directories: str) -> str:
             return 2**63
 
     return min(directories, key=free)
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _finished(run_dir: str, label: str, record: dict[str, Any], seconds: float) -> None:

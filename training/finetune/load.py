@@ -25,12 +25,13 @@ from bertforge.training.hf_interop import (
     canonical_names,
     config_from_hf_dict,
     encoder_name_map,
+    hf_positions_trained,
     load_hf_weights,
     rename_from_hf,
 )
 from bertforge.training.inputs import check_model_source
 from bertforge.training.model import BertConfig
-from bertforge.training.warm_start import hf_positions_trained, read_initial_weights
+from bertforge.training.warm_start import read_initial_weights
 
 CHECKPOINT, RUN_DIR, HF_DIR = "checkpoint", "run_dir", "hf_dir"
 _WHAT_WE_TAKE = ("a bertforge checkpoint, a run directory with one, or a Hugging Face BERT "
