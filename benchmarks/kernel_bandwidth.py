@@ -212,7 +212,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
     lines = [
         f"Triton kernels against the memory bandwidth: {ms:.2f} of their "
         f"{report['triton_ms_per_step']:.2f} ms/step have inductor's size estimate; they move "
-        f"{gb:.1f} GB/step (achieved {gb / ms:,.0f} GB/s)"
+        f"{gb:.1f} GB/step (achieved {gb / (ms / 1e3):,.0f} GB/s)"
         + (f"; a device copy runs at {copy:,.0f} GB/s, at which they would take "
            f"{report['sized_floor_ms_per_step']:.2f} ms" if copy else "")
         + f". Kernels that draw random numbers: {report['random_ms_per_step']:.2f} ms/step.",
