@@ -14,7 +14,8 @@
 #
 # Variables: OUT (where results go), STAGES (default "throughput profile proof"; "parity" adds
 # gpu_parity.py, "variants" gpu_throughput.py at 128 tokens without the peer, once with the
-# defaults and once per experiment in VARIANTS, in one table), PARITY_FLAGS (more of
+# defaults and once per experiment in VARIANTS, in one table), PROFILE_CASES (gpu_profile.py's
+# --cases), PROFILE_LIMIT and VARIANT_LIMIT (seconds), PARITY_FLAGS (more of
 # gpu_parity.py's flags, e.g. --rel-tolerance 5e-3), VARIANTS (see below), COMMIT
 # (recorded in every result: the tree has no .git there), DATA (shards for the proof run,
 # default .gpu-data/shards-128), PYTHON (default python3), SMOKE=1 (CPU, tiny model, a few
@@ -35,8 +36,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
   THROUGHPUT=(--device cpu --config tiny --seq-lens 64 --micro-batch 4 --steps 2 --warmup 1
               --num-batches 2 --peak-tflops 1 --peer)
   # bf16 named: fp864x4 needs autocast, and "auto" is fp32 on an AVX2 machine.
-  PROFILE=(--device cpu --config tiny --cases ours64x4,hfc64x4,fp864x4 --warmup 1
-           --timed 1 --profiled 1 --engine-args=--precision=bf16)
+  PROFILE=(--device cpu --config tiny --cases "${PROFILE_CASES:-ours64x4,hfc64x4,fp864x4}"
+           --warmup 1 --timed 1 --profiled 1 --engine-args=--precision=bf16)
   PROOF=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3 --precision fp32 --min-drop 0
          --log-every 5)
   # --compile: as on a GPU, where the layers are compiled by default (a --compile-mode
@@ -57,19 +58,21 @@ else
   fi
   nvidia-smi -L
   THROUGHPUT=(--seq-lens 128,512 --steps 30 --warmup 10)
-  # The defaults, the compiled peer and the defaults with FP8 GEMMs (where the casts spend
-  # their time; last, as its first run on a GPU: a case that fails ends the script). The
-  # "before" case (ZeRO-2, eager) is committed twice (2026-11-26 and -27).
-  PROFILE=(--cases ours128x256,hfc128x256,fp8128x256 --warmup 10 --timed 10 --profiled 3)
+  # The defaults and the compiled peer (whose compile finds the throughput stage's cache).
+  # The "before" case (ZeRO-2, eager) is committed twice (2026-11-26 and -27); FP8's
+  # (fp8128x256, where its casts spend their time) is an experiment since it ran 0.98x the
+  # defaults on 2026-11-28: PROFILE_CASES=fp8128x256,ours128x256.
+  PROFILE=(--cases "${PROFILE_CASES:-ours128x256,hfc128x256}" --warmup 10 --timed 10
+           --profiled 3)
   PROOF=(--steps 120)
   VARIANT_ARGS=(--seq-lens 128 --steps 30 --warmup 10)
   PARITY=(--steps 100 --fp8)
   # Seconds per stage (variants: each of its runs), in the order of the array: throughput,
   # profile, proof, a variant, parity. The default three 9.7 minutes at most (on 2026-11-27:
-  # 262, 61 and 99 s; the profile now compiles a third case, FP8, with inductor's estimates
-  # on), "parity variants" with the default three variants 9.2 (parity: six runs, one of them
-  # fp32, one FP8; four took 100 s on 2026-11-27, a variant 25-36 s): each inside one
-  # 10-minute call.
+  # 262, 61 and 99 s; on 2026-11-28 the throughput took 309 s, and the profile, which then
+  # compiled the peer afresh and FP8 as a third case, ran past its 120), "parity variants"
+  # with the default three variants 9.2 (on 2026-11-28: 200 s and 43-58 s a variant): each
+  # inside one 10-minute call. PROFILE_LIMIT and VARIANT_LIMIT override theirs.
   LIMIT=(320 120 140 90 280)
 fi
 
@@ -110,7 +113,7 @@ VARIANTS=${VARIANTS:-"defaults: fp8:--fp8 no-dropout:--no-dropout"}
 
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
   --commit "$COMMIT" --output-dir "$OUT"
-stage profile "${LIMIT[1]}" "$PYTHON" benchmarks/gpu_profile.py "${PROFILE[@]}" \
+stage profile "${PROFILE_LIMIT:-${LIMIT[1]}}" "$PYTHON" benchmarks/gpu_profile.py "${PROFILE[@]}" \
   --commit "$COMMIT" --output-dir "$OUT" --kernel-sources /tmp/gpu-kernels
 # The Triton kernels the profiled cases ran, to read where there is no GPU (one file: at most
 # 8 come back, and the default stages write 7 besides).

@@ -89,6 +89,7 @@ KINDS = {
     "hfc": "transformers peer, torch.compile",
     "hf": "transformers peer, eager",
 }
+PEER_KINDS = ("hfc", "hf")
 GIB = 2**30
 
 
@@ -264,11 +265,14 @@ def profile_case(args: argparse.Namespace, name: str, kind: str, seq_len: int,
                  micro_batch: int, copy_gbps: float | None) -> dict[str, Any]:
     """Build one case, run it (`run_case`) and free what it held."""
     started = time.perf_counter()
-    build = build_peer if kind in ("hf", "hfc") else build_ours
+    cache_before = graph_cache_counts()
+    build = build_peer if kind in PEER_KINDS else build_ours
     step, release, settings = build(args, kind, seq_len, micro_batch)
     build_s = time.perf_counter() - started
     try:
         measured = run_case(step, args, copy_gbps)
+        measured["graph_cache"] = {key: graph_cache_counts()[key] - cache_before[key]
+                                   for key in cache_before}
     finally:
         release()
         compiled = settings["compile"]
@@ -278,6 +282,15 @@ def profile_case(args: argparse.Namespace, name: str, kind: str, seq_len: int,
         free_device()
     return {"case": name, "kind": kind, "description": KINDS[kind], "seq_len": seq_len,
             "micro_batch": micro_batch, "settings": settings, "build_s": build_s, **measured}
+
+
+def graph_cache_counts() -> dict[str, int]:
+    """Inductor's FX graph cache hits and misses in this process so far: whether a case's
+    compile found an earlier one's (a hit skips the code generation and the kernels' builds)."""
+    from torch._dynamo.utils import counters
+
+    return {"hits": counters["inductor"]["fxgraph_cache_hit"],
+            "misses": counters["inductor"]["fxgraph_cache_miss"]}
 
 
 def free_device() -> None:
@@ -303,6 +316,13 @@ def _ms(x: float) -> str:
 
 def _busy(r: dict[str, Any]) -> str:
     return "n/a" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.0f} %"
+
+
+def _cache(r: dict[str, Any]) -> str:
+    cache = r.get("graph_cache")
+    if not cache or not (cache["hits"] or cache["misses"]):
+        return ""
+    return f" (inductor's graph cache: {cache['hits']} hits, {cache['misses']} misses)"
 
 
 def summary_table(results: list[dict[str, Any]]) -> str:
@@ -332,7 +352,7 @@ def case_section(r: dict[str, Any]) -> str:
         parsed = ", ".join(r["settings"]["gpu_throughput_args"])
         lines.append(f"- gpu_throughput.py parsed: {parsed}")
     lines += [
-        f"- build {r['build_s']:.1f} s, warm-up {r['warmup_s']:.1f} s; wall "
+        f"- build {r['build_s']:.1f} s, warm-up {r['warmup_s']:.1f} s{_cache(r)}; wall "
         f"{_ms(r['wall_ms_median'])} ms/step (median; fastest {_ms(r['wall_ms_min'])}), "
         f"profiled {_ms(r['profiled_ms_per_step'])} ms/step; kernels "
         f"{_ms(r['kernel_ms_per_step'])} ms/step, GPU busy {_busy(r)}, "
@@ -403,8 +423,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ensure_process_group()
     if args.device == "cuda":
         torch.cuda.set_device(0)
-    # Before anything compiles: each Triton kernel's bytes, for the time it loses against a copy.
-    kernel_bandwidth.enable_estimates()
     copy_gbps = kernel_bandwidth.copy_bandwidth_gbps(args.device)
     device = gt.device_name(args.device)
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -423,7 +441,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "results": [],
     }
     md_path, json_path = output_paths(args, device, report["environment"]["date"])
+    estimates_broke = False
     for name, kind, seq_len, micro_batch in args.case_list:
+        # Each Triton kernel's bytes, for the time it loses against a copy: for our cases. The
+        # estimates are part of inductor's cache key, so the peer compiles without them and
+        # finds what gpu_throughput.py's peer runs compiled before it on the same machine (its
+        # compile took 65 s on the H200 when it did not).
+        if kind in PEER_KINDS or estimates_broke:
+            kernel_bandwidth.disable_estimates()
+        else:
+            kernel_bandwidth.enable_estimates()
         try:
             result = profile_case(args, name, kind, seq_len, micro_batch, copy_gbps)
         except (BackendCompilerFailed, InductorError) as failed:
@@ -433,6 +460,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # compile, the profile matters more than its bandwidth section.
             print(f"[gpu_profile] {name}: the compile failed with inductor's size estimates on "
                   f"({type(failed).__name__}); again without them", flush=True)
+            estimates_broke = True
             kernel_bandwidth.disable_estimates()
             result = profile_case(args, name, kind, seq_len, micro_batch, copy_gbps)
         report["results"].append(result)

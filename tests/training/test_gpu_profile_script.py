@@ -81,3 +81,37 @@ def test_a_compile_the_size_estimates_break_is_profiled_again_without_them(tmp_p
     assert "cases ['ours32x4', 'fp832x4']" in done.stdout
     assert ("ours32x4: the compile failed with inductor's size estimates on (InductorError); "
             "again without them") in done.stdout
+
+
+RECORD = """
+import sys
+sys.argv[0] = {script!r}
+sys.path.insert(0, {benchmarks!r})
+import gpu_profile, kernel_bandwidth
+
+real_run_case = gpu_profile.run_case
+estimates = []
+
+def run_case(step, args, copy_gbps=None):
+    estimates.append(kernel_bandwidth.estimates_enabled())
+    return real_run_case(step, args, copy_gbps)
+
+gpu_profile.run_case = run_case
+gpu_profile.main({argv!r})
+print("estimates", estimates)
+"""
+
+
+def test_the_peer_compiles_without_the_size_estimates_and_ours_with_them(tmp_path):
+    """The estimates are part of inductor's cache key: the peer's case runs without them, so
+    that on the GPU its compile finds the one gpu_throughput.py's peer left in the cache (65 s
+    on the H200 without it), and our cases, before or after it, run with them."""
+    argv = ["--device", "cpu", "--config", "tiny", "--cases", "ours32x4,hf32x4,ours32x2",
+            "--warmup", "1", "--timed", "1", "--profiled", "1", "--num-batches", "2",
+            "--out", str(tmp_path / "profile.md")]
+    code = RECORD.format(script=SCRIPT, benchmarks=os.path.dirname(SCRIPT), argv=argv)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO,
+                          env={**alone_env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "estimates [True, False, True]" in done.stdout
