@@ -42,15 +42,37 @@ def test_the_fp8_case_is_the_defaults_with_fp8_gemms(tmp_path):
     assert "a device-to-device copy not measured (no GPU)" in out.read_text()
 
 
-RETRY = """
+# gpu_profile.main in a fresh interpreter with its `run_case` wrapped: {wrapper} defines
+# `run_case(step, args, copy_gbps=None)` around `real_run_case`, and {after} runs last.
+WRAPPED = """
 import sys
 sys.argv[0] = {script!r}
 sys.path.insert(0, {benchmarks!r})
-import torch
-from torch._inductor.exc import InductorError
 import gpu_profile, kernel_bandwidth
 
 real_run_case = gpu_profile.run_case
+{wrapper}
+gpu_profile.run_case = run_case
+report = gpu_profile.main({argv!r})
+{after}
+"""
+
+
+def profile_wrapped(tmp_path, cases: str, wrapper: str, after: str, *more: str):
+    argv = ["--device", "cpu", "--config", "tiny", "--cases", cases, *more, "--warmup", "1",
+            "--timed", "1", "--profiled", "1", "--num-batches", "2",
+            "--out", str(tmp_path / "profile.md")]
+    code = WRAPPED.format(script=SCRIPT, benchmarks=os.path.dirname(SCRIPT), argv=argv,
+                          wrapper=wrapper, after=after)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO,
+                          env={**alone_env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+BROKEN_BY_ESTIMATES = """
+from torch._inductor.exc import InductorError
 failed = []
 
 def run_case(step, args, copy_gbps=None):
@@ -58,11 +80,6 @@ def run_case(step, args, copy_gbps=None):
         failed.append(True)
         raise InductorError(RuntimeError("broken by benchmark_kernel"), None)
     return real_run_case(step, args, copy_gbps)
-
-gpu_profile.run_case = run_case
-report = gpu_profile.main({argv!r})
-assert failed == [True] and not kernel_bandwidth.estimates_enabled()
-print("cases", [r["case"] for r in report["results"]])
 """
 
 
@@ -70,35 +87,22 @@ def test_a_compile_the_size_estimates_break_is_profiled_again_without_them(tmp_p
     """The bandwidth section comes from a debugging switch of inductor's (`benchmark_kernel`);
     if it ever broke a compile on the GPU, the case runs again without it rather than the
     profile stage losing its cases."""
-    argv = ["--device", "cpu", "--config", "tiny", "--cases", "ours32x4,fp832x4",
-            "--engine-args=--precision=bf16", "--warmup", "1", "--timed", "1", "--profiled", "1",
-            "--num-batches", "2", "--out", str(tmp_path / "profile.md")]
-    code = RETRY.format(script=SCRIPT, benchmarks=os.path.dirname(SCRIPT), argv=argv)
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO,
-                          env={**alone_env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "cases ['ours32x4', 'fp832x4']" in done.stdout
+    out = profile_wrapped(
+        tmp_path, "ours32x4,fp832x4", BROKEN_BY_ESTIMATES,
+        "assert failed == [True] and not kernel_bandwidth.estimates_enabled()\n"
+        "print('cases', [r['case'] for r in report['results']])",
+        "--engine-args=--precision=bf16")
+    assert "cases ['ours32x4', 'fp832x4']" in out
     assert ("ours32x4: the compile failed with inductor's size estimates on (InductorError); "
-            "again without them") in done.stdout
+            "again without them") in out
 
 
-RECORD = """
-import sys
-sys.argv[0] = {script!r}
-sys.path.insert(0, {benchmarks!r})
-import gpu_profile, kernel_bandwidth
-
-real_run_case = gpu_profile.run_case
+RECORDING_ESTIMATES = """
 estimates = []
 
 def run_case(step, args, copy_gbps=None):
     estimates.append(kernel_bandwidth.estimates_enabled())
     return real_run_case(step, args, copy_gbps)
-
-gpu_profile.run_case = run_case
-gpu_profile.main({argv!r})
-print("estimates", estimates)
 """
 
 
@@ -106,12 +110,6 @@ def test_the_peer_compiles_without_the_size_estimates_and_ours_with_them(tmp_pat
     """The estimates are part of inductor's cache key: the peer's case runs without them, so
     that on the GPU its compile finds the one gpu_throughput.py's peer left in the cache (65 s
     on the H200 without it), and our cases, before or after it, run with them."""
-    argv = ["--device", "cpu", "--config", "tiny", "--cases", "ours32x4,hf32x4,ours32x2",
-            "--warmup", "1", "--timed", "1", "--profiled", "1", "--num-batches", "2",
-            "--out", str(tmp_path / "profile.md")]
-    code = RECORD.format(script=SCRIPT, benchmarks=os.path.dirname(SCRIPT), argv=argv)
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO,
-                          env={**alone_env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "estimates [True, False, True]" in done.stdout
+    out = profile_wrapped(tmp_path, "ours32x4,hf32x4,ours32x2", RECORDING_ESTIMATES,
+                          "print('estimates', estimates)")
+    assert "estimates [True, False, True]" in out
