@@ -32,6 +32,36 @@ def load_script():
     return module
 
 
+# gpu_throughput.main for each set of flags in one interpreter (a process each took ~4 s of
+# imports): what it said on stderr, each set's after a line that names it.
+REFUSALS = """
+import sys
+sys.argv[0] = {script!r}
+sys.path.insert(0, {benchmarks!r})
+import gpu_throughput
+
+for flags in {cases!r}:
+    print("=== " + " ".join(flags), file=sys.stderr, flush=True)
+    try:
+        gpu_throughput.main({common!r} + flags)
+    except BaseException as error:  # SystemExit, or the engine's error as the console shows it
+        print(f"refused: {{type(error).__name__}}: {{error}}", file=sys.stderr, flush=True)
+"""
+
+
+def assert_refused(common: list[str], refusals: list[tuple[list[str], str]]) -> None:
+    """Each (flags, reason): gpu_throughput.py with `common` + flags stops, saying `reason`."""
+    code = REFUSALS.format(script=SCRIPT, benchmarks=os.path.dirname(SCRIPT), common=common,
+                           cases=[flags for flags, _ in refusals])
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=alone_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    said = done.stderr.split("=== ")[1:]
+    assert len(said) == len(refusals), done.stderr[-3000:]
+    for (flags, reason), text in zip(refusals, said, strict=True):
+        assert text.startswith(" ".join(flags)) and "refused: " in text and reason in text, text
+
+
 def test_lengths_follow_googles_target_rule():
     counts = instance_token_counts(np.random.default_rng(0), 20_000, 128, short_seq_prob=0.1)
     full = counts == 125  # 128 - [CLS] - 2 x [SEP]
@@ -187,17 +217,14 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
         "defaults": False, "fp32-residual": False, "buckets": False, "fp8": True,
         "no-dropout": False}
     assert [tag for tag, r in results.items() if not r["dropout"]] == ["no-dropout"]
-    for flags, reason in ((["--compile-mode", "reduce-overhead", "--no-compile"],
-                           "--compile-mode needs compiled layers"),
-                          (["--bf16-residual", "--precision", "fp32"],
-                           "bf16_residual needs the engine's bf16 autocast"),
-                          (["--fp8", "--zero-stage", "2"], "fp8 needs the engine's bf16 autocast"),
-                          (["--gradient-buckets", "--zero-stage", "2"],
-                           "--gradient-buckets is stage 0's reduction"),
-                          (["--no-dropout", "--peer"], "--no-dropout is a diagnostic")):
-        refused = subprocess.run(common + flags, cwd=REPO, env=env, capture_output=True,
-                                 text=True, timeout=240)
-        assert refused.returncode != 0 and reason in refused.stderr, refused.stderr[-2000:]
+    assert_refused(common[2:], [
+        (["--compile-mode", "reduce-overhead", "--no-compile"],
+         "--compile-mode needs compiled layers"),
+        (["--bf16-residual", "--precision", "fp32"],
+         "bf16_residual needs the engine's bf16 autocast"),
+        (["--fp8", "--zero-stage", "2"], "fp8 needs the engine's bf16 autocast"),
+        (["--gradient-buckets", "--zero-stage", "2"], "--gradient-buckets is stage 0's reduction"),
+        (["--no-dropout", "--peer"], "--no-dropout is a diagnostic")])
 
 
 def test_an_inductor_setting_is_an_experiment_of_its_own_run(tmp_path):
@@ -220,10 +247,8 @@ def test_an_inductor_setting_is_an_experiment_of_its_own_run(tmp_path):
     assert losses["eager-rng"] != losses["defaults"]
     assert "inductor fallback_random=True (experiment)" in next(
         tmp_path.glob("gpu_throughput_*_eager-rng.md")).read_text()
-    for flags, reason in ((["--inductor-config", "no_such_setting=1"], "is not NAME=VALUE"),
-                          (["--inductor-config", "fallback_random=Tru"], "is no Python literal"),
-                          (["--inductor-config", "fallback_random=True", "--no-compile"],
-                           "--inductor-config needs compiled layers")):
-        refused = subprocess.run(common + flags, cwd=REPO, env=alone_env(), capture_output=True,
-                                 text=True, timeout=240)
-        assert refused.returncode != 0 and reason in refused.stderr, refused.stderr[-2000:]
+    assert_refused(common[2:], [
+        (["--inductor-config", "no_such_setting=1"], "is not NAME=VALUE"),
+        (["--inductor-config", "fallback_random=Tru"], "is no Python literal"),
+        (["--inductor-config", "fallback_random=True", "--no-compile"],
+         "--inductor-config needs compiled layers")])
