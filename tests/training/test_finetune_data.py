@@ -141,9 +141,15 @@ def test_text_with_a_line_separator_character_stays_one_line(tmp_path) -> None:
             custom_task(["sentence1", "sentence2"], "score"),
             r"e\.tsv, line 3: label 'five' is not a finite number",
         ),
+        (
+            "index\tsentence1\tsentence2\tscore\n0\ta\tb\t5.000\n1\tc\td\t0\n2\te\tf\t7\n",
+            GLUE_TASKS["stsb"],
+            r"e\.tsv, line 4: score '7' is outside task stsb's 0-5",
+        ),
     ],
     ids=["empty", "blank", "header-only", "missing-column", "missing-index", "unknown-label",
-         "too-many-fields", "blank-line-inside", "too-few-fields", "bad-score"],
+         "too-many-fields", "blank-line-inside", "too-few-fields", "bad-score",
+         "score-off-scale"],
 )  # fmt: skip
 def test_bad_input_gives_one_error_naming_file_and_line(tmp_path, content, spec, message) -> None:
     with pytest.raises(ValueError, match=message):

@@ -69,6 +69,12 @@ def _parse_label(field: str, spec: TaskSpec, path: str, line: int) -> int | floa
         score = math.nan
     if not math.isfinite(score):
         raise ValueError(f"{path}, line {line}: label {field!r} is not a finite number")
+    if spec.score_range is not None and not spec.score_range[0] <= score <= spec.score_range[1]:
+        low, high = spec.score_range
+        # A score outside the task's scale is a damaged file (another column read as the
+        # score, say), which would train and report without a word.
+        raise ValueError(f"{path}, line {line}: score {field!r} is outside task {spec.name}'s "
+                         f"{low:g}-{high:g}")
     return score
 
 

@@ -31,6 +31,8 @@ class TaskSpec:
     has_header: bool
     train_file: str | None  # relative to the GLUE directory; None for a custom task
     dev_file: str | None
+    # A regression's scores, lowest and highest (STS-B's 0-5); None: any finite number.
+    score_range: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if len(self.text_columns) not in (1, 2):
@@ -84,7 +86,7 @@ GLUE_TASKS: dict[str, TaskSpec] = {
     # The BERT paper reports Spearman for STS-B; GLUE's table shows Pearson/Spearman.
     "stsb": TaskSpec(
         "stsb", ("sentence1", "sentence2"), "score", None, (PEARSON, SPEARMAN), SPEARMAN, True,
-        "STS-B/train.tsv", "STS-B/dev.tsv",
+        "STS-B/train.tsv", "STS-B/dev.tsv", score_range=(0.0, 5.0),
     ),
 }  # fmt: skip
 
