@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from bertforge.training.flops import mfu, training_flops_per_batch
+from bertforge.training.host_gc import FrozenSurvivors
 from bertforge.training.masking import default_max_predictions
 from bertforge.training.model import IGNORE_INDEX, PRESETS, BertConfig
 
@@ -454,11 +455,13 @@ def time_steps(engine, batches: list[dict[str, torch.Tensor]], args: argparse.Na
         step(i)
     synchronize(args.device)
     seconds, losses = [], []
-    for i in range(args.warmup, args.warmup + args.steps):
-        started = time.perf_counter()
-        losses.append(step(i))
-        synchronize(args.device)
-        seconds.append(time.perf_counter() - started)
+    with FrozenSurvivors() as survivors:  # as the loop: no full collection inside a step
+        survivors.freeze_once()
+        for i in range(args.warmup, args.warmup + args.steps):
+            started = time.perf_counter()
+            losses.append(step(i))
+            synchronize(args.device)
+            seconds.append(time.perf_counter() - started)
     return seconds, losses
 
 

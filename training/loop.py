@@ -30,6 +30,7 @@ from bertforge.training.engine import build_engine, ensure_process_group
 from bertforge.training.errors import UserInputError
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
+from bertforge.training.host_gc import FrozenSurvivors
 from bertforge.training.inputs import (
     check_positions,
     check_precision_change,
@@ -174,7 +175,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     total_tokens = 0
     checkpoint_seconds = 0.0
     profiler = StepProfiler(cfg.profile_steps, cfg.run_dir, rank, engine.device)
-    with profiler:
+    survivors = FrozenSurvivors()  # no full collection's pause inside the steps (host_gc)
+    with profiler, survivors:
         while step < cfg.max_steps:
             profiler.begin(step + 1)
             for _ in range(accumulation):
@@ -183,6 +185,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
                 engine.backward(out.loss)
                 engine.step()
                 window.add(out, batch)
+            survivors.freeze_once()  # after the first step: its compile's objects too
             step += 1
             if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps:
                 metrics = window.reduce(engine)
