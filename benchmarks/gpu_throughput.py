@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from bertforge.training.flops import mfu, training_flops_per_batch
-from bertforge.training.host_gc import FrozenSurvivors
+from bertforge.training.host_gc import CollectionClock, FrozenSurvivors
 from bertforge.training.masking import default_max_predictions
 from bertforge.training.model import IGNORE_INDEX, PRESETS, BertConfig
 
@@ -360,7 +360,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     batches = [{k: v.to(engine.device) for k, v in b.items()} for b in cpu_batches]
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    seconds, losses = time_steps(engine, batches, args)
+    seconds, losses, collections = time_steps(engine, batches, args)
     totals = {key: sum(counts[i % len(counts)][key]
                        for i in range(args.warmup, args.warmup + args.steps))
               for key in counts[0]}
@@ -376,6 +376,9 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
         # Inductor leaves CUDA graphs out where it cannot use them (and says so only here):
         # a variant with skips did not measure what it is named after.
         "cudagraph_skips": cudagraph_skips() - skips_before,
+        # Python's garbage collection inside the timed steps: full passes and all passes' time.
+        "full_collections": len(collections.full_passes()),
+        "collection_ms": 1e3 * sum(seconds for _, seconds in collections.passes),
         "precision": resolved.config.precision,
         "step_ms_median": 1e3 * statistics.median(seconds), "step_ms_min": 1e3 * min(seconds),
         "step_ms_max": 1e3 * max(seconds),
@@ -440,7 +443,8 @@ def recompile_layers(model: torch.nn.Module, mode: str) -> None:
 
 
 def time_steps(engine, batches: list[dict[str, torch.Tensor]], args: argparse.Namespace):
-    """Seconds of each timed step (synchronized) and its loss; the loop's step, micro = step."""
+    """Seconds of each timed step (synchronized), its loss, and the garbage collector's passes
+    meanwhile (a CollectionClock); the loop's step, micro = step."""
     graphs = args.compile_mode == "reduce-overhead"
 
     def step(i: int) -> torch.Tensor:
@@ -455,14 +459,15 @@ def time_steps(engine, batches: list[dict[str, torch.Tensor]], args: argparse.Na
         step(i)
     synchronize(args.device)
     seconds, losses = [], []
-    with FrozenSurvivors() as survivors:  # as the loop: no full collection inside a step
+    # As the loop: no full collection's pause inside a step (training/host_gc.py).
+    with FrozenSurvivors() as survivors, CollectionClock() as collections:
         survivors.freeze_once()
         for i in range(args.warmup, args.warmup + args.steps):
             started = time.perf_counter()
             losses.append(step(i))
             synchronize(args.device)
             seconds.append(time.perf_counter() - started)
-    return seconds, losses
+    return seconds, losses, collections
 
 
 def reduce_over_ranks(totals: dict[str, int], seconds: float, device) -> dict[str, Any]:
@@ -600,8 +605,20 @@ def markdown(report: dict[str, Any]) -> str:
         "head and last layer at the labelled positions (+[CLS]) only. TFLOP/s computed: every "
         "padded position, as the model runs it. Both from training/flops.py.",
         "",
+        *collections_line(report["results"]),
         *peer_section(report),
     ])
+
+
+def collections_line(results: list[dict[str, Any]]) -> list[str]:
+    """Python's garbage collection inside the timed steps, per length (the loop freezes the
+    survivors of its first step so that no full pass falls there: training/host_gc.py)."""
+    if not results or "full_collections" not in results[0]:
+        return []
+    each = "; ".join(f"{r['seq_len']}: {r['full_collections']} full, {r['collection_ms']:.1f} ms"
+                     for r in results)
+    return [f"Python's garbage collection inside the timed steps (full passes, ms of all "
+            f"passes): {each}.", ""]
 
 
 def peer_section(report: dict[str, Any]) -> list[str]:

@@ -19,6 +19,7 @@ waits for the unfreeze.
 from __future__ import annotations
 
 import gc
+import time
 
 
 class FrozenSurvivors:
@@ -41,3 +42,30 @@ class FrozenSurvivors:
         if self.frozen:
             gc.unfreeze()
             self.frozen = False
+
+
+class CollectionClock:
+    """`with CollectionClock() as clock:`: each pass of the collector meanwhile, as
+    (generation, seconds) in `clock.passes` (gc.callbacks), to show where they fell."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[int, float]] = []
+        self._started: float | None = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.passes.append((info["generation"], time.perf_counter() - self._started))
+            self._started = None
+
+    def full_passes(self) -> list[float]:
+        """Seconds of each full (generation 2) pass."""
+        return [seconds for generation, seconds in self.passes if generation == 2]
+
+    def __enter__(self) -> CollectionClock:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        gc.callbacks.remove(self._callback)

@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from bertforge.training.host_gc import FrozenSurvivors
+from bertforge.training.host_gc import CollectionClock, FrozenSurvivors
 from bertforge.training.loop import train
 from tests.training.test_loop import config
 
@@ -41,6 +41,20 @@ def test_an_error_inside_unfreezes_too() -> None:
         survivors.freeze_once()
         raise RuntimeError("a stopped run")
     assert gc.get_freeze_count() == 0
+
+
+def test_the_clock_tells_full_passes_from_young_ones() -> None:
+    gc.disable()  # no automatic pass between the two asked for
+    try:
+        with CollectionClock() as clock:
+            gc.collect(0)
+            gc.collect(2)
+    finally:
+        gc.enable()
+    assert [generation for generation, _ in clock.passes] == [0, 2]
+    assert len(clock.full_passes()) == 1 and clock.full_passes()[0] > 0
+    gc.collect(2)
+    assert len(clock.passes) == 2  # the callback is gone
 
 
 def test_a_training_run_steps_frozen_and_ends_unfrozen(tmp_path) -> None:
