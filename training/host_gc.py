@@ -9,11 +9,12 @@ pause is that step's. One timed step of 30 at 512 tokens took 423 ms where the o
 160-170 (H200, 2026-11-28), which such a pause would explain; not proven.
 
 `gc.freeze()` moves every object tracked at that moment out of the collector's reach: later
-collections walk only what was created since. So the objects alive once a run's first step has
-compiled are frozen, and unfrozen when the run ends, so that the run's own cyclic garbage (an
-engine and its optimizer's references back to it, say) is collected then, as it would have
-been. Frozen objects are still freed as soon as nothing refers to them; a cycle among them
-waits for the unfreeze.
+collections walk only what was created since. So once a run's first step has compiled, one
+full collection frees what is garbage by then (a cycle left by building the engine or loading
+a checkpoint may hold device memory), and what survives is frozen; it is unfrozen when the run
+ends, so that the run's own cyclic garbage (an engine and its optimizer's references back to
+it, say) is collected then, as it would have been. Frozen objects are still freed as soon as
+nothing refers to them; a cycle among them waits for the unfreeze.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class FrozenSurvivors:
 
     def freeze_once(self) -> None:
         if not self.frozen:
+            gc.collect()  # nothing that is garbage now waits, frozen, for the run's end
             gc.freeze()
             self.frozen = True
 

@@ -19,11 +19,16 @@ class _Cycle:
 
 
 def test_a_full_collection_skips_the_frozen_and_the_exit_gives_them_back() -> None:
-    gc.collect()
+    gc.disable()  # only the collections asked for: none by chance in between
+    already_garbage = _Cycle()
+    gone_before = weakref.ref(already_garbage)
+    del already_garbage
     garbage = _Cycle()
     gone = weakref.ref(garbage)
     with FrozenSurvivors() as survivors:
         survivors.freeze_once()
+        gc.enable()
+        assert gone_before() is None  # garbage by then is collected, not frozen
         survivors.freeze_once()  # a second call changes nothing
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # this process's modules, functions, classes...
