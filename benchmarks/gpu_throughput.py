@@ -136,6 +136,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "attention dropout off, so the step's difference from the "
                              "defaults is what dropout costs (its masks' random numbers, drawn "
                              "inside the fused kernels and cuDNN's attention)")
+    parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-gc-freeze: a diagnostic: the timed steps without the loop's "
+                             "freeze of the objects alive after warm-up (training.host_gc), "
+                             "so Python's full garbage collections may fall inside them")
     parser.add_argument("--gradient-buckets", action="store_true",
                         help="experiment: on one device, the gradient reduction several ranks "
                              "use at stage 0 (training.gradient_buckets: each bucket "
@@ -371,6 +375,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
         "bf16_residual": resolved.config.bf16_residual,
         "fp8": resolved.config.fp8,
         "dropout": args.dropout,
+        "gc_freeze": args.gc_freeze,
         "inductor_config": dict(args.inductor_config),
         "gradient_buckets": hasattr(engine, "gradient_buckets"),
         # Inductor leaves CUDA graphs out where it cannot use them (and says so only here):
@@ -460,13 +465,15 @@ def time_steps(engine, batches: list[dict[str, torch.Tensor]], args: argparse.Na
     synchronize(args.device)
     seconds, losses = [], []
     # As the loop: no full collection's pause inside a step (training/host_gc.py).
-    with FrozenSurvivors() as survivors, CollectionClock() as collections:
-        survivors.freeze_once()
-        for i in range(args.warmup, args.warmup + args.steps):
-            started = time.perf_counter()
-            losses.append(step(i))
-            synchronize(args.device)
-            seconds.append(time.perf_counter() - started)
+    with FrozenSurvivors() as survivors:
+        if args.gc_freeze:
+            survivors.freeze_once()  # its own full collection comes before the clock's start
+        with CollectionClock() as collections:
+            for i in range(args.warmup, args.warmup + args.steps):
+                started = time.perf_counter()
+                losses.append(step(i))
+                synchronize(args.device)
+                seconds.append(time.perf_counter() - started)
     return seconds, losses, collections
 
 
@@ -586,6 +593,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{', bf16 residual stream' if first.get('bf16_residual') else ''}"
         f"{', FP8 GEMMs in the encoder layers' if first.get('fp8') else ''}"
         f"{'' if first.get('dropout', True) else ', dropout off (a diagnostic)'}"
+        f"{'' if first.get('gc_freeze', True) else ', no gc freeze (a diagnostic)'}"
         f"{_inductor_config(first)}"
         f"{_compile_mode(setup)} "
         f"(settings given: "

@@ -254,3 +254,44 @@ def test_an_inductor_setting_is_an_experiment_of_its_own_run(tmp_path):
         (["--inductor-config", "fallback_random=Tru"], "is no Python literal"),
         (["--inductor-config", "fallback_random=True", "--no-compile"],
          "--inductor-config needs compiled layers")])
+
+
+class _FreezeWatcher:
+    """Steps a tiny Linear like the engine's interface (forward, backward, step) and notes
+    whether the collector had frozen objects at each step."""
+
+    def __init__(self) -> None:
+        self.layer = torch.nn.Linear(4, 1)
+        self.frozen_at_step: list[bool] = []
+
+    def __call__(self, x):
+        import gc
+        import types
+
+        self.frozen_at_step.append(gc.get_freeze_count() > 0)
+        return types.SimpleNamespace(loss=self.layer(x).sum())
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.layer.zero_grad()
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_timed_steps_run_frozen_unless_the_diagnostic_says_not(freeze):
+    """As the loop (training.host_gc): warm-up steps as they come, timed steps with the
+    survivors frozen, and `--no-gc-freeze` times them without; nothing stays frozen after."""
+    import argparse
+    import gc
+
+    gt = load_script()
+    engine = _FreezeWatcher()
+    args = argparse.Namespace(compile_mode="default", warmup=2, steps=3, device="cpu",
+                              gc_freeze=freeze)
+    seconds, losses, collections = gt.time_steps(engine, [{"x": torch.ones(2, 4)}], args)
+    assert engine.frozen_at_step == [False, False] + [freeze] * 3
+    assert len(seconds) == len(losses) == 3
+    if freeze:  # the freeze's own full collection is no pass inside a timed step
+        assert collections.full_passes() == []
+    assert gc.get_freeze_count() == 0
