@@ -34,14 +34,15 @@ def load_script():
 
 # gpu_throughput.main for each set of flags in one interpreter (a process each took ~4 s of
 # imports): what it said on stderr, each set's after a line that names it.
-REFUSALS = """
+MARK = "=== gpu_throughput with: "
+RUNS = """
 import sys
 sys.argv[0] = {script!r}
 sys.path.insert(0, {benchmarks!r})
 import gpu_throughput
 
 for flags in {cases!r}:
-    print("=== " + " ".join(flags), file=sys.stderr, flush=True)
+    print({mark!r} + " ".join(flags), file=sys.stderr, flush=True)
     try:
         gpu_throughput.main({common!r} + flags)
     except BaseException as error:  # SystemExit, or the engine's error as the console shows it
@@ -49,17 +50,24 @@ for flags in {cases!r}:
 """
 
 
-def assert_refused(common: list[str], refusals: list[tuple[list[str], str]]) -> None:
-    """Each (flags, reason): gpu_throughput.py with `common` + flags stops, saying `reason`."""
-    code = REFUSALS.format(script=SCRIPT, benchmarks=os.path.dirname(SCRIPT), common=common,
-                           cases=[flags for flags, _ in refusals])
+def runs_in_one_interpreter(common: list[str], flag_sets: list[list[str]]) -> list[str]:
+    """What gpu_throughput.py with `common` + each of `flag_sets` said on stderr, in order."""
+    code = RUNS.format(script=SCRIPT, benchmarks=os.path.dirname(SCRIPT), common=common,
+                       cases=flag_sets, mark=MARK)
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=alone_env(),
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    said = done.stderr.split("=== ")[1:]
-    assert len(said) == len(refusals), done.stderr[-3000:]
-    for (flags, reason), text in zip(refusals, said, strict=True):
-        assert text.startswith(" ".join(flags)) and "refused: " in text and reason in text, text
+    said = done.stderr.split(MARK)[1:]
+    assert len(said) == len(flag_sets), done.stderr[-3000:]
+    for flags, text in zip(flag_sets, said, strict=True):
+        assert text.startswith(" ".join(flags)), text[:2000]
+    return said
+
+
+def assert_refused(said: list[str], reasons: list[str]) -> None:
+    """Each run stopped, saying its reason."""
+    for text, reason in zip(said, reasons, strict=True):
+        assert "refused: " in text and reason in text, text
 
 
 def test_lengths_follow_googles_target_rule():
@@ -183,16 +191,23 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
     defaults and the last loss. A setting that would change nothing (CUDA graphs without
     compiled layers, a bf16 residual stream or FP8 without autocast) or is not stage 0's
     reduction is refused, not timed."""
-    env = alone_env()
-    common = [sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny", "--seq-lens", "64",
-              "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
-              "--peak-tflops", "1", "--output-dir", str(tmp_path)]
-    for tag, flags in (("defaults", []), ("fp32-residual", ["--no-bf16-residual"]),
-                       ("buckets", ["--gradient-buckets"]), ("fp8", ["--fp8"]),
-                       ("no-dropout", ["--no-dropout"])):
-        done = subprocess.run(common + flags + ["--tag", f"variant-{tag}"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    common = ["--device", "cpu", "--config", "tiny", "--seq-lens", "64", "--micro-batch", "4",
+              "--steps", "2", "--warmup", "1", "--num-batches", "2", "--peak-tflops", "1",
+              "--output-dir", str(tmp_path)]
+    variants = [(["--tag", f"variant-{tag}", *flags]) for tag, flags in (
+        ("defaults", []), ("fp32-residual", ["--no-bf16-residual"]),
+        ("buckets", ["--gradient-buckets"]), ("fp8", ["--fp8"]), ("no-dropout", ["--no-dropout"]))]
+    refusals = [
+        (["--compile-mode", "reduce-overhead", "--no-compile"],
+         "--compile-mode needs compiled layers"),
+        (["--bf16-residual", "--precision", "fp32"],
+         "bf16_residual needs the engine's bf16 autocast"),
+        (["--fp8", "--zero-stage", "2"], "fp8 needs the engine's bf16 autocast"),
+        (["--gradient-buckets", "--zero-stage", "2"], "--gradient-buckets is stage 0's reduction"),
+        (["--no-dropout", "--peer"], "--no-dropout is a diagnostic")]
+    said = runs_in_one_interpreter(common, variants + [flags for flags, _ in refusals])
+    assert not any("refused: " in text for text in said[:len(variants)]), said
+    assert_refused(said[len(variants):], [reason for _, reason in refusals])
     runs = sorted(str(p) for p in tmp_path.glob("gpu_throughput_*variant-*.json"))
     table = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "ab_table.py"),
                             *runs], capture_output=True, text=True, timeout=60, check=True).stdout
@@ -219,14 +234,6 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
         "defaults": False, "fp32-residual": False, "buckets": False, "fp8": True,
         "no-dropout": False}
     assert [tag for tag, r in results.items() if not r["dropout"]] == ["no-dropout"]
-    assert_refused(common[2:], [
-        (["--compile-mode", "reduce-overhead", "--no-compile"],
-         "--compile-mode needs compiled layers"),
-        (["--bf16-residual", "--precision", "fp32"],
-         "bf16_residual needs the engine's bf16 autocast"),
-        (["--fp8", "--zero-stage", "2"], "fp8 needs the engine's bf16 autocast"),
-        (["--gradient-buckets", "--zero-stage", "2"], "--gradient-buckets is stage 0's reduction"),
-        (["--no-dropout", "--peer"], "--no-dropout is a diagnostic")])
 
 
 def test_an_inductor_setting_is_an_experiment_of_its_own_run(tmp_path):
@@ -249,11 +256,12 @@ def test_an_inductor_setting_is_an_experiment_of_its_own_run(tmp_path):
     assert losses["eager-rng"] != losses["defaults"]
     assert "inductor fallback_random=True (experiment)" in next(
         tmp_path.glob("gpu_throughput_*_eager-rng.md")).read_text()
-    assert_refused(common[2:], [
-        (["--inductor-config", "no_such_setting=1"], "is not NAME=VALUE"),
-        (["--inductor-config", "fallback_random=Tru"], "is no Python literal"),
-        (["--inductor-config", "fallback_random=True", "--no-compile"],
-         "--inductor-config needs compiled layers")])
+    refusals = [(["--inductor-config", "no_such_setting=1"], "is not NAME=VALUE"),
+                (["--inductor-config", "fallback_random=Tru"], "is no Python literal"),
+                (["--inductor-config", "fallback_random=True", "--no-compile"],
+                 "--inductor-config needs compiled layers")]
+    assert_refused(runs_in_one_interpreter(common[2:], [flags for flags, _ in refusals]),
+                   [reason for _, reason in refusals])
 
 
 class _FreezeWatcher:
