@@ -169,11 +169,19 @@ def measure(peer: Peer, warmup: int, steps: int) -> dict[str, Any]:
     if peer.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     seconds, losses = [], []
-    for i in range(warmup, warmup + steps):
-        started = time.perf_counter()
-        losses.append(peer.step(i))
-        synchronize(peer.device)
-        seconds.append(time.perf_counter() - started)
+    # As ours (bertforge's training/host_gc.py): what is alive after warm-up is frozen, so that
+    # no full garbage collection falls inside a timed step of either side and the ratio
+    # compares models and engines, not when Python's collector ran.
+    gc.collect()
+    gc.freeze()
+    try:
+        for i in range(warmup, warmup + steps):
+            started = time.perf_counter()
+            losses.append(peer.step(i))
+            synchronize(peer.device)
+            seconds.append(time.perf_counter() - started)
+    finally:
+        gc.unfreeze()
     real_tokens = sum(int(peer.batches[i % len(peer.batches)]["attention_mask"].sum())
                       for i in range(warmup, warmup + steps))
     micro_batch = peer.batches[0]["input_ids"].shape[0]

@@ -464,10 +464,11 @@ def time_steps(engine, batches: list[dict[str, torch.Tensor]], args: argparse.Na
         step(i)
     synchronize(args.device)
     seconds, losses = [], []
-    # As the loop: no full collection's pause inside a step (training/host_gc.py).
+    # As the loop, which freezes after its first step and again at each log line: no full
+    # collection's pause inside a step (training/host_gc.py); the peer's steps are timed so too.
     with FrozenSurvivors() as survivors:
         if args.gc_freeze:
-            survivors.freeze_once()  # its own full collection comes before the clock's start
+            survivors.freeze()  # its own full collection comes before the clock's start
         with CollectionClock() as collections:
             for i in range(args.warmup, args.warmup + args.steps):
                 started = time.perf_counter()
@@ -652,7 +653,8 @@ def peer_section(report: dict[str, Any]) -> list[str]:
                          f"| {peer.get('warmup_s', 0):.0f} |")
     lines += ["", "The peer: benchmarks/gpu_peer_hf.py (fp32 weights under bf16 autocast, "
               "fused AdamW, clipping at 1.0, a dense MLM head), each run in a fresh process "
-              "after ours.", ""]
+              "after ours, its timed steps with the garbage collector's survivors frozen as "
+              "ours are.", ""]
     return lines
 
 

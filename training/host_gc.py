@@ -11,10 +11,16 @@ pause is that step's. One timed step of 30 at 512 tokens took 423 ms where the o
 `gc.freeze()` moves every object tracked at that moment out of the collector's reach: later
 collections walk only what was created since. So once a run's first step has compiled, one
 full collection frees what is garbage by then (a cycle left by building the engine or loading
-a checkpoint may hold device memory), and what survives is frozen; it is unfrozen when the run
-ends, so that the run's own cyclic garbage (an engine and its optimizer's references back to
-it, say) is collected then, as it would have been. Frozen objects are still freed as soon as
-nothing refers to them; a cycle among them waits for the unfreeze.
+a checkpoint may hold device memory), and what survives is frozen; the loop does the same at
+each log line (the host waits for the device there anyway), which freezes what the steps since
+left alive (a recompile's graphs) and walks only those. When the run ends everything is
+unfrozen, so that its own cyclic garbage (an engine and its optimizer's references back to it,
+say) goes at the next full collection, as it would have. Frozen objects are still freed as soon
+as nothing refers to them; a cycle among them waits for the unfreeze.
+
+`gc.unfreeze()` is process-wide: where something had frozen objects before a run (another
+run around this one, or a library for its own reasons), the run freezes nothing and unfreezes
+nothing, and leaves that freeze as it found it.
 """
 
 from __future__ import annotations
@@ -24,20 +30,23 @@ import time
 
 
 class FrozenSurvivors:
-    """`with FrozenSurvivors() as survivors:` around a run's steps, `survivors.freeze_once()`
-    after its first step (and any later call is free). The exit unfreezes, also after an
-    error or a stop."""
+    """`with FrozenSurvivors() as survivors:` around a run's steps, `survivors.freeze()` after
+    its first step and at its log lines. The exit unfreezes, also after an error or a stop."""
 
     def __init__(self) -> None:
         self.frozen = False
+        self.frozen_by_others = False
 
-    def freeze_once(self) -> None:
-        if not self.frozen:
-            gc.collect()  # nothing that is garbage now waits, frozen, for the run's end
-            gc.freeze()
-            self.frozen = True
+    def freeze(self) -> None:
+        """Collect what is garbage now, then freeze what survives."""
+        if self.frozen_by_others:
+            return
+        gc.collect()  # nothing that is garbage now waits, frozen, for the run's end
+        gc.freeze()
+        self.frozen = True
 
     def __enter__(self) -> FrozenSurvivors:
+        self.frozen_by_others = gc.get_freeze_count() > 0
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -176,6 +176,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     checkpoint_seconds = 0.0
     profiler = StepProfiler(cfg.profile_steps, cfg.run_dir, rank, engine.device)
     survivors = FrozenSurvivors()  # no full collection's pause inside the steps (host_gc)
+    first_step = True
     with profiler, survivors:
         while step < cfg.max_steps:
             profiler.begin(step + 1)
@@ -185,14 +186,17 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
                 engine.backward(out.loss)
                 engine.step()
                 window.add(out, batch)
-            survivors.freeze_once()  # after the first step: its compile's objects too
             step += 1
-            if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps:
+            log_line = step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps
+            if log_line:
                 metrics = window.reduce(engine)
                 total_tokens += metrics["tokens"]
                 first_loss = metrics["loss"] if first_loss is None else first_loss
                 last_loss = metrics["loss"]
                 logger.log(step, metrics)
+            if first_step or log_line:  # after the first step's compile; at log lines the
+                survivors.freeze()       # host has waited for the device anyway
+                first_step = False
             if validation is not None and step % cfg.eval_every == 0:
                 logger.log(step, validation.run(engine))
                 window.restart_clock()  # evaluation time is no training throughput

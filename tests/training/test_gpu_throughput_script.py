@@ -163,7 +163,7 @@ def test_script_runs_on_cpu_and_writes_results(tmp_path):
         assert result["mfu_needed"] == pytest.approx(result["tflops_needed"] / peak)
         assert result["mfu_computed"] == pytest.approx(result["tflops_computed"] / peak)
         assert 0 < result["tflops_needed"] <= result["tflops_computed"]
-        assert result["full_collections"] >= 0 and result["collection_ms"] >= 0
+        assert isinstance(result["full_collections"], int) and result["collection_ms"] >= 0
     assert "| seq len | micro batch |" in md_file.read_text()
     assert "Python's garbage collection inside the timed steps" in md_file.read_text()
     assert "| 128 | 4 |" in done.stdout

@@ -18,24 +18,38 @@ class _Cycle:
         self.me = self
 
 
-def test_a_full_collection_skips_the_frozen_and_the_exit_gives_them_back() -> None:
-    gc.disable()  # only the collections asked for: none by chance in between
+@pytest.fixture
+def only_the_collections_asked_for():
+    """No automatic pass in between: what a test sees collected, it collected."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_garbage_goes_and_survivors_freeze_until_the_exit(only_the_collections_asked_for):
     already_garbage = _Cycle()
     gone_before = weakref.ref(already_garbage)
     del already_garbage
-    garbage = _Cycle()
-    gone = weakref.ref(garbage)
+    survivor = _Cycle()
+    gone = weakref.ref(survivor)
     with FrozenSurvivors() as survivors:
-        survivors.freeze_once()
-        gc.enable()
+        survivors.freeze()
         assert gone_before() is None  # garbage by then is collected, not frozen
-        survivors.freeze_once()  # a second call changes nothing
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # this process's modules, functions, classes...
-        del garbage
+        del survivor
         gc.collect()
         assert gone() is not None  # a frozen cycle waits for the unfreeze
-        assert gc.get_freeze_count() == frozen
+        # Again (a log line): what became garbage since goes, what survived since freezes.
+        later_garbage, later_survivor = _Cycle(), _Cycle()
+        gone_later = weakref.ref(later_garbage)
+        del later_garbage
+        survivors.freeze()
+        assert gone_later() is None
+        assert gc.get_freeze_count() > frozen
+        del later_survivor
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert gone() is None
@@ -43,19 +57,30 @@ def test_a_full_collection_skips_the_frozen_and_the_exit_gives_them_back() -> No
 
 def test_an_error_inside_unfreezes_too() -> None:
     with pytest.raises(RuntimeError), FrozenSurvivors() as survivors:
-        survivors.freeze_once()
+        survivors.freeze()
         raise RuntimeError("a stopped run")
     assert gc.get_freeze_count() == 0
 
 
-def test_the_clock_tells_full_passes_from_young_ones() -> None:
-    gc.disable()  # no automatic pass between the two asked for
+def test_a_freeze_made_before_is_left_as_it_was() -> None:
+    """Another run around this one, or a library, froze objects first: the run neither adds
+    to that freeze nor undoes it."""
+    gc.freeze()
     try:
-        with CollectionClock() as clock:
-            gc.collect(0)
-            gc.collect(2)
+        before = gc.get_freeze_count()
+        with FrozenSurvivors() as survivors:
+            _Cycle()
+            survivors.freeze()
+            assert gc.get_freeze_count() == before
+        assert gc.get_freeze_count() == before
     finally:
-        gc.enable()
+        gc.unfreeze()
+
+
+def test_the_clock_tells_full_passes_from_young_ones(only_the_collections_asked_for):
+    with CollectionClock() as clock:
+        gc.collect(0)
+        gc.collect(2)
     assert [generation for generation, _ in clock.passes] == [0, 2]
     assert len(clock.full_passes()) == 1 and clock.full_passes()[0] > 0
     gc.collect(2)
@@ -64,13 +89,19 @@ def test_the_clock_tells_full_passes_from_young_ones() -> None:
 
 def test_a_training_run_steps_frozen_and_ends_unfrozen(tmp_path) -> None:
     """The real loop (tiny model, CPU): frozen from its first step on (seen at each checkpoint,
-    through the loop's report), nothing frozen once it returns or fails."""
+    through the loop's report), nothing frozen once it returns or fails; a resumed run, whose
+    first step is no log line, too."""
     from tests.training.conftest import write_dataset
 
     data = write_dataset(str(tmp_path / "data"), {"train": [40]}, max_seq_length=64)
     seen = []
     train(config(data, tmp_path / "run", max_steps=4, checkpoint_every=2, zero_stage=0),
           report=lambda update: seen.append(gc.get_freeze_count()))
+    assert len(seen) == 2 and all(count > 1000 for count in seen)
+    assert gc.get_freeze_count() == 0
+    seen.clear()  # resumed to step 7, logging at 6 and 7: step 5, its first, is no log line
+    train(config(data, tmp_path / "run", max_steps=7, checkpoint_every=5, log_every=3,
+                 zero_stage=0), report=lambda update: seen.append(gc.get_freeze_count()))
     assert len(seen) == 2 and all(count > 1000 for count in seen)
     assert gc.get_freeze_count() == 0
 
