@@ -169,7 +169,8 @@ def measure(peer: Peer, warmup: int, steps: int) -> dict[str, Any]:
     if peer.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     seconds, losses = [], []
-    # As ours (bertforge's training/host_gc.py): what is alive after warm-up is frozen, so that
+    # As ours (bertforge's training/host_gc.py, written out here: the peer imports nothing of
+    # bertforge, as a user's script would not): what is alive after warm-up is frozen, so that
     # no full garbage collection falls inside a timed step of either side and the ratio
     # compares models and engines, not when Python's collector ran.
     gc.collect()

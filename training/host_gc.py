@@ -2,8 +2,9 @@
 
 A full (generation 2) collection walks every object the collector tracks, and a training
 process holds hundreds of thousands once it has imported torch, DeepSpeed and the rest and
-compiled its model (233,907 after the imports alone; a full collection of them took 100-200 ms
-on a 2-core Xeon, 2026-11-28). The interpreter starts one whenever its counts say so, inside
+compiled its model (233,907 after the imports alone; a full collection of them took 97-197 ms
+on a 2-core Xeon without native bf16, 2026-11-28, with a test suite running beside it: an order
+of size, not a measurement). The interpreter starts one whenever its counts say so, inside
 whichever step is running: on a GPU whose queue the host keeps only just ahead (97 % busy), the
 pause is that step's. One timed step of 30 at 512 tokens took 423 ms where the others took
 160-170 (H200, 2026-11-28), which such a pause would explain; not proven.
