@@ -128,6 +128,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "literal, e.g. coordinate_descent_tuning=True (tunes each fused "
                              "kernel's launch settings) or fallback_random=True (dropout as "
                              "ATen's own kernel, its mask not drawn inside the fused ones)")
+    parser.add_argument("--attention", choices=("sdpa", "math"), default="sdpa",
+                        help="experiment, not the product: math runs each attention as two "
+                             "batched GEMMs around one fused mask + softmax + dropout kernel "
+                             "(training.cpu_kernels.attention_by_matmuls) instead of SDPA's "
+                             "fused kernels (cuDNN's on an H100/H200)")
+    parser.add_argument("--dropout-mask", choices=("fused", "lanes"), default="fused",
+                        help="experiment, not the product: lanes draws each hidden dropout's "
+                             "mask as the CPU does (training.cpu_kernels.set_lane_masks: "
+                             "ATen's 64-bit words, four 16-bit lanes each, in a kernel of "
+                             "their own) instead of one random number an element inside "
+                             "inductor's fused kernels")
     parser.add_argument("--fp8", action="store_true",
                         help="the opt-in FP8 GEMMs of the encoder layers (EngineConfig.fp8, "
                              "training.fp8): MFU stays counted against the bf16 peak")
@@ -328,8 +339,13 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     """Build model + engine, warm up, time `args.steps` steps; totals summed over ranks."""
     import torch._inductor.config as inductor_config
 
+    from bertforge.training.cpu_kernels import set_lane_masks
     from bertforge.training.engine import build_engine, deepspeed_config, reduce_in_buckets
-    from bertforge.training.model import BertForPreTraining, num_parameters
+    from bertforge.training.model import (
+        BertForPreTraining,
+        num_parameters,
+        set_math_attention,
+    )
     from bertforge.training.resolved_engine import resolve_engine
 
     cfg = train_config(args, case)
@@ -347,6 +363,8 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     model = BertForPreTraining(model_config)
     model.gradient_checkpointing = cfg.activation_checkpointing
     model.max_predictions = max_predictions
+    set_math_attention(model, args.attention == "math")  # before anything compiles
+    set_lane_masks(model, args.dropout_mask == "lanes")
     parameters = num_parameters(model)
     try:
         resolved = resolve_engine(cfg.engine(), world_size)
@@ -375,6 +393,8 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
         "bf16_residual": resolved.config.bf16_residual,
         "fp8": resolved.config.fp8,
         "dropout": args.dropout,
+        "attention": args.attention,
+        "dropout_mask": args.dropout_mask,
         "gc_freeze": args.gc_freeze,
         "inductor_config": dict(args.inductor_config),
         "gradient_buckets": hasattr(engine, "gradient_buckets"),
@@ -594,6 +614,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{', bf16 residual stream' if first.get('bf16_residual') else ''}"
         f"{', FP8 GEMMs in the encoder layers' if first.get('fp8') else ''}"
         f"{'' if first.get('dropout', True) else ', dropout off (a diagnostic)'}"
+        f"{', math attention (experiment)' if first.get('attention') == 'math' else ''}"
+        f"{', lane dropout masks (experiment)' if first.get('dropout_mask') == 'lanes' else ''}"
         f"{'' if first.get('gc_freeze', True) else ', no gc freeze (a diagnostic)'}"
         f"{_inductor_config(first)}"
         f"{_compile_mode(setup)} "
@@ -725,7 +747,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "environment": environment(args, name, world_size),
         "setup": {key: getattr(args, key) for key in (
             "config", "precision", "zero_stage", "optimizer", "activation_checkpointing",
-            "compile", "bf16_residual", "fp8", "dropout", "compile_mode", "steps", "warmup",
+            "compile", "bf16_residual", "fp8", "dropout", "attention", "dropout_mask",
+            "compile_mode", "steps", "warmup",
             "num_batches",
             "short_seq_prob", "seed")},
         "peak_tflops": peak, "peak_source": peak_source, "matmul_reference": reference,

@@ -9,7 +9,8 @@ architecture never depends on them:
 - `dropout` / `Dropout`: on a CPU the mask comes from 16-bit lanes of 64-bit random words,
   ~5x cheaper than `torch.bernoulli_`; same probabilities up to 2^-16 rounding of p;
 - `scaled_dot_product_attention`: `F.scaled_dot_product_attention`, except on a CPU in fp32
-  with dropout on, where SDPA can only take its math path: there a leaner copy of that path.
+  with dropout on, where SDPA can only take its math path: there a leaner copy of that path
+  (`attention_by_matmuls`).
 
 Measured on the development machine (AMD Zen 4, 1-2 threads); the docstrings give the numbers.
 """
@@ -109,11 +110,18 @@ class _OneDnnLinear(torch.autograd.Function):
 class Dropout(nn.Module):
     """`nn.Dropout` with `dropout`'s cheaper CPU mask; no state, so state dicts are unchanged."""
 
+    # An experiment of benchmarks/gpu_throughput.py (`--dropout-mask lanes`,
+    # `set_lane_masks`): the 16-bit-lane mask on a GPU and under torch.compile too. Off in the
+    # product.
+    lane_mask_everywhere = False
+
     def __init__(self, p: float) -> None:
         super().__init__()
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lane_mask_everywhere and self.training and self.p > 0.0:
+            return x * _lane_dropout_mask(x, self.p)
         return dropout(x, self.p, self.training)
 
     def extra_repr(self) -> str:
@@ -151,6 +159,41 @@ def _cpu_dropout_mask(like: torch.Tensor, p: float) -> torch.Tensor:
     return _mask_from_lanes(words.view(torch.int16)[:numel].view(like.shape), p, like.dtype)
 
 
+def set_lane_masks(model: nn.Module, enabled: bool) -> None:
+    """Every `Dropout` of `model` draws the 16-bit-lane mask wherever it runs (GPU, compiled),
+    or only where `dropout` does. Set it before compiling."""
+    for module in model.modules():
+        if isinstance(module, Dropout):
+            module.lane_mask_everywhere = bool(enabled)
+
+
+@torch.library.custom_op(
+    "bertforge::random_words", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def random_words(like: torch.Tensor) -> torch.Tensor:
+    """(numel + 3) // 4 uniform 64-bit words on `like`'s device, from the global generator.
+
+    An op of its own so that torch.compile keeps ATen's kernel (on a GPU one Philox call for
+    two words, eight lanes) instead of drawing one Philox number per element inside its fused
+    kernels; `like` is an input so that two dropouts are never merged into one mask, and the
+    tag keeps the partitioner from drawing it again in the backward."""
+    words = torch.empty((like.numel() + 3) // 4, dtype=torch.int64, device=like.device)
+    return words.random_(-(2**63), None)
+
+
+@random_words.register_fake
+def _random_words_shape(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(((like.numel() + 3) // 4,), dtype=torch.int64)
+
+
+def _lane_dropout_mask(like: torch.Tensor, p: float) -> torch.Tensor:
+    """`_cpu_dropout_mask`'s mask from `random_words`: the same probabilities, on any device
+    and under torch.compile (where the comparison and scale fuse into the next kernel)."""
+    numel = like.numel()
+    lanes = random_words(like).view(torch.int16)[:numel].view(like.shape)
+    return _mask_from_lanes(lanes, p, like.dtype)
+
+
 def _mask_from_lanes(lanes: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
     """Uniform int16 lanes -> 0 for the round(p x 65536) lowest values, 1/(1-p) for the rest."""
     threshold = round(p * 65536) - 32768
@@ -169,15 +212,15 @@ def scaled_dot_product_attention(
     attn_mask: torch.Tensor | None, dropout_p: float,
 ) -> torch.Tensor:
     """`F.scaled_dot_product_attention`, which picks the flash or memory-efficient kernel on a
-    GPU; on a CPU in fp32 with dropout on, `cpu_attention_with_dropout` instead."""
+    GPU; on a CPU in fp32 with dropout on, `attention_by_matmuls` instead."""
     if dropout_p > 0.0 and plain_fp32_cpu(query):
-        return cpu_attention_with_dropout(query, key, value, attn_mask, dropout_p)
+        return attention_by_matmuls(query, key, value, attn_mask, dropout_p)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p
     )
 
 
-def cpu_attention_with_dropout(
+def attention_by_matmuls(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attn_mask: torch.Tensor | None, dropout_p: float,
 ) -> torch.Tensor:
@@ -185,6 +228,9 @@ def cpu_attention_with_dropout(
     takes no dropout), with the scale and the mask fused into one `baddbmm` and a plain softmax
     (a finite mask never empties a row): ~10 % less attention time at base/128, ~1 % of a step.
     One `dropout` on the probabilities, as SDPA's `F.dropout` (with our cheaper CPU mask).
+    On a GPU, an experiment (`BertSelfAttention.math_attention`): under torch.compile the
+    mask, softmax and dropout fuse into one kernel between two batched GEMMs, against cuDNN's
+    fused attention, whose kernels run far below the GEMMs' rate at 128 tokens.
 
     [B, H, Lq, D] queries over [B, H, L, D] keys and values -> [B, H, Lq, D].
     """

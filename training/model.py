@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from bertforge.training.cpu_kernels import (
     Dropout,
     Linear,
+    attention_by_matmuls,
     eager_cpu,
     linear,
     scaled_dot_product_attention,
@@ -261,6 +262,11 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
+    # An experiment of benchmarks/gpu_throughput.py (`--attention math`, `set_math_attention`):
+    # attention as two batched GEMMs around a fused mask + softmax + dropout kernel, instead
+    # of SDPA's fused kernels. Off in the product.
+    math_attention = False
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -295,9 +301,18 @@ class BertSelfAttention(nn.Module):
             attn_mask = torch.zeros(key_padding.shape, dtype=query.dtype, device=query.device)
             attn_mask.masked_fill_(key_padding, torch.finfo(query.dtype).min)
         dropout_p = self.dropout_prob if self.training else 0.0
-        context = scaled_dot_product_attention(query, key, value, attn_mask, dropout_p)
+        attend = attention_by_matmuls if self.math_attention else scaled_dot_product_attention
+        context = attend(query, key, value, attn_mask, dropout_p)
         batch_size, _, seq_len, _ = context.shape
         return context.transpose(1, 2).reshape(batch_size, seq_len, -1)
+
+
+def set_math_attention(model: nn.Module, enabled: bool) -> None:
+    """Every attention of `model` runs as batched GEMMs (`attention_by_matmuls`), or through
+    SDPA. Set it before compiling, as `set_fp8`."""
+    for module in model.modules():
+        if isinstance(module, BertSelfAttention):
+            module.math_attention = bool(enabled)
 
 
 class BertSelfOutput(nn.Module):

@@ -21,7 +21,7 @@ def test_cpu_training_attention_equals_the_math_path_with_the_same_dropout_mask(
         mask[1, ..., 6:] = torch.finfo(torch.float64).min
     torch.manual_seed(1)
     attn_mask = mask if padded else None
-    actual = cpu_kernels.cpu_attention_with_dropout(query, key, value, attn_mask, 0.3)
+    actual = cpu_kernels.attention_by_matmuls(query, key, value, attn_mask, 0.3)
     torch.manual_seed(1)
     keep = cpu_kernels._cpu_dropout_mask(torch.empty(3, 4, 10, 10, dtype=torch.float64), 0.3)
     probs = torch.softmax(query @ key.transpose(-1, -2) / 8**0.5 + mask, dim=-1)
@@ -115,3 +115,27 @@ def test_onednn_linear_only_for_plain_fp32_cpu() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = layer(torch.randn(2, 8))
     assert out.dtype == torch.bfloat16
+
+
+def test_lane_masks_under_torch_compile_draw_apart_and_hold_through_the_backward() -> None:
+    """`set_lane_masks` (gpu_throughput.py's `--dropout-mask lanes` experiment): compiled in
+    one graph, each Dropout draws its own mask at rate p (two of the same shape differ), and
+    the backward applies the forward's mask (not a second draw)."""
+    torch.manual_seed(0)
+    first, second = cpu_kernels.Dropout(0.1), cpu_kernels.Dropout(0.1)
+    model = torch.nn.ModuleList([first, second])
+    cpu_kernels.set_lane_masks(model, True)
+    assert first.lane_mask_everywhere and second.lane_mask_everywhere
+
+    def two_dropouts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return first(x), second(x * 2.0)
+
+    x = (torch.rand(512, 256) + 1.0).requires_grad_()  # never 0: a zero output means dropped
+    a, b = torch.compile(two_dropouts, fullgraph=True)(x)  # fullgraph: no graph break
+    for out in (a, b):
+        assert abs((out == 0).float().mean().item() - 0.1) < 5e-3
+    assert not torch.equal(a == 0, b == 0)
+    a.sum().backward()
+    torch.testing.assert_close(x.grad, (a != 0).float() / 0.9)
+    cpu_kernels.set_lane_masks(model, False)
+    assert not first.lane_mask_everywhere

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from bertforge.training import cpu_kernels
 from bertforge.training import model as model_module
 from bertforge.training.hf_interop import from_hf_state_dict, hf_name_map, to_hf_state_dict
 from bertforge.training.model import (
@@ -432,3 +433,30 @@ def test_a_bf16_residual_stream_under_autocast_keeps_the_numbers_and_the_names()
               if reference.norm() > 0]
     assert max(errors) < 3e-2, max(errors)
     assert torch.equal(model(**batch).loss, plain)  # no autocast: exactly nn.LayerNorm
+
+
+def test_math_attention_gives_sdpa_numbers_for_padded_rows(monkeypatch) -> None:
+    """`set_math_attention` (gpu_throughput.py's `--attention math` experiment): every layer
+    attends through batched GEMMs instead of SDPA, with the same loss and gradients."""
+    config = BertConfig(64, 32, 2, 2, 64)
+    torch.manual_seed(0)
+    model = BertForPreTraining(config).double().eval()  # eval: no dropout to draw
+    batch = random_batch(config, batch_size=3, seq_len=12)
+    calls = []
+    monkeypatch.setattr(model_module, "attention_by_matmuls",
+                        lambda *args: calls.append(1) or cpu_kernels.attention_by_matmuls(*args))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    sdpa_loss, sdpa_grads = loss_and_grads()
+    assert not calls
+    model_module.set_math_attention(model, True)
+    math_loss, math_grads = loss_and_grads()
+    assert len(calls) == config.num_hidden_layers  # the switch reaches every layer
+    torch.testing.assert_close(math_loss, sdpa_loss)
+    for ours, reference in zip(math_grads, sdpa_grads, strict=True):
+        torch.testing.assert_close(ours, reference)
