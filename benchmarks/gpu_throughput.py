@@ -337,10 +337,13 @@ def train_config(args: argparse.Namespace, case: Case):
 
 def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     """Build model + engine, warm up, time `args.steps` steps; totals summed over ranks."""
-    import torch._inductor.config as inductor_config
-
     from bertforge.training.cpu_kernels import set_lane_masks
-    from bertforge.training.engine import build_engine, deepspeed_config, reduce_in_buckets
+    from bertforge.training.engine import (
+        build_engine,
+        deepspeed_config,
+        inductor_options,
+        reduce_in_buckets,
+    )
     from bertforge.training.model import (
         BertForPreTraining,
         num_parameters,
@@ -371,13 +374,11 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     except ValueError as refused:  # e.g. a bf16 residual stream without bf16 autocast
         raise SystemExit(str(refused)) from None
     check_experiments(args, resolved)
-    for name, value in args.inductor_config:  # before anything compiles
-        setattr(inductor_config, name, value)
     engine = build_engine(model, resolved)
     if args.gradient_buckets and world_size == 1:  # on several ranks the engine has them
         reduce_in_buckets(engine)
-    if args.compile_mode != "default":
-        recompile_layers(model, args.compile_mode)
+    if args.compile_mode != "default" or args.inductor_config:
+        recompile_layers(model, args.compile_mode, dict(args.inductor_config), engine.device)
     skips_before = cudagraph_skips()
     batches = [{k: v.to(engine.device) for k, v in b.items()} for b in cpu_batches]
     if args.device == "cuda":
@@ -396,6 +397,8 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
         "attention": args.attention,
         "dropout_mask": args.dropout_mask,
         "gc_freeze": args.gc_freeze,
+        # The engine's own inductor settings (the product's), then the experiment's over them.
+        "inductor_options": inductor_options(engine.device) if resolved.config.compile else {},
         "inductor_config": dict(args.inductor_config),
         "gradient_buckets": hasattr(engine, "gradient_buckets"),
         # Inductor leaves CUDA graphs out where it cannot use them (and says so only here):
@@ -450,21 +453,27 @@ def cudagraph_skips() -> int:
     return counters["inductor"]["cudagraph_skips"]
 
 
-def recompile_layers(model: torch.nn.Module, mode: str) -> None:
-    """The second issue-34 lead, an experiment of this benchmark only: each encoder layer
-    compiled in `mode` (the engine compiled them in the default mode; nothing has run yet, so
-    this replaces that before any compile). With "reduce-overhead" inductor records each
-    layer's forward and backward as CUDA graphs (cudagraph trees), one replay per layer where
-    the step now launches ~75 kernels a layer; with "max-autotune-no-cudagraphs" it times
-    Triton GEMM templates against cuBLAS per shape and keeps the faster, fusing bias + GELU
-    (11 ms of elementwise kernels a step at 256 x 128 on an H200) into a Triton GEMM's
-    epilogue where it wins."""
+def recompile_layers(model: torch.nn.Module, mode: str, settings: dict[str, Any],
+                     device: torch.device) -> None:
+    """Issue 34's experiments of this benchmark only: each encoder layer compiled with
+    `mode`'s inductor settings and `settings` over the engine's own
+    (training.engine.inductor_options; nothing has run yet, so this replaces the engine's
+    compile before any). With "reduce-overhead" inductor records each layer's forward and
+    backward as CUDA graphs (cudagraph trees), one replay per layer where the step now
+    launches ~75 kernels a layer; with "max-autotune-no-cudagraphs" it times Triton GEMM
+    templates against cuBLAS per shape and keeps the faster, fusing bias + GELU (11 ms of
+    elementwise kernels a step at 256 x 128 on an H200) into a Triton GEMM's epilogue where it
+    wins."""
+    from torch._inductor import list_mode_options
+
+    from bertforge.training.engine import inductor_options
     from bertforge.training.model import BertEncoder
 
+    options = {**inductor_options(device), **list_mode_options(mode), **settings}
     for module in model.modules():
         if isinstance(module, BertEncoder):
             for layer in module.layer:
-                layer.compile(mode=mode)
+                layer.compile(options=options)
 
 
 def time_steps(engine, batches: list[dict[str, torch.Tensor]], args: argparse.Namespace):
@@ -586,8 +595,12 @@ def output_paths(output_dir: str, name: str, date: str, tag: str,
 
 
 def _inductor_config(result: dict[str, Any]) -> str:
+    own = result.get("inductor_options") or {}
     settings = result.get("inductor_config") or {}
-    return "".join(f", inductor {name}={value!r} (experiment)" for name, value in settings.items())
+    return ("".join(f", inductor {name}={value!r}" for name, value in own.items()
+                    if name not in settings)
+            + "".join(f", inductor {name}={value!r} (experiment)"
+                      for name, value in settings.items()))
 
 
 def _compile_mode(setup: dict[str, Any]) -> str:

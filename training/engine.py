@@ -247,10 +247,24 @@ def compile_model(engine, model: torch.nn.Module, cfg: EngineConfig) -> None:
     eager: a few kernels a step. ZeRO-3 gathers each module's parameters from hooks that a
     compiled layer would trace: there DeepSpeed compiles the whole engine its own way.
     """
+    options = inductor_options(engine.device)
     layers = [layer for module in model.modules() if isinstance(module, BertEncoder)
               for layer in module.layer]
     if cfg.zero_stage == 3 or not layers:
-        engine.compile()
+        engine.compile(compile_kwargs={"options": options} if options else {})
         return
     for layer in layers:
-        layer.compile()
+        layer.compile(options=options or None)
+
+
+def inductor_options(device: torch.device) -> dict[str, Any]:
+    """Inductor's settings for the compiled layers (torch.compile's `options`; each compile
+    its own, so nothing else in the process changes).
+
+    On a GPU, `fallback_random`: dropout's masks come from ATen's own dropout kernel, as in
+    eager mode, instead of one Philox draw an element inside inductor's fused residual +
+    dropout + LayerNorm kernels (ATen's draws four numbers a call); the fused kernels then
+    read the mask. On an H200 at BERT-large 128 x 256 the step ran 1.016x and 1.018x as fast
+    (two device calls, 2026-11-28; benchmarks/README.md), and the masks are eager's own. On
+    a CPU, unmeasured: inductor's defaults."""
+    return {"fallback_random": True} if torch.device(device).type == "cuda" else {}

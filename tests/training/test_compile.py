@@ -86,3 +86,25 @@ def test_compile_in_the_loop_follows_eager_without_graph_breaks_and_keeps_plain_
     checkpoint.load_model(run.checkpoint_path)  # strict names
     export_checkpoint(run.checkpoint_path, str(tmp_path / "hf"))
     assert os.path.exists(tmp_path / "hf" / "model.safetensors")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_each_layer_compiles_with_the_engines_inductor_options(monkeypatch, device):
+    """training.engine.compile_model hands every encoder layer the engine's inductor options:
+    on a GPU dropout's masks from ATen's own kernel (`fallback_random`, measured faster on an
+    H200), on a CPU inductor's defaults. Recorded, not compiled: no GPU here."""
+    import types
+
+    from bertforge.training import engine as engine_module
+    from bertforge.training.engine_config import EngineConfig
+    from bertforge.training.model import BertLayer
+
+    compiled = []
+    monkeypatch.setattr(BertLayer, "compile", lambda self, **kwargs: compiled.append(kwargs))
+    model = BertForPreTraining(BertConfig(99, 32, 3, 2, 64))
+    engine = types.SimpleNamespace(device=torch.device(device))
+    cfg = EngineConfig(max_steps=1, learning_rate=1e-4, warmup_steps=0, micro_batch_size=2,
+                       zero_stage=0, compile=True)
+    engine_module.compile_model(engine, model, cfg)
+    expected = {"fallback_random": True} if device == "cuda" else None
+    assert compiled == [{"options": expected}] * 3
