@@ -170,11 +170,13 @@ def measure(peer: Peer, warmup: int, steps: int) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     seconds, losses = [], []
     # As ours (bertforge's training/host_gc.py, written out here: the peer imports nothing of
-    # bertforge, as a user's script would not): what is alive after warm-up is frozen, so that
-    # no full garbage collection falls inside a timed step of either side and the ratio
-    # compares models and engines, not when Python's collector ran.
+    # bertforge, as a user's script would not): what is alive after warm-up is frozen and the
+    # collector starts no full pass of its own, so that none falls inside a timed step of
+    # either side and the ratio compares models and engines, not when Python's collector ran.
     gc.collect()
     gc.freeze()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], 2**31 - 1)
     try:
         for i in range(warmup, warmup + steps):
             started = time.perf_counter()
@@ -182,6 +184,7 @@ def measure(peer: Peer, warmup: int, steps: int) -> dict[str, Any]:
             synchronize(peer.device)
             seconds.append(time.perf_counter() - started)
     finally:
+        gc.set_threshold(*thresholds)
         gc.unfreeze()
     real_tokens = sum(int(peer.batches[i % len(peer.batches)]["attention_mask"].sum())
                       for i in range(warmup, warmup + steps))

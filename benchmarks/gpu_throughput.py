@@ -406,7 +406,9 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
         "cudagraph_skips": cudagraph_skips() - skips_before,
         # Python's garbage collection inside the timed steps: full passes and all passes' time.
         "full_collections": len(collections.full_passes()),
-        "collection_ms": 1e3 * sum(seconds for _, seconds in collections.passes),
+        "collection_ms": 1e3 * sum(one.seconds for one in collections.passes),
+        # What the full passes freed: their time spent on freeing, or on walking.
+        "full_collections_freed": sum(one.collected for one in collections.full_passes()),
         "precision": resolved.config.precision,
         "step_ms_median": 1e3 * statistics.median(seconds), "step_ms_min": 1e3 * min(seconds),
         "step_ms_max": 1e3 * max(seconds),
@@ -493,8 +495,9 @@ def time_steps(engine, batches: list[dict[str, torch.Tensor]], args: argparse.Na
         step(i)
     synchronize(args.device)
     seconds, losses = [], []
-    # As the loop, which freezes after its first step and again at each log line: no full
-    # collection's pause inside a step (training/host_gc.py); the peer's steps are timed so too.
+    # As the loop, which freezes after its first step and again at each log line, and lets the
+    # collector start no full pass of its own meanwhile (training/host_gc.py); the peer's steps
+    # are timed so too.
     with FrozenSurvivors() as survivors:
         if args.gc_freeze:
             survivors.freeze()  # its own full collection comes before the clock's start
@@ -659,10 +662,16 @@ def collections_line(results: list[dict[str, Any]]) -> list[str]:
     survivors of its first step so that no full pass falls there: training/host_gc.py)."""
     if not results or "full_collections" not in results[0]:
         return []
-    each = "; ".join(f"{r['seq_len']}: {r['full_collections']} full, {r['collection_ms']:.1f} ms"
-                     for r in results)
+    each = "; ".join(f"{r['seq_len']}: {r['full_collections']} full"
+                     f"{_freed(r)}, {r['collection_ms']:.1f} ms" for r in results)
     return [f"Python's garbage collection inside the timed steps (full passes, ms of all "
             f"passes): {each}.", ""]
+
+
+def _freed(result: dict[str, Any]) -> str:
+    if not result["full_collections"] or "full_collections_freed" not in result:
+        return ""
+    return f" (freeing {result['full_collections_freed']:,} objects)"
 
 
 def peer_section(report: dict[str, Any]) -> list[str]:

@@ -263,8 +263,9 @@ def inductor_options(device: torch.device) -> dict[str, Any]:
 
     On a GPU, `fallback_random`: dropout's masks come from ATen's own dropout kernel, as in
     eager mode, instead of one Philox draw an element inside inductor's fused residual +
-    dropout + LayerNorm kernels (ATen's draws four numbers a call); the fused kernels then
-    read the mask. On an H200 at BERT-large 128 x 256 the step ran 1.016x and 1.018x as fast
-    (two device calls, 2026-11-28; benchmarks/README.md), and the masks are eager's own. On
-    a CPU, unmeasured: inductor's defaults."""
+    dropout + LayerNorm kernels (ATen's draws four numbers a call; the residual + LayerNorm
+    kernel then reads its output, a pass more over memory that costs less than the draws).
+    On an H200 at BERT-large 128 x 256 the step ran 1.016x and 1.018x as fast (two device
+    calls, 2026-11-28; benchmarks/README.md), and the masks come from the kernel eager mode
+    draws them with. On a CPU, unmeasured: inductor's defaults."""
     return {"fallback_random": True} if torch.device(device).type == "cuda" else {}

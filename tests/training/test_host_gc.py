@@ -81,12 +81,43 @@ def test_a_freeze_made_before_is_left_as_it_was() -> None:
         gc.unfreeze()
 
 
+def test_frozen_the_collector_starts_no_full_pass_of_its_own_but_young_ones() -> None:
+    """From the first freeze to the exit, allocations that start full passes otherwise (seen:
+    4 in 400,000 surviving lists) start only young ones; the exit gives the thresholds back."""
+
+    def allocate() -> list[list]:
+        return [[] for _ in range(400_000)]
+
+    thresholds = gc.get_threshold()
+    with CollectionClock() as unfrozen:
+        kept = allocate()
+    del kept
+    assert unfrozen.full_passes(), "the allocations start no full pass here: no control"
+    with FrozenSurvivors() as survivors, CollectionClock() as frozen:
+        assert gc.get_threshold() == thresholds  # nothing changes before the first freeze
+        survivors.freeze()
+        frozen.passes.clear()  # the freeze's own collection
+        kept = allocate()
+    del kept
+    assert frozen.passes and not frozen.full_passes()
+    assert gc.get_threshold() == thresholds
+
+
+def test_the_clock_counts_what_a_pass_frees(only_the_collections_asked_for):
+    with CollectionClock() as clock:
+        cycle = _Cycle()
+        del cycle
+        gc.collect(2)
+    [full] = clock.full_passes()
+    assert full.collected >= 1
+
+
 def test_the_clock_tells_full_passes_from_young_ones(only_the_collections_asked_for):
     with CollectionClock() as clock:
         gc.collect(0)
         gc.collect(2)
-    assert [generation for generation, _ in clock.passes] == [0, 2]
-    assert len(clock.full_passes()) == 1 and clock.full_passes()[0] > 0
+    assert [one.generation for one in clock.passes] == [0, 2]
+    assert len(clock.full_passes()) == 1 and clock.full_passes()[0].seconds > 0
     gc.collect(2)
     assert len(clock.passes) == 2  # the callback is gone
 
