@@ -108,7 +108,10 @@ stage() {  # name, time limit, command...
 # two GPUs; its arithmetic is held on two CPU ranks); "fp32-residual:--no-bf16-residual", the
 # fp32 residual stream against the default bf16 one (1.032x on 2026-11-27);
 # "tuned:--inductor-config=coordinate_descent_tuning=True" and
-# "eager-rng:--inductor-config=fallback_random=True", inductor settings as experiments.
+# "fused-rng:--inductor-config=fallback_random=False" (masks drawn inside the fused kernels,
+# the default before ATen's masks), inductor settings as experiments;
+# "lanes:--dropout-mask=lanes" and "math-attention:--attention=math" (figures of 2026-11-28 in
+# benchmarks/README.md).
 VARIANTS=${VARIANTS:-"defaults: fp8:--fp8 no-dropout:--no-dropout"}
 
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \

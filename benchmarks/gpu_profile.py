@@ -71,6 +71,8 @@ import gpu_peer_hf  # noqa: E402
 import gpu_throughput as gt  # noqa: E402
 import kernel_bandwidth  # noqa: E402
 
+from bertforge.training.host_gc import FrozenSurvivors  # noqa: E402
+
 # The training loop's own profile (`bertforge train --profile-steps`) sorts kernels the same way.
 from bertforge.training.profiling import (  # noqa: E402
     CATEGORIES,
@@ -218,19 +220,23 @@ def run_case(step: Callable[[int], torch.Tensor], args: argparse.Namespace,
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     seconds = []
-    for i in range(args.warmup, args.warmup + args.timed):
-        started = time.perf_counter()
-        loss = step(i)
-        gt.synchronize(args.device)
-        seconds.append(time.perf_counter() - started)
-    first = args.warmup + args.timed
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with without_cycle_warning(), profile(activities=activities) as prof:
-        started = time.perf_counter()
-        for i in range(first, first + args.profiled):
-            step(i)
-        gt.synchronize(args.device)
-        profiled_s = time.perf_counter() - started
+    # Every case's timed and profiled steps as the loop's and gpu_throughput.py's: what is alive
+    # after warm-up frozen, no full collection of the collector's own (training/host_gc.py).
+    with FrozenSurvivors() as survivors:
+        survivors.freeze()
+        for i in range(args.warmup, args.warmup + args.timed):
+            started = time.perf_counter()
+            loss = step(i)
+            gt.synchronize(args.device)
+            seconds.append(time.perf_counter() - started)
+        first = args.warmup + args.timed
+        with without_cycle_warning(), profile(activities=activities) as prof:
+            started = time.perf_counter()
+            for i in range(first, first + args.profiled):
+                step(i)
+            gt.synchronize(args.device)
+            profiled_s = time.perf_counter() - started
     n = args.profiled
     by_category = dict.fromkeys(CATEGORY_NAMES, 0.0)  # microseconds over all profiled steps
     kernels: dict[str, list[float]] = {}  # name: [calls, microseconds]
