@@ -121,3 +121,26 @@ def test_squad_runs_on_an_article_split_of_the_real_dev_file(tmp_path):
     answers = json.loads(predictions)
     assert len(answers) == 16 and all(isinstance(a, str) for a in answers.values())
     assert record["train_rows"] >= record["train_examples"] == 32  # long contexts: windows
+
+
+def test_fine_tuning_steps_frozen_after_its_first_log_line_and_ends_unfrozen(
+        files, tmp_path, monkeypatch):
+    """As pretraining's loop (training/host_gc.py): from the first log line on, what is alive
+    is frozen, so no full collection walks it inside a step; nothing stays frozen after."""
+    import gc
+
+    from bertforge.training.finetune import loop as finetune_loop
+
+    seen = []
+    log = finetune_loop.MetricsLogger.log
+
+    def noting_the_freeze(self, step, values):
+        seen.append((step, gc.get_freeze_count()))
+        return log(self, step, values)
+
+    monkeypatch.setattr(finetune_loop.MetricsLogger, "log", noting_the_freeze)
+    run(files, tmp_path / "run", epochs=2, log_every=4)  # 16 steps: lines at 1, 4, ..., 16
+    train_lines = [(step, count) for step, count in seen if step <= 16][:5]
+    assert [step for step, _ in train_lines] == [1, 4, 8, 12, 16]
+    assert train_lines[0][1] == 0 and all(count > 1000 for _, count in train_lines[1:])
+    assert gc.get_freeze_count() == 0

@@ -37,6 +37,7 @@ from bertforge.training.finetune.export import export_finetuned
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.model import task_model
 from bertforge.training.finetune.task_data import TaskData, load_task_data
+from bertforge.training.host_gc import FrozenSurvivors
 from bertforge.training.metrics import MetricsLogger, console, counted
 from bertforge.training.resolved_engine import resolve_engine
 
@@ -155,28 +156,32 @@ def _train(engine, data: TaskData, cfg: FinetuneConfig, steps_per_epoch: int, nu
     window_steps = window_rows = 0
     window_start, last_loss = time.time(), None
     engine.train()
-    for step in range(num_steps):
-        rows = torch.from_numpy(batch_indices(data.num_train_rows, cfg.batch_size, step,
-                                              steps_per_epoch, seed, rank, world_size))
-        batch = to_device(trim_padding({k: v[rows] for k, v in tensors.items()}),
-                           engine.device)
-        out = engine(**batch)
-        engine.backward(out["loss"])
-        engine.step()
-        loss_sum += out["loss"].detach()
-        window_steps += 1
-        window_rows += len(rows)
-        if step == 0 or (step + 1) % log_every == 0 or step + 1 == num_steps:
-            sums = torch.stack([loss_sum, loss_sum.new_tensor(float(window_steps)),
-                                loss_sum.new_tensor(float(window_rows))])
-            loss, micro_steps, examples = all_reduce_sum(sums, engine.device).tolist()
-            seconds = max(time.time() - window_start, 1e-9)
-            last_loss = loss / micro_steps
-            logger.log(step + 1, {"loss": last_loss, "lr": engine.get_lr()[0],
-                                  "seq_per_s": examples / seconds})
-            loss_sum.zero_()
-            window_steps = window_rows = 0
-            window_start = time.time()
+    # As pretraining's loop: no full collection's pause inside a step (training/host_gc.py);
+    # the log lines, where the host reads the loss back anyway, freeze what survived since.
+    with FrozenSurvivors() as survivors:
+        for step in range(num_steps):
+            rows = torch.from_numpy(batch_indices(data.num_train_rows, cfg.batch_size, step,
+                                                  steps_per_epoch, seed, rank, world_size))
+            batch = to_device(trim_padding({k: v[rows] for k, v in tensors.items()}),
+                              engine.device)
+            out = engine(**batch)
+            engine.backward(out["loss"])
+            engine.step()
+            loss_sum += out["loss"].detach()
+            window_steps += 1
+            window_rows += len(rows)
+            if step == 0 or (step + 1) % log_every == 0 or step + 1 == num_steps:
+                sums = torch.stack([loss_sum, loss_sum.new_tensor(float(window_steps)),
+                                    loss_sum.new_tensor(float(window_rows))])
+                loss, micro_steps, examples = all_reduce_sum(sums, engine.device).tolist()
+                seconds = max(time.time() - window_start, 1e-9)
+                last_loss = loss / micro_steps
+                logger.log(step + 1, {"loss": last_loss, "lr": engine.get_lr()[0],
+                                      "seq_per_s": examples / seconds})
+                loss_sum.zero_()
+                window_steps = window_rows = 0
+                survivors.freeze()
+                window_start = time.time()  # the freeze's own collection is no training time
     logger.close()
     return last_loss
 
