@@ -149,8 +149,6 @@ def gt_args(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: int)
 def build_ours(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: int):
     """Model + engine + batches as gpu_throughput.measure builds them."""
     from bertforge.training.engine import build_engine
-    from bertforge.training.masking import default_max_predictions
-    from bertforge.training.model import BertConfig, BertForPreTraining
     from bertforge.training.resolved_engine import resolve_engine
 
     targs = gt_args(args, kind, seq_len, micro_batch)
@@ -159,11 +157,11 @@ def build_ours(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: i
     # What the builder decides for settings left to it (None: by the machine), for the record.
     resolved = resolve_engine(cfg.engine(), 1)
     cpu_batches, vocab_size, _ = gt.make_batches(case, targs, 0, 1)
-    torch.manual_seed(cfg.seed)
-    model = BertForPreTraining(BertConfig.preset(targs.config, vocab_size=vocab_size))
-    model.gradient_checkpointing = cfg.activation_checkpointing
-    model.max_predictions = default_max_predictions(case.seq_len)
+    model = gt.build_model(targs, case, vocab_size, cfg)
     engine = build_engine(model, resolved)  # compiles when the config says so
+    if targs.compile_mode != "default" or targs.inductor_config:
+        gt.recompile_layers(model, targs.compile_mode, dict(targs.inductor_config),
+                            engine.device)
     batches = [{k: v.to(engine.device) for k, v in b.items()} for b in cpu_batches]
 
     def step(i: int) -> torch.Tensor:
@@ -189,7 +187,8 @@ def build_ours(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: i
 def parsed_settings(targs: argparse.Namespace) -> list[str]:
     """What gpu_throughput.py parsed that shapes the engine, for the record."""
     keep = ("config", "zero_stage", "precision", "optimizer", "activation_checkpointing",
-            "compile", "fp8", "micro_batch", "seq_lens", "num_batches")
+            "compile", "fp8", "micro_batch", "seq_lens", "num_batches", "packing", "attention",
+            "dropout_mask", "dropout", "inductor_config", "compile_mode")
     return [f"{k}={getattr(targs, k)}" for k in keep if hasattr(targs, k)]
 
 

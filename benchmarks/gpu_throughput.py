@@ -64,6 +64,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bertforge.training.data.packing import DEFAULT_MAX_PER_ROW, packed_max_predictions
 from bertforge.training.flops import mfu, training_flops_per_batch
 from bertforge.training.host_gc import CollectionClock, FrozenSurvivors
 from bertforge.training.masking import default_max_predictions
@@ -139,6 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "ATen's 64-bit words, four 16-bit lanes each, in a kernel of "
                              "their own) instead of one random number an element inside "
                              "inductor's fused kernels")
+    parser.add_argument("--packing", action="store_true",
+                        help="several instances a row, as `bertforge train --packing` "
+                             "(training.data.packing: up to 3, attention within each): "
+                             "sequences/s and needed FLOPs count the instances, so padding "
+                             "skipped is time saved; the peer runs them one a row")
     parser.add_argument("--fp8", action="store_true",
                         help="the opt-in FP8 GEMMs of the encoder layers (EngineConfig.fp8, "
                              "training.fp8): MFU stays counted against the bf16 peak")
@@ -268,34 +274,56 @@ def matmul_tflops(device: str, repeats: int = 10) -> dict[str, Any]:
 def batch_counts(
     batch: dict[str, torch.Tensor], model_config: BertConfig, max_predictions: int | None = None
 ) -> dict[str, int]:
-    """Tokens and training FLOPs of one batch (see the module docstring for the two FLOPs).
+    """Tokens and training FLOPs of one batch (see the module docstring for the two FLOPs);
+    a packed batch's sequences are its instances, its needed FLOPs theirs.
 
-    `max_predictions`: the model's (its last layer then runs 1 + min(it, width) rows a
-    sequence, training.model.output_rows); None: 1 + the most labels in a row."""
-    batch_size, width = batch["input_ids"].shape
-    lengths = batch["attention_mask"].sum(dim=1).tolist()
-    labelled = (batch["labels"] != IGNORE_INDEX).sum(dim=1).tolist()
+    `max_predictions`: the model's (its last layer then runs the [CLS] position(s) + min(it,
+    width) rows a row, training.model.output_rows); None: + the most labels in a row."""
+    rows, width = batch["input_ids"].shape
+    lengths, labelled = instance_counts(batch)
+    labels_a_row = (batch["labels"] != IGNORE_INDEX).sum(dim=1)
+    cls_a_row = batch["cls_positions"].shape[1] if "cls_positions" in batch else 1
     c = model_config
     shape = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
                  intermediate_size=c.intermediate_size, vocab_size=c.vocab_size)
     computed = training_flops_per_batch(
-        **shape, batch_size=batch_size, seq_len=width, num_predictions=sum(labelled),
+        **shape, batch_size=rows, seq_len=width, num_predictions=sum(labelled),
         # As the model runs it (training.model.output_rows).
-        last_layer_rows=1 + (max(labelled) if max_predictions is None
-                             else min(max_predictions, width)),
+        last_layer_rows=cls_a_row + (int(labels_a_row.max()) if max_predictions is None
+                                     else min(max_predictions, width)),
     )
     needed = sum(
         training_flops_per_batch(**shape, batch_size=1, seq_len=int(length),
                                  num_predictions=int(n), last_layer_rows=1 + int(n))
         for length, n in zip(lengths, labelled, strict=True)
     )
-    return {"sequences": batch_size, "real_tokens": int(sum(lengths)),
-            "padded_tokens": batch_size * width, "predictions": int(sum(labelled)),
+    return {"sequences": len(lengths), "real_tokens": int(sum(lengths)),
+            "padded_tokens": rows * width, "predictions": int(sum(labelled)),
             "flops_needed": needed, "flops_computed": computed}
+
+
+def instance_counts(batch: dict[str, torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Each instance's real tokens and labelled positions: one instance a row, or a packed
+    row's instances (training.data.packing: positions restart at 0 where one begins)."""
+    real = batch["attention_mask"].bool()
+    labelled = batch["labels"] != IGNORE_INDEX
+    if "position_ids" not in batch:
+        return real.sum(dim=1).tolist(), labelled.sum(dim=1).tolist()
+    starts = ((batch["position_ids"] == 0) & real).flatten()
+    instance = starts.cumsum(0) - 1  # the instance each position belongs to
+    count = int(starts.sum())
+    lengths = torch.bincount(instance[real.flatten()], minlength=count)
+    labels = torch.bincount(instance[labelled.flatten()], minlength=count)
+    return lengths.tolist(), labels.tolist()
 
 
 def make_batches(case: Case, args: argparse.Namespace, rank: int, world_size: int):
     """(batches on the CPU, vocab size, description of the data)."""
+    from bertforge.training.data.packing import PackingOptions, pack_batch
+
+    packing = PackingOptions() if args.packing else None
+    packed = (f", packed up to {packing.max_per_row} instances a row (training.data.packing)"
+              if packing else "")
     if case.data_dir is None:
         from tests.support.synthetic import synthetic_batches
 
@@ -303,14 +331,19 @@ def make_batches(case: Case, args: argparse.Namespace, rank: int, world_size: in
             args.num_batches, case.micro_batch, case.seq_len, args.vocab_size,
             seed=args.seed + rank, short_seq_prob=args.short_seq_prob,
         )
+        if packing:  # as the loader packs a micro-batch (one a step: nothing to regroup)
+            batches = [pack_batch(batch, pad_id=BertConfig.pad_token_id,
+                                  row_length=case.seq_len, max_per_row=packing.max_per_row)
+                       for batch in batches]
         return batches, args.vocab_size, (
             f"synthetic: Google length rule (short_seq_prob {args.short_seq_prob}), loader "
-            "masking (15 %, Google's max_predictions), loader padding"
+            f"masking (15 %, Google's max_predictions), loader padding{packed}"
         )
     from bertforge.training.data import PretrainingLoader
 
     loader = PretrainingLoader(case.data_dir, "train", batch_size=case.micro_batch,
-                               seed=args.seed, rank=rank, world_size=world_size, prefetch=0)
+                               seed=args.seed, rank=rank, world_size=world_size, prefetch=0,
+                               packing=packing)
     batches = []
     while len(batches) < args.num_batches:  # across epochs if the split is small
         for batch in loader:
@@ -318,7 +351,8 @@ def make_batches(case: Case, args: argparse.Namespace, rank: int, world_size: in
             if len(batches) == args.num_batches:
                 break
         loader.set_epoch(loader.epoch + 1)
-    return batches, loader.vocab_size, f"shards: {case.data_dir} (train split, first batches)"
+    return batches, loader.vocab_size, (f"shards: {case.data_dir} (train split, first "
+                                        f"batches){packed}")
 
 
 def train_config(args: argparse.Namespace, case: Case):
@@ -337,37 +371,21 @@ def train_config(args: argparse.Namespace, case: Case):
 
 def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     """Build model + engine, warm up, time `args.steps` steps; totals summed over ranks."""
-    from bertforge.training.cpu_kernels import set_lane_masks
     from bertforge.training.engine import (
         build_engine,
         deepspeed_config,
         inductor_options,
         reduce_in_buckets,
     )
-    from bertforge.training.model import (
-        BertForPreTraining,
-        num_parameters,
-        set_math_attention,
-    )
+    from bertforge.training.model import num_parameters
     from bertforge.training.resolved_engine import resolve_engine
 
     cfg = train_config(args, case)
     # What an earlier case left allocated (should be ~0: its engine is destroyed).
     memory_before = torch.cuda.memory_allocated() / GIB if args.device == "cuda" else None
     cpu_batches, vocab_size, data = make_batches(case, args, rank, world_size)
-    model_config = BertConfig.preset(args.config, vocab_size=vocab_size)
-    if not args.dropout:
-        model_config = dataclasses.replace(model_config, hidden_dropout_prob=0.0,
-                                           attention_probs_dropout_prob=0.0)
-    # The loader's bound on labels per row, as the loop sets it: a fixed-width sparse head.
-    max_predictions = default_max_predictions(case.seq_len)
-    counts = [batch_counts(b, model_config, max_predictions) for b in cpu_batches]
-    torch.manual_seed(cfg.seed)
-    model = BertForPreTraining(model_config)
-    model.gradient_checkpointing = cfg.activation_checkpointing
-    model.max_predictions = max_predictions
-    set_math_attention(model, args.attention == "math")  # before anything compiles
-    set_lane_masks(model, args.dropout_mask == "lanes")
+    model = build_model(args, case, vocab_size, cfg)
+    counts = [batch_counts(b, model.config, model.max_predictions) for b in cpu_batches]
     parameters = num_parameters(model)
     try:
         resolved = resolve_engine(cfg.engine(), world_size)
@@ -396,6 +414,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
         "dropout": args.dropout,
         "attention": args.attention,
         "dropout_mask": args.dropout_mask,
+        "packing": args.packing,
         "gc_freeze": args.gc_freeze,
         # The engine's own inductor settings (the product's), then the experiment's over them.
         "inductor_options": inductor_options(engine.device) if resolved.config.compile else {},
@@ -429,6 +448,29 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def build_model(args: argparse.Namespace, case: Case, vocab_size: int, cfg):
+    """The model as the loop builds it for `case`, with this run's experiments and diagnostics
+    set before anything compiles (gpu_profile.py builds its cases here too)."""
+    from bertforge.training.cpu_kernels import set_lane_masks
+    from bertforge.training.model import BertForPreTraining, set_math_attention
+
+    model_config = BertConfig.preset(args.config, vocab_size=vocab_size)
+    if not args.dropout:
+        model_config = dataclasses.replace(model_config, hidden_dropout_prob=0.0,
+                                           attention_probs_dropout_prob=0.0)
+    torch.manual_seed(cfg.seed)
+    model = BertForPreTraining(model_config)
+    model.gradient_checkpointing = cfg.activation_checkpointing
+    # The loader's bound on labels per row, as the loop sets it: a fixed-width sparse head.
+    model.max_predictions = default_max_predictions(case.seq_len)
+    if args.packing:
+        model.max_predictions = packed_max_predictions(model.max_predictions, 0.15,
+                                                       case.seq_len, DEFAULT_MAX_PER_ROW)
+    set_math_attention(model, args.attention == "math")
+    set_lane_masks(model, args.dropout_mask == "lanes")
+    return model
 
 
 def check_experiments(args: argparse.Namespace, resolved) -> None:
@@ -770,7 +812,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "setup": {key: getattr(args, key) for key in (
             "config", "precision", "zero_stage", "optimizer", "activation_checkpointing",
             "compile", "bf16_residual", "fp8", "dropout", "attention", "dropout_mask",
-            "compile_mode", "steps", "warmup",
+            "packing", "compile_mode", "steps", "warmup",
             "num_batches",
             "short_seq_prob", "seed")},
         "peak_tflops": peak, "peak_source": peak_source, "matmul_reference": reference,

@@ -196,7 +196,8 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
               "--output-dir", str(tmp_path)]
     variants = [(["--tag", f"variant-{tag}", *flags]) for tag, flags in (
         ("defaults", []), ("fp32-residual", ["--no-bf16-residual"]),
-        ("buckets", ["--gradient-buckets"]), ("fp8", ["--fp8"]), ("no-dropout", ["--no-dropout"]))]
+        ("buckets", ["--gradient-buckets"]), ("fp8", ["--fp8"]), ("no-dropout", ["--no-dropout"]),
+        ("packing", ["--packing"]))]
     refusals = [
         (["--compile-mode", "reduce-overhead", "--no-compile"],
          "--compile-mode needs compiled layers"),
@@ -214,7 +215,7 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
     rows = [line for line in table.splitlines() if line.startswith("| ") and " x 4 |" in line]
     assert [row.split(" | ")[0] for row in rows] == ["| defaults", "| buckets",
                                                       "| fp32-residual", "| fp8",
-                                                      "| no-dropout"]
+                                                      "| no-dropout", "| packing"]
     assert "| 1.000x |" in rows[0] and "| 0.0e+00 | 0 |" in rows[0]
     # The reduction over one rank is the identity: the same arithmetic, the same loss.
     assert "| 0.0e+00 | 0 |" in rows[1]
@@ -226,14 +227,41 @@ def test_variants_sit_in_one_table_beside_the_defaults(tmp_path):
     # bf16 under autocast (one worker): the bf16 stream is the default, the flag turns it off.
     assert {tag: r["bf16_residual"] for tag, r in results.items()} == {
         "defaults": True, "fp32-residual": False, "buckets": True, "fp8": True,
-        "no-dropout": True}
+        "no-dropout": True, "packing": True}
     assert {tag: r["gradient_buckets"] for tag, r in results.items()} == {
         "defaults": False, "fp32-residual": False, "buckets": True, "fp8": False,
-        "no-dropout": False}
+        "no-dropout": False, "packing": False}
     assert {tag: r["fp8"] for tag, r in results.items()} == {
         "defaults": False, "fp32-residual": False, "buckets": False, "fp8": True,
-        "no-dropout": False}
+        "no-dropout": False, "packing": False}
     assert [tag for tag, r in results.items() if not r["dropout"]] == ["no-dropout"]
+    # Packed: the same instances (sequences, real tokens, needed FLOPs); four rows of 64 have
+    # too few short ones to save a row (the counts' own test packs 64 rows of 128).
+    packed, unpacked = results["packing"], results["defaults"]
+    assert [tag for tag, r in results.items() if r["packing"]] == ["packing"]
+    for key in ("sequences", "real_tokens", "predictions", "flops_needed"):
+        assert packed[key] == unpacked[key], key
+    assert "packed up to 3 instances a row" in packed["data"]
+
+
+def test_a_packed_batch_counts_its_instances_as_the_batch_they_came_from():
+    """`--packing`: sequences/s and needed FLOPs are the instances', wherever they sit; the
+    computed FLOPs are the packed rows' (fewer padded positions, 3 [CLS] slots a row)."""
+    from bertforge.training.data.packing import pack_batch
+
+    gt = load_script()
+    config = BertConfig.preset("tiny")
+    [batch] = synthetic_batches(1, 64, 128, config.vocab_size, seed=3)
+    packed = pack_batch(batch, pad_id=config.pad_token_id, row_length=128, max_per_row=3)
+    assert packed["input_ids"].shape[0] < 64  # some rows hold two or three instances
+    counts = gt.batch_counts(batch, config, max_predictions=20)
+    packed_counts = gt.batch_counts(packed, config, max_predictions=22)
+    for key in ("sequences", "real_tokens", "predictions", "flops_needed"):
+        assert packed_counts[key] == counts[key], key
+    assert packed_counts["padded_tokens"] < counts["padded_tokens"]
+    lengths, labels = gt.instance_counts(packed)
+    assert sorted(lengths) == sorted(batch["attention_mask"].sum(dim=1).tolist())
+    assert sorted(labels) == sorted((batch["labels"] != IGNORE_INDEX).sum(dim=1).tolist())
 
 
 def test_an_inductor_setting_is_an_experiment_of_its_own_run(tmp_path):

@@ -26,7 +26,12 @@ import torch
 
 from bertforge.training.data.collate import MaskingOptions, PretrainingCollator
 from bertforge.training.data.order import DEFAULT_BUCKET_WINDOW, BucketingOptions, epoch_order
-from bertforge.training.data.packing import PackingOptions, pack_batch, step_groups
+from bertforge.training.data.packing import (
+    PackingOptions,
+    pack_batch,
+    packed_max_predictions,
+    step_groups,
+)
 from bertforge.training.data.prefetch import BatchIterator
 from bertforge.training.data.resume import Layout, loader_state, resume_position
 from bertforge.training.data.split import ReadOptions, open_split
@@ -168,17 +173,13 @@ class PretrainingLoader:
         """The most labelled positions a row of this loader's batches can hold: what a model's
         fixed-width sparse MLM head needs (`BertForPreTraining.max_predictions`).
 
-        One instance a row: max_predictions (P). A packed row of at most S tokens and K
-        instances: an instance of n tokens has min(P, max(1, round(p x n))) <= p x n + 1
-        labels, so the row at most p x S + K: 19 + 3 = 22 at 128 tokens (P 20), 76 + 3 = 79
-        at 512 (P 80); not K x P (60, 240), which would run the head on ~3x the slots.
+        One instance a row: max_predictions (P); packed rows: `packed_max_predictions`.
         """
         per_instance = self.collator.masking.max_predictions
         if self.packing is None:
             return per_instance
-        slots = self.packing.max_per_row
-        bound = int(self.collator.masking.mask_prob * self.max_seq_length + 1e-6) + slots
-        return min(slots * per_instance, bound, self.max_seq_length)
+        return packed_max_predictions(per_instance, self.collator.masking.mask_prob,
+                                      self.max_seq_length, self.packing.max_per_row)
 
     def wait_for_checksums(self) -> None:
         """Block until every shard of the split is hashed; raise naming a file that does not

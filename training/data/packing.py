@@ -63,6 +63,17 @@ class PackingOptions:
             raise ValueError(f"max_per_row must be >= 1, got {self.max_per_row}")
 
 
+def packed_max_predictions(per_instance: int, mask_prob: float, row_length: int,
+                           max_per_row: int) -> int:
+    """The most labelled positions a packed row can hold (a fixed-width sparse MLM head's
+    slots). An instance of n tokens has min(P, max(1, round(p x n))) <= p x n + 1 labels, so a
+    row of at most S tokens and K instances at most p x S + K: 19 + 3 = 22 at 128 tokens
+    (P 20), 76 + 3 = 79 at 512 (P 80); not K x P (60, 240), which would run the head on ~3x the
+    slots."""
+    bound = int(mask_prob * row_length + 1e-6) + max_per_row
+    return min(max_per_row * per_instance, bound, row_length)
+
+
 @dataclass(frozen=True)
 class PackLayout:
     """Where each instance of a batch goes: row, slot in the row, first token in the row."""
