@@ -112,7 +112,9 @@ stage() {  # name, time limit, command...
 # the default before ATen's masks), inductor settings as experiments;
 # "lanes:--dropout-mask=lanes" and "math-attention:--attention=math" (figures of 2026-11-28 in
 # benchmarks/README.md); "packing:--packing", up to 3 instances a row as `train --packing`
-# (the synthetic batches' 4.6 % of padding at 128 tokens falls to 0.4 %).
+# (the synthetic batches' 4.6 % of padding at 128 tokens falls to 0.4 %);
+# "pdl:--inductor-config=triton.enable_pdl=True" (Hopper's programmatic dependent launch for
+# inductor's kernels) and "aggressive:--inductor-config=aggressive_fusion=True".
 VARIANTS=${VARIANTS:-"defaults: fp8:--fp8 no-dropout:--no-dropout"}
 
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \

@@ -127,8 +127,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="experiment, not the product (repeatable): one of "
                              "torch._inductor.config's settings for this run, VALUE a Python "
                              "literal, e.g. coordinate_descent_tuning=True (tunes each fused "
-                             "kernel's launch settings) or fallback_random=True (dropout as "
-                             "ATen's own kernel, its mask not drawn inside the fused ones)")
+                             "kernel's launch settings), fallback_random=False (dropout's "
+                             "masks drawn inside the fused kernels, not by ATen's kernel as "
+                             "the engine has them on a GPU) or triton.enable_pdl=True (a "
+                             "group's setting, dotted)")
     parser.add_argument("--attention", choices=("sdpa", "math"), default="sdpa",
                         help="experiment, not the product: math runs each attention as two "
                              "batched GEMMs around one fused mask + softmax + dropout kernel "
@@ -191,17 +193,25 @@ class Case:
     data_dir: str | None = None
 
 
+_MISSING = object()
+
+
 def inductor_setting(text: str) -> tuple[str, Any]:
     """`--inductor-config NAME=VALUE` as (NAME, VALUE): NAME one of torch._inductor.config's
-    settings, VALUE a Python literal."""
+    settings, dotted for a group's (`triton.enable_pdl`, as torch.compile's options name
+    them), VALUE a Python literal."""
     import torch._inductor.config as inductor_config
 
     name, sep, value = text.partition("=")
-    if not sep or not hasattr(inductor_config, name.strip()):
+    name = name.strip()
+    setting = inductor_config
+    for part in name.split("."):
+        setting = getattr(setting, part, _MISSING) if sep and part else _MISSING
+    if setting is _MISSING:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not NAME=VALUE with NAME one of torch._inductor.config's settings")
     try:
-        return name.strip(), ast.literal_eval(value.strip())
+        return name, ast.literal_eval(value.strip())
     except (ValueError, SyntaxError):
         raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is no Python literal") from None
 

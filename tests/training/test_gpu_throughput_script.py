@@ -284,7 +284,11 @@ def test_an_inductor_setting_is_an_experiment_of_its_own_run(tmp_path):
     assert losses["eager-rng"] != losses["defaults"]
     assert "inductor fallback_random=True (experiment)" in next(
         tmp_path.glob("gpu_throughput_*_eager-rng.md")).read_text()
+    gt = load_script()
+    assert gt.inductor_setting("triton.cudagraphs=False") == ("triton.cudagraphs", False)
     refusals = [(["--inductor-config", "no_such_setting=1"], "is not NAME=VALUE"),
+                (["--inductor-config", "triton.no_such_setting=1"], "is not NAME=VALUE"),
+                (["--inductor-config", "triton.=1"], "is not NAME=VALUE"),
                 (["--inductor-config", "fallback_random=Tru"], "is no Python literal"),
                 (["--inductor-config", "fallback_random=True", "--no-compile"],
                  "--inductor-config needs compiled layers")]
