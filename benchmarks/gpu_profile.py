@@ -159,9 +159,7 @@ def build_ours(args: argparse.Namespace, kind: str, seq_len: int, micro_batch: i
     cpu_batches, vocab_size, _ = gt.make_batches(case, targs, 0, 1)
     model = gt.build_model(targs, case, vocab_size, cfg)
     engine = build_engine(model, resolved)  # compiles when the config says so
-    if targs.compile_mode != "default" or targs.inductor_config:
-        gt.recompile_layers(model, targs.compile_mode, dict(targs.inductor_config),
-                            engine.device)
+    gt.recompile_layers(model, targs, engine.device)  # its experiments, if any
     batches = [{k: v.to(engine.device) for k, v in b.items()} for b in cpu_batches]
 
     def step(i: int) -> torch.Tensor:

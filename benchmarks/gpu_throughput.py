@@ -64,6 +64,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bertforge.training.data.collate import MaskingOptions
 from bertforge.training.data.packing import DEFAULT_MAX_PER_ROW, packed_max_predictions
 from bertforge.training.flops import mfu, training_flops_per_batch
 from bertforge.training.host_gc import CollectionClock, FrozenSurvivors
@@ -405,8 +406,7 @@ def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) ->
     engine = build_engine(model, resolved)
     if args.gradient_buckets and world_size == 1:  # on several ranks the engine has them
         reduce_in_buckets(engine)
-    if args.compile_mode != "default" or args.inductor_config:
-        recompile_layers(model, args.compile_mode, dict(args.inductor_config), engine.device)
+    recompile_layers(model, args, engine.device)
     skips_before = cudagraph_skips()
     batches = [{k: v.to(engine.device) for k, v in b.items()} for b in cpu_batches]
     if args.device == "cuda":
@@ -476,8 +476,8 @@ def build_model(args: argparse.Namespace, case: Case, vocab_size: int, cfg):
     # The loader's bound on labels per row, as the loop sets it: a fixed-width sparse head.
     model.max_predictions = default_max_predictions(case.seq_len)
     if args.packing:
-        model.max_predictions = packed_max_predictions(model.max_predictions, 0.15,
-                                                       case.seq_len, DEFAULT_MAX_PER_ROW)
+        model.max_predictions = packed_max_predictions(
+            model.max_predictions, MaskingOptions.mask_prob, case.seq_len, DEFAULT_MAX_PER_ROW)
     set_math_attention(model, args.attention == "math")
     set_lane_masks(model, args.dropout_mask == "lanes")
     return model
@@ -507,10 +507,11 @@ def cudagraph_skips() -> int:
     return counters["inductor"]["cudagraph_skips"]
 
 
-def recompile_layers(model: torch.nn.Module, mode: str, settings: dict[str, Any],
+def recompile_layers(model: torch.nn.Module, args: argparse.Namespace,
                      device: torch.device) -> None:
-    """Issue 34's experiments of this benchmark only: each encoder layer compiled with
-    `mode`'s inductor settings and `settings` over the engine's own
+    """Issue 34's experiments of this benchmark only (`--compile-mode`, `--inductor-config`;
+    without them nothing to do): each encoder layer compiled with the mode's inductor settings
+    and the given ones over the engine's own
     (training.engine.inductor_options; nothing has run yet, so this replaces the engine's
     compile before any). With "reduce-overhead" inductor records each layer's forward and
     backward as CUDA graphs (cudagraph trees), one replay per layer where the step now
@@ -523,7 +524,10 @@ def recompile_layers(model: torch.nn.Module, mode: str, settings: dict[str, Any]
     from bertforge.training.engine import inductor_options
     from bertforge.training.model import BertEncoder
 
-    options = {**inductor_options(device), **list_mode_options(mode), **settings}
+    if args.compile_mode == "default" and not args.inductor_config:
+        return
+    options = {**inductor_options(device), **list_mode_options(args.compile_mode),
+               **dict(args.inductor_config)}
     for module in model.modules():
         if isinstance(module, BertEncoder):
             for layer in module.layer:

@@ -120,15 +120,14 @@ class Dropout(nn.Module):
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lane_mask_everywhere and self.training and self.p > 0.0:
-            return x * _lane_dropout_mask(x, self.p)
-        return dropout(x, self.p, self.training)
+        return dropout(x, self.p, self.training, lane_mask_everywhere=self.lane_mask_everywhere)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
 
 
-def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, training: bool = True, *,
+            lane_mask_everywhere: bool = False) -> torch.Tensor:
     """Inverted dropout: each element zeroed with probability p, the rest scaled by 1/(1-p).
 
     On a GPU this is `F.dropout` (one fused kernel). On a CPU, `F.dropout` fills a float tensor
@@ -137,26 +136,14 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     64-bit words, each read as four 16-bit lanes, and a lane below round(p x 65536) - 32768
     drops its element: ~1.1 ns per element, and the same global generator, so
     `torch.manual_seed` and activation checkpointing's RNG replay reproduce the mask.
+    `lane_mask_everywhere` (an experiment, `set_lane_masks`): that mask on a GPU and under
+    torch.compile too.
     """
     if not training or p == 0.0:
         return x
-    if not eager_cpu(x):
+    if not (lane_mask_everywhere or eager_cpu(x)):
         return F.dropout(x, p, training=True)
-    return x * _cpu_dropout_mask(x, p)
-
-
-def _cpu_dropout_mask(like: torch.Tensor, p: float) -> torch.Tensor:
-    """1/(1-p) where kept, 0 where dropped; `like`'s shape and dtype, contiguous.
-
-    P(drop) = round(p x 65536) / 65536, within 2^-17 (7.6e-6) of p; for p = 0.1 it is
-    0.1000061. The scale stays 1/(1-p), as `nn.Dropout`'s.
-    """
-    numel = like.numel()
-    # from=-2**63, to=None: the full 64-bit range, so every lane (sign bit included) is uniform;
-    # the default range [0, 2**63) would leave one lane in four non-negative.
-    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=like.device)
-    words.random_(-(2**63), None)
-    return _mask_from_lanes(words.view(torch.int16)[:numel].view(like.shape), p, like.dtype)
+    return x * _lane_dropout_mask(x, p)
 
 
 def set_lane_masks(model: nn.Module, enabled: bool) -> None:
@@ -178,6 +165,8 @@ def random_words(like: torch.Tensor) -> torch.Tensor:
     kernels; `like` is an input so that two dropouts are never merged into one mask, and the
     tag keeps the partitioner from drawing it again in the backward."""
     words = torch.empty((like.numel() + 3) // 4, dtype=torch.int64, device=like.device)
+    # from=-2**63, to=None: the full 64-bit range, so every lane (sign bit included) is uniform;
+    # the default range [0, 2**63) would leave one lane in four non-negative.
     return words.random_(-(2**63), None)
 
 
@@ -187,8 +176,12 @@ def _random_words_shape(like: torch.Tensor) -> torch.Tensor:
 
 
 def _lane_dropout_mask(like: torch.Tensor, p: float) -> torch.Tensor:
-    """`_cpu_dropout_mask`'s mask from `random_words`: the same probabilities, on any device
-    and under torch.compile (where the comparison and scale fuse into the next kernel)."""
+    """1/(1-p) where kept, 0 where dropped; `like`'s shape and dtype, contiguous; on any
+    device and under torch.compile (where the comparison and scale fuse into the next kernel).
+
+    P(drop) = round(p x 65536) / 65536, within 2^-17 (7.6e-6) of p; for p = 0.1 it is
+    0.1000061. The scale stays 1/(1-p), as `nn.Dropout`'s.
+    """
     numel = like.numel()
     lanes = random_words(like).view(torch.int16)[:numel].view(like.shape)
     return _mask_from_lanes(lanes, p, like.dtype)

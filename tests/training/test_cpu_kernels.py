@@ -23,7 +23,7 @@ def test_cpu_training_attention_equals_the_math_path_with_the_same_dropout_mask(
     attn_mask = mask if padded else None
     actual = cpu_kernels.attention_by_matmuls(query, key, value, attn_mask, 0.3)
     torch.manual_seed(1)
-    keep = cpu_kernels._cpu_dropout_mask(torch.empty(3, 4, 10, 10, dtype=torch.float64), 0.3)
+    keep = cpu_kernels._lane_dropout_mask(torch.empty(3, 4, 10, 10, dtype=torch.float64), 0.3)
     probs = torch.softmax(query @ key.transpose(-1, -2) / 8**0.5 + mask, dim=-1)
     torch.testing.assert_close(actual, (probs * keep) @ value)
     # And with nothing dropped it is SDPA's attention.
