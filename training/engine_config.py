@@ -70,10 +70,10 @@ class EngineConfig:
                                         "under autocast (ZeRO 0)")
     # Opt-in: it changes the arithmetic of every encoder GEMM (training.fp8), where the
     # defaults keep the model's numerics; measured in benchmarks/README.md, "Issue 34".
-    fp8: bool = option(False, "under bf16 autocast, multiply the encoder layers' GEMMs in FP8 "
-                       "(e4m3 forward, e5m2 gradients, a scale per tensor each step) on a GPU "
-                       "of compute capability 8.9+ (L4, L40, H100, H200); a CPU runs them "
-                       "too, slower, for tests")
+    fp8: bool = option(False, "under bf16 autocast, multiply the encoder layers' forward and "
+                       "input-gradient GEMMs in FP8 (e4m3, a scale per token each step; the "
+                       "weight gradient stays bf16) on a GPU of compute capability 8.9+ (L4, "
+                       "L40, H100, H200); a CPU runs them too, slower, for tests")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adam_betas", tuple(self.adam_betas))

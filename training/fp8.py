@@ -1,39 +1,62 @@
 """FP8 matrix multiplies for the encoder layers' Linears: the opt-in `EngineConfig.fp8`.
 
 Hopper's (and Ada's) tensor cores multiply FP8 at twice their bf16 rate, and on an H200 the
-GEMMs are 83 of the 151 ms of a BERT-large step at 256 x 128 (benchmarks/README.md, "Issue
-34"). Under bf16 autocast an FP8 Linear casts its input and its fp32 master weight to
-float8_e4m3fn, each with one scale per tensor taken from its own absolute maximum at this step
-(dynamic "tensorwise" scaling, torchao's Float8Linear default), and multiplies them with
-`torch._scaled_mm` into bf16. Its backward casts the output's gradient to float8_e5m2 (two
-more bits of exponent, one less of mantissa: gradients span more decades than activations)
-and multiplies it with the saved FP8 input and weight: the input's gradient in bf16 and the
-weight's in fp32, the dtypes autocast's own backward gives. The bias gradient is an fp32 sum.
+GEMMs are 83 of the 146 ms of a BERT-large step at 256 x 128 (benchmarks/README.md, "Issue
+34"). Under bf16 autocast an FP8 Linear multiplies two of its three GEMMs in FP8, the recipe
+torchao calls "rowwise with the weight gradient in high precision":
 
-What it changes: each GEMM operand keeps 3 (e4m3) or 2 (e5m2) bits of mantissa where bf16
-keeps 7, so the arithmetic is no longer the bf16 path's; the LayerNorms, softmax, GELU,
-residual stream, embeddings, heads and optimizer stay as they were. That is why it is opt-in:
-issue 34 asks to keep the model's numerics, and whether FP8 may become the default is its
-owner's call, on the parity and throughput figures `benchmarks/gpu_parity.py --fp8` and
-`gpu_throughput.py --fp8` give.
+- forward: the input row by row (a scale per token) and the fp32 master weight row by row (a
+  scale per output feature), both float8_e4m3fn, multiplied by `torch._scaled_mm` into bf16
+  with the bias added in its epilogue;
+- the input's gradient: the output's gradient row by row (a scale per token) and the weight
+  column by column (a scale per input feature), both e4m3, into bf16;
+- the weight's gradient: a bf16 GEMM of the output's gradient and the bf16 input, as
+  autocast's Linear computes it, into the fp32 weight's dtype. The bias gradient is an fp32
+  sum.
 
-Nothing is read back to the host: amax, scales and casts stay on the device (under
-torch.compile, the GPU default, inductor fuses them with the work around them where it can).
-A GEMM whose sizes cuBLASLt cannot take in FP8 (not multiples of 16) runs in bf16. On a CPU
-torch's `_scaled_mm` runs too, slower than bf16: the CPU tests use it.
+Each scale is the power of two that brings its row's largest magnitude closest to e4m3's
+largest (448) without passing it, taken at this step: multiplying by a power of two is exact,
+so an element's rounding is e4m3's own and the GEMM's epilogue undoes the scale exactly.
+
+Why rows, not one scale per tensor (the recipe until 2026-11-28; 0.98x the bf16 defaults on
+an H200): a tensor's scale needs the whole tensor's maximum before its first element can be
+cast, so every cast read its tensor twice more after the kernel that made it, and the weight
+gradient's GEMM needed both its operands cast again, transposed. A row's maximum is a
+reduction over the same row a LayerNorm or a GELU has just computed, so under torch.compile
+(the GPU default) inductor folds the cast into that kernel: one more output of a kernel that
+runs anyway. And a row's scale follows its own token: a token whose values are a thousand
+times smaller than its neighbours' keeps e4m3's precision instead of sinking into its
+subnormals. The weight gradient stays in bf16 because its GEMM sums over tokens, so it would
+want scales per column of both operands: another pass over each, the cost that sank the
+tensorwise recipe.
+
+What it changes: each FP8 operand keeps 3 bits of mantissa where bf16 keeps 7, so the forward
+and the input's gradient are no longer the bf16 path's arithmetic; the weight gradient, the
+LayerNorms, softmax, GELU, residual stream, embeddings, heads and optimizer stay as they
+were. That is why it is opt-in: issue 34 asks to keep the model's numerics, and whether FP8
+may become the default is its owner's call, on the parity and throughput figures
+`benchmarks/gpu_parity.py --fp8` and `gpu_throughput.py --fp8` give.
+
+Nothing is read back to the host: maxima, scales and casts stay on the device. A GEMM whose
+sizes FP8 GEMMs cannot take (not multiples of 16) runs in bf16. On a CPU torch's `_scaled_mm`
+runs too, slower than bf16: the CPU tests use it.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-FORWARD_DTYPE = torch.float8_e4m3fn
-GRADIENT_DTYPE = torch.float8_e5m2
+FP8_DTYPE = torch.float8_e4m3fn
+# e4m3's largest, 448, as mantissa * 2**exponent: 0.875 * 2**9.
+_LARGEST_MANTISSA, _LARGEST_EXPONENT = math.frexp(torch.finfo(FP8_DTYPE).max)
 # cuBLASLt's FP8 GEMMs take operands whose every dimension is a multiple of 16.
 ALIGNMENT = 16
-# An all-zero tensor's scale stays finite (torchao's floor too).
+# An all-zero row's scale stays finite (torchao's floor too).
 _MIN_AMAX = 1e-12
+_FP32_EXPONENT_BIAS, _FP32_MANTISSA_BITS = 127, 23
 
 
 def fp8_unsupported_reason(device: torch.device) -> str | None:
@@ -49,60 +72,70 @@ def fp8_unsupported_reason(device: torch.device) -> str | None:
     return f"torch has no FP8 matmul on {device.type}"
 
 
-def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x` scaled so its largest magnitude meets `dtype`'s largest, cast to `dtype`; and the
-    inverse scale (an fp32 scalar on x's device) that `_scaled_mm` multiplies back in."""
-    largest = torch.finfo(dtype).max
-    # The division in fp64, as torchao's: in fp32, inductor computes it as amax's reciprocal
-    # times `largest`, an ulp off eager's quotient at times, and a scale an ulp off re-rounds
-    # every element (eager and compiled FP8 runs would part).
-    scale = (largest / x.abs().amax().double().clamp(min=_MIN_AMAX)).float()
-    data = (x.float() * scale).clamp(-largest, largest).to(dtype)
-    # Row by row, as the GEMMs take their first operand (a gradient may arrive strided).
-    return data.contiguous(), scale.reciprocal()
+def rows_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The matrix `x` in e4m3, row-major, each row scaled by the power of two that brings its
+    largest magnitude closest to 448 without passing it; and the inverse scales, fp32 [rows, 1],
+    which `_scaled_mm` multiplies back in."""
+    amax = x.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_AMAX)
+    exponent = _scale_exponents(amax)
+    # No clamp: the scale cannot carry a row past 448.
+    data = (x.float() * _power_of_two(exponent)).to(FP8_DTYPE)
+    return data.contiguous(), _power_of_two(-exponent)
 
 
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    """The same matrix laid out column by column: cuBLASLt's FP8 GEMM wants its second
-    operand so (its first row by row)."""
-    return t.t().contiguous().t()
+def _scale_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """The largest k with amax * 2**k <= 448, from amax's own mantissa and exponent. Exact,
+    where log2 of a quotient rounds, and rounds differently in eager and inductor's code (a
+    row whose maximum is 1.75 * 2**m, one bf16 mantissa in 128, would get half its scale in
+    one of them)."""
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return torch.where(mantissa <= _LARGEST_MANTISSA, _LARGEST_EXPONENT - exponent,
+                       _LARGEST_EXPONENT - 1 - exponent)
+
+
+def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent as fp32, built from its bits: exact (a GPU's exp2 is an approximation).
+    The exponents here stay within fp32's normal range (|k| < 127: amax is at least 1e-12
+    and at most bf16's largest)."""
+    return ((exponent + _FP32_EXPONENT_BIAS) << _FP32_MANTISSA_BITS).view(torch.float32)
 
 
 class _Fp8Matmul(torch.autograd.Function):
-    """x [M, K] @ weight[N, K].T + bias, the GEMMs in FP8 (module docstring)."""
+    """x [M, K] @ weight[N, K].T + bias, the forward and input-gradient GEMMs in FP8 (module
+    docstring)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
-        x8, x_inverse = to_fp8(x, FORWARD_DTYPE)
-        w8, w_inverse = to_fp8(weight, FORWARD_DTYPE)
-        # The FP8 copies, not the inputs, are what the backward multiplies: half the bytes of
-        # a bf16 activation kept for the backward.
-        ctx.save_for_backward(x8, x_inverse, w8, w_inverse)
-        ctx.weight_dtype = weight.dtype
+        x8, x_inverse = rows_to_fp8(x)
+        w8, w_inverse = rows_to_fp8(weight)
+        # The bf16 input (what autocast's Linear keeps) for the weight gradient's bf16 GEMM;
+        # the weight is a parameter, kept anyway.
+        ctx.save_for_backward(x.to(out_dtype), weight)
         ctx.has_bias = bias is not None
-        # cuBLASLt adds the bias in its epilogue, in the output's dtype (the autocast dtype,
-        # never fp32, into which it would refuse a bias).
+        # _scaled_mm's second operand column by column: w8 [N, K] row-major, transposed.
+        # cuBLASLt adds the bias in its epilogue, in the output's dtype.
         return torch._scaled_mm(
-            x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse,
+            x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse.t(),
             bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype,
             # Hopper's faster FP8 accumulation for the forward's output only, as torchao
-            # does; the gradients accumulate exactly.
+            # does; the input's gradient accumulates exactly.
             use_fast_accum=True)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        x8, x_inverse, w8, w_inverse = ctx.saved_tensors
-        g8, g_inverse = to_fp8(grad, GRADIENT_DTYPE)
+        x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inverse,
-                                      scale_b=w_inverse, out_dtype=grad.dtype)
+            g8, g_inverse = rows_to_fp8(grad)
+            # The weight's columns as rows ([K, N], a scale per input feature), transposed
+            # back into the column-major operand the GEMM takes.
+            wt8, wt_inverse = rows_to_fp8(weight.t())
+            grad_x = torch._scaled_mm(g8, wt8.t(), scale_a=g_inverse, scale_b=wt_inverse.t(),
+                                      out_dtype=grad.dtype)
         if ctx.needs_input_grad[1]:
-            grad_weight = torch._scaled_mm(
-                g8.t().contiguous(), _column_major(x8), scale_a=g_inverse, scale_b=x_inverse,
-                out_dtype=torch.float32).to(ctx.weight_dtype)
+            grad_weight = grad.t().mm(x).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0, dtype=torch.float32)
         return grad_x, grad_weight, grad_bias, None

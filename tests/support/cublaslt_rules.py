@@ -1,7 +1,9 @@
-"""What torch's CUDA `_scaled_mm` refuses and its CPU kernel takes: cuBLASLt's rules for an FP8
-GEMM with one scale per tensor (aten/src/ATen/native/cuda/Blas.cpp, torch 2.11), checked on
-every call a piece of code makes, eager or compiled, so that the CPU suite catches what would
-otherwise fail first on a lent GPU."""
+"""What torch's CUDA `_scaled_mm` refuses and its CPU kernel takes: the rules for an FP8 GEMM
+with one scale per tensor or one per row (aten/src/ATen/native/cuda/ScaledBlas.cpp, torch
+2.11: `get_joint_scaling`, then cuBLASLt's layouts; row-wise scales go to cuBLASLt from 12.9
+on Hopper, to torch's CUTLASS kernel before, which takes only an e4m3 second operand), checked
+on every call a piece of code makes, eager or compiled, so that the CPU suite catches what
+would otherwise fail first on a lent GPU."""
 
 from __future__ import annotations
 
@@ -35,9 +37,7 @@ def cublaslt_refusals(mat1, mat2, scale_a, scale_b, bias=None, scale_result=None
         refusals.append(f"mat2 is not column-major (strides {mat2.stride()})")
     if out is not None and not out.is_contiguous():
         refusals.append(f"the output is not row-major (strides {out.stride()})")
-    for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if scale.dtype != torch.float32 or scale.numel() != 1:
-            refusals.append(f"{name} is not one fp32 number ({scale.dtype}, {scale.numel()})")
+    refusals += _scale_refusals(mat1, mat2, scale_a, scale_b)
     if bias is not None:
         if result_dtype == torch.float32:
             refusals.append("a bias with an fp32 output")
@@ -46,6 +46,30 @@ def cublaslt_refusals(mat1, mat2, scale_a, scale_b, bias=None, scale_result=None
         if bias.numel() != mat2.shape[1]:
             refusals.append(f"a bias of {bias.numel()} for {mat2.shape[1]} columns")
     return refusals
+
+
+def _is_one_number(scale: torch.Tensor) -> bool:
+    return scale.dtype == torch.float32 and scale.numel() == 1
+
+
+def _is_per_row(scale: torch.Tensor, rows: int) -> bool:
+    """[rows, 1] fp32, contiguous: ScaledBlas.cpp's `is_rowwise_scaling`."""
+    return (scale.dtype == torch.float32 and scale.dim() == 2
+            and tuple(scale.shape) == (rows, 1) and scale.is_contiguous())
+
+
+def _scale_refusals(mat1, mat2, scale_a, scale_b) -> list[str]:
+    """Both scales one fp32 number, or one per row of mat1 ([M, 1]) and one per column of
+    mat2 ([1, N], whose transpose is per row)."""
+    if _is_one_number(scale_a) and _is_one_number(scale_b):
+        return []
+    if _is_per_row(scale_a, mat1.shape[0]) and _is_per_row(scale_b.t(), mat2.shape[1]):
+        if mat2.dtype != torch.float8_e4m3fn:
+            return [f"a {mat2.dtype} mat2 with row-wise scales"]
+        return []
+    return [f"scales {tuple(scale_a.shape)} {scale_a.dtype}, {tuple(scale_b.shape)} "
+            f"{scale_b.dtype}: neither one fp32 number each nor one per row of mat1 and per "
+            "column of mat2"]
 
 
 @contextlib.contextmanager
