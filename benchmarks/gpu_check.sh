@@ -60,8 +60,8 @@ else
   THROUGHPUT=(--seq-lens 128,512 --steps 30 --warmup 10)
   # The defaults and the compiled peer (whose compile finds the throughput stage's cache).
   # The "before" case (ZeRO-2, eager) is committed twice (2026-11-26 and -27); FP8's
-  # (fp8128x256, where its casts spend their time) is an experiment since it ran 0.98x the
-  # defaults on 2026-11-28: PROFILE_CASES=fp8128x256,ours128x256.
+  # (fp8128x256, where its casts spend their time) is an experiment since its tensor-wise
+  # recipe ran 0.98x the defaults on 2026-11-28: PROFILE_CASES=fp8128x256,ours128x256.
   PROFILE=(--cases "${PROFILE_CASES:-ours128x256,hfc128x256}" --warmup 10 --timed 10
            --profiled 3)
   PROOF=(--steps 120)
@@ -114,7 +114,8 @@ stage() {  # name, time limit, command...
 # benchmarks/README.md); "packing:--packing", up to 3 instances a row as `train --packing`
 # (the synthetic batches' 4.6 % of padding at 128 tokens falls to 0.4 %);
 # "pdl:--inductor-config=triton.enable_pdl=True" (Hopper's programmatic dependent launch for
-# inductor's kernels) and "aggressive:--inductor-config=aggressive_fusion=True".
+# inductor's kernels) and "aggressive:--inductor-config=aggressive_fusion=True". With FP8 on a
+# CPU name bf16 ("fp8:--fp8,--precision=bf16"): "auto" resolves fp32 where bf16 is emulated.
 VARIANTS=${VARIANTS:-"defaults: fp8:--fp8 no-dropout:--no-dropout"}
 
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
