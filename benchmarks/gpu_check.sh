@@ -16,7 +16,9 @@
 # gpu_parity.py, "variants" gpu_throughput.py at 128 tokens without the peer, once with the
 # defaults and once per experiment in VARIANTS, in one table), PROFILE_CASES (gpu_profile.py's
 # --cases), PROFILE_LIMIT and VARIANT_LIMIT (seconds), PARITY_FLAGS (more of
-# gpu_parity.py's flags, e.g. --rel-tolerance 5e-3), VARIANTS (see below), COMMIT
+# gpu_parity.py's flags, e.g. --rel-tolerance 5e-3), THROUGHPUT_FLAGS and PROOF_FLAGS (more
+# of gpu_throughput.py's and gpu_proof_run.py's, e.g. --fp8 --packing: the table and
+# the real loop with an experiment that won its variant run), VARIANTS (see below), COMMIT
 # (recorded in every result: the tree has no .git there), DATA (shards for the proof run,
 # default .gpu-data/shards-128), PYTHON (default python3), SMOKE=1 (CPU, tiny model, a few
 # minutes, most of them compiling the peer).
@@ -119,7 +121,7 @@ stage() {  # name, time limit, command...
 VARIANTS=${VARIANTS:-"defaults: fp8:--fp8 no-dropout:--no-dropout"}
 
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
-  --commit "$COMMIT" --output-dir "$OUT"
+  ${THROUGHPUT_FLAGS:-} --commit "$COMMIT" --output-dir "$OUT"
 stage profile "${PROFILE_LIMIT:-${LIMIT[1]}}" "$PYTHON" benchmarks/gpu_profile.py "${PROFILE[@]}" \
   --commit "$COMMIT" --output-dir "$OUT" --kernel-sources /tmp/gpu-kernels
 # The Triton kernels the profiled cases ran, to read where there is no GPU (one file: at most
@@ -129,7 +131,7 @@ if compgen -G "/tmp/gpu-kernels/*" >/dev/null; then
 fi
 # The proof run's run directory and export stay out of OUT (only 8 files come back).
 stage proof "${LIMIT[2]}" "$PYTHON" benchmarks/gpu_proof_run.py --data "$DATA" \
-  --output-dir /tmp/gpu-proof "${PROOF[@]}" --commit "$COMMIT"
+  --output-dir /tmp/gpu-proof "${PROOF[@]}" ${PROOF_FLAGS:-} --commit "$COMMIT"
 cp /tmp/gpu-proof/gpu_proof_run-* "$OUT/" 2>/dev/null
 stage parity "${LIMIT[4]}" "$PYTHON" benchmarks/gpu_parity.py --data "$DATA" \
   --output-dir /tmp/gpu-parity "${PARITY[@]}" ${PARITY_FLAGS:-} --commit "$COMMIT"

@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="nats the loss must fall from the first to the last tenth")
     parser.add_argument("--packing", action="store_true",
                         help="several instances a row (TrainConfig.packing)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the encoder's FP8 GEMMs (TrainConfig.fp8, opt-in; bf16 only)")
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"),
                         default=None, help="steps of the resumed run to profile (default: "
                         "the 12 before its last)")
@@ -98,7 +100,8 @@ def recipe(args: argparse.Namespace, run_dir: str, max_steps: int,
         warmup_steps=max(1, args.steps // 10), precision=args.precision,
         log_every=args.log_every,
         checkpoint_every=args.steps // 2, keep_checkpoints=2, eval_every=0, resume=True,
-        peak_tflops=_peak_tflops(), packing=args.packing, profile_steps=profile_steps,
+        peak_tflops=_peak_tflops(), packing=args.packing, fp8=args.fp8,
+        profile_steps=profile_steps,
     )
     if args.zero_stage is not None:
         overrides["zero_stage"] = args.zero_stage
@@ -210,7 +213,9 @@ def write_results(result: dict, output_dir: str) -> str:
         f"| MFU (median step, computed FLOPs) | {'n/a' if mfu is None else f'{mfu:.1%}'} |",
         f"| micro-batch x accumulation, ZeRO stage, compiled layers | "
         f"{recipe['micro_batch_size']} x {recipe['gradient_accumulation_steps']}, "
-        f"{recipe['zero_stage']}, {recipe['compile']} |",
+        f"{recipe['zero_stage']}, {recipe['compile']}"
+        f"{', packed rows' if recipe.get('packing') else ''}"
+        f"{', FP8 GEMMs' if recipe.get('fp8') else ''} |",
         *_profile_rows(result["loop_profile"]),
         f"| the final checkpoint: seconds saving (the loop's checkpoint_seconds) | "
         f"{result['final_checkpoint_seconds']:.2f} |",

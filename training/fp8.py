@@ -24,9 +24,9 @@ cast, so every cast read its tensor twice more after the kernel that made it, an
 gradient's GEMM needed both its operands cast again, transposed. A row's maximum is a
 reduction over the same row a LayerNorm or a GELU has just computed, so under torch.compile
 (the GPU default) inductor folds the cast into that kernel: one more output of a kernel that
-runs anyway. And a row's scale follows its own token: a token whose values are a thousand
-times smaller than its neighbours' keeps e4m3's precision instead of sinking into its
-subnormals. The weight gradient stays in bf16 because its GEMM sums over tokens, so it would
+runs anyway. And a row's scale follows its own token: a token whose values are a hundred
+thousand times smaller than its neighbours' keeps e4m3's precision instead of sinking below
+its subnormals. The weight gradient stays in bf16 because its GEMM sums over tokens, so it would
 want scales per column of both operands: another pass over each, the cost that sank the
 tensorwise recipe.
 
