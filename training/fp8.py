@@ -23,12 +23,14 @@ an H200): a tensor's scale needs the whole tensor's maximum before its first ele
 cast, so every cast read its tensor twice more after the kernel that made it, and the weight
 gradient's GEMM needed both its operands cast again, transposed. A row's maximum is a
 reduction over the same row a LayerNorm or a GELU has just computed, so under torch.compile
-(the GPU default) inductor folds the cast into that kernel: one more output of a kernel that
-runs anyway. And a row's scale follows its own token: a token whose values are a hundred
-thousand times smaller than its neighbours' keeps e4m3's precision instead of sinking below
-its subnormals. The weight gradient stays in bf16 because its GEMM sums over tokens, so it would
-want scales per column of both operands: another pass over each, the cost that sank the
-tensorwise recipe.
+(the GPU default) inductor can fold the cast into that kernel: one more output of a kernel
+that runs anyway (whether it does on a GPU is for its profile to show). Compiled, inductor
+may also run an FP8 GEMM as a Triton template of its own where its compile-time benchmark
+finds one faster than cuBLASLt. And a row's scale follows its own token: a token whose values
+are a hundred thousand times smaller than its neighbours' keeps e4m3's precision instead of
+sinking below its subnormals. The weight gradient stays in bf16 because its GEMM sums over
+tokens, so it would want scales per column of both operands: another pass over each, the cost
+that sank the tensorwise recipe.
 
 What it changes: each FP8 operand keeps 3 bits of mantissa where bf16 keeps 7, so the forward
 and the input's gradient are no longer the bf16 path's arithmetic; the weight gradient, the
@@ -37,8 +39,10 @@ were. That is why it is opt-in: issue 34 asks to keep the model's numerics, and 
 may become the default is its owner's call, on the parity and throughput figures
 `benchmarks/gpu_parity.py --fp8` and `gpu_throughput.py --fp8` give.
 
-Nothing is read back to the host: maxima, scales and casts stay on the device. A GEMM whose
-sizes FP8 GEMMs cannot take (not multiples of 16) runs in bf16. On a CPU torch's `_scaled_mm`
+Nothing is read back to the host: maxima, scales and casts stay on the device. A row with an
+inf or NaN casts to NaN (e4m3 has no inf; a saturating cast would hide the overflow), eager and
+compiled alike. A GEMM whose sizes FP8 GEMMs cannot take (a K or N no multiple of 16) runs in
+bf16. On a CPU torch's `_scaled_mm`
 runs too, slower than bf16: the CPU tests use it.
 """
 
@@ -52,7 +56,8 @@ import torch.nn.functional as F
 FP8_DTYPE = torch.float8_e4m3fn
 # e4m3's largest, 448, as mantissa * 2**exponent: 0.875 * 2**9.
 _LARGEST_MANTISSA, _LARGEST_EXPONENT = math.frexp(torch.finfo(FP8_DTYPE).max)
-# cuBLASLt's FP8 GEMMs take operands whose every dimension is a multiple of 16.
+# torch's CUDA FP8 GEMMs take a K and an N (the summed and the output dimension) that are
+# multiples of 16; the rows, M, may be any number.
 ALIGNMENT = 16
 # An all-zero row's scale stays finite (torchao's floor too).
 _MIN_AMAX = 1e-12
@@ -78,8 +83,10 @@ def rows_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     which `_scaled_mm` multiplies back in."""
     amax = x.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_AMAX)
     exponent = _scale_exponents(amax)
-    # No clamp: the scale cannot carry a row past 448.
-    data = (x.float() * _power_of_two(exponent)).to(FP8_DTYPE)
+    # No clamp: the scale cannot carry a row past 448. A non-finite row's scale is NaN, so
+    # that the row is NaN in FP8 whether the cast saturates (Triton's, the CPU's) or not.
+    scale = torch.where(torch.isfinite(amax), _power_of_two(exponent), torch.nan)
+    data = (x.float() * scale).to(FP8_DTYPE)
     return data.contiguous(), _power_of_two(-exponent)
 
 
@@ -119,7 +126,7 @@ class _Fp8Matmul(torch.autograd.Function):
             x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse.t(),
             bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype,
             # Hopper's faster FP8 accumulation for the forward's output only, as torchao
-            # does; the input's gradient accumulates exactly.
+            # does; the input's gradient accumulates at full fp32 precision.
             use_fast_accum=True)
 
     @staticmethod
@@ -148,7 +155,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if not torch.is_autocast_enabled(device_type):
         raise RuntimeError("fp8_linear runs under torch.autocast (the engine's bf16 path)")
     x2d = x.reshape(-1, x.shape[-1])
-    if any(size % ALIGNMENT for size in (*x2d.shape, weight.shape[0])):
+    if x2d.shape[1] % ALIGNMENT or weight.shape[0] % ALIGNMENT:
         return F.linear(x, weight, bias)
     out = _Fp8Matmul.apply(x2d, weight, bias, torch.get_autocast_dtype(device_type))
     return out.view(*x.shape[:-1], weight.shape[0])

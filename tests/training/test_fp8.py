@@ -127,15 +127,35 @@ def test_compiled_code_rounds_each_row_as_eager_code_does():
     assert eager[0][::3].float().abs().amax(dim=1).eq(448).all()
 
 
+def test_a_row_that_overflowed_stays_nan_in_fp8():
+    """e4m3 has no inf, and casts that saturate (the CPU's, Triton's) would turn an overflowed
+    activation into 448, a finite GEMM output where the bf16 path gives inf or NaN: a row with
+    an inf or NaN is NaN in FP8, eager and compiled; the other rows are untouched."""
+    x = torch.ones(32, 16, dtype=torch.bfloat16)
+    x[3, 5], x[7, 0] = float("inf"), float("nan")
+    for data, _ in (rows_to_fp8(x), torch.compile(rows_to_fp8, fullgraph=True)(x)):
+        nan_rows = data.float().isnan().any(dim=1)
+        assert nan_rows.nonzero().flatten().tolist() == [3, 7]
+        assert bool(data.float()[3].isnan().all())
+        assert data.float()[~nan_rows].eq(256).all()
+
+
 def test_sizes_fp8_gemms_cannot_take_run_in_bf16_and_nothing_is_read_back():
-    """A dimension that is no multiple of 16 (cuBLASLt's FP8 requirement) runs autocast's bf16
-    Linear, bit for bit; the FP8 GEMMs read nothing back to the host (a sync on a GPU)."""
-    operands = _operands(k=200)
-    with OpCounter() as counted:
-        fallback = _linear_and_grads(fp8_linear, *operands)
-    assert counted.ops["_scaled_mm"] == 0
-    for a, b in zip(fallback, _linear_and_grads(F.linear, *operands), strict=True):
-        assert torch.equal(a, b)
+    """A K or N that is no multiple of 16 (what torch's CUDA FP8 GEMMs require) runs autocast's
+    bf16 Linear, bit for bit; any number of rows runs in FP8 (checked against those rules);
+    the FP8 GEMMs read nothing back to the host (a sync on a GPU)."""
+    from tests.support.cublaslt_rules import cublaslt_checked
+
+    for k, n in ((200, 512), (256, 200)):
+        operands = _operands(k=k, n=n)
+        with OpCounter() as counted:
+            fallback = _linear_and_grads(fp8_linear, *operands)
+        assert counted.ops["_scaled_mm"] == 0
+        for a, b in zip(fallback, _linear_and_grads(F.linear, *operands), strict=True):
+            assert torch.equal(a, b)
+    with cublaslt_checked() as calls:
+        _linear_and_grads(fp8_linear, *_operands(m=100))
+    assert calls == [[], []]
     with OpCounter() as counted:
         _linear_and_grads(fp8_linear, *_operands())
     assert counted.ops["_local_scalar_dense"] == 0 and counted.ops["_scaled_mm"] == 2
