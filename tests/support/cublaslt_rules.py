@@ -1,7 +1,8 @@
 """What torch's CUDA `_scaled_mm` refuses and its CPU kernel takes: the rules for an FP8 GEMM
-with one scale per tensor or one per row (aten/src/ATen/native/cuda/ScaledBlas.cpp, torch
-2.11: `get_joint_scaling`, then cuBLASLt's layouts; row-wise scales go to cuBLASLt from 12.9
-on Hopper, to torch's CUTLASS kernel before, which takes only an e4m3 second operand), checked
+with one scale per tensor or one per row (aten/src/ATen/native/cuda/ScaledBlas.cpp, read at
+a version newer than the GPU's torch 2.11, whose row-wise path has the same shape in older
+versions: `get_joint_scaling`, then cuBLASLt's layouts; row-wise scales go to cuBLASLt from
+12.9 on Hopper, to torch's CUTLASS kernel before, which takes only an e4m3 second operand), checked
 on every call a piece of code makes, eager or compiled, so that the CPU suite catches what
 would otherwise fail first on a lent GPU."""
 
