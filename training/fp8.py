@@ -42,8 +42,7 @@ may become the default is its owner's call, on the parity and throughput figures
 Nothing is read back to the host: maxima, scales and casts stay on the device. A row with an
 inf or NaN casts to NaN (e4m3 has no inf; a saturating cast would hide the overflow), eager and
 compiled alike. A GEMM whose sizes FP8 GEMMs cannot take (a K or N no multiple of 16) runs in
-bf16. On a CPU torch's `_scaled_mm`
-runs too, slower than bf16: the CPU tests use it.
+bf16. On a CPU torch's `_scaled_mm` runs too, slower than bf16: the CPU tests use it.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 What a user relies on: with `--fp8` the encoder's GEMMs really run in FP8 (the forward and the
 input's gradient, e4m3 with a scale per row; the weight's gradient as bf16 autocast's), close
 to the exact product at FP8's precision whatever each token's magnitude, with nothing read
-back to the host; the model's weights, names and
-checkpoints do not change; settings where it would do nothing are refused up front; and a run
-trains as the bf16 path does. torch's `_scaled_mm` runs on the CPU too, which is what makes
-this testable here; on a GPU the same calls go to cuBLASLt (the GPU's figures:
-benchmarks/gpu_parity.py --fp8, gpu_throughput.py --fp8).
+back to the host; the model's weights, names and checkpoints do not change; settings where it
+would do nothing are refused up front; and a run trains as the bf16 path does. torch's
+`_scaled_mm` runs on the CPU too, which is what makes this testable here; on a GPU the same
+calls go to cuBLASLt, or to inductor's own Triton FP8 GEMMs where it finds them faster (the
+GPU's figures: benchmarks/gpu_parity.py --fp8, gpu_throughput.py --fp8).
 """
 
 from __future__ import annotations
