@@ -61,3 +61,20 @@ def test_flag_is_off_by_default_and_inert_without_grad():
     model.gradient_checkpointing = True
     with torch.no_grad():
         assert model(**batch(config)).loss.isfinite()
+
+
+def test_fp8_layers_recompute_to_the_same_numbers():
+    """`--fp8 --activation-checkpointing`: the recomputed forward takes each row's scale from
+    the same maxima, so the loss and every gradient stay bit for bit those without
+    checkpointing, under the bf16 autocast FP8 runs in (and the GEMMs are FP8 ones)."""
+    from bertforge.training.model import set_fp8
+    from tests.support.op_counts import OpCounter
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    model = BertForPreTraining(config).train()
+    set_fp8(model, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), OpCounter() as counted:
+        compare(model, batch(config))
+    assert counted.ops["_scaled_mm"] > 0
