@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bertforge.training.module_switches import switch_every
+
 # `_linear_pointwise` is the op torch.compile's CPU backend emits for a linear layer; it takes
 # plain dense (even strided) tensors and reads the weight afresh on every call (no cache that
 # an optimizer step could make stale).
@@ -149,9 +151,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True, *,
 def set_lane_masks(model: nn.Module, enabled: bool) -> None:
     """Every `Dropout` of `model` draws the 16-bit-lane mask wherever it runs (GPU, compiled),
     or only where `dropout` does. Set it before compiling."""
-    for module in model.modules():
-        if isinstance(module, Dropout):
-            module.lane_mask_everywhere = bool(enabled)
+    switch_every(model, Dropout, "lane_mask_everywhere", enabled)
 
 
 @torch.library.custom_op(

@@ -44,6 +44,7 @@ from bertforge.training.cpu_kernels import (
     scaled_dot_product_attention,
 )
 from bertforge.training.fp8 import fp8_linear
+from bertforge.training.module_switches import switch_every
 
 # Hugging Face's (and PyTorch's cross_entropy default) marker for "not predicted".
 IGNORE_INDEX = -100
@@ -202,9 +203,7 @@ def set_residual_in_autocast_dtype(model: nn.Module, enabled: bool) -> None:
     """Every `LayerNorm` of `model` (pretraining's or a fine-tuning task's) hands its output on
     in the autocast dtype, or not. Set it before compiling: a compiled layer keeps the choice
     it was traced with until it recompiles."""
-    for module in model.modules():
-        if isinstance(module, LayerNorm):
-            module.residual_in_autocast_dtype = bool(enabled)
+    switch_every(model, LayerNorm, "residual_in_autocast_dtype", enabled)
 
 
 class EncoderLinear(Linear):
@@ -229,9 +228,7 @@ class EncoderLinear(Linear):
 def set_fp8(model: nn.Module, enabled: bool) -> None:
     """Every encoder layer's Linear of `model` multiplies in FP8 under autocast, or not. Set
     it before compiling, as the residual stream's dtype."""
-    for module in model.modules():
-        if isinstance(module, EncoderLinear):
-            module.fp8 = bool(enabled)
+    switch_every(model, EncoderLinear, "fp8", enabled)
 
 
 class BertEmbeddings(nn.Module):
@@ -310,9 +307,7 @@ class BertSelfAttention(nn.Module):
 def set_math_attention(model: nn.Module, enabled: bool) -> None:
     """Every attention of `model` runs as batched GEMMs (`attention_by_matmuls`), or through
     SDPA. Set it before compiling, as `set_fp8`."""
-    for module in model.modules():
-        if isinstance(module, BertSelfAttention):
-            module.math_attention = bool(enabled)
+    switch_every(model, BertSelfAttention, "math_attention", enabled)
 
 
 class BertSelfOutput(nn.Module):

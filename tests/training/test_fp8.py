@@ -20,6 +20,7 @@ from bertforge.training.engine_config import EngineConfig
 from bertforge.training.fp8 import fp8_linear, fp8_unsupported_reason, rows_to_fp8
 from bertforge.training.model import BertConfig, BertForPreTraining, EncoderLinear, set_fp8
 from bertforge.training.resolved_engine import resolve_engine
+from tests.support.compiled import compiled
 from tests.support.op_counts import OpCounter
 
 
@@ -120,9 +121,9 @@ def test_compiled_code_rounds_each_row_as_eager_code_does():
         x[i] = x[i] / x[i].abs().max() * 1.75 * 2.0 ** (i % 30 - 15)
     x[1] = 0
     eager = rows_to_fp8(x)
-    compiled = torch.compile(rows_to_fp8, fullgraph=True)(x)
-    assert torch.equal(eager[0].view(torch.uint8), compiled[0].view(torch.uint8))
-    assert torch.equal(eager[1], compiled[1])
+    from_inductor = compiled(rows_to_fp8)(x)
+    assert torch.equal(eager[0].view(torch.uint8), from_inductor[0].view(torch.uint8))
+    assert torch.equal(eager[1], from_inductor[1])
     assert bool(torch.isfinite(eager[1]).all())
     assert eager[0][::3].float().abs().amax(dim=1).eq(448).all()
 
@@ -133,7 +134,7 @@ def test_a_row_that_overflowed_stays_nan_in_fp8():
     an inf or NaN is NaN in FP8, eager and compiled; the other rows are untouched."""
     x = torch.ones(32, 16, dtype=torch.bfloat16)
     x[3, 5], x[7, 0] = float("inf"), float("nan")
-    for data, _ in (rows_to_fp8(x), torch.compile(rows_to_fp8, fullgraph=True)(x)):
+    for data, _ in (rows_to_fp8(x), compiled(rows_to_fp8)(x)):
         nan_rows = data.float().isnan().any(dim=1)
         assert nan_rows.nonzero().flatten().tolist() == [3, 7]
         assert bool(data.float()[3].isnan().all())
