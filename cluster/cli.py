@@ -152,6 +152,9 @@ def _add_submit(commands) -> None:
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment variable for the job (values are never printed)")
     p.add_argument("--no-wait", action="store_true", help="return once submitted")
+    p.add_argument("--no-command-check", action="store_true",
+                   help="submit a `bertforge COMMAND ...` without first parsing its flags and "
+                   "values here (for a cluster whose bertforge, e.g. in --image, differs)")
     p.add_argument("--stop", metavar="SUBMISSION_ID", help="stop a running job instead")
     p.add_argument("--follow", metavar="SUBMISSION_ID",
                    help="follow a job submitted earlier (its logs from the start) to its end "
@@ -310,13 +313,17 @@ def train_config_from_args(args: argparse.Namespace):
                        **overrides)
 
 
-def _run_train(args: argparse.Namespace) -> None:
-    from bertforge.cluster.launch.ray_train import LaunchConfig, train_on_ray
+def _train_configs(args: argparse.Namespace):
+    from bertforge.cluster.launch.launch_config import LaunchConfig
     from bertforge.pipelines.contract.config_fields import given_values
 
-    cfg = train_config_from_args(args)
-    launch = LaunchConfig(**given_values(args, LaunchConfig))
-    print(json.dumps(train_on_ray(cfg, launch), indent=2, default=str))
+    return train_config_from_args(args), LaunchConfig(**given_values(args, LaunchConfig))
+
+
+def _run_train(args: argparse.Namespace) -> None:
+    from bertforge.cluster.launch.ray_train import train_on_ray
+
+    print(json.dumps(train_on_ray(*_train_configs(args)), indent=2, default=str))
 
 
 def _run_submit(args: argparse.Namespace) -> int:
@@ -335,6 +342,8 @@ def _run_submit(args: argparse.Namespace) -> int:
         return stop(args.address, args.stop)
     if args.follow:
         return follow_job(args.address, args.follow)
+    if not args.no_command_check:
+        check_submitted_command(entrypoint)
     env_vars = {}
     for item in args.env:
         name, sep, value = item.partition("=")
@@ -347,6 +356,30 @@ def _run_submit(args: argparse.Namespace) -> int:
         excludes=DEFAULT_EXCLUDES + tuple(args.exclude), image=args.image,
         submission_id=args.submission_id, env_vars=env_vars, follow=not args.no_wait,
     ))
+
+
+def check_submitted_command(words: list[str]) -> None:
+    """A submitted `bertforge COMMAND ...` parsed here as the job will parse it, its settings
+    built where that needs no file (train, finetune, glue): a mistyped flag or a bad value is
+    refused before anything is uploaded, not once the job runs on the cluster. Paths are the
+    cluster's, so none is looked at; `--help` is the job's to print."""
+    from bertforge.cluster.launch.submit import bertforge_arguments
+
+    arguments = bertforge_arguments(words)
+    if arguments is None or {"-h", "--help"} & set(arguments):
+        return
+    unchecked = ("; nothing was submitted (it was checked against this bertforge: "
+                 "--no-command-check submits it as it is)")
+    try:
+        args, extra = build_parser().parse_known_args(arguments)
+        if extra and args.command != "prepare":  # as main: Beam checks prepare's rest
+            refuse_unknown_flags(args.command_parser, extra)
+        if args.command in SETTINGS_OF:
+            SETTINGS_OF[args.command](args)
+    except SystemExit as refusal:  # argparse's: its usage and message are printed above
+        raise ValueError(f"the job's command is refused above{unchecked}") from refusal
+    except ValueError as error:
+        raise ValueError(f"the job's command: {error}{unchecked}") from None
 
 
 def _run_eval(args: argparse.Namespace) -> None:
@@ -412,29 +445,45 @@ def _run_demo(args: argparse.Namespace) -> None:
     run_demo(DemoConfig(**given_values(args, DemoConfig)))
 
 
-def _run_finetune(args: argparse.Namespace) -> None:
-    from bertforge.cluster.commands.finetune_sweep import run_finetune
+def _finetune_launch(args: argparse.Namespace):
     from bertforge.cluster.launch.finetune_workers import finetune_launch
     from bertforge.cluster.launch.launch_config import FOR_CHECKPOINTS, LaunchConfig
     from bertforge.pipelines.contract.config_fields import given_values
+
+    return finetune_launch(given_values(args, LaunchConfig, without=(FOR_CHECKPOINTS,)))
+
+
+def _finetune_configs(args: argparse.Namespace):
+    from bertforge.pipelines.contract.config_fields import given_values
     from bertforge.training.finetune.config import FinetuneConfig
 
-    cfg = FinetuneConfig(**given_values(args, FinetuneConfig))
-    run_finetune(cfg, finetune_launch(given_values(args, LaunchConfig,
-                                                   without=(FOR_CHECKPOINTS,))))
+    return FinetuneConfig(**given_values(args, FinetuneConfig)), _finetune_launch(args)
 
 
-def _run_glue(args: argparse.Namespace) -> None:
-    from bertforge.cluster.commands.glue import GlueConfig, run_glue
-    from bertforge.cluster.launch.finetune_workers import finetune_launch
-    from bertforge.cluster.launch.launch_config import FOR_CHECKPOINTS, LaunchConfig
+def _run_finetune(args: argparse.Namespace) -> None:
+    from bertforge.cluster.commands.finetune_sweep import run_finetune
+
+    run_finetune(*_finetune_configs(args))
+
+
+def _glue_configs(args: argparse.Namespace):
+    from bertforge.cluster.commands.glue import GlueConfig
     from bertforge.pipelines.contract.config_fields import given_values
     from bertforge.training.finetune.config import PER_TASK, FinetuneConfig
 
     finetune = given_values(args, FinetuneConfig, without=(PER_TASK,))
-    config = GlueConfig(**given_values(args, GlueConfig), finetune=finetune)
-    run_glue(config, finetune_launch(given_values(args, LaunchConfig,
-                                                  without=(FOR_CHECKPOINTS,))))
+    return GlueConfig(**given_values(args, GlueConfig), finetune=finetune), _finetune_launch(args)
+
+
+def _run_glue(args: argparse.Namespace) -> None:
+    from bertforge.cluster.commands.glue import run_glue
+
+    run_glue(*_glue_configs(args))
+
+
+# The commands whose settings are built from their flags alone (no file read): what `submit`
+# builds to check a job's command, and what their handlers run with.
+SETTINGS_OF = {"train": _train_configs, "finetune": _finetune_configs, "glue": _glue_configs}
 
 
 class _CommandFormatter(logging.Formatter):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -139,6 +140,32 @@ def entrypoint_command(words: list[str]) -> str:
     user's shell had it (`--data "/shared/my shards"` stays one argument, `*` and `;` stay
     literal). A single word is taken as a command line of its own, as `ray job submit` does."""
     return words[0] if len(words) == 1 else shlex.join(words)
+
+
+def bertforge_arguments(words: list[str]) -> list[str] | None:
+    """What a submitted command hands bertforge's command line (`bertforge train ...`,
+    `python -m bertforge.cluster.cli train ...`, after any NAME=VALUE words), or None when it
+    runs something else. Of a one-word command line (`"bertforge train ... && echo done"`)
+    only the first simple command counts: the shell runs the rest."""
+    if len(words) == 1:
+        lexer = shlex.shlex(words[0], posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        words = list(itertools.takewhile(lambda word: not _SHELL_OPERATOR.fullmatch(word),
+                                         lexer))
+    words = list(itertools.dropwhile(_ENV_ASSIGNMENT.fullmatch, words))
+    if not words:
+        return None
+    program = os.path.basename(words[0])
+    if program == "bertforge":
+        return words[1:]
+    if _PYTHON.fullmatch(program) and words[1:3] == ["-m", "bertforge.cluster.cli"]:
+        return words[3:]
+    return None
+
+
+_SHELL_OPERATOR = re.compile(r"[();<>|&]+")
+_ENV_ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=.*")
+_PYTHON = re.compile(r"python[\d.]*")
 
 
 def submit(config: SubmitConfig) -> int:

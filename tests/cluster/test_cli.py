@@ -91,14 +91,63 @@ def test_phase2_recipe_without_init_from_is_a_clear_error(capsys):
     assert "give --init-from" in capsys.readouterr().err
 
 
-def test_submit_with_no_cluster_is_one_line(capsys):
+def _unused_port() -> int:
     import socket
 
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return sock.getsockname()[1]
+
+
+def test_submit_with_no_cluster_is_one_line(capsys):
+    port = _unused_port()
+    # --help is the job's to print: not answered here.
     assert main(["submit", "--address", f"http://127.0.0.1:{port}", "--", "bertforge", "train",
                  "--help"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
         f"bertforge submit: error: no Ray cluster answers at http://127.0.0.1:{port}"), err
+
+
+def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys):
+    """A mistyped flag or a bad value in `bertforge submit -- bertforge train ...` used to be
+    found once the job ran on the cluster (its upload and start first); it is refused here, as
+    the job would refuse it, and nothing reaches the cluster."""
+    address = f"http://127.0.0.1:{_unused_port()}"
+    nothing_submitted = ("; nothing was submitted (it was checked against this bertforge: "
+                         "--no-command-check submits it as it is)")
+    train = ["train", "--data", "/shared/shards", "--run-dir", "/shared/runs/r"]
+    refused = [
+        (["bertforge", *train, "--max-setps", "10"],
+         "the job's command is refused above"),
+        # A command line of one word: its first command is checked, the shell runs the rest.
+        ([" ".join(["bertforge", *train, "--workers", "0", "&&", "echo", "done"])],
+         "the job's command: workers must be at least 1, got 0"),
+        (["RAY_DEDUP_LOGS=0", "bertforge", *train, "--recipe", "bert_large_phase2"],
+         "the job's command: recipe bert_large_phase2 warm-starts from phase 1: give "
+         "--init-from"),
+        (["python3", "-m", "bertforge.cluster.cli", "glue", "--model", "/m", "--tasks", "nope"],
+         "the job's command: --tasks: 'nope' is no GLUE task"),
+    ]
+    for command, message in refused:
+        assert main(["submit", "--address", address, "--", *command]) == 2
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"bertforge submit: error: {message}"), err
+        assert last.endswith(nothing_submitted), err
+    assert "  --max-setps: did you mean --max-steps?" in main_err_of(
+        ["submit", "--address", address, "--", "bertforge", *train, "--max-setps", "10"], capsys)
+    # What passes the check, another program, and --no-command-check go on to the cluster.
+    for argv in (["--", "bertforge", *train, "--recipe", "bert_large_phase1"],
+                 ["--", "/opt/venv/bin/bertforge", *train, "--max-steps", "10"],
+                 ["--", "python", "-c", "print(1)", "--max-setps"],
+                 ["--no-command-check", "--", "bertforge", *train, "--max-setps", "10"]):
+        assert main(["submit", "--address", address, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"bertforge submit: error: no Ray cluster answers at {address}"), \
+            (argv, err)
+
+
+def main_err_of(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    return capsys.readouterr().err
