@@ -151,10 +151,21 @@ def run_finetunes(cfgs: list[FinetuneConfig], launch: LaunchConfig) -> list[dict
     """`run_finetune` for several jobs (the demo's: one task from two models) whose pending runs
     share one worker group, so Ray Train's start, the imports and DeepSpeed's set-up are paid
     once. Every job is checked before Ray starts; each keeps its own DIR, stages and results."""
-    started = time.time()
+    return run_jobs(open_jobs(cfgs, launch), launch)
+
+
+def open_jobs(cfgs: list[FinetuneConfig], launch: LaunchConfig) -> list[_Job]:
+    """Each fine-tuning job with its inputs checked (`check_inputs`), before any directory of
+    its is made: a caller with a directory of its own over them (glue) opens them first."""
     jobs = [_Job.open(cfg, launch) for cfg in cfgs]
     if len({job.cfg.output for job in jobs}) < len(jobs):
         raise ValueError("two fine-tuning jobs share one --output directory")
+    return jobs
+
+
+def run_jobs(jobs: list[_Job], launch: LaunchConfig) -> list[dict[str, Any]]:
+    """`run_finetunes` of jobs already opened."""
+    started = time.time()
     with contextlib.ExitStack() as stack:
         runners = [stack.enter_context(job.stage_runner()) for job in jobs]
         pending = [(job.cfg, lr, seed) for job, runner in zip(jobs, runners, strict=True)

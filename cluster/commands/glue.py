@@ -3,7 +3,7 @@ table in the GLUE paper's layout (a column per task with its metric(s), then the
 
 Each task is a fine-tuning job into DIR/<task>/ (its own results.json, predictions and Hugging
 Face export) and a stage of the stage runner. The tasks not done yet run in one local process
-or one Ray Train worker group (`run_finetunes`: the start and set-up paid once, not per task), so a
+or one Ray Train worker group (`run_jobs`: the start and set-up paid once, not per task), so a
 rerun into the same DIR skips finished tasks, and a task interrupted part-way reuses its finished
 (learning rate, seed) runs. DIR/glue.json is the
 job's record: its settings, each task's record (`stages`) and the table (`glue`).
@@ -173,13 +173,16 @@ def task_configs(config: GlueConfig, glue_dir: str) -> dict[str, FinetuneConfig]
 
 def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
     """Fine-tune every task not done yet in config.output; print and return the table record."""
-    from bertforge.cluster.commands.finetune_sweep import run_finetunes
+    from bertforge.cluster.commands.finetune_sweep import open_jobs, run_jobs
     from bertforge.cluster.commands.stage_runner import Stage, StageRunner
 
     started = time.time()
     refuse_output_in_the_jobs_copy(config.output, "--output")  # before reading the inputs
     glue_dir = resolve_glue_dir(config.glue_dir)
     configs = task_configs(config, glue_dir)
+    # Every task's inputs (the model, its files, the batch against --workers) checked before
+    # DIR is made: a refused glue used to leave DIR with glue.json and logs/ behind.
+    jobs = dict(zip(configs, open_jobs(list(configs.values()), launch), strict=True))
     settings = {
         "model": os.path.abspath(config.model), "glue_dir": glue_dir, "tasks": list(configs),
         "finetune": without_marked(config.finetune, FinetuneConfig, RERUN_MAY_CHANGE),
@@ -191,7 +194,7 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
         # start paid once); each task then becomes a stage. A failed group leaves the finished
         # tasks' runs for a rerun.
         pending = [name for name in configs if runner.recorded(name) is None]
-        finished = dict(zip(pending, run_finetunes([configs[name] for name in pending], launch),
+        finished = dict(zip(pending, run_jobs([jobs[name] for name in pending], launch),
                             strict=True)) if pending else {}
         # A task fine-tuned just now printed its runs' lines as they finished: its stage only
         # records it, with the runs' own durations.

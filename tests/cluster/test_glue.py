@@ -86,6 +86,30 @@ def write_rte_tsv(path: str, num_lines: int, seed: int) -> str:
     return path
 
 
+def test_a_refused_glue_leaves_no_output_directory(tmp_path, capsys) -> None:
+    """Every task's inputs are checked before DIR is made: a mistyped --model, or a task whose
+    files or batch its settings cannot take, used to leave DIR with glue.json and logs/."""
+    glue_dir = tmp_path / "glue"
+    write_sst2_tsv(str(glue_dir / "SST-2" / "train.tsv"), 32, seed=1)
+    write_sst2_tsv(str(glue_dir / "SST-2" / "dev.tsv"), 16, seed=2)
+    write_rte_tsv(str(glue_dir / "RTE" / "train.tsv"), 8, seed=3)  # fewer than a batch of 16
+    write_rte_tsv(str(glue_dir / "RTE" / "dev.tsv"), 8, seed=4)
+    model = tiny_bert_dir(str(tmp_path / "model"))
+    output = tmp_path / "out"
+    common = ["glue", "--output", str(output), "--glue-dir", str(glue_dir), "--epochs", "1"]
+    for argv, message in (
+            (["--model", str(tmp_path / "no-model"), "--tasks", "sst2"],
+             f"model {tmp_path / 'no-model'}: no such directory"),
+            (["--model", model, "--tasks", "sst2", "--batch-size", "15", "--workers", "2"],
+             "--batch-size 15 is not a multiple of --workers 2"),
+            (["--model", model, "--batch-size", "16"],  # sst2 is fine, rte is not
+             f"{glue_dir / 'RTE' / 'train.tsv'}: 8 training examples are fewer than one batch")):
+        assert main([*common, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"bertforge glue: error: {message}"), err
+        assert not output.exists(), sorted(os.listdir(output))
+
+
 @pytest.mark.slow
 def test_two_tiny_tasks_end_to_end_then_a_rerun_skips_them(tmp_path, capsys) -> None:
     import ray
