@@ -15,6 +15,8 @@
   file, the GCS connection or the raylet's registration came too late) is retried, after
   stopping the processes the failed attempt left running; the GCS gets a longer port wait than
   Ray's 30 s default to begin with.
+- Once it stops, the `pymp-*` folder its dashboard leaves in the temporary directory is
+  removed (`multiprocessing_dirs`).
 - `driver_teardown()` turns SIGTERM/SIGHUP/SIGINT into an exit (`StoppedBySignal`, 128 +
   signum), so `finally` blocks run (the run-directory lock is released) and Ray is shut down
   with its workers; a signal that is ignored (`nohup` ignores SIGHUP) or already handled is left
@@ -35,6 +37,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+from bertforge.cluster.launch import multiprocessing_dirs
 from bertforge.cluster.safety.run_lock import process_scope
 
 KEEP_SESSIONS = 3
@@ -68,6 +71,9 @@ LOCAL_RAY_SETTINGS = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
 _RECORD = None  # this driver's record file, once it started a local Ray
+# The temporary directory's multiprocessing folders before this driver's Ray started: those
+# that appear later and are dead once it stopped are its dashboard's (multiprocessing_dirs).
+_MULTIPROCESSING_DIRS_BEFORE: set[str] | None = None
 
 
 def ray_root() -> str:
@@ -115,6 +121,8 @@ def start(num_cpus: int) -> None:
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
     for name, value in LOCAL_RAY_SETTINGS.items():
         os.environ.setdefault(name, value)
+    global _MULTIPROCESSING_DIRS_BEFORE
+    _MULTIPROCESSING_DIRS_BEFORE = multiprocessing_dirs.present()
     for attempt in range(1, START_ATTEMPTS + 1):
         before = _own_children()
         try:
@@ -305,7 +313,7 @@ def shutdown() -> None:
     one more checkpoint). So the processes it started are waited for (and stopped if need be):
     once this returns, nothing of the run writes any more.
     """
-    global _RECORD
+    global _RECORD, _MULTIPROCESSING_DIRS_BEFORE
     if "ray" in sys.modules:
         import ray
 
@@ -313,6 +321,9 @@ def shutdown() -> None:
             started = _started_processes() if _RECORD is not None else []
             ray.shutdown()
             _await_exit(started)
+    if _MULTIPROCESSING_DIRS_BEFORE is not None:
+        multiprocessing_dirs.remove_dead(since=_MULTIPROCESSING_DIRS_BEFORE)
+        _MULTIPROCESSING_DIRS_BEFORE = None
     if _RECORD is not None:
         with contextlib.suppress(OSError):
             os.remove(_RECORD)

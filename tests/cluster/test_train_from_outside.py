@@ -7,7 +7,8 @@ a user and a scheduler see it:
   likewise, with 130;
 - the same command then resumes from that checkpoint, its console the project's lines only
   (the engines' output is in the run's logs, cluster.launch.worker_output);
-- `eval` and `export` of the run are quiet too, and `--verbose` shows the engines' output.
+- `eval` and `export` of the run are quiet too, and `--verbose` shows the engines' output;
+- no `pymp-*` folder of Ray's dashboard is left in TMPDIR.
 One run serves every check: each Ray start costs tens of seconds of the suite."""
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def observed(tmpdir):
                                     stderr=subprocess.PIPE, text=True)
         seen["finished"] = finished.communicate(timeout=120), finished.returncode
         seen["finished_sessions"] = set(os.listdir(run_.ray_root)) - sessions
+        # Two local Rays stopped (the SIGTERMed run's and the resume's), in their TMPDIR.
+        seen["multiprocessing_dirs"] = [name for name in os.listdir(run_.tmpdir)
+                                        if name.startswith("pymp-")]
 
     # Ctrl-C (SIGINT to the driver) once the run has committed a checkpoint past the resume.
     longer = again[:again.index("--max-steps") + 1] + [str(steps + 500)] + \
@@ -163,6 +167,12 @@ def test_the_same_command_resumes_and_prints_only_its_own_lines(observed):
     assert "(RayTrainWorker pid=" in driver_log  # Ray's own forwarding, kept in the file
     worker_log = open(os.path.join(logs, "worker-0.log"), encoding="utf-8").read()
     assert f"[train] step {steps}/{steps}" in worker_log
+
+
+def test_a_stopped_local_ray_leaves_no_multiprocessing_folder(observed):
+    """Ray's dashboard left a `pymp-*` folder with a dead socket in TMPDIR at every run (its
+    forkserver's; 584 of them on one machine): each stop now removes its own."""
+    assert observed["multiprocessing_dirs"] == []
 
 
 def test_the_same_command_on_a_finished_run_says_so_without_starting_ray(observed):
