@@ -399,15 +399,25 @@ def _run_eval(args: argparse.Namespace) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> None:
-    from bertforge.training.export import export_checkpoint, exported_source
+    from bertforge.training.export import (
+        export_already_made,
+        export_checkpoint,
+        exported_source,
+    )
     from bertforge.training.inputs import check_export_inputs
 
     refuse_output_in_the_jobs_copy(args.output, "--output")
-    check_export_inputs(args.checkpoint, args.output)
-    _log_in_run_dir(args.checkpoint, "export")
-    # The path as given: a run's newest checkpoint is picked where it is read.
-    output = export_checkpoint(args.checkpoint, args.output)
-    source = exported_source(output)
+    # The same command again (a scheduler's retry, or a stop after the last file): done.
+    source = export_already_made(args.checkpoint, args.output)
+    if source is not None:
+        print(f"[export] {args.output} already holds this export: nothing to do", flush=True)
+        output = os.path.abspath(args.output)
+    else:
+        check_export_inputs(args.checkpoint, args.output)
+        _log_in_run_dir(args.checkpoint, "export")
+        # The path as given: a run's newest checkpoint is picked where it is read.
+        output = export_checkpoint(args.checkpoint, args.output)
+        source = exported_source(output)
     print(f"[export] run {source['run_id'] or '(no id: an older run)'}, step "
           f"{source['global_step']}, from {source['checkpoint']}", flush=True)
     print(output)

@@ -7,7 +7,12 @@ import os
 import shutil
 import tempfile
 
-from bertforge.training.checkpoint import load_model, positions_trained, read_newest
+from bertforge.training.checkpoint import (
+    load_model,
+    positions_trained,
+    read_newest,
+    resolve_checkpoint,
+)
 from bertforge.training.hf_interop import (
     HF_CONFIG_NAME,
     hf_config_dict,
@@ -51,3 +56,18 @@ def exported_source(output_dir: str) -> dict:
     """The checkpoint, run id and step an export's weights come from (its config.json)."""
     with open(os.path.join(output_dir, HF_CONFIG_NAME), encoding="utf-8") as f:
         return json.load(f)[SOURCE_KEY]
+
+
+def export_already_made(checkpoint_or_run_dir: str, output_dir: str) -> dict | None:
+    """The source of the export in `output_dir` when it is of the very checkpoint that
+    `checkpoint_or_run_dir` names now (a rerun of a finished export, e.g. one whose process was
+    stopped after its last file), else None: a new export, or a refusal, is for the caller."""
+    try:
+        if not os.path.isfile(os.path.join(output_dir, HF_CONFIG_NAME)):
+            return None
+        source = exported_source(output_dir)
+        newest = resolve_checkpoint(checkpoint_or_run_dir)
+    except (OSError, ValueError, KeyError, TypeError):  # not an export, or no checkpoint
+        return None
+    same = os.path.abspath(newest) == os.path.abspath(str(source.get("checkpoint")))
+    return source if same else None

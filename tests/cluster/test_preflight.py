@@ -116,6 +116,18 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
             "under ZeRO stage 0; resuming on 1 worker under ZeRO stage 2 is not supported")
     # eval and export of that checkpoint pass their pre-flight; a used output is refused.
     refused(["export", str(run_dir), "--output", str(tmp_path)], capsys, "exists")
+    # The same export again (a scheduler's retry, or one stopped after its last file) is done,
+    # not refused; another checkpoint's into that directory is.
+    hf = tmp_path / "hf"
+    assert main(["export", str(run_dir), "--output", str(hf)]) == 0
+    first = capsys.readouterr().out
+    written = {name: os.stat(hf / name).st_mtime_ns for name in os.listdir(hf)}
+    assert main(["export", str(run_dir), "--output", str(hf)]) == 0
+    again = capsys.readouterr().out
+    assert again.startswith(f"[export] {hf} already holds this export: nothing to do\n")
+    assert again.endswith(first), (first, again)  # the same source line and output
+    assert {name: os.stat(hf / name).st_mtime_ns for name in os.listdir(hf)} == written
+    refused(["export", str(tiny_run), "--output", str(hf)], capsys, f"output {hf} exists")
 
 
 def test_a_warm_start_of_another_architecture_or_vocabulary_is_refused_before_ray(
