@@ -13,8 +13,10 @@
 #   SMOKE=1 OUT=/tmp/gc bash benchmarks/gpu_check.sh          # CPU smoke run (tiny, 2 steps)
 #
 # Variables: OUT (where results go), STAGES (default "throughput profile proof"; "parity" adds
-# gpu_parity.py, "variants" gpu_throughput.py at 128 tokens without the peer, once with the
-# defaults and once per experiment in VARIANTS, in one table), PROFILE_CASES (gpu_profile.py's
+# gpu_parity.py, "fidelity" gradient_fidelity.py (each precision path's loss and gradients
+# against fp64's at fixed weights), "variants" gpu_throughput.py at 128 tokens without the
+# peer, once with the defaults and once per experiment in VARIANTS, in one table),
+# PROFILE_CASES (gpu_profile.py's
 # --cases), PROFILE_LIMIT and VARIANT_LIMIT (seconds), PARITY_FLAGS (more of
 # gpu_parity.py's flags, e.g. --rel-tolerance 5e-3), THROUGHPUT_FLAGS and PROOF_FLAGS (more
 # of gpu_throughput.py's and gpu_proof_run.py's, e.g. --fp8 --packing: the issue's table and
@@ -49,7 +51,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
   # --fp8: torch's _scaled_mm runs on the CPU too (slowly); under bf16 only, which "auto"
   # gives on a CPU with native bf16 (an AVX2 machine resolves fp32 and refuses it).
   PARITY=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3 --fp8)
-  LIMIT=(600 600 600 600 600)
+  FIDELITY=(--preset tiny --micro-batch 8 --batches 2 --train-steps 10 --lr 3e-3 --fp8)
+  LIMIT=(600 600 600 600 600 600)
 else
   # Where nothing is installed (the lent machine): DeepSpeed and its missing dependencies as
   # wheels in .whl, and this checkout, into /tmp/site (benchmarks/README.md says how).
@@ -69,18 +72,23 @@ else
   PROOF=(--steps 120)
   VARIANT_ARGS=(--seq-lens 128 --steps 30 --warmup 10)
   PARITY=(--steps 100 --fp8)
+  # BERT-large past its warm-up (30 steps of the fast path's arithmetic at the recipe's peak
+  # rate), then its loss and gradients by each path against fp64's on 4 other batches.
+  FIDELITY=(--micro-batch 64 --batches 4 --train-steps 30 --fp8)
   # Seconds per stage (variants: each of its runs), in the order of the array: throughput,
-  # profile, proof, a variant, parity. The default three 9.7 minutes at most (on 2026-11-27:
+  # profile, proof, a variant, parity, fidelity (unmeasured on a GPU: three compiles of a
+  # layer and ~40 steps; 1 min 59 s for 2 layers of BERT-large on 2 CPU cores). The default
+  # three 9.7 minutes at most (on 2026-11-27:
   # 262, 61 and 99 s; on 2026-11-28 the throughput took 309 s, and the profile, which then
   # compiled the peer afresh and FP8 as a third case, ran past its 120), "parity variants"
   # with the default three variants 9.2 (on 2026-11-28: 200 s and 43-58 s a variant): each
   # inside one 10-minute call. PROFILE_LIMIT and VARIANT_LIMIT override theirs.
-  LIMIT=(320 120 140 90 280)
+  LIMIT=(320 120 140 90 280 180)
 fi
 
 # Scratch of the stages that run the loop: a rerun on a warm machine starts afresh (the proof
 # run would resume the last call's finished run and refuse to overwrite its export).
-rm -rf /tmp/gpu-proof /tmp/gpu-parity /tmp/gpu-variants /tmp/gpu-kernels
+rm -rf /tmp/gpu-proof /tmp/gpu-parity /tmp/gpu-variants /tmp/gpu-kernels /tmp/gpu-fidelity
 
 status=0
 stage() {  # name, time limit, command...
@@ -136,6 +144,9 @@ cp /tmp/gpu-proof/gpu_proof_run-* "$OUT/" 2>/dev/null
 stage parity "${LIMIT[4]}" "$PYTHON" benchmarks/gpu_parity.py --data "$DATA" \
   --output-dir /tmp/gpu-parity "${PARITY[@]}" ${PARITY_FLAGS:-} --commit "$COMMIT"
 cp /tmp/gpu-parity/gpu_parity-* "$OUT/" 2>/dev/null
+stage fidelity "${LIMIT[5]}" "$PYTHON" benchmarks/gradient_fidelity.py --data "$DATA" \
+  --output-dir /tmp/gpu-fidelity "${FIDELITY[@]}" --commit "$COMMIT"
+cp /tmp/gpu-fidelity/gradient_fidelity-* "$OUT/" 2>/dev/null
 case " $STAGES " in *" variants "*)
   for variant in $VARIANTS; do
     case $variant in *:*) ;; *) echo "[gpu_check] VARIANTS: $variant is not tag:flags"; exit 2;; esac

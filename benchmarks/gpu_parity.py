@@ -49,7 +49,7 @@ import os
 import statistics
 import sys
 
-from gpu_proof_run import check_parser, device_name, run_checks, source_commit
+from gpu_proof_run import check_parser, device_name, run_checks, save_report, source_commit
 
 from bertforge.training.loop import train
 from bertforge.training.metrics import read_metrics
@@ -185,10 +185,6 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def write_results(result: dict, output_dir: str) -> None:
-    stem = os.path.join(output_dir, f"gpu_parity-{result['device'].replace(' ', '-')}-"
-                                    f"{result['date']}")
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
     losses, subject = result["losses"], result["subject"]
     steps = len(losses[subject])
     layers = f" ({result['num_layers']} layers)" if result["num_layers"] else ""
@@ -230,9 +226,7 @@ def write_results(result: dict, output_dir: str) -> None:
         *(f"| {i + 1} | " + " | ".join(f"{curve[i]:.4f}" for curve in losses.values()) + " |"
           for i in range(warmup)),
     ]
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    save_report(output_dir, "gpu_parity", result, lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -197,11 +197,21 @@ def _resolved_recipe(run_dir: str) -> dict:
         return json.load(f)["train"]
 
 
-def write_results(result: dict, output_dir: str) -> str:
-    name = result["device"].replace(" ", "-")
-    stem = os.path.join(output_dir, f"gpu_proof_run-{name}-{result['date']}")
+def save_report(output_dir: str, script: str, result: dict, lines: list[str]) -> str:
+    """A check script's results (this one's, gpu_parity.py's, gradient_fidelity.py's) as
+    SCRIPT-DEVICE-DATE.json and .md in `output_dir`, the markdown printed too; returns the
+    files' stem."""
+    stem = os.path.join(output_dir,
+                        f"{script}-{result['device'].replace(' ', '-')}-{result['date']}")
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return stem
+
+
+def write_results(result: dict, output_dir: str) -> str:
     mfu, recipe = result["mfu_median"], result["recipe"]
     lines = [
         f"# Real-loop proof run: {result['device']}, {result['date']}, commit {result['commit']}",
@@ -221,10 +231,7 @@ def write_results(result: dict, output_dir: str) -> str:
         f"{result['final_checkpoint_seconds']:.2f} |",
         *(f"| {name} | {'yes' if ok else 'NO'} |" for name, ok in result["checks"].items()),
     ]
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
-    return stem
+    return save_report(output_dir, "gpu_proof_run", result, lines)
 
 
 def _profile_rows(profile: dict | None) -> list[str]:
