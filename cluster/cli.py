@@ -59,7 +59,8 @@ def refuse_unknown_flags(command_parser: argparse.ArgumentParser, extra: list[st
 
 # Commands whose console shows the project's own lines only; the engines' output goes to the
 # command's log file, and to the console too with --verbose (cluster.launch.worker_output).
-QUIET_COMMANDS = ("demo", "train", "finetune", "glue", "eval", "export", "prepare", "pipeline")
+QUIET_COMMANDS = ("demo", "train", "finetune", "glue", "eval", "export", "prepare", "pipeline",
+                  "vocab")
 
 
 def _add_vocab(commands) -> None:
@@ -256,7 +257,9 @@ def _run_vocab(args: argparse.Namespace) -> None:
     config = VocabConfig(inputs=tuple(args.inputs), output=args.output,
                          **given_values(args, VocabConfig))
     refuse_output_in_the_jobs_copy(config.output, "--output")
-    print(train_wordpiece_vocab(config))
+    path = train_wordpiece_vocab(config)
+    _log_in_output_dir(config.output, "vocab")
+    print(path)
 
 
 def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
@@ -272,12 +275,18 @@ def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
     counts = prepare_guarded(command, overwrite=args.overwrite)
     # After the job: a failed first prepare leaves no directory behind (its log goes to the
     # temporary directory, named on the console). A dry run writes nothing, not even OUTPUT.
-    output = command.config.output
+    _log_in_output_dir(command.config.output, "prepare")
+    print(json.dumps(counts, indent=2))
+
+
+def _log_in_output_dir(output: str, command: str) -> None:
+    """The log of a command that made OUTPUT: OUTPUT/logs/COMMAND.log (the engines' import
+    chatter, Beam's among it); in the temporary directory at exit where OUTPUT is in object
+    storage or was not made."""
     if "://" not in output and os.path.isdir(output):
         from bertforge.cluster.launch.worker_output import LOG_DIR, log_driver_to
 
-        log_driver_to(os.path.join(output, LOG_DIR, "prepare.log"))
-    print(json.dumps(counts, indent=2))
+        log_driver_to(os.path.join(output, LOG_DIR, f"{command}.log"))
 
 
 def _run_inspect(args: argparse.Namespace) -> int:

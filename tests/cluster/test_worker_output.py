@@ -222,3 +222,32 @@ def test_ray_trains_traceback_of_a_workers_user_error_stays_in_the_log():
         "bertforge.training.errors.UserInputError: x\n\nDuring handling of the above "
         "exception, another exception occurred:\n\nTraceback (most recent call last):\n"
         "RuntimeError: y"))
+
+
+def test_vocab_keeps_beams_import_warnings_in_its_log(tmp_path):
+    """Where Beam finds an optional filesystem's packages half installed (the demo's install
+    has no Dataflow extra), it warns at import; `vocab` printed those lines to the console.
+    Now its console is its own lines, and the warning is in OUTPUT/logs/vocab.log."""
+    breaker = tmp_path / "site"
+    breaker.mkdir()
+    (breaker / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class Half(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'apache_beam.io.gcp.gcsfilesystem':\n"
+        "            raise ImportError('No module named apitools (simulated)')\n"
+        "sys.meta_path.insert(0, Half())\n")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox\njumps over the lazy dog\n")
+    output = tmp_path / "vocab"
+    done = subprocess.run(
+        [sys.executable, "-m", "bertforge.cluster.cli", "vocab", "--input", str(corpus),
+         "--output", str(output), "--vocab-size", "120"],
+        capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(breaker), "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{output / 'vocab.txt'}\n"
+    assert "GCSFileSystem" not in done.stderr
+    assert all(line.startswith("[vocab] ") for line in done.stderr.splitlines()), done.stderr
+    assert "Failed to import GCSFileSystem" in (output / "logs" / "vocab.log").read_text()
+    assert not list(tmp_path.glob("bertforge-*.log"))
