@@ -142,9 +142,9 @@ def load_batches(args: argparse.Namespace, device: torch.device):
 def initial_weights(args: argparse.Namespace, vocab_size: int) -> tuple[BertConfig, dict]:
     """The model's shape (dropout off) and the fp32 weights every path starts from."""
     if args.init_from:
-        from bertforge.training.checkpoint import load_model
+        from bertforge.training.checkpoint import load_model, resolve_checkpoint
 
-        model, _ = load_model(args.init_from)
+        model, _ = load_model(resolve_checkpoint(args.init_from))  # a run: its newest
         config = model.config
     else:
         config = BertConfig.preset(args.preset, vocab_size=vocab_size)

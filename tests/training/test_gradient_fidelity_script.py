@@ -92,6 +92,25 @@ def test_train_steps_move_the_weights_on_batches_apart_from_the_measured_ones(sc
     assert all(torch.isfinite(t).all() for t in trained.values())
 
 
+def test_init_from_takes_a_runs_newest_weights_with_dropout_off(script, tmp_path):
+    from bertforge.training.checkpoint import latest_checkpoint, load_model
+    from bertforge.training.config import TrainConfig
+    from bertforge.training.loop import train
+
+    data = write_dataset(str(tmp_path / "data"), {"train": [16]}, max_seq_length=64)
+    run_dir = str(tmp_path / "run")
+    train(TrainConfig(data_dir=data, run_dir=run_dir, model={"preset": "tiny"}, max_steps=1,
+                      micro_batch_size=8, warmup_steps=0, precision="fp32", zero_stage=0))
+    args = script.parse_args(["--data", data, "--output-dir", str(tmp_path), "--init-from",
+                              run_dir])
+    config, weights = script.initial_weights(args, vocab_size=0)  # the checkpoint's own
+    saved, _ = load_model(latest_checkpoint(run_dir))
+    assert config == dataclasses.replace(saved.config, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)
+    assert weights.keys() == saved.state_dict().keys()
+    assert all(torch.equal(weights[name], t) for name, t in saved.state_dict().items())
+
+
 def test_the_fp8_path_is_the_fast_path_with_fp8_gemms(script):
     assert script.FP8_PATH == dataclasses.replace(script.PATHS["bf16 compiled"], fp8=True)
     assert not any(path.fp8 for path in script.PATHS.values())  # only with --fp8
