@@ -49,6 +49,11 @@ def train_wordpiece_vocab(
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):  # before minutes of reading
         raise ValueError(f"--output {output_dir} is a file; give a directory ({VOCAB_FILE_NAME} "
                          "is written into it)")
+    if output_dir.endswith(".txt") and not os.path.isdir(output_dir):
+        # A file's name: it would become a directory holding vocab.txt (work/vocab.txt/vocab.txt).
+        parent = os.path.dirname(output_dir.rstrip("/")) or "."
+        raise ValueError(f"--output {output_dir} names a file; give the directory "
+                         f"{VOCAB_FILE_NAME} is written into (e.g. {parent})")
     files = match_inputs(config.inputs)
     paths, formats = [path for path, _ in files], {path: fmt for path, fmt in files if fmt}
     settings = dict(min_frequency=min_frequency, limit_alphabet=limit_alphabet,

@@ -158,6 +158,12 @@ def test_an_output_that_is_a_file_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"--output .*vocab.txt is a file; give a directory"):
         train_wordpiece_vocab(VocabConfig((str(corpus),), str(existing)))
     assert existing.read_text(encoding="utf-8") == "[PAD]\n"
+    # A file's name that does not exist yet became a directory named vocab.txt.
+    work = tmp_path / "work"
+    with pytest.raises(ValueError, match=rf"--output {work}/vocab.txt names a file; give the "
+                                         rf"directory vocab.txt is written into \(e.g. {work}\)"):
+        train_wordpiece_vocab(VocabConfig((str(corpus),), str(work / "vocab.txt")))
+    assert not (tmp_path / "work").exists()
 
 
 # Words whose pieces tie in count: the merges the trainer picks among them depend on how it
