@@ -369,9 +369,9 @@ def _run_submit(args: argparse.Namespace) -> int:
 
 def check_submitted_command(words: list[str]) -> None:
     """A submitted `bertforge COMMAND ...` parsed here as the job will parse it, its settings
-    built where that needs no file (train, finetune, glue): a mistyped flag or a bad value is
-    refused before anything is uploaded, not once the job runs on the cluster. Paths are the
-    cluster's, so none is looked at; `--help` is the job's to print."""
+    built where that needs no file (train, finetune, glue, prepare): a mistyped flag or a bad
+    value is refused before anything is uploaded, not once the job runs on the cluster. Paths
+    are the cluster's, so none is looked at; `--help` is the job's to print."""
     from bertforge.cluster.launch.submit import bertforge_arguments
 
     arguments = bertforge_arguments(words)
@@ -381,7 +381,11 @@ def check_submitted_command(words: list[str]) -> None:
                  "--no-command-check submits it as it is)")
     try:
         args, extra = build_parser().parse_known_args(arguments)
-        if extra and args.command != "prepare":  # as main: Beam checks prepare's rest
+        if args.command == "prepare":  # its rest is the job's flags and Beam's, as it parses them
+            from bertforge.pipelines.prepare_options import parse_command_line
+
+            parse_command_line(extra)
+        elif extra:
             refuse_unknown_flags(args.command_parser, extra)
         if args.command in SETTINGS_OF:
             SETTINGS_OF[args.command](args)

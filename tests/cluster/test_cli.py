@@ -128,6 +128,10 @@ def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys
          "--init-from"),
         (["python3", "-m", "bertforge.cluster.cli", "glue", "--model", "/m", "--tasks", "nope"],
          "the job's command: --tasks: 'nope' is no GLUE task"),
+        # prepare's rest: the job's flags and Beam's, as prepare itself parses them.
+        (["bertforge", "prepare", "--input", "gs://b/c/*.jsonl", "--output", "gs://b/s",
+          "--vocab", "gs://b/v.txt", "--num-shards", "abc"],
+         "the job's command: argument --num-shards/--num_shards: invalid int value: 'abc'"),
     ]
     for command, message in refused:
         assert main(["submit", "--address", address, "--", *command]) == 2
@@ -139,6 +143,9 @@ def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys
         ["submit", "--address", address, "--", "bertforge", *train, "--max-setps", "10"], capsys)
     # What passes the check, another program, and --no-command-check go on to the cluster.
     for argv in (["--", "bertforge", *train, "--recipe", "bert_large_phase1"],
+                 ["--", "bertforge", "prepare", "--input", "gs://b/c/*.jsonl", "--output",
+                  "gs://b/s", "--vocab", "gs://b/v.txt", "--runner", "DataflowRunner",
+                  "--project", "p", "--region", "europe-west4"],
                  ["--", "/opt/venv/bin/bertforge", *train, "--max-steps", "10"],
                  ["--", "python", "-c", "print(1)", "--max-setps"],
                  ["--no-command-check", "--", "bertforge", *train, "--max-setps", "10"]):
