@@ -16,14 +16,13 @@
 # gpu_parity.py, "fidelity" gradient_fidelity.py (each precision path's loss and gradients
 # against fp64's at fixed weights), "variants" gpu_throughput.py at 128 tokens without the
 # peer, once with the defaults and once per experiment in VARIANTS, in one table),
-# PROFILE_CASES (gpu_profile.py's
-# --cases), PROFILE_LIMIT and VARIANT_LIMIT (seconds), PARITY_FLAGS (more of
-# gpu_parity.py's flags, e.g. --rel-tolerance 5e-3), THROUGHPUT_FLAGS and PROOF_FLAGS (more
-# of gpu_throughput.py's and gpu_proof_run.py's, e.g. --fp8 --packing: the issue's table and
-# the real loop with an experiment that won its variant run), VARIANTS (see below), COMMIT
-# (recorded in every result: the tree has no .git there), DATA (shards for the proof run,
-# default .gpu-data/shards-128), PYTHON (default python3), SMOKE=1 (CPU, tiny model, a few
-# minutes, most of them compiling the peer).
+# PROFILE_CASES (gpu_profile.py's --cases), PROFILE_LIMIT and VARIANT_LIMIT (seconds),
+# PARITY_FLAGS (more of gpu_parity.py's flags, e.g. --rel-tolerance 5e-3), THROUGHPUT_FLAGS and
+# PROOF_FLAGS (more of gpu_throughput.py's and gpu_proof_run.py's, e.g. --fp8 --packing: the
+# issue's table and the real loop with an experiment that won its variant run), VARIANTS (see
+# below), COMMIT (recorded in every result: the tree has no .git there), DATA (shards for the
+# proof run, default .gpu-data/shards-128), PYTHON (default python3), SMOKE=1 (CPU, tiny
+# model, a few minutes, most of them compiling the peer).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for results}"
@@ -77,8 +76,8 @@ else
   FIDELITY=(--micro-batch 64 --batches 4 --train-steps 30 --fp8)
   # Seconds per stage (variants: each of its runs), in the order of the array: throughput,
   # profile, proof, a variant, parity, fidelity (unmeasured on a GPU: three compiles of a
-  # layer and ~40 steps; 1 min 59 s for 2 layers of BERT-large on 2 CPU cores). The default
-  # three 9.7 minutes at most (on 2026-11-27:
+  # layer and ~40 steps; 2 min 38 s to 4 min 25 s for 2 layers of BERT-large at 8 x 128 on 2
+  # CPU cores). The default three 9.7 minutes at most (on 2026-11-27:
   # 262, 61 and 99 s; on 2026-11-28 the throughput took 309 s, and the profile, which then
   # compiled the peer afresh and FP8 as a third case, ran past its 120), "parity variants"
   # with the default three variants 9.2 (on 2026-11-28: 200 s and 43-58 s a variant): each
