@@ -521,17 +521,13 @@ def recompile_layers(model: torch.nn.Module, args: argparse.Namespace,
     wins."""
     from torch._inductor import list_mode_options
 
-    from bertforge.training.engine import inductor_options
-    from bertforge.training.model import BertEncoder
+    from bertforge.training.engine import compile_encoder_layers, inductor_options
 
     if args.compile_mode == "default" and not args.inductor_config:
         return
-    options = {**inductor_options(device), **list_mode_options(args.compile_mode),
-               **dict(args.inductor_config)}
-    for module in model.modules():
-        if isinstance(module, BertEncoder):
-            for layer in module.layer:
-                layer.compile(options=options)
+    compile_encoder_layers(model, {**inductor_options(device),
+                                   **list_mode_options(args.compile_mode),
+                                   **dict(args.inductor_config)})
 
 
 def time_steps(engine, batches: list[dict[str, torch.Tensor]], args: argparse.Namespace):

@@ -52,11 +52,10 @@ from gpu_proof_run import device_name, run_checks, save_report, source_commit
 
 from bertforge.training.compile_cache import use_cache_per_cpu_level
 from bertforge.training.data import PretrainingLoader
-from bertforge.training.engine import inductor_options
+from bertforge.training.engine import compile_encoder_layers, inductor_options
 from bertforge.training.fp8 import fp8_unsupported_reason
 from bertforge.training.model import (
     BertConfig,
-    BertEncoder,
     BertForPreTraining,
     set_fp8,
     set_residual_in_autocast_dtype,
@@ -151,8 +150,7 @@ def initial_weights(args: argparse.Namespace, vocab_size: int) -> tuple[BertConf
         if args.num_layers is not None:
             config = dataclasses.replace(config, num_hidden_layers=args.num_layers)
         torch.manual_seed(args.seed)
-        model = BertForPreTraining(dataclasses.replace(
-            config, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        model = BertForPreTraining(config)  # dropout draws nothing at initialisation
     config = dataclasses.replace(config, hidden_dropout_prob=0.0,
                                  attention_probs_dropout_prob=0.0)
     return config, {name: t.detach().float().clone() for name, t in model.state_dict().items()}
@@ -191,11 +189,7 @@ def build(path: Path, config: BertConfig, weights: dict, max_predictions: int,
     set_fp8(model, path.fp8)
     if path.compiled:
         use_cache_per_cpu_level()
-        options = inductor_options(device) or None
-        for module in model.modules():
-            if isinstance(module, BertEncoder):
-                for layer in module.layer:
-                    layer.compile(options=options)
+        compile_encoder_layers(model, inductor_options(device))
     return model
 
 

@@ -248,12 +248,21 @@ def compile_model(engine, model: torch.nn.Module, cfg: EngineConfig) -> None:
     compiled layer would trace: there DeepSpeed compiles the whole engine its own way.
     """
     options = inductor_options(engine.device)
-    layers = [layer for module in model.modules() if isinstance(module, BertEncoder)
-              for layer in module.layer]
-    if cfg.zero_stage == 3 or not layers:
+    if cfg.zero_stage == 3 or not encoder_layers(model):
         engine.compile(compile_kwargs={"options": options} if options else {})
         return
-    for layer in layers:
+    compile_encoder_layers(model, options)
+
+
+def encoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [layer for module in model.modules() if isinstance(module, BertEncoder)
+            for layer in module.layer]
+
+
+def compile_encoder_layers(model: torch.nn.Module, options: dict[str, Any]) -> None:
+    """Each encoder layer compiled in place with inductor's `options`, as `compile_model`
+    does (and the benchmarks' experiments and diagnostics, with options of their own)."""
+    for layer in encoder_layers(model):
         layer.compile(options=options or None)
 
 

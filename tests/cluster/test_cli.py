@@ -139,8 +139,8 @@ def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys
         last = err.strip().splitlines()[-1]
         assert last.startswith(f"bertforge submit: error: {message}"), err
         assert last.endswith(nothing_submitted), err
-    assert "  --max-setps: did you mean --max-steps?" in main_err_of(
-        ["submit", "--address", address, "--", "bertforge", *train, "--max-setps", "10"], capsys)
+        if "--max-setps" in command:  # argparse's own lines above it, with the nearest flag
+            assert "  --max-setps: did you mean --max-steps?" in err
     # What passes the check, another program, and --no-command-check go on to the cluster.
     for argv in (["--", "bertforge", *train, "--recipe", "bert_large_phase1"],
                  ["--", "bertforge", "prepare", "--input", "gs://b/c/*.jsonl", "--output",
@@ -153,8 +153,3 @@ def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys
         err = capsys.readouterr().err
         assert err.startswith(f"bertforge submit: error: no Ray cluster answers at {address}"), \
             (argv, err)
-
-
-def main_err_of(argv: list[str], capsys) -> str:
-    assert main(argv) == 2
-    return capsys.readouterr().err
