@@ -185,6 +185,8 @@ def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = F
                     + [("--input", split_format(pattern)[1]) for pattern in config.inputs])
     files = match_inputs(config.inputs)
     vocab_bytes = read_bytes(config.vocab)
+    # A vocabulary that is no BERT one is refused before anything of the output is touched.
+    vocab = parse_vocab(vocab_bytes, config.vocab)
     logger.info(
         "prepare: %d input files -> %s (runner %s)", len(files), config.output, standard.runner
     )
@@ -192,7 +194,7 @@ def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = F
         stale = FileSystems.join(config.output, manifest.MANIFEST_NAME)
         if FileSystems.exists(stale):
             FileSystems.delete([stale])  # incomplete until this run's manifest lands
-    _warn_on_casing_mismatch(parse_vocab(vocab_bytes), config.lower_case)
+    _warn_on_casing_mismatch(vocab, config.lower_case)
     runner = None
     if _is_local(standard.runner):
         runner = local_job.local_runner(config, options, files, vocab_bytes, start_over)

@@ -29,10 +29,26 @@ def parse_vocab(vocab_bytes: bytes, name: str = "the vocabulary") -> dict[str, i
     while tokens and tokens[-1] == "":
         tokens.pop()  # a trailing blank line is not a token
     vocab = {token: index for index, token in enumerate(tokens)}
+    if len(vocab) < len(tokens):
+        raise ValueError(f"{name} {_repeated_entries(tokens)}: a token's id is its line, so a "
+                         "repeated one leaves a line no text reaches and its id ambiguous; "
+                         "remove the repeats")
     missing = [t for t in SPECIAL_TOKENS if t not in vocab]
     if missing:
         raise ValueError(f"{name} lacks the BERT special tokens {missing}")
     return vocab
+
+
+def _repeated_entries(tokens: list[str]) -> str:
+    """'repeats "the" (lines 1997 and 2001)' for the first few repeated tokens (lines 1-based)."""
+    lines: dict[str, list[int]] = {}
+    for number, token in enumerate(tokens, start=1):
+        lines.setdefault(token, []).append(number)
+    repeated = [(token, numbers) for token, numbers in lines.items() if len(numbers) > 1]
+    shown = ", ".join(f"{token!r} (lines {' and '.join(map(str, numbers))})"
+                      for token, numbers in repeated[:3])
+    more = f" and {len(repeated) - 3} more" if len(repeated) > 3 else ""
+    return f"repeats {shown}{more}"
 
 
 def load_tokenizer(vocab_path: str, lower_case: bool) -> Tokenizer:

@@ -77,6 +77,26 @@ def test_unknown_flags_and_missing_paths_are_one_clear_line(tmp_path, small_voca
         run(prepare_config([str(good)], str(tmp_path / "o"), str(tmp_path / "no-vocab.txt")))
 
 
+def test_a_vocabulary_with_a_repeated_token_is_refused_before_the_output_is_touched(
+        tmp_path, small_vocab):
+    """A token appended to a vocabulary that already holds it (domain words added to Google's)
+    took the id the job's sentence marker gets, so every occurrence of the word vanished from
+    the shards, without a word."""
+    good = tmp_path / "g.jsonl"
+    write_jsonl(good, [{"text": "The cat sat. The dog ran."}])
+    lines = open(small_vocab, encoding="utf-8").read().splitlines()
+    repeated = tmp_path / "vocab.txt"
+    repeated.write_text("\n".join([*lines, "the"]) + "\n", encoding="utf-8")
+    first_the = lines.index("the") + 1
+    earlier = tmp_path / "o" / manifest.MANIFEST_NAME
+    earlier.parent.mkdir()
+    earlier.write_text("{}")
+    with pytest.raises(ValueError, match=rf"repeats 'the' \(lines {first_the} and "
+                                         rf"{len(lines) + 1}\)"):
+        run(prepare_config([str(good)], str(tmp_path / "o"), str(repeated)))
+    assert earlier.read_text() == "{}"
+
+
 def test_nothing_usable_is_an_error(tmp_path, small_vocab):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "empty.txt").write_bytes(b"")
