@@ -22,6 +22,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from bertforge.pipelines.beam_common import METRICS_NAMESPACE, NO_DOCUMENTS_MESSAGE
+from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.local.options import (
     LocalRunnerOptions,
     bundle_bytes,
@@ -95,11 +96,16 @@ def describe_counters(counters: Counter) -> str:
 
 
 def after_success(runner, output: str) -> None:
-    """Temporary shard pieces a killed bundle left (a redone bundle writes its own) are removed."""
+    """Temporary shard pieces a killed bundle left (a redone bundle writes its own) are removed;
+    so are the shards of the dataset this one replaced (`--overwrite`) that the new manifest
+    does not list (another --num-shards names them differently)."""
     if isinstance(runner, LocalRunner) and "://" not in output:
         for pattern in TEMPORARY_SHARD_FILES:
             for path in glob.glob(os.path.join(output, pattern)):
                 os.remove(path)
+        if os.path.isfile(os.path.join(output, manifest.MANIFEST_NAME)):
+            for path in manifest.unlisted_shard_files(output, manifest.read_manifest(output)):
+                os.remove(os.path.join(output, path))
 
 
 def after_failure(runner, error: Exception, output: str) -> None:

@@ -51,6 +51,9 @@ def verify_dataset(data_dir: str) -> Verification:
     rules = _row_rules(data_dir, found, vocab, result)
     for entry in (shard for split in found.splits.values() for shard in split.shards):
         _verify_shard(os.path.join(data_dir, entry.path), entry, rules, result)
+    result.problems += [f"{os.path.join(data_dir, path)}: a shard the manifest does not list "
+                        "(left by another dataset?): remove it"
+                        for path in manifest.unlisted_shard_files(data_dir, found)]
     return result
 
 

@@ -54,7 +54,7 @@ def train_wordpiece_vocab(
         parent = os.path.dirname(output_dir.rstrip("/")) or "."
         raise ValueError(f"--output {output_dir} names a file; give the directory "
                          f"{VOCAB_FILE_NAME} is written into (e.g. {parent})")
-    files = match_inputs(config.inputs)
+    files = match_inputs(config.inputs, output_dir)
     paths, formats = [path for path, _ in files], {path: fmt for path, fmt in files if fmt}
     settings = dict(min_frequency=min_frequency, limit_alphabet=limit_alphabet,
                     show_progress=False)

@@ -122,9 +122,9 @@ def differences_from_dataset(output: str, config, *, inputs_may_be_gone: bool = 
         paths = []
         for pattern in config.inputs:
             with contextlib.suppress(ValueError):  # matches nothing now
-                paths += [path for path, _ in match_inputs((pattern,))]
+                paths += [path for path, _ in match_inputs((pattern,), output)]
     else:
-        paths = [path for path, _ in match_inputs(config.inputs)]
+        paths = [path for path, _ in match_inputs(config.inputs, output)]
     return dataset_differences(found, config, paths, sha256_of(config.vocab), sizes_of(paths),
                                gone_is_a_difference=not inputs_may_be_gone)
 

@@ -13,6 +13,7 @@ This module is deliberately free of Beam and torch: the training loader reads ma
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -51,6 +52,18 @@ def shard_schema(vocab_size: int) -> pa.Schema:
 def shard_file_name(split: str, index: int, num_shards: int) -> str:
     """Relative path of one shard, e.g. `train/part-00003-of-00008.arrow`."""
     return f"{split}/part-{index:05d}-of-{num_shards:05d}.arrow"
+
+
+def unlisted_shard_files(data_dir: str, found: Manifest) -> list[str]:
+    """Shard-named files of a local dataset that its manifest does not list (relative paths,
+    sorted): what an earlier dataset of other shard counts left in the directory. A reader
+    globbing `train/*.arrow` would read them beside the dataset's own."""
+    listed = {shard.path for split in found.splits.values() for shard in split.shards}
+    on_disk = (f"{split}/{name}" for split in SPLITS
+               if os.path.isdir(os.path.join(data_dir, split))
+               for name in os.listdir(os.path.join(data_dir, split))
+               if fnmatch.fnmatch(name, "part-?????-of-?????.arrow"))
+    return sorted(path for path in on_disk if path not in listed)
 
 
 @dataclass

@@ -36,14 +36,18 @@ class InputFile(NamedTuple):
     byte_range: tuple[int, int] | None = None  # None: the whole file
 
 
-def match_inputs(patterns: tuple[str, ...]) -> list[tuple[str, str | None]]:
+def match_inputs(patterns: tuple[str, ...], output: str | None = None
+                 ) -> list[tuple[str, str | None]]:
     """(file, forced format or None) of every file the patterns match, sorted; a clear error
     for a bad pattern. The format itself is chosen where the file is read (`detect_format`).
 
     A local directory stands for every file under it (`files_under`). Multistream index files
-    are not corpus: skipped.
+    are not corpus: skipped. Nor is anything under `output`, the job's own directory (a
+    dataset made into `corpus/shards` from `corpus/`): its shards, manifest and log would be
+    read as text by the next run, and that run's changed inputs refused as another dataset.
     """
     files: dict[str, str | None] = {}
+    inside_output = _inside(output) if output else (lambda path: False)
     for entry in patterns:
         forced, pattern = readers.split_format(entry)
         if FileSystems.exists(pattern) and _is_directory(pattern):
@@ -59,6 +63,15 @@ def match_inputs(patterns: tuple[str, ...]) -> list[tuple[str, str | None]]:
                 _refuse_dangling_links(entry, sorted(glob.glob(pattern)))
         if not matched:
             raise ValueError(f"--input {entry!r} matches no file")
+        ours = [path for path in matched if inside_output(path)]
+        if ours:
+            matched = [path for path in matched if not inside_output(path)]
+            if not matched:
+                raise ValueError(f"--input {entry!r} matches no file outside --output {output} "
+                                 "(the output directory is never read as corpus): keep the "
+                                 "corpus and the output apart")
+            logger.info("leaving out %d file(s) under --output %s: the job's own, not corpus",
+                        len(ours), output)
         for path in matched:
             if wiki_xml.is_multistream_index(path):
                 logger.info("skipping %s: a multistream index, used to split its dump", path)
@@ -67,6 +80,17 @@ def match_inputs(patterns: tuple[str, ...]) -> list[tuple[str, str | None]]:
     if not files:
         raise ValueError(f"--input {list(patterns)} matches no corpus file")
     return sorted(files.items())
+
+
+def _inside(directory: str):
+    """A test of whether a path lies in `directory` (or is it): by the real local paths, so
+    `./out`, `out/` and an absolute spelling are one, or by the URL's prefix (gs://...)."""
+    if "://" in directory:
+        prefix = directory.rstrip("/") + "/"
+        return lambda path: path == prefix[:-1] or path.startswith(prefix)
+    root = os.path.realpath(directory)
+    return lambda path: "://" not in path and os.path.commonpath(
+        [root, os.path.realpath(path)]) == root
 
 
 def files_under(directory: str) -> list[str]:

@@ -81,6 +81,37 @@ def test_another_dataset_is_refused_unless_asked_and_the_same_job_runs_again(
     assert manifest_bytes(tmp_path / "again") == again
 
 
+def test_a_dataset_inside_its_corpus_folder_is_never_read_as_corpus(inputs, tmp_path, capsys):
+    """`--input corpus --output corpus/shards`: the second run read the first one's shards,
+    manifest and log as text, so the same job again was refused as another dataset, and
+    `--overwrite` then crashed, leaving shards without a manifest. And `--overwrite` with
+    another --num-shards left the replaced dataset's shards beside the new ones."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "corpus.jsonl").write_bytes((inputs / "corpus.jsonl").read_bytes())
+    output = corpus / "shards"
+
+    def prepare_folder(output, *flags) -> int:
+        return main(["prepare", f"--input={corpus}", f"--output={output}",
+                     f"--vocab={inputs / 'vocab.txt'}", "--max-seq-length=48",
+                     "--num-shards=2", *flags])
+
+    assert prepare_folder(output) == 0
+    first = manifest_bytes(output)
+    assert list(json.loads(first)["input_files"]) == [str(corpus / "corpus.jsonl")]
+    assert prepare_folder(output) == 0  # the same job: allowed, the same dataset
+    assert manifest_bytes(output) == first
+
+    assert prepare_folder(output, "--num-shards=3", "--overwrite") == 0
+    assert sorted(path.name for path in (output / "train").iterdir()) == [
+        f"part-0000{i}-of-00003.arrow" for i in range(3)]
+    capsys.readouterr()
+
+    assert prepare_folder(corpus) == 2  # the corpus folder as the output: nothing else to read
+    assert "matches no file outside --output" in one_error_line(capsys)
+    assert (corpus / "corpus.jsonl").exists()
+
+
 def test_no_dataset_is_replaced_under_a_reader_or_by_a_second_writer(inputs, tmp_path, capsys):
     output = tmp_path / "shards"
     assert prepare(inputs, output) == 0

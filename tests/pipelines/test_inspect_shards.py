@@ -93,6 +93,17 @@ def test_verify_checks_every_row_as_the_loader_does(tmp_path):
     assert problems == [result.problems[0].replace(path, manifest.shard_file_name("train", 0, 1))]
 
 
+def test_verify_names_shards_the_manifest_does_not_list(tmp_path):
+    """A shard another dataset left in the directory: a reader globbing `train/*.arrow` would
+    read it, so --verify names it (it said "4 files ... match the manifest")."""
+    path = _write_dataset(str(tmp_path / "data"), [([2, 5, 3, 6, 3], 3, 0)] * 2)
+    stale = tmp_path / "data" / manifest.shard_file_name("train", 1, 4)
+    stale.write_bytes(open(path, "rb").read())
+    (tmp_path / "data" / "train" / "notes.txt").write_text("the user's own file: not a shard")
+    assert verify_dataset(str(tmp_path / "data")).problems == [
+        f"{stale}: a shard the manifest does not list (left by another dataset?): remove it"]
+
+
 def test_verify_names_specials_out_of_place_and_bad_labels(tmp_path):
     rows = [([2, 5, 3, 6, 3], 3, 0), ([2, 5, 6, 3, 3], 3, 0), ([2, 5, 3, 6, 3], 3, 2)]
     path = _write_dataset(str(tmp_path / "data"), rows)

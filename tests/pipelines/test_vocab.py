@@ -92,6 +92,18 @@ def test_trains_on_sentence_per_line_text(tmp_path):
         assert "cat" in f.read().splitlines()
 
 
+def test_a_vocabulary_inside_its_corpus_folder_is_not_read_by_the_next_run(tmp_path):
+    """`vocab --input corpus --output corpus/vocab` run again read its own vocab.txt (and log)
+    as corpus, and trained another vocabulary."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "books.txt").write_text(
+        "The cat sat on the mat.\nThe dog sat too.\n\nA new document starts here.\n" * 50)
+    config = VocabConfig((str(tmp_path / "corpus"),), str(tmp_path / "corpus" / "vocab"),
+                         vocab_size=200)
+    first = open(train_wordpiece_vocab(config, min_frequency=1), encoding="utf-8").read()
+    assert open(train_wordpiece_vocab(config, min_frequency=1), encoding="utf-8").read() == first
+
+
 def test_a_vocabulary_smaller_than_asked_says_so(tmp_path, caplog):
     (tmp_path / "small.txt").write_text("The cat sat on the mat.\nThe dog sat too.\n" * 20)
     with caplog.at_level("WARNING", logger="bertforge"):
