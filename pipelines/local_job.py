@@ -31,6 +31,7 @@ from bertforge.pipelines.local.options import (
 from bertforge.pipelines.local.progress import Progress, format_size
 from bertforge.pipelines.local.runner import LocalRunner
 from bertforge.pipelines.local.work_dir import WORK_DIR_NAME, WorkConflict
+from bertforge.pipelines.local.worker_records import relay_our_worker_records
 from bertforge.pipelines.prepare_options import PrepareConfig
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def local_runner(config: PrepareConfig, options: PipelineOptions, files: list,
                  vocab_bytes: bytes, start_over: bool) -> LocalRunner:
     local = "://" not in config.output or config.output.startswith("file://")
     output = config.output.removeprefix("file://")
+    relay_our_worker_records()  # multi_processing's workers: their warnings as ours
     return LocalRunner(
         work_dir=os.path.join(output, WORK_DIR_NAME) if local else None,
         identity=job_identity(config, files, vocab_bytes),
