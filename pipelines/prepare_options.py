@@ -53,14 +53,16 @@ class PrepareConfig:
     inputs: tuple[str, ...] = option(
         (), "corpus file, directory or glob (local, gs://, s3://); repeatable and/or "
         "comma-separated. The format is chosen by, in order: 1) a FORMAT: prefix, taken as "
-        "given (jsonl, parquet, wiki, books, sentences; books:DIR/*.txt reads one book per "
-        "file, the only way to get books); 2) the name, past any .gz/.bz2: .jsonl/.json JSON "
-        "Lines with 'text', .parquet with a 'text' column, .xml or a Wikimedia part such as "
-        ".xml-p1p41242 a MediaWiki dump; 3) otherwise the content: <mediawiki or <page> -> "
-        "wiki, a JSON object on the first line -> jsonl, PAR1 -> parquet, anything else "
-        "Google's one sentence per line. A file whose content contradicts its name (a .jsonl "
-        "holding XML) is rejected as format_mismatch. Decompressed by a .gz/.bz2 name, else "
-        "by gzip/bzip2 magic bytes.", flag="--input", marks=(LOCATION,))
+        "given (jsonl, parquet, wiki, wikiextractor, books, sentences; books:DIR/*.txt reads "
+        "one book per file, the only way to get books); 2) the name, past any .gz/.bz2: "
+        ".jsonl/.json JSON Lines with 'text', .parquet with a 'text' column, .xml or a "
+        "Wikimedia part such as .xml-p1p41242 a MediaWiki dump; 3) otherwise the content: "
+        "<mediawiki or <page> -> wiki, a JSON object on the first line -> jsonl, PAR1 -> "
+        "parquet, a first line <doc id=...> -> wikiextractor (WikiExtractor's default "
+        "output), anything else Google's one sentence per line. A file whose content "
+        "contradicts its name (a .jsonl holding XML) is rejected as format_mismatch. "
+        "Decompressed by a .gz/.bz2 name, else by gzip/bzip2 magic bytes.",
+        flag="--input", marks=(LOCATION,))
     # A pipeline file gives these elsewhere: its own paths, [vocab]'s casing, each phase's length.
     output: str = option("", "dataset directory to write", marks=(LOCATION, NOT_IN_FILE))
     vocab: str = option("", "WordPiece vocab.txt", marks=(LOCATION, NOT_IN_FILE))

@@ -10,6 +10,7 @@ live in `input_files`. Adding a format is a function plus one entry in `FORMATS`
 | `jsonl` | `.jsonl`, `.json` | a JSON object on line 1 | a line's object: `text`, `doc_id`/`id` |
 | `parquet` | `.parquet` | `PAR1` magic | a row: `text` column, `doc_id`/`id`; batch by batch |
 | `wiki` | `.xml`, `.xml-p1p41242` (a part) | `<mediawiki`, `<page>` | an article (`wiki_xml`) |
+| `wikiextractor` | - | `<doc id=` on line 1 | a `<doc>` block of WikiExtractor's default output |
 | `books` | `books:` prefix only | - | a whole file; paragraphs on blank lines |
 | `sentences` | - | anything else | Google's: a sentence a line, blank lines between documents |
 
@@ -26,6 +27,7 @@ such record is listed as `invalid_utf8` among the *repaired* records (`records.R
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -135,6 +137,54 @@ def read_sentence_per_line(
         yield from document()
 
 
+_DOC_START = re.compile(r'^<doc\b[^>]*?\bid="([^"]*)"[^>]*>\s*$')
+_DOC_TITLE = re.compile(r'\btitle="([^"]*)"')
+_DOC_END = "</doc>"
+
+
+def read_wikiextractor(
+    path: str, doc_id_prefix: str, stream: BinaryIO
+) -> Iterator[RawDocument | Reject]:
+    """WikiExtractor's default output (`AA/wiki_00`): `<doc id=".." url=".." title="..">`, the
+    title on the next line, then a paragraph a line, then `</doc>`. Each block is a document
+    (doc_id: its `id`, as a JSON record's); its title line is left out, as NVIDIA's BERT
+    scripts do, and each line is a paragraph of its own, so a section heading is never joined
+    to the sentence after it. Read as plain text, the tags became training text."""
+    lines: list[str] | None = None  # inside a block: its lines so far
+    doc_id = title = ""
+    start_line, repair = 0, None
+    for line_number, raw in enumerate(iter_lines(stream), start=1):
+        line, bad = decode(raw, f"{path}:{line_number}")
+        line = line.strip()
+        opened = _DOC_START.match(line)
+        if opened and lines is None:
+            doc_id, lines, start_line, repair = opened.group(1), [], line_number, None
+            found_title = _DOC_TITLE.search(line)
+            title = html.unescape(found_title.group(1)) if found_title else ""
+            doc_id = doc_id or f"{doc_id_prefix}:{line_number}"
+        elif line == _DOC_END and lines is not None:
+            yield from _wikiextractor_document(lines, title, doc_id, f"{path}:{start_line}",
+                                               repair)
+            lines = None
+        elif lines is not None and line:
+            repair = repair or bad
+            lines.append(html.unescape(line))  # its default, --html-safe, escapes & < >
+    if lines is not None:  # a file cut inside its last block: what it holds is still text
+        yield from _wikiextractor_document(lines, title, doc_id, f"{path}:{start_line}", repair)
+
+
+def _wikiextractor_document(lines: list[str], title: str, doc_id: str, source: str,
+                            repair: Reject | None) -> Iterator[RawDocument | Reject]:
+    if lines and lines[0] == title:
+        lines = lines[1:]
+    if not lines:
+        yield Reject("empty_document", source, doc_id)
+        return
+    if repair is not None:
+        yield repair._replace(source=source, doc_id=doc_id)
+    yield RawDocument(doc_id, source, text="\n\n".join(lines))
+
+
 def read_book(path: str, doc_id_prefix: str, stream: BinaryIO) -> Iterator[RawDocument | Reject]:
     """The whole file is one document (a book); CRLF and a BOM are fine.
 
@@ -180,6 +230,7 @@ FORMATS: dict[str, Reader] = {
     "jsonl": read_jsonl,
     "parquet": read_parquet,
     "wiki": read_wiki_xml,
+    "wikiextractor": read_wikiextractor,
     "books": read_book,
     "sentences": read_sentence_per_line,
 }
@@ -229,7 +280,8 @@ def format_of(path: str, forced: str | None = None) -> str:
 def sniff_format(head: bytes) -> str | None:
     """The format the first bytes of a file show (decompressed, but raw for Parquet), or None.
 
-    `<mediawiki` (after an XML declaration) or `<page>` -> wiki; a first line that is a JSON
+    `<mediawiki` (after an XML declaration) or `<page>` -> wiki; `<doc id="...` as the whole
+    first line -> wikiextractor; a first line that is a JSON
     object -> jsonl (a line longer than `head` counts when it starts like one); `PAR1` -> parquet.
     Plain text shows nothing: the caller's default applies.
     """
@@ -238,6 +290,8 @@ def sniff_format(head: bytes) -> str | None:
     start = _XML_DECLARATION.sub(b"", head.lstrip(BOM.encode() + b" \t\r\n"))
     if start.startswith((b"<mediawiki", b"<page>")):
         return "wiki"
+    if _DOC_START.match(start.partition(b"\n")[0].decode("utf-8", "replace").strip()):
+        return "wikiextractor"
     first_line, newline, _ = start.partition(b"\n")
     if first_line.startswith(b"{"):
         if not newline:

@@ -46,6 +46,40 @@ def test_sentence_per_line_documents_split_on_blank_lines():
     assert out[2].sentences == ("Third.",)
 
 
+WIKIEXTRACTOR = b"""<doc id="12" url="https://en.wikipedia.org/wiki?curid=12" title="Anarchism">
+Anarchism
+
+Anarchism is a political philosophy. It is skeptical of authority.
+History
+Humans lived without formal hierarchies &amp; states &lt;long&gt; before.
+</doc>
+<doc id="25" url="https://en.wikipedia.org/wiki?curid=25" title="AT&amp;T">
+AT&amp;T
+</doc>
+<doc id="39" url="https://en.wikipedia.org/wiki?curid=39" title="Cut">
+Cut
+The file ends inside this block.
+"""
+
+
+def test_wikiextractor_blocks_are_documents_without_their_tags_and_titles():
+    """WikiExtractor's default output (`AA/wiki_00`, which the README names) was read as a
+    sentence a line: `<doc id=...>` and `</doc>` became training text and the blocks' bounds
+    were lost."""
+    from bertforge.pipelines.read.readers import choose_format
+
+    assert choose_format("wx/AA/wiki_00", None, WIKIEXTRACTOR).fmt == "wikiextractor"
+    out = list(read_documents("wx/AA/wiki_00", "wiki_00", io.BytesIO(WIKIEXTRACTOR),
+                              "wikiextractor"))
+    # Each line its own paragraph, so the heading stays a sentence apart from the next one.
+    assert out[0] == RawDocument("12", "wx/AA/wiki_00:1", text=(
+        "Anarchism is a political philosophy. It is skeptical of authority.\n\nHistory\n\n"
+        "Humans lived without formal hierarchies & states <long> before."))
+    assert (out[1].reason, out[1].doc_id) == ("empty_document", "25")  # its title only
+    assert out[2] == RawDocument("39", "wx/AA/wiki_00:11", text="The file ends inside this block.")
+    assert len(out) == 3
+
+
 def test_format_is_chosen_by_extension_past_compression():
     assert format_extension("a/b.jsonl.gz") == ".jsonl"
     assert format_extension("b.JSON") == ".json"
