@@ -53,6 +53,7 @@ from bertforge.pipelines.instances.pairs_transform import (  # noqa: F401  (re-e
 from bertforge.pipelines.prepare_options import (
     PrepareCommand,
     PrepareConfig,
+    beam_options,
     check_beam_args,
     check_gcs_paths,
     help_text,
@@ -170,7 +171,7 @@ def build_pipeline(config: PrepareConfig, beam_args: Sequence[str] = ()) -> beam
 def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
     """Beam's own flags, checked (`check_beam_args`), as Beam's options object."""
     check_beam_args(beam_args)
-    return PipelineOptions(list(beam_args))
+    return beam_options(beam_args)
 
 
 def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = False

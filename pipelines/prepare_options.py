@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, NoReturn
 
-from apache_beam.options.pipeline_options import PipelineOptions, TestOptions
+from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, TestOptions
 
 from bertforge.pipelines.contract.config_fields import (
     NOT_IN_FILE,
@@ -155,7 +155,7 @@ class PrepareCommand:
     def options(self) -> PipelineOptions:
         """Beam's flags as Beam's options object, built once (`parse_command_line` checked
         them); the job's run reads and completes this one (its runner default)."""
-        return PipelineOptions(list(self.beam_args))
+        return beam_options(self.beam_args)
 
     @property
     def dry_run(self) -> bool:
@@ -164,6 +164,18 @@ class PrepareCommand:
     @property
     def quiet(self) -> bool:
         return bool(self.options.view_as(LocalRunnerOptions).quiet)
+
+
+def beam_options(beam_args: Sequence[str]) -> PipelineOptions:
+    """Beam's options object of its flags. `--direct_num_workers N` alone (N > 1) means N
+    worker processes: Beam's default running mode, in_memory, would run one and say so only in
+    the log."""
+    options = PipelineOptions(list(beam_args))
+    direct = options.view_as(DirectOptions)
+    if (direct.direct_num_workers or 0) > 1 and not any(
+            arg.split("=", 1)[0] == "--direct_running_mode" for arg in beam_args):
+        direct.direct_running_mode = "multi_processing"
+    return options
 
 
 def parse_command_line(argv: Sequence[str]) -> PrepareCommand:
@@ -209,7 +221,15 @@ def _beam_parser() -> argparse.ArgumentParser:
     it for a pipeline: handed over by Beam's public hook, so no private name is borrowed."""
     built: list[argparse.ArgumentParser] = []
     PipelineOptions([]).get_all_options(add_extra_args_fn=built.append)
-    return built[0]
+    parser = built[0]
+    # A bad value (`--direct_num_workers two`) is one line like any other mistake, not Beam's
+    # 129-line usage and an exit from inside the check.
+    parser.error = _raise_value_error
+    return parser
+
+
+def _raise_value_error(message: str) -> NoReturn:
+    raise ValueError(message)
 
 
 def check_beam_args(beam_args: Sequence[str]) -> None:

@@ -53,9 +53,31 @@ def test_beam_flags_stay_as_beam_spells_them_and_may_not_set_job_options():
         check_beam_args(["--runner=DirectRunner", "--help"])
 
 
+@pytest.mark.parametrize(("beam_args", "mode"), [
+    (["--direct_num_workers=2"], "multi_processing"),
+    (["--direct_num_workers", "4"], "multi_processing"),
+    (["--direct_num_workers=2", "--direct_running_mode=multi_threading"], "multi_threading"),
+    (["--direct_num_workers=2", "--direct_running_mode", "in_memory"], "in_memory"),
+    (["--direct_num_workers=1"], "in_memory"),
+    ([], "in_memory"),
+])
+def test_worker_processes_asked_for_are_what_a_local_run_gets(beam_args, mode):
+    """`--direct_num_workers 2` alone ran one process (Beam's in_memory mode), saying so in
+    the log only; a mode given explicitly is kept."""
+    from apache_beam.options.pipeline_options import DirectOptions
+
+    options = parse_command_line(REQUIRED + beam_args).options
+    assert options.view_as(DirectOptions).direct_running_mode == mode
+
+
 def test_a_bad_value_or_a_missing_one_is_one_error_naming_the_flag():
     with pytest.raises(ValueError, match="--num-shards.*invalid int value: 'abc'"):
         parse_command_line(REQUIRED + ["--num-shards=abc"])
+    # Beam's flags too (Beam's parser printed its 129-line usage and exited).
+    with pytest.raises(ValueError, match="--direct_num_workers: invalid int value: 'two'"):
+        parse_command_line(REQUIRED + ["--direct_num_workers", "two"])
+    with pytest.raises(ValueError, match="--direct_running_mode: invalid choice: 'bogus'"):
+        check_beam_args(["--direct_running_mode=bogus"])
     with pytest.raises(ValueError, match="inputs are required"):
         parse_command_line(["--output=o", "--vocab=v"])
     with pytest.raises(ValueError, match="unexpected argument.*stray"):
