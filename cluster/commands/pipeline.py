@@ -127,6 +127,15 @@ class VocabSection:
         )
 
 
+# A `bertforge prepare` flag a pipeline file gives elsewhere, and where.
+_PREPARE_KEYS_SET_ELSEWHERE = {
+    "output": "the pipeline writes the shards under workdir",
+    "vocab": "give it as [vocab]'s path (or let [vocab] train one)",
+    "lower_case": "give it in [vocab]",
+    "max_seq_length": "give it in each [phaseN]",
+}
+
+
 @dataclass(frozen=True)
 class PrepareSection:
     """[prepare]: the Beam job's `PrepareConfig` fields (one set for both lengths) and the
@@ -152,7 +161,8 @@ class PrepareSection:
         options = from_table(
             PrepareConfig, "prepare", values, inputs=inputs,
             output=paths.shards(max_seq_length), vocab=paths.vocab, lower_case=vocab.lower_case,
-            max_seq_length=max_seq_length,
+            max_seq_length=max_seq_length, set_elsewhere=_PREPARE_KEYS_SET_ELSEWHERE,
+            also_known=("inputs", "beam_args"),
         )
         try:
             check_beam_args(list(beam_args))

@@ -261,15 +261,21 @@ def table_keys(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if not marked(f, NOT_IN_FILE)}
 
 
-def from_table(cls: type, section: str, table: Any, **fixed: Any) -> Any:
+def from_table(cls: type, section: str, table: Any, *, set_elsewhere: dict[str, str] | None = None,
+               also_known: tuple[str, ...] = (), **fixed: Any) -> Any:
     """`cls` built from a TOML table: unknown keys and wrong types are errors naming the key;
     `fixed` supplies the fields the caller sets itself (those NOT_IN_FILE, and any it resolved,
-    which the table then cannot set). The config's own validation runs as usual, its message
-    prefixed with the section."""
+    which the table then cannot set); `set_elsewhere` says where such a key belongs, for the
+    error; `also_known` are keys the caller took from the table first. The config's own
+    validation runs as usual, its message prefixed with the section."""
     if not isinstance(table, dict):
         raise ValueError(f"[{section}] must be a table, got {table!r}")
     types_by_name = field_types(cls)
-    known = sorted(table_keys(cls) - set(fixed))
+    known = sorted(table_keys(cls) - set(fixed) | set(also_known))
+    misplaced = [f"{key}: {set_elsewhere[key]}" for key in sorted(table)
+                 if key in (set_elsewhere or {})]
+    if misplaced:
+        raise ValueError(f"[{section}] cannot set {'; '.join(misplaced)}")
     unknown = sorted(set(table) - set(known))
     if unknown:
         raise ValueError(f"unknown key(s) in [{section}]: {', '.join(unknown)}"

@@ -99,7 +99,14 @@ def test_phase2_warm_starts_from_phase1s_run(tmp_path):
                                     "got 4"),
     ({"phase2": {"recipe": "bert_tiny_phase2", "max_seq_length": 3}},
      "max_seq_length must be at least 5 ([CLS] A [SEP] B [SEP]), got 3"),
-    ({"prepare__max_seq_length": 64}, "unknown key(s) in [prepare]: max_seq_length"),
+    # Flags of `bertforge prepare` that a pipeline file gives elsewhere: said where.
+    ({"prepare__max_seq_length": 64},
+     "[prepare] cannot set max_seq_length: give it in each [phaseN]"),
+    ({"prepare__lower_case": False, "prepare__output": "x"},
+     "[prepare] cannot set lower_case: give it in [vocab]; output: the pipeline writes the "
+     "shards under workdir"),
+    ({"prepare__dupe_factr": 2}, "unknown key(s) in [prepare]: dupe_factr; known: beam_args, "
+                                 "dupe_factor, inputs, num_shards,"),
     ({"prepare__random_pool_chars": 0}, "prepare: random_pool_chars must be at least 1"),
     ({"cluster__placement_strategy": "ANY"}, "cluster: unknown placement strategy 'ANY'"),
 ])
