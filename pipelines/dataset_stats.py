@@ -112,7 +112,12 @@ def inspect_dataset(data_dir: str, num_samples: int = 3) -> dict[str, Any]:
     """Statistics of every split of the dataset in `data_dir`, plus decoded sample pairs."""
     found = manifest.read_manifest(data_dir)
     max_seq_length = found.instance_param("max_seq_length", data_dir)
-    vocab = read_vocab(os.path.join(data_dir, manifest.VOCAB_NAME))
+    vocab_path = os.path.join(data_dir, manifest.VOCAB_NAME)
+    if not os.path.isfile(vocab_path):
+        raise FileNotFoundError(f"{vocab_path} is missing: every prepared dataset holds the "
+                                "vocabulary its ids index (copy it back from where the dataset "
+                                "was made; `--verify` checks the whole dataset)")
+    vocab = read_vocab(vocab_path)
     rules = RowRules.from_vocab(sorted(vocab, key=vocab.__getitem__), max_seq_length,
                                 found.tokenizer.vocab_size)
     splits = {

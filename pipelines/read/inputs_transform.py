@@ -62,7 +62,12 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None
             if "://" not in pattern:
                 _refuse_dangling_links(entry, sorted(glob.glob(pattern)))
         if not matched:
-            raise ValueError(f"--input {entry!r} matches no file")
+            hidden = _is_directory(pattern) and any(
+                name.startswith(".") and os.path.isdir(os.path.join(pattern, name))
+                for name in os.listdir(pattern))
+            raise ValueError(f"--input {entry!r} matches no file" + (
+                " (its hidden folders, such as .git, are never read as corpus: name their "
+                "files, e.g. DIR/.folder/*.txt)" if hidden else ""))
         ours = [path for path in matched if inside_output(path)]
         if ours:
             matched = [path for path in matched if not inside_output(path)]

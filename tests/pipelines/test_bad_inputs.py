@@ -113,6 +113,11 @@ def test_a_directory_stands_for_every_file_under_it(tmp_path):
     for name in ("AA/wiki_00", "AB/wiki_00", "top.txt", ".hidden.txt", ".git/objects/x"):
         (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "in" / name).write_text("One. Two.\n")
+    (tmp_path / "only-hidden" / ".cache").mkdir(parents=True)
+    (tmp_path / "only-hidden" / ".cache" / "a.txt").write_text("One. Two.\n")
+    with pytest.raises(ValueError, match="matches no file \\(its hidden folders, such as .git, "
+                                         "are never read"):
+        match_inputs((str(tmp_path / "only-hidden"),))
     assert match_inputs(("books:" + str(tmp_path / "in"),)) == [
         (str(tmp_path / "in" / name), "books")
         for name in (".hidden.txt", "AA/wiki_00", "AB/wiki_00", "top.txt")]

@@ -1,6 +1,7 @@
 import os
 
 import pyarrow as pa
+import pytest
 
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.dataset_stats import format_report, inspect_dataset
@@ -91,6 +92,14 @@ def test_verify_checks_every_row_as_the_loader_does(tmp_path):
         "(1 bad row(s) in its record batch of 2)"]
     problems = inspect_dataset(str(tmp_path / "bad"), num_samples=0)["splits"]["train"]["problems"]
     assert problems == [result.problems[0].replace(path, manifest.shard_file_name("train", 0, 1))]
+
+
+def test_inspect_of_a_dataset_without_its_vocabulary_says_what_is_missing(tmp_path):
+    _write_dataset(str(tmp_path / "data"), [([2, 5, 3, 6, 3], 3, 0)])
+    os.remove(tmp_path / "data" / manifest.VOCAB_NAME)
+    with pytest.raises(FileNotFoundError, match=r"vocab.txt is missing: every prepared dataset "
+                                                r"holds the vocabulary its ids index"):
+        inspect_dataset(str(tmp_path / "data"))
 
 
 def test_verify_names_shards_the_manifest_does_not_list(tmp_path):
