@@ -74,7 +74,8 @@ class TrainConfig:
     # Warm start of a fresh run: a checkpoint, a run directory (its newest checkpoint) or a
     # Hugging Face directory. Weights only: optimizer, schedule and data start anew.
     init_from: str | None = option(help="warm-start weights: a checkpoint, a run directory or "
-                                   "a Hugging Face directory")
+                                   "a Hugging Face BERT directory (of any head: the "
+                                   "pretraining heads it lacks start fresh)")
     checkpoint_every: int = option(0, "steps between checkpoints; 0: only at the end")
     keep_checkpoints: int = option(2, "newest checkpoints kept")
     resume: bool = option(True, "continue from the newest complete checkpoint in run_dir",
@@ -107,7 +108,7 @@ class TrainConfig:
             raise ValueError(f"max_predictions must be at least 1, got {self.max_predictions}")
         if self.keep_checkpoints < 1:
             raise ValueError("keep_checkpoints must be at least 1")
-        for name in ("eval_every", "eval_batches"):
+        for name in ("eval_every", "eval_batches", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.profile_steps is not None:

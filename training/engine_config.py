@@ -87,6 +87,7 @@ class EngineConfig:
             raise ValueError(f"learning_rate must be positive, got {self.learning_rate}")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ValueError(f"global_batch_size must be at least 1, got {self.global_batch_size}")
+        self._check_optimizer_values()
         self._check_optimizer()
         self._check_bf16_autocast_options()
 
@@ -102,6 +103,22 @@ class EngineConfig:
                     f"{name} needs the engine's bf16 autocast (bf16 at ZeRO stage 0), not "
                     f"precision {self.precision} at ZeRO stage {self.zero_stage}: it would "
                     "change nothing there; leave it out, or train in bf16 at --zero-stage 0")
+
+    def _check_optimizer_values(self) -> None:
+        """Values the optimizers would refuse inside the workers, after Ray's start, once per
+        retry (`Invalid beta parameter at index 0: 1.5`): refused here, in the driver."""
+        if len(self.adam_betas) != 2 or not all(0 <= beta < 1 for beta in self.adam_betas):
+            raise ValueError(f"adam_betas must be two numbers in [0, 1), got "
+                             f"{' '.join(map(str, self.adam_betas))}")
+        if self.adam_eps < 0:
+            raise ValueError(f"adam_eps must be >= 0, got {self.adam_eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.gradient_clipping < 0:
+            raise ValueError(f"gradient_clipping must be >= 0 (0: no clip), got "
+                             f"{self.gradient_clipping}")
+        if self.decay_power <= 0:
+            raise ValueError(f"decay_power must be positive, got {self.decay_power}")
 
     def _check_optimizer(self) -> None:
         if self.optimizer == "lamb" and self.zero_stage not in (None, 0):  # None: 0 for LAMB

@@ -157,22 +157,53 @@ def rename_to_hf(
 
 
 def from_hf_state_dict(
-    hf_state_dict: Mapping[str, torch.Tensor], config: BertConfig
+    hf_state_dict: Mapping[str, torch.Tensor], config: BertConfig,
+    names: Mapping[str, tuple[str, ...]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Hugging Face state dict -> ours (QKV fused, vocabulary rows padded with zeros), tied
-    names filled in so `load_state_dict` is strict."""
+    names filled in so `load_state_dict` is strict. `names`: the part of `hf_name_map` the
+    state dict holds (default: all of it)."""
     renamed = canonical_names(hf_state_dict)
     # Buffers (position_ids) are not parameters; stored tied copies must really be copies.
     renamed.pop("bert.embeddings.position_ids", None)
     tied_copies = {name: renamed.pop(name) for name in _TIED_NAMES.values() if name in renamed}
-    ours = rename_from_hf(renamed, hf_name_map(config.num_hidden_layers), config)
+    ours = rename_from_hf(renamed, names or hf_name_map(config.num_hidden_layers), config)
     for tied, source in _TIED_SOURCES.items():
         copy = tied_copies.get(_TIED_NAMES[tied])
-        if copy is not None and not torch.equal(copy, ours[source][: copy.shape[0]]):
+        if source in ours and copy is not None and not torch.equal(
+                copy, ours[source][: copy.shape[0]]):
             raise ValueError(f"{tied} differs from {source}: untied checkpoints are unsupported")
     for tied, source in _TIED_SOURCES.items():
-        ours[tied] = ours[source]
+        if source in ours:
+            ours[tied] = ours[source]
     return ours
+
+
+# The parts of BertForPreTraining another Hugging Face BERT may lack, by their names' prefix.
+OPTIONAL_PARTS = {"pooler": "bert.pooler.", "masked-LM head": "cls.predictions.",
+                  "next-sentence head": "cls.seq_relationship."}
+
+
+def pretraining_state_from_any_hf(
+    hf_state_dict: Mapping[str, torch.Tensor], config: BertConfig
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(ours, the OPTIONAL_PARTS it lacks) from any Hugging Face BERT's tensors: a
+    BertForPreTraining's, a BertForMaskedLM's, or the encoder of another head's (a
+    BertModel's bare names, a fine-tuned classifier's `bert.*`; its own head is no part of
+    pretraining and is left out). What it lacks, the caller initialises afresh."""
+    tensors = canonical_names(hf_state_dict)
+    if not any(name.startswith(("bert.", "cls.")) for name in tensors):
+        tensors = {f"bert.{name}": tensor for name, tensor in tensors.items()}  # a BertModel
+    tensors = {name: tensor for name, tensor in tensors.items()
+               if name.startswith(("bert.", "cls."))}
+    names = hf_name_map(config.num_hidden_layers)
+    lacking = [part for part, prefix in OPTIONAL_PARTS.items()
+               if not any(name.startswith(prefix) and name not in _TIED_NAMES.values()
+                          for name in tensors)]
+    prefixes = tuple(OPTIONAL_PARTS[part] for part in lacking)
+    if prefixes:
+        names = {ours: hf for ours, hf in names.items() if not ours.startswith(prefixes)}
+    return from_hf_state_dict(tensors, config, names), lacking
 
 
 def rename_from_hf(
@@ -457,10 +488,15 @@ def import_hf_state_dict(
         config = config or infer_config(hf_state_dict)
     else:
         hf_dir = os.fspath(hf_dir_or_state_dict)
-        config_path = os.path.join(hf_dir, HF_CONFIG_NAME)
-        if not os.path.exists(config_path):
-            raise ValueError(f"{hf_dir} has no {HF_CONFIG_NAME}")
-        with open(config_path, encoding="utf-8") as f:
-            config = config or config_from_hf_dict(json.load(f))
+        config = config or read_hf_config(hf_dir)
         hf_state_dict = load_hf_weights(hf_dir)
     return config, from_hf_state_dict(hf_state_dict, config)
+
+
+def read_hf_config(hf_dir: str) -> BertConfig:
+    """The BertConfig of a Hugging Face directory's config.json."""
+    config_path = os.path.join(hf_dir, HF_CONFIG_NAME)
+    if not os.path.exists(config_path):
+        raise ValueError(f"{hf_dir} has no {HF_CONFIG_NAME}")
+    with open(config_path, encoding="utf-8") as f:
+        return config_from_hf_dict(json.load(f))

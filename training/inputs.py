@@ -12,6 +12,7 @@ line naming the file or flag. `check_train_inputs`, `check_eval_inputs` and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -267,7 +268,19 @@ def check_train_inputs(cfg: TrainConfig, world_size: int | None = None) -> None:
     precision and ZeRO stage given), --init-from, and, on `world_size` workers, the step's
     batch against them and the training split where the micro-batch is known."""
     facts = check_dataset(cfg.data_dir, ("train", "validation") if cfg.eval_every else ("train",))
+    made = not os.path.isdir(cfg.run_dir)
     check_run_dir(cfg.run_dir)
+    try:
+        _check_train_run(cfg, facts, world_size)
+    except BaseException:
+        if made:  # a refused run leaves no directory it made (still empty)
+            with contextlib.suppress(OSError):
+                os.rmdir(cfg.run_dir)
+        raise
+
+
+def _check_train_run(cfg: TrainConfig, facts: DatasetFacts, world_size: int | None) -> None:
+    """`check_train_inputs` once the data and the run directory are known to be usable."""
     model_config = resolve_model_config(cfg.model, facts.vocab_size)
     check_positions(facts.max_seq_length, model_config, cfg.data_dir)
     resumed = check_resume(cfg.run_dir, model_config, facts, cfg.data_dir) if cfg.resume else None
@@ -277,6 +290,7 @@ def check_train_inputs(cfg: TrainConfig, world_size: int | None = None) -> None:
             check_precision_change(saved, cfg, path)
         if cfg.zero_stage is not None and world_size is not None:  # None: the device decides
             check_zero_stage_change(saved, cfg.zero_stage, world_size, path)
+        check_same_course(saved, cfg, facts, path)
     if resumed is None and cfg.init_from:
         source = check_model_source(cfg.init_from)
         # A checkpoint's bertforge.json says it all; a Hugging Face directory's weights the
@@ -306,6 +320,31 @@ def check_step_batch(cfg: TrainConfig, facts: DatasetFacts, world_size: int) -> 
             f"optimizer step ({cfg.micro_batch_size} micro x {counted(world_size, 'worker')} x "
             f"{accumulation} accumulation = {step}): give a smaller --batch-size or "
             "--global-batch-size, or prepare more data")
+
+
+def check_same_course(saved: dict[str, Any], cfg: TrainConfig, facts: DatasetFacts,
+                      path: str) -> None:
+    """A resume continues the same data order and optimizer: the loader's saved position
+    counts samples of an order that the seed and the training split's size make, and the
+    optimizer's state is the saved optimizer's. (Found by the workers before, once Ray had
+    started, and retried: `cannot resume: the saved loader state has num_samples=489`, a
+    KeyError of LAMB's.) Keys a checkpoint of an earlier bertforge lacks are not compared."""
+    restart = f"or start a new run with --init-from {path} to continue its weights"
+    if saved.get("seed") not in (None, cfg.seed):
+        raise UserInputError(f"{path} was trained with --seed {saved['seed']}; a resume keeps "
+                             f"the data order it made: give --seed {saved['seed']}, {restart}")
+    trained_on = saved.get("train_samples")
+    if trained_on not in (None, facts.split_sizes.get("train", trained_on)):
+        raise UserInputError(
+            f"{path} was trained on a dataset of {trained_on:,} training samples "
+            f"({saved.get('data_dir', 'its --data')}); {cfg.data_dir} has "
+            f"{facts.split_sizes['train']:,}, and the run's position in its data order would "
+            f"point at other samples: resume on the run's own dataset, {restart}")
+    if saved.get("optimizer") not in (None, cfg.optimizer):
+        raise UserInputError(
+            f"{path} was trained with --optimizer {saved['optimizer']}, whose state it holds; "
+            f"resuming it with {cfg.optimizer} is not supported: give --optimizer "
+            f"{saved['optimizer']}, {restart}")
 
 
 def check_precision_change(saved: dict[str, Any], cfg: TrainConfig, path: str) -> None:

@@ -119,8 +119,11 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         positions_trained = max(positions_trained, checkpoint.positions_trained(saved))
     if resume_from is None and cfg.init_from:
         # Only a fresh run warm-starts; a resumed one has its own, newer weights.
-        positions_trained = max(positions_trained, load_initial_weights(
-            model, cfg.init_from, facts.vocab_sha256))
+        initial = load_initial_weights(model, cfg.init_from, facts.vocab_sha256)
+        positions_trained = max(positions_trained, initial.positions_trained)
+        if initial.lacking and rank == 0:
+            console(f"[train] init_from {cfg.init_from} has no {' and no '.join(initial.lacking)}"
+                    " (a model saved with another head): they start from a fresh initialisation")
     engine = build_engine(model, resolved, load_universal=universal)
     # A run keeps its id across resumes (one saved before runs had ids gets one now).
     run_id = (saved or {}).get("run_id") or run_id or checkpoint.new_run_id()
@@ -163,6 +166,10 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         "bf16_residual": cfg.bf16_residual,
         # `bertforge eval` masks the validation split as this run did: its seed and masking.
         "seed": cfg.seed,
+        # What a resume must keep, checked by the driver before Ray (training.inputs): the
+        # data order's size and the optimizer whose state the checkpoint holds.
+        "train_samples": loader.num_samples,
+        "optimizer": cfg.optimizer,
         "masking": asdict(requested_masking),  # another dataset: its own default predictions
     }
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}

@@ -18,8 +18,11 @@ from bertforge.training.errors import UserInputError
 from bertforge.training.hf_interop import (
     HF_CONFIG_NAME,
     HF_WEIGHTS_NAMES,
+    OPTIONAL_PARTS,
     hf_positions_trained,
-    import_hf_state_dict,
+    load_hf_weights,
+    pretraining_state_from_any_hf,
+    read_hf_config,
 )
 from bertforge.training.model import BertConfig, BertForPreTraining
 
@@ -30,20 +33,24 @@ ARCHITECTURE_FIELDS = (
 )
 
 
-def load_initial_weights(model: BertForPreTraining, source: str, vocab_sha256: str) -> int:
+def load_initial_weights(model: BertForPreTraining, source: str, vocab_sha256: str
+                         ) -> InitialWeights:
     """Copy the weights of `source` into `model` after checking architecture and vocabulary;
-    returns the positions its training reached (`InitialWeights.positions_trained`)."""
-    source_config, state, source_vocab_sha256, positions_trained = read_initial_weights(source)
-    check_fits(source, source_config, source_vocab_sha256, model.config, vocab_sha256)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [name for name in missing if name != "cls.predictions.decoder.weight"]  # tied
+    the parts the source lacks (`InitialWeights.lacking`) keep the model's own initialisation.
+    Returns what was read, less its tensors."""
+    initial = read_initial_weights(source)
+    check_fits(source, initial.config, initial.vocab_sha256, model.config, vocab_sha256)
+    missing, unexpected = model.load_state_dict(initial.state_dict, strict=False)
+    fresh = tuple(OPTIONAL_PARTS[part] for part in initial.lacking)
+    missing = [name for name in missing if name != "cls.predictions.decoder.weight"  # tied
+               and not (fresh and name.startswith(fresh))]
     if missing or unexpected:
         raise UserInputError(
             f"init_from {source} does not fit the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
     model.tie_weights()
-    return positions_trained
+    return initial._replace(state_dict={})
 
 
 def check_fits(source: str, source_config: BertConfig, source_vocab_sha256: str | None,
@@ -65,6 +72,9 @@ class InitialWeights(NamedTuple):
     # The longest sequences its pretraining has trained position embeddings for: the rest of
     # max_position_embeddings are still at their random initial values.
     positions_trained: int
+    # hf_interop.OPTIONAL_PARTS a Hugging Face BERT of another head lacks (a BertModel: the
+    # pretraining heads); a warm start initialises them afresh.
+    lacking: tuple[str, ...] = ()
 
 
 def read_initial_weights(source: str) -> InitialWeights:
@@ -80,11 +90,16 @@ def read_initial_weights(source: str) -> InitialWeights:
             f"init_from {source} is neither a complete checkpoint, a run directory with one, "
             f"nor a Hugging Face directory ({HF_CONFIG_NAME} + {HF_WEIGHTS_NAMES[0]})"
         )
-    config, state = import_hf_state_dict(source)
+    config = read_hf_config(source)
+    try:
+        state, lacking = pretraining_state_from_any_hf(load_hf_weights(source), config)
+    except ValueError as error:
+        raise UserInputError(f"init_from {source} does not hold a BERT of its "
+                             f"{HF_CONFIG_NAME}'s shape: {error}") from None
     vocab_path = os.path.join(source, "vocab.txt")
     vocab_sha256 = sha256_file(vocab_path) if os.path.exists(vocab_path) else None
     return InitialWeights(config, {name: tensor.float() for name, tensor in state.items()},
-                          vocab_sha256, hf_positions_trained(source, config))
+                          vocab_sha256, hf_positions_trained(source, config), tuple(lacking))
 
 
 def architecture_differences(source: BertConfig, target: BertConfig) -> list[str]:

@@ -93,6 +93,15 @@ def test_a_batch_the_workers_or_the_data_cannot_hold_is_refused_before_ray(datas
     refused(["train", *run, "--batch-size", "64", "--workers", "2"], capsys,
             "has 70 sequences, fewer than one optimizer step (64 micro x 2 workers x 1 "
             "accumulation = 128)")
+    # Values the optimizer or the loop refused in the workers, once per attempt (or, for
+    # --checkpoint-every -1, took as 0 without a word).
+    refused(["train", *run, "--adam-betas", "1.5", "0.9"], capsys,
+            "adam_betas must be two numbers in [0, 1), got 1.5 0.9")
+    refused(["train", *run, "--gradient-clipping", "-1"], capsys,
+            "gradient_clipping must be >= 0 (0: no clip), got -1.0")
+    refused(["train", *run, "--checkpoint-every", "-1"], capsys,
+            "checkpoint_every must be >= 0, got -1")
+    assert not os.path.exists(tmp_path / "run")
 
 
 @pytest.mark.slow  # one real training step (DeepSpeed on the CPU) makes the checkpoint
@@ -114,6 +123,16 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
             "was trained in fp32; resuming it in bf16 is not supported")
     refused([*resume, "--precision", "fp32", "--zero-stage", "2"], capsys,
             "under ZeRO stage 0; resuming on 1 worker under ZeRO stage 2 is not supported")
+    # What the data order and the optimizer's state were made with (the workers found them,
+    # after Ray's start, and retried: "cannot resume: the saved loader state has
+    # num_samples=...", a KeyError of LAMB's).
+    refused([*resume, "--seed", "7"], capsys, "was trained with --seed 12345", "--seed 12345")
+    refused([*resume, "--optimizer", "lamb"], capsys,
+            "was trained with --optimizer adamw, whose state it holds")
+    other = write_dataset(str(tmp_path / "other"), {"train": [20, 20], "validation": [16]})
+    refused(["train", "--data", other, "--run-dir", str(tiny_run), "--workers", "1"], capsys,
+            "was trained on a dataset of 70 training samples", f"{other} has 40")
+    assert json.loads((tiny_run / "config.json").read_text())["train"]["optimizer"] == "adamw"
     # eval and export of that checkpoint pass their pre-flight; a used output is refused.
     refused(["export", str(run_dir), "--output", str(tmp_path)], capsys, "exists")
     # The same export again (a scheduler's retry, or one stopped after its last file) is done,

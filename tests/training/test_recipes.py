@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import shutil
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from bertforge.pipelines.contract.manifest import read_manifest
 from bertforge.training import checkpoint, recipes
 from bertforge.training.data import PretrainingLoader
 from bertforge.training.export import export_checkpoint
+from bertforge.training.hf_interop import OPTIONAL_PARTS
 from bertforge.training.loop import train
 from bertforge.training.metrics import read_metrics
 from bertforge.training.model import BertConfig, BertForPreTraining
@@ -133,6 +135,45 @@ def test_warm_start_from_a_hugging_face_directory(phases, tmp_path):
     load_initial_weights(model, hf_dir, read_manifest(short).tokenizer.vocab_sha256)
     reference = source.state_dict()
     assert all(torch.equal(p, reference[n]) for n, p in model.state_dict().items())
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+
+
+@pytest.mark.parametrize("kind", ["BertModel", "BertForSequenceClassification",
+                                  "BertForMaskedLM"])
+def test_warm_start_from_a_hugging_face_bert_of_another_head(phases, tmp_path, kind):
+    """A BertModel's directory, or the `hf/` a fine-tune writes: the run crashed in its
+    workers ("state dict does not match: missing cls.*"), retried four times. Now the encoder
+    (and whatever head the source has of pretraining's) comes from it, the rest keeps the
+    model's own initialisation, and `lacking` names that rest."""
+    import transformers
+
+    short, _, _, phase1_ckpt = phases
+    full = transformers.BertForPreTraining.from_pretrained(
+        export_checkpoint(phase1_ckpt, str(tmp_path / "hf")))
+    other = getattr(transformers, kind)(full.config)
+    other.load_state_dict(full.state_dict(), strict=False)  # the names they share
+    if kind == "BertModel":
+        other = full.bert
+    other.save_pretrained(tmp_path / kind)
+    shutil.copy(tmp_path / "hf" / "vocab.txt", tmp_path / kind)
+
+    source, _ = checkpoint.load_model(phase1_ckpt)
+    torch.manual_seed(0)
+    model = BertForPreTraining(source.config)
+    fresh = {n: p.clone() for n, p in model.state_dict().items()}
+    initial = load_initial_weights(model, str(tmp_path / kind),
+                                   read_manifest(short).tokenizer.vocab_sha256)
+    lacking = {"BertModel": ("masked-LM head", "next-sentence head"),
+               "BertForSequenceClassification": ("masked-LM head", "next-sentence head"),
+               "BertForMaskedLM": ("pooler", "next-sentence head")}[kind]
+    assert initial.lacking == lacking
+    prefixes = tuple(OPTIONAL_PARTS[part] for part in lacking)
+    reference = source.state_dict()
+    for name, tensor in model.state_dict().items():
+        # The decoder's weight is the word embeddings' (tied): the source's.
+        from_source = name == "cls.predictions.decoder.weight" or not name.startswith(prefixes)
+        expected = reference[name] if from_source else fresh[name]
+        assert torch.equal(tensor, expected), name
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
 
 
