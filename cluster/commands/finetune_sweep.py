@@ -34,10 +34,12 @@ from bertforge.cluster.commands.stage_runner import (
     fresh_dir,
     heartbeat,
 )
+from bertforge.cluster.launch import local_worker
 from bertforge.cluster.launch.launch_config import LaunchConfig
 from bertforge.cluster.launch.local_worker import run_in_local_process, runs_in_one_local_process
 from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_copy
 from bertforge.cluster.launch.ray_train import QUIET_RAY_TRAIN, connect, run_on_ray
+from bertforge.cluster.launch.worker_output import LOG_DIR
 from bertforge.cluster.safety.atomic_files import write_json_atomic
 from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, FinetuneConfig
 from bertforge.training.finetune.load import load_pretrained
@@ -47,6 +49,11 @@ from bertforge.training.inputs import check_model_source
 
 RESULTS_NAME = "results.json"
 RUNS_DIR = "runs"
+# What the workers keep under DIR/runs for themselves: their logs, Ray Train's state, the local
+# worker's spec and error. A fine-tune refused in its worker (SQuAD's doc_stride against the
+# length, say) leaves these and no result: its settings do not pin the directory.
+WORKER_SCRATCH = tuple(os.path.join(RUNS_DIR, name) for name in
+                       (LOG_DIR, "ray", local_worker.SPEC_NAME, local_worker.ERROR_NAME))
 SQUAD_FILE = os.path.join("squad", "dev-v1.1.json")
 SQUAD_PRIMARY = "f1"
 
@@ -129,11 +136,13 @@ def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     trained = provenance["positions_trained"]
     if cfg.seq_length > trained and not cfg.random_init:
         # Google's recipe pretrains at 512 tokens last for this reason.
+        shorter = f"--max-seq-length {trained}"
+        if cfg.is_squad and cfg.doc_stride_for(trained) != cfg.doc_stride:  # windows must fit
+            shorter += f" --doc-stride {cfg.doc_stride_for(trained)}"
         print(f"[finetune] warning: max_seq_length {cfg.seq_length} is longer than the "
               f"{trained} tokens {cfg.model} was pretrained at: positions {trained + 1}-"
               f"{cfg.seq_length} keep their random initial embeddings; pretrain a phase at "
-              f"that length first (the pipeline's [phase2]), or give --max-seq-length "
-              f"{trained}", flush=True)
+              f"that length first (the pipeline's [phase2]), or give {shorter}", flush=True)
     return {"model": provenance, "num_train_examples": len(train), "num_dev_examples": len(dev)}
 
 
@@ -207,7 +216,7 @@ class _Job:
 
     def stage_runner(self) -> StageRunner:
         return StageRunner(self.cfg.output, "finetune", self.cfg.settings(),
-                           heartbeat_seconds=60.0,
+                           scratch=WORKER_SCRATCH, heartbeat_seconds=60.0,
                            skip_message="done in an earlier run, reusing it",
                            dir_flag="--output")
 

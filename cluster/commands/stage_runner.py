@@ -81,12 +81,14 @@ class StageRunner:
     maps a recorded key's dotted path to its name today (a directory an earlier bertforge made
     stays usable); `may_add` maps a dotted prefix to the stage it configures: settings there
     that the recorded run did not have (a pipeline's [phase2], added once phase 1 is done) are
-    no difference while that stage has not run.
+    no difference while that stage has not run. `scratch`: paths under `root` that the
+    command's workers keep for themselves (their logs, state and error files), no output: an
+    earlier run that left only those made nothing, and does not pin its settings.
     """
 
     def __init__(self, root: str, command: str, settings: dict[str, Any], *,
                  ignored: tuple[str, ...] = (), renamed: dict[str, str] | None = None,
-                 may_add: dict[str, str] | None = None,
+                 may_add: dict[str, str] | None = None, scratch: tuple[str, ...] = (),
                  heartbeat_seconds: float = 60.0, skip_message: str = "output complete, skipping",
                  dir_flag: str = "directory"):
         self.root = os.path.abspath(root)
@@ -95,6 +97,7 @@ class StageRunner:
         self.ignored = ignored
         self.renamed = renamed or {}
         self.may_add = may_add or {}
+        self.scratch = scratch
         self.heartbeat_seconds = heartbeat_seconds
         self.skip_message = skip_message
         self.dir_flag = dir_flag
@@ -203,13 +206,13 @@ class StageRunner:
         return False
 
     def _holds_outputs(self) -> bool:
-        """Whether any file but the state, the lock and the logs is in the directory."""
+        """Whether any file but the state, the lock, the logs and the scratch is there."""
+        skipped = (LOCK_NAME, os.path.basename(self.state_path), LOG_DIR, *self.scratch)
         for folder, subfolders, files in os.walk(self.root):
-            if folder == self.root:
-                subfolders[:] = [name for name in subfolders if name != LOG_DIR]
-                files = [name for name in files
-                         if name not in (LOCK_NAME, os.path.basename(self.state_path))]
-            if files:
+            relative = os.path.relpath(folder, self.root)
+            inside = "" if relative == "." else relative + os.sep
+            subfolders[:] = [name for name in subfolders if inside + name not in skipped]
+            if any(inside + name not in skipped for name in files):
                 return True
         return False
 

@@ -68,6 +68,9 @@ def test_settings_leave_out_what_a_rerun_may_change():
       "regression": True, "labels": ("x", "y")}, "--regression takes no --labels"),
     ({"seeds": ()}, "at least one seed"),
     ({"batch_size": 0}, "batch_size must be at least 1"),
+    # SQuAD's window against its length: found by the worker before, naming no flag.
+    ({"task": "squad", "max_seq_length": 128}, "max_seq_length 128 leaves 61 context tokens "
+     "after a 64-token question: more than doc_stride 128 are needed; give --doc-stride 30"),
     ({"warmup_fraction": 1.0}, "warmup_fraction must be in"),
     ({"sweep": True, "sweep_learning_rates": (1e-5, -1.0)}, "learning rates must be positive"),
 ])

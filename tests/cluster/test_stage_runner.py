@@ -28,6 +28,35 @@ def test_a_run_that_made_nothing_does_not_pin_its_settings(tmp_path, capsys):
     assert "made nothing here; starting afresh" in capsys.readouterr().out
 
 
+def test_what_a_refused_fine_tunes_worker_left_does_not_pin_its_settings(tmp_path, capsys):
+    """A fine-tune its worker refused (SQuAD's doc_stride against the length) left its logs and
+    the local worker's spec and error under DIR/runs: the corrected command was refused as
+    "made with other settings". A run's own output there still pins them."""
+    from bertforge.cluster.commands.finetune_sweep import WORKER_SCRATCH
+
+    root = tmp_path / "out"
+
+    def refused_in_the_worker() -> dict:
+        for name in ("runs/logs/worker-0.log", "runs/local-worker.json",
+                     "runs/local-worker.error", "runs/ray/state.json"):
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text("the worker's own")
+        (root / "runs" / "lr2e-05-seed1").mkdir()  # made, left empty
+        raise ValueError("max_seq_length 128 leaves 61 context tokens")
+
+    with pytest.raises(ValueError, match="61 context tokens"):
+        with StageRunner(str(root), "finetune", {"doc_stride": 128},
+                         scratch=WORKER_SCRATCH) as runner:
+            runner.run([Stage("run", refused_in_the_worker)])
+    with StageRunner(str(root), "finetune", {"doc_stride": 32},
+                     scratch=WORKER_SCRATCH) as runner:
+        (root / "runs" / "lr2e-05-seed1" / "result.json").write_text("{}")  # a run's output
+    assert "made nothing here; starting afresh" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="made with other settings"):
+        with StageRunner(str(root), "finetune", {"doc_stride": 16}, scratch=WORKER_SCRATCH):
+            pass
+
+
 @pytest.mark.parametrize("work", ["a finished stage", "a file a stage wrote"])
 def test_a_directory_holding_work_refuses_other_settings_and_says_how_to_keep_it(tmp_path, work):
     root = tmp_path / "out"

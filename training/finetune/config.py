@@ -162,7 +162,31 @@ class FinetuneConfig:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
         if not 0 < self.squad_dev_fraction < 1:
             raise ValueError(f"squad_dev_fraction must be in (0, 1), got {self.squad_dev_fraction}")
+        if self.is_squad:
+            self._check_squad_window()
         check_choices(self)  # precision, zero_stage
+
+    def _check_squad_window(self) -> None:
+        """SQuAD's windows fit the length: found by the worker before (its directory then kept
+        the refused settings), with no word of the flag to change."""
+        stride = self.doc_stride_for(self.seq_length)
+        if stride != self.doc_stride:
+            raise ValueError(
+                f"max_seq_length {self.seq_length} leaves {self.squad_window(self.seq_length)} "
+                f"context tokens after a {self.max_query_length}-token question: more than "
+                f"doc_stride {self.doc_stride} are needed; give --doc-stride {stride} (or a "
+                "longer --max-seq-length, or a shorter --max-query-length)")
+
+    def squad_window(self, seq_length: int) -> int:
+        """Context tokens a SQuAD window of `seq_length` holds at least: [CLS] question [SEP]
+        context [SEP]."""
+        return seq_length - self.max_query_length - 3
+
+    def doc_stride_for(self, seq_length: int) -> int:
+        """doc_stride, or half the window where the windows of `seq_length` are too short
+        for it (a window must hold more than the stride)."""
+        window = self.squad_window(seq_length)
+        return self.doc_stride if window > self.doc_stride else max(1, window // 2)
 
     @property
     def is_squad(self) -> bool:
