@@ -48,7 +48,22 @@ def check_dataset(data_dir: str, splits: tuple[str, ...] = ("train",)) -> Datase
     for split in splits:
         split_rows(data_dir, manifest, split)  # footers and row counts only, memory-mapped
     read_vocab_tokens(data_dir, manifest.tokenizer)
+    refuse_empty_splits(facts, splits, data_dir)
     return facts
+
+
+def refuse_empty_splits(facts: DatasetFacts, splits: tuple[str, ...], data_dir: str) -> None:
+    """A split the command reads that holds nothing is said as such (it was "fewer than one
+    optimizer step: give a smaller --batch-size", which no batch size mends)."""
+    empty = [split for split in splits if facts.split_sizes.get(split) == 0]
+    if not empty:
+        return
+    why = {"validation": "prepare holds whole documents out for it (--validation-fraction), "
+                         "and this corpus had too few; prepare with more documents, or train "
+                         "without --eval-every (eval: --split train)",
+           "train": "prepare with more text"}
+    raise UserInputError(f"split {empty[0]!r} of {data_dir} is empty (0 instances): "
+                         f"{why.get(empty[0], 'prepare with more text')}")
 
 
 def _check_remote_dataset(data_dir: str, splits: tuple[str, ...]) -> DatasetFacts:
@@ -85,7 +100,9 @@ def _check_remote_dataset(data_dir: str, splits: tuple[str, ...]) -> DatasetFact
     if absent:
         raise UserInputError(f"dataset {data_dir} has no {' or '.join(absent)} split (it has "
                              f"{', '.join(sorted(manifest.splits))})")
-    return DatasetFacts.from_manifest(manifest, data_dir)
+    facts = DatasetFacts.from_manifest(manifest, data_dir)
+    refuse_empty_splits(facts, splits, data_dir)
+    return facts
 
 
 def check_run_dir(run_dir: str) -> str:

@@ -104,6 +104,15 @@ def test_a_batch_the_workers_or_the_data_cannot_hold_is_refused_before_ray(datas
     assert not os.path.exists(tmp_path / "run")
 
 
+def test_an_empty_split_is_said_to_be_empty(tmp_path, capsys):
+    """One book prepared holds no document out: its validation split is empty, and eval and
+    train --eval-every said "fewer than one optimizer step: give a smaller --batch-size"."""
+    data = write_dataset(str(tmp_path / "data"), {"train": [40], "validation": [0]})
+    refused(["train", "--data", data, "--run-dir", str(tmp_path / "run"), "--eval-every", "5"],
+            capsys, f"split 'validation' of {data} is empty (0 instances)", "--eval-every")
+    assert not os.path.exists(tmp_path / "run")
+
+
 @pytest.mark.slow  # one real training step (DeepSpeed on the CPU) makes the checkpoint
 def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys):
     run_dir = tmp_path / "run"
