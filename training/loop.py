@@ -187,6 +187,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     with profiler, survivors:
         while step < cfg.max_steps:
             profiler.begin(step + 1)
+            lr = engine.get_lr()[0]  # the rate this step trains at: its scheduler moves on in it
             for _ in range(accumulation):
                 batch = to_device(next(batches), engine.device)
                 out = engine(**batch)
@@ -196,7 +197,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
             step += 1
             log_line = step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps
             if log_line:
-                metrics = window.reduce(engine)
+                metrics = window.reduce(lr)
                 total_tokens += metrics["tokens"]
                 first_loss = metrics["loss"] if first_loss is None else first_loss
                 last_loss = metrics["loss"]
@@ -442,7 +443,8 @@ class _Window:
             last_layer_rows=num_cls + min(self.max_predictions, width) if batch_size else 0,
         )
 
-    def reduce(self, engine) -> dict[str, Any]:
+    def reduce(self, lr: float) -> dict[str, Any]:
+        """The interval's metrics; `lr`: the rate its last step trained at."""
         host = torch.tensor(self.host_sums, dtype=torch.float64, device=self.device)
         sums = all_reduce_sum(torch.cat([self.device_sums, host]), self.device)
         values = sums.tolist()  # the one host sync of the interval
@@ -457,7 +459,7 @@ class _Window:
             "loss": loss / micro_batches,
             "mlm_loss": mlm / micro_batches,
             "nsp_loss": nsp / micro_batches,
-            "lr": engine.get_lr()[0],
+            "lr": lr,
             "seq_per_s": sequences / seconds,
             "tokens_per_s": tokens / seconds,
             "tokens": int(tokens),

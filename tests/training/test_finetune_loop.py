@@ -52,6 +52,11 @@ def test_same_seed_same_run_and_the_task_is_learned(files, tmp_path):
     assert first["steps"] == 64 and first["precision"] == "fp32"
     with open(tmp_path / "a" / "result.json", encoding="utf-8") as f:
         assert json.load(f)["metrics"] == first["metrics"]
+    # Each logged rate is the one its step trained at (it was the next step's: the last 0):
+    # 64 steps, 10 % warm-up (6 steps), then linear decay to 0 after step 64.
+    with open(tmp_path / "a" / "metrics.jsonl", encoding="utf-8") as f:
+        logged = {r["step"]: r["lr"] for r in map(json.loads, f) if "lr" in r}
+    assert logged[1] == pytest.approx(3e-3 / 6) and logged[64] == pytest.approx(3e-3 / 58)
 
     other, _ = run(files, tmp_path / "c", seeds=(99,))
     assert other["final_train_loss"] != first["final_train_loss"]

@@ -121,8 +121,10 @@ def test_phase2_starts_from_phase1_weights_with_a_fresh_optimizer(phases, tmp_pa
         expected = model(**first_batch(long, cfg)).loss.item()
     history = [r for r in read_metrics(cfg.run_dir) if "loss" in r]
     assert history[0]["loss"] == pytest.approx(expected, rel=1e-5)
-    # A new schedule: after step 1 of 2 warmup steps the lr is at its peak (phase 1 ended at 0).
-    assert history[0]["lr"] == pytest.approx(cfg.learning_rate)
+    # A new schedule: step 1 of 2 warm-up steps trains at half the peak (phase 1 ended at 0),
+    # and step 2 at the peak. (The logged rate was the next step's: the peak, then 0.)
+    assert [record["lr"] for record in history] == pytest.approx(
+        [cfg.learning_rate / 2, cfg.learning_rate])
     with open(os.path.join(cfg.run_dir, "config.json")) as f:
         assert phase1_dir in f.read()
 

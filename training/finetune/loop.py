@@ -166,6 +166,7 @@ def _train(engine, data: TaskData, cfg: FinetuneConfig, steps_per_epoch: int, nu
                               engine.device)
             out = engine(**batch)
             engine.backward(out["loss"])
+            lr = engine.get_lr()[0]  # the rate this step trains at: its scheduler moves on in it
             engine.step()
             loss_sum += out["loss"].detach()
             window_steps += 1
@@ -176,7 +177,7 @@ def _train(engine, data: TaskData, cfg: FinetuneConfig, steps_per_epoch: int, nu
                 loss, micro_steps, examples = all_reduce_sum(sums, engine.device).tolist()
                 seconds = max(time.time() - window_start, 1e-9)
                 last_loss = loss / micro_steps
-                logger.log(step + 1, {"loss": last_loss, "lr": engine.get_lr()[0],
+                logger.log(step + 1, {"loss": last_loss, "lr": lr,
                                       "seq_per_s": examples / seconds})
                 loss_sum.zero_()
                 window_steps = window_rows = 0
