@@ -15,6 +15,7 @@ load with no missing or unexpected keys, without importing `transformers` (a dev
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -491,6 +492,44 @@ def import_hf_state_dict(
         config = config or read_hf_config(hf_dir)
         hf_state_dict = load_hf_weights(hf_dir)
     return config, from_hf_state_dict(hf_state_dict, config)
+
+
+HF_TOKENIZER_NAME = "tokenizer.json"
+
+
+def hf_vocab_file(hf_dir: str) -> str | None:
+    """A Hugging Face directory's WordPiece vocabulary as a vocab.txt path: its own, or, where
+    it has only a tokenizer.json (what transformers 5 saves), one written from that file's
+    WordPiece vocabulary into the temporary directory, named by the file's sha256 (every
+    process that reads the model, a worker on another node too, writes the same bytes). None
+    when it has neither; a tokenizer.json of another model (BPE, Unigram) is a ValueError."""
+    own = os.path.join(hf_dir, "vocab.txt")
+    if os.path.exists(own):
+        return own
+    path = os.path.join(hf_dir, HF_TOKENIZER_NAME)
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        model = json.loads(raw)["model"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is no tokenizers file ({error})") from None
+    if model.get("type") != "WordPiece":
+        raise ValueError(f"{path} holds a {model.get('type')} tokenizer, not BERT's WordPiece")
+    ids = sorted(model["vocab"].items(), key=lambda item: item[1])
+    if [index for _, index in ids] != list(range(len(ids))):
+        raise ValueError(f"{path}: its WordPiece ids are not 0..{len(ids) - 1}")
+    text = "".join(f"{token}\n" for token, _ in ids).encode("utf-8")
+    folder = os.path.join(tempfile.gettempdir(), "bertforge-vocab",
+                          hashlib.sha256(raw).hexdigest()[:16])
+    written = os.path.join(folder, "vocab.txt")
+    if not os.path.exists(written):
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, delete=False) as f:
+            f.write(text)
+        os.replace(f.name, written)  # whole or absent, whoever writes it
+    return written
 
 
 def read_hf_config(hf_dir: str) -> BertConfig:

@@ -139,6 +139,28 @@ def test_bare_bert_model_and_fine_tuned_exports_are_accepted_as_model(bert_dir,
     assert again.state_dict["bert.embeddings.word_embeddings.weight"].shape[0] >= len(VOCAB)
 
 
+def test_a_directory_transformers_5_saved_with_a_tokenizer_json_only_is_accepted(
+        bert_dir, tmp_path) -> None:
+    """transformers 5 saves a tokenizer as tokenizer.json alone: such a directory was refused
+    ("has no vocab.txt") though its WordPiece vocabulary is in that file."""
+    saved = tmp_path / "saved"
+    transformers.BertModel.from_pretrained(bert_dir).save_pretrained(saved)
+    transformers.AutoTokenizer.from_pretrained(bert_dir).save_pretrained(saved)
+    if (saved / "vocab.txt").exists():  # a transformers that still writes one
+        (saved / "vocab.txt").unlink()
+    loaded = load_pretrained(str(saved))
+    with open(loaded.vocab_path, encoding="utf-8") as f:
+        assert f.read().splitlines() == list(VOCAB)
+    assert loaded.provenance["vocab_sha256"] == load_pretrained(bert_dir).provenance[
+        "vocab_sha256"]
+
+    tokenizer = json.loads((saved / "tokenizer.json").read_text(encoding="utf-8"))
+    tokenizer["model"]["type"] = "BPE"
+    (saved / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
+    with pytest.raises(ValueError, match="holds a BPE tokenizer, not BERT's WordPiece"):
+        load_pretrained(str(saved))
+
+
 def test_random_init_keeps_the_architecture_and_vocabulary_only(bert_dir) -> None:
     pretrained = load_pretrained(bert_dir)
     fresh = load_pretrained(bert_dir, random_init=True)

@@ -26,6 +26,7 @@ from bertforge.training.hf_interop import (
     config_from_hf_dict,
     encoder_name_map,
     hf_positions_trained,
+    hf_vocab_file,
     load_hf_weights,
     rename_from_hf,
 )
@@ -35,7 +36,8 @@ from bertforge.training.warm_start import read_initial_weights
 
 CHECKPOINT, RUN_DIR, HF_DIR = "checkpoint", "run_dir", "hf_dir"
 _WHAT_WE_TAKE = ("a bertforge checkpoint, a run directory with one, or a Hugging Face BERT "
-                 f"directory ({HF_CONFIG_NAME}, {HF_WEIGHTS_NAMES[0]} and vocab.txt)")
+                 f"directory ({HF_CONFIG_NAME}, {HF_WEIGHTS_NAMES[0]}, and vocab.txt or "
+                 "tokenizer.json)")
 
 
 class PretrainedModel(NamedTuple):
@@ -101,10 +103,13 @@ def _from_checkpoint(source: str, kind: str, random_init: bool,
 
 def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:
     config = _hf_config(source)
-    vocab_path = os.path.join(source, "vocab.txt")
-    if not os.path.exists(vocab_path):
-        raise ValueError(f"model {source} has no vocab.txt: a BERT directory brings its "
-                         "WordPiece vocabulary")
+    try:
+        vocab_path = hf_vocab_file(source)
+    except ValueError as error:
+        raise ValueError(f"model {source}: {error}") from None
+    if vocab_path is None:
+        raise ValueError(f"model {source} has no vocab.txt or tokenizer.json: a BERT directory "
+                         "brings its WordPiece vocabulary")
     if not random_init:  # weights required: the driver's pre-flight rule, checked here too
         check_model_source(source)
     state = None if random_init else _hf_encoder(source, config)
