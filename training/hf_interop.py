@@ -409,7 +409,7 @@ def write_hf_directory(
     if num_vocab > config.vocab_size:
         raise ValueError(f"{vocab_path} has {num_vocab} tokens > vocab_size {config.vocab_size}")
     output_dir = os.path.abspath(output_dir)
-    if os.path.exists(output_dir) and not overwrite:
+    if os.path.exists(output_dir) and not overwrite and not is_empty_directory(output_dir):
         raise FileExistsError(f"{output_dir} exists; pass overwrite=True to replace it")
     parent = os.path.dirname(output_dir)
     os.makedirs(parent, exist_ok=True)
@@ -424,6 +424,11 @@ def write_hf_directory(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output_dir
+
+
+def is_empty_directory(path: str) -> bool:
+    """A directory with nothing in it (one made beforehand for an export is no export)."""
+    return os.path.isdir(path) and not os.listdir(path)
 
 
 def _replace_directory(staging: str, output_dir: str) -> None:

@@ -23,6 +23,7 @@ from bertforge.training.config import TrainConfig
 from bertforge.training.data.split import read_dataset_manifest, read_vocab_tokens, split_rows
 from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.errors import MissingInputError, UserInputError, as_user_error
+from bertforge.training.hf_interop import is_empty_directory
 from bertforge.training.metrics import counted
 from bertforge.training.model import BertConfig
 from bertforge.training.warm_start import check_casing, check_fits, check_resume_architecture
@@ -238,10 +239,11 @@ def refuse_storage_uri(path: str, what: str) -> None:
 
 
 def check_output_dir(output: str) -> str:
-    """An export's output: a new directory in a parent that can be created and written."""
+    """An export's output: a new (or empty) directory in a parent that can be created and
+    written."""
     refuse_storage_uri(output, "an export")
     path = os.path.abspath(output)
-    if os.path.exists(path):
+    if os.path.exists(path) and not is_empty_directory(path):
         raise UserInputError(f"output {output} exists; give a new directory (an export never "
                              "writes over one)")
     check_run_dir(os.path.dirname(path))

@@ -156,6 +156,10 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
     assert again.endswith(first), (first, again)  # the same source line and output
     assert {name: os.stat(hf / name).st_mtime_ns for name in os.listdir(hf)} == written
     refused(["export", str(tiny_run), "--output", str(hf)], capsys, f"output {hf} exists")
+    made_before = tmp_path / "made-before"  # an empty directory is no export: it is used
+    made_before.mkdir()
+    assert main(["export", str(tiny_run), "--output", str(made_before)]) == 0
+    assert (made_before / "config.json").exists()
 
 
 def test_a_warm_start_of_another_architecture_or_vocabulary_is_refused_before_ray(

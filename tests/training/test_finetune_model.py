@@ -192,6 +192,9 @@ def test_a_directory_with_no_model_is_refused(tmp_path) -> None:
         load_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="no such directory"):
         load_pretrained(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="config.json: a file, not a directory"):
+        load_pretrained(str(tmp_path / "config.json"))
 
 
 def test_bert_config_with_foreign_weights_is_refused(bert_dir, tmp_path) -> None:

@@ -54,7 +54,8 @@ def source_kind(source: str) -> str:
     pre-flight): `load_pretrained` applies it when it reads weights, after naming a non-BERT
     config.json (random init needs config.json and vocab.txt only)."""
     if not os.path.isdir(source):
-        raise ValueError(f"model {source}: no such directory; give {_WHAT_WE_TAKE}")
+        what = "a file, not a directory" if os.path.isfile(source) else "no such directory"
+        raise ValueError(f"model {source}: {what}; give {_WHAT_WE_TAKE}")
     if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)):
         return CHECKPOINT
     if checkpoint.latest_checkpoint(source) is not None:
