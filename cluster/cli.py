@@ -306,7 +306,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def train_config_from_args(args: argparse.Namespace):
-    from bertforge.pipelines.contract.config_fields import given_values
+    from bertforge.pipelines.contract.config_fields import given_values, with_flag_name
     from bertforge.training.config import TrainConfig
     from bertforge.training.recipes import recipe_by_name
 
@@ -315,11 +315,14 @@ def train_config_from_args(args: argparse.Namespace):
     overrides["resume"] = args.resume == "auto"
     if args.preset:
         overrides["model"] = {"preset": args.preset}
-    if args.recipe:
-        return recipe_by_name(args.recipe, args.data, args.run_dir, init_from=init_from,
-                              **overrides)
-    return TrainConfig(data_dir=args.data, run_dir=args.run_dir, init_from=init_from,
-                       **overrides)
+    try:
+        if args.recipe:
+            return recipe_by_name(args.recipe, args.data, args.run_dir, init_from=init_from,
+                                  **overrides)
+        return TrainConfig(data_dir=args.data, run_dir=args.run_dir, init_from=init_from,
+                           **overrides)
+    except ValueError as error:
+        raise ValueError(with_flag_name(str(error), TrainConfig)) from None
 
 
 def _train_configs(args: argparse.Namespace):
@@ -477,10 +480,14 @@ def _finetune_launch(args: argparse.Namespace):
 
 
 def _finetune_configs(args: argparse.Namespace):
-    from bertforge.pipelines.contract.config_fields import given_values
+    from bertforge.pipelines.contract.config_fields import given_values, with_flag_name
     from bertforge.training.finetune.config import FinetuneConfig
 
-    return FinetuneConfig(**given_values(args, FinetuneConfig)), _finetune_launch(args)
+    try:
+        config = FinetuneConfig(**given_values(args, FinetuneConfig))
+    except ValueError as error:
+        raise ValueError(with_flag_name(str(error), FinetuneConfig)) from None
+    return config, _finetune_launch(args)
 
 
 def _run_finetune(args: argparse.Namespace) -> None:

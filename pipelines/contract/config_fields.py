@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import re
 import types
 import typing
 from typing import Any
@@ -132,6 +133,21 @@ def flag_spellings(f: dataclasses.Field, *, beam: bool = False) -> tuple[str, ..
     dashed = "--" + f.name.replace("_", "-")
     underscored = (f"--{f.name}",) if beam else ()
     return tuple(dict.fromkeys((dashed, *f.metadata.get(ALIASES, ()), *underscored)))
+
+
+def with_flag_name(message: str, cls: type) -> str:
+    """A config's error that starts with a field's name ("micro_batch_size must be at least
+    1") led by the flag a user types for it ("--batch-size (micro_batch_size) must ...",
+    "--adam-betas must ..."): the command line's errors name its flags. Other messages are
+    returned as they are."""
+    name = re.match(r"\w+", message)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if name is None or name.group() not in fields or not _has_flag(fields[name.group()], ()):
+        return message
+    spellings = flag_spellings(fields[name.group()])
+    flag = spellings[1] if len(spellings) > 1 else spellings[0]  # the short alias: --batch-size
+    said = flag if flag == "--" + name.group().replace("_", "-") else f"{flag} ({name.group()})"
+    return said + message[name.end():]
 
 
 def negative_spellings(f: dataclasses.Field, kind: Any, *, beam: bool = False) -> tuple[str, ...]:

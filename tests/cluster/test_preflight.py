@@ -94,13 +94,15 @@ def test_a_batch_the_workers_or_the_data_cannot_hold_is_refused_before_ray(datas
             "has 70 sequences, fewer than one optimizer step (64 micro x 2 workers x 1 "
             "accumulation = 128)")
     # Values the optimizer or the loop refused in the workers, once per attempt (or, for
-    # --checkpoint-every -1, took as 0 without a word).
+    # --checkpoint-every -1, took as 0 without a word); each error names the flag typed.
+    refused(["train", *run, "--batch-size", "0"], capsys,
+            "--batch-size (micro_batch_size) must be at least 1, got 0")
     refused(["train", *run, "--adam-betas", "1.5", "0.9"], capsys,
-            "adam_betas must be two numbers in [0, 1), got 1.5 0.9")
+            "--adam-betas must be two numbers in [0, 1), got 1.5 0.9")
     refused(["train", *run, "--gradient-clipping", "-1"], capsys,
-            "gradient_clipping must be >= 0 (0: no clip), got -1.0")
+            "--gradient-clipping must be >= 0 (0: no clip), got -1.0")
     refused(["train", *run, "--checkpoint-every", "-1"], capsys,
-            "checkpoint_every must be >= 0, got -1")
+            "--checkpoint-every must be >= 0, got -1")
     assert not os.path.exists(tmp_path / "run")
 
 
