@@ -436,6 +436,10 @@ def resolve_checkpoint(path: str) -> str:
     if os.path.exists(os.path.join(path, COMMIT_MARKER)):
         return path
     latest = latest_checkpoint(path)
+    if latest is None and os.path.isdir(os.path.join(path, CHECKPOINTS_DIR)):
+        raise ValueError(f"run {path} has no complete checkpoint yet (a run before its first "
+                         "save, or stopped before it): wait for one (--checkpoint-every sets "
+                         "how often a run saves), or give another checkpoint")
     if latest is None:
         raise ValueError(f"{path} is neither a complete checkpoint nor a run with one")
     return latest

@@ -82,6 +82,9 @@ def test_run_directory_errors_are_refused_before_ray(dataset, tmp_path, capsys, 
     assert not os.path.exists("gs:")  # it made one here before
     refused(["export", str(tmp_path), "--output", str(tmp_path / "hf")], capsys,
             "neither a complete checkpoint nor a run with one")
+    (tmp_path / "early" / "checkpoints").mkdir(parents=True)  # a run before its first save
+    refused(["export", str(tmp_path / "early"), "--output", str(tmp_path / "hf")], capsys,
+            f"run {tmp_path / 'early'} has no complete checkpoint yet")
 
 
 def test_a_batch_the_workers_or_the_data_cannot_hold_is_refused_before_ray(dataset, tmp_path,
