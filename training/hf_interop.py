@@ -404,7 +404,7 @@ def write_hf_directory(
     Files go to a sibling temp directory renamed into place at the end, so a crash leaves
     either no `output_dir` or a complete one (with `overwrite`, the old one until the swap).
     """
-    num_vocab = len(read_vocab(vocab_path))
+    num_vocab = len(read_vocab(vocab_path, allow_repeats=True))
     # A model vocab may be padded past the file (e.g. to a multiple of 8), never shorter.
     if num_vocab > config.vocab_size:
         raise ValueError(f"{vocab_path} has {num_vocab} tokens > vocab_size {config.vocab_size}")

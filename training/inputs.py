@@ -59,12 +59,10 @@ def refuse_empty_splits(facts: DatasetFacts, splits: tuple[str, ...], data_dir: 
     empty = [split for split in splits if facts.split_sizes.get(split) == 0]
     if not empty:
         return
-    why = {"validation": "prepare holds whole documents out for it (--validation-fraction), "
-                         "and this corpus had too few; prepare with more documents, or train "
-                         "without --eval-every (eval: --split train)",
-           "train": "prepare with more text"}
-    raise UserInputError(f"split {empty[0]!r} of {data_dir} is empty (0 instances): "
-                         f"{why.get(empty[0], 'prepare with more text')}")
+    why = ("prepare holds whole documents out for it (--validation-fraction), and this corpus "
+           "had too few; prepare with more documents, or train without --eval-every (eval: "
+           "--split train)") if empty[0] == "validation" else "prepare with more text"
+    raise UserInputError(f"split {empty[0]!r} of {data_dir} is empty (0 instances): {why}")
 
 
 def _check_remote_dataset(data_dir: str, splits: tuple[str, ...]) -> DatasetFacts:

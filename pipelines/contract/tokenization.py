@@ -14,14 +14,20 @@ from tokenizers.models import WordPiece
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
-def read_vocab(vocab_path: str) -> dict[str, int]:
+def read_vocab(vocab_path: str, *, allow_repeats: bool = False) -> dict[str, int]:
     """Google's layout: one token per line, id = line number."""
     with open(vocab_path, "rb") as f:
-        return parse_vocab(f.read(), vocab_path)
+        return parse_vocab(f.read(), vocab_path, allow_repeats=allow_repeats)
 
 
-def parse_vocab(vocab_bytes: bytes, name: str = "the vocabulary") -> dict[str, int]:
-    """`read_vocab` on the file's bytes (the preparation job ships the vocabulary as bytes)."""
+def parse_vocab(vocab_bytes: bytes, name: str = "the vocabulary", *,
+                allow_repeats: bool = False) -> dict[str, int]:
+    """`read_vocab` on the file's bytes (the preparation job ships the vocabulary as bytes).
+
+    A repeated token is refused: the job's sentence marker takes the id after the last token
+    (`pipelines.instances.sentence_ids`), which a repeat makes one a token holds. A model's
+    vocabulary from elsewhere (`allow_repeats`, fine-tuning a Hugging Face BERT) is read as
+    transformers reads it: the repeat's last line gives its id."""
     # Universal newlines, as reading the file in text mode gives; a BOM (an editor's) is no
     # part of the first token.
     lines = io.StringIO(vocab_bytes.decode("utf-8-sig"), newline=None)
@@ -29,7 +35,7 @@ def parse_vocab(vocab_bytes: bytes, name: str = "the vocabulary") -> dict[str, i
     while tokens and tokens[-1] == "":
         tokens.pop()  # a trailing blank line is not a token
     vocab = {token: index for index, token in enumerate(tokens)}
-    if len(vocab) < len(tokens):
+    if len(vocab) < len(tokens) and not allow_repeats:
         raise ValueError(f"{name} {_repeated_entries(tokens)}: a token's id is its line, so a "
                          "repeated one leaves a line no text reaches and its id ambiguous; "
                          "remove the repeats")
@@ -40,7 +46,7 @@ def parse_vocab(vocab_bytes: bytes, name: str = "the vocabulary") -> dict[str, i
 
 
 def _repeated_entries(tokens: list[str]) -> str:
-    """'repeats "the" (lines 1997 and 2001)' for the first few repeated tokens (lines 1-based)."""
+    """"repeats 'the' (lines 1997 and 2001)" for the first few repeated tokens (lines 1-based)."""
     lines: dict[str, list[int]] = {}
     for number, token in enumerate(tokens, start=1):
         lines.setdefault(token, []).append(number)
@@ -56,7 +62,7 @@ def load_tokenizer(vocab_path: str, lower_case: bool) -> Tokenizer:
 
     It encodes without special tokens: instance building adds [CLS]/[SEP] itself.
     """
-    return tokenizer_from_vocab(read_vocab(vocab_path), lower_case)
+    return tokenizer_from_vocab(read_vocab(vocab_path, allow_repeats=True), lower_case)
 
 
 def tokenizer_from_vocab(vocab: dict[str, int], lower_case: bool) -> Tokenizer:

@@ -95,6 +95,11 @@ def test_a_vocabulary_with_a_repeated_token_is_refused_before_the_output_is_touc
                                          rf"{len(lines) + 1}\)"):
         run(prepare_config([str(good)], str(tmp_path / "o"), str(repeated)))
     assert earlier.read_text() == "{}"
+    # A model's vocabulary from elsewhere (fine-tuning a Hugging Face BERT) is read as
+    # transformers reads it: the last of the repeats gives the token its id.
+    from bertforge.pipelines.contract.tokenization import read_vocab
+
+    assert read_vocab(str(repeated), allow_repeats=True)["the"] == len(lines)
 
 
 def test_nothing_usable_is_an_error(tmp_path, small_vocab):

@@ -74,7 +74,7 @@ def load_pretrained(source: str, *, random_init: bool = False,
     kind = source_kind(source)
     loaded = (_from_checkpoint(source, kind, random_init, vocab_copy_dir) if kind != HF_DIR
               else _from_hf_dir(source, random_init))
-    num_tokens = len(read_vocab(loaded.vocab_path))
+    num_tokens = len(read_vocab(loaded.vocab_path, allow_repeats=True))
     if num_tokens > loaded.config.vocab_size:
         raise ValueError(f"model {source}: {loaded.vocab_path} has {num_tokens} tokens, more than "
                          f"the model's vocab_size {loaded.config.vocab_size}")
