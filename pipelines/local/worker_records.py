@@ -27,6 +27,9 @@ from google.protobuf import text_format
 SERVICE_LOGGER = "apache_beam.runners.portability.local_job_service"
 _WORKER_PREFIX = "Worker: "
 _OUR_PACKAGE = f"{os.sep}bertforge{os.sep}"
+# Ours by file, Beam's by content: the quiet harness logs what Beam's harness writes to its
+# stderr (a failed bundle's traceback) under Beam's logger name, for the log file only.
+_BEAMS_STDERR = os.path.join("pipelines", "local", "quiet_harness.py")
 
 
 class _OurWorkerRecords(logging.Filter):
@@ -52,7 +55,7 @@ def _as_our_record(record: logging.LogRecord) -> bool:
     except text_format.ParseError:
         return False
     path, _, line = entry.log_location.rpartition(":")
-    if _OUR_PACKAGE not in path or not path.endswith(".py"):
+    if _OUR_PACKAGE not in path or not path.endswith(".py") or path.endswith(_BEAMS_STDERR):
         return False
     module = path[path.rindex(_OUR_PACKAGE) + 1 : -len(".py")].replace(os.sep, ".")
     record.name, record.msg, record.args = module, entry.message, ()
