@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 FORMATS = "formats"  # the tag of ReadFile's (path, format, chosen_by) per input file
+NOT_READ = "not read"  # the format of an input refused whole (format_mismatch)
 
 
 class InputFile(NamedTuple):
@@ -161,6 +162,9 @@ class ReadFile(beam.DoFn):
             count("input_files")
             if not item.byte_range or item.byte_range[0] == 0:
                 yield reject_output(format_mismatch(item.path, choice))
+                # Listed among the inputs all the same: the manifest names every input, and
+                # the same job again finds the same files (it was refused: "new: ...").
+                yield TaggedOutput(FORMATS, (item.path, NOT_READ, "format_mismatch"))
             return
         if not item.byte_range or item.byte_range[0] == 0:
             logger.info("input %s: format %s (by %s)", item.path, choice.fmt, choice.chosen_by)

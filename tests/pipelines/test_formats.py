@@ -124,19 +124,26 @@ def test_prepare_records_every_format_and_counts_the_mismatch(disguised, small_v
     (disguised / PART_INDEX).write_bytes(index)
     inputs = [str(disguised / n) for n in ("dump.txt", "records", "xml.jsonl", PART)]
     output = tmp_path / "out"
-    summary = run(prepare_config(inputs, str(output), small_vocab, validation_fraction=0.0,
-                                 num_validation_shards=0))
+    config = prepare_config(inputs, str(output), small_vocab, validation_fraction=0.0,
+                            num_validation_shards=0)
+    summary = run(config)
     result = manifest.read_manifest(str(output))
     def entry(name, fmt, chosen_by):
         return {"format": fmt, "chosen_by": chosen_by,
                 "bytes": (disguised / name).stat().st_size}
 
+    # The liar is listed too, not read: the manifest names every input, and the same job
+    # again (its identity: these files) was refused as "new: xml.jsonl" without it.
     assert result.input_files == {
         str(disguised / "dump.txt"): entry("dump.txt", "wiki", "content"),
         str(disguised / "records"): entry("records", "jsonl", "content"),
+        str(disguised / "xml.jsonl"): entry("xml.jsonl", "not read", "format_mismatch"),
         str(disguised / PART): entry(PART, "wiki", "name"),
     }
-    assert summary["input_formats"] == {"jsonl": 1, "wiki": 2}
+    assert summary["input_formats"] == {"jsonl": 1, "not read": 1, "wiki": 2}
+    from bertforge.cluster.safety.dataset_guard import differences_from_dataset
+
+    assert differences_from_dataset(str(output), config) == []  # the same job again
     assert summary["rejected"]["format_mismatch"] == 1
     assert summary["documents"] == 5 + 4 + 40
     rejects = (output / manifest.REJECTS_NAME).read_text()
