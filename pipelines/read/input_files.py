@@ -28,6 +28,9 @@ SNIFF_BYTES = 8192
 MAX_CONTROL_FRACTION = 0.1
 _CONTROL = bytes(b for b in range(32) if b not in b"\t\n\r\f\v") + b"\x7f"
 
+# The most a GuardedStream decompresses in one call: what a truncated file loses at its end.
+GUARDED_READ_BYTES = 64 << 10
+
 Opener = Callable[[str], BinaryIO]  # path -> raw binary stream (seekable for Parquet and ranges)
 
 
@@ -51,7 +54,16 @@ class GuardedStream:
             return b""
 
     def read(self, size: int = -1) -> bytes:
-        return self._guard(self._stream.read, size)
+        # In pieces: what one call decompressed before the cut is lost with its error, and a
+        # reader asking for a megabyte at a time kept none of a small file's whole articles.
+        pieces, wanted = [], size if size >= 0 else float("inf")
+        while wanted > 0:
+            piece = self._guard(self._stream.read, int(min(wanted, GUARDED_READ_BYTES)))
+            if not piece:
+                break
+            pieces.append(piece)
+            wanted -= len(piece)
+        return b"".join(pieces)
 
     def readline(self, size: int = -1) -> bytes:
         return self._guard(self._stream.readline, size)
