@@ -306,7 +306,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def train_config_from_args(args: argparse.Namespace):
-    from bertforge.pipelines.contract.config_fields import given_values, with_flag_name
+    from bertforge.pipelines.contract.config_fields import errors_naming_flags, given_values
     from bertforge.training.config import TrainConfig
     from bertforge.training.recipes import recipe_by_name
 
@@ -315,14 +315,12 @@ def train_config_from_args(args: argparse.Namespace):
     overrides["resume"] = args.resume == "auto"
     if args.preset:
         overrides["model"] = {"preset": args.preset}
-    try:
+    with errors_naming_flags(TrainConfig):
         if args.recipe:
             return recipe_by_name(args.recipe, args.data, args.run_dir, init_from=init_from,
                                   **overrides)
         return TrainConfig(data_dir=args.data, run_dir=args.run_dir, init_from=init_from,
                            **overrides)
-    except ValueError as error:
-        raise ValueError(with_flag_name(str(error), TrainConfig)) from None
 
 
 def _train_configs(args: argparse.Namespace):
@@ -400,12 +398,13 @@ def check_submitted_command(words: list[str]) -> None:
 
 def _run_eval(args: argparse.Namespace) -> None:
     from bertforge.cluster.safety.dataset_guard import reading_dataset
-    from bertforge.pipelines.contract.config_fields import given_values
+    from bertforge.pipelines.contract.config_fields import errors_naming_flags, given_values
     from bertforge.training.eval_options import EvalOptions
     from bertforge.training.evaluate import evaluate_checkpoint
     from bertforge.training.inputs import check_eval_inputs
 
-    options = EvalOptions(**given_values(args, EvalOptions))
+    with errors_naming_flags(EvalOptions):
+        options = EvalOptions(**given_values(args, EvalOptions))
     check_eval_inputs(args.checkpoint, args.data, options.split, options.device)
     _log_in_run_dir(args.checkpoint, "eval")
     with reading_dataset(args.data, "eval"):  # prepare will not replace it meanwhile
@@ -480,13 +479,11 @@ def _finetune_launch(args: argparse.Namespace):
 
 
 def _finetune_configs(args: argparse.Namespace):
-    from bertforge.pipelines.contract.config_fields import given_values, with_flag_name
+    from bertforge.pipelines.contract.config_fields import errors_naming_flags, given_values
     from bertforge.training.finetune.config import FinetuneConfig
 
-    try:
+    with errors_naming_flags(FinetuneConfig):
         config = FinetuneConfig(**given_values(args, FinetuneConfig))
-    except ValueError as error:
-        raise ValueError(with_flag_name(str(error), FinetuneConfig)) from None
     return config, _finetune_launch(args)
 
 

@@ -25,3 +25,10 @@ class EvalOptions:
         "auto", "where to score: auto (a GPU when there is one, else the CPU), cpu or cuda; "
         "on a GPU a bf16 run's checkpoint is scored under bf16 autocast, any other in fp32",
         choices=("auto", "cpu", "cuda"))
+
+    def __post_init__(self) -> None:
+        # Refused with the flags, before the command's start line and the engines.
+        for name in ("batch_size", "max_batches"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")

@@ -37,11 +37,13 @@ own in cluster/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import re
 import types
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 HELP = "help"
@@ -148,6 +150,16 @@ def with_flag_name(message: str, cls: type) -> str:
     flag = spellings[1] if len(spellings) > 1 else spellings[0]  # the short alias: --batch-size
     said = flag if flag == "--" + name.group().replace("_", "-") else f"{flag} ({name.group()})"
     return said + message[name.end():]
+
+
+@contextlib.contextmanager
+def errors_naming_flags(cls: type) -> Iterator[None]:
+    """Around building `cls` from a command line: its ValueError names the flag typed
+    (`with_flag_name`)."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(with_flag_name(str(error), cls)) from None
 
 
 def negative_spellings(f: dataclasses.Field, kind: Any, *, beam: bool = False) -> tuple[str, ...]:

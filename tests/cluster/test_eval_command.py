@@ -56,6 +56,14 @@ def test_a_gpu_asked_for_where_there_is_none_is_one_line(short_model, capsys):
             "--device cuda: torch sees no GPU here")
 
 
+def test_a_bad_option_value_is_one_line_naming_the_flag(tmp_path, capsys):
+    """`--max-batches 0` printed the start line ("0 batches of 64") before its error."""
+    refused(["eval", str(tmp_path), "--data", str(tmp_path), "--max-batches", "0"], capsys,
+            "--max-batches must be at least 1, got 0")
+    refused(["eval", str(tmp_path), "--data", str(tmp_path), "--batch-size", "0"], capsys,
+            "--batch-size must be at least 1, got 0")
+
+
 def test_auto_scores_on_the_gpu_when_there_is_one():
     assert eval_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     assert eval_device("cpu") == "cpu"
