@@ -8,10 +8,15 @@ The manifest already records all three, so a directory made by any bertforge can
 
 from __future__ import annotations
 
+import os
+
 from bertforge.pipelines.contract.manifest import Manifest
 from bertforge.pipelines.prepare_options import PrepareConfig
+from bertforge.pipelines.read.readers import input_location
 
 MAX_NAMED = 3  # input files named in a difference, then a count
+# The manifest's `extra` key of the directory a local prepare ran in (its relative inputs').
+WORKING_DIRECTORY = "working_directory"
 
 
 def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: list[str],
@@ -30,17 +35,23 @@ def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: lis
                                f"{wanted.get(key)!r}")
     if found.tokenizer.vocab_sha256 != vocab_sha256:
         differences.append("the vocabulary (another sha256)")
-    before, now = set(found.input_files), set(input_paths)
-    gone = before - now if gone_is_a_difference else set()
-    if gone or now - before:
+    # By where the files are, not how they were spelled: a relative path is resolved in the
+    # working directory of the run that wrote it (recorded since 2026-11-28; before, this one).
+    recorded_in = found.extra.get(WORKING_DIRECTORY) or os.getcwd()
+    before = {input_location(path, recorded_in): path for path in found.input_files}
+    now = {input_location(path): path for path in input_paths}
+    gone = {before[key] for key in before.keys() - now.keys()} if gone_is_a_difference else set()
+    new = {now[key] for key in now.keys() - before.keys()}
+    if gone or new:
         differences.append("the input files (" + "; ".join(filter(None, (
-            _named("no longer", gone), _named("new", now - before)))) + ")")
+            _named("no longer", gone), _named("new", new)))) + ")")
     sizes = input_sizes or {}
-    changed = {path for path in before & now
-               if found.input_files[path].get("bytes") not in (None, sizes.get(path))}
+    changed = {now[key] for key in before.keys() & now.keys()
+               if found.input_files[before[key]].get("bytes") not in (None, sizes.get(now[key]))}
     if changed:
         differences.append(f"the input files' content ({_named('another size', changed)})")
     return differences
+
 
 
 def _named(what: str, paths: set[str]) -> str:

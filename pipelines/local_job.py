@@ -33,6 +33,7 @@ from bertforge.pipelines.local.runner import LocalRunner
 from bertforge.pipelines.local.work_dir import WORK_DIR_NAME, WorkConflict
 from bertforge.pipelines.local.worker_records import relay_our_worker_records
 from bertforge.pipelines.prepare_options import PrepareConfig
+from bertforge.pipelines.read.readers import input_location
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,9 @@ def job_identity(config: PrepareConfig, files: list, vocab_bytes: bytes) -> dict
     return {
         **config.instance_params(),  # one key each: a difference names the parameter
         "vocab_sha256": hashlib.sha256(vocab_bytes).hexdigest(),
-        "inputs": [[path, *_size_and_time(path)] for path, _ in files],
+        # Where the files are, however they were spelled: the same command from another
+        # working directory continues the work.
+        "inputs": [[input_location(path), *_size_and_time(path)] for path, _ in files],
         "formats": [forced for _, forced in files],
         "code": code_digest(),
     }

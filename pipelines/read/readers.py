@@ -366,10 +366,38 @@ def read_documents(
 
 
 def doc_id_prefixes(paths: Iterable[str]) -> dict[str, str]:
-    """The doc_id prefix of each input file: its base name, or its path when base names collide.
+    """The doc_id prefix of each input file: its base name, or, where base names collide, its
+    path below the colliding files' common folder (WikiExtractor's `AA/wiki_00`, `AB/wiki_00`).
 
-    Two files named `part-0.jsonl` in different directories must not give the same doc_ids.
-    """
+    Two files named `part-0.jsonl` in different directories must not give the same doc_ids;
+    and how the paths were spelled (relative, absolute, from another working directory) must
+    not change them, nor with them the dataset's bytes."""
     paths = list(paths)
-    names = [os.path.basename(p) for p in paths]
-    return {p: (n if names.count(n) == 1 else p) for p, n in zip(paths, names, strict=True)}
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        by_name.setdefault(os.path.basename(path), []).append(path)
+    prefixes = {}
+    for name, group in by_name.items():
+        if len(group) == 1:
+            prefixes[group[0]] = name
+            continue
+        located = {path: input_location(path) for path in group}
+        common = _common_folder(list(located.values()))
+        for path, where in located.items():
+            prefixes[path] = where[len(common):].lstrip("/")
+    return {path: prefixes[path] for path in paths}
+
+
+def input_location(path: str, working_directory: str | None = None) -> str:
+    """Where an input path points, however it was spelled: a local one absolute and real (a
+    relative one taken in `working_directory`, default this process's), a URL as it is."""
+    if "://" in path:
+        return path
+    return os.path.realpath(os.path.join(working_directory or os.getcwd(), path))
+
+
+def _common_folder(paths: list[str]) -> str:
+    """The longest folder ("a/b/", ending in "/") that every path lies in."""
+    folders = [path.rsplit("/", 1)[0] + "/" if "/" in path else "" for path in paths]
+    common = os.path.commonprefix(folders)
+    return common[: common.rfind("/") + 1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections import Counter
 
 import apache_beam as beam
@@ -11,6 +12,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from bertforge.pipelines.beam_common import NO_DOCUMENTS_MESSAGE
 from bertforge.pipelines.contract import manifest
+from bertforge.pipelines.dataset_identity import WORKING_DIRECTORY
 from bertforge.pipelines.filesystem import sizes_of, write_bytes
 from bertforge.pipelines.prepare_options import PrepareConfig
 from bertforge.pipelines.read.records import REPAIRED_REASONS, Reject
@@ -44,6 +46,8 @@ class WriteManifest(beam.DoFn):
         self._config = config
         self._vocab_bytes = vocab_bytes
         self._vocab_size = vocab_size
+        # The command's, taken where the job is built: workers (Dataflow's) run elsewhere.
+        self._working_directory = os.getcwd()
 
     def process(
         self, _, shard_entries, reject_counts, document_stats, num_input_records, input_formats=()
@@ -68,6 +72,7 @@ class WriteManifest(beam.DoFn):
             document_stats,
             num_input_records,
             input_formats,
+            working_directory=self._working_directory,
         )
         if "://" in output:
             write_bytes(
@@ -88,8 +93,10 @@ def build_manifest(
     document_stats: dict,
     num_input_records: int,
     input_formats: list[tuple[str, str, str]] | tuple = (),
+    working_directory: str | None = None,
 ) -> manifest.Manifest:
-    """The manifest of a finished job; `input_formats`: (path, format, chosen_by) per file."""
+    """The manifest of a finished job; `input_formats`: (path, format, chosen_by) per file;
+    `working_directory`: where the command ran, which its relative input paths are in."""
     splits = {}
     for split in config.shards_per_split():
         entries = sorted(
@@ -126,7 +133,8 @@ def build_manifest(
         instance_params=config.instance_params(),
         splits=splits,
         counts=counts,
-        extra={"inputs": list(config.inputs)},
+        extra={"inputs": list(config.inputs),
+               **({WORKING_DIRECTORY: working_directory} if working_directory else {})},
         input_files=_input_files(input_formats),
     )
 

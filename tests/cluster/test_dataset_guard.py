@@ -107,6 +107,19 @@ def test_a_dataset_inside_its_corpus_folder_is_never_read_as_corpus(inputs, tmp_
         f"part-0000{i}-of-00003.arrow" for i in range(3)]
     capsys.readouterr()
 
+    # The same job spelled from another working directory is the same job (it was refused:
+    # "no longer: corpus/corpus.jsonl; new: /abs/corpus/corpus.jsonl").
+    def shards() -> dict:
+        return json.loads(manifest_bytes(output))["splits"]  # every shard's sha256
+
+    before = shards()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        assert main(["prepare", "--input=corpus", "--output=corpus/shards",
+                     f"--vocab={inputs / 'vocab.txt'}", "--max-seq-length=48",
+                     "--num-shards=3"]) == 0
+    assert shards() == before  # the same bytes: the spelling changes no doc_id
+
     assert prepare_folder(corpus) == 2  # the corpus folder as the output: nothing else to read
     assert "matches no file outside --output" in one_error_line(capsys)
     assert (corpus / "corpus.jsonl").exists()

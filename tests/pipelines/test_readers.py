@@ -86,13 +86,20 @@ def test_format_is_chosen_by_extension_past_compression():
     assert format_extension("wiki.txt.bz2") == ".txt"
 
 
-def test_doc_id_prefixes_disambiguate_equal_base_names():
+def test_doc_id_prefixes_disambiguate_equal_base_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     prefixes = doc_id_prefixes(["a/part.jsonl", "b/part.jsonl", "c/other.jsonl"])
     assert prefixes == {
         "a/part.jsonl": "a/part.jsonl",
         "b/part.jsonl": "b/part.jsonl",
         "c/other.jsonl": "other.jsonl",
     }
+    # However the paths are spelled (they were the prefixes, so the dataset's bytes changed
+    # with the working directory): below the colliding files' common folder.
+    spelled = [str(tmp_path / "corpus" / "AA" / "wiki_00"), "./corpus/AB/wiki_00",
+               "gs://bucket/x/AA/wiki_00.jsonl", "gs://bucket/y/AA/wiki_00.jsonl"]
+    assert list(doc_id_prefixes(spelled).values()) == [
+        "AA/wiki_00", "AB/wiki_00", "x/AA/wiki_00.jsonl", "y/AA/wiki_00.jsonl"]
 
 
 def test_iter_texts_streams_compressed_files(tmp_path):
