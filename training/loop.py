@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,8 @@ from bertforge.training.resolved_engine import (
     resolve_engine,
 )
 from bertforge.training.warm_start import check_resume_architecture, load_initial_weights
+
+T = TypeVar("T")
 
 # Called on every rank after each committed checkpoint with {"step", "checkpoint_path", ...}.
 ReportFn = Callable[[dict[str, Any]], None]
@@ -206,14 +208,14 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
                 survivors.freeze()       # host has waited for the device anyway
                 first_step = False
             if validation is not None and step % cfg.eval_every == 0:
-                logger.log(step, validation.run(engine))
-                window.restart_clock()  # evaluation time is no training throughput
+                # Evaluation time is no training throughput.
+                logger.log(step, window.left_out(validation.run, engine))
             if step == cfg.max_steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 loader.wait_for_checksums()  # no checkpoint from shards not yet verified
                 client_state.update(loader=loader.state_dict(), global_step=step)
                 saving = time.time()
-                path = last_saved = checkpoint.save(
-                    engine, cfg.run_dir, step, client_state, metadata=metadata,
+                path = last_saved = window.left_out(
+                    checkpoint.save, engine, cfg.run_dir, step, client_state, metadata=metadata,
                     vocab_path=os.path.join(cfg.data_dir, VOCAB_NAME), keep=cfg.keep_checkpoints,
                 )
                 checkpoint_seconds += time.time() - saving
@@ -415,10 +417,20 @@ class _Window:
         self.device_sums = torch.zeros(6, dtype=torch.float64, device=self.device)
         # On the host, from shapes: micro-batches, FLOPs without the MLM head's.
         self.host_sums = [0, 0]
-        self.restart_clock()
-
-    def restart_clock(self) -> None:
         self.started = time.time()
+
+    def left_out(self, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`work(...)` (an evaluation, a checkpoint) with its time left out of the interval's,
+        whose steps before it stay counted and timed (restarting the clock dropped their time
+        and kept their sequences: 2x the throughput). The device is waited for first, so the
+        steps it has queued are timed as theirs: once per evaluation or checkpoint, no step's."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        paused = time.time()
+        try:
+            return work(*args, **kwargs)
+        finally:
+            self.started += time.time() - paused
 
     def add(self, out, batch: dict[str, torch.Tensor]) -> None:
         values = (out.loss, out.mlm_loss, out.nsp_loss, batch["attention_mask"].sum(),
