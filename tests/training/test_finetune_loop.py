@@ -62,6 +62,22 @@ def test_same_seed_same_run_and_the_task_is_learned(files, tmp_path):
     assert other["final_train_loss"] != first["final_train_loss"]
 
 
+def test_the_export_keeps_the_length_its_model_was_trained_at(files, tmp_path):
+    """A fine-tune's hf/ said model_max_length 512 for a model pretrained at 128 tokens (as
+    `bertforge export` writes it): transformers then truncated at 512 untrained positions, and
+    a fine-tune from that hf/ lost the warning about them."""
+    import shutil
+
+    model = tmp_path / "pretrained-at-128"
+    shutil.copytree(files["model"], model)
+    tokenizer_config = model / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()),
+                                            "model_max_length": 128}))
+    record, _ = run(files, tmp_path / "ft", model=str(model), epochs=1, max_seq_length=64)
+    written = json.loads((tmp_path / "ft" / "hf" / "tokenizer_config.json").read_text())
+    assert record["model"]["positions_trained"] == 128 and written["model_max_length"] == 128
+
+
 def test_on_a_cpu_with_native_bf16_auto_fine_tunes_in_bf16_and_repeats_bit_for_bit(
     files, tmp_path, monkeypatch
 ):

@@ -71,9 +71,13 @@ def finetuned_config_dict(
 def export_finetuned(
     model: torch.nn.Module, vocab_path: str, lower_case: bool, output_dir: str, *,
     labels: Sequence[str] | None = None, task: str = "", overwrite: bool = False,
+    positions_trained: int | None = None,
 ) -> str:
-    """Write the Hugging Face directory (model, config, vocab, tokenizer); returns its path."""
+    """Write the Hugging Face directory (model, config, vocab, tokenizer); returns its path.
+    `positions_trained`: the longest sequences its training saw, the tokenizer's
+    model_max_length (as `bertforge export` writes it), where fewer than the model's table."""
     return write_hf_directory(
         finetuned_hf_state_dict(model), finetuned_config_dict(model, labels, task),
         model.config, vocab_path, lower_case, output_dir, overwrite=overwrite,
+        model_max_length=positions_trained,
     )

@@ -258,10 +258,15 @@ def _write_outputs(model, cfg: FinetuneConfig, data: TaskData, pretrained,
     else:
         predictions_path = os.path.join(cfg.output, "dev_predictions.tsv")
         write_glue_predictions(predictions_path, data, predictions)
+    # Positions past both the pretraining's and this fine-tuning's length never trained: the
+    # export's tokenizer stops before them, and a fine-tune from it warns (it said 512).
+    pretrained_positions = 0 if cfg.random_init else pretrained.provenance.get(
+        "positions_trained") or 0
     hf_dir = export_finetuned(
         model, pretrained.vocab_path, pretrained.lower_case,
         os.path.join(cfg.output, HF_DIR_NAME), task=cfg.task, overwrite=True,
         labels=None if data.spec is None else data.spec.labels,
+        positions_trained=max(pretrained_positions, cfg.seq_length),
     )
     return {"predictions": predictions_path, "hf_dir": hf_dir}
 
