@@ -143,8 +143,11 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     model.max_predictions = loader.max_predictions_per_row
     step = _maybe_resume(engine, loader, cfg, resume_from, facts.vocab_sha256, universal)
     if rank == 0:
-        _write_run_config(replace(cfg, data_dir=data_source), model_config, world_size,
-                          resolved.precision)
+        # The accumulation used: --global-batch-size derives it from the workers, and a
+        # --grad-accum beside it is ignored (config.json said the ignored one).
+        _write_run_config(replace(cfg, data_dir=data_source,
+                                  gradient_accumulation_steps=accumulation),
+                          model_config, world_size, resolved.precision)
     validation = _Validation.create(cfg, rank, world_size, masking, facts)
 
     logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps,

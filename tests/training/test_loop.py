@@ -275,6 +275,15 @@ def test_a_dataset_in_object_storage_trains_from_a_copy_on_the_node(
     assert recorded == uri
 
 
+def test_the_run_config_records_the_accumulation_used(dataset, tmp_path):
+    """With --global-batch-size the accumulation follows from the workers; config.json said
+    the --grad-accum given beside it (ignored), or 1."""
+    train(config(dataset, tmp_path / "run", max_steps=1, warmup_steps=0, zero_stage=0,
+                 precision="fp32", global_batch_size=16, gradient_accumulation_steps=5))
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
+    assert (recorded["gradient_accumulation_steps"], recorded["micro_batch_size"]) == (2, 8)
+
+
 def test_a_resume_on_data_of_the_other_casing_is_refused_by_the_loop(dataset, tmp_path):
     """Under Ray a checkpoint restored from storage reaches the loop after the driver's
     pre-flight: the loop checks the casing itself."""
