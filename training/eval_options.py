@@ -17,8 +17,8 @@ class EvalOptions:
     max_batches: int | None = option(
         help="score only the first N batches (default: the whole split)")
     seed: int | None = option(
-        help="the masks' seed (default: the checkpoint's training seed, as its run's validation "
-        "and the demo's eval)")
+        help="the seed of the masks and of the batches' order (default: the checkpoint's "
+        "training seed, as its run's validation and the demo's eval)")
     verify_checksums: bool = option(
         True, "hash the shards against the manifest's sha256 (rows are validated either way)")
     device: str = option(
