@@ -182,7 +182,7 @@ def run_jobs(jobs: list[_Job], launch: LaunchConfig) -> list[dict[str, Any]]:
                    if runner.recorded(name) is None]
         if pending:  # one run too: its worker prints its line, the stage only records it
             _run_pending(launch, pending)
-        all_results = [job.finish(runner, launch, started)
+        all_results = [job.finish(runner, launch, started if len(jobs) == 1 else None)
                        for job, runner in zip(jobs, runners, strict=True)]
     for results in all_results:
         print(summary_line(results), flush=True)
@@ -220,8 +220,11 @@ class _Job:
                            skip_message="done in an earlier run, reusing it",
                            dir_flag="--output")
 
-    def finish(self, runner: StageRunner, launch: LaunchConfig, started: float) -> dict[str, Any]:
-        """Record every run (running any still missing), then write results.json."""
+    def finish(self, runner: StageRunner, launch: LaunchConfig,
+               started: float | None) -> dict[str, Any]:
+        """Record every run (running any still missing), then write results.json. Its seconds:
+        since `started`, or, for one of several jobs in one worker group (glue's tasks), its
+        own runs' (the group's time was every task's)."""
         cfg = self.cfg
         # A run with its result.json ran in the worker group, whose rank 0 printed its line.
         runner.run([
@@ -232,7 +235,8 @@ class _Job:
         ])
         records = [runner.recorded(name) for name in self.names]
         results = summarise(cfg, launch, records, self.facts)
-        results["seconds"] = round(time.time() - started, 1)
+        results["seconds"] = round(time.time() - started if started is not None else
+                                   sum(record.get("seconds") or 0 for record in records), 1)
         _publish_best(cfg, results)
         write_json_atomic(os.path.join(cfg.output, RESULTS_NAME), results)
         return results

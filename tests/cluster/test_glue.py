@@ -142,6 +142,9 @@ def test_two_tiny_tasks_end_to_end_then_a_rerun_skips_them(tmp_path, capsys) -> 
         assert results["training"]["steps"] == 2 and results["config"]["learning_rate"] == 1e-3
         assert glue["results"][task] == results["metrics"]
         assert record["stages"][task]["results"] == str(output / task / "results.json")
+        # The task's own runs' time, not the whole glue's (every task said the same 64 s).
+        runs = results["sweep"]["runs"]
+        assert results["seconds"] == pytest.approx(sum(run["seconds"] for run in runs), abs=0.11)
     expected = (glue["results"]["sst2"]["accuracy"] + glue["results"]["rte"]["accuracy"]) * 50
     assert glue["average"] == pytest.approx(expected)
     assert glue["table"] in printed and glue["table"].split("\n")[2].startswith("tiny-bert ")
