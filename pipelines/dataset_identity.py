@@ -53,7 +53,6 @@ def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: lis
     return differences
 
 
-
 def _named(what: str, paths: set[str]) -> str:
     if not paths:
         return ""

@@ -48,6 +48,7 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None
     read as text by the next run, and that run's changed inputs refused as another dataset.
     """
     files: dict[str, str | None] = {}
+    named: dict[str, str] = {}  # a file's location -> the path it was first named by
     inside_output = _inside(output) if output else (lambda path: False)
     for entry in patterns:
         forced, pattern = readers.split_format(entry)
@@ -82,7 +83,9 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None
             if wiki_xml.is_multistream_index(path):
                 logger.info("skipping %s: a multistream index, used to split its dump", path)
                 continue
-            files[path] = forced
+            # The same file named twice (`corpus/a.txt`, `./corpus/a.txt`) is read once, as the
+            # later naming says (`corpus`, then `books:corpus/a.txt`).
+            files[named.setdefault(readers.input_location(path), path)] = forced
     if not files:
         raise ValueError(f"--input {list(patterns)} matches no corpus file")
     return sorted(files.items())

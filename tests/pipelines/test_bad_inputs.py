@@ -110,7 +110,7 @@ def test_nothing_usable_is_an_error(tmp_path, small_vocab):
         run(prepare_config([str(tmp_path / "in")], str(tmp_path / "out"), small_vocab))
 
 
-def test_a_directory_stands_for_every_file_under_it(tmp_path):
+def test_a_directory_stands_for_every_file_under_it(tmp_path, monkeypatch):
     """WikiExtractor's layout (AA/wiki_00, AB/wiki_00): the files in subdirectories are corpus
     too; a hidden subdirectory (.git) is not, a hidden file is (as before)."""
     from bertforge.pipelines.read.inputs_transform import match_inputs
@@ -126,6 +126,11 @@ def test_a_directory_stands_for_every_file_under_it(tmp_path):
     assert match_inputs(("books:" + str(tmp_path / "in"),)) == [
         (str(tmp_path / "in" / name), "books")
         for name in (".hidden.txt", "AA/wiki_00", "AB/wiki_00", "top.txt")]
+    # A file named twice, spelled two ways, is read once, as the later naming says.
+    monkeypatch.chdir(tmp_path)
+    assert match_inputs(("in/AA", "books:./in/AA/wiki_00", str(tmp_path / "in/AA/wiki_00"))) \
+        == [("in/AA/wiki_00", None)]
+    assert match_inputs(("in/AA", "books:./in/AA/wiki_00")) == [("in/AA/wiki_00", "books")]
 
 
 def test_a_dangling_symbolic_link_among_the_inputs_is_named(tmp_path, small_vocab):
