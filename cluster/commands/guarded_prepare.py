@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from bertforge.cluster.launch import local_ray
@@ -32,10 +33,19 @@ def prepare_guarded(command: PrepareCommand, *, overwrite: bool) -> dict[str, An
         return run_command(command)  # nothing is written
     if is_local(output) and os.path.isfile(output):  # else the lock's "File exists" first
         raise ValueError(f"--output {output} is a file; give a directory for the dataset")
+    with stoppable_beam_job(output), \
+            writing_dataset(output, command.config, overwrite=overwrite):
+        return run_command(command, start_over=overwrite)
+
+
+@contextlib.contextmanager
+def stoppable_beam_job(output: str) -> Iterator[None]:
+    """Around a local Beam job into `output` (`prepare`, the pipeline's prepare stages): a stop
+    ends its worker processes at once (`stop_beam_workers`), and its line says that the same
+    command continues the work kept."""
     try:
-        with writing_dataset(output, command.config, overwrite=overwrite), \
-                local_ray.on_stop(stop_beam_workers):
-            return run_command(command, start_over=overwrite)
+        with local_ray.on_stop(stop_beam_workers):
+            yield
     except SystemExit as exit_:
         stop = local_ray.as_stop(exit_)
         work = os.path.join(output, WORK_DIR_NAME)

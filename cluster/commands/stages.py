@@ -56,20 +56,24 @@ def vocab_complete(vocab_dir: str) -> bool:
 
 
 def prepare_dataset(config: PrepareConfig, beam_args: Sequence[str]) -> dict[str, Any]:
-    """The Beam job for `config` into config.output."""
+    """The Beam job for `config` into config.output. A stop ends Beam's worker processes at
+    once, as `bertforge prepare`'s does (`guarded_prepare.stoppable_beam_job`): the runner's
+    cleanup joins them, and the pipeline hung at 0 % CPU after a SIGTERM."""
+    from bertforge.cluster.commands.guarded_prepare import stoppable_beam_job
     from bertforge.pipelines.local.work_dir import WORK_DIR_NAME, WorkConflict
     from bertforge.pipelines.prepare import run as run_prepare
 
-    if os.path.isdir(os.path.join(config.output, WORK_DIR_NAME)):
-        # A killed attempt's recorded work: the job continues it, or starts over when it was
-        # another job's (the configuration changed since).
-        try:
+    with stoppable_beam_job(config.output):
+        if os.path.isdir(os.path.join(config.output, WORK_DIR_NAME)):
+            # A killed attempt's recorded work: the job continues it, or starts over when it
+            # was another job's (the configuration changed since).
+            try:
+                summary = run_prepare(config, beam_args)
+            except WorkConflict:
+                summary = run_prepare(config, beam_args, start_over=True)
+        else:
+            fresh_dir(config.output)  # no manifest, no work record: its files cannot be trusted
             summary = run_prepare(config, beam_args)
-        except WorkConflict:
-            summary = run_prepare(config, beam_args, start_over=True)
-    else:
-        fresh_dir(config.output)  # no manifest, no work record: its files cannot be trusted
-        summary = run_prepare(config, beam_args)
     return {"instances": summary.get("instances"), "seconds_in_beam": summary.get("seconds")}
 
 
@@ -80,6 +84,7 @@ def shards_complete(config: PrepareConfig, workdir: str) -> bool:
     stale. Input files deleted since are no reason: the shards are all that is left of them."""
     from bertforge.cluster.safety.dataset_guard import differences_from_dataset
     from bertforge.pipelines.contract.manifest import MANIFEST_NAME
+    from bertforge.pipelines.local.work_dir import WORK_DIR_NAME
 
     if not os.path.isfile(os.path.join(config.output, MANIFEST_NAME)):
         return False
@@ -90,6 +95,9 @@ def shards_complete(config: PrepareConfig, workdir: str) -> bool:
             f"reads now (differs in: {'; '.join(differences)}), and the stages after it were "
             f"trained on it; restore the inputs, or make everything again from them in a new "
             f"workdir (or after deleting {workdir})")
+    # A stop that landed after the manifest, before the job removed its work record: the
+    # dataset is complete (its manifest is written last), and the record is only disk (GBs).
+    shutil.rmtree(os.path.join(config.output, WORK_DIR_NAME), ignore_errors=True)
     return True
 
 

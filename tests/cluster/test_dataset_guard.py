@@ -176,9 +176,12 @@ def test_a_corpus_with_no_usable_document_is_one_line_and_leaves_no_directory(
     assert not output.exists()
 
 
-def test_sigterm_stops_a_local_prepare_at_once_and_keeps_its_work_to_continue(inputs, tmp_path):
+@pytest.mark.parametrize("command", ["prepare", "pipeline"])
+def test_sigterm_stops_a_local_prepare_at_once_and_keeps_its_work_to_continue(inputs, tmp_path,
+                                                                              command):
     """Beam's runner joins its worker processes, which would finish their bundle first; a stop
-    ends them, then exits 143 with one line saying that the same command continues."""
+    ends them, then exits 143 with one line saying that the same command continues. (A
+    pipeline's prepare stage hung at 0 % CPU: nothing stopped the workers there.)"""
     import os
     import random
     import signal
@@ -195,11 +198,19 @@ def test_sigterm_stops_a_local_prepare_at_once_and_keeps_its_work_to_continue(in
             text = " ".join(" ".join(rng.choice(words) for _ in range(12)) + "." for _ in range(8))
             f.write(json.dumps({"doc_id": f"d{doc}", "text": text}) + "\n")
     output = tmp_path / "shards"
+    arguments = [f"--input={tmp_path / 'big.jsonl'}", f"--output={output}",
+                 f"--vocab={inputs / 'vocab.txt'}", "--direct_num_workers=2",
+                 "--direct_running_mode=multi_processing"]
+    if command == "pipeline":
+        output = tmp_path / "work" / "shards-128"
+        (tmp_path / "pipe.toml").write_text(
+            f'workdir = "work"\n[vocab]\npath = "{inputs / "vocab.txt"}"\n[prepare]\n'
+            f'inputs = ["big.jsonl"]\nbeam_args = ["--direct_num_workers=2", '
+            f'"--direct_running_mode=multi_processing"]\n[phase1]\n'
+            f'recipe = "bert_tiny_phase1"\nmax_seq_length = 128\n[cluster]\nworkers = 1\n')
+        arguments = [str(tmp_path / "pipe.toml")]
     process = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "bertforge"), "prepare",
-         f"--input={tmp_path / 'big.jsonl'}", f"--output={output}",
-         f"--vocab={inputs / 'vocab.txt'}", "--direct_num_workers=2",
-         "--direct_running_mode=multi_processing"],
+        [os.path.join(os.path.dirname(sys.executable), "bertforge"), command, *arguments],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     def command_line(child) -> str:
         with contextlib.suppress(psutil.Error):  # gone, or a zombie not yet reaped
@@ -217,7 +228,8 @@ def test_sigterm_stops_a_local_prepare_at_once_and_keeps_its_work_to_continue(in
     _, err = process.communicate(timeout=60)
     assert process.returncode == 143, err
     (line,) = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
-    assert line.startswith("bertforge prepare: stopped by SIGTERM; the same command continues it")
+    assert line.startswith(f"bertforge {command}: stopped by SIGTERM; the same command "
+                           "continues it")
     assert "Traceback" not in err
     # The work so far stays for the same command to continue (tests/pipelines/
     # test_prepare_any_size.py continues one); no dataset is there yet.
@@ -225,6 +237,21 @@ def test_sigterm_stops_a_local_prepare_at_once_and_keeps_its_work_to_continue(in
     assert not (output / "manifest.json").exists()
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
+
+
+def test_a_pipelines_complete_dataset_drops_a_work_record_a_late_stop_left(inputs, tmp_path):
+    """A stop after the manifest, before the job removed its work record: the pipeline's
+    rerun skipped the stage as complete and kept the record (GBs at scale) for good."""
+    from bertforge.cluster.commands.stages import shards_complete
+    from bertforge.pipelines.prepare_options import PrepareConfig
+
+    output = tmp_path / "shards"
+    assert prepare(inputs, output) == 0
+    (output / ".prepare-work" / "stage-1").mkdir(parents=True)
+    config = PrepareConfig(inputs=(str(inputs / "corpus.jsonl"),), output=str(output),
+                           vocab=str(inputs / "vocab.txt"), max_seq_length=48, num_shards=2)
+    assert shards_complete(config, str(tmp_path))
+    assert not (output / ".prepare-work").exists() and (output / "manifest.json").exists()
 
 
 def test_once_the_workers_are_stopped_only_beams_own_threads_fail_quietly(monkeypatch):
