@@ -89,6 +89,15 @@ def _resolve_input(entry: str, base_dir: str) -> str:
     return f"{forced}:{resolved}" if forced else resolved
 
 
+def _cluster_section(table: Any, base_dir: str) -> LaunchConfig:
+    """[cluster]; a relative `storage` is the file's, as every path in it (it was the working
+    directory's: checkpoints landed where the command happened to run)."""
+    launch = from_table(LaunchConfig, "cluster", table)
+    if launch.storage and "://" not in launch.storage:
+        launch = replace(launch, storage=_resolve_path(launch.storage, base_dir))
+    return launch
+
+
 def _string_list(section: str, key: str, table: dict[str, Any]) -> tuple[str, ...]:
     return check_type(section, key, table.get(key, []), tuple[str, ...])
 
@@ -260,7 +269,7 @@ class PipelineConfig:
             phase1=phase1,
             phase2=PhaseSection.from_table("phase2", data["phase2"]) if "phase2" in data else None,
             vocab=vocab,
-            cluster=from_table(LaunchConfig, "cluster", data.get("cluster", {})),
+            cluster=_cluster_section(data.get("cluster", {}), base_dir),
         )
 
     def phases(self) -> list[PhaseSection]:

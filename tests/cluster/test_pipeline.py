@@ -47,9 +47,12 @@ def test_relative_paths_are_relative_to_the_config_file(tmp_path):
     (tmp_path / "conf").mkdir()
     path = tmp_path / "conf" / "p.toml"
     path.write_text('workdir = "../work"\n[prepare]\ninputs = ["books:corpus/*.txt", "a.jsonl"]\n'
-                    '[phase1]\nrecipe = "bert_tiny_phase1"\nmax_seq_length = 64\n')
+                    '[phase1]\nrecipe = "bert_tiny_phase1"\nmax_seq_length = 64\n'
+                    '[cluster]\nstorage = "store"\n')
     config, text = load_config(str(path))
     assert config.workdir == str(tmp_path / "work")
+    # [cluster]'s storage too (it was the working directory's: checkpoints went to /store).
+    assert config.cluster.storage == str(tmp_path / "conf" / "store")
     assert config.prepare.options.inputs == (f"books:{tmp_path}/conf/corpus/*.txt",
                                      f"{tmp_path}/conf/a.jsonl")
     assert text.startswith("workdir")
