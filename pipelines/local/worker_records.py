@@ -45,20 +45,19 @@ def relay_our_worker_records() -> None:
         service.addFilter(_OurWorkerRecords())
 
 
-def _as_our_record(record: logging.LogRecord) -> bool:
+def _as_our_record(record: logging.LogRecord) -> None:
     """Rewrite `record` in place into the worker's own record when that was one of our code's."""
     if record.msg != _WORKER_PREFIX + "%s" or len(record.args or ()) != 1:
-        return False
+        return
     entry = beam_fn_api_pb2.LogEntry()
     try:
         text_format.Parse(str(record.args[0]), entry)
     except text_format.ParseError:
-        return False
+        return
     path, _, line = entry.log_location.rpartition(":")
     if _OUR_PACKAGE not in path or not path.endswith(".py") or path.endswith(_BEAMS_STDERR):
-        return False
+        return
     module = path[path.rindex(_OUR_PACKAGE) + 1 : -len(".py")].replace(os.sep, ".")
     record.name, record.msg, record.args = module, entry.message, ()
     record.pathname, record.filename = path, os.path.basename(path)
     record.module, record.lineno = module.rsplit(".", 1)[-1], int(line) if line.isdigit() else 0
-    return True

@@ -39,6 +39,12 @@ PER_TASK = "per_task"
 SELECTS_RUNS = "selects_runs"
 
 
+def squad_window(seq_length: int, max_query_length: int) -> int:
+    """Context tokens a SQuAD window of `seq_length` holds at least, after a question of
+    `max_query_length`: [CLS] question [SEP] context [SEP]."""
+    return seq_length - max_query_length - 3
+
+
 @dataclass
 class FinetuneConfig:
     """One fine-tuning job: a task, a pretrained model, and one run per (learning rate, seed)."""
@@ -172,20 +178,16 @@ class FinetuneConfig:
         stride = self.doc_stride_for(self.seq_length)
         if stride != self.doc_stride:
             raise ValueError(
-                f"max_seq_length {self.seq_length} leaves {self.squad_window(self.seq_length)} "
+                f"max_seq_length {self.seq_length} leaves "
+                f"{squad_window(self.seq_length, self.max_query_length)} "
                 f"context tokens after a {self.max_query_length}-token question: more than "
                 f"doc_stride {self.doc_stride} are needed; give --doc-stride {stride} (or a "
                 "longer --max-seq-length, or a shorter --max-query-length)")
 
-    def squad_window(self, seq_length: int) -> int:
-        """Context tokens a SQuAD window of `seq_length` holds at least: [CLS] question [SEP]
-        context [SEP]."""
-        return seq_length - self.max_query_length - 3
-
     def doc_stride_for(self, seq_length: int) -> int:
         """doc_stride, or half the window where the windows of `seq_length` are too short
         for it (a window must hold more than the stride)."""
-        window = self.squad_window(seq_length)
+        window = squad_window(seq_length, self.max_query_length)
         return self.doc_stride if window > self.doc_stride else max(1, window // 2)
 
     @property

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from bertforge.training.finetune.config import squad_window
 from bertforge.training.finetune.features import (
     MODEL_INPUTS,
     bert_special_tokens,
@@ -156,7 +157,7 @@ def squad_features(
     """One row per window: MODEL_INPUTS (int64 [F, max_seq_length]); `example_index` [F] (the
     example's position in `examples`); `offset_mapping` [F, max_seq_length, 2] (context
     characters [start, end) of each context token, -1 elsewhere); when training, SQUAD_LABELS."""
-    window = max_seq_length - max_query_length - 3  # the shortest a window can be
+    window = squad_window(max_seq_length, max_query_length)  # the shortest a window can be
     if max_query_length < 1 or window <= doc_stride:
         raise ValueError(
             f"max_seq_length {max_seq_length} leaves {window} context tokens after a"
