@@ -17,6 +17,8 @@
 # against fp64's at fixed weights), "variants" gpu_throughput.py at 128 tokens without the
 # peer, once with the defaults and once per experiment in VARIANTS, in one table),
 # PROFILE_CASES (gpu_profile.py's --cases), PROFILE_LIMIT and VARIANT_LIMIT (seconds),
+# VARIANT_SEQ_LENS (the variants' sequence lengths on a GPU, default 128; "512" for the
+# length where attention is a quarter of the step),
 # PARITY_FLAGS (more of gpu_parity.py's flags, e.g. --rel-tolerance 5e-3), THROUGHPUT_FLAGS and
 # PROOF_FLAGS (more of gpu_throughput.py's and gpu_proof_run.py's, e.g. --fp8 --packing: the
 # issue's table and the real loop with an experiment that won its variant run), VARIANTS (see
@@ -69,7 +71,7 @@ else
   PROFILE=(--cases "${PROFILE_CASES:-ours128x256,hfc128x256}" --warmup 10 --timed 10
            --profiled 3)
   PROOF=(--steps 120)
-  VARIANT_ARGS=(--seq-lens 128 --steps 30 --warmup 10)
+  VARIANT_ARGS=(--seq-lens "${VARIANT_SEQ_LENS:-128}" --steps 30 --warmup 10)
   PARITY=(--steps 100 --fp8)
   # BERT-large past its warm-up (30 steps of the fast path's arithmetic at the recipe's peak
   # rate), then its loss and gradients by each path against fp64's on 4 other batches.
