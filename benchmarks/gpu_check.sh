@@ -14,7 +14,8 @@
 #
 # Variables: OUT (where results go), STAGES (default "throughput profile proof"; "parity" adds
 # gpu_parity.py, "fidelity" gradient_fidelity.py (each precision path's loss and gradients
-# against fp64's at fixed weights), "variants" gpu_throughput.py at 128 tokens without the
+# against fp64's at fixed weights), "attention" attention_kernels.py (SDPA's kernels alone by
+# backend, padding mask and dropout), "variants" gpu_throughput.py at 128 tokens without the
 # peer, once with the defaults and once per experiment in VARIANTS, in one table),
 # PROFILE_CASES (gpu_profile.py's --cases), PROFILE_LIMIT and VARIANT_LIMIT (seconds),
 # VARIANT_SEQ_LENS (the variants' sequence lengths on a GPU, default 128; "512" for the
@@ -53,7 +54,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
   # gives on a CPU with native bf16 (an AVX2 machine resolves fp32 and refuses it).
   PARITY=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3 --fp8)
   FIDELITY=(--preset tiny --micro-batch 8 --batches 2 --train-steps 10 --lr 3e-3 --fp8)
-  LIMIT=(600 600 600 600 600 600)
+  ATTENTION=(--device cpu --shapes 64x4 --heads 2 --head-size 16 --warmup 1 --repeats 2)
+  LIMIT=(600 600 600 600 600 600 600)
 else
   # Where nothing is installed (the lent machine): DeepSpeed and its missing dependencies as
   # wheels in .whl, and this checkout, into /tmp/site (benchmarks/README.md says how).
@@ -76,15 +78,18 @@ else
   # BERT-large past its warm-up (30 steps of the fast path's arithmetic at the recipe's peak
   # rate), then its loss and gradients by each path against fp64's on 4 other batches.
   FIDELITY=(--micro-batch 64 --batches 4 --train-steps 30 --fp8)
+  # SDPA's kernels alone at 128 x 256 and 512 x 64: 4 backends x mask x dropout (unmeasured
+  # on a GPU: 64 rows of 25 short calls, seconds).
+  ATTENTION=()
   # Seconds per stage (variants: each of its runs), in the order of the array: throughput,
   # profile, proof, a variant, parity, fidelity (unmeasured on a GPU: three compiles of a
   # layer and ~40 steps; 2 min 38 s to 4 min 25 s for 2 layers of BERT-large at 8 x 128 on 2
-  # CPU cores). The default three 9.7 minutes at most (on 2026-11-27:
+  # CPU cores), attention (unmeasured: no compile, seconds). The default three 9.7 minutes at most (on 2026-11-27:
   # 262, 61 and 99 s; on 2026-11-28 the throughput took 309 s, and the profile, which then
   # compiled the peer afresh and FP8 as a third case, ran past its 120), "parity variants"
   # with the default three variants 9.2 (on 2026-11-28: 200 s and 43-58 s a variant): each
   # inside one 10-minute call. PROFILE_LIMIT and VARIANT_LIMIT override theirs.
-  LIMIT=(320 120 140 90 280 180)
+  LIMIT=(320 120 140 90 280 180 90)
 fi
 
 # Scratch of the stages that run the loop: a rerun on a warm machine starts afresh (the proof
@@ -129,6 +134,9 @@ stage() {  # name, time limit, command...
 # CPU name bf16 ("fp8:--fp8,--precision=bf16"): "auto" resolves fp32 where bf16 is emulated.
 VARIANTS=${VARIANTS:-"defaults: fp8:--fp8 no-dropout:--no-dropout"}
 
+# Seconds and no compile: first, so that a call cut short still has it.
+stage attention "${LIMIT[6]}" "$PYTHON" benchmarks/attention_kernels.py "${ATTENTION[@]}" \
+  --commit "$COMMIT" --output-dir "$OUT"
 stage throughput "${LIMIT[0]}" "$PYTHON" benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" \
   ${THROUGHPUT_FLAGS:-} --commit "$COMMIT" --output-dir "$OUT"
 stage profile "${PROFILE_LIMIT:-${LIMIT[1]}}" "$PYTHON" benchmarks/gpu_profile.py "${PROFILE[@]}" \
