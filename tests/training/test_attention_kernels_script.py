@@ -7,24 +7,19 @@ it does not, and write its table as it goes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.benchmark_scripts import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def ak():
-    path = os.path.join(REPO, "benchmarks", "attention_kernels.py")
-    spec = importlib.util.spec_from_file_location("attention_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with benchmark_module("attention_kernels") as module:
+        yield module
 
 
 def test_inputs_are_the_models_views_and_its_padding_bias(ak):

@@ -4,7 +4,6 @@ the same code)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import sys
 import pytest
 
 from tests.support.alone import alone_env
+from tests.support.benchmark_scripts import benchmark_module
 from tests.training.conftest import write_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,13 +54,11 @@ def test_proof_run_checkpoints_resumes_exports_and_sees_the_loss_fall(tmp_path):
 def test_proof_run_takes_the_experiments_a_variant_run_won(tmp_path):
     """gpu_check.sh's PROOF_FLAGS: `--fp8` and `--packing` reach the loop's configuration (off
     without them), so the real loop can be proved with what won on the throughput side."""
-    spec = importlib.util.spec_from_file_location("gpu_proof_run", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    common = ["--data", str(tmp_path), "--output-dir", str(tmp_path), "--steps", "10"]
-    plain = script.recipe(script.parse_args(common), str(tmp_path / "run"), 10)
-    both = script.recipe(script.parse_args(common + ["--fp8", "--packing"]),
-                         str(tmp_path / "run"), 10)
+    with benchmark_module("gpu_proof_run") as script:
+        common = ["--data", str(tmp_path), "--output-dir", str(tmp_path), "--steps", "10"]
+        plain = script.recipe(script.parse_args(common), str(tmp_path / "run"), 10)
+        both = script.recipe(script.parse_args(common + ["--fp8", "--packing"]),
+                             str(tmp_path / "run"), 10)
     assert (plain.fp8, plain.packing) == (False, False)
     assert (both.fp8, both.packing) == (True, True)
 

@@ -6,7 +6,6 @@ named path here, so it runs on every CPU (emulated where it has no native bf16).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from tests.support.alone import alone_env
+from tests.support.benchmark_scripts import benchmark_module
 from tests.training.conftest import write_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,16 +59,8 @@ def test_every_path_is_measured_against_fp64_on_the_same_weights(tmp_path):
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("gradient_fidelity", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    sys.path.insert(0, os.path.dirname(SCRIPT))  # it imports gpu_proof_run beside it
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_module("gradient_fidelity") as module:
         yield module
-    finally:
-        sys.path.remove(os.path.dirname(SCRIPT))
-        del sys.modules[spec.name]
 
 
 def test_train_steps_move_the_weights_on_batches_apart_from_the_measured_ones(script, tmp_path):

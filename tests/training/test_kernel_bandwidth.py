@@ -9,7 +9,6 @@ it says here.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import types
 
@@ -18,17 +17,13 @@ import torch
 from torch._inductor.codecache import PyCodeCache
 
 from bertforge.training.compile_cache import use_cache_per_cpu_level
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.benchmark_scripts import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def kb():
-    path = os.path.join(REPO, "benchmarks", "kernel_bandwidth.py")
-    spec = importlib.util.spec_from_file_location("kernel_bandwidth", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with benchmark_module("kernel_bandwidth") as module:
+        yield module
 
 
 def triton_kernel(name: str, body: str, num_gb: float | None) -> str:
