@@ -1,7 +1,8 @@
 """The private local Ray of a run without --address: loopback only, torn down, never left behind.
 
 - Everything listens on 127.0.0.1: Ray's own processes (its "not a cluster" mode, the
-  dashboard on 127.0.0.1), gloo's sockets (GLOO_SOCKET_IFNAME / TP_SOCKET_IFNAME: the loopback
+  dashboard on 127.0.0.1, on a free port rather than 8265, where `submit` looks for a
+  cluster), gloo's sockets (GLOO_SOCKET_IFNAME / TP_SOCKET_IFNAME: the loopback
   interface) and torch's rendezvous store (`torch_store`), in the driver and every worker.
 - Its sessions live in their own folder (`ray_root()`: TMPDIR/bertforge_ray_UID), never in
   /tmp/ray, so nothing here touches a Ray the user started with `ray start`.
@@ -31,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -132,6 +134,10 @@ def start(num_cpus: int) -> None:
                 # Ray Train's controller polls the state API, which the dashboard serves.
                 include_dashboard=True,
                 dashboard_host="127.0.0.1",
+                # Not Ray's 8265: that is where `bertforge submit` and `ray job submit` look
+                # for a cluster's tunnelled dashboard, and a job sent while this run trained
+                # would run inside this throw-away Ray instead of failing to connect.
+                dashboard_port=free_loopback_port(),
                 configure_logging=False,
                 _temp_dir=root,
             )
@@ -149,6 +155,13 @@ def start(num_cpus: int) -> None:
                   f"again (attempt {attempt + 1} of {START_ATTEMPTS})", file=sys.stderr,
                   flush=True)
     _record_this_driver(root)
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the system's choice)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def startup_timeout(error: BaseException) -> str | None:

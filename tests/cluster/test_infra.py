@@ -438,6 +438,13 @@ def test_local_ray_listens_on_loopback_only(monkeypatch, tmp_path):
         exposed = [entry for entry in listening
                    if entry[1] not in LOOPBACK and entry not in before]
         assert not exposed, f"listening beyond the loopback address: {exposed}"
+        # Nor on 8265, where `bertforge submit` (and `ray job submit`) look for a cluster's
+        # tunnelled dashboard: a job sent there must not run in this throw-away Ray.
+        from bertforge.cluster.launch.submit import DEFAULT_ADDRESS
+
+        submit_port = int(DEFAULT_ADDRESS.rsplit(":", 1)[1])
+        taken = [entry for entry in listening if entry[2] == submit_port and entry not in before]
+        assert not taken, f"the private Ray took submit's port: {taken}"
     finally:
         ray.shutdown()
 
