@@ -15,13 +15,27 @@ from collections.abc import Sequence
 from bertforge.cluster.launch.paths import refuse_output_in_the_jobs_copy
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser whose mistakes show a short usage: what the command requires, then
+    `[options]`, not every flag it takes (train's full usage is 38 lines, and the error line
+    under it scrolled out of sight). `--help` still lists them all."""
+
+    def format_usage(self) -> str:
+        needed = [action for action in self._actions
+                  if action.required or not action.option_strings]
+        formatter = self._get_formatter()
+        formatter.add_usage(self.usage, needed, self._mutually_exclusive_groups)
+        return formatter.format_help().rstrip("\n") + f" [options]  (`{self.prog} --help`)\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bertforge",
         description="Pretrain BERT from raw text: Beam preparation, Ray Train + DeepSpeed, "
         "Hugging Face export.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=CommandParser)
     _add_vocab(commands)
     _add_prepare(commands)
     _add_inspect(commands)

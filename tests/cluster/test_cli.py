@@ -48,6 +48,13 @@ def test_a_mistyped_flag_shows_the_command_s_usage_and_the_nearest_flag(capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: bertforge train ")  # not the top level's `bertforge COMMAND`
     assert "--max-setps: did you mean --max-steps?" in err
+    # A short usage (what train requires; --help for the rest), not its 38 lines of flags.
+    assert err.splitlines()[0] == ("usage: bertforge train --data DATA --run-dir RUN_DIR "
+                                   "[options]  (`bertforge train --help`)")
+    assert len(err.splitlines()) == 3 and "--preset" not in err
+    with pytest.raises(SystemExit):  # --help still lists every flag
+        main(["train", "--help"])
+    assert "[--preset {tiny,mini,base,large}]" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["inspect", "somewhere", "--bogus"])
     assert "did you mean" not in capsys.readouterr().err  # nothing near: no guess
