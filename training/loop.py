@@ -279,6 +279,10 @@ def _print_recipe(cfg: TrainConfig, model_config: BertConfig, world_size: int) -
         f"{model_config.hidden_size}, {model_config.num_attention_heads} heads, vocab "
         f"{model_config.vocab_size} ({count_parameters(model_config) / 1e6:.1f}M parameters)"
     )
+    if cfg.eval_every > cfg.max_steps:
+        # Not refused: recipes shorten runs by overriding --steps and keep their cadence.
+        console(f"[train] no validation pass in this run: --eval-every {cfg.eval_every} is "
+                f"past its last step ({cfg.max_steps})")
 
 
 def _print_precision(choice: PrecisionChoice) -> None:

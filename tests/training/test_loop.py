@@ -236,6 +236,19 @@ def test_eval_of_a_run_with_its_own_masking_gives_its_validation_numbers(dataset
     assert result.mlm_accuracy == pytest.approx(logged["eval_mlm_accuracy"], rel=1e-6)
 
 
+def test_an_eval_cadence_past_the_last_step_is_said_not_silent(dataset, tmp_path, capsys):
+    """`--eval-every 5 --steps 2` (a recipe's cadence over a shortened run) evaluates nothing;
+    the console says so instead of leaving the user to wonder where the eval lines went."""
+    train(config(dataset, tmp_path / "run", max_steps=2, eval_every=5, zero_stage=0,
+                 precision="fp32"))
+    assert ("[train] no validation pass in this run: --eval-every 5 is past its last step (2)"
+            in capsys.readouterr().out)
+    assert not any("eval_mlm_loss" in r for r in read_metrics(str(tmp_path / "run")))
+    train(config(dataset, tmp_path / "evaluated", max_steps=2, eval_every=2, zero_stage=0,
+                 precision="fp32"))
+    assert "no validation pass" not in capsys.readouterr().out
+
+
 def test_a_dataset_in_object_storage_trains_from_a_copy_on_the_node(
         dataset, tmp_path, monkeypatch):
     """`--data gs://...` (a Dataflow job's output) passed the driver's pre-flight and then
