@@ -474,7 +474,8 @@ def _run_pipeline(args: argparse.Namespace) -> None:
     from bertforge.cluster.commands.pipeline import load_config, run_pipeline
 
     config, text = load_config(args.config)
-    print(json.dumps(run_pipeline(config, text), indent=2))
+    base_dir = os.path.dirname(os.path.abspath(args.config))
+    print(json.dumps(run_pipeline(config, text, base_dir), indent=2))
 
 
 def _run_demo(args: argparse.Namespace) -> None:

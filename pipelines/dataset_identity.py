@@ -21,12 +21,15 @@ WORKING_DIRECTORY = "working_directory"
 
 def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: list[str],
                         vocab_sha256: str, input_sizes: dict[str, int] | None = None,
-                        gone_is_a_difference: bool = True) -> list[str]:
+                        gone_is_a_difference: bool = True,
+                        moved: tuple[str, str] | None = None) -> list[str]:
     """What differs between the dataset `found` and the one `config` would make, one phrase
     per difference ([] when they are the same dataset). An input whose size is not the one
     the manifest recorded has changed since (`input_sizes`: the files' sizes now). Without
     `gone_is_a_difference`, inputs the manifest names that are not among `input_paths` any
-    more are not reported (deleted since: the dataset is all that is left of them)."""
+    more are not reported (deleted since: the dataset is all that is left of them). `moved`:
+    (from, to), a folder moved whole with its inputs since (a pipeline's project folder): the
+    recorded inputs under `from` are looked for under `to`."""
     differences = []
     wanted = config.instance_params()
     for key in sorted(set(wanted) | set(found.instance_params)):
@@ -38,7 +41,8 @@ def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: lis
     # By where the files are, not how they were spelled: a relative path is resolved in the
     # working directory of the run that wrote it (recorded since 2026-11-28; before, this one).
     recorded_in = found.extra.get(WORKING_DIRECTORY) or os.getcwd()
-    before = {input_location(path, recorded_in): path for path in found.input_files}
+    before = {_moved(input_location(path, recorded_in), moved): path
+              for path in found.input_files}
     now = {input_location(path): path for path in input_paths}
     gone = {before[key] for key in before.keys() - now.keys()} if gone_is_a_difference else set()
     new = {now[key] for key in now.keys() - before.keys()}
@@ -51,6 +55,16 @@ def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: lis
     if changed:
         differences.append(f"the input files' content ({_named('another size', changed)})")
     return differences
+
+
+def _moved(location: str, moved: tuple[str, str] | None) -> str:
+    """`location` with the folder `moved[0]` it lies in replaced by `moved[1]`."""
+    if moved is None:
+        return location
+    old, new = (os.path.realpath(folder) for folder in moved)
+    if location == old or location.startswith(old.rstrip(os.sep) + os.sep):
+        return new + location[len(old):]
+    return location
 
 
 def _named(what: str, paths: set[str]) -> str:

@@ -16,7 +16,8 @@ recorded in WORKDIR/pipeline.json; a later run with a configuration that would m
 outputs is refused, naming the keys that differ, and so is one whose input files were added or
 changed in size since its shards were made (`stages.shards_complete`). Relative paths in the
 file are relative to the file's own directory, so a run does not depend on the current
-directory.
+directory; paths under that directory are compared relative to it, so a project folder moved or
+copied whole (file, corpus, workdir) is the same pipeline (`run_pipeline(base_dir=...)`).
 """
 
 from __future__ import annotations
@@ -363,8 +364,9 @@ def build_stages(
             f"prepare-{length}",
             lambda length=length: prepare_dataset(config.prepare_config(length),
                                                   config.prepare.beam_args),
-            is_done=lambda length=length: shards_complete(config.prepare_config(length),
-                                                           paths.root),
+            is_done=lambda length=length: shards_complete(
+                config.prepare_config(length), paths.root,
+                runner.moved_since(f"prepare-{length}")),
         ))
     train_configs = config.train_configs()
     for name, cfg in train_configs.items():
@@ -389,12 +391,15 @@ def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
 # --- the run --------------------------------------------------------------------------------
 
 
-def run_pipeline(config: PipelineConfig, toml_text: str = "") -> dict[str, Any]:
-    """Run every stage that is not done; returns {"ran": [...], "skipped": [...], ...}."""
+def run_pipeline(config: PipelineConfig, toml_text: str = "",
+                 base_dir: str | None = None) -> dict[str, Any]:
+    """Run every stage that is not done; returns {"ran": [...], "skipped": [...], ...}.
+    `base_dir`: the pipeline file's folder; paths under it are compared relative to it, so a
+    project folder moved or copied whole (file, corpus, workdir) is the same pipeline."""
     paths = PipelinePaths(config.workdir)
     with StageRunner(paths.root, "pipeline", config.settings(), ignored=HOW_TO_RUN_KEYS,
                      renamed=RENAMED_SETTINGS, may_add=PHASE2_SETTINGS,
-                     dir_flag="workdir") as runner:
+                     dir_flag="workdir", base_dir=base_dir) as runner:
         runner.state["toml"] = toml_text or runner.state.get("toml", "")
         runner.save()
         outcome = runner.run(build_stages(config, paths, runner))

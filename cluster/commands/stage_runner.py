@@ -84,14 +84,18 @@ class StageRunner:
     no difference while that stage has not run. `scratch`: paths under `root` that the
     command's workers keep for themselves (their logs, state and error files), no output: an
     earlier run that left only those made nothing, and does not pin its settings.
+    `base_dir`: the folder the job's configuration is relative to (a pipeline file's); paths
+    in the settings under it are compared relative to it, so a folder moved or copied with
+    its configuration, inputs and outputs is the same job (the state records it).
     """
 
     def __init__(self, root: str, command: str, settings: dict[str, Any], *,
                  ignored: tuple[str, ...] = (), renamed: dict[str, str] | None = None,
                  may_add: dict[str, str] | None = None, scratch: tuple[str, ...] = (),
                  heartbeat_seconds: float = 60.0, skip_message: str = "output complete, skipping",
-                 dir_flag: str = "directory"):
+                 dir_flag: str = "directory", base_dir: str | None = None):
         self.root = os.path.abspath(root)
+        self.base_dir = os.path.abspath(base_dir) if base_dir else None
         self.command = command
         self.settings = json.loads(json.dumps(settings))  # as they read back from the file
         self.ignored = ignored
@@ -124,6 +128,15 @@ class StageRunner:
     def recorded(self, stage: str) -> dict[str, Any] | None:
         return self.state["stages"].get(stage)
 
+    def moved_since(self, stage: str) -> tuple[str, str] | None:
+        """(from, to): the base folder `stage` ran in and today's, when the job's folder was
+        moved or copied whole since; for a stage's own check of what it made (a dataset's
+        recorded input paths)."""
+        then = (self.recorded(stage) or {}).get("base_dir")
+        if then and self.base_dir and then != self.base_dir:
+            return then, self.base_dir
+        return None
+
     def save(self) -> None:
         write_json_atomic(self.state_path, self.state)
 
@@ -147,6 +160,8 @@ class StageRunner:
             with heartbeat(self.command, label, every_seconds=self.heartbeat_seconds):
                 record = stage.run()
             record["seconds"] = round(time.time() - started, 1)
+            if self.base_dir:
+                record["base_dir"] = self.base_dir  # where its outputs' recorded paths point
             self.state["stages"][stage.name] = record
             self.save()
             ran.append(stage.name)
@@ -168,14 +183,21 @@ class StageRunner:
 
     def _load_or_create_state(self) -> dict[str, Any]:
         if not os.path.exists(self.state_path):
-            state = {"settings": self.settings, "stages": {}}
+            state = {"settings": self.settings, "stages": {}, "base_dir": self.base_dir}
             write_json_atomic(self.state_path, state)
             return state
         with open(self.state_path, encoding="utf-8") as f:
             state = json.load(f)
         recorded = _with_todays_names(state["settings"], self.renamed)
+        wanted = self.settings
+        recorded_base = state.get("base_dir")
+        if self.base_dir:
+            # A state from before the base was recorded: its paths are read against today's
+            # base, so an unmoved folder stays the same job (a moved one differs, as before).
+            recorded = relative_paths(recorded, recorded_base or self.base_dir)
+            wanted = relative_paths(wanted, self.base_dir)
         recorded_keys = _flatten(recorded)
-        changed = [key for key in differing_keys(recorded, self.settings, self.ignored)
+        changed = [key for key in differing_keys(recorded, wanted, self.ignored)
                    if not self._added_for_a_stage_to_come(key, recorded_keys, state["stages"])]
         if changed and not state["stages"] and not self._holds_outputs():
             # An earlier run that failed before it made anything (a mistyped path, say) does
@@ -190,7 +212,9 @@ class StageRunner:
                 f"{self.root} holds a {self.command} made with other settings (differs in: "
                 f"{shown}); use another {self.dir_flag}, or delete it to start over"
             )
-        state["settings"] = self.settings  # the ignored keys may have changed: this run's
+        # The ignored keys, and the paths of a moved folder, may have changed: this run's.
+        state["settings"] = self.settings
+        state["base_dir"] = self.base_dir or state.get("base_dir")
         write_json_atomic(self.state_path, state)
         return state
 
@@ -215,6 +239,29 @@ class StageRunner:
             if any(inside + name not in skipped for name in files):
                 return True
         return False
+
+
+BASE = "<base>"  # stands for the base folder in paths compared relative to it
+
+
+def relative_paths(value: Any, base: str) -> Any:
+    """`value` (JSON-shaped) with every absolute path under `base` written relative to it, as
+    `<base>/...`; a `FORMAT:` prefix (`books:/corpus/*.txt`) stays in front."""
+    if isinstance(value, dict):
+        return {key: relative_paths(item, base) for key, item in value.items()}
+    if isinstance(value, list):
+        return [relative_paths(item, base) for item in value]
+    if not isinstance(value, str):
+        return value
+    prefix, path = "", value
+    if not path.startswith(os.sep) and ":" in path:
+        prefix, path = path.split(":", 1)
+        prefix += ":"
+    if path == base:
+        return prefix + BASE
+    if os.path.isabs(path) and path.startswith(base.rstrip(os.sep) + os.sep):
+        return prefix + os.path.join(BASE, os.path.relpath(path, base))
+    return value
 
 
 def _with_todays_names(settings: dict[str, Any], renamed: dict[str, str]) -> dict[str, Any]:

@@ -77,18 +77,21 @@ def prepare_dataset(config: PrepareConfig, beam_args: Sequence[str]) -> dict[str
     return {"instances": summary.get("instances"), "seconds_in_beam": summary.get("seconds")}
 
 
-def shards_complete(config: PrepareConfig, workdir: str) -> bool:
+def shards_complete(config: PrepareConfig, workdir: str,
+                    moved: tuple[str, str] | None = None) -> bool:
     """The dataset `config` makes is in config.output (its manifest, written last). One made
     from other input files or another vocabulary (edited or added since) is refused, not
     skipped: the stages after it were trained on it, and rebuilding it alone would leave them
-    stale. Input files deleted since are no reason: the shards are all that is left of them."""
+    stale. Input files deleted since are no reason: the shards are all that is left of them.
+    `moved`: (from, to), the project folder moved whole since its inputs were read."""
     from bertforge.cluster.safety.dataset_guard import differences_from_dataset
     from bertforge.pipelines.contract.manifest import MANIFEST_NAME
     from bertforge.pipelines.local.work_dir import WORK_DIR_NAME
 
     if not os.path.isfile(os.path.join(config.output, MANIFEST_NAME)):
         return False
-    differences = differences_from_dataset(config.output, config, inputs_may_be_gone=True)
+    differences = differences_from_dataset(config.output, config, inputs_may_be_gone=True,
+                                           moved=moved)
     if differences:
         raise ValueError(
             f"{config.output} holds a dataset made from other inputs than the configuration "
@@ -153,5 +156,10 @@ def export_complete(hf_dir: str, run_dir: str, recorded: dict[str, Any] | None) 
     files = (HF_CONFIG_NAME, "model.safetensors")
     if not all(os.path.isfile(os.path.join(hf_dir, name)) for name in files):
         return False
-    source = (recorded or {}).get("source")
-    return source is not None and source == export_source(run_dir)
+    source, now = (recorded or {}).get("source"), export_source(run_dir)
+    if source is None or now is None:
+        return False
+    # The checkpoint by its name in the run (a project folder moved whole keeps it) and its
+    # commit marker (a retrained checkpoint of the same step has another).
+    return (os.path.basename(source["checkpoint"]) == os.path.basename(now["checkpoint"])
+            and source["committed"] == now["committed"])

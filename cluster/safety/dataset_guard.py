@@ -100,13 +100,14 @@ def refuse_another_dataset(output: str, config) -> None:
             "replace it")
 
 
-def differences_from_dataset(output: str, config, *, inputs_may_be_gone: bool = False
-                             ) -> list[str]:
+def differences_from_dataset(output: str, config, *, inputs_may_be_gone: bool = False,
+                             moved: tuple[str, str] | None = None) -> list[str]:
     """How the dataset in `output` differs from the one `config` would make from its inputs as
     they are now (`pipelines.dataset_identity`); [] when it is the same or there is none.
     `inputs_may_be_gone`: input files deleted since (the corpus removed once its shards were
     made) are no difference, and a pattern that matches nothing any more is none either; a file
-    edited or added still is."""
+    edited or added still is. `moved`: (from, to), a folder moved whole with the inputs and the
+    dataset since (`dataset_identity.dataset_differences`)."""
     from bertforge.pipelines.contract.manifest import MANIFEST_NAME, read_manifest
     from bertforge.pipelines.dataset_identity import dataset_differences
     from bertforge.pipelines.filesystem import sha256_of, sizes_of
@@ -126,7 +127,7 @@ def differences_from_dataset(output: str, config, *, inputs_may_be_gone: bool = 
     else:
         paths = [path for path, _ in match_inputs(config.inputs, output)]
     return dataset_differences(found, config, paths, sha256_of(config.vocab), sizes_of(paths),
-                               gone_is_a_difference=not inputs_may_be_gone)
+                               gone_is_a_difference=not inputs_may_be_gone, moved=moved)
 
 
 def live_readers(data_dir: str) -> list[Holder]:

@@ -165,6 +165,52 @@ def test_a_changed_configuration_is_refused_naming_the_keys(tmp_path):
     assert "config.prepare.options.dupe_factor" in message
 
 
+def test_a_project_folder_moved_whole_is_the_same_pipeline(tmp_path):
+    """pipeline.toml, its corpus and its workdir moved (or copied) together: the paths the
+    state recorded are compared relative to the file's folder, so the rerun skips what is
+    done instead of refusing "other settings"; a real change is still refused."""
+    import shutil
+
+    def enter(project, base_dir, **changes):
+        config = config_of(project, **changes)
+        with StageRunner(PipelinePaths(config.workdir).root, "pipeline", config.settings(),
+                         ignored=HOW_TO_RUN_KEYS, base_dir=base_dir) as runner:
+            return runner.run([Stage("vocab", lambda: {})])
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    assert enter(old, str(old)) == {"ran": ["vocab"], "skipped": []}
+    shutil.move(str(old), str(new))
+    assert enter(new, str(new)) == {"ran": [], "skipped": ["vocab"]}
+    state = json.loads((new / "work" / "pipeline.json").read_text())
+    assert state["base_dir"] == str(new)
+    assert state["settings"]["config"]["workdir"] == str(new / "work")  # today's paths
+    with pytest.raises(ValueError, match="config.prepare.options.dupe_factor"):
+        enter(new, str(new), prepare__dupe_factor=2)
+    # Compared as absolute paths (no base: a caller of the Python API), it is another job.
+    shutil.move(str(new), str(old))
+    with pytest.raises(ValueError, match="config.workdir"):
+        enter(old, None)
+    # A state recorded without a base (before there was one): read against today's base, so
+    # an unmoved folder is still the same pipeline.
+    legacy = tmp_path / "legacy"
+    enter(legacy, None)
+    state_file = legacy / "work" / "pipeline.json"
+    state = json.loads(state_file.read_text())
+    del state["base_dir"]
+    state_file.write_text(json.dumps(state))
+    assert enter(legacy, str(legacy)) == {"ran": [], "skipped": ["vocab"]}
+
+
+def test_relative_paths_keep_format_prefixes_and_leave_other_places_alone():
+    from bertforge.cluster.commands.stage_runner import relative_paths
+
+    settings = {"a": "/p/work", "b": ["books:/p/corpus/*.txt", "/q/x", "gs://b/p"],
+                "c": {"d": "/p", "e": 3, "f": "/pp/x"}}
+    assert relative_paths(settings, "/p") == {
+        "a": "<base>/work", "b": ["books:<base>/corpus/*.txt", "/q/x", "gs://b/p"],
+        "c": {"d": "<base>", "e": 3, "f": "/pp/x"}}
+
+
 def test_differing_keys_ignore_how_to_run():
     old = {"config": {"cluster": {"workers": 2},
                       "prepare": {"beam_args": ["a"], "options": {"seed": 1}}}}
@@ -228,10 +274,11 @@ def finished_pipeline(tmp_path_factory):
     # Phase 1 alone first, then the file with [phase2] added, as a user grows a pipeline.
     phase2 = TINY_TOML[TINY_TOML.index("[phase2]"):TINY_TOML.index("[cluster]")]
     (root / "pipeline.toml").write_text(TINY_TOML.replace(phase2, ""))
-    phase1_only = run_pipeline(*load_config(str(root / "pipeline.toml")))
+    # The file's folder as the base, as `bertforge pipeline FILE` gives it.
+    phase1_only = run_pipeline(*load_config(str(root / "pipeline.toml")), str(root))
     (root / "pipeline.toml").write_text(TINY_TOML)
     config, text = load_config(str(root / "pipeline.toml"))
-    first = {**run_pipeline(config, text), "phase1_only": phase1_only}
+    first = {**run_pipeline(config, text, str(root)), "phase1_only": phase1_only}
     yield root, config, first
     ray.shutdown()
 
@@ -294,6 +341,28 @@ def test_rerun_skips_every_stage(finished_pipeline, monkeypatch, capsys):
     assert again["skipped"] == ["vocab", "prepare-64", "prepare-128", "phase1", "phase2",
                                 "export"]
     assert capsys.readouterr().out.count("output complete, skipping") == 6
+
+
+@pytest.mark.slow
+def test_a_finished_project_copied_elsewhere_skips_every_stage(finished_pipeline, monkeypatch,
+                                                              tmp_path, capsys):
+    """The whole project folder (pipeline.toml, corpus, workdir) copied to another place, as
+    to another machine: `bertforge pipeline` there finds every stage done. It refused "other
+    settings" when the state's absolute paths were compared as they were."""
+    import shutil
+
+    from bertforge.cluster.cli import main
+
+    root, _, _ = finished_pipeline
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(root, moved, symlinks=True)
+    _forbid_work(monkeypatch)
+    for _ in range(2):  # and again there, once the state says where it is now
+        assert main(["pipeline", str(moved / "pipeline.toml")]) == 0
+        out = capsys.readouterr().out
+        assert out.count("output complete, skipping") == 6, out[-3000:]
+        state = json.loads((moved / "work" / "pipeline.json").read_text())
+        assert state["base_dir"] == str(moved)
 
 
 @pytest.mark.slow
