@@ -115,14 +115,13 @@ def time_ms(fn, device: str, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(backend: str, seq_len: int, batch: int, masked: bool, dropout: bool,
-            args: argparse.Namespace) -> dict[str, Any]:
-    generator = torch.Generator().manual_seed(args.seed)
-    qkv, query, key, value, bias = model_inputs(seq_len, batch, args.heads, args.head_size,
-                                                args.device, generator)
+def measure(backend: str, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, masked: bool,
+            dropout: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """One row: `backend` on `inputs` (model_inputs'), the output's gradient `grad`."""
+    qkv, query, key, value, bias = inputs
+    batch, _, seq_len, _ = query.shape
     mask = bias if masked else None
     p = DROPOUT if dropout else 0.0
-    grad = torch.randn(query.shape, generator=generator).to(args.device, torch.bfloat16)
     row = {"backend": backend, "seq_len": seq_len, "batch": batch, "mask": masked,
            "dropout": p}
 
@@ -201,9 +200,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                          "", script="attention_kernels")
     for shape in args.shapes.split(","):
         seq_len, batch = (int(x) for x in shape.split("x"))
+        # One set of inputs a shape, for every row (100 M numbers at BERT-large's shapes).
+        generator = torch.Generator().manual_seed(args.seed)
+        inputs = model_inputs(seq_len, batch, args.heads, args.head_size, args.device,
+                              generator)
+        grad = torch.randn(inputs[1].shape, generator=generator).to(args.device, torch.bfloat16)
         for backend in args.backends.split(","):
             for masked, dropout in COMBINATIONS:
-                report["results"].append(measure(backend, seq_len, batch, masked, dropout, args))
+                report["results"].append(measure(backend, inputs, grad, masked, dropout, args))
                 # Rewritten after each row: a run cut short keeps what it measured.
                 with open(json_path, "w") as f:
                     json.dump(report, f, indent=1)
