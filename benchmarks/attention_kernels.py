@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import warnings
@@ -102,23 +101,22 @@ def attention_flops(seq_len: int, batch: int, heads: int, head_size: int) -> flo
 
 
 def time_ms(fn, device: str, warmup: int, repeats: int) -> float:
-    """Median milliseconds of `fn()` over `repeats` calls, each synchronized."""
+    """Mean milliseconds of `fn()` over `repeats` calls back to back, one device wait at the
+    end: a sub-millisecond kernel timed alone would carry its launch and the wait with it."""
     for _ in range(warmup):
         fn()
-    times = []
+    gt.synchronize(device)
+    start = time.perf_counter()
     for _ in range(repeats):
-        gt.synchronize(device)
-        start = time.perf_counter()
         fn()
-        gt.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    gt.synchronize(device)
+    return (time.perf_counter() - start) * 1e3 / repeats
 
 
 def measure(backend: str, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, masked: bool,
             dropout: bool, args: argparse.Namespace) -> dict[str, Any]:
     """One row: `backend` on `inputs` (model_inputs'), the output's gradient `grad`."""
-    qkv, query, key, value, bias = inputs
+    _, query, key, value, bias = inputs
     batch, _, seq_len, _ = query.shape
     mask = bias if masked else None
     p = DROPOUT if dropout else 0.0
@@ -131,8 +129,9 @@ def measure(backend: str, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, 
                                                   dropout_p=p)
 
     def forward_backward() -> None:
-        qkv.grad = None
-        forward().backward(grad)
+        # The gradients of query, key and value themselves: not summed into the QKV output's
+        # (a copy of 3 B S H that is the split's backward, not attention's).
+        torch.autograd.grad(forward(), (query, key, value), grad)
 
     # SDPA says why a backend declines in warnings, then raises "No available kernel": the
     # reasons go into the row, not onto the console once a row.
@@ -162,8 +161,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"Python {env['python']}",
              f"- {report['heads']} heads of {report['head_size']}, bf16, the model's layout "
              f"(views of one QKV output); mask: the padding bias [B, 1, 1, S] with "
-             f"{SHORT_ROWS:.0%} of rows short; dropout {DROPOUT}; median of "
-             f"{report['repeats']} synchronized calls after {report['warmup']}",
+             f"{SHORT_ROWS:.0%} of rows short; dropout {DROPOUT}; mean of "
+             f"{report['repeats']} calls back to back after {report['warmup']}",
              "- TFLOP/s: the attention GEMMs at every padded position (backward: 2.5x the "
              "forward's, as flash recomputes the scores)", "",
              "| seq x batch | backend | mask | dropout | forward ms | backward ms | "

@@ -16,16 +16,19 @@ from bertforge.cluster.launch.paths import refuse_output_in_the_jobs_copy
 
 
 class CommandParser(argparse.ArgumentParser):
-    """A command's parser whose mistakes show a short usage: what the command requires, then
-    `[options]`, not every flag it takes (train's full usage is 38 lines, and the error line
-    under it scrolled out of sight). `--help` still lists them all."""
+    """A command's parser whose mistakes show a short usage: `[options]`, then what the
+    command requires, not every flag it takes (train's full usage is 38 lines, and the error
+    line under it scrolled out of sight). `--help` still lists them all."""
 
     def format_usage(self) -> str:
         needed = [action for action in self._actions
                   if action.required or not action.option_strings]
         formatter = self._get_formatter()
+        # Options first: after submit's `-- COMMAND ...` they would be the job's words.
         formatter.add_usage(self.usage, needed, self._mutually_exclusive_groups)
-        return formatter.format_help().rstrip("\n") + f" [options]  (`{self.prog} --help`)\n"
+        usage = formatter.format_help().rstrip("\n").replace(
+            f"usage: {self.prog}", f"usage: {self.prog} [options]", 1)
+        return f"{usage}  (`{self.prog} --help`)\n"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -63,7 +63,9 @@ def _moved(location: str, moved: tuple[str, str] | None) -> str:
         return location
     old, new = (os.path.realpath(folder) for folder in moved)
     if location == old or location.startswith(old.rstrip(os.sep) + os.sep):
-        return new + location[len(old):]
+        # Resolved again where it is now: a link inside the folder (a corpus kept elsewhere)
+        # could not be followed where the folder was.
+        return os.path.realpath(os.path.join(new, os.path.relpath(location, old)))
     return location
 
 

@@ -96,6 +96,10 @@ class StageRunner:
                  dir_flag: str = "directory", base_dir: str | None = None):
         self.root = os.path.abspath(root)
         self.base_dir = os.path.abspath(base_dir) if base_dir else None
+        if self.base_dir and not _inside(self.root, self.base_dir):
+            # A directory outside the base does not move with it, and two configurations in
+            # two folders may name it: its settings are compared as absolute paths.
+            self.base_dir = None
         self.command = command
         self.settings = json.loads(json.dumps(settings))  # as they read back from the file
         self.ignored = ignored
@@ -214,7 +218,13 @@ class StageRunner:
             )
         # The ignored keys, and the paths of a moved folder, may have changed: this run's.
         state["settings"] = self.settings
-        state["base_dir"] = self.base_dir or state.get("base_dir")
+        if self.base_dir:
+            # Stages recorded without a base (an older bertforge) ran where the state was
+            # recorded: said now, so that a move after this run finds their outputs.
+            for record in state["stages"].values():
+                if isinstance(record, dict):
+                    record.setdefault("base_dir", recorded_base or self.base_dir)
+        state["base_dir"] = self.base_dir or recorded_base
         write_json_atomic(self.state_path, state)
         return state
 
@@ -244,6 +254,10 @@ class StageRunner:
 BASE = "<base>"  # stands for the base folder in paths compared relative to it
 
 
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 def relative_paths(value: Any, base: str) -> Any:
     """`value` (JSON-shaped) with every absolute path under `base` written relative to it, as
     `<base>/...`; a `FORMAT:` prefix (`books:/corpus/*.txt`) stays in front."""
@@ -251,16 +265,14 @@ def relative_paths(value: Any, base: str) -> Any:
         return {key: relative_paths(item, base) for key, item in value.items()}
     if isinstance(value, list):
         return [relative_paths(item, base) for item in value]
-    if not isinstance(value, str):
+    if not isinstance(value, str) or "://" in value:  # not a path, or a URL
         return value
     prefix, path = "", value
     if not path.startswith(os.sep) and ":" in path:
         prefix, path = path.split(":", 1)
         prefix += ":"
-    if path == base:
-        return prefix + BASE
-    if os.path.isabs(path) and path.startswith(base.rstrip(os.sep) + os.sep):
-        return prefix + os.path.join(BASE, os.path.relpath(path, base))
+    if os.path.isabs(path) and _inside(path, base):
+        return prefix + os.path.normpath(os.path.join(BASE, os.path.relpath(path, base)))
     return value
 
 

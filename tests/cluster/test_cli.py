@@ -49,8 +49,8 @@ def test_a_mistyped_flag_shows_the_command_s_usage_and_the_nearest_flag(capsys):
     assert err.startswith("usage: bertforge train ")  # not the top level's `bertforge COMMAND`
     assert "--max-setps: did you mean --max-steps?" in err
     # A short usage (what train requires; --help for the rest), not its 38 lines of flags.
-    assert err.splitlines()[0] == ("usage: bertforge train --data DATA --run-dir RUN_DIR "
-                                   "[options]  (`bertforge train --help`)")
+    assert err.splitlines()[0] == ("usage: bertforge train [options] --data DATA --run-dir "
+                                   "RUN_DIR  (`bertforge train --help`)")
     assert len(err.splitlines()) == 3 and "--preset" not in err
     with pytest.raises(SystemExit):  # --help still lists every flag
         main(["train", "--help"])

@@ -199,6 +199,31 @@ def test_a_project_folder_moved_whole_is_the_same_pipeline(tmp_path):
     del state["base_dir"]
     state_file.write_text(json.dumps(state))
     assert enter(legacy, str(legacy)) == {"ran": [], "skipped": ["vocab"]}
+    # That rerun in place records where its stages ran, so a move after it is one.
+    assert json.loads(state_file.read_text())["stages"]["vocab"]["base_dir"] == str(legacy)
+    shutil.move(str(legacy), str(new))
+    config = config_of(new)
+    with StageRunner(PipelinePaths(config.workdir).root, "pipeline", config.settings(),
+                     ignored=HOW_TO_RUN_KEYS, base_dir=str(new)) as runner:
+        assert runner.moved_since("vocab") == (str(legacy), str(new))
+
+
+def test_a_workdir_outside_the_file_s_folder_is_compared_by_absolute_paths(tmp_path):
+    """Two projects' files naming one absolute workdir (and each its own corpus/): the second
+    is another pipeline, refused, although its paths relative to its own folder are the
+    first's."""
+    workdir = str(tmp_path / "scratch" / "run")
+
+    def enter(project):
+        config = config_of(project, workdir=workdir)
+        with StageRunner(PipelinePaths(config.workdir).root, "pipeline", config.settings(),
+                         ignored=HOW_TO_RUN_KEYS, base_dir=str(project)) as runner:
+            runner.run([Stage("vocab", lambda: {})])
+
+    enter(tmp_path / "a")
+    enter(tmp_path / "a")  # the same project again
+    with pytest.raises(ValueError, match="config.prepare.options.inputs"):
+        enter(tmp_path / "b")
 
 
 def test_relative_paths_keep_format_prefixes_and_leave_other_places_alone():
@@ -209,6 +234,25 @@ def test_relative_paths_keep_format_prefixes_and_leave_other_places_alone():
     assert relative_paths(settings, "/p") == {
         "a": "<base>/work", "b": ["books:<base>/corpus/*.txt", "/q/x", "gs://b/p"],
         "c": {"d": "<base>", "e": 3, "f": "/pp/x"}}
+    assert relative_paths(settings, "/")["b"] == ["books:<base>/p/corpus/*.txt", "<base>/q/x",
+                                                  "gs://b/p"]  # a URL is no path under /
+
+
+def test_inputs_of_a_moved_folder_are_looked_for_where_it_is_now(tmp_path):
+    """dataset_identity's mapping of a recorded input location into the moved folder: a link
+    inside the folder (a corpus kept elsewhere) is followed where the folder is now, where it
+    could not be followed where the folder was."""
+    from bertforge.pipelines.dataset_identity import _moved
+
+    (tmp_path / "big").mkdir()
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "corpus").symlink_to(tmp_path / "big")
+    old = str(tmp_path / "old")  # gone: moved to new
+    assert _moved(f"{old}/corpus/a.txt", (old, str(tmp_path / "new"))) == \
+        str(tmp_path / "big" / "a.txt")
+    assert _moved(f"{old}x/a.txt", (old, str(tmp_path / "new"))) == f"{old}x/a.txt"
+    assert _moved("/x/a.txt", ("/", "/z")) == "/z/x/a.txt"
+    assert _moved("/x/a.txt", None) == "/x/a.txt"
 
 
 def test_differing_keys_ignore_how_to_run():
