@@ -12,7 +12,7 @@ import os
 
 from bertforge.pipelines.contract.manifest import Manifest
 from bertforge.pipelines.prepare_options import PrepareConfig
-from bertforge.pipelines.read.readers import input_location
+from bertforge.pipelines.read.readers import input_location, lies_within
 
 MAX_NAMED = 3  # input files named in a difference, then a count
 # The manifest's `extra` key of the directory a local prepare ran in (its relative inputs').
@@ -62,7 +62,7 @@ def _moved(location: str, moved: tuple[str, str] | None) -> str:
     if moved is None:
         return location
     old, new = (os.path.realpath(folder) for folder in moved)
-    if location == old or location.startswith(old.rstrip(os.sep) + os.sep):
+    if lies_within(location, old):
         # Resolved again where it is now: a link inside the folder (a corpus kept elsewhere)
         # could not be followed where the folder was.
         return os.path.realpath(os.path.join(new, os.path.relpath(location, old)))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import warnings
 from typing import Any
 
@@ -20,6 +19,7 @@ from bertforge.training.engine_config import EngineConfig
 from bertforge.training.gradient_buckets import GradientBuckets
 from bertforge.training.model import BertEncoder, set_fp8, set_residual_in_autocast_dtype
 from bertforge.training.optim import Lamb
+from bertforge.training.ports import free_loopback_port
 from bertforge.training.resolved_engine import ResolvedEngine, bf16_autocast
 from bertforge.training.schedule import lr_multiplier
 
@@ -121,7 +121,7 @@ def ensure_process_group() -> None:
     if "RANK" not in os.environ:
         os.environ.update(
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_loopback_port()),
         )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     skip_inference_shm_op()
@@ -159,12 +159,6 @@ def skip_inference_shm_op() -> None:
     if get_accelerator().create_op_builder("ShareMemCommBuilder") is None:
         return
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: EngineConfig) -> torch.optim.Optimizer:

@@ -33,6 +33,7 @@ from bertforge.cluster.safety.atomic_files import write_json_atomic
 
 # One run per directory: the lock `train` takes too (host, pid, heartbeat; shared filesystems).
 from bertforge.cluster.safety.run_lock import LOCK_NAME, exclusive_directory
+from bertforge.pipelines.read.readers import lies_within, split_format
 
 
 @contextmanager
@@ -96,7 +97,7 @@ class StageRunner:
                  dir_flag: str = "directory", base_dir: str | None = None):
         self.root = os.path.abspath(root)
         self.base_dir = os.path.abspath(base_dir) if base_dir else None
-        if self.base_dir and not _inside(self.root, self.base_dir):
+        if self.base_dir and not lies_within(self.root, self.base_dir):
             # A directory outside the base does not move with it, and two configurations in
             # two folders may name it: its settings are compared as absolute paths.
             self.base_dir = None
@@ -254,10 +255,6 @@ class StageRunner:
 BASE = "<base>"  # stands for the base folder in paths compared relative to it
 
 
-def _inside(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
 def relative_paths(value: Any, base: str) -> Any:
     """`value` (JSON-shaped) with every absolute path under `base` written relative to it, as
     `<base>/...`; a `FORMAT:` prefix (`books:/corpus/*.txt`) stays in front."""
@@ -267,12 +264,10 @@ def relative_paths(value: Any, base: str) -> Any:
         return [relative_paths(item, base) for item in value]
     if not isinstance(value, str) or "://" in value:  # not a path, or a URL
         return value
-    prefix, path = "", value
-    if not path.startswith(os.sep) and ":" in path:
-        prefix, path = path.split(":", 1)
-        prefix += ":"
-    if os.path.isabs(path) and _inside(path, base):
-        return prefix + os.path.normpath(os.path.join(BASE, os.path.relpath(path, base)))
+    forced, path = split_format(value)
+    if os.path.isabs(path) and lies_within(path, base):
+        relative = os.path.normpath(os.path.join(BASE, os.path.relpath(path, base)))
+        return f"{forced}:{relative}" if forced else relative
     return value
 
 

@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from collections.abc import Iterator
 
 from bertforge.cluster.launch import multiprocessing_dirs
 from bertforge.cluster.safety.run_lock import process_scope
+from bertforge.training.ports import free_loopback_port
 
 KEEP_SESSIONS = 3
 START_ATTEMPTS = 3
@@ -155,13 +155,6 @@ def start(num_cpus: int) -> None:
                   f"again (attempt {attempt + 1} of {START_ATTEMPTS})", file=sys.stderr,
                   flush=True)
     _record_this_driver(root)
-
-
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the system's choice)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def startup_timeout(error: BaseException) -> str | None:

@@ -396,6 +396,11 @@ def input_location(path: str, working_directory: str | None = None) -> str:
     return os.path.realpath(os.path.join(working_directory or os.getcwd(), path))
 
 
+def lies_within(path: str, folder: str) -> bool:
+    """Whether the absolute `path` is `folder` or lies in it (by the names as given)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 def _common_folder(paths: list[str]) -> str:
     """The longest folder ("a/b/", ending in "/") that every path lies in."""
     folders = [path.rsplit("/", 1)[0] + "/" if "/" in path else "" for path in paths]
