@@ -90,6 +90,7 @@ _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 
 HF_CONFIG_NAME = "config.json"
 HF_WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
+HF_TOKENIZER_NAME = "tokenizer.json"
 
 
 def hf_name_map(num_hidden_layers: int) -> dict[str, tuple[str, ...]]:
@@ -185,6 +186,17 @@ OPTIONAL_PARTS = {"pooler": "bert.pooler.", "masked-LM head": "cls.predictions."
                   "next-sentence head": "cls.seq_relationship."}
 
 
+def bert_tensors(hf_state_dict: Mapping[str, torch.Tensor],
+                 parts: tuple[str, ...] = ("bert.",)) -> dict[str, torch.Tensor]:
+    """Any Hugging Face BERT's tensors in canonical names, a BertModel's bare names under
+    `bert.`, keeping those under `parts` (`bert.`: the encoder; `cls.` too: the pretraining
+    heads); another head's own tensors (a classifier's) are left out."""
+    tensors = canonical_names(hf_state_dict)
+    if not any(name.startswith(("bert.", "cls.")) for name in tensors):
+        tensors = {f"bert.{name}": tensor for name, tensor in tensors.items()}  # a BertModel
+    return {name: tensor for name, tensor in tensors.items() if name.startswith(parts)}
+
+
 def pretraining_state_from_any_hf(
     hf_state_dict: Mapping[str, torch.Tensor], config: BertConfig
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -192,11 +204,7 @@ def pretraining_state_from_any_hf(
     BertForPreTraining's, a BertForMaskedLM's, or the encoder of another head's (a
     BertModel's bare names, a fine-tuned classifier's `bert.*`; its own head is no part of
     pretraining and is left out). What it lacks, the caller initialises afresh."""
-    tensors = canonical_names(hf_state_dict)
-    if not any(name.startswith(("bert.", "cls.")) for name in tensors):
-        tensors = {f"bert.{name}": tensor for name, tensor in tensors.items()}  # a BertModel
-    tensors = {name: tensor for name, tensor in tensors.items()
-               if name.startswith(("bert.", "cls."))}
+    tensors = bert_tensors(hf_state_dict, ("bert.", "cls."))
     names = hf_name_map(config.num_hidden_layers)
     lacking = [part for part, prefix in OPTIONAL_PARTS.items()
                if not any(name.startswith(prefix) and name not in _TIED_NAMES.values()
@@ -365,7 +373,7 @@ def _write_hf_files(
     tokenizer_config = _tokenizer_config(lower_case, model_max_length)
     _write_json(os.path.join(directory, "tokenizer_config.json"), tokenizer_config)
     _write_json(os.path.join(directory, "special_tokens_map.json"), _special_tokens_map())
-    with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(directory, HF_TOKENIZER_NAME), "w", encoding="utf-8") as f:
         f.write(build_hf_tokenizer_json(vocab_path, lower_case))
 
 
@@ -499,9 +507,6 @@ def import_hf_state_dict(
     return config, from_hf_state_dict(hf_state_dict, config)
 
 
-HF_TOKENIZER_NAME = "tokenizer.json"
-
-
 def hf_vocab_file(hf_dir: str) -> str | None:
     """A Hugging Face directory's WordPiece vocabulary as a vocab.txt path: its own, or, where
     it has only a tokenizer.json (what transformers 5 saves), one written from that file's
@@ -516,6 +521,11 @@ def hf_vocab_file(hf_dir: str) -> str | None:
         return None
     with open(path, "rb") as f:
         raw = f.read()
+    folder = os.path.join(tempfile.gettempdir(), "bertforge-vocab",
+                          hashlib.sha256(raw).hexdigest()[:16])
+    written = os.path.join(folder, "vocab.txt")
+    if os.path.exists(written):  # these bytes were read and checked before (the driver's)
+        return written
     try:
         model = json.loads(raw)["model"]
     except (ValueError, KeyError, TypeError) as error:
@@ -526,14 +536,10 @@ def hf_vocab_file(hf_dir: str) -> str | None:
     if [index for _, index in ids] != list(range(len(ids))):
         raise ValueError(f"{path}: its WordPiece ids are not 0..{len(ids) - 1}")
     text = "".join(f"{token}\n" for token, _ in ids).encode("utf-8")
-    folder = os.path.join(tempfile.gettempdir(), "bertforge-vocab",
-                          hashlib.sha256(raw).hexdigest()[:16])
-    written = os.path.join(folder, "vocab.txt")
-    if not os.path.exists(written):
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, delete=False) as f:
-            f.write(text)
-        os.replace(f.name, written)  # whole or absent, whoever writes it
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, delete=False) as f:
+        f.write(text)
+    os.replace(f.name, written)  # whole or absent, whoever writes it
     return written
 
 

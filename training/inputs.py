@@ -34,9 +34,17 @@ _REFUSED_ROOTS = ("/proc", "/sys", "/dev")
 
 def check_dataset(data_dir: str, splits: tuple[str, ...] = ("train",)) -> DatasetFacts:
     """The dataset's facts once its manifest parses, names `splits`, every shard it lists
-    exists with its row count, and vocab.txt matches the manifest's hash and size."""
+    exists with its row count, and vocab.txt matches the manifest's hash and size; no split
+    it reads is empty."""
     if "://" in data_dir:
-        return _check_remote_dataset(data_dir, splits)
+        facts = _check_remote_dataset(data_dir, splits)
+    else:
+        facts = _check_local_dataset(data_dir, splits)
+    refuse_empty_splits(facts, splits, data_dir)
+    return facts
+
+
+def _check_local_dataset(data_dir: str, splits: tuple[str, ...]) -> DatasetFacts:
     if not os.path.exists(data_dir):
         raise MissingInputError(f"dataset {data_dir} does not exist")
     if not os.path.isdir(data_dir):
@@ -49,20 +57,19 @@ def check_dataset(data_dir: str, splits: tuple[str, ...] = ("train",)) -> Datase
     for split in splits:
         split_rows(data_dir, manifest, split)  # footers and row counts only, memory-mapped
     read_vocab_tokens(data_dir, manifest.tokenizer)
-    refuse_empty_splits(facts, splits, data_dir)
     return facts
 
 
 def refuse_empty_splits(facts: DatasetFacts, splits: tuple[str, ...], data_dir: str) -> None:
     """A split the command reads that holds nothing is said as such (it was "fewer than one
     optimizer step: give a smaller --batch-size", which no batch size mends)."""
-    empty = [split for split in splits if facts.split_sizes.get(split) == 0]
-    if not empty:
+    empty = next((split for split in splits if facts.split_sizes.get(split) == 0), None)
+    if empty is None:
         return
     why = ("prepare holds whole documents out for it (--validation-fraction), and this corpus "
            "had too few; prepare with more documents, or train without --eval-every (eval: "
-           "--split train)") if empty[0] == "validation" else "prepare with more text"
-    raise UserInputError(f"split {empty[0]!r} of {data_dir} is empty (0 instances): {why}")
+           "--split train)") if empty == "validation" else "prepare with more text"
+    raise UserInputError(f"split {empty!r} of {data_dir} is empty (0 instances): {why}")
 
 
 def _check_remote_dataset(data_dir: str, splits: tuple[str, ...]) -> DatasetFacts:
@@ -99,9 +106,7 @@ def _check_remote_dataset(data_dir: str, splits: tuple[str, ...]) -> DatasetFact
     if absent:
         raise UserInputError(f"dataset {data_dir} has no {' or '.join(absent)} split (it has "
                              f"{', '.join(sorted(manifest.splits))})")
-    facts = DatasetFacts.from_manifest(manifest, data_dir)
-    refuse_empty_splits(facts, splits, data_dir)
-    return facts
+    return DatasetFacts.from_manifest(manifest, data_dir)
 
 
 def check_run_dir(run_dir: str) -> str:

@@ -137,8 +137,9 @@ def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     if cfg.seq_length > trained and not cfg.random_init:
         # Google's recipe pretrains at 512 tokens last for this reason.
         shorter = f"--max-seq-length {trained}"
-        if cfg.is_squad and cfg.doc_stride_for(trained) != cfg.doc_stride:  # windows must fit
-            shorter += f" --doc-stride {cfg.doc_stride_for(trained)}"
+        stride = cfg.doc_stride_for(trained)
+        if cfg.is_squad and stride != cfg.doc_stride:  # its windows must fit the shorter length
+            shorter += f" --doc-stride {stride}"
         print(f"[finetune] warning: max_seq_length {cfg.seq_length} is longer than the "
               f"{trained} tokens {cfg.model} was pretrained at: positions {trained + 1}-"
               f"{cfg.seq_length} keep their random initial embeddings; pretrain a phase at "

@@ -94,7 +94,7 @@ def _cluster_section(table: Any, base_dir: str) -> LaunchConfig:
     """[cluster]; a relative `storage` is the file's, as every path in it (it was the working
     directory's: checkpoints landed where the command happened to run)."""
     launch = from_table(LaunchConfig, "cluster", table)
-    if launch.storage and "://" not in launch.storage:
+    if launch.storage:  # a URI (gs://, s3://) passes as it is
         launch = replace(launch, storage=_resolve_path(launch.storage, base_dir))
     return launch
 

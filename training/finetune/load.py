@@ -22,7 +22,7 @@ from bertforge.training import checkpoint
 from bertforge.training.hf_interop import (
     HF_CONFIG_NAME,
     HF_WEIGHTS_NAMES,
-    canonical_names,
+    bert_tensors,
     config_from_hf_dict,
     encoder_name_map,
     hf_positions_trained,
@@ -140,13 +140,10 @@ def _hf_config(source: str) -> BertConfig:
 def _hf_encoder(source: str, config: BertConfig) -> dict[str, torch.Tensor]:
     """The `bert.*` tensors in our names, whatever head the directory was saved with."""
     try:
-        tensors = canonical_names(load_hf_weights(source))
+        encoder = bert_tensors(load_hf_weights(source))
     except ValueError as error:
         raise ValueError(f"model {source}: {error}") from None
-    if not any(name.startswith("bert.") for name in tensors):
-        tensors = {f"bert.{name}": tensor for name, tensor in tensors.items()}  # a bare BertModel
-    encoder = {name: tensor for name, tensor in tensors.items()
-               if name.startswith("bert.") and name != "bert.embeddings.position_ids"}
+    encoder.pop("bert.embeddings.position_ids", None)  # a buffer, no weight
     has_pooler = "bert.pooler.dense.weight" in encoder
     try:
         state = rename_from_hf(encoder, encoder_name_map(config.num_hidden_layers,
