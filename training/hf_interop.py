@@ -464,49 +464,6 @@ def load_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
     raise ValueError(f"{hf_dir} has none of {list(HF_WEIGHTS_NAMES)}")
 
 
-def infer_config(hf_state_dict: Mapping[str, torch.Tensor]) -> BertConfig:
-    """Shapes give every size but the head count; BERT's heads are 64 wide in every release."""
-    by_name = canonical_names(hf_state_dict)
-    shaped_by = (
-        "bert.embeddings.word_embeddings.weight",
-        "bert.embeddings.position_embeddings.weight",
-        "bert.embeddings.token_type_embeddings.weight",
-        "bert.encoder.layer.0.intermediate.dense.weight",
-    )
-    missing = [name for name in shaped_by if name not in by_name]
-    if missing:
-        raise ValueError(f"not a BertForPreTraining state dict: no {missing}")
-    vocab_size, hidden_size = by_name[shaped_by[0]].shape
-    return BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=sum(1 for n in by_name if n.endswith("attention.self.query.weight")),
-        num_attention_heads=max(1, hidden_size // 64),
-        intermediate_size=by_name[shaped_by[3]].shape[0],
-        max_position_embeddings=by_name[shaped_by[1]].shape[0],
-        type_vocab_size=by_name[shaped_by[2]].shape[0],
-    )
-
-
-def import_hf_state_dict(
-    hf_dir_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor],
-    config: BertConfig | None = None,
-) -> tuple[BertConfig, dict[str, torch.Tensor]]:
-    """(config, our state dict) from a Hugging Face `BertForPreTraining` directory or state dict.
-
-    A directory brings its config.json. A bare state dict takes `config`, or infers one from
-    tensor shapes (heads = hidden / 64, dropout and eps at BERT's defaults).
-    """
-    if isinstance(hf_dir_or_state_dict, Mapping):
-        hf_state_dict = hf_dir_or_state_dict
-        config = config or infer_config(hf_state_dict)
-    else:
-        hf_dir = os.fspath(hf_dir_or_state_dict)
-        config = config or read_hf_config(hf_dir)
-        hf_state_dict = load_hf_weights(hf_dir)
-    return config, from_hf_state_dict(hf_state_dict, config)
-
-
 def hf_vocab_file(hf_dir: str) -> str | None:
     """A Hugging Face directory's WordPiece vocabulary as a vocab.txt path: its own, or, where
     it has only a tokenizer.json (what transformers 5 saves), one written from that file's

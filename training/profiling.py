@@ -9,9 +9,10 @@ time by category (`CATEGORIES`, shared with `benchmarks/gpu_profile.py`).
 
 Written per rank to RUN_DIR/profile/: `steps-F-L-rank<R>.json` (the summary) and
 `trace-steps-F-L-rank<R>.json.gz` (the whole trace, for Perfetto or chrome://tracing); rank 0
-says so in one console line as the window closes. Nothing of it runs outside the window: a run
-without the option never imports the profiler. A profile that cannot be written is a warning,
-never the end of the run it watches.
+says so in one console line as the window closes. What the profiler's C++ half (kineto) prints
+as it starts and stops goes to `profiler-rank<R>.log` there, not to the console. Nothing of it
+runs outside the window: a run without the option never imports the profiler. A profile that
+cannot be written is a warning, never the end of the run it watches.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -147,7 +149,7 @@ class StepProfiler:
             torch.cuda.synchronize()  # the window's queued kernels belong to it
         wall_s = time.perf_counter() - self._started
         profiler, self._profiler = self._profiler, None
-        with without_cycle_warning():
+        with without_cycle_warning(), self._native_output():
             profiler.__exit__(None, None, None)
         try:
             self.summary = summarize(profiler.events(), self._profiled, wall_s, cuda=self.cuda)
@@ -169,9 +171,12 @@ class StepProfiler:
         self._profiler = profile(activities=activities)
         if self.cuda:
             torch.cuda.synchronize()  # no earlier step's kernels in the window
-        with without_cycle_warning():
+        with without_cycle_warning(), self._native_output():
             self._profiler.__enter__()
         self._started = time.perf_counter()
+
+    def _native_output(self):
+        return native_output_to(os.path.join(self.out_dir, f"profiler-rank{self.rank}.log"))
 
     def _write(self, profiler) -> None:
         first, last = self._profiled[0], self._profiled[-1]
@@ -182,6 +187,32 @@ class StepProfiler:
             json.dump(self.summary, f, indent=2)
         # ".gz": torch writes it gzipped (BERT-large's 12 steps: ~10^5 events).
         profiler.export_chrome_trace(os.path.join(self.out_dir, f"trace-{stem}.json.gz"))
+
+
+@contextlib.contextmanager
+def native_output_to(path: str) -> Iterator[None]:
+    """The process's stdout and stderr descriptors into `path` (appended) for the block.
+
+    kineto writes to them from C++ as a profiler starts and stops ("ERROR: External init
+    callback must run in same thread as registerClient" when the profiling thread is not the
+    one that imported torch, as in a Ray Train worker; "USDT: ... profiler_start"): no Python
+    stream sees those writes, so the worker's console filter cannot keep them in its log, and
+    Ray forwarded them to the driver's console. KINETO_LOG_LEVEL silences the second, not the
+    first. Python's streams are flushed first, so nothing of theirs lands in the file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    saved = [os.dup(fd) for fd in (1, 2)]
+    try:
+        for fd in (1, 2):
+            os.dup2(target, fd)
+        yield
+    finally:
+        for fd, original in zip((1, 2), saved, strict=True):
+            os.dup2(original, fd)
+            os.close(original)
+        os.close(target)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from bertforge.training.hf_interop import (
     HF_WEIGHTS_NAMES,
     OPTIONAL_PARTS,
     hf_positions_trained,
+    hf_vocab_file,
     load_hf_weights,
     pretraining_state_from_any_hf,
     read_hf_config,
@@ -96,8 +97,11 @@ def read_initial_weights(source: str) -> InitialWeights:
     except ValueError as error:
         raise UserInputError(f"init_from {source} does not hold a BERT of its "
                              f"{HF_CONFIG_NAME}'s shape: {error}") from None
-    vocab_path = os.path.join(source, "vocab.txt")
-    vocab_sha256 = sha256_file(vocab_path) if os.path.exists(vocab_path) else None
+    try:  # its vocab.txt, or the WordPiece vocabulary of its tokenizer.json (transformers 5)
+        vocab_path = hf_vocab_file(source)
+    except ValueError as error:
+        raise UserInputError(f"init_from {source}: {error}") from None
+    vocab_sha256 = sha256_file(vocab_path) if vocab_path is not None else None
     return InitialWeights(config, {name: tensor.float() for name, tensor in state.items()},
                           vocab_sha256, hf_positions_trained(source, config), tuple(lacking))
 

@@ -71,6 +71,11 @@ def test_settings_leave_out_what_a_rerun_may_change():
     # SQuAD's window against its length: found by the worker before, naming no flag.
     ({"task": "squad", "max_seq_length": 128}, "max_seq_length 128 leaves 61 context tokens "
      "after a 64-token question: more than doc_stride 128 are needed; give --doc-stride 30"),
+    # A window of one token has no stride shorter than it: refused here, not by the worker.
+    ({"task": "squad", "max_seq_length": 68, "doc_stride": 1}, "max_seq_length 68 leaves 1 "
+     "context tokens after a 64-token question: a window needs at least 2; give a "
+     "--max-seq-length of at least 69"),
+    ({"task": "squad", "max_seq_length": 40}, "leaves 0 context tokens"),
     ({"warmup_fraction": 1.0}, "warmup_fraction must be in"),
     ({"sweep": True, "sweep_learning_rates": (1e-5, -1.0)}, "learning rates must be positive"),
 ])

@@ -16,11 +16,11 @@ from bertforge.training.hf_interop import (
     export_hf_directory,
     from_hf_state_dict,
     hf_name_map,
-    import_hf_state_dict,
     strip_wrapper_prefixes,
     to_hf_state_dict,
 )
 from bertforge.training.model import BertConfig, BertForPreTraining, bert_tiny
+from bertforge.training.warm_start import read_initial_weights
 from tests.training.test_model import TOLERANCE, random_batch
 
 VOCAB = [
@@ -200,8 +200,9 @@ def test_import_from_hugging_face_directory_gives_equal_logits(tmp_path) -> None
     torch.manual_seed(0)
     hf_model = transformers.BertForPreTraining(transformers.BertConfig(**config.to_dict())).eval()
     hf_model.save_pretrained(tmp_path / "hf")
-    imported_config, state_dict = import_hf_state_dict(str(tmp_path / "hf"))
-    assert imported_config == config
+    imported = read_initial_weights(str(tmp_path / "hf"))  # what --init-from reads
+    imported_config, state_dict = imported.config, imported.state_dict
+    assert imported_config == config and imported.lacking == ()
     ours = BertForPreTraining(imported_config).eval()
     ours.load_state_dict(state_dict)  # strict: every name present, tied ones included
     batch = random_batch(config, batch_size=2, seq_len=10)
@@ -231,7 +232,8 @@ def test_import_from_pytorch_model_bin_with_legacy_names(tmp_path) -> None:
     os.makedirs(tmp_path / "legacy")
     torch.save(legacy, tmp_path / "legacy" / "pytorch_model.bin")
     (tmp_path / "legacy" / "config.json").write_text(json.dumps(config.to_dict()))
-    imported_config, state_dict = import_hf_state_dict(tmp_path / "legacy")
+    imported = read_initial_weights(str(tmp_path / "legacy"))
+    imported_config, state_dict = imported.config, imported.state_dict
     assert imported_config == config
     expected = from_hf_state_dict(hf_model.state_dict(), config)
     assert state_dict.keys() == expected.keys()
@@ -242,30 +244,27 @@ def test_import_from_pytorch_model_bin_with_legacy_names(tmp_path) -> None:
 def test_export_then_import_restores_the_state_dict(vocab_path, tmp_path) -> None:
     model = trained_tiny_model(steps=1)
     export_hf_directory(model.state_dict(), model.config, vocab_path, True, str(tmp_path / "hf"))
-    config, state_dict = import_hf_state_dict(str(tmp_path / "hf"))
+    imported = read_initial_weights(str(tmp_path / "hf"))
+    config, state_dict = imported.config, imported.state_dict
     assert config == model.config
     for name, tensor in model.state_dict().items():
         assert torch.equal(state_dict[name], tensor), name
 
 
-def test_import_bare_state_dict_infers_config() -> None:
-    config = BertConfig(70, 128, 2, 2, 256, max_position_embeddings=40)
-    hf_model = transformers.BertForPreTraining(transformers.BertConfig(**config.to_dict()))
-    inferred, state_dict = import_hf_state_dict(hf_model.state_dict())
-    assert inferred == config  # 128 hidden / 64-wide heads = 2 heads
-    BertForPreTraining(inferred).load_state_dict(state_dict)
-
-
-def test_import_refuses_untied_decoder_and_foreign_state_dicts() -> None:
+def test_import_refuses_untied_decoder_and_foreign_weights(tmp_path) -> None:
     config = BertConfig(50, 64, 1, 1, 128)
     state_dict = transformers.BertForPreTraining(
         transformers.BertConfig(**config.to_dict())
     ).state_dict()
     untied = {**state_dict, "cls.predictions.decoder.weight": torch.zeros(50, 64)}
     with pytest.raises(ValueError, match="untied"):
-        import_hf_state_dict(untied, config)
-    with pytest.raises(ValueError, match="not a BertForPreTraining"):
-        import_hf_state_dict({"roberta.embeddings.word_embeddings.weight": torch.zeros(5, 4)})
+        from_hf_state_dict(untied, config)
+    os.makedirs(tmp_path / "roberta")
+    (tmp_path / "roberta" / "config.json").write_text(json.dumps(config.to_dict()))
+    torch.save({"roberta.embeddings.word_embeddings.weight": torch.zeros(5, 4)},
+               tmp_path / "roberta" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="does not hold a BERT of its config.json's shape"):
+        read_initial_weights(str(tmp_path / "roberta"))
 
 
 @pytest.mark.parametrize(

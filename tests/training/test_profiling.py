@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import threading
 import warnings
 
 import pytest
@@ -142,6 +143,30 @@ def test_the_profilers_cycle_warning_stays_off_the_console(tmp_path, monkeypatch
     assert [str(w.message) for w in shown] == []
 
 
+def test_the_profilers_native_lines_go_to_its_log_not_the_console(tmp_path, capfd):
+    """kineto prints from C++ onto the process's descriptors as a window opens and closes,
+    an "External init callback" error too when the loop runs in a thread other than the one
+    that imported torch (a Ray Train worker's): Ray forwarded those lines to the driver's
+    console. They now go to the profile's own log."""
+    def profile_three_steps():
+        with StepProfiler((1, 2), str(tmp_path), rank=0, device=torch.device("cpu")) as profiler:
+            for step in (1, 2, 3):
+                profiler.begin(step)
+                torch.ones(4).sum()
+                profiler.end(step)
+
+    worker = threading.Thread(target=profile_three_steps)
+    worker.start()
+    worker.join()
+    native = (tmp_path / "profile" / "profiler-rank0.log").read_text()
+    assert "profiler_start" in native and "profiler_stop" in native  # torch 2.11's kineto
+    console = capfd.readouterr()
+    assert "profiler_st" not in console.out + console.err
+    assert "External init callback" not in console.out + console.err
+    print("a line after the window")  # the descriptors are the console's again
+    assert capfd.readouterr().out == "a line after the window\n"
+
+
 def test_a_run_that_fails_inside_the_window_stops_the_profiler_and_writes_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="step 3 failed"):
         with StepProfiler((2, 5), str(tmp_path), rank=0, device=torch.device("cpu")) as profiler:
@@ -150,7 +175,8 @@ def test_a_run_that_fails_inside_the_window_stops_the_profiler_and_writes_nothin
                 if step == 3:
                     raise RuntimeError("step 3 failed")
                 profiler.end(step)
-    assert profiler.summary is None and not (tmp_path / "profile").exists()
+    assert profiler.summary is None
+    assert sorted(os.listdir(tmp_path / "profile")) == ["profiler-rank0.log"]  # kineto's lines
     # None is left running (torch's own flag: a second profiler would start beside it).
     assert not torch.autograd.profiler._is_profiler_enabled
 

@@ -140,6 +140,19 @@ def test_warm_start_from_a_hugging_face_directory(phases, tmp_path):
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
 
 
+def test_warm_start_checks_the_vocabulary_of_a_tokenizer_json_only_directory(phases, tmp_path):
+    """transformers 5 saves a tokenizer.json and no vocab.txt: such a source was taken with no
+    vocabulary check at all. Its WordPiece vocabulary is now the one compared with the data's."""
+    short, _, _, phase1_ckpt = phases
+    hf_dir = export_checkpoint(phase1_ckpt, str(tmp_path / "hf"))
+    os.remove(os.path.join(hf_dir, "vocab.txt"))
+    source, _ = checkpoint.load_model(phase1_ckpt)
+    sha = read_manifest(short).tokenizer.vocab_sha256
+    load_initial_weights(BertForPreTraining(source.config), hf_dir, sha)  # the same: taken
+    with pytest.raises(ValueError, match="another vocabulary than the training data"):
+        load_initial_weights(BertForPreTraining(source.config), hf_dir, "0" * 64)
+
+
 @pytest.mark.parametrize("kind", ["BertModel", "BertForSequenceClassification",
                                   "BertForMaskedLM"])
 def test_warm_start_from_a_hugging_face_bert_of_another_head(phases, tmp_path, kind):

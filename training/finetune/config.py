@@ -175,6 +175,13 @@ class FinetuneConfig:
     def _check_squad_window(self) -> None:
         """SQuAD's windows fit the length: found by the worker before (its directory then kept
         the refused settings), with no word of the flag to change."""
+        window = squad_window(self.seq_length, self.max_query_length)
+        if window < 2:  # no stride of at least 1 is shorter than the window
+            raise ValueError(
+                f"max_seq_length {self.seq_length} leaves {max(window, 0)} context tokens "
+                f"after a {self.max_query_length}-token question: a window needs at least 2; "
+                f"give a --max-seq-length of at least {self.max_query_length + 5} (or a "
+                "shorter --max-query-length)")
         stride = self.doc_stride_for(self.seq_length)
         if stride != self.doc_stride:
             raise ValueError(
