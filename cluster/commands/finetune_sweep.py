@@ -43,7 +43,7 @@ from bertforge.cluster.launch.worker_output import LOG_DIR
 from bertforge.cluster.safety.atomic_files import write_json_atomic
 from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, FinetuneConfig
 from bertforge.training.finetune.load import load_pretrained
-from bertforge.training.finetune.task_data import is_squad_split
+from bertforge.training.finetune.task_data import is_squad_split, same_file
 from bertforge.training.finetune.tasks import glue_dir_files
 from bertforge.training.inputs import check_model_source
 
@@ -84,9 +84,15 @@ def resolve_data_files(cfg: FinetuneConfig) -> FinetuneConfig:
     """`cfg` with absolute --train/--dev: the task's files under the data root when not given
     (SQuAD: squad/dev-v1.1.json as both, split by article)."""
     if cfg.train is not None and cfg.dev is not None:
+        for flag, path in (("--train", cfg.train), ("--dev", cfg.dev)):
+            if not os.path.isfile(path):
+                raise ValueError(f"{flag} {path}: no such file")
+        if not cfg.is_squad and same_file(cfg.train, cfg.dev):
+            raise ValueError(f"--train and --dev are one file ({cfg.dev}): the dev scores would "
+                             "be of examples trained on; give the task's dev file as --dev")
         return dataclasses.replace(cfg, train=os.path.abspath(cfg.train),
                                    dev=os.path.abspath(cfg.dev))
-    if cfg.train is not None or (cfg.dev is not None and cfg.is_squad):
+    if cfg.train is not None or cfg.dev is not None:
         raise ValueError("give both --train and --dev, or neither (the task's default files)")
     root = cfg.data_root or default_data_root()
     if root is None:
@@ -100,7 +106,6 @@ def resolve_data_files(cfg: FinetuneConfig) -> FinetuneConfig:
     from bertforge.training.finetune.tasks import task_spec
 
     train, dev = glue_dir_files(os.path.join(root, "glue"), task_spec(cfg.task))
-    dev = os.path.abspath(cfg.dev) if cfg.dev is not None else dev
     return dataclasses.replace(cfg, train=os.path.abspath(train), dev=os.path.abspath(dev))
 
 
@@ -234,7 +239,8 @@ class _Job:
                                                             RESULT_NAME)))
             for name, (lr, seed) in zip(self.names, cfg.runs(), strict=True)
         ])
-        records = [runner.recorded(name) for name in self.names]
+        records = [in_place(runner.recorded(name), run_dir_of(cfg, lr, seed))
+                   for name, (lr, seed) in zip(self.names, cfg.runs(), strict=True)]
         results = summarise(cfg, launch, records, self.facts)
         results["seconds"] = round(time.time() - started if started is not None else
                                    sum(record.get("seconds") or 0 for record in records), 1)
@@ -245,6 +251,16 @@ class _Job:
 
 def run_dir_of(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:
     return os.path.join(cfg.output, RUNS_DIR, run_name(learning_rate, seed))
+
+
+def in_place(record: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    """A run's record with its paths under `run_dir`, where the run is now. The records keep
+    the paths the runs were written at: a DIR moved whole then crashed its rerun (the best run's
+    predictions "not found", DIR/hf removed on the way), and a copy's DIR/hf pointed into the
+    original."""
+    paths = {key: os.path.join(run_dir, os.path.basename(record[key]))
+             for key in ("hf_dir", "predictions") if record.get(key)}
+    return {**record, **paths, "run_dir": run_dir}
 
 
 def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, int]]) -> None:
@@ -402,6 +418,10 @@ def _finished(run_dir: str, label: str, record: dict[str, Any], seconds: float) 
     with open(path, encoding="utf-8") as f:
         result = json.load(f)
     write_json_atomic(path, {**result, "run_seconds": round(seconds, 1)})
+    if result.get("diverged"):
+        console(f"[finetune] {label}: finished in {seconds:.1f} s, DIVERGED (the loss or the dev "
+                "logits became NaN): not scored, no model kept; a lower --lr trains")
+        return
     scores = ", ".join(f"{k} {v:.4f}" for k, v in record["metrics"].items())
     console(f"[finetune] {label}: finished in {seconds:.1f} s ({scores})")
 
@@ -426,8 +446,13 @@ def sweep_statistics(scores: list[float]) -> dict[str, float]:
 def summarise(cfg: FinetuneConfig, launch: LaunchConfig, records: list[dict[str, Any]],
               facts: dict[str, Any]) -> dict[str, Any]:
     primary = primary_metric(cfg)
-    scores = [record["metrics"][primary] for record in records]
-    best = records[scores.index(max(scores))]  # the first of equal scores: runs() order
+    scored = [record for record in records if not record.get("diverged")]
+    if not scored:
+        raise ValueError(
+            f"every run of {cfg.output} diverged (its loss or dev logits became NaN), so none "
+            f"has a score: rerun with a lower --lr (the BERT paper's: 2e-5 to 5e-5){_lr_hint(cfg)}")
+    scores = [record["metrics"][primary] for record in scored]
+    best = best_run(scored, primary)
     return {
         "task": cfg.task,
         "primary_metric": primary,
@@ -436,9 +461,12 @@ def summarise(cfg: FinetuneConfig, launch: LaunchConfig, records: list[dict[str,
         "best_run": {key: best[key] for key in ("learning_rate", "seed", "run_dir", "hf_dir",
                                                 "predictions")},
         "sweep": {
-            "num_runs": len(records), **sweep_statistics(scores),
+            # The statistics are the scored runs'; a diverged run has none to give.
+            "num_runs": len(records), "num_diverged": len(records) - len(scored),
+            **sweep_statistics(scores),
             "runs": [{"learning_rate": r["learning_rate"], "seed": r["seed"],
-                      "score": r["metrics"][primary], "metrics": r["metrics"],
+                      "score": r["metrics"].get(primary), "metrics": r["metrics"],
+                      "diverged": bool(r.get("diverged")),
                       "train_seconds": r["train_seconds"], "seconds": r.get("seconds"),
                       "run_dir": r["run_dir"]}
                      for r in records],
@@ -459,6 +487,21 @@ def summarise(cfg: FinetuneConfig, launch: LaunchConfig, records: list[dict[str,
         "config": cfg.to_dict(),
         "launch": dataclasses.asdict(launch),
     }
+
+
+def best_run(scored: list[dict[str, Any]], primary: str) -> dict[str, Any]:
+    """The run of the highest score; of equal ones, the first whose export is still there
+    (a sweep kept only its best's export: rerun with its rates in another order, the tie went
+    to a run without one, and DIR/hf was lost), else the first in runs() order."""
+    top = max(record["metrics"][primary] for record in scored)
+    tied = [record for record in scored if record["metrics"][primary] == top]
+    return next((record for record in tied if os.path.isdir(record.get("hf_dir") or "")),
+                tied[0])
+
+
+def _lr_hint(cfg: FinetuneConfig) -> str:
+    rates = cfg.sweep_learning_rates if cfg.sweep else (cfg.learning_rate,)
+    return f" (asked: {', '.join(f'{rate:g}' for rate in rates)})"
 
 
 def _publish_best(cfg: FinetuneConfig, results: dict[str, Any]) -> None:
@@ -490,6 +533,10 @@ def summary_line(results: dict[str, Any]) -> str:
     if sweep["num_runs"] > 1:
         line += (f"; {sweep['num_runs']} runs: median {sweep['median']:.4f}, "
                  f"spread {sweep['min']:.4f}-{sweep['max']:.4f} (std {sweep['std']:.4f})")
+    diverged = [f"lr {run['learning_rate']:g} seed {run['seed']}"
+                for run in sweep.get("runs", ()) if run.get("diverged")]
+    if diverged:
+        line += f", {len(diverged)} of them diverged and left out ({'; '.join(diverged)})"
     others = ", ".join(f"{k} {v:.4f}" for k, v in results["metrics"].items() if k != primary)
     if others:
         line += f"; {others}"

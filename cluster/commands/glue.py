@@ -30,7 +30,7 @@ from bertforge.pipelines.contract.config_fields import (
     without_marked,
 )
 from bertforge.training.finetune import tasks
-from bertforge.training.finetune.config import PER_TASK, FinetuneConfig
+from bertforge.training.finetune.config import PER_TASK, SELECTS_RUNS, FinetuneConfig
 
 DEFAULT_GLUE_OUTPUT = "bertforge-glue"
 MISSING = "-"
@@ -187,18 +187,26 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
         "model": os.path.abspath(config.model), "glue_dir": glue_dir, "tasks": list(configs),
         "finetune": without_marked(config.finetune, FinetuneConfig, RERUN_MAY_CHANGE),
     }
+    # Which tasks, and which (learning rate, seed) runs of each, may change: a rerun asking
+    # for more (a task whose files came since, another seed) runs what is missing, as
+    # `finetune` does, and the order they are named in changes nothing. (They were "other
+    # settings" before: refused.)
+    selection = ("tasks", *(f"finetune.{field}" for field in fields_marked(FinetuneConfig,
+                                                                           SELECTS_RUNS)))
     with StageRunner(config.output, "glue", settings, heartbeat_seconds=120.0,
                      skip_message="done in an earlier run, reusing it",
-                     dir_flag="--output") as runner:
+                     dir_flag="--output", ignored=selection) as runner:
         # Every task not done yet in one worker group, or the one local worker process (its
         # start paid once); each task then becomes a stage. A failed group leaves the finished
         # tasks' runs for a rerun.
-        pending = [name for name in configs if runner.recorded(name) is None]
+        pending = [name for name in configs
+                   if not _has_every_run(runner.recorded(name), configs[name])]
         finished = dict(zip(pending, run_jobs([jobs[name] for name in pending], launch),
                             strict=True)) if pending else {}
         # A task fine-tuned just now printed its runs' lines as they finished: its stage only
         # records it, with the runs' own durations.
         runner.run([Stage(name, lambda name=name: _task_record(finished[name]),
+                          is_done=lambda name=name: name not in pending,
                           ran_elsewhere=name in finished) for name in configs])
         results = {name: runner.recorded(name)["metrics"] for name in configs}
         random_init = bool(config.finetune.get("random_init", False))
@@ -215,9 +223,20 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
     return runner.state["glue"]
 
 
+def _has_every_run(record: dict[str, Any] | None, cfg: FinetuneConfig) -> bool:
+    """Whether a task's record holds every (learning rate, seed) run `cfg` asks for (a record
+    from before they were recorded: done, as then)."""
+    if record is None:
+        return False
+    if "runs" not in record:
+        return True
+    return {tuple(run) for run in cfg.runs()} <= {tuple(run) for run in record["runs"]}
+
+
 def _task_record(results: dict[str, Any]) -> dict[str, Any]:
     """What glue.json keeps of a task's results.json."""
     return {
+        "runs": [[run["learning_rate"], run["seed"]] for run in results["sweep"]["runs"]],
         "metrics": results["metrics"], "primary_metric": results["primary_metric"],
         "score": results["score"], "sweep": {k: v for k, v in results["sweep"].items()
                                              if k != "runs"},

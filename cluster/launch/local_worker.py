@@ -155,8 +155,14 @@ _holding = False  # within `stops_held`
 
 
 def _stop(signum: int, frame) -> None:
+    # A second stop (the driver's SIGTERM after Ctrl-C reached the whole group) finds the
+    # child exiting already, often waiting for its threads at the interpreter's shutdown:
+    # raised there, its SystemExit was printed as "Exception ignored in: <module 'threading'>"
+    # with a traceback. Recorded only; a first exit lost in a finalizer `stop_if_asked` raises
+    # again, and the driver kills a child still there after 10 s.
+    first = not _STOPS
     _STOPS.append(signum)
-    if not _holding:
+    if first and not _holding:
         sys.exit(128 + signum)
 
 

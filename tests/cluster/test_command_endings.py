@@ -101,19 +101,31 @@ def test_a_full_disk_in_a_fine_tune_is_not_retried(tmp_path, monkeypatch):
         finetune_sweep.fine_tune_one({"output": output})
 
 
+def run_local_worker(function: str, tmp_path) -> subprocess.CompletedProcess:
+    """The local worker's own process running tests.support.local_workers' `function`."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({
+        "function": f"tests.support.local_workers:{function}",
+        "config": {"dir": str(tmp_path)}, "error_file": str(tmp_path / "error")}))
+    return subprocess.run([sys.executable, "-m", "bertforge.cluster.launch.local_worker",
+                           str(spec)], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
 def test_a_stop_during_garbage_collection_is_delivered_after_it(tmp_path):
     """A SIGTERM or Ctrl-C that landed in a finalizer was printed as "Exception ignored" and
     lost: the worker trained the next runs until the driver killed it. In the local worker's
     own process, as it runs (its handler must be the module's the worker imports)."""
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({
-        "function": "tests.support.local_workers:stop_inside_a_hold",
-        "config": {"dir": str(tmp_path)}, "error_file": str(tmp_path / "error")}))
-    done = subprocess.run([sys.executable, "-m", "bertforge.cluster.launch.local_worker",
-                           str(spec)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = run_local_worker("stop_inside_a_hold", tmp_path)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert (tmp_path / "held").exists() and not (tmp_path / "after").exists()
     assert "Exception ignored" not in done.stderr
+
+
+def test_a_second_stop_while_the_worker_exits_prints_no_traceback(tmp_path):
+    done = run_local_worker("stopped_twice", tmp_path)
+    assert done.returncode == 128 + signal.SIGINT, done.stderr  # the first stop's status
+    assert not (tmp_path / "after").exists()
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_vocabulary_the_disk_cannot_hold_leaves_no_part_behind(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -133,9 +134,67 @@ def test_a_model_directory_that_is_not_bert_is_refused_before_ray(tmp_path, caps
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
     train = write_sst2_tsv(str(tmp_path / "train.tsv"), 8, seed=1)
+    dev = write_sst2_tsv(str(tmp_path / "dev.tsv"), 8, seed=2)
     status = main(["finetune", "--task", "sst2", "--model", str(tmp_path / "gpt2"),
-                   "--output", str(tmp_path / "out"), "--train", train, "--dev", train])
+                   "--output", str(tmp_path / "out"), "--train", train, "--dev", dev])
     assert status == 2
     assert "is not a BERT model: its config.json says model_type 'gpt2'" in \
         capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out")
+
+
+def _strict_json(path) -> dict:
+    def refuse(constant):
+        raise ValueError(f"{path}: {constant} is no JSON")
+
+    with open(path, encoding="utf-8") as f:
+        return json.load(f, parse_constant=refuse)
+
+
+@pytest.mark.slow
+def test_a_diverged_run_is_not_scored_and_a_moved_or_copied_output_is_rerun_in_place(
+        model_dir, tmp_path, capsys):
+    """A run whose loss became NaN was scored (a Spearman from all-NaN predictions, class 0 for
+    NaN logits) and could win its sweep; results.json held NaN. An output moved whole crashed
+    its rerun and lost DIR/hf; a copy's DIR/hf pointed into the original."""
+    train = write_sst2_tsv(str(tmp_path / "train.tsv"), 32, seed=1)
+    dev = write_sst2_tsv(str(tmp_path / "dev.tsv"), 16, seed=2)
+
+    def args(output: str, *rates: str) -> list[str]:
+        return ["--task", "sst2", "--model", model_dir, "--output", output, "--train", train,
+                "--dev", dev, "--workers", "1", "--batch-size", "16", "--max-steps", "3",
+                "--max-seq-length", "32", "--sweep", "--sweep-learning-rates", *rates]
+
+    first = str(tmp_path / "first")
+    results = finetune(*args(first, "1e-3", "1e9"))
+    out = capsys.readouterr().out
+    assert "lr1e+09-seed12345: finished in" in out and "DIVERGED" in out
+    assert "1 of them diverged and left out (lr 1e+09 seed 12345)" in out
+    assert results["best_run"]["learning_rate"] == 1e-3
+    runs = results["sweep"]["runs"]
+    assert [run["diverged"] for run in runs] == [False, True] and runs[1]["score"] is None
+    assert results["sweep"]["num_diverged"] == 1 and results["sweep"]["num_runs"] == 2
+    assert results["sweep"]["median"] == results["score"]  # over the scored run alone
+    diverged = _strict_json(os.path.join(runs[1]["run_dir"], "result.json"))
+    assert diverged["final_train_loss"] is None and diverged["metrics"] == {}
+    assert not os.path.exists(os.path.join(runs[1]["run_dir"], "hf"))  # no NaN model kept
+    _strict_json(os.path.join(first, "results.json"))
+
+    # Moved whole, then copied: each reruns where it is, its DIR/hf its own best run's.
+    moved = str(tmp_path / "moved")
+    os.rename(first, moved)
+    copied = str(tmp_path / "copied")
+    for output, source in ((moved, None), (copied, moved)):
+        if source is not None:
+            shutil.copytree(source, output, symlinks=True)
+        again = finetune(*args(output, "1e9", "1e-3"))  # the rates in the other order too
+        assert capsys.readouterr().out.count("done in an earlier run, reusing it") == 2
+        best = os.path.join(output, "runs", "lr0.001-seed12345")
+        assert again["best_run"]["run_dir"] == best and again["metrics"] == results["metrics"]
+        assert os.path.realpath(os.path.join(output, "hf")) == os.path.join(best, "hf")
+        assert all(run["run_dir"].startswith(output) for run in again["sweep"]["runs"])
+
+    # Every run diverged: no score, no model, and what to do.
+    assert main(["finetune", *args(str(tmp_path / "all"), "1e9")]) == 2
+    assert "diverged (its loss or dev logits became NaN), so none has a score: rerun with a " \
+        "lower --lr" in capsys.readouterr().err

@@ -77,6 +77,15 @@ def test_settings_leave_out_what_a_rerun_may_change():
      "--max-seq-length of at least 69"),
     ({"task": "squad", "max_seq_length": 40}, "leaves 0 context tokens"),
     ({"warmup_fraction": 1.0}, "warmup_fraction must be in"),
+    # Found by the worker before, after the run had started.
+    ({"max_seq_length": 3}, "max_seq_length must be at least 4 "),
+    # Another task's options changed nothing but pinned the output ("differs in: doc_stride").
+    ({"doc_stride": 64, "max_answer_length": 20}, "^--doc-stride, --max-answer-length are for "
+     "--task squad$"),
+    ({"has_header": False}, "--no-has-header are for --task custom"),
+    ({"task": "custom", "text_columns": ("q",), "label_column": "q", "train": "t", "dev": "d"},
+     "--label-column q is also one of --text-columns"),
+    ({"model": ""}, "^--model is required$"),
     ({"sweep": True, "sweep_learning_rates": (1e-5, -1.0)}, "learning rates must be positive"),
 ])
 def test_bad_configs_are_one_clear_error(values, message):
@@ -178,3 +187,55 @@ def test_a_hugging_face_dir_without_weights_is_refused_on_the_driver(tmp_path):
     # Random init reads no weights: the same directory passes.
     facts = check_inputs(dataclasses.replace(cfg, random_init=True), LaunchConfig(workers=1))
     assert facts["num_train_examples"] == 32
+
+
+def test_one_file_as_train_and_dev_is_a_squad_split_or_refused(tmp_path):
+    """A link to SQuAD's dev file as --train trained on the dev set, then scored it: the names
+    differed, so it was no split. For a GLUE task, one file as both was taken silently."""
+    squad = tmp_path / "dev-v1.1.json"
+    squad.write_text("{}")
+    (tmp_path / "link.json").symlink_to(squad)
+    linked = resolve_data_files(FinetuneConfig(**{**REQUIRED, "task": "squad"},
+                                               train=str(tmp_path / "link.json"), dev=str(squad)))
+    assert "split by article" in data_note(linked)
+    tsv = tmp_path / "dev.tsv"
+    tsv.write_text("sentence\tlabel\n")
+    with pytest.raises(ValueError, match="--train and --dev are one file"):
+        resolve_data_files(FinetuneConfig(**REQUIRED, train=str(tsv),
+                                          dev=str(tmp_path / "." / "dev.tsv")))
+    # --dev alone is refused, as the help says ("both, or neither").
+    with pytest.raises(ValueError, match="give both --train and --dev"):
+        resolve_data_files(FinetuneConfig(**REQUIRED, dev=str(tsv), data_root=str(tmp_path)))
+
+
+def test_of_equal_scores_the_best_run_is_one_whose_model_is_kept(tmp_path):
+    """A sweep keeps only its best run's export. Rerun with its rates in another order, the
+    first of two equal scores was a run whose export was gone: DIR/hf was lost."""
+    from bertforge.cluster.commands.finetune_sweep import best_run
+
+    kept = tmp_path / "lr1e-05" / "hf"
+    kept.mkdir(parents=True)
+    records = [{"learning_rate": 2e-5, "metrics": {"accuracy": 0.5},
+                "hf_dir": str(tmp_path / "lr2e-05" / "hf")},
+               {"learning_rate": 1e-5, "metrics": {"accuracy": 0.5}, "hf_dir": str(kept)},
+               {"learning_rate": 3e-5, "metrics": {"accuracy": 0.25}, "hf_dir": None}]
+    assert best_run(records, "accuracy")["learning_rate"] == 1e-5
+    kept.rmdir()  # neither kept: the first in the runs' order
+    assert best_run(records, "accuracy")["learning_rate"] == 2e-5
+
+
+def test_a_label_column_of_sentences_is_named_not_listed_whole(tmp_path):
+    from bertforge.training.finetune.glue_data import read_examples
+    from bertforge.training.finetune.tasks import TaskSpec
+
+    spec = TaskSpec(name="custom", text_columns=(0,), label_column=1,
+                    labels=tuple(f"sentence number {i} " * 20 for i in range(200)),
+                    metrics=("accuracy",), primary_metric="accuracy", has_header=False,
+                    train_file=None, dev_file=None)
+    path = tmp_path / "train.tsv"
+    path.write_text("a\tsomething else entirely\n")
+    with pytest.raises(ValueError) as refused:
+        read_examples(str(path), spec)
+    message = str(refused.value)
+    assert len(message) < 1500 and "200 labels, the first" in message
+    assert "is --label-column a text column?" in message

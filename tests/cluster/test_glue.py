@@ -152,3 +152,13 @@ def test_two_tiny_tasks_end_to_end_then_a_rerun_skips_them(tmp_path, capsys) -> 
     assert ("2 run(s) in one local worker process (sst2/runs/lr0.001-seed12345, rte/runs/"
             in printed)
     assert again.count("done in an earlier run, reusing it") == 2 and glue["table"] in again
+
+    # The tasks named in another order, a subset, another seed: no other settings (each was
+    # refused, "differs in: tasks"); only the missing run trains.
+    assert main([*args, "--tasks", "rte", "sst2"]) == 0
+    assert capsys.readouterr().out.count("done in an earlier run, reusing it") == 2
+    assert main([*args, "--tasks", "rte", "--seeds", "12345", "7"]) == 0
+    more = capsys.readouterr().out
+    assert "1 run(s) in one local worker process (lr0.001-seed7)" in more, more
+    rte = json.loads((output / "rte" / "results.json").read_text())
+    assert [run["seed"] for run in rte["sweep"]["runs"]] == [12345, 7]

@@ -47,3 +47,22 @@ def stop_inside_a_hold(config: dict) -> None:
         time.sleep(0.5)
         open(os.path.join(config["dir"], "held"), "w").close()
     open(os.path.join(config["dir"], "after"), "w").close()
+
+
+def stopped_twice(config: dict) -> None:
+    """Ctrl-C, then the driver's SIGTERM while the child is already exiting (waiting for a
+    thread at the interpreter's shutdown): the second stop printed "Exception ignored in:
+    <module 'threading'> ... SystemExit: 143" onto the console."""
+    import signal
+    import threading
+    import time
+
+    def terminate_during_shutdown() -> None:
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+
+    threading.Thread(target=terminate_during_shutdown).start()  # not a daemon: waited for
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+    open(os.path.join(config["dir"], "after"), "w").close()

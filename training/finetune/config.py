@@ -8,7 +8,7 @@ Weight decay 0.01 and Adam's epsilon 1e-6 are Google's `AdamWeightDecay` ones.
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from bertforge.pipelines.contract.config_fields import (
@@ -43,6 +43,12 @@ def squad_window(seq_length: int, max_query_length: int) -> int:
     """Context tokens a SQuAD window of `seq_length` holds at least, after a question of
     `max_query_length`: [CLS] question [SEP] context [SEP]."""
     return seq_length - max_query_length - 3
+
+
+# features.pair_tokenizer's least: [CLS] a [SEP] b [SEP], each text cut to one token or none.
+MIN_SEQ_LENGTH = 4
+# SQuAD's own options: refused on another task (`_check_squad_only`).
+SQUAD_ONLY = ("doc_stride", "max_query_length", "max_answer_length", "squad_dev_fraction")
 
 
 @dataclass
@@ -117,30 +123,35 @@ class FinetuneConfig:
     zero_stage: int | None = engine_option("zero_stage", choices=(0, 1, 2))
     bf16_residual: bool | None = engine_option("bf16_residual")
     # How the run is shown and kept (RERUN_MAY_CHANGE).
-    log_every: int | None = option(help="steps between progress lines (default: steps/20)",
+    log_every: int | None = option(help="steps between progress lines (default: steps/20, at "
+                                   "most 50)",
                                    marks=(RERUN_MAY_CHANGE,))
     keep_all_models: bool = option(False, "keep every sweep run's exported model, not only the "
                                    "best one's", marks=(RERUN_MAY_CHANGE,))
 
     def __post_init__(self) -> None:
-        if not self.task or not self.model or not self.output:
-            raise ValueError("task, model and output are required")
+        missing = [name for name in ("task", "model", "output") if not getattr(self, name)]
+        if missing:
+            raise ValueError(f"{', '.join('--' + name for name in missing)} "
+                             f"{'is' if len(missing) == 1 else 'are'} required")
         for name in ("text_columns", "labels", "seeds", "sweep_learning_rates"):
             setattr(self, name, tuple(getattr(self, name)))
         self.task = canonical_task_name(self.task)
         if self.task not in (SQUAD_TASK, CUSTOM_TASK):
             task_spec(self.task)  # a clear error listing the known tasks
         self._check_custom()
+        self._check_squad_only()
         self._check_numbers()
         if self.task == SQUAD_TASK and self.min_train_words:
             raise ValueError("--min-train-words applies to GLUE-format tasks, not squad")
 
     def _check_custom(self) -> None:
-        custom = (self.text_columns, self.label_column, self.labels, self.regression)
+        custom = (self.text_columns, self.label_column, self.labels, self.regression,
+                  not self.has_header)
         if self.task != CUSTOM_TASK:
             if any(custom):
-                raise ValueError("--text-columns, --label-column, --labels and --regression are "
-                                 "for --task custom")
+                raise ValueError("--text-columns, --label-column, --labels, --regression and "
+                                 "--no-has-header are for --task custom")
             return
         if not self.text_columns or self.label_column is None:
             raise ValueError("--task custom needs --text-columns and --label-column")
@@ -148,6 +159,20 @@ class FinetuneConfig:
             raise ValueError("--task custom needs --train and --dev")
         if self.regression and self.labels:
             raise ValueError("--regression takes no --labels")
+        if self.label_column in self.text_columns:
+            raise ValueError(f"--label-column {self.label_column} is also one of --text-columns "
+                             f"{list(self.text_columns)}: the label is a column of its own")
+
+    def _check_squad_only(self) -> None:
+        """SQuAD's own options on another task changed nothing but the output's settings, so a
+        rerun without them was refused ("differs in: doc_stride")."""
+        if self.is_squad:
+            return
+        defaults = {field.name: field.default for field in fields(self)}
+        given = [name for name in SQUAD_ONLY if getattr(self, name) != defaults[name]]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ValueError(f"{flags} {'is' if len(given) == 1 else 'are'} for --task squad")
 
     def _check_numbers(self) -> None:
         if not self.seeds:
@@ -170,6 +195,9 @@ class FinetuneConfig:
             raise ValueError(f"squad_dev_fraction must be in (0, 1), got {self.squad_dev_fraction}")
         if self.is_squad:
             self._check_squad_window()
+        elif self.seq_length < MIN_SEQ_LENGTH:  # found by the worker before
+            raise ValueError(f"max_seq_length must be at least {MIN_SEQ_LENGTH} (room for "
+                             f"[CLS], [SEP] and the texts' tokens), not {self.seq_length}")
         check_choices(self)  # precision, zero_stage
 
     def _check_squad_window(self) -> None:

@@ -54,14 +54,25 @@ def _resolve(column: Column, header: list[str] | None, num_fields: int, path: st
     return header.index(column)
 
 
+def _shortened(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _label_list(labels: tuple[str, ...], shown: int = 10) -> str:
+    """The labels, the first `shown` of many (a text column taken for the label column made
+    one label a sentence: the error was a 30 KB line)."""
+    if len(labels) <= shown:
+        return f"labels {list(labels)}"
+    return (f"{len(labels)} labels, the first {[_shortened(label) for label in labels[:shown]]}"
+            " (is --label-column a text column?)")
+
+
 def _parse_label(field: str, spec: TaskSpec, path: str, line: int) -> int | float:
     if spec.labels is not None:
         value = field.strip()
         if value not in spec.labels:
-            raise ValueError(
-                f"{path}, line {line}: unknown label {value!r}; task {spec.name} has labels"
-                f" {list(spec.labels)}"
-            )
+            raise ValueError(f"{path}, line {line}: unknown label {_shortened(value)!r}; task "
+                             f"{spec.name} has {_label_list(spec.labels)}")
         return spec.labels.index(value)
     try:
         score = float(field)

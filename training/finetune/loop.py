@@ -82,20 +82,30 @@ def _finetune(cfg: FinetuneConfig, report: ReportFn | None, scratch: str) -> dic
     started = time.time()
     last_loss = _train(engine, data, cfg, steps_per_epoch, num_steps, seed)
     train_seconds = time.time() - started
-    metrics, predictions = evaluate(engine, data, cfg)
+    # The loss is every rank's sum, so all ranks agree. A diverged model's predictions are
+    # NaN: scored, they gave numbers (a Spearman of 0.14 from all-NaN scores, class 0 for
+    # every NaN logit) that a sweep could pick as its best.
+    diverged = last_loss is not None and not math.isfinite(last_loss)
+    metrics, predictions = ({}, None) if diverged else evaluate(engine, data, cfg)
+    if rank == 0 and not diverged and predictions is None:  # NaN in the dev logits
+        diverged = True
     record = {
         "task": cfg.task, "learning_rate": cfg.learning_rate, "seed": seed,
-        "metrics": metrics, "steps": num_steps, "epochs": num_steps / steps_per_epoch,
+        "metrics": metrics, "diverged": diverged,
+        "steps": num_steps, "epochs": num_steps / steps_per_epoch,
         "train_examples": data.num_train_examples, "train_rows": data.num_train_rows,
         "dev_examples": len(data.dev_examples),
-        "final_train_loss": last_loss, "train_seconds": round(train_seconds, 3),
+        # Strict JSON has no NaN: a diverged run's loss is null, its `diverged` says why.
+        "final_train_loss": last_loss if last_loss is None or math.isfinite(last_loss) else None,
+        "train_seconds": round(train_seconds, 3),
         "world_size": world_size, "threads": torch.get_num_threads(),
         "precision": precision, "zero_stage": engine.zero_optimization_stage(),
         "bf16_residual": resolved.config.bf16_residual,
         "model": pretrained.provenance,
     }
     if rank == 0:
-        record.update(_write_outputs(engine.module, cfg, data, pretrained, predictions))
+        if not diverged:  # no predictions, and no export of NaN weights
+            record.update(_write_outputs(engine.module, cfg, data, pretrained, predictions))
         _write_json(os.path.join(cfg.output, RESULT_NAME), record)
     barrier(engine.device)
     if report is not None:
@@ -230,7 +240,12 @@ def evaluate(engine, data: TaskData, cfg: FinetuneConfig) -> tuple[dict[str, flo
 
 
 def _score(data: TaskData, cfg: FinetuneConfig, logits: dict[str, np.ndarray]):
+    """(metrics, predictions); ({}, None) when a logit is NaN (a diverged model), where argmax
+    would have answered class 0 for every example without a word."""
     from bertforge.training.finetune.metrics import squad_evaluate, task_metrics
+
+    if any(np.isnan(values).any() for values in logits.values()):
+        return {}, None
 
     if data.spec is None:
         from bertforge.training.finetune.squad import postprocess_predictions

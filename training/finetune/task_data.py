@@ -86,7 +86,16 @@ def _words(example: Example) -> int:
 
 def is_squad_split(cfg: FinetuneConfig) -> bool:
     """SQuAD with one file for both: its articles are split into train and dev."""
-    return cfg.is_squad and os.path.abspath(cfg.train) == os.path.abspath(cfg.dev)
+    return cfg.is_squad and same_file(cfg.train, cfg.dev)
+
+
+def same_file(first: str, second: str) -> bool:
+    """One file under two names: a link, a hard link, `dir/../file`. (Comparing the names, a
+    link to SQuAD's dev file as --train trained on the whole dev set and then scored it.)"""
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # one is missing: the names decide, its reader says it is missing
+        return os.path.realpath(first) == os.path.realpath(second)
 
 
 def load_task_data(cfg: FinetuneConfig, vocab_path: str, lower_case: bool) -> TaskData:
