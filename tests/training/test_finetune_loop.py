@@ -165,3 +165,21 @@ def test_fine_tuning_steps_frozen_after_its_first_log_line_and_ends_unfrozen(
     assert [step for step, _ in train_lines] == [1, 4, 8, 12, 16]
     assert train_lines[0][1] == 0 and all(count > 1000 for _, count in train_lines[1:])
     assert gc.get_freeze_count() == 0
+
+
+def test_a_regression_dev_predictions_file_holds_the_scores_that_were_scored(tmp_path):
+    """Near-equal scores were written to 6 digits: ties in the file that the model did not
+    make, so a Spearman recomputed from dev_predictions.tsv was not the reported one."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from bertforge.training.finetune.loop import write_glue_predictions
+
+    scores = np.array([2.0000001, 2.0000002, 2.0000005, -1.2345678e-7], dtype=np.float32)
+    examples = [SimpleNamespace(line=i + 2, label=float(i)) for i in range(len(scores))]
+    data = SimpleNamespace(spec=SimpleNamespace(labels=None), dev_examples=examples)
+    path = tmp_path / "dev_predictions.tsv"
+    write_glue_predictions(str(path), data, scores)
+    rows = [line.split("\t") for line in path.read_text().splitlines()[1:]]
+    assert np.array_equal(np.array([row[1] for row in rows], dtype=np.float32), scores)

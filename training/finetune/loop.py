@@ -291,7 +291,9 @@ def write_glue_predictions(path: str, data: TaskData, predictions: np.ndarray) -
     labels = data.spec.labels
 
     def shown(value) -> str:
-        return f"{float(value):.6g}" if labels is None else labels[int(value)]
+        # 9 digits give a float32 score back exactly: at 6, near-equal scores tied in the file,
+        # and a Spearman recomputed from it (0.1929) was not the reported one (0.1974).
+        return f"{float(value):.9g}" if labels is None else labels[int(value)]
 
     with open(path, "w", encoding="utf-8") as f:
         f.write("line\tprediction\tlabel\n")
