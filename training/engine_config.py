@@ -97,12 +97,13 @@ class EngineConfig:
         for named ones."""
         named_elsewhere = (self.precision in ("fp16", "fp32")
                            or self.zero_stage not in (None, 0))
+        stage = f" at ZeRO stage {self.zero_stage}" if self.zero_stage is not None else ""
         for name in ("bf16_residual", "fp8"):
             if getattr(self, name) and named_elsewhere:
                 raise ValueError(
                     f"{name} needs the engine's bf16 autocast (bf16 at ZeRO stage 0), not "
-                    f"precision {self.precision} at ZeRO stage {self.zero_stage}: it would "
-                    "change nothing there; leave it out, or train in bf16 at --zero-stage 0")
+                    f"precision {self.precision}{stage}: it would change nothing there; leave "
+                    "it out, or train in bf16 at --zero-stage 0")
 
     def _check_optimizer_values(self) -> None:
         """Values the optimizers would refuse inside the workers, after Ray's start, once per

@@ -27,7 +27,7 @@ from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.device import to_device
 from bertforge.training.distributed import all_reduce_sum, barrier
 from bertforge.training.engine import build_engine, ensure_process_group
-from bertforge.training.errors import UserInputError
+from bertforge.training.errors import UserInputError, as_user_error
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
 from bertforge.training.host_gc import FrozenSurvivors
@@ -99,9 +99,12 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     # micro-batch, the residual stream), decided once, on the worker's device, with the world
     # size known; a resume keeps its own precision, stage and stream. From here on cfg names
     # them all: the printed recipe, config.json, checkpoint metadata.
-    resolved = resolve_engine(
-        cfg.engine(), world_size, saved=saved, num_parameters=count_parameters(model_config),
-        max_seq_length=facts.max_seq_length)
+    try:
+        resolved = resolve_engine(
+            cfg.engine(), world_size, saved=saved, num_parameters=count_parameters(model_config),
+            max_seq_length=facts.max_seq_length)
+    except ValueError as error:  # settings this device refuses (fp16 on a CPU): no retry helps;
+        raise as_user_error(error) from None  # a Ray worker retried it, four tracebacks
     cfg = replace(cfg, **{name: getattr(resolved.config, name) for name in DECIDED})
     accumulation = cfg.accumulation_steps(world_size)
     if saved is not None:
@@ -142,6 +145,13 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     # never waits for the device to say how many labels a batch holds.
     model.max_predictions = loader.max_predictions_per_row
     step = _maybe_resume(engine, loader, cfg, resume_from, facts.vocab_sha256, universal)
+    if resume_from is not None and cfg.init_from:
+        # config.json says what the run started from: what it recorded, not this command's.
+        started_from = _recorded_init_from(cfg.run_dir)
+        if rank == 0 and started_from != cfg.init_from:
+            console(f"[train] --init-from {cfg.init_from} not used: the run resumes from its "
+                    f"own checkpoint {resume_from} (only a new run warm-starts)")
+        cfg = replace(cfg, init_from=started_from)
     if rank == 0:
         # The accumulation used: --global-batch-size derives it from the workers, and a
         # --grad-accum beside it is ignored (config.json said the ignored one).
@@ -545,6 +555,15 @@ class _Validation:
             "eval_nsp_loss": result.nsp_loss,
             "eval_mlm_baseline_accuracy": result.mlm_baseline_accuracy,
         }
+
+
+def _recorded_init_from(run_dir: str) -> str | None:
+    """The --init-from a run's config.json records (None: none, or no readable record)."""
+    try:
+        with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+            return json.load(f)["train"].get("init_from")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _write_run_config(

@@ -39,6 +39,7 @@ from bertforge.training.errors import UserInputError
 from bertforge.training.inputs import check_train_inputs, refuse_run_dir_uri
 from bertforge.training.metrics import console, counted
 from bertforge.training.object_storage import child_uri
+from bertforge.training.resolved_engine import check_cpu_engine
 
 # A worker group that cannot be scheduled (no node has the resources, an autoscaler that adds
 # none) times out after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s); Ray Train
@@ -103,6 +104,9 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     # Another run writing there: said first, as the lock below would (its checkpoints are
     # being saved and pruned, and the pre-flight would read them).
     refuse_if_in_use(cfg.run_dir)
+    if not launch.address and not launch.gpu and not (cfg.resume and
+                                                      latest_checkpoint(cfg.run_dir)):
+        check_cpu_engine(cfg.engine())  # this CPU is the workers'
     check_train_inputs(cfg, launch.workers)
     run_dir = cfg.run_dir
     storage_run = None

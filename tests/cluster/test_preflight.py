@@ -109,6 +109,36 @@ def test_a_batch_the_workers_or_the_data_cannot_hold_is_refused_before_ray(datas
     assert not os.path.exists(tmp_path / "run")
 
 
+def _cpu_has_fp16() -> bool:
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def test_a_precision_the_cpu_workers_cannot_run_is_refused_before_ray(dataset, tmp_path,
+                                                                      capsys):
+    """fp16 on a CPU, and fp8 where "auto" is fp32 (the suite's CPUs emulate bf16), failed in
+    each Ray worker: four tracebacks after ~50 s. The driver's CPU is a local run's workers'."""
+    run = ["--data", dataset, "--run-dir", str(tmp_path / "run"), "--workers", "1"]
+    refused(["train", *run, "--fp8"], capsys,
+            "fp8 needs the engine's bf16 autocast (bf16 at ZeRO stage 0), not precision fp32: ",
+            "(precision auto is fp32 on this CPU: ", "give --precision bf16")
+    if not _cpu_has_fp16():
+        refused(["train", *run, "--precision", "fp16"], capsys,
+                "precision fp16 needs a GPU")
+        # A worker that meets it all the same (a cluster's node) ends at once, not retried.
+        from bertforge.training.errors import UserInputError
+
+        cfg = TrainConfig(data_dir=dataset, run_dir=str(tmp_path / "worker"), model=TINY,
+                          precision="fp16", max_steps=1, micro_batch_size=4)
+        with pytest.raises(UserInputError, match="precision fp16 needs a GPU"):
+            train(cfg)
+    assert not os.path.exists(tmp_path / "run")
+
+
 def test_an_empty_split_is_said_to_be_empty(tmp_path, capsys):
     """One book prepared holds no document out: its validation split is empty, and eval and
     train --eval-every said "fewer than one optimizer step: give a smaller --batch-size"."""

@@ -1,6 +1,7 @@
 """Two-phase recipes and warm starts: phase 2 begins from phase 1's weights, and only them."""
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -190,6 +191,22 @@ def test_warm_start_from_a_hugging_face_bert_of_another_head(phases, tmp_path, k
         expected = reference[name] if from_source else fresh[name]
         assert torch.equal(tensor, expected), name
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+
+
+def test_a_resumed_run_says_init_from_is_not_used_and_keeps_its_own_record(phases, tmp_path,
+                                                                            capsys):
+    """--init-from on a run that resumes was dropped without a word, and config.json then
+    named it as the run's start: the run had started from random weights."""
+    short, _, phase1_dir, phase1_ckpt = phases
+    run_dir = tmp_path / "run"
+    shutil.copytree(phase1_dir, run_dir)
+    hf_dir = export_checkpoint(phase1_ckpt, str(tmp_path / "hf"))
+    capsys.readouterr()
+    train(config(short, run_dir, model=NO_DROPOUT, zero_stage=1, max_steps=4, init_from=hf_dir))
+    assert (f"--init-from {hf_dir} not used: the run resumes from its own checkpoint "
+            in capsys.readouterr().out)
+    with open(run_dir / "config.json") as f:
+        assert json.load(f)["train"]["init_from"] is None
 
 
 def test_warm_start_refuses_another_architecture_or_a_non_checkpoint(phases, tmp_path):
