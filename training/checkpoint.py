@@ -433,6 +433,12 @@ def holds_checkpoint(path: str) -> bool:
 
 def resolve_checkpoint(path: str) -> str:
     """Accept a checkpoint directory or a run directory (then its newest complete checkpoint)."""
+    if _UNIVERSAL_PATTERN.match(os.path.basename(os.path.normpath(path))):
+        # It sits beside the checkpoints, and was read as one: "No such file ... bertforge.json".
+        original = os.path.normpath(path)[: -len(UNIVERSAL_SUFFIX)]
+        raise ValueError(f"{path} is DeepSpeed's universal copy of checkpoint {original}, made "
+                         "to resume it on another number of workers: give that checkpoint, or "
+                         "the run directory")
     if os.path.exists(os.path.join(path, COMMIT_MARKER)):
         return path
     latest = latest_checkpoint(path)

@@ -30,18 +30,23 @@ def parse_vocab(vocab_bytes: bytes, name: str = "the vocabulary", *,
     transformers reads it: the repeat's last line gives its id."""
     # Universal newlines, as reading the file in text mode gives; a BOM (an editor's) is no
     # part of the first token.
-    lines = io.StringIO(vocab_bytes.decode("utf-8-sig"), newline=None)
-    tokens = [line.rstrip("\n") for line in lines]
+    try:
+        text = vocab_bytes.decode("utf-8-sig")
+    except UnicodeDecodeError as error:  # a compressed or binary file named by mistake
+        raise ValueError(f"{name} is not UTF-8 text ({error}): not a vocab.txt") from None
+    tokens = [line.rstrip("\n") for line in io.StringIO(text, newline=None)]
     while tokens and tokens[-1] == "":
         tokens.pop()  # a trailing blank line is not a token
     vocab = {token: index for index, token in enumerate(tokens)}
+    # First: a file that is no vocabulary at all (a corpus named as --vocab) is said to be so,
+    # not listed as thousands of repeated lines.
+    missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+    if missing:
+        raise ValueError(f"{name} lacks the BERT special tokens {missing}")
     if len(vocab) < len(tokens) and not allow_repeats:
         raise ValueError(f"{name} {_repeated_entries(tokens)}: a token's id is its line, so a "
                          "repeated one leaves a line no text reaches and its id ambiguous; "
                          "remove the repeats")
-    missing = [t for t in SPECIAL_TOKENS if t not in vocab]
-    if missing:
-        raise ValueError(f"{name} lacks the BERT special tokens {missing}")
     return vocab
 
 
@@ -51,10 +56,17 @@ def _repeated_entries(tokens: list[str]) -> str:
     for number, token in enumerate(tokens, start=1):
         lines.setdefault(token, []).append(number)
     repeated = [(token, numbers) for token, numbers in lines.items() if len(numbers) > 1]
-    shown = ", ".join(f"{token!r} (lines {' and '.join(map(str, numbers))})"
+    shown = ", ".join(f"{token!r} (lines {_first_lines(numbers)})"
                       for token, numbers in repeated[:3])
     more = f" and {len(repeated) - 3} more" if len(repeated) > 3 else ""
     return f"repeats {shown}{more}"
+
+
+def _first_lines(numbers: list[int], shown: int = 3) -> str:
+    """"2 and 3", or "2, 3, 5 and 480 more" (a blank line repeated all through a file)."""
+    if len(numbers) <= shown:
+        return " and ".join(map(str, numbers))
+    return f"{', '.join(map(str, numbers[:shown]))} and {len(numbers) - shown} more"
 
 
 def load_tokenizer(vocab_path: str, lower_case: bool) -> Tokenizer:

@@ -69,7 +69,7 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None
                 for name in os.listdir(pattern))
             raise ValueError(f"--input {entry!r} matches no file" + (
                 " (its hidden folders, such as .git, are never read as corpus: name their "
-                "files, e.g. DIR/.folder/*.txt)" if hidden else ""))
+                "files, e.g. DIR/.folder/*.txt)" if hidden else "") + _unknown_prefix(entry))
         ours = [path for path in matched if inside_output(path)]
         if ours:
             matched = [path for path in matched if not inside_output(path)]
@@ -89,6 +89,15 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None
     if not files:
         raise ValueError(f"--input {list(patterns)} matches no corpus file")
     return sorted(files.items())
+
+
+def _unknown_prefix(entry: str) -> str:
+    """What to say of an entry that matched nothing and starts with a word and a colon that no
+    format is named (`book:corpus/*.txt`): the words that are."""
+    name, colon, rest = entry.partition(":")
+    if not colon or not name.isalpha() or rest.startswith("//") or len(name) == 1:
+        return ""  # no prefix (a URI's scheme, a Windows drive)
+    return f" ('{name}:' is no format; the formats are {', '.join(sorted(readers.FORMATS))})"
 
 
 def _inside(directory: str):

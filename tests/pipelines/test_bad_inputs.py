@@ -71,8 +71,12 @@ def test_unknown_flags_and_missing_paths_are_one_clear_line(tmp_path, small_voca
               "--bogus=1"])
     with pytest.raises(ValueError, match="must not set the job's own options"):
         run(prepare_config([str(good)], str(tmp_path / "o"), small_vocab), ["--num_shards=2"])
-    with pytest.raises(ValueError, match="matches no file"):
+    with pytest.raises(ValueError, match="matches no file$"):
         run(prepare_config([str(tmp_path / "missing.xml")], str(tmp_path / "o"), small_vocab))
+    # A misspelt format prefix was the same "matches no file", the file being right there.
+    with pytest.raises(ValueError, match=r"matches no file \('book:' is no format; the formats "
+                       r"are books, jsonl, "):
+        run(prepare_config([f"book:{good}"], str(tmp_path / "o"), small_vocab))
     with pytest.raises(ValueError, match="cannot read"):
         run(prepare_config([str(good)], str(tmp_path / "o"), str(tmp_path / "no-vocab.txt")))
 
@@ -100,6 +104,26 @@ def test_a_vocabulary_with_a_repeated_token_is_refused_before_the_output_is_touc
     from bertforge.pipelines.contract.tokenization import read_vocab
 
     assert read_vocab(str(repeated), allow_repeats=True)["the"] == len(lines)
+
+
+def test_a_file_that_is_no_vocabulary_is_said_to_be_none(tmp_path):
+    """A corpus named as --vocab gave an 8.8 KB line of repeated blank lines' numbers, and a
+    compressed file a decoder's error that named no file."""
+    import bz2
+
+    from bertforge.pipelines.contract.tokenization import parse_vocab, read_vocab
+
+    prose = tmp_path / "hamlet.txt"
+    prose.write_text("ACT I\n\nScene 1\n\nEnter Bernardo\n\n" * 500, encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^{prose} lacks the BERT special tokens \['\[PAD\]'"):
+        read_vocab(str(prose))
+    packed = tmp_path / "vocab.txt.bz2"
+    packed.write_bytes(bz2.compress(b"[PAD]\n" * 100))
+    with pytest.raises(ValueError, match=rf"^{packed} is not UTF-8 text \(.*\): not a vocab"):
+        read_vocab(str(packed))
+    specials = "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n"
+    with pytest.raises(ValueError, match=r"repeats '' \(lines 6, 7, 8 and 497 more\)"):
+        parse_vocab((specials + "\n" * 500 + "the\n").encode())
 
 
 def test_nothing_usable_is_an_error(tmp_path, small_vocab):

@@ -142,3 +142,15 @@ def test_a_failing_read_of_a_checkpoint_still_there_keeps_its_own_error(run_dir)
 
     with pytest.raises(ValueError, match="^its own error$"):
         checkpoint.read_newest(str(run_dir), broken)
+
+
+def test_the_universal_copy_beside_a_checkpoint_is_named_as_such(run_dir, tmp_path, capsys):
+    """A resume on another number of workers leaves step_N.universal in checkpoints/; export
+    and eval of it failed with "No such file ... bertforge.json"."""
+    newest = checkpoint.latest_checkpoint(str(run_dir))
+    universal = newest + checkpoint.UNIVERSAL_SUFFIX
+    shutil.copytree(newest, universal, ignore=shutil.ignore_patterns(checkpoint.METADATA_NAME))
+    assert main(["export", universal, "--output", str(tmp_path / "hf")]) == 2
+    assert (f"{universal} is DeepSpeed's universal copy of checkpoint {newest}, made to resume "
+            "it on another number of workers: give that checkpoint, or the run directory"
+            in capsys.readouterr().err)
