@@ -275,6 +275,7 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
         raise
     local_job.after_success(pipeline.runner, config.output)
     summary = _summary(config.output, time.monotonic() - start)
+    _warn_on_thin_splits(summary["splits"])
     summary["metrics"] = _counters(result)
     if submitted is not None:
         summary["dataflow_job"] = submitted["console"]
@@ -345,6 +346,22 @@ def _is_local(runner: str) -> bool:
     does.
     """
     return runner.split(".")[-1] in ("DirectRunner", "direct")
+
+
+def _warn_on_thin_splits(splits: dict[str, dict[str, int]]) -> None:
+    """Data that trains without a word but cannot teach what it should: a dataset of one book
+    trained NSP on a constant label (its loss fell to 0.22), and its empty validation split was
+    only found by `--eval-every` or `eval`."""
+    train = splits.get("train", {})
+    if train.get("num_documents", 0) == 1:
+        logger.warning(
+            "the training split holds 1 document: next-sentence prediction draws its random "
+            "second segment from another document, so every pair here is a real next and NSP "
+            "learns a constant label; add documents (each article, book or record is one)")
+    if train.get("num_instances") and not splits.get("validation", {}).get("num_instances"):
+        logger.warning(
+            "the validation split is empty (it holds out whole documents): --eval-every and "
+            "`bertforge eval` will have nothing to score; add documents")
 
 
 def _warn_on_casing_mismatch(vocab: dict[str, int], lower_case: bool) -> None:

@@ -295,6 +295,7 @@ class PipelineConfig:
                     phase.recipe, paths.shards(phase.max_seq_length), paths.run(phase.name),
                     init_from=init_from, resume=True, **overrides,
                 )
+                _check_model(configs[phase.name], phase.max_seq_length, self.vocab.vocab_size)
             except (TypeError, ValueError) as error:
                 raise ValueError(f"{phase.name}: {error}") from None
         return configs
@@ -305,6 +306,17 @@ class PipelineConfig:
             "config": asdict(self),
             "recipes": {name: cfg.to_dict() for name, cfg in self.train_configs().items()},
         }
+
+
+def _check_model(cfg: TrainConfig, max_seq_length: int, vocab_size: int) -> None:
+    """The phase's model is buildable and long enough for its shards: found by the phase's
+    train before, after the vocabulary and both prepares had run (hours on real data), and a
+    corrected file was then refused as "other settings". The data's vocabulary size is not
+    known yet: the [vocab] table's stands in (no field checked here depends on it)."""
+    from bertforge.training.inputs import check_positions, resolve_model_config
+
+    model = resolve_model_config(cfg.model, vocab_size)
+    check_positions(max_seq_length, model, "the phase's dataset")
 
 
 def load_config(path: str) -> tuple[PipelineConfig, str]:

@@ -56,6 +56,7 @@ def writing_dataset(output: str, config, *, overwrite: bool) -> Iterator[None]:
         yield
         return
     output = output.removeprefix("file://")
+    refuse_a_training_run(output)
     fresh = not os.path.isdir(output) or not _has_content(output)
     cleaned = False
     try:
@@ -77,6 +78,19 @@ def writing_dataset(output: str, config, *, overwrite: bool) -> Iterator[None]:
         if cleaned:  # the lock is released now: the folder goes too, if nobody wrote since
             with contextlib.suppress(OSError):
                 os.rmdir(output)
+
+
+def refuse_a_training_run(output: str) -> None:
+    """A run directory given as --output took the dataset's files beside its checkpoints
+    without a word (and --overwrite, which clears the folder first, would have taken them)."""
+    from bertforge.training.checkpoint import CHECKPOINTS_DIR
+    from bertforge.training.metrics import METRICS_NAME
+
+    marks = [name for name in (CHECKPOINTS_DIR, METRICS_NAME)
+             if os.path.exists(os.path.join(output, name))]
+    if marks:
+        raise DatasetConflict(f"--output {output} holds a training run ({', '.join(marks)}): "
+                              "give the dataset a folder of its own")
 
 
 def _remove_all_but_the_lock(output: str) -> None:

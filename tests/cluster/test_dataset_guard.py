@@ -81,6 +81,19 @@ def test_another_dataset_is_refused_unless_asked_and_the_same_job_runs_again(
     assert manifest_bytes(tmp_path / "again") == again
 
 
+def test_a_training_run_is_no_dataset_folder(inputs, tmp_path, capsys):
+    """A run directory given as --output took train/, validation/ and manifest.json beside its
+    checkpoints without a word; --overwrite would have cleared the folder first."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    for flags in ((), ("--overwrite",)):
+        assert prepare(inputs, run, *flags) == 2
+        assert (f"--output {run} holds a training run (checkpoints, metrics.jsonl): give the "
+                "dataset a folder of its own") in one_error_line(capsys)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
+
+
 def test_a_dataset_inside_its_corpus_folder_is_never_read_as_corpus(inputs, tmp_path, capsys):
     """`--input corpus --output corpus/shards`: the second run read the first one's shards,
     manifest and log as text, so the same job again was refused as another dataset, and

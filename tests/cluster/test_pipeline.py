@@ -83,6 +83,12 @@ def test_phase2_warm_starts_from_phase1s_run(tmp_path):
     ({"phase1__overrides": {"model": "mini"}},
      'overrides.model must be a table of BertConfig fields, e.g. model = { preset = "mini" }'),
     ({"phase1__overrides": {"max_steps": "40"}}, "overrides.max_steps must be int, got '40'"),
+    # Found by the phase's train before, after the vocabulary and both prepares had run, and
+    # recorded: the corrected file was then refused as "other settings".
+    ({"phase1__overrides": {"model": {"preset": "huge"}}},
+     "phase1: unknown model preset 'huge'; choose one of"),
+    ({"phase1__max_seq_length": 1024}, "phase1: the phase's dataset holds sequences of up to "
+                                       "1024 tokens, but the model has max_position_embeddings"),
     ({"phase1__max_seq_length": "128"}, "phase1.max_seq_length must be int"),
     ({"phase2": {"recipe": "bert_tiny_phase2"}}, "phase2.max_seq_length is required"),
     ({"phase2": {"recipe": "bert_tiny_phase2", "max_seq_length": 128,

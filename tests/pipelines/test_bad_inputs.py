@@ -166,3 +166,25 @@ def test_a_dangling_symbolic_link_among_the_inputs_is_named(tmp_path, small_voca
         with pytest.raises(ValueError, match=expected):
             run(prepare_config([pattern], str(tmp_path / "out"), small_vocab))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dataset_that_cannot_teach_nsp_or_be_evaluated_is_warned_of(tmp_path, small_vocab,
+                                                                      caplog):
+    """One book: every pair a real next (NSP learned a constant label) and no validation
+    split, found only by `eval`. Two documents: no word of either."""
+    text = " ".join(f"Sentence number {i} is here." for i in range(400))
+    one = tmp_path / "one.jsonl"
+    write_jsonl(one, [{"text": text}])
+    with caplog.at_level("WARNING", logger="bertforge"):
+        run(prepare_config([str(one)], str(tmp_path / "o1"), small_vocab))
+    said = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any(m.startswith("the training split holds 1 document: next-sentence prediction "
+                            "draws its random second segment from another") for m in said), said
+    assert any(m.startswith("the validation split is empty") for m in said), said
+    caplog.clear()
+    many = tmp_path / "many.jsonl"
+    write_jsonl(many, [{"text": f"Document {d} begins. " + text} for d in range(60)])
+    with caplog.at_level("WARNING", logger="bertforge"):
+        run(prepare_config([str(many)], str(tmp_path / "o2"), small_vocab))
+    assert not [r for r in caplog.records if "document" in r.getMessage()
+                and r.levelname == "WARNING"]
