@@ -356,10 +356,16 @@ _RECEIVED: list[int] = []  # the signals received since, first first
 
 
 _ON_STOP: list = []  # what must happen before the stop can unwind (see `on_stop`)
+# The command's work is done and only its shutdown (Ray's, 4-8 s) is left: a stop then ends
+# nothing, and the command keeps its own exit status. (A SIGTERM from a scheduler's timeout in
+# those seconds said "stopped by SIGTERM" and exited 143 after a finished run's summary.)
+_WORK_DONE = False
 
 
 def _exit_on_signal(signum, frame) -> None:
     _RECEIVED.append(signum)
+    if _WORK_DONE and len(_RECEIVED) <= 2:
+        return
     if len(_RECEIVED) > 1:
         # A stop is under way (workers stopping, Ray shutting down, the lock being released):
         # a second Ctrl-C must not cut it short. A third ends the process at once.
@@ -412,7 +418,7 @@ def reclaim_signals() -> None:
 @contextlib.contextmanager
 def driver_teardown() -> Iterator[None]:
     """Around a command that may start Ray: SIGTERM/SIGHUP exit like Ctrl-C, Ray stops after."""
-    global _HANDLED
+    global _HANDLED, _WORK_DONE
     installed = {}
     with contextlib.suppress(ValueError):  # not the main thread: leave the handlers alone
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
@@ -423,10 +429,13 @@ def driver_teardown() -> Iterator[None]:
                 installed[signum] = signal.signal(signum, _exit_on_signal)
     _HANDLED = tuple(installed)
     _RECEIVED.clear()
+    _WORK_DONE = False
     try:
         yield
+        _WORK_DONE = True
     finally:
         _HANDLED = ()
         shutdown()
+        _WORK_DONE = False
         for signum, previous in installed.items():
             signal.signal(signum, previous)

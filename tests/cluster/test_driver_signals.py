@@ -46,3 +46,28 @@ def test_a_second_signal_does_not_cut_the_stop_short(monkeypatch):
         local_ray._exit_on_signal(signal.SIGINT, None)
     assert local_ray._exit_on_signal(signal.SIGINT, None) is None  # ignored: the stop goes on
     assert local_ray.as_stop(SystemExit(1)).describe() == "stopped by SIGINT"
+
+
+def test_a_stop_during_the_shutdown_of_a_finished_command_ends_nothing(monkeypatch):
+    """A SIGTERM (a scheduler's timeout) in the seconds Ray takes to shut down after a command
+    finished said "stopped by SIGTERM" and exited 143: the finished run recorded as failed."""
+    import os
+
+    from bertforge.cluster.launch import local_ray
+
+    def shutdown_that_is_signalled():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(local_ray, "shutdown", shutdown_that_is_signalled)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with driver_teardown():
+            pass  # the command's work, done
+        assert local_ray._RECEIVED == [signal.SIGTERM]  # received, and it ended nothing
+        import pytest
+
+        with pytest.raises(local_ray.StoppedBySignal):  # one inside the work still stops it
+            with driver_teardown():
+                os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
