@@ -155,9 +155,11 @@ def _add_submit(commands) -> None:
         "Usage: bertforge submit [options] -- COMMAND ...",
     )
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="the cluster's Jobs endpoint")
-    p.add_argument("--working-dir", default=".",
-                   help="the job's working directory, uploaded (default: this directory); "
-                   "from a bertforge checkout its code runs, else the cluster's bertforge")
+    p.add_argument("--working-dir", default=None,
+                   help="the job's working directory, uploaded (default: this directory, "
+                   "unless the job is a bertforge command and this is no bertforge checkout: "
+                   "then nothing); from a bertforge checkout its code runs, else the "
+                   "cluster's bertforge")
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="more paths to leave out of the upload (repeatable)")
     p.add_argument("--image", default=None,
@@ -357,6 +359,7 @@ def _run_submit(args: argparse.Namespace) -> int:
     from bertforge.cluster.launch.submit import (
         DEFAULT_EXCLUDES,
         SubmitConfig,
+        default_working_dir,
         follow_job,
         stop,
         submit,
@@ -379,7 +382,8 @@ def _run_submit(args: argparse.Namespace) -> int:
         env_vars[name] = value
     return submit(SubmitConfig(
         entrypoint=entrypoint, address=args.address,
-        working_dir=None if args.image else args.working_dir,
+        working_dir=None if args.image else (args.working_dir or
+                                             default_working_dir(entrypoint)),
         excludes=DEFAULT_EXCLUDES + tuple(args.exclude), image=args.image,
         submission_id=args.submission_id, env_vars=env_vars, follow=not args.no_wait,
     ))
@@ -389,7 +393,8 @@ def check_submitted_command(words: list[str]) -> None:
     """A submitted `bertforge COMMAND ...` parsed here as the job will parse it, its settings
     built where that needs no file (train, finetune, glue, prepare): a mistyped flag or a bad
     value is refused before anything is uploaded, not once the job runs on the cluster. Paths
-    are the cluster's, so none is looked at; `--help` is the job's to print."""
+    are the cluster's, so none is looked at, but a relative output is refused; `--help` is the
+    job's to print."""
     from bertforge.cluster.launch.submit import bertforge_arguments
 
     arguments = bertforge_arguments(words)
@@ -405,12 +410,25 @@ def check_submitted_command(words: list[str]) -> None:
             parse_command_line(extra)
         elif extra:
             refuse_unknown_flags(args.command_parser, extra)
+        _refuse_relative_outputs(args)
         if args.command in SETTINGS_OF:
             SETTINGS_OF[args.command](args)
     except SystemExit as refusal:  # argparse's: its usage and message are printed above
         raise ValueError(f"the job's command is refused above{unchecked}") from refusal
     except ValueError as error:
         raise ValueError(f"the job's command: {error}{unchecked}") from None
+
+
+def _refuse_relative_outputs(args: argparse.Namespace) -> None:
+    """A job's relative --run-dir or --output lands in its working directory on the cluster: a
+    temporary copy the job refuses to write into (after the upload and the job's start), or
+    wherever Ray starts a job that uploaded none."""
+    for name in ("run_dir", "output", "storage"):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value and "://" not in value and not os.path.isabs(value):
+            raise ValueError(f"--{name.replace('_', '-')} {value} is relative: give an absolute "
+                             "path every node mounts (a job's working directory is a temporary "
+                             "copy)")
 
 
 def _run_eval(args: argparse.Namespace) -> None:

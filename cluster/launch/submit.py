@@ -79,6 +79,17 @@ class SubmitConfig:
         return env
 
 
+def default_working_dir(entrypoint: list[str]) -> str | None:
+    """The job's working directory when --working-dir is not given: this directory where it is
+    a bertforge checkout (its code runs) or the job is no bertforge command (it may read the
+    directory's files); else none. A bertforge command from another directory runs the
+    cluster's bertforge on absolute paths, and uploading that directory was for nothing: with
+    its data and runs (267 MiB) the cluster refused the job ("413 Maximum request body size")."""
+    if package_folders(".") is not None or bertforge_arguments(entrypoint) is None:
+        return "."
+    return None
+
+
 @contextlib.contextmanager
 def shipped_package(working_dir: str | None) -> Iterator[str | None]:
     """The `bertforge/` built from the working dir when it is a bertforge checkout, else None;
@@ -186,6 +197,10 @@ def submit(config: SubmitConfig) -> int:
     elif config.working_dir:
         print(f"[submit] {os.path.abspath(config.working_dir)} is no bertforge checkout: the "
               "job runs the bertforge installed on the cluster", flush=True)
+    elif not config.image:
+        print(f"[submit] {os.path.abspath('.')} is no bertforge checkout: nothing uploaded; the "
+              "job runs the bertforge installed on the cluster (--working-dir uploads a "
+              "directory)", flush=True)
     print(f"[submit] job {job_id} submitted to {config.address} "
           f"(runtime env {describe_runtime_env(runtime_env)})", flush=True)
     if not config.follow:

@@ -135,6 +135,11 @@ def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys
          "--init-from"),
         (["python3", "-m", "bertforge.cluster.cli", "glue", "--model", "/m", "--tasks", "nope"],
          "the job's command: --tasks: 'nope' is no GLUE task"),
+        # A relative output lands in the job's temporary working directory: refused there,
+        # after the upload and the job's start; here, before.
+        (["bertforge", "train", "--data", "/shared/shards", "--run-dir", "runs/r"],
+         "the job's command: --run-dir runs/r is relative: give an absolute path every node "
+         "mounts"),
         # prepare's rest: the job's flags and Beam's, as prepare itself parses them.
         (["bertforge", "prepare", "--input", "gs://b/c/*.jsonl", "--output", "gs://b/s",
           "--vocab", "gs://b/v.txt", "--num-shards", "abc"],

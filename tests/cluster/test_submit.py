@@ -137,8 +137,10 @@ def test_failing_job_gives_a_failing_exit_code(two_node_cluster, capsys):
                  "python", "-c", "import sys; sys.exit(7)"])  # as a shell hands the words on
     assert code == 1
     assert "FAILED" in capsys.readouterr().out
-    # A relative --run-dir in a real job: Ray's copy of the working directory is recognised.
-    code = main(["submit", "--address", url, "--working-dir", REPO, "--", "python", "-m",
+    # A relative --run-dir in a real job (past the command check, which refuses it first):
+    # Ray's copy of the working directory is recognised.
+    code = main(["submit", "--address", url, "--working-dir", REPO, "--no-command-check",
+                 "--", "python", "-m",
                  "bertforge.cluster.cli", "train", "--address", "auto", "--data", "/no/data",
                  "--run-dir", "runs/rel"])
     assert code == 1
@@ -245,3 +247,17 @@ def test_runtime_env_hides_values_and_excludes_heavy_paths(tmp_path):
         SubmitConfig(entrypoint=[], working_dir=str(tmp_path))
     with pytest.raises(ValueError, match="either --image or --working-dir"):
         SubmitConfig(entrypoint=["x"], working_dir=str(tmp_path), image="repo/bertforge:1")
+
+
+def test_a_bertforge_job_from_a_folder_that_is_no_checkout_uploads_nothing(tmp_path,
+                                                                         monkeypatch):
+    """From a folder of data and runs (not a checkout) the default uploaded it all for a job
+    that runs the cluster's bertforge: 267 MiB, refused by the cluster ("413 Maximum request
+    body size exceeded"). Another program still gets the folder; a checkout still ships."""
+    from bertforge.cluster.launch.submit import default_working_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert default_working_dir(["bertforge", "train", "--data", "/d", "--run-dir", "/r"]) is None
+    assert default_working_dir(["python", "my_script.py"]) == "."
+    monkeypatch.chdir(REPO)
+    assert default_working_dir(["bertforge", "train"]) == "."
