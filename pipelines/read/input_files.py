@@ -5,7 +5,8 @@ Every file goes through `read_file`, which a Beam DoFn and the vocabulary traine
   `-multistream` dumps need nothing special); Beam's filesystem only supplies raw bytes;
 - a truncated or corrupt compressed file keeps the records read before the damage and adds one
   `truncated_compressed_file` / `corrupt_compressed_file` reject;
-- `empty_file` for zero bytes or no record at all, `binary_file` for content that is not text.
+- `empty_file` for zero bytes or no record at all, `binary_file` for content that is not text,
+  `utf16_file` for UTF-16 text (UTF-8 is read).
 
 `detect_format` chooses a file's format before it is read: a format prefix, else its name, else
 its first decompressed bytes (`readers.choose_format`).
@@ -157,6 +158,9 @@ def format_mismatch(path: str, choice: readers.FormatChoice) -> Reject:
     return Reject("format_mismatch", path, "", choice.mismatch)
 
 
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
 def looks_binary(head: bytes) -> bool:
     if b"\x00" in head:
         return True
@@ -194,6 +198,10 @@ def read_file(
                 if stream.error
                 else Reject("empty_file", path, "", "no bytes" if not head else "whitespace only")
             )
+            return
+        if head.startswith(UTF16_BOMS):  # its zero bytes would call it binary
+            yield Reject("utf16_file", path, "", "UTF-16 text (its byte-order mark): convert it "
+                         "to UTF-8, e.g. `iconv -f UTF-16 -t UTF-8`")
             return
         if looks_binary(head):
             yield Reject("binary_file", path, "", f"first bytes {head[:24]!r}")

@@ -79,6 +79,10 @@ def test_bad_files_are_counted_by_reason(tmp_path):
     assert _reasons(_read(tmp_path / "empty.txt")) == ["empty_file"]
     assert _reasons(_read(tmp_path / "blank.jsonl")) == ["empty_file"]
     assert _reasons(_read(tmp_path / "binary.txt")) == ["binary_file"]
+    # UTF-16 was "binary_file" ("first bytes b'\xff\xfe[\x00E\x00m...'"): said for what it is.
+    (tmp_path / "utf16.txt").write_bytes("Emma. A novel.\n".encode("utf-16"))
+    (utf16,) = _read(tmp_path / "utf16.txt")
+    assert utf16.reason == "utf16_file" and "convert it to UTF-8" in utf16.detail
     for name in ("cut.jsonl.bz2", "cut.jsonl.gz"):
         items = _read(tmp_path / name)
         assert _reasons(items) == ["truncated_compressed_file"], name
