@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from bertforge.training.distributed import barrier, local_rank
 from bertforge.training.errors import UserInputError, disk_full, first_line
+from bertforge.training.profiling import PROFILE_DIR
 
 T = TypeVar("T")
 
@@ -58,7 +59,7 @@ _RETIRED_PREFIX = ".retired-"  # a pruned checkpoint on its way out (`_retire`)
 READ_TRIES = 3
 PREVIOUS_DIR = "previous"  # RUN_DIR/previous/<UTC time>/: the runs a fresh start moved aside
 # What a run writes beside its checkpoints, moved aside with them (training.metrics, loop).
-_RUN_FILES = ("metrics.jsonl", "tensorboard", "config.json")
+_RUN_FILES = ("metrics.jsonl", "tensorboard", "config.json", PROFILE_DIR)
 # The MLM decoder is tied to the word embeddings, so a checkpoint may carry it once.
 _TIED = ("cls.predictions.decoder.weight",)
 

@@ -57,6 +57,7 @@ SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize",
                         "cudaEventSynchronize", "cudaMemcpy"})
 READ_BACK = "aten::item"
 STEP_RANGE = "bertforge step "  # the record_function name of a profiled step, + its number
+PROFILE_DIR = "profile"  # RUN_DIR/profile/: a run's, moved aside with it (checkpoint.move_aside)
 
 
 def kernel_category(kernel: str) -> str:
@@ -100,7 +101,7 @@ class StepProfiler:
     def __init__(self, steps: tuple[int, int] | None, run_dir: str, rank: int,
                  device: torch.device) -> None:
         self.steps = steps
-        self.out_dir = os.path.join(run_dir, "profile")
+        self.out_dir = os.path.join(run_dir, PROFILE_DIR)
         self.rank = rank
         self.cuda = torch.device(device).type == "cuda"
         self._profiler = None

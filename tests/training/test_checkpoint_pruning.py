@@ -45,10 +45,12 @@ def test_move_aside_keeps_the_old_run_whole(tmp_path):
         fake_checkpoint(tmp_path, step, "old")
     (tmp_path / "metrics.jsonl").write_text('{"step": 8}\n')
     (tmp_path / "logs").mkdir()
+    (tmp_path / "profile").mkdir()  # --profile-steps': the old run's (it stayed behind)
     target, steps = checkpoint.move_aside(str(tmp_path))
     assert steps == [4, 8] and os.path.dirname(target) == str(tmp_path / "previous")
     assert checkpoint.committed_steps(target) == [4, 8]
     assert os.path.exists(os.path.join(target, "metrics.jsonl"))
+    assert os.path.isdir(os.path.join(target, "profile")) and not (tmp_path / "profile").exists()
     assert checkpoint.committed_steps(str(tmp_path)) == [] and (tmp_path / "logs").exists()
     assert checkpoint.resolve_checkpoint(target).endswith("step_00000008")  # export takes it
 
