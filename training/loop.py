@@ -322,6 +322,11 @@ def _maybe_resume(
     loader.load_state_dict(state["loader"])
     if dist.get_rank() == 0:
         console(f"[train] resumed from {path} at step {state['global_step']}")
+        before = saved_global_batch(state.get("config"), saved.get("world_size"))
+        now = cfg.global_batch(dist.get_world_size())
+        if before is not None and before != now:  # another --batch-size or --workers: no word
+            console(f"[train] a step is {now} sequences from here (the checkpoint's run's were "
+                    f"{before}): --batch-size, --workers or --global-batch-size changed")
     changes = schedule_changes(state.get("config") or {}, cfg)
     if changes:
         scheduler = engine.lr_scheduler
@@ -333,6 +338,17 @@ def _maybe_resume(
                     f"{scheduler.optimizer.param_groups[0]['lr']:.3g} where the checkpoint's "
                     f"plan had {restored:.3g}")
     return state["global_step"]
+
+
+def saved_global_batch(saved_config: dict[str, Any] | None, world_size: int | None) -> int | None:
+    """Sequences per optimizer step of the run a checkpoint was saved by (None: a checkpoint
+    too old to say)."""
+    if not saved_config or not world_size:
+        return None
+    try:
+        return TrainConfig.from_dict(saved_config).global_batch(world_size)
+    except (TypeError, ValueError, AssertionError):
+        return None
 
 
 # What makes the learning-rate schedule: the rate at a step is a function of these alone.

@@ -112,7 +112,8 @@ def test_a_resume_with_more_steps_trains_on_the_new_schedule_and_says_so(dataset
     run_dir = tmp_path / "run"
     train(config(dataset, run_dir, zero_stage=zero_stage))
     train(config(dataset, run_dir, zero_stage=zero_stage))  # the same plan: nothing to say
-    assert "learning-rate schedule" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "learning-rate schedule" not in out and "a step is" not in out
     train(config(dataset, run_dir, zero_stage=zero_stage, max_steps=7))
     out = capsys.readouterr().out
     assert ("[train] the learning-rate schedule follows this run's settings: max_steps 7 (was "
@@ -120,6 +121,17 @@ def test_a_resume_with_more_steps_trains_on_the_new_schedule_and_says_so(dataset
     before = checkpoint.load_fp32_state_dict(str(run_dir / "checkpoints" / "step_00000006"))
     after = checkpoint.load_fp32_state_dict(str(run_dir / "checkpoints" / "step_00000007"))
     assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_a_resume_with_another_batch_says_a_step_is_now_another_size(dataset, tmp_path,
+                                                                      capsys):
+    """Resumed with another --batch-size (or --workers), a step changed size without a word."""
+    run_dir = tmp_path / "run"
+    train(config(dataset, run_dir, zero_stage=0, max_steps=2))
+    capsys.readouterr()
+    train(config(dataset, run_dir, zero_stage=0, max_steps=3, micro_batch_size=4))
+    assert ("[train] a step is 4 sequences from here (the checkpoint's run's were 8): "
+            "--batch-size, --workers or --global-batch-size changed") in capsys.readouterr().out
 
 
 def test_vocabulary_mismatch_on_resume_is_refused(dataset, tmp_path):
