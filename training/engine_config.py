@@ -73,7 +73,8 @@ class EngineConfig:
     fp8: bool = option(False, "under bf16 autocast, multiply the encoder layers' forward and "
                        "input-gradient GEMMs in FP8 (e4m3, a scale per token each step; the "
                        "weight gradient stays bf16) on a GPU of compute capability 8.9+ (L4, "
-                       "L40, H100, H200); a CPU runs them too, slower, for tests")
+                       "L40, H100, H200); a CPU runs them too, slower, for tests, in bf16 "
+                       "(--precision bf16 where it has no native bf16)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adam_betas", tuple(self.adam_betas))
