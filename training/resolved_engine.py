@@ -144,23 +144,6 @@ def check_fp8_device() -> None:
         raise ValueError(f"fp8: {reason}; leave --fp8 out")
 
 
-def check_cpu_engine(cfg: EngineConfig) -> None:
-    """What `resolve_engine` refuses on a CPU worker, refused by a driver whose CPU is its
-    workers' (a local run without --gpu) before Ray starts: fp16 where DeepSpeed's CPU
-    accelerator has none, and fp8 or a bf16 residual where "auto" gives fp32 (a CPU without
-    native bf16). Inside the workers each was a traceback, retried up to --max-failures times.
-    A resumed run decides "auto" by its checkpoint: the workers check that one."""
-    precision, reason = resolve_precision(cfg.precision, "cpu")
-    check_precision_supported(precision)
-    try:
-        dataclasses.replace(cfg, precision=precision)
-    except ValueError as error:
-        if cfg.precision != AUTO:
-            raise
-        raise ValueError(f"{error} (precision auto is {precision} on this CPU: {reason}; give "
-                         "--precision bf16 to run it emulated, slowly)") from None
-
-
 def check_precision_supported(precision: str) -> None:
     """fp16 on the CPU fails inside deepspeed.initialize; say what to do instead, up front.
 
