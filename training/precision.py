@@ -21,13 +21,11 @@ arithmetic is still the machine's (bf16 named on an AVX2 CPU is emulated, slowly
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
 
 from bertforge.training.engine_config import PRECISIONS as REQUESTABLE
-from bertforge.training.engine_config import EngineConfig
 
 AUTO = "auto"
 PRECISIONS = tuple(p for p in REQUESTABLE if p != AUTO)  # what an engine runs in
@@ -115,23 +113,3 @@ def slow_precision_warning(precision: str, device_type: str) -> str | None:
     return (f"precision bf16 on this CPU will be slow: {why}; use --precision auto or fp32 "
             "for speed")
 
-
-def check_cpu_engine(cfg: EngineConfig) -> None:
-    """What `resolve_engine` refuses on a CPU worker, refused by a driver whose CPU is its
-    workers' (a local run without --gpu) before Ray starts: fp16 where DeepSpeed's CPU
-    accelerator has none, and fp8 or a bf16 residual where "auto" gives fp32 (a CPU without
-    native bf16). Inside the workers each was a traceback, retried up to --max-failures times.
-    A resumed run decides "auto" by its checkpoint: the workers check that one."""
-    precision, reason = resolve_precision(cfg.precision, "cpu")
-    if precision == "fp16":
-        # Only here: DeepSpeed's accelerator, once imported, logs a line onto the console.
-        from bertforge.training.resolved_engine import check_precision_supported
-
-        check_precision_supported(precision)
-    try:
-        dataclasses.replace(cfg, precision=precision)
-    except ValueError as error:
-        if cfg.precision != AUTO:
-            raise
-        raise ValueError(f"{error} (precision auto is {precision} on this CPU: {reason}; give "
-                         "--precision bf16 to run it emulated, slowly)") from None

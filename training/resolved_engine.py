@@ -36,7 +36,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from deepspeed.accelerator import get_accelerator
 
 from bertforge.training.engine_config import EngineConfig
 from bertforge.training.fp8 import fp8_unsupported_reason
@@ -80,6 +79,15 @@ class ResolvedEngine:
             raise ValueError(f"precision {self.config.precision} in the config but "
                              f"{self.precision.resolved} in its choice")
         self.config.accumulation_steps(self.world_size)  # the batch arithmetic holds
+
+
+def get_accelerator():
+    """DeepSpeed's accelerator, imported where it is used: importing it logs "Setting
+    accelerator to CPU" onto the console of whatever process does, and a driver that imports
+    this module for `check_cpu_engine` needs none."""
+    from deepspeed.accelerator import get_accelerator as deepspeeds
+
+    return deepspeeds()
 
 
 def resolve_engine(
@@ -142,6 +150,23 @@ def check_fp8_device() -> None:
     reason = fp8_unsupported_reason(torch.device(get_accelerator().current_device_name()))
     if reason:
         raise ValueError(f"fp8: {reason}; leave --fp8 out")
+
+
+def check_cpu_engine(cfg: EngineConfig) -> None:
+    """What `resolve_engine` refuses on a CPU worker, refused by a driver whose CPU is its
+    workers' (a local run without --gpu) before Ray starts: fp16 where DeepSpeed's CPU
+    accelerator has none, and fp8 or a bf16 residual where "auto" gives fp32 (a CPU without
+    native bf16). Inside the workers each was a traceback, retried up to --max-failures times.
+    A resumed run decides "auto" by its checkpoint: the workers check that one."""
+    precision, reason = resolve_precision(cfg.precision, "cpu")
+    check_precision_supported(precision)
+    try:
+        dataclasses.replace(cfg, precision=precision)
+    except ValueError as error:
+        if cfg.precision != AUTO:
+            raise
+        raise ValueError(f"{error} (precision auto is {precision} on this CPU: {reason}; give "
+                         "--precision bf16 to run it emulated, slowly)") from None
 
 
 def check_precision_supported(precision: str) -> None:

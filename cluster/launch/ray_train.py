@@ -39,7 +39,7 @@ from bertforge.training.errors import UserInputError
 from bertforge.training.inputs import check_train_inputs, refuse_run_dir_uri
 from bertforge.training.metrics import console, counted
 from bertforge.training.object_storage import child_uri
-from bertforge.training.precision import check_cpu_engine
+from bertforge.training.resolved_engine import check_cpu_engine
 
 # A worker group that cannot be scheduled (no node has the resources, an autoscaler that adds
 # none) times out after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s); Ray Train
