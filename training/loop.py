@@ -144,10 +144,12 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     # The loader's bound on labels per row: the sparse head runs on that many slots, so a step
     # never waits for the device to say how many labels a batch holds.
     model.max_predictions = loader.max_predictions_per_row
-    step = _maybe_resume(engine, loader, cfg, resume_from, facts.vocab_sha256, universal)
+    step, resumed_config = _maybe_resume(engine, loader, cfg, resume_from, facts.vocab_sha256,
+                                         universal)
     if resume_from is not None and cfg.init_from:
-        # config.json says what the run started from: what it recorded, not this command's.
-        started_from = _recorded_init_from(cfg.run_dir)
+        # config.json says what the run started from: what its checkpoint recorded, not this
+        # command's.
+        started_from = resumed_config.get("init_from")
         if rank == 0 and started_from != cfg.init_from:
             console(f"[train] --init-from {cfg.init_from} not used: the run resumes from its "
                     f"own checkpoint {resume_from} (only a new run warm-starts)")
@@ -304,10 +306,11 @@ def _print_precision(choice: PrecisionChoice) -> None:
 def _maybe_resume(
     engine, loader: PretrainingLoader, cfg: TrainConfig, path: str | None, vocab_sha256: str,
     universal: bool,
-) -> int:
-    """The global step to start from: 0, or that of the checkpoint at `path`."""
+) -> tuple[int, dict[str, Any]]:
+    """The global step to start from, 0 or that of the checkpoint at `path`, and the training
+    config that checkpoint was saved with ({} for none)."""
     if path is None:
-        return 0
+        return 0, {}
     saved = checkpoint.read_metadata(path)
     saved_sha256 = saved["vocab_sha256"]
     if saved_sha256 != vocab_sha256:  # checked first: loading would fail on shapes, unclearly
@@ -320,14 +323,15 @@ def _maybe_resume(
     # accumulation keeping the optimizer step's batch (2 x 8 x 1 -> 1 x 8 x 2), continues
     # with the same samples in every step.
     loader.load_state_dict(state["loader"])
+    saved_config = state.get("config") or {}  # the TrainConfig it was saved with
     if dist.get_rank() == 0:
         console(f"[train] resumed from {path} at step {state['global_step']}")
-        before = saved_global_batch(state.get("config"), saved.get("world_size"))
+        before = saved_global_batch(saved_config, saved.get("world_size"))
         now = cfg.global_batch(dist.get_world_size())
         if before is not None and before != now:  # another --batch-size or --workers: no word
             console(f"[train] a step is {now} sequences from here (the checkpoint's run's were "
                     f"{before}): --batch-size, --workers or --global-batch-size changed")
-    changes = schedule_changes(state.get("config") or {}, cfg)
+    changes = schedule_changes(saved_config, cfg)
     if changes:
         scheduler = engine.lr_scheduler
         restored = scheduler.optimizer.param_groups[0]["lr"]  # the checkpoint's plan's next
@@ -337,10 +341,10 @@ def _maybe_resume(
                     f"{changes}; step {state['global_step'] + 1} trains at lr "
                     f"{scheduler.optimizer.param_groups[0]['lr']:.3g} where the checkpoint's "
                     f"plan had {restored:.3g}")
-    return state["global_step"]
+    return state["global_step"], saved_config
 
 
-def saved_global_batch(saved_config: dict[str, Any] | None, world_size: int | None) -> int | None:
+def saved_global_batch(saved_config: dict[str, Any], world_size: int | None) -> int | None:
     """Sequences per optimizer step of the run a checkpoint was saved by (None: a checkpoint
     too old to say)."""
     if not saved_config or not world_size:
@@ -571,15 +575,6 @@ class _Validation:
             "eval_nsp_loss": result.nsp_loss,
             "eval_mlm_baseline_accuracy": result.mlm_baseline_accuracy,
         }
-
-
-def _recorded_init_from(run_dir: str) -> str | None:
-    """The --init-from a run's config.json records (None: none, or no readable record)."""
-    try:
-        with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
-            return json.load(f)["train"].get("init_from")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _write_run_config(
