@@ -26,7 +26,12 @@ from bertforge.training.errors import MissingInputError, UserInputError, as_user
 from bertforge.training.hf_interop import is_empty_directory
 from bertforge.training.metrics import counted
 from bertforge.training.model import BertConfig
-from bertforge.training.warm_start import check_casing, check_fits, check_resume_architecture
+from bertforge.training.warm_start import (
+    check_casing,
+    check_fits,
+    check_resume_architecture,
+    hf_source_metadata,
+)
 
 # Pseudo filesystems: a directory there can look creatable and writable and still not hold files.
 _REFUSED_ROOTS = ("/proc", "/sys", "/dev")
@@ -315,13 +320,16 @@ def _check_train_run(cfg: TrainConfig, facts: DatasetFacts, world_size: int | No
         check_same_course(saved, cfg, facts, path)
     if resumed is None and cfg.init_from:
         source = check_model_source(cfg.init_from)
-        # A checkpoint's bertforge.json says it all; a Hugging Face directory's weights the
-        # worker reads, its casing its tokenizer_config.json says (when it has one).
+        # A checkpoint's bertforge.json says it all; a Hugging Face directory's config.json and
+        # vocabulary its model (the worker reads its weights), its tokenizer_config.json its
+        # casing (when it has one).
         if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)):
             saved = read_checkpoint_metadata(source)
             check_fits(cfg.init_from, checkpoint.model_config_of(source, saved),
                        saved.get("vocab_sha256"), model_config, facts.vocab_sha256)
         else:
+            config, vocab_sha256 = hf_source_metadata(source)
+            check_fits(cfg.init_from, config, vocab_sha256, model_config, facts.vocab_sha256)
             saved = {"lower_case": hf_lower_case(source)}
         check_casing(saved, facts, f"init_from {cfg.init_from}", cfg.data_dir)
     if world_size is not None:

@@ -7,7 +7,7 @@ and the loader start anew, as in Google's and NVIDIA's two-phase recipes.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -91,19 +91,52 @@ def read_initial_weights(source: str) -> InitialWeights:
             f"init_from {source} is neither a complete checkpoint, a run directory with one, "
             f"nor a Hugging Face directory ({HF_CONFIG_NAME} + {HF_WEIGHTS_NAMES[0]})"
         )
-    config = read_hf_config(source)
+    config, vocab_sha256 = hf_source_metadata(source)
     try:
         state, lacking = pretraining_state_from_any_hf(load_hf_weights(source), config)
     except ValueError as error:
         raise UserInputError(f"init_from {source} does not hold a BERT of its "
                              f"{HF_CONFIG_NAME}'s shape: {error}") from None
-    try:  # its vocab.txt, or the WordPiece vocabulary of its tokenizer.json (transformers 5)
+    return InitialWeights(config, {name: tensor.float() for name, tensor in state.items()},
+                          vocab_sha256, hf_positions_trained(source, config), tuple(lacking))
+
+
+def hf_source_metadata(source: str) -> tuple[BertConfig, str | None]:
+    """A Hugging Face directory's model and its vocabulary's sha256 (None when it has no
+    vocabulary), without its weights: what the driver checks before any worker loads them."""
+    try:
+        config = read_hf_config(source)
+        # its vocab.txt, or the WordPiece vocabulary of its tokenizer.json (transformers 5)
         vocab_path = hf_vocab_file(source)
     except ValueError as error:
         raise UserInputError(f"init_from {source}: {error}") from None
-    vocab_sha256 = sha256_file(vocab_path) if vocab_path is not None else None
-    return InitialWeights(config, {name: tensor.float() for name, tensor in state.items()},
-                          vocab_sha256, hf_positions_trained(source, config), tuple(lacking))
+    return config, sha256_file(vocab_path) if vocab_path is not None else None
+
+
+def continued_model(init_from: str, run_dir: str, resume: bool) -> dict[str, Any] | None:
+    """The model of `train --init-from SOURCE` without --preset or --recipe: the source's (as
+    `from_pretrained` takes a model's own), not the default preset's. A run that resumes keeps
+    its checkpoint's, whatever has become of the source since the run started. None when
+    neither can be read: the run's input checks then say why."""
+    if resume and checkpoint.committed_steps(run_dir):
+        return source_model_fields(run_dir)
+    return source_model_fields(init_from)
+
+
+def source_model_fields(source: str) -> dict[str, Any] | None:
+    """The model a warm-start source holds, read from its metadata alone (a checkpoint's
+    bertforge.json, a Hugging Face config.json), as `TrainConfig.model` fields: every
+    BertConfig field but vocab_size, which is always the data's. None when `source` is neither:
+    the run's input checks say what it is instead."""
+    if checkpoint.holds_checkpoint(source):
+        _, config = checkpoint.read_newest(source, checkpoint.model_config_of)
+    elif os.path.exists(os.path.join(source, HF_CONFIG_NAME)):
+        config, _ = hf_source_metadata(source)
+    else:
+        return None
+    fields = config.to_dict()
+    del fields["vocab_size"]
+    return fields
 
 
 def architecture_differences(source: BertConfig, target: BertConfig) -> list[str]:
