@@ -8,7 +8,9 @@ the copy: that default has its own test (tests/cluster/test_finetune_launch.py).
 The commands are read from the README itself ("Running on your own data" and the fine-tuning
 lines that name only what the clone has), so an example that stops working fails here. Only
 their size changes (steps, workers, epochs; `SMALLER` lists each), so that the chain takes
-minutes on 2 cores; the GPU line needs a GPU and is left out.
+minutes on 2 cores; the GPU line needs a GPU and is left out. Its `train` runs to its end on
+a local Ray: the test of a quiet console for a whole run (tests/cluster/test_train_from_outside.py
+stops its runs).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from bertforge.cluster.demo.docstring_corpus import write_docstring_corpus
+from tests.support.console import foreign_lines, json_lines
 
 pytestmark = pytest.mark.slow
 
@@ -91,13 +94,13 @@ def clone(tmp_path_factory) -> Path:
     return clone
 
 
-def _run(argv: list[str], cwd: Path) -> str:
+def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run([str(BIN / "bertforge"), *argv[1:]], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=900)
     console = done.stdout + done.stderr
     assert done.returncode == 0, f"{shlex.join(argv)} exited {done.returncode}:\n{console[-4000:]}"
-    return console
+    return done
 
 
 def test_the_own_data_commands_and_the_shipped_fine_tuning_run_on_a_users_clone(clone):
@@ -109,11 +112,18 @@ def test_the_own_data_commands_and_the_shipped_fine_tuning_run_on_a_users_clone(
                 if argv[1] == "finetune" and not any(
                     a == "DATA" or a.startswith(("DATA/", "my/")) for a in argv)]
     assert finetune, "the README has no fine-tuning line on the shipped SST-2 subset"
-    consoles = {}
+    done = {}
     for argv in commands:
-        consoles[argv[1]] = _run(_smaller(argv), clone)
+        done[argv[1]] = _run(_smaller(argv), clone)
     for argv in finetune:
-        consoles[argv[1]] = _run(argv + FINETUNE_STEPS, clone)
+        done[argv[1]] = _run(argv + FINETUNE_STEPS, clone)
+    consoles = {command: run.stdout + run.stderr for command, run in done.items()}
+    # A run to its end prints the project's lines and its result only: the engines' output
+    # (Ray's, DeepSpeed's, the workers') is in the run's logs.
+    trained = done["train"]
+    assert trained.stderr == "", trained.stderr
+    assert foreign_lines(trained.stdout, json_lines(trained.stdout)) == []
+    assert "[train] step 4/4 |" in trained.stdout
     work = clone / "work"
     assert (work / "shards" / "manifest.json").is_file()
     assert "instances" in consoles["inspect"]

@@ -1,4 +1,4 @@
-"""One real local `bertforge train` (2 workers, real Ray and DeepSpeed), watched from outside as
+"""Real local `bertforge train` runs (2 workers, real Ray and DeepSpeed), watched from outside as
 a user and a scheduler see it:
 - nothing listens beyond loopback, workers included;
 - a second `train` on its run directory is refused before it starts any Ray;
@@ -6,10 +6,11 @@ a user and a scheduler see it:
   the newest committed checkpoint; the lock, Ray and its workers are gone; Ctrl-C (SIGINT)
   likewise, with 130;
 - the same command then resumes from that checkpoint, its console the project's lines only
-  (the engines' output is in the run's logs, cluster.launch.worker_output);
+  (the engines' output is in the run's logs, cluster.launch.worker_output), until Ctrl-C
+  stops it as SIGTERM does;
 - `eval` and `export` of the run are quiet too, and `--verbose` shows the engines' output;
 - no `pymp-*` folder of Ray's dashboard is left in TMPDIR.
-One run serves every check: each Ray start costs tens of seconds of the suite."""
+Two runs serve every check: each Ray start costs tens of seconds of the suite."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def run(*args: str, tmpdir: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def observed(tmpdir):
-    """What the run, the refused second run, the SIGTERM and the resume showed."""
+    """What the run, the refused second run, the SIGTERM, the resume and its Ctrl-C showed."""
     data = write_dataset(os.path.join(tmpdir, "data"),
                          {"train": [300, 300], "validation": [16]}, max_seq_length=64)
     # Relative paths, as anyone types them: they are the user's directory's, not the workers'.
@@ -81,37 +82,46 @@ def observed(tmpdir):
         # None the moment the driver exited: its workers could still write a checkpoint.
         seen["survivors"] = run_.survivors(timeout_s=0)
         seen["lock_left"] = os.path.exists(os.path.join(run_.run_dir, LOCK_NAME))
+        seen["multiprocessing_dirs"] = _multiprocessing_dirs(run_.tmpdir)
+    seen["newest"] = _newest_named(seen["stopped"][1])
 
-        last = seen["stopped"][1].strip().splitlines()[-1]
-        newest = last.split("newest committed checkpoint ")[-1].split(";")[0]
-        steps = int(newest.rsplit("_", 1)[-1]) + 2
-        again = command[:command.index("--max-steps") + 1] + [str(steps)] + \
-            command[command.index("--max-steps") + 2:]
-        seen["newest"], seen["resumed_steps"] = newest, steps
-        seen["resumed"] = subprocess.run(again, env=run_.env, cwd=tmpdir, capture_output=True,
-                                         text=True, timeout=300)
-        sessions = set(os.listdir(run_.ray_root))
-        finished = subprocess.Popen(again, env=run_.env, cwd=tmpdir, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
-        seen["finished"] = finished.communicate(timeout=120), finished.returncode
-        seen["finished_sessions"] = set(os.listdir(run_.ray_root)) - sessions
-        # Two local Rays stopped (the SIGTERMed run's and the resume's), in their TMPDIR.
-        seen["multiprocessing_dirs"] = [name for name in os.listdir(run_.tmpdir)
-                                        if name.startswith("pymp-")]
-
-    # Ctrl-C (SIGINT to the driver) once the run has committed a checkpoint past the resume.
-    longer = again[:again.index("--max-steps") + 1] + [str(steps + 500)] + \
-        again[again.index("--max-steps") + 2:]
-    with TrainProcess(longer, cwd=tmpdir) as run_:
-        next_save = (steps // 10 + 1) * 10
-        run_.wait_for(os.path.join(run_.run_dir, "checkpoints", f"step_{next_save:08d}",
-                                   COMMIT_MARKER))
+    # The same command resumes; Ctrl-C (SIGINT to the driver) once the resumed run has
+    # committed a checkpoint of its own. (Its console to a run's end: test_readme_on_a_clone.)
+    resumed_at = int(seen["newest"].rsplit("_", 1)[-1])
+    seen["next_save"] = (resumed_at // 10 + 1) * 10
+    with TrainProcess(command, cwd=tmpdir) as run_:
+        run_.wait_for(os.path.join(run_.run_dir, "checkpoints",
+                                   f"step_{seen['next_save']:08d}", COMMIT_MARKER))
         run_.tree()
         run_.process.send_signal(signal.SIGINT)
         seen["interrupted"] = run_.process.wait(timeout=120), run_.stderr()
+        seen["interrupted_stdout"] = run_.stdout()
         seen["interrupted_survivors"] = run_.survivors(timeout_s=0)
         seen["interrupted_lock_left"] = os.path.exists(os.path.join(run_.run_dir, LOCK_NAME))
+        seen["multiprocessing_dirs"] += _multiprocessing_dirs(run_.tmpdir)
+
+        # The run asked to end where its newest checkpoint is: nothing to train, and no Ray.
+        newest = _newest_named(seen["interrupted"][1])
+        steps = int(newest.rsplit("_", 1)[-1])
+        at_its_end = command[:command.index("--max-steps") + 1] + [str(steps)] + \
+            command[command.index("--max-steps") + 2:]
+        sessions = set(os.listdir(run_.ray_root))
+        finished = subprocess.Popen(at_its_end, env=run_.env, cwd=tmpdir,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen["finished"] = finished.communicate(timeout=120), finished.returncode
+        seen["finished_steps"] = steps
+        seen["finished_sessions"] = set(os.listdir(run_.ray_root)) - sessions
     return seen
+
+
+def _newest_named(stderr: str) -> str:
+    """The checkpoint a stopped train's last line names."""
+    last = stderr.strip().splitlines()[-1]
+    return last.split("newest committed checkpoint ")[-1].split(";")[0]
+
+
+def _multiprocessing_dirs(tmpdir: str) -> list[str]:
+    return [name for name in os.listdir(tmpdir) if name.startswith("pymp-")]
 
 
 def test_a_local_run_listens_on_loopback_only(observed):
@@ -155,18 +165,17 @@ def test_ctrl_c_stops_as_sigterm_does(observed):
 
 
 def test_the_same_command_resumes_and_prints_only_its_own_lines(observed):
-    resumed, steps = observed["resumed"], observed["resumed_steps"]
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert f"[train] resumed from {observed['newest']}" in resumed.stdout
-    assert resumed.stderr == ""
-    assert foreign_lines(resumed.stdout, json_lines(resumed.stdout)) == []
-    assert f"[train] step {steps}/{steps} |" in resumed.stdout
-    assert "(RayTrainWorker" not in resumed.stdout
+    stdout, stderr = observed["interrupted_stdout"], observed["interrupted"][1]
+    assert f"[train] resumed from {observed['newest']}" in stdout
+    assert foreign_lines(stdout, []) == []
+    assert stderr.strip().startswith("bertforge train: stopped by SIGINT") and \
+        len(stderr.strip().splitlines()) == 1, stderr
+    assert "(RayTrainWorker" not in stdout
     logs = os.path.join(observed["run_dir"], "logs")
     driver_log = open(os.path.join(logs, "train.log"), encoding="utf-8").read()
     assert "(RayTrainWorker pid=" in driver_log  # Ray's own forwarding, kept in the file
     worker_log = open(os.path.join(logs, "worker-0.log"), encoding="utf-8").read()
-    assert f"[train] step {steps}/{steps}" in worker_log
+    assert f"[train] step {observed['next_save']}/" in worker_log
 
 
 def test_a_stopped_local_ray_leaves_no_multiprocessing_folder(observed):
@@ -177,7 +186,7 @@ def test_a_stopped_local_ray_leaves_no_multiprocessing_folder(observed):
 
 def test_the_same_command_on_a_finished_run_says_so_without_starting_ray(observed):
     (stdout, stderr), returncode = observed["finished"]
-    steps = observed["resumed_steps"]
+    steps = observed["finished_steps"]
     assert returncode == 0 and stderr == "", stderr
     assert f"is at step {steps} of {steps}: nothing to train" in stdout
     assert json.loads("\n".join(json_lines(stdout)))["step"] == steps

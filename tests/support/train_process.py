@@ -55,6 +55,10 @@ class TrainProcess:
         with open(self.stderr_path, encoding="utf-8") as f:
             return f.read()
 
+    def stdout(self) -> str:
+        with open(self.stdout_path, encoding="utf-8") as f:
+            return f.read()
+
     @property
     def ray_root(self) -> str:
         return os.path.join(self.tmpdir, f"bertforge_ray_{os.getuid()}")
