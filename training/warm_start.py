@@ -131,7 +131,10 @@ def source_model_fields(source: str) -> dict[str, Any] | None:
     if checkpoint.holds_checkpoint(source):
         _, config = checkpoint.read_newest(source, checkpoint.model_config_of)
     elif os.path.exists(os.path.join(source, HF_CONFIG_NAME)):
-        config, _ = hf_source_metadata(source)
+        try:
+            config = read_hf_config(source)
+        except ValueError as error:
+            raise UserInputError(f"init_from {source}: {error}") from None
     else:
         return None
     fields = config.to_dict()
