@@ -10,8 +10,8 @@ import tempfile
 from bertforge.training.checkpoint import (
     load_model,
     positions_trained,
+    read_metadata,
     read_newest,
-    resolve_checkpoint,
 )
 from bertforge.training.hf_interop import (
     HF_CONFIG_NAME,
@@ -61,13 +61,17 @@ def exported_source(output_dir: str) -> dict:
 def export_already_made(checkpoint_or_run_dir: str, output_dir: str) -> dict | None:
     """The source of the export in `output_dir` when it is of the very checkpoint that
     `checkpoint_or_run_dir` names now (a rerun of a finished export, e.g. one whose process was
-    stopped after its last file), else None: a new export, or a refusal, is for the caller."""
+    stopped after its last file), else None: a new export, or a refusal, is for the caller.
+    The very checkpoint: its path, and the run and step its bertforge.json names (a run
+    started again with `--resume never` writes new weights under the same step's path)."""
     try:
         if not os.path.isfile(os.path.join(output_dir, HF_CONFIG_NAME)):
             return None
         source = exported_source(output_dir)
-        newest = resolve_checkpoint(checkpoint_or_run_dir)
+        newest, metadata = read_newest(checkpoint_or_run_dir, read_metadata)
     except (OSError, ValueError, KeyError, TypeError):  # not an export, or no checkpoint
         return None
-    same = os.path.abspath(newest) == os.path.abspath(str(source.get("checkpoint")))
+    same = (os.path.abspath(newest) == os.path.abspath(str(source.get("checkpoint")))
+            and metadata.get("run_id") == source.get("run_id")
+            and metadata.get("global_step") == source.get("global_step"))
     return source if same else None

@@ -190,6 +190,13 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
     assert again.startswith(f"[export] {hf} already holds this export: nothing to do\n")
     assert again.endswith(first), (first, again)  # the same source line and output
     assert {name: os.stat(hf / name).st_mtime_ns for name in os.listdir(hf)} == written
+    # A new run there (--resume never) saves other weights under the same step's path: the
+    # export no longer holds them ("nothing to do" before, with the old run's weights).
+    train(TrainConfig(data_dir=dataset, run_dir=str(run_dir), model=TINY, max_steps=1,
+                      micro_batch_size=8, warmup_steps=0, precision="fp32", zero_stage=0,
+                      seed=7, resume=False))
+    capsys.readouterr()
+    refused(["export", str(run_dir), "--output", str(hf)], capsys, f"output {hf} exists")
     refused(["export", str(tiny_run), "--output", str(hf)], capsys, f"output {hf} exists")
     made_before = tmp_path / "made-before"  # an empty directory is no export: it is used
     made_before.mkdir()
