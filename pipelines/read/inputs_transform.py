@@ -97,6 +97,8 @@ def _unknown_prefix(entry: str) -> str:
     name, colon, rest = entry.partition(":")
     if not colon or not name.isalpha() or rest.startswith("//") or len(name) == 1:
         return ""  # no prefix (a URI's scheme, a Windows drive)
+    if name in readers.FORMATS:
+        return ""  # a format's own prefix: the path after it matches nothing
     return f" ('{name}:' is no format; the formats are {', '.join(sorted(readers.FORMATS))})"
 
 

@@ -77,6 +77,9 @@ def test_unknown_flags_and_missing_paths_are_one_clear_line(tmp_path, small_voca
     with pytest.raises(ValueError, match=r"matches no file \('book:' is no format; the formats "
                        r"are books, jsonl, "):
         run(prepare_config([f"book:{good}"], str(tmp_path / "o"), small_vocab))
+    # A real format's prefix on a path that matches nothing: the path is what is wrong.
+    with pytest.raises(ValueError, match="'books:.*missing/\\*.txt' matches no file$"):
+        run(prepare_config([f"books:{tmp_path}/missing/*.txt"], str(tmp_path / "o"), small_vocab))
     with pytest.raises(ValueError, match="cannot read"):
         run(prepare_config([str(good)], str(tmp_path / "o"), str(tmp_path / "no-vocab.txt")))
 
