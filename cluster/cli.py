@@ -133,7 +133,8 @@ def _add_train(commands) -> None:
     p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
                    help="a named recipe (training/recipes.py); phase 2 needs --init-from")
     p.add_argument("--preset", choices=("tiny", "mini", "base", "large"), default=None,
-                   help="model size (default: the recipe's, else --init-from's model, else tiny)")
+                   help="model size (default: the recipe's; else the model of the run it "
+                   "resumes, or of --init-from; else tiny)")
     p.add_argument("--resume", default="auto", choices=("auto", "never"),
                    help="auto (the default): continue from the newest complete checkpoint in "
                    "--run-dir, or start there when it has none; never: a new run (an earlier "
@@ -334,7 +335,7 @@ def train_config_from_args(args: argparse.Namespace):
     overrides["resume"] = args.resume == "auto"
     if args.preset:
         overrides["model"] = {"preset": args.preset}
-    elif init_from and not args.recipe:
+    elif not args.recipe:
         from bertforge.training.warm_start import continued_model
 
         model = continued_model(init_from, args.run_dir, overrides["resume"])

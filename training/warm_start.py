@@ -113,14 +113,15 @@ def hf_source_metadata(source: str) -> tuple[BertConfig, str | None]:
     return config, sha256_file(vocab_path) if vocab_path is not None else None
 
 
-def continued_model(init_from: str, run_dir: str, resume: bool) -> dict[str, Any] | None:
-    """The model of `train --init-from SOURCE` without --preset or --recipe: the source's (as
-    `from_pretrained` takes a model's own), not the default preset's. A run that resumes keeps
-    its checkpoint's, whatever has become of the source since the run started. None when
-    neither can be read: the run's input checks then say why."""
+def continued_model(init_from: str | None, run_dir: str, resume: bool) -> dict[str, Any] | None:
+    """The model of a `train` that names none (no --preset, no --recipe): a run that resumes
+    keeps its checkpoint's (whatever has become of its --init-from since; no flag could name a
+    model of its own fields), and a warm start takes its source's, as `from_pretrained` takes a
+    model's own. None otherwise, or when the source cannot be read (the run's input checks say
+    why): the default preset."""
     if resume and checkpoint.committed_steps(run_dir):
         return source_model_fields(run_dir)
-    return source_model_fields(init_from)
+    return source_model_fields(init_from) if init_from else None
 
 
 def source_model_fields(source: str) -> dict[str, Any] | None:

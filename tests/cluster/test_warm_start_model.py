@@ -1,5 +1,5 @@
 """`train --init-from SOURCE` without --preset or --recipe trains SOURCE's model, as
-`from_pretrained` takes a model's own: before, it trained the default preset (tiny) and failed
+`from_pretrained` takes a model's own, and a resume that names no model keeps its run's: before, it trained the default preset (tiny) and failed
 with "another architecture" once Ray had started its workers, for a Hugging Face directory.
 A model that does not fit, named by --preset, is refused by the driver before Ray starts, for a
 Hugging Face directory as for a checkpoint."""
@@ -59,11 +59,18 @@ def test_a_warm_start_continues_its_sources_model_and_a_preset_that_does_not_fit
     recorded = json.loads((continued / "config.json").read_text())["train"]
     assert recorded["model"] == expected and recorded["init_from"] == str(hf)
 
-    # A resume keeps its checkpoint's model, though its source has gone since.
+    # A resume keeps its checkpoint's model, though its source has gone since, and so does a
+    # resume that names no model at all: no flag could name these fields ("another
+    # architecture than the requested model", the default tiny, before).
     moved = tmp_path / "hf-moved"
     shutil.move(str(hf), str(moved))
     assert train_config("--data", data, "--run-dir", str(continued), "--init-from",
                         str(hf)).model == expected
+    assert train_config("--data", data, "--run-dir", str(source)).model == expected
+    further = ONE_STEP[:1] + ["2"] + ONE_STEP[2:]
+    assert train(train_config("--data", data, "--run-dir", str(continued), *further)).global_step == 2
+    assert train_config("--data", data, "--run-dir", str(tmp_path / "fresh")).model == \
+        {"preset": "tiny"}
 
     # A preset that does not fit the source, or another vocabulary: refused by the driver.
     run = ["train", "--data", data, "--run-dir", str(tmp_path / "p2"), "--workers", "1"]
