@@ -49,6 +49,8 @@ from bertforge.training.inputs import check_model_source
 
 RESULTS_NAME = "results.json"
 RUNS_DIR = "runs"
+# The settings' record of which weights MODEL held (finetune.json): a run, a step, a file.
+MODEL_WEIGHTS = "model_weights"
 # What the workers keep under DIR/runs for themselves: their logs, Ray Train's state, the local
 # worker's spec and error. A fine-tune refused in its worker (SQuAD's doc_stride against the
 # length, say) leaves these and no result: its settings do not pin the directory.
@@ -221,10 +223,14 @@ class _Job:
         return [run_name(lr, seed) for lr, seed in self.cfg.runs()]
 
     def stage_runner(self) -> StageRunner:
-        return StageRunner(self.cfg.output, "finetune", self.cfg.settings(),
+        # The runs are of MODEL's weights as they are now: a run trained further, started again
+        # (--resume never) or saved over since holds others (its finished runs were reused).
+        weights = None if self.cfg.random_init else self.facts["model"]["weights"]
+        return StageRunner(self.cfg.output, "finetune",
+                           {**self.cfg.settings(), MODEL_WEIGHTS: weights},
                            scratch=WORKER_SCRATCH, heartbeat_seconds=60.0,
                            skip_message="done in an earlier run, reusing it",
-                           dir_flag="--output")
+                           dir_flag="--output", recorded_since=(MODEL_WEIGHTS,))
 
     def finish(self, runner: StageRunner, launch: LaunchConfig,
                started: float | None) -> dict[str, Any]:

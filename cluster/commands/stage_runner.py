@@ -80,11 +80,13 @@ class StageRunner:
     `settings` are what a later run must match to reuse this directory's outputs; keys under
     `ignored` (dotted prefixes such as "cluster") only say how to run and may change; `renamed`
     maps a recorded key's dotted path to its name today (a directory an earlier bertforge made
-    stays usable); `may_add` maps a dotted prefix to the stage it configures: settings there
-    that the recorded run did not have (a pipeline's [phase2], added once phase 1 is done) are
-    no difference while that stage has not run. `scratch`: paths under `root` that the
-    command's workers keep for themselves (their logs, state and error files), no output: an
-    earlier run that left only those made nothing, and does not pin its settings.
+    stays usable); `recorded_since`: top-level keys an older bertforge did not record (a
+    state without one is not refused for it); `may_add` maps a dotted prefix to the stage it
+    configures: settings there that the recorded run did not have (a pipeline's [phase2],
+    added once phase 1 is done) are no difference while that stage has not run. `scratch`:
+    paths under `root` that the command's workers keep for themselves (their logs, state and
+    error files), no output: an earlier run that left only those made nothing, and does not
+    pin its settings.
     `base_dir`: the folder the job's configuration is relative to (a pipeline file's); paths
     in the settings under it are compared relative to it, so a folder moved or copied with
     its configuration, inputs and outputs is the same job (the state records it).
@@ -94,7 +96,8 @@ class StageRunner:
                  ignored: tuple[str, ...] = (), renamed: dict[str, str] | None = None,
                  may_add: dict[str, str] | None = None, scratch: tuple[str, ...] = (),
                  heartbeat_seconds: float = 60.0, skip_message: str = "output complete, skipping",
-                 dir_flag: str = "directory", base_dir: str | None = None):
+                 dir_flag: str = "directory", base_dir: str | None = None,
+                 recorded_since: tuple[str, ...] = ()):
         self.root = os.path.abspath(root)
         self.base_dir = os.path.abspath(base_dir) if base_dir else None
         if self.base_dir and not lies_within(self.root, self.base_dir):
@@ -106,6 +109,7 @@ class StageRunner:
         self.ignored = ignored
         self.renamed = renamed or {}
         self.may_add = may_add or {}
+        self.recorded_since = recorded_since
         self.scratch = scratch
         self.heartbeat_seconds = heartbeat_seconds
         self.skip_message = skip_message
@@ -202,7 +206,9 @@ class StageRunner:
             recorded = relative_paths(recorded, recorded_base or self.base_dir)
             wanted = relative_paths(wanted, self.base_dir)
         recorded_keys = _flatten(recorded)
-        changed = [key for key in differing_keys(recorded, wanted, self.ignored)
+        # What an older bertforge did not record, it cannot say differed.
+        unknown = tuple(key for key in self.recorded_since if key not in recorded)
+        changed = [key for key in differing_keys(recorded, wanted, self.ignored + unknown)
                    if not self._added_for_a_stage_to_come(key, recorded_keys, state["stages"])]
         if changed and not state["stages"] and not self._holds_outputs():
             # An earlier run that failed before it made anything (a mistyped path, say) does

@@ -198,3 +198,33 @@ def test_a_diverged_run_is_not_scored_and_a_moved_or_copied_output_is_rerun_in_p
     assert main(["finetune", *args(str(tmp_path / "all"), "1e9")]) == 2
     assert "diverged (its loss or dev logits became NaN), so none has a score: rerun with a " \
         "lower --lr" in capsys.readouterr().err
+
+
+def test_runs_of_weights_saved_over_since_are_not_reused(tmp_path, capsys):
+    """MODEL trained further, started again or saved over since the runs: its finished runs
+    were reused ("done in an earlier run") and results.json scored the old weights."""
+    model = tiny_bert_dir(str(tmp_path / "model"))
+    train = write_sst2_tsv(str(tmp_path / "train.tsv"), 16, seed=1)
+    dev = write_sst2_tsv(str(tmp_path / "dev.tsv"), 8, seed=2)
+    output = tmp_path / "out"
+    args = ["--task", "sst2", "--model", model, "--output", str(output), "--train", train,
+            "--dev", dev, "--workers", "1", "--batch-size", "8", "--max-steps", "1",
+            "--max-seq-length", "32"]
+    finetune(*args)
+    # An output an older bertforge made records no weights: it cannot say, and is reused.
+    state_path = output / "finetune.json"
+    state = json.loads(state_path.read_text())
+    assert state["settings"]["model_weights"]["file"] == "model.safetensors"
+    del state["settings"]["model_weights"]
+    state_path.write_text(json.dumps(state))
+    capsys.readouterr()
+    finetune(*args)
+    assert "done in an earlier run, reusing it" in capsys.readouterr().out
+    # New weights saved in MODEL (an export again, a save_pretrained): other settings.
+    weights = os.path.join(model, "model.safetensors")
+    written = os.stat(weights)
+    os.utime(weights, ns=(written.st_atime_ns, written.st_mtime_ns + 10**9))
+    assert main(["finetune", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"{output} holds a finetune made with other settings (differs in: " \
+        "model_weights.modified_ns)" in err, err

@@ -98,6 +98,8 @@ def _from_checkpoint(source: str, kind: str, random_init: bool,
     path, (metadata, config, state, vocab_path) = checkpoint.read_newest(source, read)
     provenance = _provenance(source, kind, random_init, vocab_path,
                              step=metadata["global_step"], checkpoint=os.path.abspath(path),
+                             weights={"run_id": metadata.get("run_id"),
+                                      "step": metadata["global_step"]},
                              positions_trained=checkpoint.positions_trained(metadata))
     return PretrainedModel(config, state, vocab_path, bool(metadata["lower_case"]), provenance)
 
@@ -115,7 +117,8 @@ def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:
         check_model_source(source)
     state = None if random_init else _hf_encoder(source, config)
     provenance = _provenance(source, HF_DIR, random_init, vocab_path, step=None,
-                             positions_trained=hf_positions_trained(source, config))
+                             positions_trained=hf_positions_trained(source, config),
+                             weights=_weights_file_identity(source))
     if state is not None and "bert.pooler.dense.weight" not in state:
         provenance["pooler"] = "initialised randomly (the source has none)"
     return PretrainedModel(config, state, vocab_path, _hf_lower_case(source), provenance)
@@ -161,6 +164,17 @@ def _hf_lower_case(source: str) -> bool:
         return True
     with open(path, encoding="utf-8") as f:
         return bool(json.load(f).get("do_lower_case", True))
+
+
+def _weights_file_identity(source: str) -> dict[str, Any] | None:
+    """Which weights a Hugging Face directory holds now, without reading them: its weights
+    file's name, size and modification time (new weights saved there change them)."""
+    for name in HF_WEIGHTS_NAMES:
+        path = os.path.join(source, name)
+        if os.path.exists(path):
+            stat = os.stat(path)
+            return {"file": name, "bytes": stat.st_size, "modified_ns": stat.st_mtime_ns}
+    return None  # random init from a config and a vocabulary alone
 
 
 def _provenance(source: str, kind: str, random_init: bool, vocab_path: str, *,
