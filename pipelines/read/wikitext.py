@@ -130,14 +130,19 @@ def wikitext_to_paragraphs(wikitext: str) -> list[str]:
 
 def cut_trailing_sections(wikitext: str) -> str:
     """The article up to its closing sections: the last run of headings that are all closing
-    ones ("See also", "References", ... at any level). A closing title inside the article, a
-    `=== Literature ===` under "In culture" followed by "=== Film ===", cuts nothing."""
-    cut = None
+    ones ("See also", "References", ... at any level) or lie within one (`===Primary
+    sources===` under `==Further reading==`, an external link list's `===Official===`). A
+    closing title inside the article, a `=== Literature ===` under "In culture" followed by
+    "=== Film ===", cuts nothing."""
+    cut, closing_level = None, 0  # where the run starts, its shallowest closing heading
     for heading in _SECTION_HEADING.finditer(wikitext):
+        level = len(heading.group(1))
         if heading.group(2).lower() in _TRAILING_TITLES:
-            cut = heading.start() if cut is None else cut
-        else:
-            cut = None
+            if cut is None:
+                cut, closing_level = heading.start(), level
+            closing_level = min(closing_level, level)
+        elif cut is not None and level <= closing_level:
+            cut = None  # the article goes on
     return wikitext if cut is None else wikitext[:cut]
 
 

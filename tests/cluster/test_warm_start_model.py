@@ -1,8 +1,9 @@
 """`train --init-from SOURCE` without --preset or --recipe trains SOURCE's model, as
-`from_pretrained` takes a model's own, and a resume that names no model keeps its run's: before, it trained the default preset (tiny) and failed
-with "another architecture" once Ray had started its workers, for a Hugging Face directory.
-A model that does not fit, named by --preset, is refused by the driver before Ray starts, for a
-Hugging Face directory as for a checkpoint."""
+`from_pretrained` takes a model's own, and a resume that names no model keeps its run's.
+Before, each trained the default preset (tiny): a warm start from a Hugging Face directory
+failed with "another architecture" once Ray had started its workers, and a resume was refused
+with advice no flag could follow. A model that does not fit, named by --preset, is refused by
+the driver before Ray starts, for a Hugging Face directory as for a checkpoint."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def test_a_warm_start_continues_its_sources_model_and_a_preset_that_does_not_fit
                         str(hf)).model == expected
     assert train_config("--data", data, "--run-dir", str(source)).model == expected
     further = ONE_STEP[:1] + ["2"] + ONE_STEP[2:]
-    assert train(train_config("--data", data, "--run-dir", str(continued), *further)).global_step == 2
+    resumed = train(train_config("--data", data, "--run-dir", str(continued), *further))
+    assert resumed.global_step == 2
     assert train_config("--data", data, "--run-dir", str(tmp_path / "fresh")).model == \
         {"preset": "tiny"}
 

@@ -52,6 +52,11 @@ def _clean(wikitext: str) -> str:
         ("A.\n== Culture ==\n=== Literature ===\nB.\n=== Film ===\nC.\n== Notes: ==\nx",
          "A.\n\nB.\n\nC."),
         ("A.\n=== Publications ===\nList.\n== History ==\nB.", "A.\n\nList.\n\nB."),
+        # Subsections of a closing section are closing too (bibliographies and link lists
+        # were kept from "See also" on: 1.2 % of the excerpts' text).
+        ("A.\n==See also==\n* x\n==Further reading==\n===Primary sources===\n* Jin, Ha. "
+         "War Trash.\n==External links==\n* y", "A."),
+        ("A.\n==External links==\n===Official===\n* site\n===Organizations===\n* org", "A."),
         ("Name ({{IPA|x}}) is.", "Name is."),
         ("Unclosed {{template at the end", "Unclosed"),
         ("A &lt;ref&gt;typed escaped&lt;/ref&gt; ref.", "A ref."),
