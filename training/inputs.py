@@ -279,13 +279,17 @@ def hf_lower_case(hf_dir: str) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
-def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str) -> None:
-    """Phase 2 data (512 tokens) needs a model with at least 512 position embeddings."""
-    if max_seq_length > model_config.max_position_embeddings:
+def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str,
+                    model: str = "the model") -> None:
+    """Phase 2 data (512 tokens) needs a model with at least 512 position embeddings. What to
+    do is said for either side: a checkpoint's or a warm start's positions are what they are."""
+    positions = model_config.max_position_embeddings
+    if max_seq_length > positions:
         raise ValueError(
-            f"{data_dir} holds sequences of up to {max_seq_length} tokens, but the model has "
-            f"max_position_embeddings={model_config.max_position_embeddings}; raise it in the "
-            "recipe's model (BERT uses 512 in both phases)"
+            f"{data_dir} holds sequences of up to {max_seq_length} tokens, but {model} has "
+            f"max_position_embeddings={positions}: give data prepared at --max-seq-length "
+            f"{positions} or less, or a model with more positions (BERT uses 512 in both "
+            "phases)"
         )
 
 
@@ -427,7 +431,7 @@ def check_eval_inputs(checkpoint_path: str, data_dir: str, split: str,
             raise UserInputError(f"{data_dir} uses another vocabulary than checkpoint {resolved}")
         check_casing(saved, facts, f"checkpoint {resolved}", data_dir)
         check_positions(facts.max_seq_length, checkpoint.model_config_of(resolved, saved),
-                        data_dir)
+                        data_dir, f"checkpoint {resolved}")
 
     check_checkpoint(checkpoint_path, also=fits_the_data)
     if device == "cuda":

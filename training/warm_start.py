@@ -56,7 +56,7 @@ def load_initial_weights(model: BertForPreTraining, source: str, vocab_sha256: s
 
 def check_fits(source: str, source_config: BertConfig, source_vocab_sha256: str | None,
                target: BertConfig, vocab_sha256: str) -> None:
-    """The source's architecture is the recipe's model's and its vocabulary the data's (when
+    """The source's architecture is the model's to train and its vocabulary the data's (when
     it names one): one line naming what differs."""
     check_architecture(source_config, target, source)
     if source_vocab_sha256 is not None and source_vocab_sha256 != vocab_sha256:
@@ -156,9 +156,12 @@ def check_architecture(source: BertConfig, target: BertConfig, source_name: str)
     """A clear error naming every architecture field that differs."""
     differences = architecture_differences(source, target)
     if differences:
+        vocabulary = (" (the model's vocab_size is its training data's vocabulary's)"
+                      if source.vocab_size != target.vocab_size else "")
         raise UserInputError(
-            f"init_from {source_name} has another architecture than the recipe's model: "
-            + ", ".join(differences)
+            f"init_from {source_name} has another architecture than the model to train "
+            f"(source != model: {', '.join(differences)}){vocabulary}; without --preset or "
+            "--recipe a warm start trains its source's model"
         )
 
 

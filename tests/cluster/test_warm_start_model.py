@@ -77,7 +77,8 @@ def test_a_warm_start_continues_its_sources_model_and_a_preset_that_does_not_fit
     # A preset that does not fit the source, or another vocabulary: refused by the driver.
     run = ["train", "--data", data, "--run-dir", str(tmp_path / "p2"), "--workers", "1"]
     refused([*run, "--init-from", str(moved), "--preset", "mini"], capsys,
-            f"init_from {moved} has another architecture", "hidden_size 32 != 256")
+            f"init_from {moved} has another architecture than the model to train (source "
+            "!= model: hidden_size 32 != 256")
     with open(moved / "vocab.txt", "a", encoding="utf-8") as f:
         f.write("extra\n")
     refused([*run, "--init-from", str(moved)], capsys, f"init_from {moved} was trained with "

@@ -223,5 +223,6 @@ def test_warm_start_refuses_another_architecture_or_a_non_checkpoint(phases, tmp
 def test_data_longer_than_the_position_table_is_a_clear_error(phases, tmp_path):
     _, long, _, _ = phases
     model = {**TINY, "max_position_embeddings": 64}
-    with pytest.raises(ValueError, match="up to 128 tokens.*max_position_embeddings=64"):
+    with pytest.raises(ValueError, match="up to 128 tokens.*max_position_embeddings=64: give "
+                       "data prepared at --max-seq-length 64 or less, or a model with more"):
         train(config(long, tmp_path / "run", model=model))
