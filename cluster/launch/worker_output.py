@@ -46,6 +46,7 @@ import bertforge.cluster
 import bertforge.pipelines
 import bertforge.training
 from bertforge.pipelines.contract.config_fields import option
+from bertforge.pipelines.log_only import LOG_ONLY_ATTRIBUTE
 
 LOG_DIR = "logs"
 _OUR_DIRS = tuple(os.path.dirname(os.path.abspath(package.__file__)) + os.sep for package in
@@ -83,6 +84,8 @@ def _is_python_itself(filename: str) -> bool:
 def record_is_ours(record: logging.LogRecord) -> bool:
     """A log record for the console: bertforge's (by logger, or a print Ray Train turned into a
     record at the caller's line), or an error from anyone but Beam (whose errors reach us)."""
+    if getattr(record, LOG_ONLY_ATTRIBUTE, False):
+        return False  # a line per input file or shard (pipelines.log_only)
     package = record.name.split(".")[0]
     # Beam logs a failing DoFn's error with its traceback, then raises it to the pipeline's
     # run(), where the command reports it in one line: its copy belongs in the log only. So

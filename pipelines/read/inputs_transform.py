@@ -19,6 +19,7 @@ from apache_beam.pvalue import TaggedOutput
 
 from bertforge.pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, count, reject_output
 from bertforge.pipelines.filesystem import open_raw
+from bertforge.pipelines.log_only import LOG_ONLY
 from bertforge.pipelines.read import readers, wiki_xml
 from bertforge.pipelines.read.input_files import detect_format, format_mismatch, read_file
 from bertforge.pipelines.read.records import Reject
@@ -181,7 +182,8 @@ class ReadFile(beam.DoFn):
                 yield TaggedOutput(FORMATS, (item.path, NOT_READ, "format_mismatch"))
             return
         if not item.byte_range or item.byte_range[0] == 0:
-            logger.info("input %s: format %s (by %s)", item.path, choice.fmt, choice.chosen_by)
+            logger.info("input %s: format %s (by %s)", item.path, choice.fmt, choice.chosen_by,
+                        extra=LOG_ONLY)
             if choice.doubt:
                 logger.warning("input %s: read as a sentence a line, but %s Name it "
                                "books:%s to read it as paragraphs", item.path, choice.doubt,
@@ -202,9 +204,8 @@ class ReadFile(beam.DoFn):
         count("input_files")
         count("input_documents", num_documents)
         count("input_bytes", _num_bytes(item))
-        logger.info(
-            "read %s (%s): %d documents, %d rejects", where, choice.fmt, num_documents, num_rejects
-        )
+        logger.info("read %s (%s): %d documents, %d rejects", where, choice.fmt, num_documents,
+                    num_rejects, extra=LOG_ONLY)
 
 
 def _num_bytes(item: InputFile) -> int:

@@ -14,6 +14,7 @@ from bertforge.pipelines.beam_common import NO_DOCUMENTS_MESSAGE
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.dataset_identity import WORKING_DIRECTORY
 from bertforge.pipelines.filesystem import sizes_of, write_bytes
+from bertforge.pipelines.log_only import LOG_ONLY
 from bertforge.pipelines.prepare_options import PrepareConfig
 from bertforge.pipelines.read.records import REPAIRED_REASONS, Reject
 
@@ -61,7 +62,7 @@ class WriteManifest(beam.DoFn):
         output = self._config.output
         num_rejects = {**reject_counts["rejected"], **reject_counts["repaired"]}
         logger.info("wrote %s: %d entries %s", manifest.REJECTS_NAME, sum(num_rejects.values()),
-                    num_rejects)
+                    num_rejects, extra=LOG_ONLY)
         write_bytes(FileSystems.join(output, manifest.VOCAB_NAME), self._vocab_bytes)
         result = build_manifest(
             self._config,

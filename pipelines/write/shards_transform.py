@@ -26,6 +26,7 @@ from bertforge.pipelines.instances.batch_columns import (
     concat,
     count_before,
 )
+from bertforge.pipelines.log_only import LOG_ONLY
 from bertforge.pipelines.write import global_order
 
 logger = logging.getLogger(__name__)
@@ -180,8 +181,8 @@ class WriteShardFile(beam.DoFn):
         # noise, and with no document at all five such lines came before the one-line error
         # (whose run then removes them).
         (logger.info if num_rows else logger.debug)(
-            "wrote %s: %d rows, %d tokens, %d pieces", rel_path, num_rows, num_tokens, len(pieces)
-        )
+            "wrote %s: %d rows, %d tokens, %d pieces", rel_path, num_rows, num_tokens, len(pieces),
+            extra=LOG_ONLY)
         yield {
             "split": split,
             "index": index,

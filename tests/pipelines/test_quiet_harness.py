@@ -45,3 +45,27 @@ def test_a_local_prepare_on_two_worker_processes_prints_only_its_own_lines(tmp_p
     # The stand-in was in effect: the driver's own import warning went to the log file.
     log = (tmp_path / "shards" / "logs" / "prepare.log").read_text(encoding="utf-8")
     assert "apitools not found" in log
+
+
+def test_a_local_prepare_in_one_process_keeps_its_lines_per_file_and_shard_in_the_log(tmp_path):
+    """In one process (no Beam flags, or --direct_num_workers 1) the transforms run in the
+    driver, whose console took a line per input file (two) and per shard: thousands on a large
+    corpus, where worker processes kept them in the log."""
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(google_layout_vocab()) + "\n", encoding="utf-8")
+    inputs = []
+    for index in range(3):
+        inputs.append(str(tmp_path / f"part-{index}.jsonl"))
+        _golden_corpus(inputs[-1])
+    result = subprocess.run(
+        [BERTFORGE, "prepare", "--input", ",".join(inputs), "--vocab", str(vocab),
+         "--output", str(tmp_path / "shards"), "--max-seq-length", "48", "--num-shards", "4"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert foreign_lines(result.stdout, json_lines(result.stdout)) == []
+    console = result.stdout + result.stderr
+    assert " (by " not in console and "documents, 0 rejects" not in console, console
+    assert "wrote train/" not in console and "wrote rejects.jsonl" not in console, console
+    assert "[prepare] prepare: done in " in console  # the command's own lines stay
+    log = (tmp_path / "shards" / "logs" / "prepare.log").read_text(encoding="utf-8")
+    assert log.count("wrote train/part-") == 4 and log.count(": format jsonl (by ") == 3, log
