@@ -467,6 +467,7 @@ def _run_export(args: argparse.Namespace) -> None:
     # The same command again (a scheduler's retry, or a stop after the last file): done.
     source = export_already_made(args.checkpoint, args.output)
     if source is not None:
+        _log_in_run_dir(args.checkpoint, "export")  # its log is the run's, as any export's
         print(f"[export] {args.output} already holds this export: nothing to do", flush=True)
         output = os.path.abspath(args.output)
     else:
@@ -611,6 +612,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # SIGTERM, SIGINT, SIGHUP: workers stopped, locks released
         stop = as_stop(exit_)
         if stop is None:
+            if exit_.code in (0, None):  # prepare's own parser's --help: its text says it all
+                from bertforge.cluster.launch.worker_output import ended_with_its_own_line
+
+                ended_with_its_own_line()
             raise
         return _one_line(args.command, stop.describe(), stop.code)
     except Exception as error:

@@ -189,6 +189,14 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
     again = capsys.readouterr().out
     assert again.startswith(f"[export] {hf} already holds this export: nothing to do\n")
     assert again.endswith(first), (first, again)  # the same source line and output
+    # As a command: its log is the run's, none left in the temporary directory.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = subprocess.run([sys.executable, "-m", "bertforge.cluster.cli", "export", str(run_dir),
+                           "--output", str(hf)], capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(scratch)})
+    assert done.returncode == 0 and "already holds this export" in done.stdout, done.stderr
+    assert os.listdir(scratch) == [] and (run_dir / "logs" / "export.log").exists()
     assert {name: os.stat(hf / name).st_mtime_ns for name in os.listdir(hf)} == written
     # A new run there (--resume never) saves other weights under the same step's path: the
     # export no longer holds them ("nothing to do" before, with the old run's weights).

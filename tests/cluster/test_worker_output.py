@@ -166,6 +166,11 @@ def test_a_refusal_leaves_no_log_in_the_temporary_directory_a_failure_does(tmp_p
     assert refused.stderr.strip() == (f"bertforge export: error: checkpoint "
                                       f"{tmp_path / 'no-run'} does not exist"), refused.stderr
     assert not list(tmp_path.glob("bertforge-*.log"))
+    # Nor `prepare --help` (its own parser's, inside the command): a log of its help text.
+    helped = subprocess.run([sys.executable, "-m", "bertforge.cluster.cli", "prepare", "--help"],
+                            capture_output=True, text=True, env=env)
+    assert helped.returncode == 0 and "--max-seq-length" in helped.stdout, helped.stderr
+    assert not list(tmp_path.glob("bertforge-*.log"))
     # The same refusal after an engine logged a traceback (a failed Beam bundle, say).
     (tmp_path / "engine.py").write_text(
         "import logging\n"
