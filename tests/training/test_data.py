@@ -226,8 +226,15 @@ def test_validation_split_and_frequencies(dataset_dir):
     loader = PretrainingLoader(dataset_dir, "validation", batch_size=5, seed=0, drop_last=False)
     assert sum(len(b["input_ids"]) for b in loader) == 13
     # A user's error (not retried on a cluster) that says which flags to change.
-    with pytest.raises(UserInputError, match="fewer than one optimizer step.*--batch-size"):
+    with pytest.raises(UserInputError, match="fewer than one optimizer step.*--batch-size.*"
+                       "drop_last=False serves every sample"):
         PretrainingLoader(dataset_dir, "validation", batch_size=16, seed=0)
+    # The Python API's arguments of the wrong type, at once (None and 1.5 failed at the first
+    # batch, inside a comparison or numpy).
+    for given, name in (({"seed": None}, "seed"), ({"seed": 1.5}, "seed"),
+                        ({"batch_size": 2.0}, "batch_size"), ({"rank": True}, "rank")):
+        with pytest.raises(TypeError, match=f"{name} must be an int, got {given[name]!r}"):
+            PretrainingLoader(dataset_dir, "validation", **{"batch_size": 5, "seed": 0, **given})
     with pytest.raises(ValueError, match="no split 'test'"):
         PretrainingLoader(dataset_dir, "test", batch_size=1, seed=0)
     counts = token_frequencies(dataset_dir, "train")

@@ -121,7 +121,8 @@ class PretrainingLoader:
                 f"split {split!r} of {data_dir} has {self.num_samples} samples, fewer than one "
                 f"optimizer step ({batch_size} micro x {world_size} ranks x "
                 f"{gradient_accumulation_steps} accumulation = {self.step_batch_size}): give a "
-                "smaller --batch-size or --global-batch-size, or prepare more data"
+                "smaller batch (batch_size; train's --batch-size or --global-batch-size), or "
+                "prepare more data; drop_last=False serves every sample (what eval does)"
             )
         # Read once, before any prefetch thread: the bins or groups of every epoch need them.
         needs_lengths = self.bucket_boundaries is not None or self.regroups
@@ -309,6 +310,11 @@ class PretrainingLoader:
 def _check_layout(
     batch_size: int, rank: int, world_size: int, accumulation: int, prefetch: int, seed: int
 ) -> None:
+    given = {"batch_size": batch_size, "rank": rank, "world_size": world_size,
+             "gradient_accumulation_steps": accumulation, "prefetch": prefetch, "seed": seed}
+    for name, value in given.items():  # None or 1.5 failed later, inside numpy or a comparison
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if world_size < 1 or not 0 <= rank < world_size:
