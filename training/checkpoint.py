@@ -442,6 +442,9 @@ def resolve_checkpoint(path: str) -> str:
                          "the run directory")
     if os.path.exists(os.path.join(path, COMMIT_MARKER)):
         return path
+    pruned = pruned_checkpoint(path)
+    if pruned is not None:
+        raise UserInputError(pruned)
     latest = latest_checkpoint(path)
     if latest is None and os.path.isdir(os.path.join(path, CHECKPOINTS_DIR)):
         raise ValueError(f"run {path} has no complete checkpoint yet (a run before its first "
@@ -450,6 +453,23 @@ def resolve_checkpoint(path: str) -> str:
     if latest is None:
         raise ValueError(f"{path} is neither a complete checkpoint nor a run with one")
     return latest
+
+
+def pruned_checkpoint(path: str) -> str | None:
+    """What to say of a run's checkpoint that is gone (or going) while the run has newer ones:
+    its train removed it, keeping its newest --keep-checkpoints. None for any other path."""
+    parent = os.path.dirname(os.path.normpath(path))
+    tag = _TAG_PATTERN.match(os.path.basename(os.path.normpath(path)))
+    if tag is None or os.path.basename(parent) != CHECKPOINTS_DIR:
+        return None
+    run_dir = os.path.dirname(parent)
+    steps = committed_steps(run_dir)
+    if not steps or steps[-1] <= int(tag.group(1)):  # one being saved is not gone
+        return None
+    newest = os.path.join(parent, tag_for_step(steps[-1]))
+    return (f"checkpoint {path} is no longer there: its run keeps only its newest "
+            f"--keep-checkpoints (now {os.path.basename(newest)}); give the run directory "
+            f"{run_dir} (its newest checkpoint) or a newer checkpoint")
 
 
 def read_newest(path: str, read: Callable[[str], T]) -> tuple[str, T]:

@@ -189,7 +189,8 @@ def check_checkpoint(path: str,
     removes meanwhile: its next newest is checked."""
     refuse_storage_uri(path, "a checkpoint")
     if not os.path.exists(path):
-        raise MissingInputError(f"checkpoint {path} does not exist")
+        pruned = checkpoint.pruned_checkpoint(path)  # a running train removed it
+        raise MissingInputError(pruned or f"checkpoint {path} does not exist")
     try:
         resolved, _ = checkpoint.read_newest(
             path, lambda resolved: _check_complete_checkpoint(resolved, also))

@@ -114,6 +114,30 @@ def test_a_named_checkpoint_removed_while_it_is_read_is_one_clear_error(run_dir,
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_named_checkpoint_gone_before_it_is_read_says_why(dataset, tmp_path, capsys):
+    """A run's checkpoint that its train pruned between `ls` and `eval` (or an old step named)
+    was "does not exist" or "neither a complete checkpoint nor a run with one"."""
+    run_dir = tmp_path / "run"
+    for step in (10, 20):
+        committed = run_dir / "checkpoints" / f"step_{step:08d}"
+        committed.mkdir(parents=True)
+        (committed / checkpoint.COMMIT_MARKER).write_text("")
+    (run_dir / "checkpoints" / "step_00000030").mkdir()  # being saved: not gone
+    gone = run_dir / "checkpoints" / "step_00000005"
+    said = (f"checkpoint {gone} is no longer there: its run keeps only its newest "
+            f"--keep-checkpoints (now step_00000020); give the run directory {run_dir}")
+    for argv in (["export", str(gone), "--output", str(tmp_path / "hf")],
+                 ["eval", str(gone), "--data", str(dataset)]):
+        assert main(argv) == 2
+        assert said in capsys.readouterr().err
+    with pytest.raises(UserInputError, match="no longer there"):
+        checkpoint.resolve_checkpoint(str(gone))
+    saving = run_dir / "checkpoints" / "step_00000030"
+    with pytest.raises(ValueError, match="neither a complete checkpoint") as error:
+        checkpoint.resolve_checkpoint(str(saving))
+    assert "no longer there" not in str(error.value)
+
+
 def test_eval_warm_start_and_fine_tuning_read_a_run_beside_its_train(run_dir, dataset,
                                                                      monkeypatch):
     load, calls = interrupted_once(checkpoint.load_model, run_dir)
