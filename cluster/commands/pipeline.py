@@ -298,6 +298,8 @@ class PipelineConfig:
                 _check_model(configs[phase.name], phase.max_seq_length, self.vocab.vocab_size)
             except (TypeError, ValueError) as error:
                 raise ValueError(f"{phase.name}: {error}") from None
+        if "phase2" in configs:
+            _check_same_model(configs["phase1"], configs["phase2"], self.vocab.vocab_size)
         return configs
 
     def settings(self) -> dict[str, Any]:
@@ -317,6 +319,38 @@ def _check_model(cfg: TrainConfig, max_seq_length: int, vocab_size: int) -> None
 
     model = resolve_model_config(cfg.model, vocab_size)
     check_positions(max_seq_length, model, "the phase's dataset")
+
+
+def _check_same_model(phase1: TrainConfig, phase2: TrainConfig, vocab_size: int) -> None:
+    """Phase 2 starts from phase 1's weights: a model of another shape was refused by phase 2's
+    train, once phase 1 had trained (and its settings, recorded, pinned the workdir)."""
+    from bertforge.training.inputs import resolve_model_config
+    from bertforge.training.warm_start import architecture_differences
+
+    differences = architecture_differences(resolve_model_config(phase1.model, vocab_size),
+                                           resolve_model_config(phase2.model, vocab_size))
+    if differences:
+        raise ValueError(f"phase2 warm-starts from phase1's weights, but its model is another "
+                         f"(phase1 != phase2: {', '.join(differences)}): give both phases one "
+                         "model")
+
+
+def check_engines_here(config: PipelineConfig) -> None:
+    """What a phase's engine cannot run on this CPU (fp16, say), for a pipeline that trains on
+    it (no [cluster] address or gpu): before the vocabulary and the prepares, whose settings a
+    failure after them pins. A phase that resumes decides by its checkpoint (its workers)."""
+    from bertforge.training.checkpoint import latest_checkpoint
+    from bertforge.training.resolved_engine import check_cpu_engine
+
+    if config.cluster.address or config.cluster.gpu:
+        return
+    for name, cfg in config.train_configs().items():
+        if cfg.resume and latest_checkpoint(cfg.run_dir):
+            continue
+        try:
+            check_cpu_engine(cfg.engine())
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
 
 
 def load_config(path: str) -> tuple[PipelineConfig, str]:
@@ -409,6 +443,7 @@ def run_pipeline(config: PipelineConfig, toml_text: str = "",
     `base_dir`: the pipeline file's folder; paths under it are compared relative to it, so a
     project folder moved or copied whole (file, corpus, workdir) is the same pipeline."""
     paths = PipelinePaths(config.workdir)
+    check_engines_here(config)
     with StageRunner(paths.root, "pipeline", config.settings(), ignored=HOW_TO_RUN_KEYS,
                      renamed=RENAMED_SETTINGS, may_add=PHASE2_SETTINGS,
                      dir_flag="workdir", base_dir=base_dir) as runner:

@@ -12,6 +12,7 @@ from bertforge.cluster.commands.pipeline import (
     HOW_TO_RUN_KEYS,
     PipelineConfig,
     PipelinePaths,
+    check_engines_here,
     load_config,
     run_pipeline,
 )
@@ -93,6 +94,11 @@ def test_phase2_warm_starts_from_phase1s_run(tmp_path):
     ({"phase2": {"recipe": "bert_tiny_phase2"}}, "phase2.max_seq_length is required"),
     ({"phase2": {"recipe": "bert_tiny_phase2", "max_seq_length": 128,
                  "overrides": {"init_from": "x"}}}, "pipeline-owned key(s) init_from"),
+    # Phase 2's train refused it, once phase 1 had trained (and pinned the workdir).
+    ({"phase2": {"recipe": "bert_tiny_phase2", "max_seq_length": 128,
+                 "overrides": {"model": {"preset": "mini"}}}},
+     "phase2 warm-starts from phase1's weights, but its model is another (phase1 != phase2: "
+     "hidden_size 128 != 256"),
     ({"prepare__num_shards": 0}, "prepare: num_shards must be at least 1"),
     ({"prepare__inputs": []}, "prepare.inputs is required"),
     ({"prepare__beam_args": ["--output=/elsewhere"]},
@@ -123,6 +129,18 @@ def test_configuration_errors_name_the_key(tmp_path, changes, message):
     with pytest.raises(ValueError) as error:
         config_of(tmp_path, **changes)
     assert message in str(error.value)
+
+
+def test_an_engine_this_cpu_cannot_run_is_refused_before_any_stage(tmp_path):
+    """FP8 where auto is fp32 here (the suite's CPU setting), fp16 on a CPU: refused by the
+    phase's train after the vocabulary and the prepares had run, whose recorded settings then
+    refused the corrected file. A pipeline for a cluster's GPUs is not this CPU's to judge."""
+    config = config_of(tmp_path, phase1__overrides={"fp8": True})
+    with pytest.raises(ValueError, match="^phase1: .*fp8"):
+        run_pipeline(config)
+    assert not os.path.exists(tmp_path / "work")
+    on_gpus = config_of(tmp_path, phase1__overrides={"fp8": True}, cluster__gpu=True)
+    check_engines_here(on_gpus)
 
 
 def test_the_readme_example_is_a_valid_configuration(tmp_path):
