@@ -356,6 +356,9 @@ def check_engines_here(config: PipelineConfig) -> None:
 def load_config(path: str) -> tuple[PipelineConfig, str]:
     """(validated config, the file's text); relative paths are relative to the file."""
     toml = _toml_module()
+    if not os.path.isfile(path):  # not "[Errno 2] No such file or directory: 'p.toml'"
+        what = "a directory, not a TOML file" if os.path.isdir(path) else "no such file"
+        raise ValueError(f"pipeline file {path}: {what}")
     with open(path, "rb") as f:
         raw = f.read()
     try:

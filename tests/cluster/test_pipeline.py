@@ -143,6 +143,13 @@ def test_an_engine_this_cpu_cannot_run_is_refused_before_any_stage(tmp_path):
     check_engines_here(on_gpus)
 
 
+def test_a_pipeline_file_that_is_not_there_is_named(tmp_path):
+    for path, said in ((tmp_path / "nope.toml", "no such file"),
+                       (tmp_path, "a directory, not a TOML file")):
+        with pytest.raises(ValueError, match=f"^pipeline file {path}: {said}$"):
+            load_config(str(path))
+
+
 def test_the_readme_example_is_a_valid_configuration(tmp_path):
     import re
     from pathlib import Path
