@@ -129,6 +129,10 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         if initial.lacking and rank == 0:
             console(f"[train] init_from {cfg.init_from} has no {' and no '.join(initial.lacking)}"
                     " (a model saved with another head): they start from a fresh initialisation")
+        if initial.vocab_sha256 is None and rank == 0:
+            console(f"[train] warning: init_from {cfg.init_from} has no vocab.txt or "
+                    "tokenizer.json, so its vocabulary is not checked against the data's: its "
+                    "embeddings are right only if it was trained with the data's vocabulary")
     engine = build_engine(model, resolved, load_universal=universal)
     # A run keeps its id across resumes (one saved before runs had ids gets one now).
     run_id = (saved or {}).get("run_id") or run_id or checkpoint.new_run_id()

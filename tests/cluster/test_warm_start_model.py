@@ -74,6 +74,17 @@ def test_a_warm_start_continues_its_sources_model_and_a_preset_that_does_not_fit
     assert train_config("--data", data, "--run-dir", str(tmp_path / "fresh")).model == \
         {"preset": "tiny"}
 
+    # A source without a vocabulary trains, and says it could not be checked.
+    bare = tmp_path / "hf-bare"
+    shutil.copytree(moved, bare)
+    for name in ("vocab.txt", "tokenizer.json"):
+        (bare / name).unlink(missing_ok=True)
+    capsys.readouterr()
+    train(train_config("--data", data, "--run-dir", str(tmp_path / "from-bare"), "--init-from",
+                       str(bare), *ONE_STEP))
+    assert f"[train] warning: init_from {bare} has no vocab.txt or tokenizer.json, so its " \
+        "vocabulary is not checked" in capsys.readouterr().out
+
     # A preset that does not fit the source, or another vocabulary: refused by the driver.
     run = ["train", "--data", data, "--run-dir", str(tmp_path / "p2"), "--workers", "1"]
     refused([*run, "--init-from", str(moved), "--preset", "mini"], capsys,
