@@ -120,7 +120,7 @@ def evaluate_checkpoint(
     the scored split's most frequent token, as the run's validation takes it (the train split
     may be terabytes). A checkpoint saved before these were recorded takes TrainConfig's
     defaults."""
-    from bertforge.training.checkpoint import load_model, read_newest
+    from bertforge.training.checkpoint import load_model, positions_trained, read_newest
     from bertforge.training.data import (
         MaskingOptions,
         PretrainingLoader,
@@ -153,6 +153,12 @@ def evaluate_checkpoint(
     progress = EvalProgress(total, every_seconds=progress_seconds)
     progress.say(f"[eval] {checkpoint_path}: {counted(total, 'batch', 'batches')} of "
                  f"{options.batch_size} ({options.split})")
+    trained = positions_trained(metadata)
+    if loader.max_seq_length > trained:  # as `finetune` warns of a longer fine-tune
+        progress.say(f"[eval] warning: {data_dir} holds sequences of up to "
+                     f"{loader.max_seq_length} tokens, longer than the {trained} this model was "
+                     f"trained at: positions {trained + 1}-{loader.max_seq_length} keep their "
+                     "random initial embeddings, so these numbers say little of the model")
     device = eval_device(options.device)
     with torch.autocast("cuda", dtype=torch.bfloat16,
                         enabled=device == "cuda" and metadata.get("precision") == "bf16"):

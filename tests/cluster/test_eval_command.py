@@ -49,6 +49,24 @@ def test_data_longer_than_the_models_positions_is_refused_before_scoring(short_m
             "holds sequences of up to 128 tokens", "max_position_embeddings=64")
 
 
+def test_data_longer_than_the_model_was_trained_at_is_scored_with_a_warning(short_model, capsys):
+    """Positions past the trained length are still random (phase 1 alone: 128): fine-tuning
+    warned of it, eval scored such data without a word."""
+    root, ckpt = short_model
+    run_dir = str(root / "short-run")
+    data = write_dataset(str(root / "short"), {"train": [24], "validation": [16]},
+                         max_seq_length=32)
+    train(TrainConfig(data_dir=data, run_dir=run_dir,
+                      model={"preset": "tiny", "max_position_embeddings": 64}, max_steps=1,
+                      micro_batch_size=8, warmup_steps=0, precision="fp32", zero_stage=0))
+    assert main(["eval", run_dir, "--data", str(root / "data"), "--device", "cpu"]) == 0
+    assert (f"[eval] warning: {root / 'data'} holds sequences of up to 64 tokens, longer than "
+            "the 32 this model was trained at: positions 33-64 keep their random initial "
+            "embeddings") in capsys.readouterr().out
+    assert main(["eval", run_dir, "--data", data, "--device", "cpu"]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda is valid")
 def test_a_gpu_asked_for_where_there_is_none_is_one_line(short_model, capsys):
     root, ckpt = short_model
