@@ -335,20 +335,22 @@ def _check_same_model(phase1: TrainConfig, phase2: TrainConfig, vocab_size: int)
                          "model")
 
 
-def check_engines_here(config: PipelineConfig) -> None:
-    """What a phase's engine cannot run on this CPU (fp16, say), for a pipeline that trains on
-    it (no [cluster] address or gpu): before the vocabulary and the prepares, whose settings a
-    failure after them pins. A phase that resumes decides by its checkpoint (its workers)."""
+def check_phases_can_start(config: PipelineConfig) -> None:
+    """What a phase's train would refuse at its start, known now: a global batch the workers'
+    micro-batches do not divide, and, for a pipeline that trains on this CPU (no [cluster]
+    address or gpu), an engine it cannot run (fp16, say). Before the vocabulary and the
+    prepares, whose settings a failure after them pins. A phase that resumes decides its
+    precision by its checkpoint (its workers)."""
     from bertforge.training.checkpoint import latest_checkpoint
     from bertforge.training.resolved_engine import check_cpu_engine
 
-    if config.cluster.address or config.cluster.gpu:
-        return
+    here = not (config.cluster.address or config.cluster.gpu)
     for name, cfg in config.train_configs().items():
-        if cfg.resume and latest_checkpoint(cfg.run_dir):
-            continue
         try:
-            check_cpu_engine(cfg.engine())
+            if cfg.micro_batch_size is not None:  # else the GPU's memory decides it
+                cfg.accumulation_steps(config.cluster.workers)
+            if here and not (cfg.resume and latest_checkpoint(cfg.run_dir)):
+                check_cpu_engine(cfg.engine())
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None
 
@@ -446,7 +448,7 @@ def run_pipeline(config: PipelineConfig, toml_text: str = "",
     `base_dir`: the pipeline file's folder; paths under it are compared relative to it, so a
     project folder moved or copied whole (file, corpus, workdir) is the same pipeline."""
     paths = PipelinePaths(config.workdir)
-    check_engines_here(config)
+    check_phases_can_start(config)
     with StageRunner(paths.root, "pipeline", config.settings(), ignored=HOW_TO_RUN_KEYS,
                      renamed=RENAMED_SETTINGS, may_add=PHASE2_SETTINGS,
                      dir_flag="workdir", base_dir=base_dir) as runner:

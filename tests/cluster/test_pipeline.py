@@ -12,7 +12,7 @@ from bertforge.cluster.commands.pipeline import (
     HOW_TO_RUN_KEYS,
     PipelineConfig,
     PipelinePaths,
-    check_engines_here,
+    check_phases_can_start,
     load_config,
     run_pipeline,
 )
@@ -131,16 +131,24 @@ def test_configuration_errors_name_the_key(tmp_path, changes, message):
     assert message in str(error.value)
 
 
-def test_an_engine_this_cpu_cannot_run_is_refused_before_any_stage(tmp_path):
-    """FP8 where auto is fp32 here (the suite's CPU setting), fp16 on a CPU: refused by the
-    phase's train after the vocabulary and the prepares had run, whose recorded settings then
-    refused the corrected file. A pipeline for a cluster's GPUs is not this CPU's to judge."""
+def test_what_a_phase_would_refuse_at_its_start_is_refused_before_any_stage(tmp_path):
+    """FP8 where auto is fp32 here (the suite's CPU setting), fp16 on a CPU, a global batch the
+    micro-batches do not divide: refused by the phase's train after the vocabulary and the
+    prepares had run, whose recorded settings then refused the corrected file. A pipeline for
+    a cluster's GPUs is not this CPU's to judge (its engine)."""
     config = config_of(tmp_path, phase1__overrides={"fp8": True})
     with pytest.raises(ValueError, match="^phase1: .*fp8"):
         run_pipeline(config)
     assert not os.path.exists(tmp_path / "work")
     on_gpus = config_of(tmp_path, phase1__overrides={"fp8": True}, cluster__gpu=True)
-    check_engines_here(on_gpus)
+    check_phases_can_start(on_gpus)
+    # A global batch the workers' micro-batches do not divide: a cluster's run too.
+    uneven = config_of(tmp_path, phase1__overrides={"micro_batch_size": 8,
+                                                    "global_batch_size": 12}, cluster__gpu=True)
+    with pytest.raises(ValueError, match="^phase1: global_batch_size 12 is not a multiple of "
+                       "micro_batch_size x world_size = 8 x 2 = 16"):
+        run_pipeline(uneven)
+    assert not os.path.exists(tmp_path / "work")
 
 
 def test_a_pipeline_file_that_is_not_there_is_named(tmp_path):
