@@ -335,6 +335,24 @@ def _check_same_model(phase1: TrainConfig, phase2: TrainConfig, vocab_size: int)
                          "model")
 
 
+def settings_free_to_change(config: PipelineConfig) -> tuple[str, ...]:
+    """Phase settings no output depends on yet, which a rerun may change: those of a phase
+    with no checkpoint (none of it, nor of any phase after it, exists: a phase that failed at
+    its start is run again as corrected), and the last phase's length of training (it resumes
+    to its new max_steps, its warm-up and log cadence following unless given, and the export
+    is made again: `bertforge train --resume auto --steps N` likewise). Phase 1's, under a
+    phase 2 started from its weights, stays fixed."""
+    from bertforge.training.checkpoint import committed_steps
+
+    configs = config.train_configs()
+    free = [f"{table}.{name}" for name, cfg in configs.items() if not committed_steps(cfg.run_dir)
+            for table in ("config", "recipes")]
+    last = list(configs)[-1]
+    free += [f"config.{last}.overrides.max_steps",
+             *(f"recipes.{last}.{key}" for key in ("max_steps", "warmup_steps", "log_every"))]
+    return tuple(free)
+
+
 def check_phases_can_start(config: PipelineConfig) -> None:
     """What a phase's train would refuse at its start, known now: a global batch the workers'
     micro-batches do not divide, and, for a pipeline that trains on this CPU (no [cluster]
@@ -449,7 +467,8 @@ def run_pipeline(config: PipelineConfig, toml_text: str = "",
     project folder moved or copied whole (file, corpus, workdir) is the same pipeline."""
     paths = PipelinePaths(config.workdir)
     check_phases_can_start(config)
-    with StageRunner(paths.root, "pipeline", config.settings(), ignored=HOW_TO_RUN_KEYS,
+    with StageRunner(paths.root, "pipeline", config.settings(),
+                     ignored=HOW_TO_RUN_KEYS + settings_free_to_change(config),
                      renamed=RENAMED_SETTINGS, may_add=PHASE2_SETTINGS,
                      dir_flag="workdir", base_dir=base_dir) as runner:
         runner.state["toml"] = toml_text or runner.state.get("toml", "")

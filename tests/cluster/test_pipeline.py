@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from bertforge.cluster.cli import main
+from bertforge.cluster.commands import stages
 from bertforge.cluster.commands.pipeline import (
     HOW_TO_RUN_KEYS,
     PipelineConfig,
@@ -479,17 +480,24 @@ def test_an_edited_or_added_input_is_refused_not_skipped(finished_pipeline, monk
 def test_a_lost_checkpoint_redoes_only_phase2_and_export(finished_pipeline, monkeypatch):
     from bertforge.training.checkpoint import committed_steps
 
-    root, config, _ = finished_pipeline
+    """And the last phase trained longer: its max_steps raised in the file (refused as other
+    settings before, though `train --resume auto` extends a run)."""
+    root, _, _ = finished_pipeline
     phase2 = root / "work" / "runs" / "phase2"
     shutil.rmtree(phase2 / "checkpoints" / "step_00000004")
     monkeypatch.setattr("bertforge.pipelines.prepare.run",
                         lambda *a, **k: pytest.fail("prepare reran"))
-    again = run_pipeline(config)
+    longer = root / "longer.toml"
+    longer.write_text(TINY_TOML.replace("max_steps = 4", "max_steps = 6"))
+    again = run_pipeline(*load_config(str(longer)), str(root))
     assert again["ran"] == ["phase2", "export"]
-    assert committed_steps(str(phase2)) == [2, 4]  # resumed from step 2, not from scratch
+    assert committed_steps(str(phase2)) == [4, 6]  # resumed from step 2, not from scratch
     steps_logged = [json.loads(line)["step"] for line in
                     (phase2 / "metrics.jsonl").read_text().splitlines()]
-    assert steps_logged.count(1) == 1  # step 1 was never trained twice
+    assert steps_logged.count(1) == 1 and steps_logged[-1] == 6  # step 1 never twice
+    assert stages.export_source(str(phase2))["checkpoint"].endswith("step_00000006")
+    assert json.loads((root / "work" / "hf" / "config.json").read_text())[
+        "bertforge_source"]["global_step"] == 6
 
 
 @pytest.mark.slow
@@ -501,8 +509,26 @@ def test_a_changed_configuration_is_refused_before_any_work(finished_pipeline, m
     config, text = load_config(str(changed))
     with pytest.raises(ValueError, match="phase1.overrides.max_steps"):
         run_pipeline(config, text)
-    # Phase 2's settings are open only while it has never run: now it has.
-    changed.write_text(TINY_TOML.replace("max_steps = 4", "max_steps = 5"))
+    # Phase 2's settings are open only while it has no checkpoint (its length of training
+    # always, as the last phase's): now it has one.
+    changed.write_text(TINY_TOML.replace("log_every = 2,", "log_every = 2, learning_rate = 0.01,"))
     config, text = load_config(str(changed))
-    with pytest.raises(ValueError, match="phase2.overrides.max_steps"):
+    with pytest.raises(ValueError, match="phase2.overrides.learning_rate"):
         run_pipeline(config, text)
+
+
+def test_settings_no_output_depends_on_yet_are_free_to_change(tmp_path):
+    """A phase that failed at its start (no checkpoint) is run again as corrected: a workdir
+    whose vocabulary and shards were made refused the corrected file ("other settings")."""
+    from bertforge.cluster.commands.pipeline import settings_free_to_change
+
+    config = config_of(tmp_path, phase2={"recipe": "bert_tiny_phase2", "max_seq_length": 128})
+    training_length = ("config.phase2.overrides.max_steps", "recipes.phase2.max_steps",
+                       "recipes.phase2.warmup_steps", "recipes.phase2.log_every")
+    assert settings_free_to_change(config) == (
+        "config.phase1", "recipes.phase1", "config.phase2", "recipes.phase2", *training_length)
+    step = tmp_path / "work" / "runs" / "phase1" / "checkpoints" / "step_00000008"
+    step.mkdir(parents=True)
+    (step / "COMMITTED").write_text("{}")
+    assert settings_free_to_change(config) == ("config.phase2", "recipes.phase2",
+                                               *training_length)
