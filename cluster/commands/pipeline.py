@@ -367,10 +367,33 @@ def check_phases_can_start(config: PipelineConfig) -> None:
         try:
             if cfg.micro_batch_size is not None:  # else the GPU's memory decides it
                 cfg.accumulation_steps(config.cluster.workers)
+                _check_the_same_step_batch(name, cfg, config.cluster.workers)
             if here and not (cfg.resume and latest_checkpoint(cfg.run_dir)):
                 check_cpu_engine(cfg.engine())
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None
+
+
+def _check_the_same_step_batch(name: str, cfg: TrainConfig, workers: int) -> None:
+    """[cluster] workers says how to run, not what: but a recipe without a global_batch_size
+    takes its step's batch from the number of workers (micro x accumulation x workers), so a
+    phase stopped part-way went on with another batch on other workers, and a different model
+    came out (DESIGN: the same batches for any number of workers hold with a global batch)."""
+    from bertforge.training.checkpoint import committed_steps, read_metadata
+
+    steps = committed_steps(cfg.run_dir)
+    if cfg.global_batch_size is not None or not steps or steps[-1] >= cfg.max_steps:
+        return
+    newest = os.path.join(cfg.run_dir, "checkpoints", f"step_{steps[-1]:08d}")
+    started_on = read_metadata(newest).get("world_size")
+    if not isinstance(started_on, int) or started_on == workers:
+        return
+    per_worker = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    raise ValueError(
+        f"its run trained on {started_on} workers ({per_worker * started_on} sequences a step) "
+        f"and [cluster] workers = {workers} would go on with {per_worker * workers}: the "
+        f"recipe sets no global_batch_size, so the workers set the batch; give workers = "
+        f"{started_on} until {name} is done")
 
 
 def load_config(path: str) -> tuple[PipelineConfig, str]:

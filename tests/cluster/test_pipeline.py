@@ -517,6 +517,26 @@ def test_a_changed_configuration_is_refused_before_any_work(finished_pipeline, m
         run_pipeline(config, text)
 
 
+def test_other_workers_for_a_phase_stopped_part_way_are_refused_where_they_set_the_batch(
+        tmp_path):
+    """[cluster] workers is how to run; a recipe with no global_batch_size (the tiny ones)
+    takes its batch from them: a phase resumed on other workers went on with another batch."""
+    step = tmp_path / "work" / "runs" / "phase1" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "COMMITTED").write_text("{}")
+    (step / "bertforge.json").write_text(json.dumps({"world_size": 1}))
+    with pytest.raises(ValueError, match=r"^phase1: its run trained on 1 workers \(8 "
+                       r"sequences a step\) and \[cluster\] workers = 2 would go on with 16: "
+                       "the recipe sets no global_batch_size"):
+        check_phases_can_start(config_of(tmp_path, cluster__workers=2, cluster__gpu=True))
+    check_phases_can_start(config_of(tmp_path, cluster__workers=1, cluster__gpu=True))
+    # A global batch keeps the step whatever the workers; a finished phase trains no more.
+    check_phases_can_start(config_of(tmp_path, cluster__workers=2, cluster__gpu=True,
+                                     phase1__overrides={"global_batch_size": 16}))
+    check_phases_can_start(config_of(tmp_path, cluster__workers=2, cluster__gpu=True,
+                                     phase1__overrides={"max_steps": 4}))
+
+
 def test_settings_no_output_depends_on_yet_are_free_to_change(tmp_path):
     """A phase that failed at its start (no checkpoint) is run again as corrected: a workdir
     whose vocabulary and shards were made refused the corrected file ("other settings")."""
