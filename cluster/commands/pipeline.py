@@ -337,16 +337,19 @@ def _check_same_model(phase1: TrainConfig, phase2: TrainConfig, vocab_size: int)
 
 def settings_free_to_change(config: PipelineConfig) -> tuple[str, ...]:
     """Phase settings no output depends on yet, which a rerun may change: those of a phase
-    with no checkpoint (none of it, nor of any phase after it, exists: a phase that failed at
-    its start is run again as corrected), and the last phase's length of training (it resumes
+    with no checkpoint, nor any phase after it (a phase that failed at its start is run again
+    as corrected), and the last phase's length of training (it resumes
     to its new max_steps, its warm-up and log cadence following unless given, and the export
     is made again: `bertforge train --resume auto --steps N` likewise). Phase 1's, under a
     phase 2 started from its weights, stays fixed."""
     from bertforge.training.checkpoint import committed_steps
 
     configs = config.train_configs()
-    free = [f"{table}.{name}" for name, cfg in configs.items() if not committed_steps(cfg.run_dir)
-            for table in ("config", "recipes")]
+    free = []
+    for name in reversed(configs):  # a phase after one with a checkpoint may depend on it
+        if committed_steps(configs[name].run_dir):
+            break
+        free[:0] = [f"config.{name}", f"recipes.{name}"]
     last = list(configs)[-1]
     free += [f"config.{last}.overrides.max_steps",
              *(f"recipes.{last}.{key}" for key in ("max_steps", "warmup_steps", "log_every"))]
@@ -379,13 +382,12 @@ def _check_the_same_step_batch(name: str, cfg: TrainConfig, workers: int) -> Non
     takes its step's batch from the number of workers (micro x accumulation x workers), so a
     phase stopped part-way went on with another batch on other workers, and a different model
     came out (DESIGN: the same batches for any number of workers hold with a global batch)."""
-    from bertforge.training.checkpoint import committed_steps, read_metadata
+    from bertforge.training.checkpoint import committed_steps, latest_checkpoint, read_metadata
 
     steps = committed_steps(cfg.run_dir)
     if cfg.global_batch_size is not None or not steps or steps[-1] >= cfg.max_steps:
         return
-    newest = os.path.join(cfg.run_dir, "checkpoints", f"step_{steps[-1]:08d}")
-    started_on = read_metadata(newest).get("world_size")
+    started_on = read_metadata(latest_checkpoint(cfg.run_dir)).get("world_size")
     if not isinstance(started_on, int) or started_on == workers:
         return
     per_worker = cfg.micro_batch_size * cfg.gradient_accumulation_steps

@@ -552,3 +552,6 @@ def test_settings_no_output_depends_on_yet_are_free_to_change(tmp_path):
     (step / "COMMITTED").write_text("{}")
     assert settings_free_to_change(config) == ("config.phase2", "recipes.phase2",
                                                *training_length)
+    # Phase 1's run deleted under a phase 2 started from it: phase 1's settings stay fixed.
+    shutil.move(str(step.parent.parent), str(tmp_path / "work" / "runs" / "phase2"))
+    assert settings_free_to_change(config) == training_length
