@@ -366,6 +366,7 @@ def check_phases_can_start(config: PipelineConfig) -> None:
     from bertforge.training.resolved_engine import check_cpu_engine
 
     here = not (config.cluster.address or config.cluster.gpu)
+    _check_phase2_is_of_phase1_as_it_is(config.train_configs())
     for name, cfg in config.train_configs().items():
         try:
             if cfg.micro_batch_size is not None:  # else the GPU's memory decides it
@@ -375,6 +376,27 @@ def check_phases_can_start(config: PipelineConfig) -> None:
                 check_cpu_engine(cfg.engine())
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None
+
+
+def _check_phase2_is_of_phase1_as_it_is(configs: dict[str, TrainConfig]) -> None:
+    """Phase 2 warm-started from phase 1's weights; a phase 1 trained anew since (its run
+    deleted, say) left phase 2 done by its own checkpoints, and the export phase 2's, of the
+    old weights. A run's id is the time it started, so the order of the two ids says it (a
+    phase 1 resumed keeps its id, and an exact resume its weights)."""
+    from bertforge.training.checkpoint import latest_checkpoint, read_metadata
+
+    if "phase2" not in configs:
+        return
+    newest = [latest_checkpoint(configs[name].run_dir) for name in ("phase1", "phase2")]
+    if None in newest:
+        return
+    phase1_run, phase2_run = (read_metadata(path).get("run_id") for path in newest)
+    if phase1_run and phase2_run and phase1_run > phase2_run:
+        raise ValueError(
+            f"phase1 was trained anew (run {phase1_run}) after phase2 started from its earlier "
+            f"weights (run {phase2_run}): phase 2 and the export hold those; move "
+            f"{configs['phase2'].run_dir} aside (or delete it) to train phase 2 from phase 1 "
+            "as it is now")
 
 
 def _check_the_same_step_batch(name: str, cfg: TrainConfig, workers: int) -> None:

@@ -537,6 +537,29 @@ def test_other_workers_for_a_phase_stopped_part_way_are_refused_where_they_set_t
                                      phase1__overrides={"max_steps": 4}))
 
 
+def test_a_phase2_of_an_earlier_phase1_is_refused(tmp_path):
+    """Phase 1's run deleted and trained anew: phase 2 was done by its own checkpoints and
+    skipped, and the export stayed phase 2's, warm-started from the old phase 1."""
+    config = config_of(tmp_path, phase2={"recipe": "bert_tiny_phase2", "max_seq_length": 128},
+                       cluster__gpu=True)
+
+    def saved(phase: str, run_id: str) -> None:
+        step = tmp_path / "work" / "runs" / phase / "checkpoints" / "step_00000020"
+        step.mkdir(parents=True)
+        (step / "COMMITTED").write_text("{}")
+        (step / "bertforge.json").write_text(json.dumps({"run_id": run_id, "world_size": 2}))
+
+    saved("phase1", "20261128T100000.000Z")
+    saved("phase2", "20261128T110000.000Z")
+    check_phases_can_start(config)  # phase 2 started from phase 1 as it is
+    shutil.rmtree(tmp_path / "work" / "runs" / "phase1")
+    saved("phase1", "20261128T120000.000Z")
+    with pytest.raises(ValueError, match=r"^phase1 was trained anew \(run 20261128T120000.000Z\)"
+                       r" after phase2 started from its earlier weights \(run "
+                       r"20261128T110000.000Z\): phase 2 and the export hold those; move "):
+        check_phases_can_start(config)
+
+
 def test_settings_no_output_depends_on_yet_are_free_to_change(tmp_path):
     """A phase that failed at its start (no checkpoint) is run again as corrected: a workdir
     whose vocabulary and shards were made refused the corrected file ("other settings")."""
