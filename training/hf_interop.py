@@ -450,18 +450,27 @@ def _replace_directory(staging: str, output_dir: str) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-def load_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
-    """The tensors of a Hugging Face directory: model.safetensors, else pytorch_model.bin."""
+def hf_weights_file(hf_dir: str) -> str | None:
+    """A Hugging Face directory's weights file: model.safetensors, else pytorch_model.bin;
+    None when it has neither."""
     for name in HF_WEIGHTS_NAMES:
         path = os.path.join(hf_dir, name)
-        if not os.path.exists(path):
-            continue
-        if name.endswith(".safetensors"):
-            return load_file(path, device="cpu")
-        # weights_only: a pickle from the internet must not run code.
-        return torch.load(path, map_location="cpu", weights_only=True)
-    # Sharded checkpoints (model-0000x-of-0000y) only exist past ~10 GB; BERT never needs them.
-    raise ValueError(f"{hf_dir} has none of {list(HF_WEIGHTS_NAMES)}")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def load_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face directory: model.safetensors, else pytorch_model.bin."""
+    path = hf_weights_file(hf_dir)
+    if path is None:
+        # Sharded checkpoints (model-0000x-of-0000y) only exist past ~10 GB; BERT never needs
+        # them.
+        raise ValueError(f"{hf_dir} has none of {list(HF_WEIGHTS_NAMES)}")
+    if path.endswith(".safetensors"):
+        return load_file(path, device="cpu")
+    # weights_only: a pickle from the internet must not run code.
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def hf_vocab_file(hf_dir: str) -> str | None:

@@ -223,15 +223,14 @@ def _check_complete_checkpoint(
 def check_model_source(source: str) -> str:
     """A warm-start or fine-tuning source: a complete checkpoint, a run directory with one
     (returns the checkpoint), or a Hugging Face directory with config.json and weights."""
-    from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES
+    from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES, hf_weights_file
 
     refuse_storage_uri(source, "a model")
     if not os.path.isdir(source):
         raise MissingInputError(f"model {source}: no such directory")
     if checkpoint.holds_checkpoint(source):
         return check_checkpoint(source)
-    if os.path.exists(os.path.join(source, HF_CONFIG_NAME)) and any(
-            os.path.exists(os.path.join(source, name)) for name in HF_WEIGHTS_NAMES):
+    if os.path.exists(os.path.join(source, HF_CONFIG_NAME)) and hf_weights_file(source):
         return source
     raise UserInputError(
         f"model {source} is neither a complete checkpoint, a run directory with one, nor a "

@@ -21,6 +21,7 @@ from bertforge.training.hf_interop import (
     OPTIONAL_PARTS,
     hf_positions_trained,
     hf_vocab_file,
+    hf_weights_file,
     load_hf_weights,
     pretraining_state_from_any_hf,
     read_hf_config,
@@ -86,7 +87,7 @@ def read_initial_weights(source: str) -> InitialWeights:
         _, (model, metadata) = checkpoint.read_newest(source, checkpoint.load_model)
         return InitialWeights(model.config, model.state_dict(), metadata["vocab_sha256"],
                               checkpoint.positions_trained(metadata))
-    if not any(os.path.exists(os.path.join(source, name)) for name in HF_WEIGHTS_NAMES):
+    if hf_weights_file(source) is None:
         raise ValueError(
             f"init_from {source} is neither a complete checkpoint, a run directory with one, "
             f"nor a Hugging Face directory ({HF_CONFIG_NAME} + {HF_WEIGHTS_NAMES[0]})"

@@ -366,8 +366,9 @@ def check_phases_can_start(config: PipelineConfig) -> None:
     from bertforge.training.resolved_engine import check_cpu_engine
 
     here = not (config.cluster.address or config.cluster.gpu)
-    _check_phase2_is_of_phase1_as_it_is(config.train_configs())
-    for name, cfg in config.train_configs().items():
+    configs = config.train_configs()
+    _check_phase2_is_of_phase1_as_it_is(configs)
+    for name, cfg in configs.items():
         try:
             if cfg.micro_batch_size is not None:  # else the GPU's memory decides it
                 cfg.accumulation_steps(config.cluster.workers)

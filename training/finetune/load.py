@@ -27,6 +27,7 @@ from bertforge.training.hf_interop import (
     encoder_name_map,
     hf_positions_trained,
     hf_vocab_file,
+    hf_weights_file,
     load_hf_weights,
     rename_from_hf,
 )
@@ -169,12 +170,12 @@ def _hf_lower_case(source: str) -> bool:
 def _weights_file_identity(source: str) -> dict[str, Any] | None:
     """Which weights a Hugging Face directory holds now, without reading them: its weights
     file's name, size and modification time (new weights saved there change them)."""
-    for name in HF_WEIGHTS_NAMES:
-        path = os.path.join(source, name)
-        if os.path.exists(path):
-            stat = os.stat(path)
-            return {"file": name, "bytes": stat.st_size, "modified_ns": stat.st_mtime_ns}
-    return None  # random init from a config and a vocabulary alone
+    path = hf_weights_file(source)
+    if path is None:
+        return None  # random init from a config and a vocabulary alone
+    stat = os.stat(path)
+    return {"file": os.path.basename(path), "bytes": stat.st_size,
+            "modified_ns": stat.st_mtime_ns}
 
 
 def _provenance(source: str, kind: str, random_init: bool, vocab_path: str, *,
