@@ -93,6 +93,9 @@ PEER_SEED = 12345  # gpu_peer_hf.py builds its batches from this seed
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(PRESETS), default="large", help="model preset")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="encoder layers (default: the preset's); fewer keep its width, "
+                             "a quicker run (the peer builds whole presets: with --no-peer)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--seq-lens", default="128,512", help="comma-separated (synthetic data)")
     parser.add_argument(
@@ -372,12 +375,18 @@ def train_config(args: argparse.Namespace, case: Case):
     # The recipe's optimizer and precision; one micro-batch per optimizer step.
     return bert_large_phase1(
         case.data_dir or "synthetic", os.path.join(args.output_dir, "unused-run-dir"),
-        model={"preset": args.config}, micro_batch_size=case.micro_batch,
+        model=model_fields(args), micro_batch_size=case.micro_batch,
         global_batch_size=None, gradient_accumulation_steps=1, zero_stage=args.zero_stage,
         precision=args.precision, optimizer=args.optimizer, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, max_predictions=None,
         compile=args.compile, bf16_residual=args.bf16_residual, fp8=args.fp8,
     )
+
+
+def model_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The preset, with `--num-layers` in place of its own where given."""
+    layers = {} if args.num_layers is None else {"num_hidden_layers": args.num_layers}
+    return {"preset": args.config, **layers}
 
 
 def measure(case: Case, args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
@@ -467,6 +476,8 @@ def build_model(args: argparse.Namespace, case: Case, vocab_size: int, cfg):
     from bertforge.training.model import BertForPreTraining, set_math_attention
 
     model_config = BertConfig.preset(args.config, vocab_size=vocab_size)
+    if args.num_layers is not None:
+        model_config = dataclasses.replace(model_config, num_hidden_layers=args.num_layers)
     if not args.dropout:
         model_config = dataclasses.replace(model_config, hidden_dropout_prob=0.0,
                                            attention_probs_dropout_prob=0.0)
@@ -491,13 +502,21 @@ def check_experiments(args: argparse.Namespace, resolved) -> None:
                          "a GPU)")
     if args.compile_mode != "default" and not resolved.config.compile:
         raise SystemExit("--compile-mode needs compiled layers (--compile, the default on a GPU)")
-    if not args.dropout and (args.peer if args.peer is not None else args.device == "cuda"):
+    if args.num_layers is not None and peer_runs(args):
+        raise SystemExit("--num-layers with the peer: it builds the preset's whole model "
+                         "(--no-peer)")
+    if not args.dropout and peer_runs(args):
         raise SystemExit("--no-dropout is a diagnostic beside the defaults, with --no-peer: "
                          "the peer trains with dropout")
     if args.gradient_buckets and (resolved.config.zero_stage != 0
                                   or resolved.config.precision == "fp16"):
         raise SystemExit("--gradient-buckets is stage 0's reduction (not fp16's): "
                          "--zero-stage 0 and bf16 or fp32")
+
+
+def peer_runs(args: argparse.Namespace) -> bool:
+    """Whether the transformers peer runs beside ours: `--peer`, by default on a GPU."""
+    return args.peer if args.peer is not None else args.device == "cuda"
 
 
 def cudagraph_skips() -> int:
@@ -658,6 +677,11 @@ def _inductor_config(result: dict[str, Any]) -> str:
                       for name, value in settings.items()))
 
 
+def _layers(setup: dict[str, Any]) -> str:
+    layers = setup.get("num_layers")
+    return "" if layers is None else f" with {layers} encoder layer{'s' if layers > 1 else ''}"
+
+
 def _compile_mode(setup: dict[str, Any]) -> str:
     mode = setup.get("compile_mode", "default")
     return "" if mode == "default" else f", compile mode {mode} (experiment)"
@@ -674,7 +698,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- command: `{env['command']}`",
         f"- commit: {env['commit'] or 'unknown'}; torch {env['torch']}, CUDA {env['cuda']}, "
         f"DeepSpeed {env['deepspeed']}, Python {env['python']}; {env['world_size']} device(s)",
-        f"- model: {setup['config']} ({first['parameters']:,} parameters), "
+        f"- model: {setup['config']}{_layers(setup)} ({first['parameters']:,} parameters), "
         f"{first['precision']}, ZeRO-{first['zero_stage']}"
         f"{' (fp32 weights under torch.autocast)' if autocast else ''}, {setup['optimizer']}, "
         f"activation checkpointing {'on' if setup['activation_checkpointing'] else 'off'}, "
@@ -820,9 +844,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "environment": environment(args, name, world_size),
         "setup": {key: getattr(args, key) for key in (
-            "config", "precision", "zero_stage", "optimizer", "activation_checkpointing",
-            "compile", "bf16_residual", "fp8", "dropout", "attention", "dropout_mask",
-            "packing", "compile_mode", "steps", "warmup",
+            "config", "num_layers", "precision", "zero_stage", "optimizer",
+            "activation_checkpointing", "compile", "bf16_residual", "fp8", "dropout",
+            "attention", "dropout_mask", "packing", "compile_mode", "steps", "warmup",
             "num_batches",
             "short_seq_prob", "seed")},
         "peak_tflops": peak, "peak_source": peak_source, "matmul_reference": reference,
@@ -841,7 +865,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                       args.tag)
     report["files"] = {"json": json_path, "markdown": md_path}
     write_report(report)  # ours first: a peer cut short by a time limit leaves them written
-    if world_size == 1 and (args.peer if args.peer is not None else args.device == "cuda"):
+    if world_size == 1 and peer_runs(args):
         run_peers(args, cases, report)
     print("\n" + markdown(report))
     print(f"wrote {json_path}\nwrote {md_path}")

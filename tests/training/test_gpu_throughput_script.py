@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from bertforge.training.masking import IGNORE_INDEX
-from bertforge.training.model import BertConfig
+from bertforge.training.model import BertConfig, BertForPreTraining, num_parameters
 from tests.support.alone import alone_env
 from tests.support.synthetic import instance_token_counts, synthetic_batches
 from tests.training.conftest import google_layout_vocab, write_dataset
@@ -267,10 +268,14 @@ def test_a_packed_batch_counts_its_instances_as_the_batch_they_came_from():
 def test_an_inductor_setting_is_an_experiment_of_its_own_run(tmp_path):
     """`--inductor-config NAME=VALUE`: one of inductor's settings for a variant's run (e.g.
     fallback_random, dropout's masks from ATen's kernels instead of drawn inside the fused
-    ones). Same seed and batches: a compiled run's loss moves only if the setting took."""
-    common = [sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny", "--seq-lens", "64",
-              "--micro-batch", "4", "--steps", "2", "--warmup", "1", "--num-batches", "2",
-              "--peak-tflops", "1", "--compile", "--output-dir", str(tmp_path)]
+    ones). Same seed and batches: a compiled run's loss moves only if the setting took.
+    One encoder layer (`--num-layers`): half the kernels to compile of tiny's two."""
+    common = [sys.executable, SCRIPT, "--device", "cpu", "--config", "tiny", "--num-layers", "1",
+              "--seq-lens", "64", "--micro-batch", "4", "--steps", "2", "--warmup", "1",
+              "--num-batches", "2", "--peak-tflops", "1", "--compile", "--output-dir",
+              str(tmp_path)]
+    one_layer = dataclasses.replace(BertConfig.preset("tiny"), num_hidden_layers=1)
+    parameters = num_parameters(BertForPreTraining(one_layer))
     losses = {}
     for tag, flags in (("defaults", []),
                        ("eager-rng", ["--inductor-config", "fallback_random=True"])):
@@ -281,9 +286,11 @@ def test_an_inductor_setting_is_an_experiment_of_its_own_run(tmp_path):
         [result] = json.loads(path.read_text())["results"]
         losses[tag] = result["loss_last"]
         assert result["inductor_config"] == ({"fallback_random": True} if flags else {})
+        assert result["parameters"] == parameters
     assert losses["eager-rng"] != losses["defaults"]
-    assert "inductor fallback_random=True (experiment)" in next(
-        tmp_path.glob("gpu_throughput_*_eager-rng.md")).read_text()
+    table = next(tmp_path.glob("gpu_throughput_*_eager-rng.md")).read_text()
+    assert "inductor fallback_random=True (experiment)" in table
+    assert "- model: tiny with 1 encoder layer (" in table
     gt = load_script()
     assert gt.inductor_setting("triton.cudagraphs=False") == ("triton.cudagraphs", False)
     refusals = [(["--inductor-config", "no_such_setting=1"], "is not NAME=VALUE"),
@@ -291,7 +298,9 @@ def test_an_inductor_setting_is_an_experiment_of_its_own_run(tmp_path):
                 (["--inductor-config", "triton.=1"], "is not NAME=VALUE"),
                 (["--inductor-config", "fallback_random=Tru"], "is no Python literal"),
                 (["--inductor-config", "fallback_random=True", "--no-compile"],
-                 "--inductor-config needs compiled layers")]
+                 "--inductor-config needs compiled layers"),
+                (["--peer"], "--num-layers with the peer"),
+                (["--num-layers", "0"], "num_hidden_layers must be a positive integer")]
     assert_refused(runs_in_one_interpreter(common[2:], [flags for flags, _ in refusals]),
                    [reason for _, reason in refusals])
 
