@@ -4,6 +4,8 @@ steps through it and through DeepSpeed's own stage-0 reduction, with accumulatio
 
 from __future__ import annotations
 
+import os
+import time
 from contextlib import nullcontext
 
 import pytest
@@ -40,7 +42,13 @@ TWIN = {BUCKETS: DEEPSPEED, SET_TO_NONE: DEEPSPEED, UNUSED_BUCKETS: UNUSED_DEEPS
         COMPILED_BUCKETS: COMPILED_DEEPSPEED}
 
 
-def _train(rank: int, precision: str, reduction: str) -> dict:
+def _wait_for(path: str, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _train(rank: int, precision: str, reduction: str, compiled_flag: str) -> dict:
     """MICRO_STEPS micro-steps of the default engine on this rank's batches; what a test checks:
     the final weights, the all-reduces started per micro-step and how many gradients the
     backward had accumulated when each started, and the boundary micro-step's operations.
@@ -87,6 +95,10 @@ def _train(rank: int, precision: str, reduction: str) -> dict:
     dist.all_reduce = recording_all_reduce
     try:
         for micro_step in range(MICRO_STEPS):
+            # Rank 1 compiles after rank 0, from inductor's cache: the same graphs, built once
+            # on a fresh machine. Safe to wait: an accumulating micro-step has no collective.
+            if compiled and micro_step == 0 and rank == 1:
+                _wait_for(compiled_flag)
             started.append([])
             accumulated[0] = 0
             batch = _batch(rank, micro_step)
@@ -98,6 +110,8 @@ def _train(rank: int, precision: str, reduction: str) -> dict:
                 engine.step()
             if reduction == SET_TO_NONE and boundary:
                 model.zero_grad()  # after the optimizer's step
+            if compiled and micro_step == 0 and rank == 0:
+                open(compiled_flag, "w").close()
     finally:
         dist.all_reduce = all_reduce
     result = {"weights": [p.detach().clone() for p in parameters], "initial": initial,
@@ -122,7 +136,7 @@ def _rank(rank: int, port: int, out: str) -> None:
             for reduction in (BUCKETS, DEEPSPEED)] + [
         ("fp32", reduction) for reduction in (SET_TO_NONE, UNUSED_BUCKETS, UNUSED_DEEPSPEED)] + [
         ("bf16", reduction) for reduction in (COMPILED_BUCKETS, COMPILED_DEEPSPEED)]
-    results = {run: _train(rank, *run) for run in runs}
+    results = {run: _train(rank, *run, compiled_flag=out + ".compiled") for run in runs}
     # Every rank ends with the same weights (checked on rank 0 against rank 1's).
     theirs = [None, None]
     dist.all_gather_object(theirs, {key: r["weights"] for key, r in results.items()})
