@@ -154,6 +154,7 @@ def _summary(data_dir: str, seconds: float) -> dict[str, Any]:
                 "num_instances": s.num_instances,
                 "num_documents": s.num_documents,
                 "num_shards": len(s.shards),
+                "num_empty_shards": sum(shard.num_rows == 0 for shard in s.shards),
             }
             for name, s in result.splits.items()
         },
@@ -242,6 +243,7 @@ def _dataflow_job_ended(submitted: dict[str, Any], error: BaseException) -> None
 def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over: bool
          ) -> dict[str, Any]:
     start = time.monotonic()
+    _warn_past_bert_positions(config.max_seq_length)
     pipeline, files = _build(config, options, start_over)
     options = pipeline.options
     runner = options.view_as(StandardOptions).runner
@@ -348,6 +350,22 @@ def _is_local(runner: str) -> bool:
     return runner.split(".")[-1] in ("DirectRunner", "direct")
 
 
+# The positions of every BERT preset and of Google's and Hugging Face's BERT checkpoints
+# (training.model.BertConfig.max_position_embeddings; pipelines do not import training).
+BERT_POSITIONS = 512
+
+
+def _warn_past_bert_positions(max_seq_length: int) -> None:
+    """A length train refuses unless the model is made for it: said before the job runs,
+    not after hours of it, when `train` refuses the dataset."""
+    if max_seq_length > BERT_POSITIONS:
+        logger.warning(
+            "--max-seq-length %d is past the %d positions of BERT's presets and published "
+            "checkpoints: training on this dataset needs a model with max_position_embeddings "
+            ">= %d, which no preset has (a BertConfig field of the model's)", max_seq_length,
+            BERT_POSITIONS, max_seq_length)
+
+
 def _warn_on_thin_splits(splits: dict[str, dict[str, int]]) -> None:
     """Data that trains without a word but cannot teach what it should: a dataset of one book
     trained NSP on a constant label (its loss fell to 0.22), and its empty validation split was
@@ -362,14 +380,27 @@ def _warn_on_thin_splits(splits: dict[str, dict[str, int]]) -> None:
         logger.warning(
             "the validation split is empty (it holds out whole documents): --eval-every and "
             "`bertforge eval` will have nothing to score; add documents")
+    # More shards asked for than a split has instances: the rest are written empty (an empty
+    # split has its own warning above).
+    flags = {"train": "--num-shards", "validation": "--num-validation-shards"}
+    for name, split in splits.items():
+        if split.get("num_instances") and split.get("num_empty_shards"):
+            logger.warning(
+                "%d of the %s split's %d shards are empty: it has %d instances; %s sets how "
+                "many shards", split["num_empty_shards"], name, split["num_shards"],
+                split["num_instances"], flags.get(name, "--num-shards"))
 
 
 def _warn_on_casing_mismatch(vocab: dict[str, int], lower_case: bool) -> None:
-    """An uncased vocab with --lower_case=false (or the reverse) silently maps words to [UNK]."""
+    """An uncased vocab with --no-lower-case (or the reverse) silently maps words to [UNK].
+    Each message names the setting as `prepare` and as a pipeline file spell it (the
+    pipeline's prepares take `[vocab] lower_case`)."""
     num_upper = sum(token[:1].isupper() for token in vocab if not token.startswith("["))
     if lower_case and num_upper > 0.05 * len(vocab):
         logger.warning(
-            "--lower_case=true, but %d vocabulary entries are capitalized: a cased vocab?",
+            "lower-casing is on (prepare's default; a pipeline file's [vocab] lower_case), but "
+            "%d vocabulary entries are capitalized: a cased vocab? If so, prepare with "
+            "--no-lower-case ([vocab] lower_case = false)",
             num_upper,
         )
     # ASCII capitals only: Google's uncased vocab keeps a few capitals of other scripts ("ℝ"),
@@ -377,8 +408,10 @@ def _warn_on_casing_mismatch(vocab: dict[str, int], lower_case: bool) -> None:
     if not lower_case and not any("A" <= token.lstrip("#")[:1] <= "Z" for token in vocab
                                   if not token.startswith("[")):
         logger.warning(
-            "--lower_case=false, but no vocabulary entry starts with a capital A-Z: an uncased "
-            "vocab? If so, capitalized words become [UNK] or pieces: pass --lower_case=true"
+            "lower-casing is off (--no-lower-case; a pipeline file's [vocab] lower_case = "
+            "false), but no vocabulary entry starts with a capital A-Z: an uncased vocab? If "
+            "so, capitalized words become [UNK] or pieces: leave lower-casing on (without "
+            "--no-lower-case; [vocab] lower_case = true)"
         )
 
 

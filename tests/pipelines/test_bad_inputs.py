@@ -189,5 +189,40 @@ def test_a_dataset_that_cannot_teach_nsp_or_be_evaluated_is_warned_of(tmp_path, 
     write_jsonl(many, [{"text": f"Document {d} begins. " + text} for d in range(60)])
     with caplog.at_level("WARNING", logger="bertforge"):
         run(prepare_config([str(many)], str(tmp_path / "o2"), small_vocab))
-    assert not [r for r in caplog.records if "document" in r.getMessage()
-                and r.levelname == "WARNING"]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_shards_left_empty_are_warned_of_with_the_flag_that_sets_them(tmp_path, small_vocab,
+                                                                       caplog):
+    """More validation shards asked for than the split has instances: the rest are written
+    empty, and the warning says how many and which flag sets them."""
+    text = " ".join(f"Sentence number {i} is here." for i in range(12))
+    corpus = tmp_path / "docs.jsonl"
+    write_jsonl(corpus, [{"text": f"Document {d} begins. " + text} for d in range(20)])
+    with caplog.at_level("WARNING", logger="bertforge"):
+        summary = run(prepare_config([str(corpus)], str(tmp_path / "out"), small_vocab,
+                                     num_validation_shards=40))
+    validation = summary["splits"]["validation"]
+    assert 0 < validation["num_instances"] < 40 == validation["num_shards"]
+    empty = 40 - validation["num_instances"]
+    assert validation["num_empty_shards"] == empty
+    assert summary["splits"]["train"]["num_empty_shards"] == 0
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said == [f"{empty} of the validation split's 40 shards are empty: it has "
+                    f"{validation['num_instances']} instances; --num-validation-shards sets "
+                    "how many shards"], said
+
+
+def test_a_length_past_berts_positions_is_warned_of_before_the_job(tmp_path, small_vocab,
+                                                                   caplog):
+    """`train` refuses a dataset longer than its model's positions (512 in every preset and
+    published checkpoint); prepare says so first, naming what would train on it."""
+    corpus = tmp_path / "docs.jsonl"
+    write_jsonl(corpus, [{"text": f"Document {d} begins. Then it ends."} for d in range(4)])
+    with caplog.at_level("WARNING", logger="bertforge"):
+        run(prepare_config([str(corpus)], str(tmp_path / "out"), small_vocab,
+                           max_seq_length=1024))
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert ("--max-seq-length 1024 is past the 512 positions of BERT's presets and published "
+            "checkpoints: training on this dataset needs a model with max_position_embeddings "
+            ">= 1024, which no preset has (a BertConfig field of the model's)") in said, said

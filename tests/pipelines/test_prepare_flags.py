@@ -119,7 +119,7 @@ def test_beams_worker_start_notice_is_kept_off_the_console(caplog):
 
 @pytest.mark.parametrize("lower_case", [True, False])
 def test_a_vocabulary_of_the_other_casing_is_warned_about(lower_case, caplog):
-    """Google's uncased vocab with --lower_case=false went unsaid (one capital of another
+    """Google's uncased vocab with --no-lower-case went unsaid (one capital of another
     script, "ℝ", passed for cased): 9.5 % of a Wikipedia excerpt's tokens became [UNK]."""
     from bertforge.pipelines.contract.tokenization import parse_vocab
     from bertforge.pipelines.prepare import _warn_on_casing_mismatch
@@ -132,7 +132,10 @@ def test_a_vocabulary_of_the_other_casing_is_warned_about(lower_case, caplog):
         _warn_on_casing_mismatch(uncased, lower_case)
         _warn_on_casing_mismatch(cased, lower_case)
     warned = [record.getMessage() for record in caplog.records]
+    # Each names the setting as prepare's flag and as a pipeline file's key says it.
     if lower_case:
         assert len(warned) == 1 and "a cased vocab?" in warned[0]
+        assert "--no-lower-case ([vocab] lower_case = false)" in warned[0]
     else:
         assert len(warned) == 1 and "an uncased vocab?" in warned[0]
+        assert "(without --no-lower-case; [vocab] lower_case = true)" in warned[0]
