@@ -222,6 +222,23 @@ def test_prefetch_thread_stops(dataset_dir):
     assert loader.state_dict()["batches_consumed"] == 0
 
 
+def test_a_newer_iterator_takes_over_and_the_older_one_says_so(dataset_dir):
+    """The loader has one position: two iterators interleaved would each skip the other's
+    batches. The older one ended quietly, an epoch cut short without a word; now it raises."""
+    loader = PretrainingLoader(dataset_dir, batch_size=4, seed=0, prefetch=2)
+    first = iter(loader)
+    taken = next(first)
+    second = iter(loader)
+    with pytest.raises(RuntimeError, match=r"a newer iter\(\) of this PretrainingLoader took "
+                       "over its position"):
+        next(first)
+    rest = list(second)  # the newer one goes on from the older one's position
+    assert len(rest) == len(loader) - 1
+    assert not any(torch.equal(taken["input_ids"], b["input_ids"]) for b in rest
+                   if b["input_ids"].shape == taken["input_ids"].shape)
+    assert loader.state_dict()["batches_consumed"] == len(loader)
+
+
 def test_validation_split_and_frequencies(dataset_dir):
     loader = PretrainingLoader(dataset_dir, "validation", batch_size=5, seed=0, drop_last=False)
     assert sum(len(b["input_ids"]) for b in loader) == 13

@@ -70,7 +70,9 @@ class PretrainingLoader:
             micro-batch holds the instances it holds unpacked, only laid out otherwise.
 
     Iterating yields the batches of the current epoch from the current position and stops at
-    the end of the epoch; `set_epoch` moves to another. `state_dict()` counts the batches handed
+    the end of the epoch; `set_epoch` moves to another (and ends the live iterator). One
+    iterator at a time: a new `iter()` takes over the position, and the one before raises if
+    used again. `state_dict()` counts the batches handed
     to the consumer (not those prefetched), so a checkpoint taken mid-epoch resumes exactly.
     """
 
@@ -229,7 +231,14 @@ class PretrainingLoader:
     # -- iteration --------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        self._close_live()  # one live iterator at a time: positions must not interleave
+        # One live iterator at a time: the loader has one position. The one it replaces raises
+        # if used again, rather than end its epoch early without a word.
+        live = self._live() if self._live is not None else None
+        if live is not None:
+            live.replaced(
+                "a newer iter() of this PretrainingLoader took over its position: one iterator "
+                "at a time (go on with the newer one; a second loader reads on its own)")
+        self._live = None
         epoch, order = self._epoch, self.epoch_order(self._epoch)
         iterator = BatchIterator(
             functools.partial(self.make_batch, order, epoch),

@@ -61,6 +61,7 @@ class BatchIterator:
         handed_out: Callable[[int], None],
     ):
         self._closed = False  # first: __del__ runs even if the rest fails
+        self._replaced_why: str | None = None
         self._queue: queue.Queue | None = None
         self._make_batch, self._handed_out = make_batch, handed_out
         self._next, self._end = start, end
@@ -79,6 +80,8 @@ class BatchIterator:
         return self
 
     def __next__(self) -> Any:
+        if self._replaced_why is not None:
+            raise RuntimeError(self._replaced_why)
         if self._closed or self._next >= self._end:
             self.close()
             raise StopIteration
@@ -92,6 +95,12 @@ class BatchIterator:
         self._next += 1
         self._handed_out(self._next)  # counted when handed out, not when prepared
         return item
+
+    def replaced(self, why: str) -> None:
+        """Closed because another iterator took over the position: each later `next` raises
+        `why` (ending quietly would hand the consumer a shorter epoch without a word)."""
+        self.close()
+        self._replaced_why = why
 
     def close(self) -> None:
         """Stop the prefetch thread and wait for it; safe to call more than once."""
