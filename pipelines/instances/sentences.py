@@ -15,6 +15,11 @@ import threading
 import blingfire
 
 PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+# blingfire does not end a sentence at the danda (U+0964) or double danda (U+0965), the full
+# stop of Hindi, Marathi, Nepali, Bengali and Sanskrit: a whole paragraph came back as one
+# sentence, and a document of such paragraphs was rejected as too_few_sentences. Cut after one
+# where whitespace follows (a danda inside a token, as in a quoted verse number, stays).
+DANDA_END = re.compile(r"(?<=[\u0964\u0965])\s+")
 
 
 def split_paragraphs(text: str) -> list[str]:
@@ -54,10 +59,11 @@ def split_sentences(text: str) -> list[str]:
     """The sentences of `text` in order, each stripped, none empty."""
     sentences: list[str] = []
     for paragraph in split_paragraphs(text):
-        for sentence in _text_to_sentences(paragraph).split("\n"):
-            sentence = sentence.strip()
-            if sentence:
-                sentences.append(sentence)
+        for line in _text_to_sentences(paragraph).split("\n"):
+            for sentence in DANDA_END.split(line):
+                sentence = sentence.strip()
+                if sentence:
+                    sentences.append(sentence)
     return sentences
 
 

@@ -38,6 +38,17 @@ def test_book_is_one_document_with_crlf_and_bom(tmp_path):
     ]
 
 
+def test_a_danda_ends_a_sentence_as_a_full_stop_does():
+    """Hindi (and Marathi, Nepali, Bengali) end sentences with a danda, which blingfire does
+    not split at: a Hindi document was one sentence, rejected as too_few_sentences."""
+    hindi = "भारत एक देश है। यह बहुत बड़ा है॥ दिल्ली इसकी राजधानी है।"
+    assert split_sentences(hindi) == ["भारत एक देश है।", "यह बहुत बड़ा है॥",
+                                      "दिल्ली इसकी राजधानी है।"]
+    # Mixed with English, and a danda with no space after it, are left as they were.
+    assert split_sentences("He said: नमस्ते। Then he left. पद १।२") == [
+        "He said: नमस्ते।", "Then he left.", "पद १।२"]
+
+
 def test_real_crlf_book_reads_like_lf(tmp_path):
     path = shared_data_file("melville-moby_dick.txt")
     (doc,) = _read(path, "books")
