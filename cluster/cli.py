@@ -88,6 +88,10 @@ def _add_vocab(commands) -> None:
     add_flag(p, VocabConfig, "inputs", required=True, metavar="INPUT")
     add_flag(p, VocabConfig, "output", required=True)
     add_flags(p, VocabConfig)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a vocab.txt already in --output that holds other tokens "
+                        "(without it such a run is refused; the same vocabulary again is left "
+                        "as it is)")
     p.set_defaults(handler=_run_vocab)
 
 
@@ -271,13 +275,15 @@ def _add_glue(commands) -> None:
 
 def _run_vocab(args: argparse.Namespace) -> None:
     from bertforge.pipelines.contract.config_fields import given_values
-    from bertforge.pipelines.vocab import train_wordpiece_vocab
+    from bertforge.pipelines.vocab import train_keeping_another
     from bertforge.pipelines.vocab_options import VocabConfig
 
     config = VocabConfig(inputs=tuple(args.inputs), output=args.output,
                          **given_values(args, VocabConfig))
     refuse_output_in_the_jobs_copy(config.output, "--output")
-    path = train_wordpiece_vocab(config)
+    # The datasets and models of a vocab.txt already there read their ids by it: not replaced
+    # by other tokens unasked.
+    path = train_keeping_another(config, overwrite=args.overwrite)
     _log_in_output_dir(config.output, "vocab")
     print(path)
 

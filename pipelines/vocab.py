@@ -37,7 +37,8 @@ VOCAB_FILE_NAME = "vocab.txt"
 def train_wordpiece_vocab(
     config: VocabConfig, *, min_frequency: int = 2, limit_alphabet: int = 1000
 ) -> str:
-    """Train on the corpus files of `config.inputs`; return the path of `config.output`/vocab.txt.
+    """Train on the corpus files of `config.inputs`; return the path of `config.output`/vocab.txt
+    (replaced if there was one).
     The inputs are what `prepare --input` takes: files, directories or globs, with a format
     prefix where wanted (`books:DIR/*.txt`), read by the same readers (JSON Lines, Parquet, wiki
     dumps, books, one sentence per line).
@@ -45,6 +46,39 @@ def train_wordpiece_vocab(
     `[PAD] [UNK] [CLS] [SEP] [MASK]` get ids 0-4 (Google's uncased file has 0, 100, 101, 102, 103,
     but only the names matter to every consumer here). The corpus is streamed, never loaded whole.
     """
+    tokens = wordpiece_tokens(config, min_frequency=min_frequency, limit_alphabet=limit_alphabet)
+    return write_vocab(tokens, config)
+
+
+def train_keeping_another(config: VocabConfig, *, overwrite: bool) -> str:
+    """`bertforge vocab`: as `train_wordpiece_vocab`, but a vocab.txt already in the output that
+    holds other tokens is kept, and the run refused, unless `overwrite`: the datasets prepared
+    with it, and the models trained on them, read their ids by it. The same vocabulary again
+    (the same corpus and settings: training is deterministic) is left as it is."""
+    tokens = wordpiece_tokens(config)
+    path = os.path.join(config.output, VOCAB_FILE_NAME)
+    if overwrite or not os.path.isfile(path):
+        return write_vocab(tokens, config)
+    with open(path, "rb") as f:
+        existing = f.read()
+    if existing == _vocab_bytes(tokens):
+        logger.info("vocab: %s already holds this vocabulary (%d tokens): unchanged", path,
+                    len(tokens))
+        return path
+    theirs = existing.decode("utf-8", "replace").splitlines()
+    pairs = zip(theirs, tokens, strict=False)  # the shorter's end, where all else agrees
+    differ = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(theirs), len(tokens)))
+    raise ValueError(
+        f"{path} holds another vocabulary than these inputs and settings give ({len(theirs)} "
+        f"tokens against {len(tokens)}, first apart at id {differ}): the datasets prepared with "
+        "it and the models trained on them read their ids by it; give another --output, or "
+        "--overwrite to replace it")
+
+
+def wordpiece_tokens(
+    config: VocabConfig, *, min_frequency: int = 2, limit_alphabet: int = 1000
+) -> list[str]:
+    """The vocabulary `train_wordpiece_vocab` writes, in id order, trained and checked."""
     vocab_size, lower_case, output_dir = config.vocab_size, config.lower_case, config.output
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):  # before minutes of reading
         raise ValueError(f"--output {output_dir} is a file; give a directory ({VOCAB_FILE_NAME} "
@@ -71,17 +105,7 @@ def train_wordpiece_vocab(
     tokens = sorted(vocab, key=vocab.__getitem__)
     assert tokens[: len(SPECIAL_TOKENS)] == list(SPECIAL_TOKENS), tokens[:10]
     assert [vocab[t] for t in tokens] == list(range(len(tokens))), "ids must be dense"
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, VOCAB_FILE_NAME)
-    try:
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(token + "\n" for token in tokens)
-        os.replace(path + ".tmp", path)  # renamed in whole: a half-written vocab.txt never exists
-    except BaseException:
-        with contextlib.suppress(OSError):  # a full disk: its part would keep the disk full
-            os.remove(path + ".tmp")
-        raise
-    logger.info("vocab: %d tokens from %d files -> %s", len(tokens), len(paths), path)
+    logger.info("vocab: %d tokens from %d files", len(tokens), len(paths))
     if len(tokens) > vocab_size:  # the special tokens and the alphabet are always kept
         logger.warning(
             "vocab: %d tokens, more than the %d asked for: the special tokens and the corpus's "
@@ -92,7 +116,28 @@ def train_wordpiece_vocab(
             "vocab: %d tokens, fewer than the %d asked for: the corpus has no more pieces "
             "worth a token (a larger corpus gives more; the model's vocabulary is %d)",
             len(tokens), vocab_size, len(tokens))
+    return tokens
+
+
+def write_vocab(tokens: list[str], config: VocabConfig) -> str:
+    """`config.output`/vocab.txt, one token a line in id order, renamed in whole: a
+    half-written vocab.txt never exists."""
+    os.makedirs(config.output, exist_ok=True)
+    path = os.path.join(config.output, VOCAB_FILE_NAME)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            f.write(_vocab_bytes(tokens))
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk: its part would keep the disk full
+            os.remove(path + ".tmp")
+        raise
+    logger.info("vocab: wrote %s", path)
     return path
+
+
+def _vocab_bytes(tokens: list[str]) -> bytes:
+    return "".join(token + "\n" for token in tokens).encode("utf-8")
 
 
 CONTINUATION = "##"  # WordPiece's prefix of a piece inside a word

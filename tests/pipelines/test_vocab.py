@@ -154,6 +154,39 @@ def test_a_vocabulary_larger_than_asked_says_so(tmp_path, caplog):
         f"characters alone take that many (the model's vocabulary is {size})"]
 
 
+def test_bertforge_vocab_keeps_another_vocabulary_unless_told_to_replace_it(tmp_path):
+    """`bertforge vocab` over a vocab.txt of other tokens replaced it without a word, and with
+    it the ids of every dataset prepared and model trained with it. Now it is refused (exit 2)
+    and kept; the same vocabulary again is left as it is; --overwrite replaces it."""
+    import subprocess
+    import sys
+
+    cats, dogs = tmp_path / "cats.txt", tmp_path / "dogs.txt"
+    cats.write_text("The cat sat on the mat.\nA cat naps.\n" * 20, encoding="utf-8")
+    dogs.write_text("Dogs bark at the postman.\nDogs run.\n" * 20, encoding="utf-8")
+    out = tmp_path / "vocab"
+
+    def vocab(corpus, *flags) -> subprocess.CompletedProcess:
+        return subprocess.run([os.path.join(os.path.dirname(sys.executable), "bertforge"),
+                               "vocab", "--input", str(corpus), "--output", str(out),
+                               "--vocab-size", "60", *flags],
+                              capture_output=True, text=True, timeout=120)
+
+    assert vocab(cats).returncode == 0
+    made = (out / "vocab.txt").read_bytes()
+    again = vocab(cats)
+    assert again.returncode == 0 and "already holds this vocabulary" in again.stderr + again.stdout
+    assert (out / "vocab.txt").read_bytes() == made
+    refused = vocab(dogs)
+    assert refused.returncode == 2, refused.stderr
+    assert (f"{out}/vocab.txt holds another vocabulary than these inputs and settings give"
+            in refused.stderr) and "--overwrite to replace it" in refused.stderr
+    assert (out / "vocab.txt").read_bytes() == made
+    assert sorted(os.listdir(out)) == ["logs", "vocab.txt"]  # nothing half-made beside it
+    assert vocab(dogs, "--overwrite").returncode == 0
+    assert (out / "vocab.txt").read_bytes() != made
+
+
 def test_missing_input_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="matches no file"):
         train_wordpiece_vocab(VocabConfig((str(tmp_path / "nothing-*.jsonl"),),
