@@ -237,6 +237,9 @@ def test_a_newer_iterator_takes_over_and_the_older_one_says_so(dataset_dir):
     assert not any(torch.equal(taken["input_ids"], b["input_ids"]) for b in rest
                    if b["input_ids"].shape == taken["input_ids"].shape)
     assert loader.state_dict()["batches_consumed"] == len(loader)
+    iter(loader)  # an iterator that had ended stays ended
+    with pytest.raises(StopIteration):
+        next(second)
 
 
 def test_validation_split_and_frequencies(dataset_dir):

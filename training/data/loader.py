@@ -71,9 +71,9 @@ class PretrainingLoader:
 
     Iterating yields the batches of the current epoch from the current position and stops at
     the end of the epoch; `set_epoch` moves to another (and ends the live iterator). One
-    iterator at a time: a new `iter()` takes over the position, and the one before raises if
-    used again. `state_dict()` counts the batches handed
-    to the consumer (not those prefetched), so a checkpoint taken mid-epoch resumes exactly.
+    iterator at a time: a new `iter()` takes over the position, and an unfinished one before
+    it raises if used again. `state_dict()` counts the batches handed to the consumer (not
+    those prefetched), so a checkpoint taken mid-epoch resumes exactly.
     """
 
     def __init__(

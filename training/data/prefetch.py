@@ -98,7 +98,10 @@ class BatchIterator:
 
     def replaced(self, why: str) -> None:
         """Closed because another iterator took over the position: each later `next` raises
-        `why` (ending quietly would hand the consumer a shorter epoch without a word)."""
+        `why` (ending quietly would hand the consumer a shorter epoch without a word). One that
+        had ended already stays ended."""
+        if self._closed:
+            return
         self.close()
         self._replaced_why = why
 
