@@ -275,10 +275,12 @@ def _add_glue(commands) -> None:
 
 def _run_vocab(args: argparse.Namespace) -> None:
     from bertforge.pipelines.contract.config_fields import given_values
+    from bertforge.pipelines.read.inputs_transform import input_patterns
     from bertforge.pipelines.vocab import train_keeping_another
     from bertforge.pipelines.vocab_options import VocabConfig
 
-    config = VocabConfig(inputs=tuple(args.inputs), output=args.output,
+    # As prepare takes them: repeated, or comma-separated.
+    config = VocabConfig(inputs=input_patterns(args.inputs), output=args.output,
                          **given_values(args, VocabConfig))
     refuse_output_in_the_jobs_copy(config.output, "--output")
     # The datasets and models of a vocab.txt already there read their ids by it: not replaced

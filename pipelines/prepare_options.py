@@ -32,6 +32,7 @@ from bertforge.pipelines.contract.config_fields import (
 )
 from bertforge.pipelines.instances.pairing import check_max_seq_length
 from bertforge.pipelines.local.options import LocalRunnerOptions  # its flags are Beam's too
+from bertforge.pipelines.read.inputs_transform import input_patterns
 
 # A launch choice, not a job option: return once a job that runs elsewhere (Dataflow) is submitted.
 NO_WAIT_FLAGS = ("--no-wait", "--no_wait")
@@ -185,9 +186,7 @@ def parse_command_line(argv: Sequence[str]) -> PrepareCommand:
     parsed, beam_args = parser.parse_known_args(list(argv))
     check_beam_args(beam_args)
     values = given_values(parsed, PrepareConfig)
-    values["inputs"] = tuple(
-        p.strip() for entry in values.get("inputs", ()) for p in entry.split(",") if p.strip()
-    )
+    values["inputs"] = input_patterns(values.get("inputs", ()))
     return PrepareCommand(PrepareConfig(**values), tuple(beam_args), wait=not parsed.no_wait)
 
 

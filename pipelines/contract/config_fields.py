@@ -212,6 +212,8 @@ def _argument(cls: type, f: dataclasses.Field, kind: Any, beam: bool) -> dict[st
             variadic = Ellipsis in items  # tuple[str, ...]; tuple[float, float] takes 2
             options.update(type=items[0], nargs="+" if variadic else len(items),
                            metavar=items[0].__name__.upper())
+            if variadic:  # `--input a --input b` is both, as `--input a b` (not b alone)
+                options["action"] = "extend"
     elif typing.get_origin(kind) is dict:
         raise TypeError(f"{cls.__name__}.{f.name} is a table: it has no flag form, so its "
                         "declaration must mark it NO_FLAG")

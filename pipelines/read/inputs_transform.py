@@ -38,6 +38,11 @@ class InputFile(NamedTuple):
     byte_range: tuple[int, int] | None = None  # None: the whole file
 
 
+def input_patterns(entries) -> tuple[str, ...]:
+    """`--input` as given (repeated, or comma-separated lists) -> one pattern each."""
+    return tuple(p.strip() for entry in entries for p in entry.split(",") if p.strip())
+
+
 def match_inputs(patterns: tuple[str, ...], output: str | None = None
                  ) -> list[tuple[str, str | None]]:
     """(file, forced format or None) of every file the patterns match, sorted; a clear error

@@ -187,6 +187,27 @@ def test_bertforge_vocab_keeps_another_vocabulary_unless_told_to_replace_it(tmp_
     assert (out / "vocab.txt").read_bytes() != made
 
 
+def test_every_input_is_read_however_the_flag_lists_them(tmp_path):
+    """`vocab --input A --input B` read B alone (the last flag won), where prepare reads both;
+    a comma-separated list matched no file. Now each form reads both, as prepare's does."""
+    import subprocess
+    import sys
+
+    (tmp_path / "a.txt").write_text("Alpha apples arrive.\nAlpha again.\n" * 10, "utf-8")
+    (tmp_path / "b.txt").write_text("Beta bananas bounce.\nBeta again.\n" * 10, "utf-8")
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.txt")
+    for number, inputs in enumerate((["--input", a, "--input", b], ["--input", a, b],
+                                     ["--input", f"{a},{b}"])):
+        out = tmp_path / f"v{number}"
+        done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "bertforge"),
+                               "vocab", *inputs, "--output", str(out), "--vocab-size", "80"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        tokens = (out / "vocab.txt").read_text("utf-8").split()
+        assert {"alpha", "beta"} <= set(tokens), (inputs, tokens)
+        assert "tokens from 2 files" in done.stderr, done.stderr
+
+
 def test_missing_input_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="matches no file"):
         train_wordpiece_vocab(VocabConfig((str(tmp_path / "nothing-*.jsonl"),),
