@@ -185,7 +185,7 @@ def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = F
     check_gcs_paths([("--output", config.output), ("--temp_location", google.temp_location),
                      ("--staging_location", google.staging_location)]
                     + [("--input", split_format(pattern)[1]) for pattern in config.inputs])
-    files = match_inputs(config.inputs, config.output)
+    files = match_inputs(config.inputs, config.output, config.vocab)
     vocab_bytes = read_bytes(config.vocab)
     # A vocabulary that is no BERT one is refused before anything of the output is touched.
     vocab = parse_vocab(vocab_bytes, config.vocab)

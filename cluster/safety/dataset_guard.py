@@ -137,9 +137,9 @@ def differences_from_dataset(output: str, config, *, inputs_may_be_gone: bool = 
         paths = []
         for pattern in config.inputs:
             with contextlib.suppress(ValueError):  # matches nothing now
-                paths += [path for path, _ in match_inputs((pattern,), output)]
+                paths += [path for path, _ in match_inputs((pattern,), output, config.vocab)]
     else:
-        paths = [path for path, _ in match_inputs(config.inputs, output)]
+        paths = [path for path, _ in match_inputs(config.inputs, output, config.vocab)]
     return dataset_differences(found, config, paths, sha256_of(config.vocab), sizes_of(paths),
                                gone_is_a_difference=not inputs_may_be_gone, moved=moved)
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import bz2
 import glob
+import json
 import logging
 import os
+import re
 from typing import NamedTuple
 
 import apache_beam as beam
@@ -43,8 +45,8 @@ def input_patterns(entries) -> tuple[str, ...]:
     return tuple(p.strip() for entry in entries for p in entry.split(",") if p.strip())
 
 
-def match_inputs(patterns: tuple[str, ...], output: str | None = None
-                 ) -> list[tuple[str, str | None]]:
+def match_inputs(patterns: tuple[str, ...], output: str | None = None,
+                 vocab: str | None = None) -> list[tuple[str, str | None]]:
     """(file, forced format or None) of every file the patterns match, sorted; a clear error
     for a bad pattern. The format itself is chosen where the file is read (`detect_format`).
 
@@ -52,6 +54,7 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None
     are not corpus: skipped. Nor is anything under `output`, the job's own directory (a
     dataset made into `corpus/shards` from `corpus/`): its shards, manifest and log would be
     read as text by the next run, and that run's changed inputs refused as another dataset.
+    Nor is `vocab`, prepare's vocabulary, where it lies among the corpus files.
     """
     files: dict[str, str | None] = {}
     named: dict[str, str] = {}  # a file's location -> the path it was first named by
@@ -86,6 +89,9 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None
             logger.info("leaving out %d file(s) under --output %s: the job's own, not corpus",
                         len(ours), output)
         for path in matched:
+            if vocab and readers.input_location(path) == readers.input_location(vocab):
+                logger.info("leaving out %s: the --vocab, not corpus", path)
+                continue
             if wiki_xml.is_multistream_index(path):
                 logger.info("skipping %s: a multistream index, used to split its dump", path)
                 continue
@@ -122,12 +128,46 @@ def _inside(directory: str):
 def files_under(directory: str) -> list[str]:
     """Every file under a local directory, in its subdirectories too (WikiExtractor writes
     `AA/wiki_00`, `AB/wiki_00`, ...), sorted; hidden subdirectories (`.git`, `.cache`) are left
-    out, hidden files kept. Symbolic links to directories are not followed."""
+    out, hidden files kept. Symbolic links to directories are not followed.
+
+    bertforge's own outputs there are no corpus and are left out too: a dataset (a folder with
+    bertforge's manifest.json, whose shards, vocabulary and logs were read as text), a `vocab`
+    output's vocab.txt, and the commands' logs (`logs/prepare.log`, ...)."""
     found = []
     for folder, subfolders, names in os.walk(directory):
+        if folder != directory and _is_dataset(folder, names):
+            subfolders[:] = []
+            logger.info("leaving out %s: a bertforge dataset, not corpus", folder)
+            continue
         subfolders[:] = [d for d in subfolders if not d.startswith(".")]
-        found += [os.path.join(folder, name) for name in names]
+        ours = _our_files(folder, names)
+        found += [os.path.join(folder, name) for name in names if name not in ours]
     return sorted(found)
+
+
+# The log files bertforge's commands write into an output's or a run's `logs/` folder.
+_OUR_LOG = re.compile(r"(prepare|vocab|train|eval|export|finetune|glue|pipeline|demo"
+                      r"|worker-\d+)\.log")
+
+
+def _is_dataset(folder: str, names: list[str]) -> bool:
+    if "manifest.json" not in names:
+        return False
+    try:
+        with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
+            return json.load(f).get("created_by") == "bertforge"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _our_files(folder: str, names: list[str]) -> set[str]:
+    """The names in `folder` that a bertforge command wrote: a `vocab` output's vocab.txt
+    (beside its logs/vocab.log), and the commands' logs."""
+    if os.path.basename(folder) == "logs":
+        return {name for name in names if _OUR_LOG.fullmatch(name)}
+    if "vocab.txt" in names and os.path.isfile(os.path.join(folder, "logs", "vocab.log")):
+        return {"vocab.txt"}
+    return set()
 
 
 def _refuse_dangling_links(entry: str, matches: list[str]) -> None:

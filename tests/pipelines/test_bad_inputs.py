@@ -226,3 +226,32 @@ def test_a_length_past_berts_positions_is_warned_of_before_the_job(tmp_path, sma
     assert ("--max-seq-length 1024 is past the 512 positions of BERT's presets and published "
             "checkpoints: training on this dataset needs a model with max_position_embeddings "
             ">= 1024, which no preset has (a BertConfig field of the model's)") in said, said
+
+
+def test_bertforge_outputs_inside_the_corpus_folder_are_not_read_as_corpus(tmp_path,
+                                                                           small_vocab):
+    """`prepare --input corpus` read what bertforge had written under corpus/ as text: the
+    --vocab file, a `vocab` output's vocab.txt and log, an earlier dataset's shards, manifest
+    and vocabulary, a run's logs. Only the corpus is read; a user's own folders named `logs`
+    or files named vocab.txt elsewhere still are."""
+    import shutil
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = " ".join(f"Sentence number {i} is here." for i in range(12))
+    write_jsonl(corpus / "docs.jsonl", [{"text": f"Document {d} begins. " + text}
+                                        for d in range(8)])
+    shutil.copy(small_vocab, corpus / "my-vocab.txt")  # the --vocab, kept beside the corpus
+    (corpus / "vocab" / "logs").mkdir(parents=True)  # what `bertforge vocab` leaves
+    shutil.copy(small_vocab, corpus / "vocab" / "vocab.txt")
+    (corpus / "vocab" / "logs" / "vocab.log").write_text("vocab: 120 tokens\n")
+    (corpus / "run" / "logs").mkdir(parents=True)  # a run's logs
+    (corpus / "run" / "logs" / "train.log").write_text("[train] step 1/3 | loss 9.9\n")
+    (corpus / "notes" / "logs").mkdir(parents=True)  # the user's own, read as before
+    (corpus / "notes" / "logs" / "diary.txt").write_text("Dear diary. Today was long.\n")
+    run(prepare_config([str(corpus)], str(corpus / "ds"), str(corpus / "my-vocab.txt")))
+    shutil.copytree(corpus / "ds", corpus / "ds-copy")  # an earlier dataset in the folder
+    run(prepare_config([str(corpus)], str(tmp_path / "out"), str(corpus / "my-vocab.txt")))
+    read = sorted(os.path.relpath(path, corpus)
+                  for path in manifest.read_manifest(str(tmp_path / "out")).input_files)
+    assert read == ["docs.jsonl", "notes/logs/diary.txt"], read
