@@ -106,12 +106,35 @@ def _has_content(output: str) -> bool:
 
 
 def refuse_another_dataset(output: str, config) -> None:
+    refuse_another_vocabulary(output, config.vocab)
     differences = differences_from_dataset(output, config)
     if differences:
         raise DatasetConflict(
             f"{output} holds a dataset made from other inputs or settings (differs in: "
             f"{'; '.join(differences)}); use another --output, or add {OVERWRITE_FLAG} to "
             "replace it")
+
+
+def refuse_another_vocabulary(output: str, vocab: str) -> None:
+    """A vocab.txt in an output that holds no dataset is not a dataset's copy: most likely a
+    `bertforge vocab` output, whose datasets read their ids by it. prepare writes its own
+    vocabulary there, so one of other tokens is refused (a dataset's copy is compared with
+    the dataset's identity)."""
+    from bertforge.pipelines.contract.manifest import MANIFEST_NAME, VOCAB_NAME
+    from bertforge.pipelines.filesystem import sha256_of
+
+    there = os.path.join(output, VOCAB_NAME)
+    if os.path.isfile(os.path.join(output, MANIFEST_NAME)) or not os.path.isfile(there):
+        return
+    try:
+        if sha256_of(there) == sha256_of(vocab):
+            return
+    except OSError:
+        return  # an unreadable --vocab: the job's own check names it
+    raise DatasetConflict(
+        f"{there} holds another vocabulary than --vocab {vocab}, and {output} holds no dataset: "
+        f"prepare would write --vocab over it; use another --output, or add {OVERWRITE_FLAG} "
+        "to replace it")
 
 
 def differences_from_dataset(output: str, config, *, inputs_may_be_gone: bool = False,

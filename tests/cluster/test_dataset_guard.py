@@ -94,6 +94,28 @@ def test_a_training_run_is_no_dataset_folder(inputs, tmp_path, capsys):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
 
 
+def test_a_vocabulary_folder_is_not_written_over_by_another_vocabulary(inputs, tmp_path,
+                                                                       capsys):
+    """`prepare --output work/vocab` (a `bertforge vocab` output, no dataset) wrote --vocab over
+    its vocab.txt without a word, and with it the ids the user's datasets read by. The same
+    vocabulary there is no conflict; --overwrite replaces it."""
+    folder = tmp_path / "vocab"
+    folder.mkdir()
+    (folder / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nmine\n", "utf-8")
+    mine = (folder / "vocab.txt").read_bytes()
+    assert prepare(inputs, folder) == 2
+    assert (f"{folder}/vocab.txt holds another vocabulary than --vocab {inputs / 'vocab.txt'}, "
+            f"and {folder} holds no dataset") in one_error_line(capsys)
+    assert sorted(p.name for p in folder.iterdir()) == ["vocab.txt"]
+    assert (folder / "vocab.txt").read_bytes() == mine
+    same = tmp_path / "same"
+    same.mkdir()
+    (same / "vocab.txt").write_bytes((inputs / "vocab.txt").read_bytes())
+    assert prepare(inputs, same) == 0
+    assert prepare(inputs, folder, "--overwrite") == 0
+    assert (folder / "vocab.txt").read_bytes() == (inputs / "vocab.txt").read_bytes()
+
+
 def test_a_dataset_inside_its_corpus_folder_is_never_read_as_corpus(inputs, tmp_path, capsys):
     """`--input corpus --output corpus/shards`: the second run read the first one's shards,
     manifest and log as text, so the same job again was refused as another dataset, and
