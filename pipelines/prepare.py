@@ -136,7 +136,7 @@ class PrepareDataset(beam.PTransform):
         )
 
 
-def _summary(data_dir: str, seconds: float) -> dict[str, Any]:
+def dataset_summary(data_dir: str, seconds: float) -> dict[str, Any]:
     if "://" in data_dir:
         result = manifest.Manifest.from_dict(
             json.loads(read_bytes(FileSystems.join(data_dir, manifest.MANIFEST_NAME)))
@@ -276,7 +276,7 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
             raise ValueError(message) from error
         raise
     local_job.after_success(pipeline.runner, config.output)
-    summary = _summary(config.output, time.monotonic() - start)
+    summary = dataset_summary(config.output, time.monotonic() - start)
     _warn_on_thin_splits(summary["splits"])
     summary["metrics"] = _counters(result)
     if submitted is not None:

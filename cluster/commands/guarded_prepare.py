@@ -14,13 +14,14 @@ from typing import Any
 from bertforge.cluster.launch import local_ray
 from bertforge.cluster.safety.dataset_guard import OVERWRITE_FLAG, is_local, writing_dataset
 from bertforge.pipelines.local.work_dir import WORK_DIR_NAME
-from bertforge.pipelines.prepare import run_command
+from bertforge.pipelines.prepare import dataset_summary, run_command
 from bertforge.pipelines.prepare_options import PrepareCommand
 
 OVERWRITE_HELP = (
     f"{OVERWRITE_FLAG} replaces a dataset already in the output directory that other inputs, "
     "vocabulary or instance parameters made (without it such a run is refused, naming what "
-    "differs; the same job again is always allowed). A dataset that a running train or eval "
+    "differs; the same job again over a finished dataset has nothing to do and says so, and "
+    "over a stopped one continues it). A dataset that a running train or eval "
     "reads is never replaced.\n"
     "A local run records its work in OUTPUT/.prepare-work as it goes: after a kill (kill -9, "
     f"Ctrl-C, a reboot) the same command continues it; {OVERWRITE_FLAG} starts over instead.\n")
@@ -35,7 +36,30 @@ def prepare_guarded(command: PrepareCommand, *, overwrite: bool) -> dict[str, An
         raise ValueError(f"--output {output} is a file; give a directory for the dataset")
     with stoppable_beam_job(output), \
             writing_dataset(output, command.config, overwrite=overwrite):
+        # Past the guard, a dataset there is this job's (or --overwrite was given).
+        if not overwrite and is_local(output) and dataset_complete(output):
+            print(f"[prepare] {output} already holds this dataset (the same inputs and "
+                  "settings): nothing to do", flush=True)
+            return {**dataset_summary(output, 0.0), "unchanged": True}
         return run_command(command, start_over=overwrite)
+
+
+def dataset_complete(output: str) -> bool:
+    """A finished dataset: its manifest, every shard it lists, and no work of a run that was
+    stopped. The same job again then has nothing to do; it used to delete the manifest first
+    and redo the whole job (hours on a large corpus), and a kill meanwhile lost the dataset."""
+    from bertforge.pipelines.contract.manifest import MANIFEST_NAME, read_manifest
+
+    output = output.removeprefix("file://")
+    if (not os.path.isfile(os.path.join(output, MANIFEST_NAME))
+            or os.path.isdir(os.path.join(output, WORK_DIR_NAME))):
+        return False
+    try:
+        found = read_manifest(output)
+    except (ValueError, KeyError, OSError):
+        return False
+    return all(os.path.isfile(os.path.join(output, shard.path))
+               for split in found.splits.values() for shard in split.shards)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 
 import pytest
 
@@ -59,8 +60,19 @@ def test_another_dataset_is_refused_unless_asked_and_the_same_job_runs_again(
             "dupe_factor 1 -> 2; seed 12345 -> 7)") in line and "--overwrite" in line
     assert manifest_bytes(output) == first  # untouched
 
-    assert prepare(inputs, output) == 0  # the same job: allowed, the same bytes
-    assert manifest_bytes(output) == first
+    # The same job: nothing to do (it deleted the manifest, redid every shard, and a kill
+    # meanwhile lost the dataset), unless a shard is gone: then it is made again, the same.
+    stamp = os.stat(output / "manifest.json").st_mtime_ns
+    assert prepare(inputs, output) == 0
+    said = capsys.readouterr()
+    assert f"[prepare] {output} already holds this dataset" in said.out
+    assert json.loads(said.out[said.out.index("{"):])["unchanged"] is True
+    assert os.stat(output / "manifest.json").st_mtime_ns == stamp
+    shard = next((output / "train").glob("*.arrow"))
+    shard.unlink()
+    assert prepare(inputs, output) == 0
+    assert "already holds" not in capsys.readouterr().out
+    assert shard.exists() and manifest_bytes(output) == first
 
     assert prepare(inputs, output, "--dupe-factor=2", "--overwrite") == 0
     assert json.loads(manifest_bytes(output))["instance_params"]["dupe_factor"] == 2
