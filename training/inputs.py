@@ -114,23 +114,29 @@ def _check_remote_dataset(data_dir: str, splits: tuple[str, ...]) -> DatasetFact
     return DatasetFacts.from_manifest(manifest, data_dir)
 
 
-def check_run_dir(run_dir: str) -> str:
-    """`run_dir`, absolute, once it exists (created if need be) and a file can be written in it."""
+def check_run_dir(run_dir: str, what: str = "run directory") -> str:
+    """`run_dir`, absolute, once it exists (created if need be) and a file can be written in it.
+    `what` names it in the errors (an export's checks its output's parent here)."""
     refuse_run_dir_uri(run_dir)
     path = os.path.abspath(run_dir)
     root = next((r for r in _REFUSED_ROOTS if path == r or path.startswith(r + os.sep)), None)
     if root is not None:
-        raise UserInputError(f"run directory {run_dir} is under {root}, a pseudo filesystem; "
+        raise UserInputError(f"{what} {run_dir} is under {root}, a pseudo filesystem; "
                              "give a directory on a real disk")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserInputError(f"run directory {run_dir} is a file, not a directory")
+    # The nearest existing folder above: a file there (afile/hf/...) cannot hold a directory.
+    above = path
+    while not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise UserInputError(f"{what} {run_dir} is a file, not a directory" if above == path
+                             else f"{what} {run_dir}: {above} is a file, not a directory")
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as error:
         raise UserInputError(
-            f"run directory {run_dir} cannot be created or written ({error.strerror or error})"
+            f"{what} {run_dir} cannot be created or written ({error.strerror or error})"
         ) from error
     return path
 
@@ -254,7 +260,7 @@ def check_output_dir(output: str) -> str:
     if os.path.exists(path) and not is_empty_directory(path):
         raise UserInputError(f"output {output} exists; give a new directory (an export never "
                              "writes over one)")
-    check_run_dir(os.path.dirname(path))
+    check_run_dir(os.path.dirname(path), f"--output {output}: its folder")
     return path
 
 

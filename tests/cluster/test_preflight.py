@@ -74,6 +74,17 @@ def test_run_directory_errors_are_refused_before_ray(dataset, tmp_path, capsys, 
     a_file.write_text("not a directory")
     refused(["train", "--data", dataset, "--run-dir", str(a_file)], capsys,
             f"run directory {a_file} is a file")
+    refused(["train", "--data", dataset, "--run-dir", str(a_file / "run")], capsys,
+            f"run directory {a_file / 'run'}: {a_file} is a file, not a directory")
+    # An export's output is named as such (it was called a run directory).
+    from bertforge.training.errors import UserInputError
+    from bertforge.training.inputs import check_output_dir
+    with pytest.raises(UserInputError, match=f"--output {a_file / 'hf'}: its folder {a_file} is "
+                                             "a file, not a directory"):
+        check_output_dir(str(a_file / "hf"))
+    with pytest.raises(UserInputError, match="--output /proc/hf: its folder /proc is under "
+                                             "/proc, a pseudo filesystem"):
+        check_output_dir("/proc/hf")
     refused(["train", "--data", dataset, "--run-dir", "/proc/self/run"], capsys,
             "is under /proc, a pseudo filesystem")
     monkeypatch.chdir(tmp_path)
