@@ -15,6 +15,7 @@ from bertforge.training.checkpoint import (
 )
 from bertforge.training.hf_interop import (
     HF_CONFIG_NAME,
+    HF_TOKENIZER_NAME,
     hf_config_dict,
     to_hf_state_dict,
     write_hf_directory,
@@ -58,6 +59,28 @@ def exported_source(output_dir: str) -> dict:
         return json.load(f)[SOURCE_KEY]
 
 
+# What an export writes; each must be there, the weights whole, for it to count as made.
+EXPORT_FILES = (HF_CONFIG_NAME, "model.safetensors", "vocab.txt", HF_TOKENIZER_NAME,
+                "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _whole(output_dir: str) -> bool:
+    """Every file of an export there, and model.safetensors as long as its header says (an
+    export is renamed in whole: only damage from outside leaves one short)."""
+    if not all(os.path.isfile(os.path.join(output_dir, name)) for name in EXPORT_FILES):
+        return False
+    weights = os.path.join(output_dir, "model.safetensors")
+    try:
+        with open(weights, "rb") as f:
+            header_size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_size))
+        end = max((entry["data_offsets"][1] for name, entry in header.items()
+                   if name != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return os.path.getsize(weights) == 8 + header_size + end
+
+
 def export_already_made(checkpoint_or_run_dir: str, output_dir: str) -> dict | None:
     """The source of the export in `output_dir` when it is of the very checkpoint that
     `checkpoint_or_run_dir` names now (a rerun of a finished export, e.g. one whose process was
@@ -65,7 +88,7 @@ def export_already_made(checkpoint_or_run_dir: str, output_dir: str) -> dict | N
     The very checkpoint: its path, and the run and step its bertforge.json names (a run
     started again with `--resume never` writes new weights under the same step's path)."""
     try:
-        if not os.path.isfile(os.path.join(output_dir, HF_CONFIG_NAME)):
+        if not _whole(output_dir):
             return None
         source = exported_source(output_dir)
         newest, metadata = read_newest(checkpoint_or_run_dir, read_metadata)

@@ -209,6 +209,19 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
     assert done.returncode == 0 and "already holds this export" in done.stdout, done.stderr
     assert os.listdir(scratch) == [] and (run_dir / "logs" / "export.log").exists()
     assert {name: os.stat(hf / name).st_mtime_ns for name in os.listdir(hf)} == written
+    # Damaged from outside (weights cut short, a file gone) it is no longer this export: it
+    # was "nothing to do" all the same.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(hf, damaged)
+    with open(damaged / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(damaged / "model.safetensors") - 100)
+    refused(["export", str(run_dir), "--output", str(damaged)], capsys,
+            f"output {damaged} exists")
+    shutil.rmtree(damaged)
+    shutil.copytree(hf, damaged)
+    (damaged / "vocab.txt").unlink()
+    refused(["export", str(run_dir), "--output", str(damaged)], capsys,
+            f"output {damaged} exists")
     # A new run there (--resume never) saves other weights under the same step's path: the
     # export no longer holds them ("nothing to do" before, with the old run's weights).
     train(TrainConfig(data_dir=dataset, run_dir=str(run_dir), model=TINY, max_steps=1,
