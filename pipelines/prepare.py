@@ -277,7 +277,7 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
         raise
     local_job.after_success(pipeline.runner, config.output)
     summary = dataset_summary(config.output, time.monotonic() - start)
-    _warn_on_thin_splits(summary["splits"])
+    _warn_on_thin_splits(summary["splits"], holds_out=config.validation_fraction > 0)
     summary["metrics"] = _counters(result)
     if submitted is not None:
         summary["dataflow_job"] = submitted["console"]
@@ -366,17 +366,18 @@ def _warn_past_bert_positions(max_seq_length: int) -> None:
             BERT_POSITIONS, max_seq_length)
 
 
-def _warn_on_thin_splits(splits: dict[str, dict[str, int]]) -> None:
+def _warn_on_thin_splits(splits: dict[str, dict[str, int]], holds_out: bool = True) -> None:
     """Data that trains without a word but cannot teach what it should: a dataset of one book
     trained NSP on a constant label (its loss fell to 0.22), and its empty validation split was
-    only found by `--eval-every` or `eval`."""
+    only found by `--eval-every` or `eval` (`holds_out`: unless none was asked for)."""
     train = splits.get("train", {})
     if train.get("num_documents", 0) == 1:
         logger.warning(
             "the training split holds 1 document: next-sentence prediction draws its random "
             "second segment from another document, so every pair here is a real next and NSP "
             "learns a constant label; add documents (each article, book or record is one)")
-    if train.get("num_instances") and not splits.get("validation", {}).get("num_instances"):
+    if (holds_out and train.get("num_instances")
+            and not splits.get("validation", {}).get("num_instances")):
         logger.warning(
             "the validation split is empty (it holds out whole documents): --eval-every and "
             "`bertforge eval` will have nothing to score; add documents")

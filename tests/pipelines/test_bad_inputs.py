@@ -190,6 +190,11 @@ def test_a_dataset_that_cannot_teach_nsp_or_be_evaluated_is_warned_of(tmp_path, 
     with caplog.at_level("WARNING", logger="bertforge"):
         run(prepare_config([str(many)], str(tmp_path / "o2"), small_vocab))
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    caplog.clear()  # no validation split asked for: none missed
+    with caplog.at_level("WARNING", logger="bertforge"):
+        run(prepare_config([str(many)], str(tmp_path / "o3"), small_vocab,
+                           validation_fraction=0.0, num_validation_shards=0))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def test_shards_left_empty_are_warned_of_with_the_flag_that_sets_them(tmp_path, small_vocab,
