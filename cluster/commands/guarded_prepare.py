@@ -38,8 +38,9 @@ def prepare_guarded(command: PrepareCommand, *, overwrite: bool) -> dict[str, An
             writing_dataset(output, command.config, overwrite=overwrite):
         # Past the guard, a dataset there is this job's (or --overwrite was given).
         if not overwrite and is_local(output) and dataset_complete(output):
-            print(f"[prepare] {output} already holds this dataset (the same inputs and "
-                  "settings): nothing to do", flush=True)
+            if not command.quiet:  # --quiet: the summary only
+                print(f"[prepare] {output} already holds this dataset (the same inputs and "
+                      "settings): nothing to do", flush=True)
             return {**dataset_summary(output, 0.0), "unchanged": True}
         return run_command(command, start_over=overwrite)
 

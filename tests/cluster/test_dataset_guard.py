@@ -68,6 +68,8 @@ def test_another_dataset_is_refused_unless_asked_and_the_same_job_runs_again(
     assert f"[prepare] {output} already holds this dataset" in said.out
     assert json.loads(said.out[said.out.index("{"):])["unchanged"] is True
     assert os.stat(output / "manifest.json").st_mtime_ns == stamp
+    assert prepare(inputs, output, "--quiet") == 0  # the summary alone
+    assert json.loads(capsys.readouterr().out)["unchanged"] is True
     shard = next((output / "train").glob("*.arrow"))
     shard.unlink()
     assert prepare(inputs, output) == 0

@@ -153,8 +153,14 @@ def test_the_heartbeat_is_refreshed_and_a_lost_lock_reported(tmp_path, capsys):
         first = lock_record(tmp_path)["heartbeat"]
         time.sleep(0.3)
         assert lock_record(tmp_path)["heartbeat"] > first
-        lock.heartbeat_seconds = 0.6  # the next beat comes after our write, not during it
-        time.sleep(0.15)
+        # The next beat after our write, not during it: a beat seen after the change waits
+        # 0.6 s before the next (a fixed sleep here lost that race on a loaded machine, and
+        # the beat wrote over the other run's lock between its read and its write).
+        lock.heartbeat_seconds = 0.6
+        beat = lock_record(tmp_path)["heartbeat"]
+        deadline = time.monotonic() + 10
+        while lock_record(tmp_path)["heartbeat"] == beat and time.monotonic() < deadline:
+            time.sleep(0.002)
         write_lock(tmp_path, host="node-9", token="someone else")
         time.sleep(1.0)
         assert lock_record(tmp_path)["host"] == "node-9"  # never overwritten once lost
