@@ -65,20 +65,18 @@ EXPORT_FILES = (HF_CONFIG_NAME, "model.safetensors", "vocab.txt", HF_TOKENIZER_N
 
 
 def _whole(output_dir: str) -> bool:
-    """Every file of an export there, and model.safetensors as long as its header says (an
-    export is renamed in whole: only damage from outside leaves one short)."""
+    """Every file of an export there, and model.safetensors as long as its header says
+    (safetensors refuses one cut short; an export is renamed in whole: only damage from outside
+    leaves one short)."""
+    from safetensors import SafetensorError, safe_open
+
     if not all(os.path.isfile(os.path.join(output_dir, name)) for name in EXPORT_FILES):
         return False
-    weights = os.path.join(output_dir, "model.safetensors")
     try:
-        with open(weights, "rb") as f:
-            header_size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_size))
-        end = max((entry["data_offsets"][1] for name, entry in header.items()
-                   if name != "__metadata__"), default=0)
-    except (OSError, ValueError, KeyError, TypeError):
+        with safe_open(os.path.join(output_dir, "model.safetensors"), "pt"):
+            return True
+    except (OSError, SafetensorError):
         return False
-    return os.path.getsize(weights) == 8 + header_size + end
 
 
 def export_already_made(checkpoint_or_run_dir: str, output_dir: str) -> dict | None:

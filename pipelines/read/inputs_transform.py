@@ -20,6 +20,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import TaggedOutput
 
 from bertforge.pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, count, reject_output
+from bertforge.pipelines.contract.manifest import MANIFEST_NAME, VOCAB_NAME
 from bertforge.pipelines.filesystem import open_raw
 from bertforge.pipelines.log_only import LOG_ONLY
 from bertforge.pipelines.read import readers, wiki_xml
@@ -151,10 +152,10 @@ _OUR_LOG = re.compile(r"(prepare|vocab|train|eval|export|finetune|glue|pipeline|
 
 
 def _is_dataset(folder: str, names: list[str]) -> bool:
-    if "manifest.json" not in names:
+    if MANIFEST_NAME not in names:
         return False
     try:
-        with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
+        with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as f:
             return json.load(f).get("created_by") == "bertforge"
     except (OSError, ValueError, AttributeError):
         return False
@@ -165,8 +166,8 @@ def _our_files(folder: str, names: list[str]) -> set[str]:
     (beside its logs/vocab.log), and the commands' logs."""
     if os.path.basename(folder) == "logs":
         return {name for name in names if _OUR_LOG.fullmatch(name)}
-    if "vocab.txt" in names and os.path.isfile(os.path.join(folder, "logs", "vocab.log")):
-        return {"vocab.txt"}
+    if VOCAB_NAME in names and os.path.isfile(os.path.join(folder, "logs", "vocab.log")):
+        return {VOCAB_NAME}
     return set()
 
 

@@ -233,12 +233,9 @@ class PretrainingLoader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         # One live iterator at a time: the loader has one position. The one it replaces raises
         # if used again, rather than end its epoch early without a word.
-        live = self._live() if self._live is not None else None
-        if live is not None:
-            live.replaced(
-                "a newer iter() of this PretrainingLoader took over its position: one iterator "
-                "at a time (go on with the newer one; a second loader reads on its own)")
-        self._live = None
+        self._close_live(
+            replaced_why="a newer iter() of this PretrainingLoader took over its position: one "
+            "iterator at a time (go on with the newer one; a second loader reads on its own)")
         epoch, order = self._epoch, self.epoch_order(self._epoch)
         iterator = BatchIterator(
             functools.partial(self.make_batch, order, epoch),
@@ -305,9 +302,12 @@ class PretrainingLoader:
         return pack_batch(batch, pad_id=self.pad_id, row_length=self.max_seq_length,
                           max_per_row=self.packing.max_per_row)
 
-    def _close_live(self) -> None:
+    def _close_live(self, replaced_why: str | None = None) -> None:
+        """End the live iterator; with `replaced_why`, an unfinished one raises it if used."""
         live = self._live() if self._live is not None else None
-        if live is not None:
+        if live is not None and replaced_why:
+            live.replaced(replaced_why)
+        elif live is not None:
             live.close()
         self._live = None
 
