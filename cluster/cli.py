@@ -321,6 +321,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from bertforge.pipelines.dataset_stats import format_report, inspect_dataset
     from bertforge.pipelines.verify_dataset import format_verification, verify_dataset
 
+    if args.samples < 0:
+        raise ValueError(f"--samples must be at least 0, got {args.samples}")
     if args.verify:
         verification = verify_dataset(args.data_dir)
         if not verification.ok:

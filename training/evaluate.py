@@ -151,8 +151,13 @@ def evaluate_checkpoint(
     max_batches = options.max_batches
     total = len(loader) if max_batches is None else min(max_batches, len(loader))
     progress = EvalProgress(total, every_seconds=progress_seconds)
-    progress.say(f"[eval] {checkpoint_path}: {counted(total, 'batch', 'batches')} of "
-                 f"{options.batch_size} ({options.split})")
+    # The sequences scored, and their batches' size only where there are several (a batch of 200
+    # said of 16 sequences read as 200 scored).
+    scored = min(loader.num_samples, total * options.batch_size)
+    batches = counted(total, "batch", "batches") + (f" of {options.batch_size}" if total > 1
+                                                     else "")
+    progress.say(f"[eval] {checkpoint_path}: {counted(scored, 'sequence', 'sequences')} of "
+                 f"the {options.split} split in {batches}")
     trained = positions_trained(metadata)
     if loader.max_seq_length > trained:  # as `finetune` warns of a longer fine-tune
         progress.say(f"[eval] warning: {data_dir} holds sequences of up to "

@@ -147,6 +147,11 @@ class Manifest:
 def read_manifest(data_dir: str) -> Manifest:
     """Read and parse `DIR/manifest.json`; a clear error when the directory is incomplete."""
     path = os.path.join(data_dir, MANIFEST_NAME)
+    # Not "afile/manifest.json not found". A FileNotFoundError, as a missing manifest: every
+    # caller takes that one for "no dataset there" (a user error, not retried).
+    if os.path.isfile(data_dir):
+        raise FileNotFoundError(f"{data_dir} is a file, not a prepared dataset (a directory "
+                                f"holding {MANIFEST_NAME} and its shards)")
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"{path} not found: {data_dir} is not a prepared dataset, or its preparation "

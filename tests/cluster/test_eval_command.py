@@ -40,6 +40,8 @@ def test_a_validation_split_alone_is_scored_against_its_own_baseline(short_model
     result = json.loads(out[out.index("{"):])
     assert result["num_sequences"] == 16
     assert 0 < result["mlm_baseline_accuracy"] < 1
+    # Its first line counts what it scores: 16 sequences, not "1 batch of 64".
+    assert f"[eval] {ckpt}: 16 sequences of the validation split in 1 batch\n" in out
 
 
 def test_data_longer_than_the_models_positions_is_refused_before_scoring(short_model, capsys):

@@ -200,7 +200,7 @@ def test_eval_shows_progress_is_limited_by_max_batches_and_prints_only_its_own(o
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr == ""
     assert foreign_lines(result.stdout, json_lines(result.stdout)) == []
-    assert "[eval] " in result.stdout and ": 3 batches of 2 (validation)" in result.stdout
+    assert ": 6 sequences of the validation split in 3 batches of 2\n" in result.stdout
     assert json.loads("\n".join(json_lines(result.stdout)))["num_sequences"] == 6
     # DeepSpeed's logger (imported to read the checkpoint) went to the run's log instead.
     log = open(os.path.join(observed["run_dir"], "logs", "eval.log"), encoding="utf-8").read()

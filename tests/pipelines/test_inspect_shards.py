@@ -119,3 +119,15 @@ def test_verify_names_specials_out_of_place_and_bad_labels(tmp_path):
     (problem,) = verify_dataset(str(tmp_path / "data")).problems
     assert problem.startswith(f"{path}: [CLS]/[SEP] are not where")
     assert " in row 1 (" in problem
+
+
+def test_inspect_of_a_file_or_a_negative_sample_count_is_one_line(tmp_path, capsys):
+    """`inspect afile` said `afile/manifest.json not found`; `--samples -1` was taken."""
+    from tests.support.refusals import refused
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a dataset\n")
+    refused(["inspect", str(afile)], capsys, f"{afile} is a file, not a prepared dataset")
+    _write_dataset(str(tmp_path / "data"), [([2, 5, 3, 6, 3], 3, 0)])
+    refused(["inspect", str(tmp_path / "data"), "--samples", "-1"], capsys,
+            "--samples must be at least 0, got -1")
