@@ -28,6 +28,16 @@ from bertforge.pipelines.read.input_files import detect_format, format_mismatch,
 from bertforge.pipelines.read.records import Reject
 
 logger = logging.getLogger(__name__)
+# What the input walk left out and said so, in this process: the dataset guard and the job
+# walk the same inputs, and a rerun said each "leaving out" twice.
+_SAID: set[str] = set()
+
+
+def _say_once(message: str, *args) -> None:
+    text = message % args
+    if text not in _SAID:
+        _SAID.add(text)
+        logger.info(text)
 
 
 FORMATS = "formats"  # the tag of ReadFile's (path, format, chosen_by) per input file
@@ -87,14 +97,14 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
                 raise ValueError(f"--input {entry!r} matches no file outside --output {output} "
                                  "(the output directory is never read as corpus): keep the "
                                  "corpus and the output apart")
-            logger.info("leaving out %d file(s) under --output %s: the job's own, not corpus",
+            _say_once("leaving out %d file(s) under --output %s: the job's own, not corpus",
                         len(ours), output)
         for path in matched:
             if vocab and readers.input_location(path) == readers.input_location(vocab):
-                logger.info("leaving out %s: the --vocab, not corpus", path)
+                _say_once("leaving out %s: the --vocab, not corpus", path)
                 continue
             if wiki_xml.is_multistream_index(path):
-                logger.info("skipping %s: a multistream index, used to split its dump", path)
+                _say_once("skipping %s: a multistream index, used to split its dump", path)
                 continue
             # The same file named twice (`corpus/a.txt`, `./corpus/a.txt`) is read once, as the
             # later naming says (`corpus`, then `books:corpus/a.txt`).
@@ -138,7 +148,7 @@ def files_under(directory: str) -> list[str]:
     for folder, subfolders, names in os.walk(directory):
         if folder != directory and _is_dataset(folder, names):
             subfolders[:] = []
-            logger.info("leaving out %s: a bertforge dataset, not corpus", folder)
+            _say_once("leaving out %s: a bertforge dataset, not corpus", folder)
             continue
         subfolders[:] = [d for d in subfolders if not d.startswith(".")]
         ours = _our_files(folder, names)

@@ -260,3 +260,24 @@ def test_bertforge_outputs_inside_the_corpus_folder_are_not_read_as_corpus(tmp_p
     read = sorted(os.path.relpath(path, corpus)
                   for path in manifest.read_manifest(str(tmp_path / "out")).input_files)
     assert read == ["docs.jsonl", "notes/logs/diary.txt"], read
+
+
+def test_what_the_input_walk_leaves_out_is_said_once(tmp_path, small_vocab, caplog):
+    """The dataset guard and the job walk the same inputs: a rerun of `prepare --input corpus`
+    said "leaving out corpus/ds: a bertforge dataset" twice."""
+    import logging
+    import shutil
+
+    from bertforge.pipelines.read.inputs_transform import match_inputs
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_jsonl(corpus / "docs.jsonl", [{"text": "One sentence. Another one."}])
+    (corpus / "ds").mkdir()
+    shutil.copy(small_vocab, corpus / "ds" / "vocab.txt")
+    (corpus / "ds" / "manifest.json").write_text('{"created_by": "bertforge"}')
+    with caplog.at_level(logging.INFO, logger="bertforge.pipelines.read.inputs_transform"):
+        for _ in range(2):
+            assert match_inputs((str(corpus),)) == [(str(corpus / "docs.jsonl"), None)]
+    said = [r.getMessage() for r in caplog.records if "a bertforge dataset" in r.getMessage()]
+    assert said == [f"leaving out {corpus / 'ds'}: a bertforge dataset, not corpus"]
