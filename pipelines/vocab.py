@@ -94,7 +94,8 @@ def wordpiece_tokens(
                     show_progress=False)
     # Pass 1, no merges: the alphabet and the `##` characters (a set: the same in every run).
     skipped: Counter = Counter()
-    texts = _counted(iter_texts(paths, formats, skipped))
+    read_from: set[str] = set()
+    texts = _counted(iter_texts(paths, formats, skipped, read_from))
     pieces = _train(texts, lower_case, vocab_size=1, special_tokens=list(SPECIAL_TOKENS),
                     **settings)
     _check_read(texts.count, skipped, len(paths))
@@ -105,7 +106,9 @@ def wordpiece_tokens(
     tokens = sorted(vocab, key=vocab.__getitem__)
     assert tokens[: len(SPECIAL_TOKENS)] == list(SPECIAL_TOKENS), tokens[:10]
     assert [vocab[t] for t in tokens] == list(range(len(tokens))), "ids must be dense"
-    logger.info("vocab: %d tokens from %d files", len(tokens), len(paths))
+    # The files that gave text, not those named (the warning above counted what was skipped).
+    read = len(read_from)
+    logger.info("vocab: %d tokens from %d file%s", len(tokens), read, "" if read == 1 else "s")
     if len(tokens) > vocab_size:  # the special tokens and the alphabet are always kept
         logger.warning(
             "vocab: %d tokens, more than the %d asked for: the special tokens and the corpus's "

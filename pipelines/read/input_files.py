@@ -232,12 +232,14 @@ def open_local(path: str) -> BinaryIO:
 
 
 def iter_texts(paths: list[str], formats: dict[str, str] | None = None,
-               skipped: Counter | None = None) -> Iterator[str]:
+               skipped: Counter | None = None, read_from: set[str] | None = None
+               ) -> Iterator[str]:
     """Stream the texts of local corpus files (a text per record or per sentence line).
 
     Used to train a vocabulary without ever holding the corpus in memory. What prepare would
     reject (a file whose name and content disagree, an empty or corrupt file, a bad record) is
-    skipped, and counted by reason into `skipped` where given; repaired records are read.
+    skipped, and counted by reason into `skipped` where given; repaired records are read. The
+    files that gave any text are added to `read_from` where given.
     """
     formats = formats or {}
     for path, prefix in readers.doc_id_prefixes(paths).items():
@@ -251,6 +253,8 @@ def iter_texts(paths: list[str], formats: dict[str, str] | None = None,
                 if skipped is not None and not item.repaired:
                     skipped[item.reason] += 1
                 continue
+            if read_from is not None:
+                read_from.add(path)
             if item.text is not None:
                 yield item.text
             else:

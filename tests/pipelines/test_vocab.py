@@ -132,11 +132,14 @@ def test_inputs_prepare_would_reject_are_said_and_nothing_read_is_an_error(tmp_p
         train_wordpiece_vocab(bad)
     assert not (tmp_path / "v").exists()
     (tmp_path / "good.txt").write_text(good)
-    with caplog.at_level("WARNING", logger="bertforge"):
+    with caplog.at_level("INFO", logger="bertforge"):
         train_wordpiece_vocab(VocabConfig(bad.inputs + (str(tmp_path / "good.txt"),),
                                           str(tmp_path / "v"), vocab_size=60), min_frequency=1)
+    said = [r.getMessage() for r in caplog.records]
     assert ("vocab: skipped 1 format_mismatch, 1 truncated_compressed_file, as prepare would "
-            "reject them") in [r.getMessage() for r in caplog.records]
+            "reject them") in said
+    # The one file read, not the 3 named.
+    assert any(line.endswith(" tokens from 1 file") for line in said), said
 
 
 def test_a_vocabulary_larger_than_asked_says_so(tmp_path, caplog):
