@@ -118,7 +118,9 @@ class LocalRunner(FnApiRunner):
         if max_bundle_bytes <= 0:
             raise ValueError(f"max_bundle_bytes must be positive, got {max_bundle_bytes}")
         self._work_dir = work_dir
-        self._identity = {**(identity or {}), "max_bundle_bytes": max_bundle_bytes}
+        # Under the flag's name and unit: a changed --local_bundle_mb is named as typed when
+        # the next run refuses the work recorded by this one.
+        self._identity = {**(identity or {}), "local_bundle_mb": max_bundle_bytes / 2**20}
         self._start_over = start_over
         self._max_bundle_bytes = max_bundle_bytes
         self._sort_buffer_bytes = sort_buffer_bytes

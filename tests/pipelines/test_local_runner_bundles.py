@@ -150,3 +150,25 @@ def test_a_failing_bundle_fails_the_run_with_its_error():
     )
     with pytest.raises(Exception, match="key 7 is bad"):
         pipeline.run().wait_until_finish()
+
+
+def test_work_of_another_bundle_size_is_refused_naming_the_flag(tmp_path):
+    """The recorded work of a run with another --local_bundle_mb was refused as differing in
+    `max_bundle_bytes`, a name no flag has."""
+    from bertforge.pipelines.local.work_dir import WorkConflict
+
+    def fail(item):
+        raise RuntimeError("stopped")
+
+    def run(max_bundle_bytes):
+        pipeline = beam.Pipeline(runner=LocalRunner(str(tmp_path / "work"),
+                                                    max_bundle_bytes=max_bundle_bytes),
+                                 options=_options("multi_threading"))
+        _ = pipeline | beam.Create([(k, b"v") for k in range(4)]) | beam.GroupByKey() | \
+            beam.Map(fail)
+        pipeline.run().wait_until_finish()
+
+    with pytest.raises(Exception, match="stopped"):  # its work is kept, to continue
+        run(1 << 20)
+    with pytest.raises(WorkConflict, match=r"differs in: local_bundle_mb 1\.0 -> 0\.5\)"):
+        run(1 << 19)
