@@ -46,21 +46,14 @@ def prepare_guarded(command: PrepareCommand, *, overwrite: bool) -> dict[str, An
 
 
 def dataset_complete(output: str) -> bool:
-    """A finished dataset: its manifest, every shard it lists, and no work of a run that was
-    stopped. The same job again then has nothing to do; it used to delete the manifest first
-    and redo the whole job (hours on a large corpus), and a kill meanwhile lost the dataset."""
-    from bertforge.pipelines.contract.manifest import MANIFEST_NAME, read_manifest
+    """A finished dataset (`manifest.finished_dataset`) and no work of a run that was stopped.
+    The same job again then has nothing to do; it used to delete the manifest first and redo
+    the whole job (hours on a large corpus), and a kill meanwhile lost the dataset."""
+    from bertforge.pipelines.contract.manifest import finished_dataset
 
     output = output.removeprefix("file://")
-    if (not os.path.isfile(os.path.join(output, MANIFEST_NAME))
-            or os.path.isdir(os.path.join(output, WORK_DIR_NAME))):
-        return False
-    try:
-        found = read_manifest(output)
-    except (ValueError, KeyError, OSError):
-        return False
-    return all(os.path.isfile(os.path.join(output, shard.path))
-               for split in found.splits.values() for shard in split.shards)
+    return (not os.path.isdir(os.path.join(output, WORK_DIR_NAME))
+            and finished_dataset(output))
 
 
 @contextlib.contextmanager

@@ -85,7 +85,7 @@ def shards_complete(config: PrepareConfig, workdir: str,
     stale. Input files deleted since are no reason: the shards are all that is left of them.
     `moved`: (from, to), the project folder moved whole since its inputs were read."""
     from bertforge.cluster.safety.dataset_guard import differences_from_dataset
-    from bertforge.pipelines.contract.manifest import MANIFEST_NAME
+    from bertforge.pipelines.contract.manifest import MANIFEST_NAME, finished_dataset
     from bertforge.pipelines.local.work_dir import WORK_DIR_NAME
 
     if not os.path.isfile(os.path.join(config.output, MANIFEST_NAME)):
@@ -98,10 +98,11 @@ def shards_complete(config: PrepareConfig, workdir: str,
             f"reads now (differs in: {'; '.join(differences)}), and the stages after it were "
             f"trained on it; restore the inputs, or make everything again from them in a new "
             f"workdir (or after deleting {workdir})")
-    # A stop that landed after the manifest, before the job removed its work record: the
-    # dataset is complete (its manifest is written last), and the record is only disk (GBs).
+    # A stop that landed after the manifest, before the job removed its work record: the job
+    # had finished (its manifest is written last), and the record is only disk (GBs).
     shutil.rmtree(os.path.join(config.output, WORK_DIR_NAME), ignore_errors=True)
-    return True
+    # A shard lost since: the stage makes the dataset again, the same (the job is deterministic).
+    return finished_dataset(config.output)
 
 
 def train_to_the_end(cfg: TrainConfig, launch: LaunchConfig, command: str) -> dict[str, Any]:

@@ -66,6 +66,21 @@ def unlisted_shard_files(data_dir: str, found: Manifest) -> list[str]:
     return sorted(path for path in on_disk if path not in listed)
 
 
+def missing_shard_files(data_dir: str, found: Manifest) -> list[str]:
+    """The shards a local dataset's manifest lists that are not on disk (relative paths)."""
+    return [shard.path for split in found.splits.values() for shard in split.shards
+            if not os.path.isfile(os.path.join(data_dir, shard.path))]
+
+
+def finished_dataset(data_dir: str) -> bool:
+    """A local dataset whose readable manifest (written last) lists only shards on disk: what
+    `prepare` and the pipeline's prepare stage count as done, with nothing left to make."""
+    try:
+        return not missing_shard_files(data_dir, read_manifest(data_dir))
+    except (ValueError, KeyError, OSError):  # no manifest, or a damaged one
+        return False
+
+
 @dataclass
 class ShardEntry:
     path: str  # relative to the dataset directory

@@ -291,6 +291,7 @@ def test_sigterm_stops_a_local_prepare_at_once_and_keeps_its_work_to_continue(in
 def test_a_pipelines_complete_dataset_drops_a_work_record_a_late_stop_left(inputs, tmp_path):
     """A stop after the manifest, before the job removed its work record: the pipeline's
     rerun skipped the stage as complete and kept the record (GBs at scale) for good."""
+    from bertforge.cluster.commands.guarded_prepare import dataset_complete
     from bertforge.cluster.commands.stages import shards_complete
     from bertforge.pipelines.prepare_options import PrepareConfig
 
@@ -301,6 +302,11 @@ def test_a_pipelines_complete_dataset_drops_a_work_record_a_late_stop_left(input
                            vocab=str(inputs / "vocab.txt"), max_seq_length=48, num_shards=2)
     assert shards_complete(config, str(tmp_path))
     assert not (output / ".prepare-work").exists() and (output / "manifest.json").exists()
+    # A shard lost since: not complete (the stage makes it again), as prepare judges it; the
+    # pipeline counted it done.
+    os.remove(output / "train" / "part-00000-of-00002.arrow")
+    assert not shards_complete(config, str(tmp_path))
+    assert not dataset_complete(str(output))
 
 
 def test_once_the_workers_are_stopped_only_beams_own_threads_fail_quietly(monkeypatch):
