@@ -98,7 +98,7 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
                                  "(the output directory is never read as corpus): keep the "
                                  "corpus and the output apart")
             _say_once("leaving out %d file(s) under --output %s: the job's own, not corpus",
-                        len(ours), output)
+                      len(ours), output)
         for path in matched:
             if vocab and readers.input_location(path) == readers.input_location(vocab):
                 _say_once("leaving out %s: the --vocab, not corpus", path)
