@@ -112,8 +112,8 @@ class EngineConfig:
         if len(self.adam_betas) != 2 or not all(0 <= beta < 1 for beta in self.adam_betas):
             raise ValueError(f"adam_betas must be two numbers in [0, 1), got "
                              f"{' '.join(map(str, self.adam_betas))}")
-        if self.adam_eps < 0:
-            raise ValueError(f"adam_eps must be >= 0, got {self.adam_eps}")
+        if not self.adam_eps > 0:  # 0: a weight whose gradient is 0 steps by 0/0, NaN
+            raise ValueError(f"adam_eps must be positive, got {self.adam_eps}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.gradient_clipping < 0:

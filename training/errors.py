@@ -19,6 +19,11 @@ class MissingInputError(UserInputError, FileNotFoundError):
     """A file the inputs name does not exist (also a FileNotFoundError)."""
 
 
+class DivergedError(UserInputError):
+    """The loss is no longer a number: a retry, from the same checkpoint with the same data and
+    settings, diverges the same way."""
+
+
 def disk_full(error: BaseException) -> bool:
     """Whether `error` (or one it was raised from) is a full disk or quota: an OSError's errno,
     or the OS's words in the message of a library that drops the errno (safetensors)."""

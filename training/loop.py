@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from bertforge.training.dataset_facts import DatasetFacts
 from bertforge.training.device import to_device
 from bertforge.training.distributed import all_reduce_sum, barrier
 from bertforge.training.engine import build_engine, ensure_process_group
-from bertforge.training.errors import UserInputError, as_user_error
+from bertforge.training.errors import DivergedError, UserInputError, as_user_error
 from bertforge.training.evaluate import evaluate, most_frequent_token
 from bertforge.training.flops import mfu, mlm_head_flops, training_flops_per_batch
 from bertforge.training.host_gc import FrozenSurvivors
@@ -220,9 +221,11 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
             if log_line:
                 metrics = window.reduce(lr)
                 total_tokens += metrics["tokens"]
+                logger.log(step, metrics)
+                if not math.isfinite(metrics["loss"]):
+                    raise _diverged(metrics["loss"], step, last_loss, last_saved)
                 first_loss = metrics["loss"] if first_loss is None else first_loss
                 last_loss = metrics["loss"]
-                logger.log(step, metrics)
             if first_step or log_line:  # after the first step's compile; at log lines the
                 survivors.freeze()       # host has waited for the device anyway
                 first_step = False
@@ -230,6 +233,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
                 # Evaluation time is no training throughput.
                 logger.log(step, window.left_out(validation.run, engine))
             if step == cfg.max_steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                if not log_line and not window.loss_finite():  # no checkpoint of NaN weights
+                    raise _diverged(math.nan, step, last_loss, last_saved)
                 loader.wait_for_checksums()  # no checkpoint from shards not yet verified
                 client_state.update(loader=loader.state_dict(), global_step=step)
                 saving = time.time()
@@ -255,6 +260,17 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         train_seconds=seconds,
         checkpoint_seconds=checkpoint_seconds,
     )
+
+
+def _diverged(loss: float, step: int, last_loss: float | None,
+              last_saved: str | None) -> DivergedError:
+    """The run's end when its loss is no longer a number (a learning rate too high, an Adam
+    epsilon of 0, bad data): it trained on, saved and exported NaN weights, and exited 0."""
+    before = f", {last_loss:.4g} at the log line before" if last_loss is not None else ""
+    saved = (f"the newest checkpoint, {last_saved}, holds the weights before it"
+             if last_saved else "no checkpoint of this run was saved")
+    return DivergedError(f"the loss is {loss} by step {step}{before}: training diverged; {saved}. "
+                         "Lower --lr or lengthen --warmup-steps")
 
 
 def _start_fresh(run_dir: str, run_id: str, rank: int, device) -> None:
@@ -495,6 +511,12 @@ class _Window:
             batch_size=batch_size, seq_len=width, num_predictions=0,
             last_layer_rows=num_cls + min(self.max_predictions, width) if batch_size else 0,
         )
+
+    def loss_finite(self) -> bool:
+        """Whether the loss since the last log line is a number on every rank (one all-reduce
+        and a host sync: called where the host waits anyway, before a checkpoint)."""
+        loss = all_reduce_sum(self.device_sums[:1].clone(), self.device)
+        return math.isfinite(loss.item())
 
     def reduce(self, lr: float) -> dict[str, Any]:
         """The interval's metrics; `lr`: the rate its last step trained at."""

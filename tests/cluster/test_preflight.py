@@ -113,6 +113,8 @@ def test_a_batch_the_workers_or_the_data_cannot_hold_is_refused_before_ray(datas
             "--batch-size (micro_batch_size) must be at least 1, got 0")
     refused(["train", *run, "--adam-betas", "1.5", "0.9"], capsys,
             "--adam-betas must be two numbers in [0, 1), got 1.5 0.9")
+    # 0 trained NaN weights from the second step on and exited 0.
+    refused(["train", *run, "--adam-eps", "0"], capsys, "--adam-eps must be positive, got 0.0")
     refused(["train", *run, "--gradient-clipping", "-1"], capsys,
             "--gradient-clipping must be >= 0 (0: no clip), got -1.0")
     refused(["train", *run, "--checkpoint-every", "-1"], capsys,

@@ -324,3 +324,25 @@ def test_a_resume_on_data_of_the_other_casing_is_refused_by_the_loop(dataset, tm
     with pytest.raises(UserInputError, match="was trained on lower-cased text and .*cased is "
                                              "cased"):
         train(config(cased, tmp_path / "run", max_steps=3))
+
+
+def test_a_diverged_run_stops_and_saves_no_nan_weights(dataset, tmp_path):
+    """A loss that is no longer a number (a learning rate far too high here; `--adam-eps 0`
+    before it was refused) trained on, saved and exported NaN weights, and the run exited 0.
+    Now it stops at the first log line or checkpoint that sees it, as an error no retry
+    mends, and its newest checkpoint is the last one with numbers."""
+    from bertforge.training.errors import DivergedError
+
+    run_dir = tmp_path / "run"
+    # Log lines every 5 steps, checkpoints every step: the checkpoint of step 2 looks first.
+    with pytest.raises(DivergedError, match=r"the loss is nan by step 2, [0-9.]+ at the log "
+                                            r"line before: training diverged; the newest "
+                                            r"checkpoint, .*step_00000001, holds the weights"):
+        train(config(dataset, run_dir, learning_rate=1e6, warmup_steps=0, log_every=5,
+                     checkpoint_every=1, precision="fp32", zero_stage=0))
+    assert os.path.basename(checkpoint.latest_checkpoint(str(run_dir))) == "step_00000001"
+    # Every log line: stopped at the line of step 2, which is in the metrics.
+    with pytest.raises(DivergedError, match="the loss is nan by step 2"):
+        train(config(dataset, tmp_path / "logged", learning_rate=1e6, warmup_steps=0,
+                     precision="fp32", zero_stage=0))
+    assert [r["step"] for r in read_metrics(str(tmp_path / "logged"))] == [1, 2]
