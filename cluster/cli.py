@@ -527,9 +527,10 @@ def _run_demo(args: argparse.Namespace) -> None:
 def _finetune_launch(args: argparse.Namespace):
     from bertforge.cluster.launch.finetune_workers import finetune_launch
     from bertforge.cluster.launch.launch_config import FOR_CHECKPOINTS, LaunchConfig
-    from bertforge.pipelines.contract.config_fields import given_values
+    from bertforge.pipelines.contract.config_fields import errors_naming_flags, given_values
 
-    return finetune_launch(given_values(args, LaunchConfig, without=(FOR_CHECKPOINTS,)))
+    with errors_naming_flags(LaunchConfig):  # "--workers must be at least 1", as train says
+        return finetune_launch(given_values(args, LaunchConfig, without=(FOR_CHECKPOINTS,)))
 
 
 def _finetune_configs(args: argparse.Namespace):

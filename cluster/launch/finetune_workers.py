@@ -36,5 +36,6 @@ def finetune_launch(given: dict[str, Any], cores: int | None = None) -> LaunchCo
     if given.get("address") or given.get("gpu"):
         return LaunchConfig(**given)
     workers = given.get("workers", 1)
-    cpus = given.get("cpus_per_worker", max(1, (cores or local_cores()) // workers))
+    # workers below 1: LaunchConfig's own refusal, not a ZeroDivisionError here.
+    cpus = given.get("cpus_per_worker", max(1, (cores or local_cores()) // max(workers, 1)))
     return LaunchConfig(**{**given, "workers": workers, "cpus_per_worker": cpus})

@@ -63,3 +63,13 @@ def test_glue_data_beside_the_checkout_is_found_from_any_working_directory(tmp_p
     assert finetune_module.default_data_root() is None
     (tmp_path / "shared" / "data").mkdir(parents=True)
     assert finetune_module.default_data_root() == str((tmp_path / "shared" / "data").resolve())
+
+
+@pytest.mark.parametrize("command", [["finetune", "--task", "sst2", "--output", "o"],
+                                     ["glue", "--output", "o"]])
+def test_no_workers_is_one_line_naming_the_flag(command, capsys):
+    """`--workers 0` divided the machine's cores by 0: a ZeroDivisionError's traceback."""
+    from tests.support.refusals import refused
+
+    refused([*command, "--model", "m", "--workers", "0"], capsys,
+            "--workers must be at least 1, got 0")
