@@ -342,7 +342,11 @@ def _maybe_resume(
     # The loader keeps its position in samples: a resume on another number of workers, with
     # accumulation keeping the optimizer step's batch (2 x 8 x 1 -> 1 x 8 x 2), continues
     # with the same samples in every step.
-    loader.load_state_dict(state["loader"])
+    try:
+        loader.load_state_dict(state["loader"])
+    except ValueError as error:  # a batch layout that cannot continue its position: every
+        # attempt fails alike (it was retried, four tracebacks a worker)
+        raise UserInputError(f"{path}: {error}") from error
     saved_config = state.get("config") or {}  # the TrainConfig it was saved with
     if dist.get_rank() == 0:
         console(f"[train] resumed from {path} at step {state['global_step']}")

@@ -134,6 +134,18 @@ def test_a_resume_with_another_batch_says_a_step_is_now_another_size(dataset, tm
             "--batch-size, --workers or --global-batch-size changed") in capsys.readouterr().out
 
 
+def test_a_resume_whose_batch_cannot_continue_the_position_is_a_user_error(dataset, tmp_path):
+    """20 samples in, a step of 8 cannot continue: the loader's ValueError was retried by Ray
+    Train on every attempt (four tracebacks a worker); a user error ends the run at once."""
+    from bertforge.training.errors import UserInputError
+
+    run_dir = tmp_path / "run"
+    train(config(dataset, run_dir, zero_stage=0, max_steps=5, micro_batch_size=4))
+    with pytest.raises(UserInputError, match=r"step_00000005: cannot resume after 20 samples "
+                                             r"of epoch 0 with a global batch of 8"):
+        train(config(dataset, run_dir, zero_stage=0, max_steps=8, micro_batch_size=8))
+
+
 def test_vocabulary_mismatch_on_resume_is_refused(dataset, tmp_path):
     run_dir = tmp_path / "run"
     train(config(dataset, run_dir, max_steps=2, warmup_steps=1))

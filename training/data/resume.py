@@ -166,7 +166,7 @@ def _boundary_error(
         f"resumes only at multiples of its global batch. With this layout, resume from a "
         f"state saved after a multiple of {global_batch} samples (every {every} "
         f"batches of the saving layout, whose global batch was {saved_global_batch}), or "
-        f"pick batch_size x world_size dividing {samples}"
+        f"pick a micro-batch x ranks (--batch-size x --workers) dividing {samples}"
     )
 
 
