@@ -446,13 +446,24 @@ def resolve_checkpoint(path: str) -> str:
     if pruned is not None:
         raise UserInputError(pruned)
     latest = latest_checkpoint(path)
-    if latest is None and os.path.isdir(os.path.join(path, CHECKPOINTS_DIR)):
-        raise ValueError(f"run {path} has no complete checkpoint yet (a run before its first "
-                         "save, or stopped before it): wait for one (--checkpoint-every sets "
-                         "how often a run saves), or give another checkpoint")
+    if latest is None and is_run_dir(path):
+        raise ValueError(no_checkpoint_yet(path))
     if latest is None:
         raise ValueError(f"{path} is neither a complete checkpoint nor a run with one")
     return latest
+
+
+def is_run_dir(path: str) -> bool:
+    """A training run's directory, with or without a checkpoint: its checkpoints folder, or the
+    metrics its first step writes (a run stopped before its first save has no checkpoints/)."""
+    return (os.path.isdir(os.path.join(path, CHECKPOINTS_DIR))
+            or os.path.isfile(os.path.join(path, "metrics.jsonl")))
+
+
+def no_checkpoint_yet(path: str) -> str:
+    return (f"run {path} has no complete checkpoint yet (a run before its first save, or "
+            "stopped before it): wait for one (--checkpoint-every sets how often a run saves), "
+            "or give another checkpoint")
 
 
 def pruned_checkpoint(path: str) -> str | None:

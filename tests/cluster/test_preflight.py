@@ -96,6 +96,16 @@ def test_run_directory_errors_are_refused_before_ray(dataset, tmp_path, capsys, 
     (tmp_path / "early" / "checkpoints").mkdir(parents=True)  # a run before its first save
     refused(["export", str(tmp_path / "early"), "--output", str(tmp_path / "hf")], capsys,
             f"run {tmp_path / 'early'} has no complete checkpoint yet")
+    # One stopped before it made checkpoints/: its metrics and its run config.json, which
+    # finetune read as a Hugging Face model's ("is not a BERT model: ... model_type None").
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "metrics.jsonl").write_text('{"step": 1, "loss": 9.8}\n')
+    (stopped / "config.json").write_text('{"model": {"hidden_size": 128}, "train": {}}')
+    for command in (["export", str(stopped), "--output", str(tmp_path / "hf")],
+                    ["finetune", "--task", "sst2", "--model", str(stopped), "--output",
+                     str(tmp_path / "ft")]):
+        refused(command, capsys, f"run {stopped} has no complete checkpoint yet")
 
 
 def test_a_batch_the_workers_or_the_data_cannot_hold_is_refused_before_ray(dataset, tmp_path,
