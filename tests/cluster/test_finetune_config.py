@@ -87,6 +87,12 @@ def test_settings_leave_out_what_a_rerun_may_change():
      "--label-column q is also one of --text-columns"),
     ({"model": ""}, "^--model is required$"),
     ({"sweep": True, "sweep_learning_rates": (1e-5, -1.0)}, "learning rates must be positive"),
+    # A repeat was the same run reused, counted twice in the median and spread.
+    ({"seeds": (1, 2, 1)}, "^--seeds lists 1 twice: each value is one run"),
+    ({"sweep": True, "sweep_learning_rates": (2e-5, 2e-5)}, "^--sweep-learning-rates lists "
+     "2e-05 twice"),
+    ({"task": "custom", "text_columns": ("s", "s"), "label_column": "l", "train": "t",
+      "dev": "d"}, "^--text-columns names s twice"),
 ])
 def test_bad_configs_are_one_clear_error(values, message):
     with pytest.raises(ValueError, match=message):

@@ -162,6 +162,10 @@ class FinetuneConfig:
         if self.label_column in self.text_columns:
             raise ValueError(f"--label-column {self.label_column} is also one of --text-columns "
                              f"{list(self.text_columns)}: the label is a column of its own")
+        repeated = _first_repeated(self.text_columns)
+        if repeated is not None:  # a sentence paired with itself
+            raise ValueError(f"--text-columns names {repeated} twice: give one column, or two "
+                             "different ones for a pair")
 
     def _check_squad_only(self) -> None:
         """SQuAD's own options on another task changed nothing but the output's settings, so a
@@ -180,6 +184,13 @@ class FinetuneConfig:
         rates = self.sweep_learning_rates if self.sweep else (self.learning_rate,)
         if not rates or min(rates) <= 0:
             raise ValueError(f"learning rates must be positive, got {list(rates)}")
+        # One run per value: a repeated one was the same run again, counted twice in the
+        # median and spread over runs.
+        for flag, values in (("--seeds", self.seeds), ("--sweep-learning-rates", rates)):
+            repeated = _first_repeated(values)
+            if repeated is not None:
+                raise ValueError(f"{flag} lists {repeated:g} twice: each value is one run, and "
+                                 "a repeat would count the same run twice in the median")
         positive = ("batch_size", "eval_batch_size", "doc_stride", "max_query_length",
                     "max_answer_length", "max_steps", "max_train_examples", "max_dev_examples",
                     "min_train_words", "max_seq_length", "log_every")
@@ -252,3 +263,13 @@ class FinetuneConfig:
     def from_dict(cls, data: dict[str, Any]) -> FinetuneConfig:
         """The config `to_dict` gave (a worker's copy); an unknown key is a TypeError."""
         return cls(**data)
+
+
+def _first_repeated(values) -> Any:
+    """The first value `values` holds twice, or None."""
+    seen = set()
+    for value in values:
+        if value in seen:
+            return value
+        seen.add(value)
+    return None
