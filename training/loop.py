@@ -354,7 +354,9 @@ def _maybe_resume(
         now = cfg.global_batch(dist.get_world_size())
         if before is not None and before != now:  # another --batch-size or --workers: no word
             console(f"[train] a step is {now} sequences from here (the checkpoint's run's were "
-                    f"{before}): --batch-size, --workers or --global-batch-size changed")
+                    f"{before}): another --batch-size, --workers, --global-batch-size or "
+                    "--recipe than the run's (a resume without the run's --recipe takes the "
+                    "defaults)")
     changes = schedule_changes(saved_config, cfg)
     if changes:
         scheduler = engine.lr_scheduler

@@ -131,7 +131,8 @@ def test_a_resume_with_another_batch_says_a_step_is_now_another_size(dataset, tm
     capsys.readouterr()
     train(config(dataset, run_dir, zero_stage=0, max_steps=3, micro_batch_size=4))
     assert ("[train] a step is 4 sequences from here (the checkpoint's run's were 8): "
-            "--batch-size, --workers or --global-batch-size changed") in capsys.readouterr().out
+            "another --batch-size, --workers, --global-batch-size or --recipe than the run's"
+            ) in capsys.readouterr().out
 
 
 def test_a_resume_whose_batch_cannot_continue_the_position_is_a_user_error(dataset, tmp_path):
