@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from bertforge.pipelines.contract.manifest import is_bertforge_dataset
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
 from bertforge.training.data.split import read_dataset_manifest, read_vocab_tokens, split_rows
@@ -139,6 +140,21 @@ def check_run_dir(run_dir: str, what: str = "run directory") -> str:
             f"{what} {run_dir} cannot be created or written ({error.strerror or error})"
         ) from error
     return path
+
+
+def refuse_run_dir_in_a_dataset(run_dir: str) -> None:
+    """A run's checkpoints, logs and Ray folder written among a dataset's shards (`--run-dir
+    shards/run`, or the dataset's own folder): `prepare --overwrite` there, or deleting the
+    dataset, would take the run with it."""
+    folder = os.path.abspath(run_dir)
+    while True:
+        if is_bertforge_dataset(folder):
+            where = "is" if folder == os.path.abspath(run_dir) else f"is inside {folder},"
+            raise UserInputError(f"--run-dir {run_dir} {where} a prepared dataset; give a "
+                                 "folder of its own (beside the dataset, not in it)")
+        if os.path.dirname(folder) == folder:
+            return
+        folder = os.path.dirname(folder)
 
 
 def refuse_run_dir_uri(run_dir: str) -> None:
@@ -305,6 +321,7 @@ def check_train_inputs(cfg: TrainConfig, world_size: int | None = None) -> None:
     precision and ZeRO stage given), --init-from, and, on `world_size` workers, the step's
     batch against them and the training split where the micro-batch is known."""
     facts = check_dataset(cfg.data_dir, ("train", "validation") if cfg.eval_every else ("train",))
+    refuse_run_dir_in_a_dataset(cfg.run_dir)
     made = not os.path.isdir(cfg.run_dir)
     check_run_dir(cfg.run_dir)
     try:

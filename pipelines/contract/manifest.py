@@ -66,6 +66,15 @@ def unlisted_shard_files(data_dir: str, found: Manifest) -> list[str]:
     return sorted(path for path in on_disk if path not in listed)
 
 
+def is_bertforge_dataset(folder: str) -> bool:
+    """Whether a local folder holds a manifest that bertforge wrote (finished or being read)."""
+    try:
+        with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as f:
+            return json.load(f).get("created_by") == "bertforge"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def missing_shard_files(data_dir: str, found: Manifest) -> list[str]:
     """The shards a local dataset's manifest lists that are not on disk (relative paths)."""
     return [shard.path for split in found.splits.values() for shard in split.shards

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bz2
 import glob
-import json
 import logging
 import os
 import re
@@ -20,7 +19,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import TaggedOutput
 
 from bertforge.pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, count, reject_output
-from bertforge.pipelines.contract.manifest import MANIFEST_NAME, VOCAB_NAME
+from bertforge.pipelines.contract.manifest import MANIFEST_NAME, VOCAB_NAME, is_bertforge_dataset
 from bertforge.pipelines.filesystem import open_raw
 from bertforge.pipelines.log_only import LOG_ONLY
 from bertforge.pipelines.read import readers, wiki_xml
@@ -162,13 +161,7 @@ _OUR_LOG = re.compile(r"(prepare|vocab|train|eval|export|finetune|glue|pipeline|
 
 
 def _is_dataset(folder: str, names: list[str]) -> bool:
-    if MANIFEST_NAME not in names:
-        return False
-    try:
-        with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as f:
-            return json.load(f).get("created_by") == "bertforge"
-    except (OSError, ValueError, AttributeError):
-        return False
+    return MANIFEST_NAME in names and is_bertforge_dataset(folder)
 
 
 def _our_files(folder: str, names: list[str]) -> set[str]:

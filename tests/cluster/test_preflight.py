@@ -91,6 +91,12 @@ def test_run_directory_errors_are_refused_before_ray(dataset, tmp_path, capsys, 
     refused(["train", "--data", dataset, "--run-dir", "gs://bucket/runs/bert"], capsys,
             "run directory gs://bucket/runs/bert is a URI", "--storage gs://")
     assert not os.path.exists("gs:")  # it made one here before
+    # In the dataset (its folder, or one below it): checkpoints among the shards, which a
+    # `prepare --overwrite` or deleting the dataset would take with it.
+    for inside in (os.path.join(dataset, "train"), dataset):
+        refused(["train", "--data", dataset, "--run-dir", inside], capsys,
+                f"--run-dir {inside} ", "a prepared dataset; give a folder of its own")
+    assert not os.path.exists(os.path.join(dataset, "train", "logs"))
     refused(["export", str(tmp_path), "--output", str(tmp_path / "hf")], capsys,
             "neither a complete checkpoint nor a run with one")
     (tmp_path / "early" / "checkpoints").mkdir(parents=True)  # a run before its first save
