@@ -245,3 +245,22 @@ def test_a_label_column_of_sentences_is_named_not_listed_whole(tmp_path):
     message = str(refused.value)
     assert len(message) < 1500 and "200 labels, the first" in message
     assert "is --label-column a text column?" in message
+
+
+def test_a_header_read_as_data_is_not_made_a_class(tmp_path):
+    """`--no-has-header` on a file that has a header: its `label` became a third class of a
+    binary task, scored without a word."""
+    from bertforge.training.finetune.glue_data import read_label_set
+    from bertforge.training.finetune.tasks import custom_task
+
+    path = tmp_path / "train.tsv"
+    path.write_text("sentence\tlabel\na fine film\t1\na dull one\t0\nanother\t1\n")
+    without_header = custom_task((0,), 1, labels=("0", "1"), has_header=False)
+    with pytest.raises(ValueError, match=r"line 1: label 'label' is the one label that is no "
+                                         r"number, and only this line has it: a header line\?"):
+        read_label_set(str(path), without_header)
+    with_header = custom_task(("sentence",), "label", labels=("0", "1"), has_header=True)
+    assert read_label_set(str(path), with_header) == ("0", "1")
+    # Word labels are the task's own: no header in sight.
+    path.write_text("a fine film\tpositive\na dull one\tnegative\nanother\tneutral\n")
+    assert read_label_set(str(path), without_header) == ("negative", "neutral", "positive")

@@ -8,6 +8,7 @@ every line is split on tabs and nothing else. Lines end in `\\n` only (a trailin
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from bertforge.training.finetune.tasks import Column, TaskSpec
@@ -130,13 +131,25 @@ def read_label_set(path: str, spec: TaskSpec) -> tuple[str, ...]:
     of a custom classification task whose labels the user did not list."""
     header, rows = read_table(path, spec.has_header)
     field = _resolve(spec.label_column, header, len(rows[0][1]), path)
-    values = set()
+    counts: Counter[str] = Counter()
     for number, fields in rows:
         value = fields[field].strip()
         if not value:  # a label left out, not a class of its own
             raise ValueError(f"{path}, line {number}: the label is empty")
-        values.add(value)
+        counts[value] += 1
+    values = set(counts)
     # Integers (signed too: -1 and +1) in numeric order, so that the positive class of a
     # binary task is the last, the one its F1 scores.
-    numeric = all(v.lstrip("+-").isdigit() for v in values)
+    numeric = all(_is_integer(v) for v in values)
+    first = rows[0][1][field].strip()
+    if (not spec.has_header and counts[first] == 1 and not _is_integer(first)
+            and len(values) > 2 and all(_is_integer(v) for v in values - {first})):
+        # A header read as data (--no-has-header on a file that has one) became a class.
+        raise ValueError(f"{path}, line 1: label {first!r} is the one label that is no number, "
+                         "and only this line has it: a header line? Drop --no-has-header, or "
+                         "list the classes with --labels")
     return tuple(sorted(values, key=int if numeric else str))
+
+
+def _is_integer(label: str) -> bool:
+    return label.lstrip("+-").isdigit()
