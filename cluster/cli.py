@@ -202,7 +202,9 @@ def _add_eval(commands) -> None:
 def _add_export(commands) -> None:
     p = commands.add_parser("export", help="checkpoint -> Hugging Face directory")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (newest)")
-    p.add_argument("--output", required=True)
+    p.add_argument("--output", required=True,
+                   help="the Hugging Face directory to write (new, or empty; an earlier export "
+                   "of the same checkpoint there is left as it is)")
     p.set_defaults(handler=_run_export)
 
 

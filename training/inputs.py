@@ -248,6 +248,9 @@ def check_model_source(source: str) -> str:
     from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES, hf_weights_file
 
     refuse_storage_uri(source, "a model")
+    if os.path.isfile(source):
+        raise UserInputError(f"model {source}: a file, not a directory (a checkpoint, a run "
+                             "directory or a Hugging Face model's directory)")
     if not os.path.isdir(source):
         raise MissingInputError(f"model {source}: no such directory")
     if checkpoint.holds_checkpoint(source):

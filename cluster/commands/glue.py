@@ -64,7 +64,8 @@ class GlueConfig:
     output: str = option(DEFAULT_GLUE_OUTPUT, "one directory per task, glue.json and the table "
                          "go here")
     glue_dir: str | None = option(help="the GLUE data: <dir>/SST-2/train.tsv, ... (default: "
-                                  "../shared/data/glue)")
+                                  "../shared/data/glue from the working directory, else "
+                                  "shared/data/glue beside bertforge's checkout)")
     tasks: tuple[str, ...] = option((), "only these tasks (default: every task whose train and "
                                     "dev files are there)")
     # FinetuneConfig's recipe (its fields not marked PER_TASK), applied to every task; its
@@ -145,7 +146,8 @@ GET_GLUE = ("give --glue-dir, a folder holding <Task>/train.tsv and dev.tsv for 
 def resolve_glue_dir(glue_dir: str | None) -> str:
     if glue_dir is not None:
         if not os.path.isdir(glue_dir):
-            raise ValueError(f"--glue-dir {glue_dir}: no such directory")
+            what = "a file, not a directory" if os.path.isfile(glue_dir) else "no such directory"
+            raise ValueError(f"--glue-dir {glue_dir}: {what}")
         return os.path.abspath(glue_dir)
     from bertforge.cluster.commands.finetune_sweep import default_data_root
 

@@ -100,6 +100,9 @@ def test_a_refused_glue_leaves_no_output_directory(tmp_path, capsys) -> None:
     for argv, message in (
             (["--model", str(tmp_path / "no-model"), "--tasks", "sst2"],
              f"model {tmp_path / 'no-model'}: no such directory"),
+            # A file where a folder goes: "no such directory" of a path that exists.
+            (["--model", model, "--glue-dir", str(glue_dir / "SST-2" / "dev.tsv")],
+             f"--glue-dir {glue_dir / 'SST-2' / 'dev.tsv'}: a file, not a directory"),
             (["--model", model, "--tasks", "sst2", "--batch-size", "15", "--workers", "2"],
              "--batch-size 15 is not a multiple of --workers 2"),
             (["--model", model, "--batch-size", "16"],  # sst2 is fine, rte is not

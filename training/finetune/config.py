@@ -71,7 +71,9 @@ class FinetuneConfig:
                              "SQuAD given one file as both: split by article)",
                              marks=(PER_TASK,))
     data_root: str | None = option(help="the directory holding glue/ and squad/ (default: "
-                                   "../shared/data where it exists)", marks=(PER_TASK,))
+                                   "../shared/data from the working directory, else shared/data "
+                                   "beside bertforge's checkout, where it exists)",
+                                   marks=(PER_TASK,))
     text_columns: tuple[str, ...] = option((), "custom task: one or two text columns, header "
                                            "names or 0-based indices", marks=(PER_TASK,))
     label_column: str | None = option(help="custom task: the label column", marks=(PER_TASK,))
