@@ -161,6 +161,10 @@ def task_configs(config: GlueConfig, glue_dir: str) -> dict[str, FinetuneConfig]
     """{task: its FinetuneConfig}, for the tasks asked for (or all whose files are there); any
     mistake in the fine-tuning settings is one error here, before anything runs."""
     names = list(config.tasks) or tasks.available_glue_tasks(glue_dir)
+    if not config.tasks:
+        for name, missing in tasks.incomplete_glue_tasks(glue_dir).items():
+            print(f"[glue] {name}: left out, {os.path.join(glue_dir, missing)} is missing",
+                  flush=True)
     if not names:
         raise ValueError(f"{glue_dir}: no GLUE task's train.tsv and dev.tsv are there "
                          f"(looked for {', '.join(c.title for c in GLUE_COLUMNS)}); {GET_GLUE}")

@@ -75,6 +75,18 @@ def test_per_task_flags_and_unknown_tasks_are_refused(tmp_path) -> None:
         task_configs(config, str(tmp_path))
 
 
+def test_a_task_with_one_of_its_two_files_is_said_to_be_left_out(tmp_path, capsys) -> None:
+    """A task folder holding dev.tsv alone was skipped without a word (the table's "1 of 5
+    tasks" the only trace)."""
+    for name in ("train.tsv", "dev.tsv"):
+        write_sst2_tsv(str(tmp_path / "SST-2" / name), 4, seed=0)
+    write_rte_tsv(str(tmp_path / "RTE" / "dev.tsv"), 4, seed=1)
+    assert list(task_configs(GlueConfig(model="m", output=str(tmp_path / "o")),
+                             str(tmp_path))) == ["sst2"]
+    assert capsys.readouterr().out == (f"[glue] rte: left out, {tmp_path / 'RTE' / 'train.tsv'} "
+                                       "is missing\n")
+
+
 def write_rte_tsv(path: str, num_lines: int, seed: int) -> str:
     """GLUE's RTE layout: index, sentence1, sentence2, an entailment label in words."""
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -149,6 +149,18 @@ def glue_dir_files(glue_dir: str, spec: TaskSpec) -> tuple[str, str]:
     return paths
 
 
+def incomplete_glue_tasks(glue_dir: str) -> dict[str, str]:
+    """{task: the file it lacks} of the GLUE tasks with one of their two files under
+    `glue_dir` but not the other: left out of a run of every task, and said to be."""
+    incomplete = {}
+    for name, spec in GLUE_TASKS.items():
+        present = [os.path.isfile(os.path.join(glue_dir, f))
+                   for f in (spec.train_file, spec.dev_file)]
+        if any(present) and not all(present):
+            incomplete[name] = spec.dev_file if present[0] else spec.train_file
+    return incomplete
+
+
 def available_glue_tasks(glue_dir: str) -> list[str]:
     """The GLUE tasks whose train and dev files are both under `glue_dir`, in GLUE_TASKS order."""
     return [
