@@ -45,6 +45,20 @@ def storage_run_name(run_dir: str) -> str:
     return f"{os.path.basename(absolute(run_dir))}-{digest}"
 
 
+def check_storage_scheme(storage: str) -> None:
+    """A URI whose scheme no filesystem of pyarrow's serves (`foo://`, `gcs://`), refused
+    before anything is made: found by the run lock in storage, it left the run directory."""
+    import pyarrow.fs as pafs
+
+    if "://" not in storage:
+        return
+    try:
+        pafs.FileSystem.from_uri(storage)
+    except ValueError as error:  # pyarrow's ArrowInvalid
+        raise UserInputError(f"--storage {storage}: {error} (give gs://BUCKET/PATH, s3://, or "
+                             "a local or mounted folder)") from error
+
+
 def stored_checkpoints(storage: str, name: str) -> list[str]:
     """The checkpoint directories (`step_NNNNNNNN`) that storage holds for the run `name`."""
     import pyarrow.fs as pafs

@@ -19,7 +19,11 @@ from bertforge.cluster.launch import local_ray
 from bertforge.cluster.launch.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.launch.launch_config import LaunchConfig
 from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_copy
-from bertforge.cluster.launch.persistence import storage_run_name, stored_checkpoints
+from bertforge.cluster.launch.persistence import (
+    check_storage_scheme,
+    storage_run_name,
+    stored_checkpoints,
+)
 from bertforge.cluster.launch.torch_store import NodeAddressTorchConfig
 from bertforge.cluster.launch.worker_output import (
     LOG_DIR,
@@ -91,7 +95,9 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     refuse_run_dir_uri(cfg.run_dir)  # before its lock is looked for there
     # With storage, storage holds the checkpoints a resubmitted job resumes (stable_name).
     refuse_output_in_the_jobs_copy(launch.storage, "--storage")
-    if not launch.storage:
+    if launch.storage:
+        check_storage_scheme(launch.storage)
+    else:
         refuse_output_in_the_jobs_copy(cfg.run_dir, "--run-dir")
     storage_name = storage_run_name(cfg.run_dir)  # against this directory, as `absolute`
     # Relative paths are the user's working directory's, not the workers'.
@@ -107,13 +113,13 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     if not launch.address and not launch.gpu and not (cfg.resume and
                                                       latest_checkpoint(cfg.run_dir)):
         check_cpu_engine(cfg.engine())  # this CPU is the workers'
-    check_train_inputs(cfg, launch.workers)
     run_dir = cfg.run_dir
     storage_run = None
-    if launch.storage:
+    if launch.storage:  # before the run directory is made: a refusal leaves none behind
         storage_run = child_uri(launch.storage, storage_name)
         if not cfg.resume:
             refuse_a_stored_run(launch.storage, storage_name, run_dir)
+    check_train_inputs(cfg, launch.workers)
     # One run per run directory (and per run in storage), taken before Ray starts.
     # And a reader of its dataset, which `prepare` will not replace meanwhile.
     with exclusive_directory(run_dir, "train", storage=storage_run) as lock, \

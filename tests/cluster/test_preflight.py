@@ -91,6 +91,11 @@ def test_run_directory_errors_are_refused_before_ray(dataset, tmp_path, capsys, 
     refused(["train", "--data", dataset, "--run-dir", "gs://bucket/runs/bert"], capsys,
             "run directory gs://bucket/runs/bert is a URI", "--storage gs://")
     assert not os.path.exists("gs:")  # it made one here before
+    # A scheme no filesystem serves: pyarrow's words from the run lock, after the run
+    # directory was made (and left, empty).
+    refused(["train", "--data", dataset, "--run-dir", "r", "--storage", "foo://bucket/x"],
+            capsys, "--storage foo://bucket/x: Unrecognized filesystem type", "gs://BUCKET")
+    assert not os.path.exists("r")
     # In the dataset (its folder, or one below it): checkpoints among the shards, which a
     # `prepare --overwrite` or deleting the dataset would take with it.
     for inside in (os.path.join(dataset, "train"), dataset):
