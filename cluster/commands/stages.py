@@ -79,7 +79,8 @@ def prepare_dataset(config: PrepareConfig, beam_args: Sequence[str]) -> dict[str
 
 def shards_complete(config: PrepareConfig, workdir: str,
                     moved: tuple[str, str] | None = None) -> bool:
-    """The dataset `config` makes is in config.output (its manifest, written last). One made
+    """The dataset `config` makes is in config.output (its manifest, written last, and every
+    shard it lists: `manifest.finished_dataset`, as `prepare` judges it). One made
     from other input files or another vocabulary (edited or added since) is refused, not
     skipped: the stages after it were trained on it, and rebuilding it alone would leave them
     stale. Input files deleted since are no reason: the shards are all that is left of them.
