@@ -391,8 +391,9 @@ def _run_submit(args: argparse.Namespace) -> int:
         return stop(args.address, args.stop)
     if args.follow:
         return follow_job(args.address, args.follow)
+    working_dir = None if args.image else (args.working_dir or default_working_dir(entrypoint))
     if not args.no_command_check:
-        check_submitted_command(entrypoint)
+        check_submitted_command(entrypoint, uploads=working_dir is not None)
     env_vars = {}
     for item in args.env:
         name, sep, value = item.partition("=")
@@ -401,18 +402,18 @@ def _run_submit(args: argparse.Namespace) -> int:
         env_vars[name] = value
     return submit(SubmitConfig(
         entrypoint=entrypoint, address=args.address,
-        working_dir=None if args.image else (args.working_dir or
-                                             default_working_dir(entrypoint)),
+        working_dir=working_dir,
         excludes=DEFAULT_EXCLUDES + tuple(args.exclude), image=args.image,
         submission_id=args.submission_id, env_vars=env_vars, follow=not args.no_wait,
     ))
 
 
-def check_submitted_command(words: list[str]) -> None:
+def check_submitted_command(words: list[str], uploads: bool = True) -> None:
     """A submitted `bertforge COMMAND ...` parsed here as the job will parse it, its settings
     built where that needs no file (train, finetune, glue, prepare): a mistyped flag or a bad
     value is refused before anything is uploaded, not once the job runs on the cluster. Paths
-    are the cluster's, so none is looked at, but a relative output is refused; `--help` is the
+    are the cluster's, so none is looked at, but a relative output is refused, and so is a
+    relative input where nothing is `uploads`ed for it to be relative to; `--help` is the
     job's to print."""
     from bertforge.cluster.launch.submit import bertforge_arguments
 
@@ -430,6 +431,8 @@ def check_submitted_command(words: list[str]) -> None:
         elif extra:
             refuse_unknown_flags(args.command_parser, extra)
         _refuse_relative_outputs(args)
+        if not uploads:
+            _refuse_relative_inputs(args)
         if args.command in SETTINGS_OF:
             SETTINGS_OF[args.command](args)
     except SystemExit as refusal:  # argparse's: its usage and message are printed above
@@ -448,6 +451,26 @@ def _refuse_relative_outputs(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value} is relative: give an absolute "
                              "path every node mounts (a job's working directory is a temporary "
                              "copy)")
+
+
+# The inputs a submitted command names (flags, and eval's, export's and pipeline's positional
+# CHECKPOINT and CONFIG).
+_INPUTS = ("data", "init_from", "model", "train", "dev", "data_root", "glue_dir", "checkpoint",
+           "config")
+
+
+def _refuse_relative_inputs(args: argparse.Namespace) -> None:
+    """With nothing uploaded, a job runs where the cluster's Ray started: a relative input
+    resolved there (`../shards` from where `ray start` ran), found missing once the job ran."""
+    for name in _INPUTS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value and "://" not in value and not os.path.isabs(value):
+            what = name.upper() if name in ("checkpoint", "config") else \
+                f"--{name.replace('_', '-')}"
+            raise ValueError(f"{what} {value} is relative, and nothing is uploaded for it to be "
+                             "relative to (this directory is no bertforge checkout; "
+                             "--working-dir uploads one): give an absolute path every node "
+                             "mounts")
 
 
 def _run_eval(args: argparse.Namespace) -> None:

@@ -165,3 +165,23 @@ def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys
         err = capsys.readouterr().err
         assert err.startswith(f"bertforge submit: error: no Ray cluster answers at {address}"), \
             (argv, err)
+
+
+def test_a_relative_input_is_refused_where_nothing_is_uploaded(tmp_path, monkeypatch, capsys):
+    """From a folder that is no bertforge checkout nothing is uploaded, and the job runs where
+    the cluster's Ray started: `--data ../shards` was found missing there, once the job ran."""
+    address = f"http://127.0.0.1:{_unused_port()}"
+    monkeypatch.chdir(tmp_path)
+    train = ["bertforge", "train", "--run-dir", "/shared/runs/r"]
+    for command, what in (([*train, "--data", "../shards"], "--data ../shards"),
+                          (["bertforge", "export", "runs/r", "--output", "/shared/hf"],
+                           "CHECKPOINT runs/r")):
+        assert main(["submit", "--address", address, "--", *command]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"bertforge submit: error: the job's command: {what} is relative, "
+                              "and nothing is uploaded for it to be relative to"), err
+    # Uploaded (--working-dir), the path is the upload's: it goes on to the cluster.
+    (tmp_path / "job").mkdir()
+    assert main(["submit", "--address", address, "--working-dir", "job", "--",
+                 *train, "--data", "shards"]) == 2
+    assert f"no Ray cluster answers at {address}" in capsys.readouterr().err
