@@ -147,6 +147,15 @@ class Holder:
                 f"heartbeat {max(0.0, time.time() - self.heartbeat):.0f} s ago")
 
 
+def _a_file_in_the_way(directory: str) -> str | None:
+    """"X is a file, not a directory" where `directory`, or the nearest folder above it that
+    exists, is a file (`--output afile`: the OS says only "File exists")."""
+    above = os.path.abspath(directory)
+    while not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    return f"{above} is a file, not a directory" if os.path.isfile(above) else None
+
+
 class _LocalFile:
     """The lock file on a POSIX filesystem, local or shared."""
 
@@ -163,7 +172,8 @@ class _LocalFile:
             tmp = self._write_private(text)
         except OSError as error:
             raise ValueError(f"cannot write the run lock in {self.directory}: "
-                             f"{error.strerror or error}") from None
+                             f"{_a_file_in_the_way(self.directory) or error.strerror or error}"
+                             ) from None
         try:
             os.link(tmp, self.path)
             return True

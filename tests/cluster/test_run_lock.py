@@ -258,3 +258,14 @@ def test_a_worker_tells_the_drivers_run_directory_from_one_of_its_own(tmp_path):
         with pytest.raises(UserInputError, match=r"--run-dir .*node-local/run on node .* is "
                            r"not the directory the driver locked: .*or add --storage"):
             _refuse_a_run_dir_of_its_own(str(own), token)
+
+
+def test_a_file_where_the_directory_goes_is_named(tmp_path):
+    """`demo --output afile` said only "cannot write the run lock in afile: File exists"."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder\n")
+    for directory in (afile, afile / "sub"):
+        with pytest.raises(ValueError, match=f"cannot write the run lock in {directory}: "
+                                             f"{afile} is a file, not a directory"):
+            with exclusive_directory(str(directory), "demo"):
+                pass
