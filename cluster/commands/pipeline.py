@@ -28,6 +28,7 @@ from typing import Any
 
 from bertforge.cluster.commands.stage_runner import Stage, StageRunner
 from bertforge.cluster.commands.stages import (
+    carried_on,
     export_complete,
     export_final,
     make_vocab,
@@ -486,12 +487,15 @@ def build_stages(
                 runner.moved_since(f"prepare-{length}")),
         ))
     train_configs = config.train_configs()
-    for name, cfg in train_configs.items():
+    names = list(train_configs)
+    for index, (name, cfg) in enumerate(train_configs.items()):
         # resume=True: continues from the newest committed checkpoint, or starts fresh (phase 2
         # then warm-starts from phase 1's weights).
-        stages.append(Stage(name, lambda cfg=cfg: train_to_the_end(cfg, config.cluster,
-                                                                   "pipeline"),
-                            is_done=lambda cfg=cfg: training_complete(cfg)))
+        later = names[index + 1] if index + 1 < len(names) else None
+        stages.append(Stage(
+            name, lambda cfg=cfg: train_to_the_end(cfg, config.cluster, "pipeline"),
+            is_done=lambda cfg=cfg, later=later: training_complete(cfg) or carried_on(
+                cfg, train_configs.get(later), later)))
     last_run = paths.run(list(train_configs)[-1])
     stages.append(Stage("export", lambda: export_final(last_run, paths.hf),
                         is_done=lambda: export_complete(paths.hf, last_run,

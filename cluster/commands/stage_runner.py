@@ -66,8 +66,9 @@ def fresh_dir(path: str) -> None:
 class Stage:
     name: str
     run: Callable[[], dict[str, Any]]  # returns the stage's record for the state file
-    # From the outputs on disk; None: done once the state file records the stage.
-    is_done: Callable[[], bool] | None = None
+    # From the outputs on disk; None: done once the state file records the stage. A string
+    # is done too, and said in place of the runner's skip message.
+    is_done: Callable[[], bool | str] | None = None
     # The work already ran elsewhere and said so when it finished (the fine-tuning runs of one
     # worker group: rank 0 prints each run's line as it ends): recorded without a line, and the
     # record's own "seconds" (the real duration) kept rather than the recording's.
@@ -156,7 +157,7 @@ class StageRunner:
             label = f"[{number}/{len(stages)}] {stage.name}"
             done = stage.is_done() if stage.is_done else stage.name in self.state["stages"]
             if done:
-                self.say(f"{label}: {self.skip_message}")
+                self.say(f"{label}: {done if isinstance(done, str) else self.skip_message}")
                 skipped.append(stage.name)
                 continue
             if stage.ran_elsewhere:

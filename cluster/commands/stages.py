@@ -126,6 +126,21 @@ def training_complete(cfg: TrainConfig) -> bool:
     return bool(steps) and steps[-1] >= cfg.max_steps
 
 
+def carried_on(cfg: TrainConfig, later: TrainConfig | None, later_name: str) -> str:
+    """Why a phase whose run is gone (its checkpoints deleted to free the disk) needs no
+    training: the phase after it, which warm-started from its weights, has checkpoints of its
+    own, resumes from those and never reads this one's again ("" where that is not so). It was
+    trained anew (a whole phase, days at full size) and then refused as newer than what the
+    next phase started from."""
+    from bertforge.training.checkpoint import latest_checkpoint
+
+    if (later is None or latest_checkpoint(cfg.run_dir) is not None
+            or latest_checkpoint(later.run_dir) is None):
+        return ""
+    return (f"its run {cfg.run_dir} is gone, and {later_name}, warm-started from its weights, "
+            "goes on from checkpoints of its own: skipping")
+
+
 def export_source(run_dir: str) -> dict[str, Any] | None:
     """The final checkpoint and its commit marker: a retrained checkpoint has a new marker."""
     from bertforge.training.checkpoint import COMMIT_MARKER, latest_checkpoint

@@ -450,6 +450,34 @@ def test_a_finished_project_copied_elsewhere_skips_every_stage(finished_pipeline
 
 
 @pytest.mark.slow
+def test_a_phase1_deleted_after_phase2_began_is_not_trained_again(finished_pipeline,
+                                                                    monkeypatch, tmp_path,
+                                                                    capsys):
+    """Phase 1's run deleted to free the disk once phase 2 had its checkpoints: the rerun
+    trained phase 1 anew (a whole phase), said "done", and every later run was refused
+    (phase 1 newer than what phase 2 started from) until phase 2 was thrown away too."""
+    from bertforge.cluster.cli import main
+
+    root, _, _ = finished_pipeline
+    project = tmp_path / "project"
+    shutil.copytree(root, project, symlinks=True)
+    phase1 = project / "work" / "runs" / "phase1"
+    shutil.rmtree(phase1)
+    _forbid_work(monkeypatch)
+    for _ in range(2):
+        assert main(["pipeline", str(project / "pipeline.toml")]) == 0
+        out = capsys.readouterr().out
+        assert (f"[pipeline] [4/6] phase1: its run {phase1} is gone, and phase2, warm-started "
+                "from its weights, goes on from checkpoints of its own: skipping") in out, out
+        assert out.count("output complete, skipping") == 5, out[-3000:]
+    # Without phase 2's checkpoints too, phase 1 is trained again, as any missing phase is
+    # (here _forbid_work's error: the command's crash, exit 1).
+    shutil.rmtree(project / "work" / "runs" / "phase2")
+    assert main(["pipeline", str(project / "pipeline.toml")]) == 1
+    assert "[pipeline] [4/6] phase1: starting" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_an_edited_or_added_input_is_refused_not_skipped(finished_pipeline, monkeypatch):
     """The shards' manifest is there, but the corpus is no longer what made them: skipping
     would leave the user's edit out of the model without a word."""
