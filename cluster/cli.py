@@ -306,7 +306,7 @@ def _run_prepare(args: argparse.Namespace, extra: list[str]) -> None:
     # After the job: a failed first prepare leaves no directory behind (its log goes to the
     # temporary directory, named on the console). A dry run writes nothing, not even OUTPUT.
     _log_in_output_dir(command.config.output, "prepare")
-    print(json.dumps(counts, indent=2))
+    print(json.dumps(counts, indent=2, ensure_ascii=False))
 
 
 def _log_in_output_dir(output: str, command: str) -> None:
@@ -371,7 +371,8 @@ def _train_configs(args: argparse.Namespace):
 def _run_train(args: argparse.Namespace) -> None:
     from bertforge.cluster.launch.ray_train import train_on_ray
 
-    print(json.dumps(train_on_ray(*_train_configs(args)), indent=2, default=str))
+    print(json.dumps(train_on_ray(*_train_configs(args)), indent=2, default=str,
+                     ensure_ascii=False))
 
 
 def _run_submit(args: argparse.Namespace) -> int:
@@ -487,7 +488,7 @@ def _run_eval(args: argparse.Namespace) -> None:
     with reading_dataset(args.data, "eval"):  # prepare will not replace it meanwhile
         # The path as given: a run's newest checkpoint is picked where it is read.
         result = evaluate_checkpoint(args.checkpoint, args.data, options)
-    print(json.dumps(result.to_dict(), indent=2))
+    print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
 
 
 def _run_export(args: argparse.Namespace) -> None:
@@ -539,7 +540,7 @@ def _run_pipeline(args: argparse.Namespace) -> None:
 
     config, text = load_config(args.config)
     base_dir = os.path.dirname(os.path.abspath(args.config))
-    print(json.dumps(run_pipeline(config, text, base_dir), indent=2))
+    print(json.dumps(run_pipeline(config, text, base_dir), indent=2, ensure_ascii=False))
 
 
 def _run_demo(args: argparse.Namespace) -> None:

@@ -418,4 +418,4 @@ def _warn_on_casing_mismatch(vocab: dict[str, int], lower_case: bool) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    print(json.dumps(main(), indent=2))
+    print(json.dumps(main(), indent=2, ensure_ascii=False))

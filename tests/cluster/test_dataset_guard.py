@@ -335,3 +335,13 @@ def test_once_the_workers_are_stopped_only_beams_own_threads_fail_quietly(monkey
         thread.start()
         thread.join()
     assert reported == ["Thread-10 (ours)"]
+
+
+def test_the_summary_writes_a_path_as_the_user_named_it(inputs, tmp_path, capsys):
+    """A non-ASCII output came back as JSON escapes (`r\\u00e9sum\\u00e9`) under console lines
+    that showed it as typed."""
+    output = tmp_path / "données 中"
+    assert prepare(inputs, output, "--quiet") == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed)["output"] == str(output)
+    assert f'"output": "{output}"' in printed, printed
