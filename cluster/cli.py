@@ -446,32 +446,33 @@ def _refuse_relative_outputs(args: argparse.Namespace) -> None:
     """A job's relative --run-dir or --output lands in its working directory on the cluster: a
     temporary copy the job refuses to write into (after the upload and the job's start), or
     wherever Ray starts a job that uploaded none."""
-    for name in ("run_dir", "output", "storage"):
-        value = getattr(args, name, None)
-        if isinstance(value, str) and value and "://" not in value and not os.path.isabs(value):
-            raise ValueError(f"--{name.replace('_', '-')} {value} is relative: give an absolute "
-                             "path every node mounts (a job's working directory is a temporary "
-                             "copy)")
+    for what, value in _relative_paths(args, ("run_dir", "output", "storage")):
+        raise ValueError(f"{what} {value} is relative: give an absolute path every node mounts "
+                         "(a job's working directory is a temporary copy)")
 
 
 # The inputs a submitted command names (flags, and eval's, export's and pipeline's positional
 # CHECKPOINT and CONFIG).
 _INPUTS = ("data", "init_from", "model", "train", "dev", "data_root", "glue_dir", "checkpoint",
            "config")
+_POSITIONAL = ("checkpoint", "config")
 
 
 def _refuse_relative_inputs(args: argparse.Namespace) -> None:
     """With nothing uploaded, a job runs where the cluster's Ray started: a relative input
     resolved there (`../shards` from where `ray start` ran), found missing once the job ran."""
-    for name in _INPUTS:
+    for what, value in _relative_paths(args, _INPUTS):
+        raise ValueError(f"{what} {value} is relative, and nothing is uploaded for it to be "
+                         "relative to (this directory is no bertforge checkout; --working-dir "
+                         "uploads one): give an absolute path every node mounts")
+
+
+def _relative_paths(args: argparse.Namespace, names: tuple[str, ...]):
+    """(how the command line names it, value) of each local relative path among `names`."""
+    for name in names:
         value = getattr(args, name, None)
         if isinstance(value, str) and value and "://" not in value and not os.path.isabs(value):
-            what = name.upper() if name in ("checkpoint", "config") else \
-                f"--{name.replace('_', '-')}"
-            raise ValueError(f"{what} {value} is relative, and nothing is uploaded for it to be "
-                             "relative to (this directory is no bertforge checkout; "
-                             "--working-dir uploads one): give an absolute path every node "
-                             "mounts")
+            yield (name.upper() if name in _POSITIONAL else f"--{name.replace('_', '-')}"), value
 
 
 def _run_eval(args: argparse.Namespace) -> None:

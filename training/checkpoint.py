@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from bertforge.training.distributed import barrier, local_rank
 from bertforge.training.errors import UserInputError, disk_full, first_line
+from bertforge.training.metrics import METRICS_NAME
 from bertforge.training.profiling import PROFILE_DIR
 
 T = TypeVar("T")
@@ -59,7 +60,7 @@ _RETIRED_PREFIX = ".retired-"  # a pruned checkpoint on its way out (`_retire`)
 READ_TRIES = 3
 PREVIOUS_DIR = "previous"  # RUN_DIR/previous/<UTC time>/: the runs a fresh start moved aside
 # What a run writes beside its checkpoints, moved aside with them (training.metrics, loop).
-_RUN_FILES = ("metrics.jsonl", "tensorboard", "config.json", PROFILE_DIR)
+_RUN_FILES = (METRICS_NAME, "tensorboard", "config.json", PROFILE_DIR)
 # The MLM decoder is tied to the word embeddings, so a checkpoint may carry it once.
 _TIED = ("cls.predictions.decoder.weight",)
 
@@ -446,18 +447,19 @@ def resolve_checkpoint(path: str) -> str:
     if pruned is not None:
         raise UserInputError(pruned)
     latest = latest_checkpoint(path)
-    if latest is None and is_run_dir(path):
+    if latest is None and run_marks(path):
         raise ValueError(no_checkpoint_yet(path))
     if latest is None:
         raise ValueError(f"{path} is neither a complete checkpoint nor a run with one")
     return latest
 
 
-def is_run_dir(path: str) -> bool:
-    """A training run's directory, with or without a checkpoint: its checkpoints folder, or the
-    metrics its first step writes (a run stopped before its first save has no checkpoints/)."""
-    return (os.path.isdir(os.path.join(path, CHECKPOINTS_DIR))
-            or os.path.isfile(os.path.join(path, "metrics.jsonl")))
+def run_marks(path: str) -> list[str]:
+    """What shows `path` to be a training run's directory, with or without a checkpoint: its
+    checkpoints folder, the metrics its first step writes (a run stopped before its first
+    save has no checkpoints/); [] for any other folder."""
+    return [name for name in (CHECKPOINTS_DIR, METRICS_NAME)
+            if os.path.exists(os.path.join(path, name))]
 
 
 def no_checkpoint_yet(path: str) -> str:

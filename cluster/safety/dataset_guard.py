@@ -83,11 +83,9 @@ def writing_dataset(output: str, config, *, overwrite: bool) -> Iterator[None]:
 def refuse_a_training_run(output: str) -> None:
     """A run directory given as --output took the dataset's files beside its checkpoints
     without a word (and --overwrite, which clears the folder first, would have taken them)."""
-    from bertforge.training.checkpoint import CHECKPOINTS_DIR
-    from bertforge.training.metrics import METRICS_NAME
+    from bertforge.training.checkpoint import run_marks
 
-    marks = [name for name in (CHECKPOINTS_DIR, METRICS_NAME)
-             if os.path.exists(os.path.join(output, name))]
+    marks = run_marks(output)
     if marks:
         raise DatasetConflict(f"--output {output} holds a training run ({', '.join(marks)}): "
                               "give the dataset a folder of its own")
@@ -156,13 +154,17 @@ def differences_from_dataset(output: str, config, *, inputs_may_be_gone: bool = 
         found = read_manifest(output)
     except (ValueError, KeyError, OSError):
         return []  # not a readable dataset: nothing to protect
+    # Quiet: the job's own walk of the same inputs says what it leaves out (a continued
+    # prepare said each "leaving out" twice).
     if inputs_may_be_gone:
         paths = []
         for pattern in config.inputs:
             with contextlib.suppress(ValueError):  # matches nothing now
-                paths += [path for path, _ in match_inputs((pattern,), output, config.vocab)]
+                paths += [path for path, _ in match_inputs((pattern,), output, config.vocab,
+                                                           quiet=True)]
     else:
-        paths = [path for path, _ in match_inputs(config.inputs, output, config.vocab)]
+        paths = [path for path, _ in match_inputs(config.inputs, output, config.vocab,
+                                                  quiet=True)]
     return dataset_differences(found, config, paths, sha256_of(config.vocab), sizes_of(paths),
                                gone_is_a_difference=not inputs_may_be_gone, moved=moved)
 

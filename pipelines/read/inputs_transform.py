@@ -12,6 +12,7 @@ import glob
 import logging
 import os
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 import apache_beam as beam
@@ -27,16 +28,10 @@ from bertforge.pipelines.read.input_files import detect_format, format_mismatch,
 from bertforge.pipelines.read.records import Reject
 
 logger = logging.getLogger(__name__)
-# What the input walk left out and said so, in this process: the dataset guard and the job
-# walk the same inputs, and a rerun said each "leaving out" twice.
-_SAID: set[str] = set()
 
 
-def _say_once(message: str, *args) -> None:
-    text = message % args
-    if text not in _SAID:
-        _SAID.add(text)
-        logger.info(text)
+def _silent(*args) -> None:
+    """A walk's `say` where another walk of the same inputs says it (the dataset guard's)."""
 
 
 FORMATS = "formats"  # the tag of ReadFile's (path, format, chosen_by) per input file
@@ -56,7 +51,8 @@ def input_patterns(entries) -> tuple[str, ...]:
 
 
 def match_inputs(patterns: tuple[str, ...], output: str | None = None,
-                 vocab: str | None = None) -> list[tuple[str, str | None]]:
+                 vocab: str | None = None, *, quiet: bool = False
+                 ) -> list[tuple[str, str | None]]:
     """(file, forced format or None) of every file the patterns match, sorted; a clear error
     for a bad pattern. The format itself is chosen where the file is read (`detect_format`).
 
@@ -64,15 +60,17 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
     are not corpus: skipped. Nor is anything under `output`, the job's own directory (a
     dataset made into `corpus/shards` from `corpus/`): its shards, manifest and log would be
     read as text by the next run, and that run's changed inputs refused as another dataset.
-    Nor is `vocab`, prepare's vocabulary, where it lies among the corpus files.
+    Nor is `vocab`, prepare's vocabulary, where it lies among the corpus files. What is left
+    out is said in the log, unless `quiet` (a walk that only compares, before the job's own).
     """
+    say = _silent if quiet else logger.info
     files: dict[str, str | None] = {}
     named: dict[str, str] = {}  # a file's location -> the path it was first named by
     inside_output = _inside(output) if output else (lambda path: False)
     for entry in patterns:
         forced, pattern = readers.split_format(entry)
         if FileSystems.exists(pattern) and _is_directory(pattern):
-            matched = files_under(pattern)
+            matched = files_under(pattern, say)
             _refuse_dangling_links(entry, matched)
         else:
             try:
@@ -96,14 +94,14 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
                 raise ValueError(f"--input {entry!r} matches no file outside --output {output} "
                                  "(the output directory is never read as corpus): keep the "
                                  "corpus and the output apart")
-            _say_once("leaving out %d file(s) under --output %s: the job's own, not corpus",
-                      len(ours), output)
+            say("leaving out %d file(s) under --output %s: the job's own, not corpus",
+                len(ours), output)
         for path in matched:
             if vocab and readers.input_location(path) == readers.input_location(vocab):
-                _say_once("leaving out %s: the --vocab, not corpus", path)
+                say("leaving out %s: the --vocab, not corpus", path)
                 continue
             if wiki_xml.is_multistream_index(path):
-                _say_once("skipping %s: a multistream index, used to split its dump", path)
+                say("skipping %s: a multistream index, used to split its dump", path)
                 continue
             # The same file named twice (`corpus/a.txt`, `./corpus/a.txt`) is read once, as the
             # later naming says (`corpus`, then `books:corpus/a.txt`).
@@ -135,7 +133,7 @@ def _inside(directory: str):
         [root, os.path.realpath(path)]) == root
 
 
-def files_under(directory: str) -> list[str]:
+def files_under(directory: str, say: Callable[..., None] = logger.info) -> list[str]:
     """Every file under a local directory, in its subdirectories too (WikiExtractor writes
     `AA/wiki_00`, `AB/wiki_00`, ...), sorted; hidden subdirectories (`.git`, `.cache`) are left
     out, hidden files kept. Symbolic links to directories are not followed.
@@ -147,7 +145,7 @@ def files_under(directory: str) -> list[str]:
     for folder, subfolders, names in os.walk(directory):
         if folder != directory and _is_dataset(folder, names):
             subfolders[:] = []
-            _say_once("leaving out %s: a bertforge dataset, not corpus", folder)
+            say("leaving out %s: a bertforge dataset, not corpus", folder)
             continue
         subfolders[:] = [d for d in subfolders if not d.startswith(".")]
         ours = _our_files(folder, names)

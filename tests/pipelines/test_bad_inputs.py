@@ -264,20 +264,23 @@ def test_bertforge_outputs_inside_the_corpus_folder_are_not_read_as_corpus(tmp_p
 
 def test_what_the_input_walk_leaves_out_is_said_once(tmp_path, small_vocab, caplog):
     """The dataset guard and the job walk the same inputs: a rerun of `prepare --input corpus`
-    said "leaving out corpus/ds: a bertforge dataset" twice."""
+    into corpus/ds said "leaving out corpus/ds: a bertforge dataset" twice. The guard's walk,
+    which only compares, is quiet; the job's says it."""
     import logging
-    import shutil
 
+    from bertforge.cluster.safety.dataset_guard import differences_from_dataset
     from bertforge.pipelines.read.inputs_transform import match_inputs
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    write_jsonl(corpus / "docs.jsonl", [{"text": "One sentence. Another one."}])
-    (corpus / "ds").mkdir()
-    shutil.copy(small_vocab, corpus / "ds" / "vocab.txt")
-    (corpus / "ds" / "manifest.json").write_text('{"created_by": "bertforge"}')
+    text = " ".join(f"Sentence number {i} is here." for i in range(12))
+    write_jsonl(corpus / "docs.jsonl", [{"text": f"Document {d} begins. " + text}
+                                        for d in range(8)])
+    config = prepare_config([str(corpus)], str(corpus / "ds"), small_vocab)
+    run(config)
     with caplog.at_level(logging.INFO, logger="bertforge.pipelines.read.inputs_transform"):
-        for _ in range(2):
-            assert match_inputs((str(corpus),)) == [(str(corpus / "docs.jsonl"), None)]
+        assert differences_from_dataset(config.output, config) == []  # the guard's walk
+        assert match_inputs(config.inputs, config.output, config.vocab) == [  # the job's
+            (str(corpus / "docs.jsonl"), None)]
     said = [r.getMessage() for r in caplog.records if "a bertforge dataset" in r.getMessage()]
     assert said == [f"leaving out {corpus / 'ds'}: a bertforge dataset, not corpus"]

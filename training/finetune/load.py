@@ -61,7 +61,7 @@ def source_kind(source: str) -> str:
         return CHECKPOINT
     if checkpoint.latest_checkpoint(source) is not None:
         return RUN_DIR  # checked before HF: a run directory holds a config.json too
-    if checkpoint.is_run_dir(source):  # its config.json is the run's, not a model's
+    if checkpoint.run_marks(source):  # its config.json is the run's, not a model's
         raise ValueError(f"model {checkpoint.no_checkpoint_yet(source)}")
     if os.path.exists(os.path.join(source, HF_CONFIG_NAME)):
         return HF_DIR
