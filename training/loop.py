@@ -204,6 +204,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     total_tokens = 0
     checkpoint_seconds = 0.0
     profiler = StepProfiler(cfg.profile_steps, cfg.run_dir, rank, engine.device)
+    save_clock = _SaveClock(cfg.checkpoint_minutes)
     survivors = FrozenSurvivors()  # no full collection's pause inside the steps (host_gc)
     first_step = True
     with profiler, survivors:
@@ -218,8 +219,9 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
                 window.add(out, batch)
             step += 1
             log_line = step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps
+            save_by_time = False
             if log_line:
-                metrics = window.reduce(lr)
+                metrics, save_by_time = window.reduce(lr, save_clock.due())
                 total_tokens += metrics["tokens"]
                 logger.log(step, metrics)
                 if not math.isfinite(metrics["loss"]):
@@ -232,7 +234,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
             if validation is not None and step % cfg.eval_every == 0:
                 # Evaluation time is no training throughput.
                 logger.log(step, window.left_out(validation.run, engine))
-            if step == cfg.max_steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+            if (step == cfg.max_steps or save_by_time
+                    or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
                 if not log_line and not window.loss_finite():  # no checkpoint of NaN weights
                     raise _diverged(math.nan, step, last_loss, last_saved)
                 loader.wait_for_checksums()  # no checkpoint from shards not yet verified
@@ -243,6 +246,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
                     vocab_path=os.path.join(cfg.data_dir, VOCAB_NAME), keep=cfg.keep_checkpoints,
                 )
                 checkpoint_seconds += time.time() - saving
+                save_clock.saved()
                 if report is not None:
                     report({"step": step, "checkpoint_path": path, "loss": last_loss})
             profiler.end(step)
@@ -524,12 +528,15 @@ class _Window:
         loss = all_reduce_sum(self.device_sums[:1].clone(), self.device)
         return math.isfinite(loss.item())
 
-    def reduce(self, lr: float) -> dict[str, Any]:
-        """The interval's metrics; `lr`: the rate its last step trained at."""
-        host = torch.tensor(self.host_sums, dtype=torch.float64, device=self.device)
+    def reduce(self, lr: float, save_due: bool = False) -> tuple[dict[str, Any], bool]:
+        """The interval's metrics, and whether any rank found a save due (`save_due`: this
+        rank's vote, carried in the same all-reduce: every rank gets the same answer without
+        a collective of its own); `lr`: the rate the interval's last step trained at."""
+        host = torch.tensor([*self.host_sums, float(save_due)], dtype=torch.float64,
+                            device=self.device)
         sums = all_reduce_sum(torch.cat([self.device_sums, host]), self.device)
         values = sums.tolist()  # the one host sync of the interval
-        loss, mlm, nsp, tokens, sequences, predictions, micro_batches, flops = values
+        loss, mlm, nsp, tokens, sequences, predictions, micro_batches, flops, votes = values
         flops += predictions * self.flops_per_prediction
         # Timed after the sync: the interval's queued GPU work is done, and none of it is
         # counted in the next interval.
@@ -550,7 +557,23 @@ class _Window:
             metrics["mfu"] = mfu(
                 tflops, peak_tflops_per_device=self.peak_tflops, world_size=self.world_size
             )
-        return metrics
+        return metrics, votes > 0
+
+
+class _SaveClock:
+    """Whether `minutes` (0: never) have passed since the run's last save, or since this
+    process started training. Each rank asks its own clock; `_Window.reduce` makes one answer
+    of their votes."""
+
+    def __init__(self, minutes: float):
+        self.seconds = minutes * 60
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        return self.seconds > 0 and time.monotonic() - self.last >= self.seconds
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
 
 
 class _Validation:

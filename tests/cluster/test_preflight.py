@@ -140,6 +140,8 @@ def test_a_batch_the_workers_or_the_data_cannot_hold_is_refused_before_ray(datas
             "--gradient-clipping must be >= 0 (0: no clip), got -1.0")
     refused(["train", *run, "--checkpoint-every", "-1"], capsys,
             "--checkpoint-every must be >= 0, got -1")
+    refused(["train", *run, "--checkpoint-minutes", "nan"], capsys,
+            "--checkpoint-minutes must be >= 0, got nan")
     assert not os.path.exists(tmp_path / "run")
 
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from bertforge.training import checkpoint
+from bertforge.training import checkpoint, loop
 from bertforge.training.config import TrainConfig
 from bertforge.training.eval_options import EvalOptions
 from bertforge.training.evaluate import evaluate_checkpoint
@@ -74,6 +74,31 @@ def test_after_a_crash_and_a_resume_every_step_is_in_the_metrics_once(dataset, t
     assert logged_before == [1, 2, 3, 4, 5, 6]
     train(config(dataset, run_dir, checkpoint_every=3))
     assert [r["step"] for r in read_metrics(str(run_dir))] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_run_without_a_step_cadence_saves_by_time_at_its_log_lines(dataset, tmp_path):
+    """A plain `train` (no --checkpoint-every) saved only at its end, so a failure hours in
+    restarted it from step 0; now it saves once --checkpoint-minutes have passed, looked at
+    on log lines (a tiny interval: every log line, the first step's included)."""
+    train(config(dataset, tmp_path / "timed", log_every=2, checkpoint_minutes=1e-9))
+    assert checkpoint.committed_steps(str(tmp_path / "timed")) == [1, 2, 4, 6]
+    train(config(dataset, tmp_path / "untimed", log_every=2, checkpoint_minutes=0))
+    assert checkpoint.committed_steps(str(tmp_path / "untimed")) == [6]
+
+
+def test_the_save_clock_counts_from_the_last_save(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(loop.time, "monotonic", lambda: now[0])
+    clock = loop._SaveClock(minutes=2)
+    now[0] += 119
+    assert not clock.due()
+    now[0] += 1
+    assert clock.due()
+    clock.saved()
+    assert not clock.due()
+    now[0] += 120
+    assert clock.due()
+    assert not loop._SaveClock(minutes=0).due()  # 0: never by time
 
 
 def test_rerun_of_a_finished_run_trains_no_further(dataset, tmp_path):

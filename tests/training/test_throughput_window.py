@@ -46,8 +46,9 @@ def test_an_evaluation_inside_the_interval_is_left_out_of_its_time(monkeypatch,
     for _ in range(2):  # two more steps, 10 s
         window.add(*_micro_batch())
     clock[0] += 10.0
-    metrics = window.reduce(lr=1e-4)
+    metrics, save_due = window.reduce(lr=1e-4)
     # 16 sequences of 8 real tokens in the 20 s the four steps took, whatever the eval took.
     assert metrics["seq_per_s"] == pytest.approx(16 / 20)
     assert metrics["tokens_per_s"] == pytest.approx(16 * 8 / 20)
     assert metrics["lr"] == 1e-4 and metrics["loss"] == pytest.approx(2.0)
+    assert save_due is False  # no rank voted for a save
