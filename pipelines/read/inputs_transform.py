@@ -46,8 +46,21 @@ class InputFile(NamedTuple):
 
 
 def input_patterns(entries) -> tuple[str, ...]:
-    """`--input` as given (repeated, or comma-separated lists) -> one pattern each."""
-    return tuple(p.strip() for entry in entries for p in entry.split(",") if p.strip())
+    """`--input` as given (repeated, or comma-separated lists) -> one pattern each.
+
+    A FORMAT: prefix at the head of a list is the list's (`books:a.txt,b.txt` is two books;
+    it was one book and one plain-text file); a part with a prefix of its own keeps it."""
+    patterns = []
+    for entry in entries:
+        forced = None
+        for part in (p.strip() for p in entry.split(",")):
+            if not part:
+                continue
+            prefix, _ = readers.split_format(part)
+            if forced is None:
+                forced = prefix or ""
+            patterns.append(part if prefix or not forced else f"{forced}:{part}")
+    return tuple(patterns)
 
 
 def match_inputs(patterns: tuple[str, ...], output: str | None = None,

@@ -35,6 +35,17 @@ def test_names_that_say_and_names_that_do_not():
         assert name_format(silent) is None, silent
 
 
+def test_a_format_prefix_heading_a_comma_separated_list_is_the_whole_lists(tmp_path):
+    """`--input books:a.txt,b.txt` read a.txt as a book and b.txt as one sentence a line."""
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_text("One sentence.\n")
+    a, b, c = (str(tmp_path / name) for name in ("a.txt", "b.txt", "c.txt"))
+    patterns = inputs_transform.input_patterns([f"books:{a},{b}", f"{c},books:{a}"])
+    assert patterns == (f"books:{a}", f"books:{b}", c, f"books:{a}")
+    assert inputs_transform.match_inputs(patterns[:2]) == [(a, "books"), (b, "books")]
+    assert inputs_transform.input_patterns([f"{a}, wiki:{b} ,{c}"]) == (a, f"wiki:{b}", c)
+
+
 def test_sniffing_the_first_bytes():
     assert sniff_format(b'<?xml version="1.0"?>\n' + XML_HEAD) == "wiki"
     assert sniff_format(b"\xef\xbb\xbf  " + XML_HEAD) == "wiki"
