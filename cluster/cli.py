@@ -621,9 +621,26 @@ def _configure_logging(command: str | None = None) -> None:
         logging.getLogger(package).setLevel(logging.INFO)
 
 
+def _home_expanded(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`--output=~/x` with the `~` expanded, as the shell expands a word that starts with
+    one (and a pipeline file's paths are): it made a folder named `~`. (`--input books:~/x`:
+    `input_patterns`.) A submitted command's own words are left to the cluster's bertforge."""
+    args, _ = parser.parse_known_args(argv)
+    own = len(argv) - len(getattr(args, "entrypoint", None) or ())
+
+    def expanded(word: str) -> str:
+        flag, equals, value = word.partition("=")
+        if flag.startswith("--") and equals:
+            return f"{flag}={expanded(value)}"
+        return os.path.expanduser(word) if word.startswith("~") else word
+
+    return [expanded(word) for word in argv[:own]] + argv[own:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    argv = _home_expanded(argv, parser)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "prepare":  # prepare passes the rest to Beam, which checks it
         refuse_unknown_flags(args.command_parser, extra)  # before any log file or engine

@@ -49,17 +49,20 @@ def input_patterns(entries) -> tuple[str, ...]:
     """`--input` as given (repeated, or comma-separated lists) -> one pattern each.
 
     A FORMAT: prefix at the head of a list is the list's (`books:a.txt,b.txt` is two books;
-    it was one book and one plain-text file); a part with a prefix of its own keeps it."""
+    it was one book and one plain-text file); a part with a prefix of its own keeps it. A `~`
+    the shell left (after a prefix or a comma) is the home directory, as at a word's start."""
     patterns = []
     for entry in entries:
         forced = None
         for part in (p.strip() for p in entry.split(",")):
             if not part:
                 continue
-            prefix, _ = readers.split_format(part)
+            prefix, path = readers.split_format(part)
             if forced is None:
                 forced = prefix or ""
-            patterns.append(part if prefix or not forced else f"{forced}:{part}")
+            prefix = prefix or forced
+            path = os.path.expanduser(path)
+            patterns.append(f"{prefix}:{path}" if prefix else path)
     return tuple(patterns)
 
 

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -185,3 +186,20 @@ def test_a_relative_input_is_refused_where_nothing_is_uploaded(tmp_path, monkeyp
     assert main(["submit", "--address", address, "--working-dir", "job", "--",
                  *train, "--data", "shards"]) == 2
     assert f"no Ray cluster answers at {address}" in capsys.readouterr().err
+
+
+def test_a_home_the_shell_left_unexpanded_is_the_home_directory(tmp_path, monkeypatch, caplog):
+    """`--output=~/x` (the shell expands a `~` only at a word's start) made a folder named
+    `~` in the working directory; so did `--input books:~/a,~/b` for the inputs."""
+    home, elsewhere = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    for name in ("a.txt", "b.txt"):
+        (home / name).write_text("The cat sat on the mat.\n\nA dog ran in the park.\n" * 20)
+    assert main(["vocab", "--input", "books:~/a.txt,~/b.txt", "--output=~/vocab",
+                 "--vocab-size", "120"]) == 0
+    assert (home / "vocab" / "vocab.txt").is_file()
+    assert os.listdir(elsewhere) == []
+    assert "tokens from 2 files" in caplog.text  # both inputs read
