@@ -46,11 +46,15 @@ def storage_run_name(run_dir: str) -> str:
 
 
 def check_storage_scheme(storage: str) -> None:
-    """A URI whose scheme no filesystem of pyarrow's serves (`foo://`, `gcs://`), refused
-    before anything is made: found by the run lock in storage, it left the run directory."""
+    """A URI whose scheme no filesystem of pyarrow's serves (`foo://`, `gcs://`), or a local
+    path that is a file, refused before anything is made: found by the run lock in storage,
+    either left an empty run directory behind."""
     import pyarrow.fs as pafs
 
     if "://" not in storage:
+        if os.path.isfile(storage):
+            raise UserInputError(f"--storage {storage} is a file, not a directory (give "
+                                 "gs://BUCKET/PATH, s3://, or a local or mounted folder)")
         return
     try:
         pafs.FileSystem.from_uri(storage)

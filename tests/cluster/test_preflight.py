@@ -96,6 +96,10 @@ def test_run_directory_errors_are_refused_before_ray(dataset, tmp_path, capsys, 
     refused(["train", "--data", dataset, "--run-dir", "r", "--storage", "foo://bucket/x"],
             capsys, "--storage foo://bucket/x: Unrecognized filesystem type", "gs://BUCKET")
     assert not os.path.exists("r")
+    (tmp_path / "a-file").write_text("")  # the same, for a local path that is a file
+    refused(["train", "--data", dataset, "--run-dir", "r", "--storage", "a-file"],
+            capsys, "--storage a-file is a file, not a directory")
+    assert not os.path.exists("r")
     # In the dataset (its folder, or one below it): checkpoints among the shards, which a
     # `prepare --overwrite` or deleting the dataset would take with it.
     for inside in (os.path.join(dataset, "train"), dataset):
