@@ -24,14 +24,16 @@ import pytest
 
 from tests.training.conftest import google_layout_vocab, write_dataset
 
-# sha256 of each shard file's bytes, by path inside the dataset directory.
+# sha256 of each shard file's bytes, by path inside the dataset directory. Re-recorded on
+# 2026-11-29: a JSON record's own id is now scoped by its file (`corpus.jsonl:golden-7`, was
+# `golden-7`; readers._record_id), so the documents hash into other splits and pools.
 EXPECTED_SHARDS = {
     "train/part-00000-of-00002.arrow":
-        "fdfe221116ba90c0c0bcc6f3d12cf01a9af6d99aa9bac73962a74f5f8511cc4a",
+        "b7613cb87e4a06d17c251453a43d9b4edc06d5d6a2768f2c7e753d4f2eb7a98f",
     "train/part-00001-of-00002.arrow":
-        "25889b1d7586ede9e4c54380b4ae822fdc6b3f6b7f21b6b047657919085d5411",
+        "fb65b152b14092c27e5d53cc567d2b678a2f74b533f619c028c601973f5ca0a9",
     "validation/part-00000-of-00001.arrow":
-        "440cc9b4ed1cb73b220cf69bea6de265af906048419879d09817b6de48c3ea32",
+        "cd96585bb37483addf9683906f4feabd5c165072de6aeb494417d0dfe1db12f7",
 }
 # sha256 over every tensor of the first batches (see `_batches_digest`).
 EXPECTED_BATCHES = "122623e7b2c2dcfc657ecc7fab98b5e9601b8bf361acfcd20a58dff3daa0c5bf"

@@ -65,15 +65,22 @@ def decode(raw: bytes, source: str, doc_id: str = "") -> tuple[str, Reject | Non
     return text.lstrip(BOM), repair
 
 
-def _record_id(record: dict[str, Any], default: str) -> str:
+def _record_id(record: dict[str, Any], doc_id_prefix: str, default: str) -> str:
+    """The record's own `doc_id` or `id` within its file, else `default` (its index there).
+
+    Scoped by the file's prefix: two files that each number their records from 0 (or two
+    dumps' page ids) gave one doc_id to different texts, and all but one of each were
+    rejected as `duplicate_doc_id`, half a corpus without a word. The same text in two files
+    is still one document (`keep_first_copy` compares texts)."""
     for key in ("doc_id", "id"):
         if record.get(key) not in (None, ""):
-            return str(record[key])
+            return f"{doc_id_prefix}:{record[key]}"
     return default
 
 
 def read_jsonl(path: str, doc_id_prefix: str, stream: BinaryIO) -> Iterator[RawDocument | Reject]:
-    """One document per non-blank line; doc_id from the record or `<prefix>:<record index>`."""
+    """One document per non-blank line; doc_id `<prefix>:<the record's id>`, or
+    `<prefix>:<record index>` for a record without one."""
     record_index = 0
     for line_number, raw in enumerate(iter_lines(stream), start=1):
         if not raw.strip():
@@ -87,16 +94,16 @@ def read_jsonl(path: str, doc_id_prefix: str, stream: BinaryIO) -> Iterator[RawD
         except json.JSONDecodeError as error:
             yield Reject("invalid_json", source, default_id, str(error)[:200])
             continue
-        yield from _text_record(record, source, default_id, repair)
+        yield from _text_record(record, source, doc_id_prefix, default_id, repair)
 
 
 def _text_record(
-    record: Any, source: str, default_id: str, repair: Reject | None
+    record: Any, source: str, doc_id_prefix: str, default_id: str, repair: Reject | None
 ) -> Iterator[RawDocument | Reject]:
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         yield Reject("missing_text", source, default_id, "no string 'text' field")
         return
-    doc_id = _record_id(record, default_id)
+    doc_id = _record_id(record, doc_id_prefix, default_id)
     if not record["text"].strip():
         yield Reject("empty_document", source, doc_id)
         return
@@ -158,10 +165,12 @@ def read_wikiextractor(
         line = line.strip()
         opened = _DOC_START.match(line)
         if opened and lines is None:
-            doc_id, lines, start_line, repair = opened.group(1), [], line_number, None
+            lines, start_line, repair = [], line_number, None
             found_title = _DOC_TITLE.search(line)
             title = html.unescape(found_title.group(1)) if found_title else ""
-            doc_id = doc_id or f"{doc_id_prefix}:{line_number}"
+            # Scoped by the file, as a JSON record's id (`_record_id`): two dumps' page ids
+            # overlap.
+            doc_id = f"{doc_id_prefix}:{opened.group(1) or line_number}"
         elif line == _DOC_END and lines is not None:
             yield from _wikiextractor_document(lines, title, doc_id, f"{path}:{start_line}",
                                                repair)
@@ -222,7 +231,8 @@ def read_parquet(path: str, doc_id_prefix: str, stream: BinaryIO) -> Iterator[Ra
     row = 0
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
         for record in batch.to_pylist():
-            yield from _text_record(record, f"{path}:{row}", f"{doc_id_prefix}:{row}", None)
+            yield from _text_record(record, f"{path}:{row}", doc_id_prefix,
+                                    f"{doc_id_prefix}:{row}", None)
             row += 1
 
 

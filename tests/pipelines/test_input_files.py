@@ -72,7 +72,7 @@ def test_parquet_rows_in_batches(tmp_path):
     pq.write_table(table, path, row_group_size=500)
     items = _read(path)
     docs = [i for i in items if isinstance(i, RawDocument)]
-    assert len(docs) == 3000 and docs[7].doc_id == "7" and docs[7].text == texts[7]
+    assert len(docs) == 3000 and docs[7].doc_id == "p:7" and docs[7].text == texts[7]
     assert _reasons(items) == ["empty_document"]
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
     assert _reasons(_read(tmp_path / "bad.parquet")) == ["invalid_parquet"]

@@ -159,8 +159,9 @@ def test_every_format_contributes(prepared):
         for d in t["doc_id"].to_pylist()
     }
     assert any(d.startswith("books.txt:") for d in doc_ids)
-    assert any(d.startswith("gz:") for d in doc_ids)
-    assert any(d.startswith("stdlib:") for d in doc_ids)
+    # A record's own id, within its file (readers._record_id).
+    assert any(d.startswith("compressed.jsonl.gz:gz:") for d in doc_ids)
+    assert any(d.startswith("docstrings.jsonl:stdlib:") for d in doc_ids)
 
 
 def test_rejects_are_written_and_counted(prepared):
@@ -179,13 +180,29 @@ def test_rejects_are_written_and_counted(prepared):
     ):
         assert rejected.get(reason, 0) >= 1, reason
     by_id = {r["doc_id"]: r for r in rejects}
-    assert by_id["zzz:copy"]["reason"] == "duplicate_document"  # the smallest doc_id is kept
-    assert by_id["one-sentence"]["reason"] == "too_few_sentences"
-    assert by_id["collide"]["reason"] == "duplicate_doc_id"
+    # the smallest doc_id is kept
+    assert by_id["extra.jsonl:zzz:copy"]["reason"] == "duplicate_document"
+    assert by_id["extra.jsonl:one-sentence"]["reason"] == "too_few_sentences"
+    assert by_id["extra.jsonl:collide"]["reason"] == "duplicate_doc_id"  # within one file
     assert rejects == sorted(
         rejects, key=lambda r: (r["reason"], r["source"], r["doc_id"], r["detail"])
     )
     assert found.counts["input_records"] == found.counts["documents"] + sum(rejected.values())
+
+
+def test_two_files_numbering_their_records_alike_both_count(tmp_path, small_vocab,
+                                                              docstring_corpus):
+    """Two JSON Lines files whose `id`s both start at 0 (per-file numbering, two dumps' page
+    ids): one file's documents were all rejected as duplicate_doc_id, and the job said 0."""
+    with open(docstring_corpus, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f][:40]
+    for name, part in (("a.jsonl", texts[:20]), ("b.jsonl", texts[20:])):
+        write_jsonl(tmp_path / name, [{"id": i, "text": text} for i, text in enumerate(part)])
+    run(prepare_config([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")],
+                       str(tmp_path / "out"), small_vocab))
+    counts = manifest.read_manifest(str(tmp_path / "out")).counts
+    assert counts["rejected"].get("duplicate_doc_id", 0) == 0
+    assert counts["input_records"] == 40
 
 
 def test_no_usable_document_is_a_clear_error(tmp_path, small_vocab):

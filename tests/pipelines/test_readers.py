@@ -26,7 +26,8 @@ def test_jsonl_records_ids_and_rejects():
         json.dumps({"text": "   "}),
     ]
     out = _read("dir/f.jsonl", ("\n".join(lines) + "\n").encode())
-    assert out[0] == RawDocument("wiki:1", "dir/f.jsonl:1", text="First. Second.")
+    # A record's own id, within its file: another file's "wiki:1" is another document.
+    assert out[0] == RawDocument("f.jsonl:wiki:1", "dir/f.jsonl:1", text="First. Second.")
     # Record indices count records, not lines: the blank line is no record.
     assert out[1] == RawDocument("f.jsonl:1", "dir/f.jsonl:3", text="No id here. Two sentences.")
     assert [(r.reason, r.doc_id) for r in out[2:]] == [
@@ -72,11 +73,13 @@ def test_wikiextractor_blocks_are_documents_without_their_tags_and_titles():
     out = list(read_documents("wx/AA/wiki_00", "wiki_00", io.BytesIO(WIKIEXTRACTOR),
                               "wikiextractor"))
     # Each line its own paragraph, so the heading stays a sentence apart from the next one.
-    assert out[0] == RawDocument("12", "wx/AA/wiki_00:1", text=(
+    # Page ids within their file: two dumps' ids overlap.
+    assert out[0] == RawDocument("wiki_00:12", "wx/AA/wiki_00:1", text=(
         "Anarchism is a political philosophy. It is skeptical of authority.\n\nHistory\n\n"
         "Humans lived without formal hierarchies & states <long> before."))
-    assert (out[1].reason, out[1].doc_id) == ("empty_document", "25")  # its title only
-    assert out[2] == RawDocument("39", "wx/AA/wiki_00:11", text="The file ends inside this block.")
+    assert (out[1].reason, out[1].doc_id) == ("empty_document", "wiki_00:25")  # its title only
+    assert out[2] == RawDocument("wiki_00:39", "wx/AA/wiki_00:11",
+                                 text="The file ends inside this block.")
     assert len(out) == 3
 
 
