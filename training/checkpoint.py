@@ -101,9 +101,12 @@ def save(
     tag = tag_for_step(step)
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = os.path.join(root, tag)
+    if local_rank() == 0:  # each node its own disk's; all of it before any rank writes
+        _clear_step(path)
+    barrier(engine.device)
     try:
         engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
-        torch.save(_rng_state(), os.path.join(path, f"rng_rank_{rank:05d}.pt"))
+        torch.save(_rng_state(), rng_file(path, rank))
         if rank == 0:
             with open(os.path.join(path, METADATA_NAME), "w", encoding="utf-8") as f:
                 json.dump({**metadata, "global_step": step}, f, indent=2, sort_keys=True)
@@ -128,6 +131,17 @@ def save(
         # prunes the run's, so this node keeps its own parts of the newest `keep` saves.
         prune_node_copies(run_dir, keep, step)
     return path
+
+
+def _clear_step(path: str) -> None:
+    """Remove what a step's folder holds before this run saves that step: the files of a save
+    killed before its marker (a resume trains to the same step again), possibly written by
+    more ranks than save now, and the universal conversion of an earlier save of the step.
+    Saved over, the stale rank files stayed beside the new ones and the old conversion was
+    loaded as the new save's: a resume on another number of workers read other weights."""
+    for leftover in (path, universal_path(path)):
+        if os.path.lexists(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 # Less than this free after a failed save: the disk is what failed. torch.save reports a full
@@ -176,13 +190,15 @@ def prune_node_copies(run_dir: str, keep: int, step: int) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def load(engine, checkpoint_path: str, *, universal: bool = False) -> dict[str, Any]:
+def load(engine, checkpoint_path: str, *, universal: bool = False,
+         saved_world_size: int | None = None) -> dict[str, Any]:
     """Restore DeepSpeed state and this rank's RNG; returns the client_state.
 
     Collective. `universal`: the checkpoint was saved by another number of workers under ZeRO
     >= 1; it is converted once (convert_to_universal) and loaded through DeepSpeed's universal
     path, which re-shards the fp32 master weights and optimizer moments for this world size.
     The engine must have been built with `"checkpoint": {"load_universal": true}`.
+    `saved_world_size` (bertforge.json's): each of its ranks must find its random state.
     """
     if not os.path.exists(os.path.join(checkpoint_path, COMMIT_MARKER)):
         raise ValueError(f"{checkpoint_path} is not a complete checkpoint (no {COMMIT_MARKER})")
@@ -196,10 +212,28 @@ def load(engine, checkpoint_path: str, *, universal: bool = False) -> dict[str, 
     if client_state is None:
         raise ValueError(f"DeepSpeed could not load the checkpoint at {deepspeed_path}")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rng_path = os.path.join(checkpoint_path, f"rng_rank_{rank:05d}.pt")
-    if os.path.exists(rng_path):  # absent when resuming on more ranks than were saved
+    rng_path = rng_file(checkpoint_path, rank)
+    if os.path.exists(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=True))
+    elif rank < (saved_world_size or 0):  # absent only for ranks more than saved
+        raise _missing_rng_file(checkpoint_path, rank)
     return client_state
+
+
+def rng_file(checkpoint_path: str, rank: int) -> str:
+    return os.path.join(checkpoint_path, f"rng_rank_{rank:05d}.pt")
+
+
+def _missing_rng_file(checkpoint_path: str, rank: int) -> UserInputError:
+    """A saving rank's random state missing: `load` passed over it (as for a rank more than
+    saved, which has none), and the resumed run drew other masks and dropout on that rank: no
+    longer the uninterrupted run, without a word. Found where it is loaded: a node that keeps
+    its own run directory holds only its ranks' files, so the driver cannot tell."""
+    return UserInputError(
+        f"{checkpoint_path} lacks {os.path.basename(rng_file(checkpoint_path, rank))}, the "
+        f"random state of rank {rank}, which saved it (a copy that left files out?): a resume "
+        "would not continue the run exactly. Restore the file, or remove the checkpoint's "
+        f"{COMMIT_MARKER} to resume from the one before it")
 
 
 def universal_path(checkpoint_path: str) -> str:
@@ -218,7 +252,7 @@ def convert_to_universal(checkpoint_path: str, *, device: torch.device | None = 
     engine's, where the barrier runs under NCCL (training.distributed.barrier).
     """
     target = universal_path(checkpoint_path)
-    if local_rank() == 0 and not os.path.exists(os.path.join(target, COMMIT_MARKER)):
+    if local_rank() == 0 and not _converted_since_committed(target, checkpoint_path):
         verify_safe_to_unpickle(checkpoint_path)  # the converter unpickles with weights_only=False
         root = os.path.dirname(target)
         staging = tempfile.mkdtemp(prefix=_UNIVERSAL_STAGING_PREFIX, dir=root)
@@ -228,8 +262,9 @@ def convert_to_universal(checkpoint_path: str, *, device: torch.device | None = 
             _run_ds_to_universal(checkpoint_path, output)
             _write_marker(output, {"source": os.path.basename(checkpoint_path),
                                    "time": time.time()})
-            if not os.path.exists(os.path.join(target, COMMIT_MARKER)):
-                shutil.rmtree(target, ignore_errors=True)  # an uncommitted leftover, never used
+            if not _converted_since_committed(target, checkpoint_path):
+                # an uncommitted leftover, or the conversion of an earlier save of this step
+                shutil.rmtree(target, ignore_errors=True)
             try:
                 os.rename(output, target)
             except OSError:  # another node on the same disk published it first
@@ -241,6 +276,22 @@ def convert_to_universal(checkpoint_path: str, *, device: torch.device | None = 
     if not os.path.exists(os.path.join(target, COMMIT_MARKER)):
         raise ValueError(f"the universal conversion of {checkpoint_path} is missing at {target}")
     return target
+
+
+def _converted_since_committed(target: str, checkpoint_path: str) -> bool:
+    """Whether `target` is a committed conversion of the checkpoint as it is now: made after
+    the checkpoint's own commit (a step saved again, its folder's marker is newer)."""
+    try:
+        converted = _read_marker(target)["time"]
+        committed = _read_marker(checkpoint_path).get("time", 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return converted >= committed
+
+
+def _read_marker(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, COMMIT_MARKER), encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _run_ds_to_universal(checkpoint_path: str, output: str) -> None:

@@ -342,7 +342,8 @@ def _maybe_resume(
             f"{path} was trained with another vocabulary than {cfg.data_dir} "
             f"(vocab sha256 {saved_sha256[:12]} vs {vocab_sha256[:12]})"
         )
-    state = checkpoint.load(engine, path, universal=universal)
+    state = checkpoint.load(engine, path, universal=universal,
+                            saved_world_size=saved.get("world_size"))
     # The loader keeps its position in samples: a resume on another number of workers, with
     # accumulation keeping the optimizer step's batch (2 x 8 x 1 -> 1 x 8 x 2), continues
     # with the same samples in every step.

@@ -10,6 +10,7 @@ import torch
 
 from bertforge.training import checkpoint, loop
 from bertforge.training.config import TrainConfig
+from bertforge.training.errors import UserInputError
 from bertforge.training.eval_options import EvalOptions
 from bertforge.training.evaluate import evaluate_checkpoint
 from bertforge.training.export import export_checkpoint
@@ -84,6 +85,46 @@ def test_a_run_without_a_step_cadence_saves_by_time_at_its_log_lines(dataset, tm
     assert checkpoint.committed_steps(str(tmp_path / "timed")) == [1, 2, 4, 6]
     train(config(dataset, tmp_path / "untimed", log_every=2, checkpoint_minutes=0))
     assert checkpoint.committed_steps(str(tmp_path / "untimed")) == [6]
+
+
+def test_a_save_replaces_what_an_earlier_save_of_its_step_left(dataset, tmp_path):
+    """A 2-worker save killed before its marker left rank 1's files in step_N; the resume on
+    1 worker saved step N into that folder and committed it with them, and an older
+    step_N.universal was loaded for it: a later resume on 2 workers read other weights."""
+    run_dir = tmp_path / "run"
+    train(config(dataset, run_dir, max_steps=3))
+    step_6 = run_dir / "checkpoints" / "step_00000006"
+    step_6.mkdir()
+    stale = step_6 / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    stale.write_bytes(b"rank 1 of a killed save")
+    old_conversion = run_dir / "checkpoints" / "step_00000006.universal"
+    old_conversion.mkdir()
+    (old_conversion / checkpoint.COMMIT_MARKER).write_text('{"time": 1.0}')
+    result = train(config(dataset, run_dir, max_steps=6))
+    assert result.checkpoint_path == str(step_6)
+    assert checkpoint.committed_steps(str(run_dir))[-1] == 6 and not stale.exists()
+    assert not old_conversion.exists()
+
+
+def test_a_resume_missing_a_ranks_random_state_is_refused(dataset, tmp_path):
+    """Without rng_rank_00000.pt the load passed over it (as for a rank more than saved) and
+    the resumed run drew other masks and dropout: no longer the uninterrupted run, no word."""
+    run_dir = tmp_path / "run"
+    saved = train(config(dataset, run_dir, max_steps=3)).checkpoint_path
+    os.remove(os.path.join(saved, "rng_rank_00000.pt"))
+    with pytest.raises(UserInputError, match=f"{saved} lacks rng_rank_00000.pt, the random "
+                                             "state of rank 0, which saved it"):
+        train(config(dataset, run_dir, max_steps=6))
+
+
+def test_a_conversion_older_than_its_checkpoints_commit_is_not_used(tmp_path):
+    saved, converted = tmp_path / "step_00000006", tmp_path / "step_00000006.universal"
+    for folder, when in ((saved, 200.0), (converted, 100.0)):
+        folder.mkdir()
+        (folder / checkpoint.COMMIT_MARKER).write_text(json.dumps({"time": when}))
+    assert not checkpoint._converted_since_committed(str(converted), str(saved))
+    (converted / checkpoint.COMMIT_MARKER).write_text(json.dumps({"time": 300.0}))
+    assert checkpoint._converted_since_committed(str(converted), str(saved))
 
 
 def test_the_save_clock_counts_from_the_last_save(monkeypatch):
