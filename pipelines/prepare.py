@@ -181,6 +181,9 @@ def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = F
     standard = options.view_as(StandardOptions)
     if not standard.runner:
         standard.runner = "DirectRunner"  # Beam's default (Prism) downloads a binary: fails offline
+    unsupported = UNSUPPORTED_RUNNERS.get(standard.runner.split(".")[-1])
+    if unsupported:
+        raise ValueError(f"--runner {standard.runner}: {unsupported}")
     google = options.view_as(GoogleCloudOptions)
     check_gcs_paths([("--output", config.output), ("--temp_location", google.temp_location),
                      ("--staging_location", google.staging_location)]
@@ -336,6 +339,14 @@ def _counters(result: beam.runners.runner.PipelineResult) -> dict[str, int]:
     return {
         c.key.metric.name: c.committed if c.committed is not None else c.attempted for c in counters
     }
+
+
+# Runners Beam accepts whose results the job cannot rely on, and why.
+UNSUPPORTED_RUNNERS = {
+    "BundleBasedDirectRunner": "Beam's older local runner, which loses the job's per-file "
+    "records (the manifest's input_files came out empty, or the manifest's step failed, on "
+    "alternate runs); --runner DirectRunner is the local one",
+}
 
 
 def _is_local(runner: str) -> bool:

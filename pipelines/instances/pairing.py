@@ -31,6 +31,9 @@ MAX_RANDOM_DOCUMENT_TRIES = 10
 
 # The shortest instance: [CLS] A [SEP] B [SEP] with one token on each side.
 MIN_SEQ_LENGTH = 5
+# The longest the shards hold: `num_a_tokens` is a uint16 (DESIGN.md, the data contract). A
+# longer one was taken and failed after all the tokenizing, with an OverflowError.
+MAX_SEQ_LENGTH = 65_535
 
 
 def check_max_seq_length(max_seq_length: int) -> None:
@@ -38,6 +41,9 @@ def check_max_seq_length(max_seq_length: int) -> None:
     if max_seq_length < MIN_SEQ_LENGTH:
         raise ValueError(f"max_seq_length must be at least {MIN_SEQ_LENGTH} ([CLS] A [SEP] B "
                          f"[SEP]), got {max_seq_length}")
+    if max_seq_length > MAX_SEQ_LENGTH:
+        raise ValueError(f"max_seq_length must be at most {MAX_SEQ_LENGTH:,} (the shards' "
+                         f"num_a_tokens is a uint16), got {max_seq_length:,}")
 
 
 class Instance(NamedTuple):

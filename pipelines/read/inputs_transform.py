@@ -97,6 +97,7 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
             if "://" not in pattern:
                 _refuse_dangling_links(entry, sorted(glob.glob(pattern)))
         if not matched:
+            _refuse_unreadable_folder(entry, pattern)
             hidden = _is_directory(pattern) and any(
                 name.startswith(".") and os.path.isdir(os.path.join(pattern, name))
                 for name in os.listdir(pattern))
@@ -112,6 +113,7 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
                                  "corpus and the output apart")
             say("leaving out %d file(s) under --output %s: the job's own, not corpus",
                 len(ours), output)
+        _refuse_unreadable_files(entry, matched)
         for path in matched:
             if vocab and readers.input_location(path) == readers.input_location(vocab):
                 say("leaving out %s: the --vocab, not corpus", path)
@@ -158,12 +160,20 @@ def files_under(directory: str, say: Callable[..., None] = logger.info) -> list[
     bertforge's manifest.json, whose shards, vocabulary and logs were read as text), a `vocab`
     output's vocab.txt, and the commands' logs (`logs/prepare.log`, ...)."""
     found = []
-    for folder, subfolders, names in os.walk(directory):
+
+    def unreadable(error: OSError) -> None:  # os.walk passed over it without a word
+        raise ValueError(f"--input {directory}: cannot read its folder {error.filename} "
+                         f"({error.strerror}); its files would be left out")
+
+    for folder, subfolders, names in os.walk(directory, onerror=unreadable):
         if folder != directory and _is_dataset(folder, names):
             subfolders[:] = []
             say("leaving out %s: a bertforge dataset, not corpus", folder)
             continue
         subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+        for linked in (d for d in subfolders if os.path.islink(os.path.join(folder, d))):
+            say("leaving out %s: a symbolic link to a folder, not followed (give it as an "
+                "--input of its own to read it)", os.path.join(folder, linked))
         ours = _our_files(folder, names)
         found += [os.path.join(folder, name) for name in names if name not in ours]
     return sorted(found)
@@ -186,6 +196,27 @@ def _our_files(folder: str, names: list[str]) -> set[str]:
     if VOCAB_NAME in names and os.path.isfile(os.path.join(folder, "logs", "vocab.log")):
         return {VOCAB_NAME}
     return set()
+
+
+def _refuse_unreadable_files(entry: str, matches: list[str]) -> None:
+    """A local file this process may not read is an error naming it, before the job: read by
+    a Beam worker it failed the job with a traceback, again on every rerun."""
+    unreadable = [p for p in matches if "://" not in p and not os.access(p, os.R_OK)]
+    if unreadable:
+        raise ValueError(f"--input {entry!r}: cannot read {unreadable[0]} (permission denied)"
+                         + (f", nor {len(unreadable) - 1} more" if len(unreadable) > 1 else ""))
+
+
+def _refuse_unreadable_folder(entry: str, pattern: str) -> None:
+    """A glob into a folder this process may not list matched nothing, and said only that."""
+    if "://" in pattern:
+        return
+    folder = os.path.dirname(pattern)
+    while folder and glob.has_magic(folder):
+        folder = os.path.dirname(folder)
+    if folder and os.path.isdir(folder) and not os.access(folder, os.R_OK | os.X_OK):
+        raise ValueError(f"--input {entry!r}: cannot read its folder {folder} (permission "
+                         "denied)")
 
 
 def _refuse_dangling_links(entry: str, matches: list[str]) -> None:

@@ -5,6 +5,11 @@ from __future__ import annotations
 import bz2
 import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -169,6 +174,58 @@ def test_a_dangling_symbolic_link_among_the_inputs_is_named(tmp_path, small_voca
         with pytest.raises(ValueError, match=expected):
             run(prepare_config([pattern], str(tmp_path / "out"), small_vocab))
     assert not (tmp_path / "out").exists()
+
+
+def _as_an_unprivileged_user(code: str) -> subprocess.CompletedProcess:
+    """`code` in a Python that permissions bind: as root, through `unshare -U` (uid nobody)."""
+    command = [sys.executable, "-c", code]
+    if os.geteuid() == 0:
+        if shutil.which("unshare") is None or subprocess.run(
+                ["unshare", "-U", "true"], capture_output=True).returncode != 0:
+            pytest.skip("running as root, and `unshare -U` is unavailable to drop privileges")
+        command = ["unshare", "-U", *command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_what_cannot_be_read_is_named_before_the_job(tmp_path, symlinks_and_modes):
+    """An unreadable file failed the job in a Beam worker with a traceback (again on every
+    rerun); an unreadable folder under an --input folder, or one a glob names, was left out
+    or 'matched no file'; a linked folder was left out without a word."""
+    corpus = symlinks_and_modes
+    (corpus / "elsewhere").mkdir()
+    os.symlink(corpus / "elsewhere", corpus / "in" / "linked")
+    patterns = [str(corpus / "in"), str(corpus / "secret.txt"), str(corpus / "locked" / "*.txt")]
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+            "from bertforge.pipelines.read.inputs_transform import match_inputs\n"
+            f"for pattern in {patterns!r}:\n"
+            "    try: match_inputs((pattern,))\n"
+            "    except ValueError as error: print(error)\n")
+    out = _as_an_unprivileged_user(code).stdout
+    assert f"cannot read its folder {corpus / 'in' / 'locked'} (Permission denied)" in out
+    assert f"cannot read {corpus / 'secret.txt'} (permission denied)" in out
+    assert f"--input '{corpus / 'locked' / '*.txt'}': cannot read its folder " \
+           f"{corpus / 'locked'} (permission denied)" in out
+    os.chmod(corpus / "in" / "locked", 0o755)
+    out = _as_an_unprivileged_user(code).stdout
+    assert f"leaving out {corpus / 'in' / 'linked'}: a symbolic link to a folder" in out
+
+
+@pytest.fixture
+def symlinks_and_modes():
+    """A corpus folder others may enter (pytest's tmp_path is its owner's alone): a readable
+    file in `in/`, a locked folder inside it and beside it, an unreadable file."""
+    corpus = Path(tempfile.mkdtemp(prefix="bertforge-modes-"))
+    os.chmod(corpus, 0o755)
+    for folder in ("in", "in/locked", "locked"):
+        (corpus / folder).mkdir()
+        (corpus / folder / "a.txt").write_text("One sentence. Two sentences.\n")
+    (corpus / "secret.txt").write_text("One sentence. Two sentences.\n")
+    for path in ("in/locked", "locked", "secret.txt"):
+        os.chmod(corpus / path, 0)
+    yield corpus
+    for path in ("in/locked", "locked", "secret.txt"):
+        os.chmod(corpus / path, 0o755)
+    shutil.rmtree(corpus)
 
 
 def test_a_dataset_that_cannot_teach_nsp_or_be_evaluated_is_warned_of(tmp_path, small_vocab,

@@ -221,8 +221,16 @@ def test_missing_inputs_are_a_clear_error(tmp_path, small_vocab):
     with pytest.raises(ValueError, match="max_seq_length must be at least 5"):
         main([f"--input={pattern}", f"--output={tmp_path}", f"--vocab={small_vocab}",
               "--max_seq_length=4"])
+    # Past the shards' uint16 num_a_tokens: an OverflowError after all the tokenizing.
+    with pytest.raises(ValueError, match="max_seq_length must be at most 65,535"):
+        main([f"--input={pattern}", f"--output={tmp_path}", f"--vocab={small_vocab}",
+              "--max_seq_length=200000"])
     with pytest.raises(ValueError, match="inputs are required"):
         main([f"--output={tmp_path}", f"--vocab={small_vocab}"])
+    # Beam lists it as a runner; its manifest lost the per-file records on alternate runs.
+    with pytest.raises(ValueError, match="--runner BundleBasedDirectRunner: Beam's older local"):
+        main([f"--input={pattern}", f"--output={tmp_path}", f"--vocab={small_vocab}",
+              "--runner=BundleBasedDirectRunner"])
 
 
 @pytest.mark.slow
