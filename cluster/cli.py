@@ -664,6 +664,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bertforge.cluster.launch.paths import jobs_copy_hint
 
         return _one_line(args.command, f"error: {error}{jobs_copy_hint(str(error))}", 2)
+    except BrokenPipeError:  # `bertforge inspect DIR | head`: the reader has what it wanted
+        # stdout to nowhere, or the interpreter's flush at exit raises it again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except SystemExit as exit_:  # SIGTERM, SIGINT, SIGHUP: workers stopped, locks released
         stop = as_stop(exit_)
         if stop is None:

@@ -11,6 +11,9 @@ METRICS_NAMESPACE = "bertforge.prepare"
 REJECTS = "rejects"  # the tag of every step's side output of `Reject`s
 LOG_EVERY_DOCUMENTS = 10_000
 NO_DOCUMENTS_MESSAGE = "no usable document remains"
+NO_INSTANCES_MESSAGE = "no training instance was made"
+# The job's own refusals, said in one line (Beam wraps a step's error in its traceback).
+JOB_REFUSALS = (NO_DOCUMENTS_MESSAGE, NO_INSTANCES_MESSAGE)
 
 
 def count(name: str, value: int = 1) -> None:

@@ -21,7 +21,7 @@ from collections import Counter
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from bertforge.pipelines.beam_common import METRICS_NAMESPACE, NO_DOCUMENTS_MESSAGE
+from bertforge.pipelines.beam_common import JOB_REFUSALS, METRICS_NAMESPACE
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.local.options import (
     LocalRunnerOptions,
@@ -121,7 +121,7 @@ def after_failure(runner, error: Exception, output: str) -> None:
         raise WorkConflict(f"{error}: run the same command as before to continue it, or add "
                            "--overwrite to start over") from error
     full = _is_disk_full(error)
-    if full or NO_DOCUMENTS_MESSAGE in str(error) or isinstance(error, ValueError):
+    if full or any(words in str(error) for words in JOB_REFUSALS) or isinstance(error, ValueError):
         runner.work.discard()
         after_success(runner, output)
         if full:

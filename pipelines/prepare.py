@@ -40,7 +40,7 @@ from apache_beam.options.pipeline_options import (
 from apache_beam.pvalue import AsSingleton
 
 from bertforge.pipelines import job_report, local_job
-from bertforge.pipelines.beam_common import METRICS_NAMESPACE, NO_DOCUMENTS_MESSAGE, REJECTS
+from bertforge.pipelines.beam_common import JOB_REFUSALS, METRICS_NAMESPACE, REJECTS
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.contract.tokenization import parse_vocab
 from bertforge.pipelines.filesystem import read_bytes
@@ -272,9 +272,10 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
         if not isinstance(error, Exception):
             raise
         local_job.after_failure(pipeline.runner, error, config.output)
-        if NO_DOCUMENTS_MESSAGE in str(error):
+        refusal = next((words for words in JOB_REFUSALS if words in str(error)), None)
+        if refusal:
             # Beam wraps the DoFn's error (in another process with multi_processing): unwrap it.
-            message = str(error)[str(error).index(NO_DOCUMENTS_MESSAGE) :].split("\n")[0]
+            message = str(error)[str(error).index(refusal) :].split("\n")[0]
             message = message.split(" [while running")[0]
             raise ValueError(message) from error
         raise

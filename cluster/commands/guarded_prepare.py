@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -39,8 +40,11 @@ def prepare_guarded(command: PrepareCommand, *, overwrite: bool) -> dict[str, An
         # Past the guard, a dataset there is this job's (or --overwrite was given).
         if not overwrite and is_local(output) and dataset_complete(output):
             if not command.quiet:  # --quiet: the summary only
-                print(f"[prepare] {output} already holds this dataset (the same inputs and "
-                      "settings): nothing to do", flush=True)
+                # On stderr, with the job's other lines: stdout is the summary's JSON alone.
+                # Inputs compare by location and size, not content (a corpus of terabytes).
+                print(f"[prepare] {output} already holds this dataset (the same settings, and "
+                      "inputs of the same names and sizes): nothing to do (--overwrite makes "
+                      "it again)", file=sys.stderr, flush=True)
             return {**dataset_summary(output, 0.0), "unchanged": True}
         return run_command(command, start_over=overwrite)
 

@@ -54,7 +54,10 @@ def input_patterns(entries) -> tuple[str, ...]:
     patterns = []
     for entry in entries:
         forced = None
-        for part in (p.strip() for p in entry.split(",")):
+        _, whole = readers.split_format(entry.strip())
+        # A file whose name holds a comma (`part,1.jsonl`) is that file.
+        parts = [entry] if os.path.exists(os.path.expanduser(whole)) else entry.split(",")
+        for part in (p.strip() for p in parts):
             if not part:
                 continue
             prefix, path = readers.split_format(part)
@@ -88,6 +91,8 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
         if FileSystems.exists(pattern) and _is_directory(pattern):
             matched = files_under(pattern, say)
             _refuse_dangling_links(entry, matched)
+        elif "://" not in pattern and os.path.isfile(pattern):
+            matched = [pattern]  # a name with glob characters (`data[1].jsonl`) is that file
         else:
             try:
                 metadata = FileSystems.match([pattern])[0].metadata_list

@@ -10,7 +10,7 @@ from collections import Counter
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 
-from bertforge.pipelines.beam_common import NO_DOCUMENTS_MESSAGE
+from bertforge.pipelines.beam_common import NO_DOCUMENTS_MESSAGE, NO_INSTANCES_MESSAGE
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.dataset_identity import WORKING_DIRECTORY
 from bertforge.pipelines.filesystem import sizes_of, write_bytes
@@ -59,6 +59,14 @@ class WriteManifest(beam.DoFn):
                 f"{NO_DOCUMENTS_MESSAGE}: {num_input_records} input records read from "
                 f"{list(self._config.inputs)}, rejected: {reject_counts['rejected'] or 'none'}"
             )
+        train_instances = sum(e["num_rows"] for e in shard_entries if e["split"] == "train")
+        if train_instances == 0:  # a dataset nothing can train on, which exited 0
+            raise ValueError(
+                f"{NO_INSTANCES_MESSAGE}: the {num_documents:,} document(s) kept gave no "
+                "sentence pair for the training split (a pair needs a document's text split "
+                "into sentences: text without sentence ends, or a line ending where a "
+                "paragraph does not, is one long 'sentence'; --input books:FILE reads "
+                "paragraphs)")
         output = self._config.output
         num_rejects = {**reject_counts["rejected"], **reject_counts["repaired"]}
         logger.info("wrote %s: %d entries %s", manifest.REJECTS_NAME, sum(num_rejects.values()),

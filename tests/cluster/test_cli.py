@@ -203,3 +203,18 @@ def test_a_home_the_shell_left_unexpanded_is_the_home_directory(tmp_path, monkey
     assert (home / "vocab" / "vocab.txt").is_file()
     assert os.listdir(elsewhere) == []
     assert "tokens from 2 files" in caplog.text  # both inputs read
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    """`bertforge inspect DIR | head`: a BrokenPipeError traceback once head had its lines."""
+    from tests.training.conftest import write_dataset
+
+    data = write_dataset(str(tmp_path / "data"), {"train": [1500, 1500]}, max_seq_length=64)
+    reader = subprocess.Popen([sys.executable, "-m", "bertforge.cluster.cli", "inspect", data,
+                               "--samples", "3000"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    assert reader.stdout.readline().startswith("dataset ")
+    reader.stdout.close()  # as head does, with ~400 kB still to come
+    err = reader.stderr.read()
+    assert reader.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err

@@ -65,8 +65,8 @@ def test_another_dataset_is_refused_unless_asked_and_the_same_job_runs_again(
     stamp = os.stat(output / "manifest.json").st_mtime_ns
     assert prepare(inputs, output) == 0
     said = capsys.readouterr()
-    assert f"[prepare] {output} already holds this dataset" in said.out
-    assert json.loads(said.out[said.out.index("{"):])["unchanged"] is True
+    assert f"[prepare] {output} already holds this dataset" in said.err
+    assert json.loads(said.out)["unchanged"] is True  # stdout: the summary's JSON alone
     assert os.stat(output / "manifest.json").st_mtime_ns == stamp
     assert prepare(inputs, output, "--quiet") == 0  # the summary alone
     assert json.loads(capsys.readouterr().out)["unchanged"] is True

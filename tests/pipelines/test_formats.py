@@ -46,6 +46,17 @@ def test_a_format_prefix_heading_a_comma_separated_list_is_the_whole_lists(tmp_p
     assert inputs_transform.input_patterns([f"{a}, wiki:{b} ,{c}"]) == (a, f"wiki:{b}", c)
 
 
+def test_a_file_whose_name_holds_a_comma_or_glob_characters_is_that_file(tmp_path):
+    """`part,1.jsonl` was split into `part` and `1.jsonl`, and `data[1].jsonl` globbed for
+    `data1.jsonl`: both 'matched no file'."""
+    for name in ("part,1.jsonl", "data[1].jsonl"):
+        (tmp_path / name).write_text('{"text": "One. Two."}\n')
+        path = str(tmp_path / name)
+        patterns = inputs_transform.input_patterns([f"jsonl:{path}"])
+        assert patterns == (f"jsonl:{path}",)
+        assert inputs_transform.match_inputs(patterns) == [(path, "jsonl")]
+
+
 def test_sniffing_the_first_bytes():
     assert sniff_format(b'<?xml version="1.0"?>\n' + XML_HEAD) == "wiki"
     assert sniff_format(b"\xef\xbb\xbf  " + XML_HEAD) == "wiki"

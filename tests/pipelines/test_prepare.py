@@ -214,6 +214,18 @@ def test_no_usable_document_is_a_clear_error(tmp_path, small_vocab):
     assert not (output / manifest.MANIFEST_NAME).exists()
 
 
+def test_a_corpus_that_makes_no_training_instance_is_a_clear_error(tmp_path, small_vocab):
+    """20,000 words without a sentence end: one 'sentence' far past --max-seq-length, so no
+    pair. The job exited 0 with an empty training split and a warning that NSP learns a
+    constant label from pairs that did not exist."""
+    rng = random.Random(1)
+    corpus = tmp_path / "unpunctuated.txt"
+    corpus.write_text(" ".join(rng.choice(["the", "cat", "sat"]) for _ in range(20_000)))
+    with pytest.raises(ValueError, match="no training instance was made: the 1 document"):
+        run(prepare_config([str(corpus)], str(tmp_path / "out"), small_vocab))
+    assert not (tmp_path / "out" / manifest.MANIFEST_NAME).exists()
+
+
 def test_missing_inputs_are_a_clear_error(tmp_path, small_vocab):
     pattern = str(tmp_path / "nowhere-*.jsonl")
     with pytest.raises(ValueError, match="nowhere-"):
