@@ -353,6 +353,14 @@ def train_config_from_args(args: argparse.Namespace):
         model = continued_model(init_from, args.run_dir, overrides["resume"])
         if model is not None:
             overrides["model"] = model
+    if overrides["resume"] and not args.recipe:  # a recipe names them all again
+        from bertforge.training.resume_settings import continued_settings, describe
+
+        continued = continued_settings(args.run_dir, overrides)
+        if describe(continued):
+            print(f"[train] resuming {args.run_dir} with its own settings where this command "
+                  f"gives none: {describe(continued)}", flush=True)
+        overrides = {**continued, **overrides}
     with errors_naming_flags(TrainConfig):
         if args.recipe:
             return recipe_by_name(args.recipe, args.data, args.run_dir, init_from=init_from,

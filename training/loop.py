@@ -47,6 +47,7 @@ from bertforge.training.resolved_engine import (
     bf16_autocast,
     resolve_engine,
 )
+from bertforge.training.resume_settings import RECORDED, recorded_settings
 from bertforge.training.warm_start import check_resume_architecture, load_initial_weights
 
 T = TypeVar("T")
@@ -76,6 +77,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     Ray restarts after a failure continues this run's own newest checkpoint, where a fresh
     start would move it aside with the older runs' and train from step 0 again."""
     ensure_process_group()
+    asked = recorded_settings(cfg)  # before the device decides anything: a resume's defaults
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # A gs:// or s3:// dataset is read from a copy on this node; records name the URI.
     data_source = cfg.data_dir if "://" in cfg.data_dir else os.path.abspath(cfg.data_dir)
@@ -193,6 +195,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         "train_samples": loader.num_samples,
         "optimizer": cfg.optimizer,
         "masking": asdict(requested_masking),  # another dataset: its own default predictions
+        RECORDED: asked,  # what a resume that names no setting keeps (training.resume_settings)
     }
     client_state = {"vocab_sha256": facts.vocab_sha256, "config": cfg.to_dict()}
     batches = _endless(loader)
@@ -360,8 +363,7 @@ def _maybe_resume(
         if before is not None and before != now:  # another --batch-size or --workers: no word
             console(f"[train] a step is {now} sequences from here (the checkpoint's run's were "
                     f"{before}): another --batch-size, --workers, --global-batch-size or "
-                    "--recipe than the run's (a resume without the run's --recipe takes the "
-                    "defaults)")
+                    "--recipe than the run's")
     changes = schedule_changes(saved_config, cfg)
     if changes:
         scheduler = engine.lr_scheduler

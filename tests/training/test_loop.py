@@ -425,3 +425,33 @@ def test_a_diverged_run_stops_and_saves_no_nan_weights(dataset, tmp_path):
         train(config(dataset, tmp_path / "logged", learning_rate=1e6, warmup_steps=0,
                      precision="fp32", zero_stage=0))
     assert [r["step"] for r in read_metrics(str(tmp_path / "logged"))] == [1, 2]
+
+
+def test_a_resume_that_names_no_setting_keeps_the_runs_own(dataset, tmp_path, capsys):
+    """`bertforge train --data D --run-dir R` over a 6-step run of batch 8 that kept 5
+    checkpoints took the defaults: it trained on to 1,000 steps of batch 32, and pruned the
+    run's checkpoints down to the default 2."""
+    from bertforge.cluster.cli import build_parser, train_config_from_args
+
+    run_dir = tmp_path / "run"
+    train(config(dataset, run_dir, checkpoint_every=2, precision="fp32"))
+
+    def resumed(*flags):
+        args = build_parser().parse_args(["train", "--data", dataset, "--run-dir",
+                                          str(run_dir), *flags])
+        return train_config_from_args(args)
+
+    cfg = resumed()
+    assert (cfg.max_steps, cfg.micro_batch_size, cfg.keep_checkpoints, cfg.checkpoint_every,
+            cfg.learning_rate, cfg.zero_stage, cfg.precision) == (6, 8, 5, 2, 1e-3, 2, "fp32")
+    assert cfg.model["hidden_size"] == 32  # the run's model (warm_start.continued_model)
+    said = capsys.readouterr().out
+    assert f"[train] resuming {run_dir} with its own settings where this command gives none: " \
+           in said and "--max-steps 6" in said and "--micro-batch-size 8" in said
+    again = train(cfg)  # the same run, finished: nothing more to train, nothing pruned
+    assert again.global_step == 6 and again.loss_first is None
+    assert checkpoint.committed_steps(str(run_dir)) == [2, 4, 6]
+    longer = resumed("--steps", "8", "--lr", "5e-4")  # what a command gives wins
+    assert (longer.max_steps, longer.learning_rate, longer.micro_batch_size) == (8, 5e-4, 8)
+    fresh = resumed("--resume", "never")  # a new run: the defaults
+    assert (fresh.max_steps, fresh.micro_batch_size) == (1000, 32)

@@ -1,0 +1,65 @@
+"""The settings a resumed run keeps where its command names none.
+
+"The same command resumes" was the whole contract: a resume typed again without the run's
+flags took the defaults instead. A 30-step run of batch 16 that kept 5 checkpoints, resumed as
+`bertforge train --data D --run-dir R`, trained on to 1,000 steps of batch 32 and pruned the
+checkpoints it had been told to keep down to 2. So each checkpoint records the settings its
+command asked for (`bertforge.json`'s `train_config`: as asked, before the device decided
+precision, stage or micro-batch, so a resume on another machine decides them again), and a
+resume takes every one its command does not give.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from bertforge.pipelines.contract.config_fields import flag_spellings
+from bertforge.training import checkpoint
+from bertforge.training.config import TrainConfig
+
+RECORDED = "train_config"  # the key in a checkpoint's bertforge.json
+# Where the run is and what starts it, not how it trains: never taken from the checkpoint.
+# (The model: `warm_start.continued_model`; a profile window is one command's diagnostic.)
+NOT_CONTINUED = ("data_dir", "run_dir", "resume", "init_from", "model", "profile_steps")
+
+
+def recorded_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """What a checkpoint records of the command that trained it."""
+    return {name: value for name, value in cfg.to_dict().items() if name not in NOT_CONTINUED}
+
+
+def continued_settings(run_dir: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the run in `run_dir` (its newest complete checkpoint's) that `given`,
+    the command's own, leaves out; {} for a fresh run or one saved before checkpoints recorded
+    them."""
+    if not checkpoint.committed_steps(run_dir):
+        return {}
+    newest = checkpoint.latest_checkpoint(run_dir)
+    try:
+        recorded = checkpoint.read_metadata(newest).get(RECORDED) or {}
+    except (OSError, ValueError):
+        return {}  # the run's input checks say what is wrong with it
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - set(NOT_CONTINUED)
+    return {name: value for name, value in recorded.items()
+            if name in known and name not in given}
+
+
+def describe(continued: dict[str, Any]) -> str:
+    """`--steps 30, --batch-size 16` for the continued settings that differ from the
+    defaults (the rest would be the same either way)."""
+    defaults = TrainConfig(data_dir="-", run_dir="-").to_dict()
+    by_name = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    changed = []
+    for name, value in continued.items():
+        if _same(value, defaults.get(name)):
+            continue
+        flag = flag_spellings(by_name[name])[0]
+        shown = " ".join(map(str, value)) if isinstance(value, list | tuple) else value
+        changed.append(f"{flag} {shown}")
+    return ", ".join(changed)
+
+
+def _same(a: Any, b: Any) -> bool:
+    as_list = (list, tuple)
+    return list(a) == list(b) if isinstance(a, as_list) and isinstance(b, as_list) else a == b
