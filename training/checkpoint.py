@@ -14,7 +14,8 @@ Layout under a run directory:
         zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt  universal layout, whole (unsharded) tensors
         COMMITTED                         written last, as above
 
-A kill while saving leaves a tag without COMMITTED; it is ignored on resume and removed later.
+A kill while saving leaves a tag without COMMITTED; it is ignored on resume and removed later,
+or cleared by the next save of its step (`_clear_step`).
 
 Each run has an id (its start, UTC) recorded in its checkpoints' bertforge.json. A fresh start
 on a run directory that holds committed checkpoints moves them aside first (`move_aside`:

@@ -9,6 +9,13 @@ from typing import Any
 from bertforge.pipelines.contract.config_fields import NO_FLAG, NOT_IN_FILE, option
 from bertforge.training.engine_config import EngineConfig, engine_option
 
+# The settings that follow max_steps unless given (a resume that gives another --max-steps
+# derives them again: training.resume_settings).
+DERIVED_FROM_MAX_STEPS = {
+    "warmup_steps": lambda max_steps: max_steps // 10,
+    "log_every": lambda max_steps: max(1, min(50, max_steps // 20)),
+}
+
 
 @dataclass
 class TrainConfig:
@@ -102,10 +109,9 @@ class TrainConfig:
         if not self.data_dir or not self.run_dir:
             raise ValueError("data_dir and run_dir are required")
         self.adam_betas = tuple(self.adam_betas)
-        if self.warmup_steps is None:
-            self.warmup_steps = self.max_steps // 10
-        if self.log_every is None:
-            self.log_every = max(1, min(50, self.max_steps // 20))
+        for name, derive in DERIVED_FROM_MAX_STEPS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, derive(self.max_steps))
         self.engine()  # the engine's options and the batch arithmetic, checked there
         if self.log_every < 1:
             raise ValueError(f"log_every must be at least 1, got {self.log_every}")

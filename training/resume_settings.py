@@ -16,7 +16,7 @@ from typing import Any
 
 from bertforge.pipelines.contract.config_fields import flag_spellings
 from bertforge.training import checkpoint
-from bertforge.training.config import TrainConfig
+from bertforge.training.config import DERIVED_FROM_MAX_STEPS, TrainConfig
 
 RECORDED = "train_config"  # the key in a checkpoint's bertforge.json
 # Where the run is and what starts it, not how it trains: never taken from the checkpoint.
@@ -41,8 +41,14 @@ def continued_settings(run_dir: str, given: dict[str, Any]) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}  # the run's input checks say what is wrong with it
     known = {f.name for f in dataclasses.fields(TrainConfig)} - set(NOT_CONTINUED)
-    return {name: value for name, value in recorded.items()
-            if name in known and name not in given}
+    continued = {name: value for name, value in recorded.items()
+                 if name in known and name not in given}
+    steps = recorded.get("max_steps")
+    if given.get("max_steps", steps) != steps:  # what followed the old length follows the new
+        for name, derive in DERIVED_FROM_MAX_STEPS.items():
+            if steps is not None and continued.get(name) == derive(steps):
+                del continued[name]
+    return continued
 
 
 def describe(continued: dict[str, Any]) -> str:

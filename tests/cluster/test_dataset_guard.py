@@ -168,6 +168,7 @@ def test_a_dataset_inside_its_corpus_folder_is_never_read_as_corpus(inputs, tmp_
                      f"--vocab={inputs / 'vocab.txt'}", "--max-seq-length=48",
                      "--num-shards=3"]) == 0
     assert shards() == before  # the same bytes: the spelling changes no doc_id
+    assert "already holds this dataset" in capsys.readouterr().err  # nothing to do
 
     assert prepare_folder(corpus) == 2  # the corpus folder as the output: nothing else to read
     assert "matches no file outside --output" in one_error_line(capsys)

@@ -455,3 +455,16 @@ def test_a_resume_that_names_no_setting_keeps_the_runs_own(dataset, tmp_path, ca
     assert (longer.max_steps, longer.learning_rate, longer.micro_batch_size) == (8, 5e-4, 8)
     fresh = resumed("--resume", "never")  # a new run: the defaults
     assert (fresh.max_steps, fresh.micro_batch_size) == (1000, 32)
+    assert longer.warmup_steps == 2  # given to the run, kept
+    # What followed the run's length follows a new one: a run of 100,000 steps (warm-up
+    # 10,000) ended at its checkpoint's step was refused: "--warmup-steps must be in [0,
+    # max_steps], got 10000".
+    metadata_path = os.path.join(checkpoint.latest_checkpoint(str(run_dir)),
+                                 checkpoint.METADATA_NAME)
+    with open(metadata_path) as f:
+        metadata = json.load(f)
+    metadata["train_config"].update(max_steps=100_000, warmup_steps=10_000, log_every=50)
+    with open(metadata_path, "w") as f:
+        json.dump(metadata, f)
+    ended = resumed("--max-steps", "6")
+    assert (ended.warmup_steps, ended.log_every, ended.micro_batch_size) == (0, 1, 8)
