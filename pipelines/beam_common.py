@@ -10,6 +10,8 @@ from bertforge.pipelines.read.records import Reject
 METRICS_NAMESPACE = "bertforge.prepare"
 REJECTS = "rejects"  # the tag of every step's side output of `Reject`s
 LOG_EVERY_DOCUMENTS = 10_000
+# Counters of the word pieces tokenized, and of those that are [UNK].
+TOKENIZED_PIECES, UNKNOWN_PIECES = "tokenized_pieces", "unknown_pieces"
 NO_DOCUMENTS_MESSAGE = "no usable document remains"
 NO_INSTANCES_MESSAGE = "no training instance was made"
 # The job's own refusals, said in one line (Beam wraps a step's error in its traceback).

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from bertforge.pipelines.contract import manifest
 from bertforge.pipelines.contract.rows import RowRules, table_problem
-from bertforge.pipelines.contract.tokenization import load_tokenizer, read_vocab
+from bertforge.pipelines.contract.tokenization import UNKNOWN_TOKEN, load_tokenizer, read_vocab
 from bertforge.pipelines.verify_dataset import read_arrow_file
 
 NUM_LENGTH_BINS = 8
@@ -42,9 +42,11 @@ def _length_histogram(lengths: np.ndarray, max_seq_length: int) -> list[dict[str
 
 
 def _split_stats(
-    data_dir: str, entry: manifest.SplitEntry, max_seq_length: int, rules: RowRules
+    data_dir: str, entry: manifest.SplitEntry, max_seq_length: int, rules: RowRules,
+    unknown_id: int,
 ) -> dict[str, Any]:
     lengths, labels, num_a, problems = [], [], [], []
+    num_unknown = 0
     for shard in entry.shards:
         table = _read_shard(os.path.join(data_dir, shard.path))
         if table.num_rows != shard.num_rows:
@@ -56,6 +58,8 @@ def _split_stats(
             pc.list_value_length(table[manifest.INPUT_IDS]).to_numpy(zero_copy_only=False)
         )
         labels.append(table[manifest.NEXT_SENTENCE_LABEL].to_numpy())
+        ids = pc.list_flatten(table[manifest.INPUT_IDS])
+        num_unknown += pc.sum(pc.equal(ids, unknown_id)).as_py() or 0
         num_a.append(table[manifest.NUM_A_TOKENS].to_numpy())
     length = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     label = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int8)
@@ -81,6 +85,8 @@ def _split_stats(
             "histogram": _length_histogram(length, max_seq_length),
         },
         "num_a_tokens_mean": float(a_tokens.mean()) if num_rows else 0.0,
+        # A vocabulary that does not fit the text shows here (prepare warns of it too).
+        "unknown_share": num_unknown / int(length.sum()) if num_rows else 0.0,
         "problems": problems,
     }
 
@@ -121,7 +127,7 @@ def inspect_dataset(data_dir: str, num_samples: int = 3) -> dict[str, Any]:
     rules = RowRules.from_vocab(sorted(vocab, key=vocab.__getitem__), max_seq_length,
                                 found.tokenizer.vocab_size)
     splits = {
-        name: _split_stats(data_dir, entry, max_seq_length, rules)
+        name: _split_stats(data_dir, entry, max_seq_length, rules, vocab.get(UNKNOWN_TOKEN, -1))
         for name, entry in found.splits.items()
     }
     sample_split = "train" if "train" in found.splits else next(iter(found.splits), None)
@@ -155,6 +161,7 @@ def _format_split(name: str, split: dict[str, Any]) -> list[str]:
         f"  length: mean {length['mean']:.1f}, min {length['min']}, max {length['max']}, "
         f"{length['num_full']:,} at max_seq_length; "
         f"mean [CLS] A [SEP] {split['num_a_tokens_mean']:.1f}",
+        f"  [UNK]: {100 * split['unknown_share']:.2f} % of the tokens",
     ]
     peak = max((b["count"] for b in length["histogram"]), default=0) or 1
     for b in length["histogram"]:

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import WordPiece
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+UNKNOWN_TOKEN = "[UNK]"
 
 
 def read_vocab(vocab_path: str, *, allow_repeats: bool = False) -> dict[str, int]:
@@ -79,7 +80,7 @@ def load_tokenizer(vocab_path: str, lower_case: bool) -> Tokenizer:
 
 def tokenizer_from_vocab(vocab: dict[str, int], lower_case: bool) -> Tokenizer:
     """`load_tokenizer` on a parsed vocabulary."""
-    tokenizer = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tokenizer = Tokenizer(WordPiece(vocab, unk_token=UNKNOWN_TOKEN, max_input_chars_per_word=100))
     # strip_accents=None means "follow lowercase", exactly as BertTokenizerFast does.
     tokenizer.normalizer = normalizers.BertNormalizer(
         clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lower_case

@@ -20,8 +20,15 @@ from typing import NamedTuple
 
 import apache_beam as beam
 
-from bertforge.pipelines.beam_common import LOG_EVERY_DOCUMENTS, REJECTS, reject
-from bertforge.pipelines.contract.tokenization import parse_vocab
+from bertforge.pipelines.beam_common import (
+    LOG_EVERY_DOCUMENTS,
+    REJECTS,
+    TOKENIZED_PIECES,
+    UNKNOWN_PIECES,
+    count,
+    reject,
+)
+from bertforge.pipelines.contract.tokenization import UNKNOWN_TOKEN, parse_vocab
 from bertforge.pipelines.instances.sentence_ids import SentenceTokenizer
 from bertforge.pipelines.instances.sentences import (
     MAX_SENTENCE_CHARS,
@@ -136,7 +143,9 @@ class TokenizeParts(beam.DoFn):
         self._lower_case = lower_case
 
     def setup(self) -> None:
-        self._tokenize = SentenceTokenizer(parse_vocab(self._vocab_bytes), self._lower_case)
+        vocab = parse_vocab(self._vocab_bytes)
+        self._tokenize = SentenceTokenizer(vocab, self._lower_case)
+        self._unknown_id = vocab[UNKNOWN_TOKEN]
         self._num_seen = 0
 
     def process(self, part: DocumentPart):
@@ -144,6 +153,9 @@ class TokenizeParts(beam.DoFn):
             part.sentences if part.sentences is not None else split_sentences(part.text or "")
         )
         ids, lengths = self._tokenize(sentences)
+        # How well the vocabulary fits the text (prepare warns of a poor fit after the job).
+        count(TOKENIZED_PIECES, len(ids))
+        count(UNKNOWN_PIECES, int((ids == self._unknown_id).sum()))
         self._num_seen += 1
         if self._num_seen % LOG_EVERY_DOCUMENTS == 0:
             logger.info("tokenized %d documents (or parts) in this worker", self._num_seen)

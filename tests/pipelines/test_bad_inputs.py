@@ -254,6 +254,30 @@ def test_a_dataset_that_cannot_teach_nsp_or_be_evaluated_is_warned_of(tmp_path, 
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
+def test_a_vocabulary_that_does_not_fit_the_corpus_is_warned_of(tmp_path, caplog):
+    """A vocabulary of other text (here: the special tokens and 'the') made a dataset of
+    [UNK]s that `inspect --verify` passed and that trained without a word."""
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\n.\n")
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(corpus, [{"text": f"The document {d} begins. The cat sat on the mat. It slept."}
+                         for d in range(60)])
+    with caplog.at_level("WARNING", logger="bertforge"):
+        summary = run(prepare_config([str(corpus)], str(tmp_path / "out"), str(vocab)))
+    unknown = summary["metrics"]["unknown_pieces"] / summary["metrics"]["tokenized_pieces"]
+    assert unknown > 0.5
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(m.startswith(f"{100 * unknown:.1f} % of the corpus's word pieces are [UNK]: "
+                            f"the vocabulary {vocab} does not fit this text") for m in said), said
+    # `inspect` shows the share too ([CLS] and [SEP] among the tokens).
+    from bertforge.pipelines.dataset_stats import format_report, inspect_dataset
+
+    stats = inspect_dataset(str(tmp_path / "out"), num_samples=0)
+    share = stats["splits"]["train"]["unknown_share"]
+    assert 0.5 < share < unknown
+    assert f"  [UNK]: {100 * share:.2f} % of the tokens" in format_report(stats)
+
+
 def test_shards_left_empty_are_warned_of_with_the_flag_that_sets_them(tmp_path, small_vocab,
                                                                        caplog):
     """More validation shards asked for than the split has instances: the rest are written
