@@ -397,6 +397,10 @@ def read_metadata(checkpoint_path: str) -> dict[str, Any]:
             metadata = json.load(f)
     except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
         raise UserInputError(f"{path} is not valid JSON ({first_line(error)})") from None
+    except FileNotFoundError:  # said "[Errno 2] No such file or directory" and nothing more
+        raise UserInputError(f"checkpoint {checkpoint_path} lacks its {METADATA_NAME} (what "
+                             "bertforge records of the run and its model): a checkpoint not "
+                             "made by bertforge, or copied without it") from None
     if not isinstance(metadata, dict):
         raise UserInputError(f"{path} is not a bertforge checkpoint's metadata (not an object)")
     return metadata

@@ -538,7 +538,7 @@ def summary_line(results: dict[str, Any]) -> str:
             f"(lr {best['learning_rate']:g}, seed {best['seed']})")
     if sweep["num_runs"] > 1:
         line += (f"; {sweep['num_runs']} runs: median {sweep['median']:.4f}, "
-                 f"spread {sweep['min']:.4f}-{sweep['max']:.4f} (std {sweep['std']:.4f})")
+                 f"spread {sweep['min']:.4f} to {sweep['max']:.4f} (std {sweep['std']:.4f})")
     diverged = [f"lr {run['learning_rate']:g} seed {run['seed']}"
                 for run in sweep.get("runs", ()) if run.get("diverged")]
     if diverged:

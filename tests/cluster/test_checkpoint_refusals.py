@@ -89,6 +89,14 @@ def test_truncated_file_is_named_truncated(trained, run_copy, tmp_path, capsys):
     refused(["eval", ckpt, "--data", data], capsys, f"{path} is truncated or damaged")
 
 
+def test_a_checkpoint_without_its_metadata_says_so(trained, run_copy, tmp_path, capsys):
+    """It said "[Errno 2] No such file or directory: '.../bertforge.json'" and nothing more."""
+    _, ckpt = run_copy
+    os.remove(os.path.join(ckpt, checkpoint.METADATA_NAME))
+    refused(["export", ckpt, "--output", str(tmp_path / "hf")], capsys,
+            f"checkpoint {ckpt} lacks its bertforge.json", "a checkpoint not made by bertforge")
+
+
 class _Payload:
     """What a tampered checkpoint smuggles in: unpickling it would create `path`."""
 
