@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
 
 from apache_beam.io.filesystem import CompressionTypes
@@ -43,5 +44,8 @@ def read_bytes(path: str) -> bytes:
     try:
         with open_raw(path) as f:
             return f.read()
+    except IsADirectoryError:  # `--vocab v1`, the folder `bertforge vocab` wrote into
+        raise ValueError(f"cannot read {path!r}: a directory, not a file (the vocabulary in "
+                         f"it: {os.path.join(path, 'vocab.txt')})") from None
     except Exception as error:  # BeamIOError, OSError, ... depending on the filesystem
         raise ValueError(f"cannot read {path!r}: {error}") from error

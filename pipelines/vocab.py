@@ -75,6 +75,17 @@ def train_keeping_another(config: VocabConfig, *, overwrite: bool) -> str:
         "--overwrite to replace it")
 
 
+def _refuse_unwritable(output_dir: str) -> None:
+    """An output folder this process may not write, found before the training: it trained
+    first (minutes on a large corpus), then failed writing vocab.txt.tmp."""
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):  # the nearest folder that is there: it makes the rest
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {output_dir}: {existing} is not writable (permission "
+                         "denied)")
+
+
 def wordpiece_tokens(
     config: VocabConfig, *, min_frequency: int = 2, limit_alphabet: int = 1000
 ) -> list[str]:
@@ -88,6 +99,7 @@ def wordpiece_tokens(
         parent = os.path.dirname(output_dir.rstrip("/")) or "."
         raise ValueError(f"--output {output_dir} names a file; give the directory "
                          f"{VOCAB_FILE_NAME} is written into (e.g. {parent})")
+    _refuse_unwritable(output_dir)
     files = match_inputs(config.inputs, output_dir)
     paths, formats = [path for path, _ in files], {path: fmt for path, fmt in files if fmt}
     settings = dict(min_frequency=min_frequency, limit_alphabet=limit_alphabet,

@@ -210,6 +210,21 @@ def test_what_cannot_be_read_is_named_before_the_job(tmp_path, symlinks_and_mode
     assert f"leaving out {corpus / 'in' / 'linked'}: a symbolic link to a folder" in out
 
 
+def test_an_output_that_cannot_be_written_is_named_before_the_vocabulary_is_trained(
+        symlinks_and_modes):
+    """`bertforge vocab` into a read-only folder trained first (minutes on a large corpus),
+    then failed writing vocab.txt.tmp."""
+    corpus = symlinks_and_modes
+    os.chmod(corpus / "locked", 0o555)  # listable, not writable
+    code = ("from bertforge.cluster.cli import main\n"
+            f"main(['vocab', '--input', {str(corpus / 'in' / 'a.txt')!r}, "
+            f"'--output', {str(corpus / 'locked' / 'v')!r}])\n")
+    done = _as_an_unprivileged_user(code)
+    assert (f"--output {corpus / 'locked' / 'v'}: {corpus / 'locked'} is not writable "
+            "(permission denied)") in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 @pytest.fixture
 def symlinks_and_modes():
     """A corpus folder others may enter (pytest's tmp_path is its owner's alone): a readable

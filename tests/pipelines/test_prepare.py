@@ -239,6 +239,10 @@ def test_missing_inputs_are_a_clear_error(tmp_path, small_vocab):
               "--max_seq_length=200000"])
     with pytest.raises(ValueError, match="inputs are required"):
         main([f"--output={tmp_path}", f"--vocab={small_vocab}"])
+    # The folder `bertforge vocab` wrote into, given as --vocab: "[Errno 21] Is a directory".
+    with pytest.raises(ValueError, match=f"a directory, not a file \\(the vocabulary in it: "
+                                         f"{tmp_path}/vocab.txt\\)"):
+        main([f"--input={small_vocab}", f"--output={tmp_path / 'out'}", f"--vocab={tmp_path}"])
     # Beam lists it as a runner; its manifest lost the per-file records on alternate runs.
     with pytest.raises(ValueError, match="--runner BundleBasedDirectRunner: Beam's older local"):
         main([f"--input={pattern}", f"--output={tmp_path}", f"--vocab={small_vocab}",
