@@ -520,9 +520,8 @@ def run_marks(path: str) -> list[str]:
 
 def no_checkpoint_yet(path: str) -> str:
     return (f"run {path} has no complete checkpoint yet (a run before its first save, or "
-            "stopped before it): wait for one (--checkpoint-every and --checkpoint-minutes set how "
-            "often a run saves), "
-            "or give another checkpoint")
+            "stopped before it): wait for one (--checkpoint-every and --checkpoint-minutes set "
+            "how often a run saves), or give another checkpoint")
 
 
 def pruned_checkpoint(path: str) -> str | None:
