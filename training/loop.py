@@ -169,8 +169,10 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
                           model_config, world_size, resolved.precision)
     validation = _Validation.create(cfg, rank, world_size, masking, facts)
 
+    # A fresh start continues from step 0: what an attempt stopped before its first save
+    # logged is dropped too (its steps are trained again; they were in metrics.jsonl twice).
     logger = MetricsLogger(cfg.run_dir, enabled=rank == 0, max_steps=cfg.max_steps,
-                           resumed_step=None if resume_from is None else step)
+                           resumed_step=step)
     metadata = {
         "run_id": run_id,
         "vocab_sha256": facts.vocab_sha256,

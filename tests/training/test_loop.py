@@ -142,6 +142,18 @@ def test_the_save_clock_counts_from_the_last_save(monkeypatch):
     assert not loop._SaveClock(minutes=0).due()  # 0: never by time
 
 
+def test_an_attempt_stopped_before_its_first_save_leaves_no_steps_twice(dataset, tmp_path):
+    """Stopped (SIGTERM, a failure) before its first checkpoint, a run had logged steps 1-4;
+    the same command started afresh and appended its own steps 1-6 after them."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "loss": 9.0}) + "\n" for step in range(1, 5)))
+    train(config(dataset, run_dir))
+    assert [r["step"] for r in read_metrics(str(run_dir))] == [1, 2, 3, 4, 5, 6]
+    assert 9.0 not in losses(run_dir).values()
+
+
 def test_rerun_of_a_finished_run_trains_no_further(dataset, tmp_path):
     first = train(config(dataset, tmp_path / "run"))
     again = train(config(dataset, tmp_path / "run"))
