@@ -357,9 +357,10 @@ def train_config_from_args(args: argparse.Namespace):
         from bertforge.training.resume_settings import continued_settings, describe
 
         continued = continued_settings(args.run_dir, overrides)
-        if describe(continued):
+        kept = describe(continued)
+        if kept:
             print(f"[train] resuming {args.run_dir} with its own settings where this command "
-                  f"gives none: {describe(continued)}", flush=True)
+                  f"gives none: {kept}", flush=True)
         overrides = {**continued, **overrides}
     with errors_naming_flags(TrainConfig):
         if args.recipe:
