@@ -8,8 +8,8 @@ stage of the stage runner, in DIR/runs/lr<rate>-seed<seed>/ (metrics.jsonl, dev 
 result.json, the Hugging Face export); the runs not done yet run one after another in one worker
 group (its logs in DIR/runs/logs). A rerun into the same DIR reuses finished runs, and may add
 seeds or rates. DIR/results.json holds the task, the best run's metrics, the sweep, the config and
-the model's provenance; DIR/hf links to the best run's export and DIR/dev_predictions.* is a copy
-of its predictions.
+the model's provenance; DIR/hf holds the best run's export (hard links) and DIR/dev_predictions.*
+is a copy of its predictions.
 
 Inputs are checked on the driver before Ray starts (the model directory, the data files and
 their lines), so a mistake is one line at once, not a failing worker group.
@@ -41,6 +41,7 @@ from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_c
 from bertforge.cluster.launch.ray_train import QUIET_RAY_TRAIN, connect, run_on_ray
 from bertforge.cluster.launch.worker_output import LOG_DIR
 from bertforge.cluster.safety.atomic_files import write_json_atomic
+from bertforge.pipelines.contract.manifest import sha256_file
 from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, FinetuneConfig
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.task_data import is_squad_split, same_file
@@ -51,6 +52,9 @@ RESULTS_NAME = "results.json"
 RUNS_DIR = "runs"
 # The settings' record of which weights MODEL held (finetune.json): a run, a step, a file.
 MODEL_WEIGHTS = "model_weights"
+# ... and of what --train and --dev held (their contents' SHA-256): runs reused over an edited
+# dev file kept their old scores beside the new file's example counts.
+DATA_FILES = "data_files"
 # What the workers keep under DIR/runs for themselves: their logs, Ray Train's state, the local
 # worker's spec and error. A fine-tune refused in its worker (SQuAD's doc_stride against the
 # length, say) leaves these and no result: its settings do not pin the directory.
@@ -151,7 +155,8 @@ def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
               f"{trained} tokens {cfg.model} was pretrained at: positions {trained + 1}-"
               f"{cfg.seq_length} keep their random initial embeddings; pretrain a phase at "
               f"that length first (the pipeline's [phase2]), or give {shorter}", flush=True)
-    return {"model": provenance, "num_train_examples": len(train), "num_dev_examples": len(dev)}
+    return {"model": provenance, "num_train_examples": len(train), "num_dev_examples": len(dev),
+            DATA_FILES: {"train": sha256_file(cfg.train), "dev": sha256_file(cfg.dev)}}
 
 
 def run_name(learning_rate: float, seed: int) -> str:
@@ -223,14 +228,16 @@ class _Job:
         return [run_name(lr, seed) for lr, seed in self.cfg.runs()]
 
     def stage_runner(self) -> StageRunner:
-        # The runs are of MODEL's weights as they are now: a run trained further, started again
-        # (--resume never) or saved over since holds others (its finished runs were reused).
+        # The runs are of MODEL's weights and the data files as they are now: a run trained
+        # further, started again (--resume never) or saved over since holds other weights, and
+        # an edited file other examples (their finished runs were reused).
         weights = None if self.cfg.random_init else self.facts["model"]["weights"]
-        return StageRunner(self.cfg.output, "finetune",
-                           {**self.cfg.settings(), MODEL_WEIGHTS: weights},
+        settings = {**self.cfg.settings(), MODEL_WEIGHTS: weights,
+                    DATA_FILES: self.facts[DATA_FILES]}
+        return StageRunner(self.cfg.output, "finetune", settings,
                            scratch=WORKER_SCRATCH, heartbeat_seconds=60.0,
                            skip_message="done in an earlier run, reusing it",
-                           dir_flag="--output", recorded_since=(MODEL_WEIGHTS,))
+                           dir_flag="--output", recorded_since=(MODEL_WEIGHTS, DATA_FILES))
 
     def finish(self, runner: StageRunner, launch: LaunchConfig,
                started: float | None) -> dict[str, Any]:
@@ -245,14 +252,35 @@ class _Job:
                                                             RESULT_NAME)))
             for name, (lr, seed) in zip(self.names, cfg.runs(), strict=True)
         ])
-        records = [in_place(runner.recorded(name), run_dir_of(cfg, lr, seed))
-                   for name, (lr, seed) in zip(self.names, cfg.runs(), strict=True)]
-        results = summarise(cfg, launch, records, self.facts)
+        results = self._summary(runner, launch)
+        # The best of the runs asked for may be one whose export an earlier sweep removed (it
+        # kept only its best's): a rerun with fewer seeds or rates. Fine-tuned again, the same
+        # seed gives the same model back, so DIR/hf is still the best run's.
+        for _ in cfg.runs():
+            best = results["best_run"]
+            if os.path.isdir(best["hf_dir"] or ""):
+                break
+            print(f"[finetune] {run_name(best['learning_rate'], best['seed'])}: the best of "
+                  "these runs, its export was removed when an earlier sweep kept only its "
+                  "best's; fine-tuning it again for it", flush=True)
+            os.remove(os.path.join(best["run_dir"], RESULT_NAME))
+            name = run_name(best["learning_rate"], best["seed"])
+            runner.state["stages"][name] = _record(cfg, launch, best["learning_rate"],
+                                                   best["seed"])
+            runner.save()
+            results = self._summary(runner, launch)
         results["seconds"] = round(time.time() - started if started is not None else
-                                   sum(record.get("seconds") or 0 for record in records), 1)
+                                   sum(run.get("seconds") or 0
+                                       for run in results["sweep"]["runs"]), 1)
         _publish_best(cfg, results)
         write_json_atomic(os.path.join(cfg.output, RESULTS_NAME), results)
         return results
+
+    def _summary(self, runner: StageRunner, launch: LaunchConfig) -> dict[str, Any]:
+        """results.json's content (less its seconds) from the recorded runs."""
+        records = [in_place(runner.recorded(name), run_dir_of(self.cfg, lr, seed))
+                   for name, (lr, seed) in zip(self.names, self.cfg.runs(), strict=True)]
+        return summarise(self.cfg, launch, records, self.facts)
 
 
 def run_dir_of(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:
@@ -485,6 +513,7 @@ def summarise(cfg: FinetuneConfig, launch: LaunchConfig, records: list[dict[str,
         # result.json names its own). Runs recorded before runs named it: the driver's check.
         "model": best.get("model", facts["model"]),
         "data": {"train": cfg.train, "dev": cfg.dev, "note": data_note(cfg),
+                 "sha256": facts[DATA_FILES],
                  "num_train_examples": facts["num_train_examples"],
                  "num_dev_examples": facts["num_dev_examples"]},
         "training": {key: best[key] for key in ("steps", "epochs", "world_size", "precision",
@@ -511,17 +540,16 @@ def _lr_hint(cfg: FinetuneConfig) -> str:
 
 
 def _publish_best(cfg: FinetuneConfig, results: dict[str, Any]) -> None:
-    """DIR/hf -> the best run's export, DIR/dev_predictions.* its predictions; the other runs'
+    """DIR/hf: the best run's export, DIR/dev_predictions.* its predictions; the other runs'
     exports are removed unless --keep-all-models."""
     best = results["best_run"]
-    link = results["hf_dir"]
-    if os.path.lexists(link):
-        os.remove(link)
+    published = results["hf_dir"]
     if os.path.isdir(best["hf_dir"]):
-        os.symlink(os.path.relpath(best["hf_dir"], cfg.output), link)
-    else:  # a sweep extended after an earlier one removed this run's export
-        print(f"[finetune] the best run's export {best['hf_dir']} was removed after an earlier "
-              "sweep; rerun into a new --output (or use --keep-all-models)", flush=True)
+        _hard_linked_copy(best["hf_dir"], published)
+    else:  # not even fine-tuned again (`finish`): said, never a link to nothing
+        _remove(published)
+        print(f"[finetune] the best run's export {best['hf_dir']} is missing, so {published} "
+              "is not made", flush=True)
         results["hf_dir"] = None
     shutil.copyfile(best["predictions"], results["predictions"])
     if cfg.keep_all_models:
@@ -529,6 +557,30 @@ def _publish_best(cfg: FinetuneConfig, results: dict[str, Any]) -> None:
     for run in results["sweep"]["runs"]:
         if run["run_dir"] != best["run_dir"]:
             shutil.rmtree(os.path.join(run["run_dir"], HF_DIR_NAME), ignore_errors=True)
+
+
+def _hard_linked_copy(source: str, target: str) -> None:
+    """`target` (replaced whole) holds `source`'s files as hard links: no second copy on the
+    disk, and, unlike the relative symbolic link DIR/hf was, it survives `cp -r DIR/hf` and a
+    move of DIR alike. A filesystem without hard links gets copies."""
+    def link_or_copy(file: str, copy: str) -> None:
+        try:
+            os.link(file, copy)
+        except OSError:
+            shutil.copy2(file, copy)
+
+    building = f"{target}.tmp"
+    _remove(building)
+    shutil.copytree(source, building, copy_function=link_or_copy)
+    _remove(target)  # a directory, or the link an older bertforge made
+    os.rename(building, target)
+
+
+def _remove(path: str) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
 
 
 def summary_line(results: dict[str, Any]) -> str:

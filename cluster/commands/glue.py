@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING as MISSING_DEFAULT
+from dataclasses import dataclass, fields
 from typing import Any
 
 from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_copy
@@ -199,14 +200,17 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
     # settings" before: refused.)
     selection = ("tasks", *(f"finetune.{field}" for field in fields_marked(FinetuneConfig,
                                                                            SELECTS_RUNS)))
+    # The flags typed are recorded; one typed at its default value is the same recipe.
+    defaults = {f"finetune.{field.name}": field.default for field in fields(FinetuneConfig)
+                if field.default is not MISSING_DEFAULT}
     with StageRunner(config.output, "glue", settings, heartbeat_seconds=120.0,
                      skip_message="done in an earlier run, reusing it",
-                     dir_flag="--output", ignored=selection) as runner:
+                     dir_flag="--output", ignored=selection, defaults=defaults) as runner:
         # Every task not done yet in one worker group, or the one local worker process (its
         # start paid once); each task then becomes a stage. A failed group leaves the finished
         # tasks' runs for a rerun.
         pending = [name for name in configs
-                   if not _has_every_run(runner.recorded(name), configs[name])]
+                   if not _is_current(runner.recorded(name), jobs[name])]
         finished = dict(zip(pending, run_jobs([jobs[name] for name in pending], launch),
                             strict=True)) if pending else {}
         # A task fine-tuned just now printed its runs' lines as they finished: its stage only
@@ -229,24 +233,33 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
     return runner.state["glue"]
 
 
-def _has_every_run(record: dict[str, Any] | None, cfg: FinetuneConfig) -> bool:
-    """Whether a task's record holds every (learning rate, seed) run `cfg` asks for (a record
-    from before they were recorded: done, as then)."""
+def _is_current(record: dict[str, Any] | None, job: Any) -> bool:
+    """Whether a task's record holds the very (learning rate, seed) runs `job` asks for, on
+    the data files as they are now. A rerun with fewer seeds printed the larger sweep's best,
+    and one over an edited dev file its old scores. (A record from before the runs or the
+    data were recorded: done, as then.)"""
     if record is None:
         return False
+    from bertforge.cluster.commands.finetune_sweep import DATA_FILES
+
+    if record.get(DATA_FILES, job.facts[DATA_FILES]) != job.facts[DATA_FILES]:
+        return False  # its fine-tuning job says how it differs
     if "runs" not in record:
         return True
-    return {tuple(run) for run in cfg.runs()} <= {tuple(run) for run in record["runs"]}
+    return {tuple(run) for run in job.cfg.runs()} == {tuple(run) for run in record["runs"]}
 
 
 def _task_record(results: dict[str, Any]) -> dict[str, Any]:
     """What glue.json keeps of a task's results.json."""
+    from bertforge.cluster.commands.finetune_sweep import DATA_FILES
+
     return {
         "runs": [[run["learning_rate"], run["seed"]] for run in results["sweep"]["runs"]],
         "metrics": results["metrics"], "primary_metric": results["primary_metric"],
         "score": results["score"], "sweep": {k: v for k, v in results["sweep"].items()
                                              if k != "runs"},
         "results": os.path.join(results["output"], "results.json"),
+        DATA_FILES: results["data"]["sha256"],
         "num_train_examples": results["data"]["num_train_examples"],
         "train_seconds": results["train_seconds"],
         "seconds": round(sum(run.get("seconds") or 0.0 for run in results["sweep"]["runs"]), 1),

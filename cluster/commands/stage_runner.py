@@ -88,6 +88,9 @@ class StageRunner:
     paths under `root` that the command's workers keep for themselves (their logs, state and
     error files), no output: an earlier run that left only those made nothing, and does not
     pin its settings.
+    `defaults`: dotted keys of settings recorded only when given (flags typed), and the value
+    each takes when not: a key either side lacks reads as its default, so a flag typed at its
+    default value, or left out when it was, is no other setting.
     `base_dir`: the folder the job's configuration is relative to (a pipeline file's); paths
     in the settings under it are compared relative to it, so a folder moved or copied with
     its configuration, inputs and outputs is the same job (the state records it).
@@ -98,7 +101,7 @@ class StageRunner:
                  may_add: dict[str, str] | None = None, scratch: tuple[str, ...] = (),
                  heartbeat_seconds: float = 60.0, skip_message: str = "output complete, skipping",
                  dir_flag: str = "directory", base_dir: str | None = None,
-                 recorded_since: tuple[str, ...] = ()):
+                 recorded_since: tuple[str, ...] = (), defaults: dict[str, Any] | None = None):
         self.root = os.path.abspath(root)
         self.base_dir = os.path.abspath(base_dir) if base_dir else None
         if self.base_dir and not lies_within(self.root, self.base_dir):
@@ -111,6 +114,7 @@ class StageRunner:
         self.renamed = renamed or {}
         self.may_add = may_add or {}
         self.recorded_since = recorded_since
+        self.defaults = json.loads(json.dumps(defaults or {}))  # tuples as the file has lists
         self.scratch = scratch
         self.heartbeat_seconds = heartbeat_seconds
         self.skip_message = skip_message
@@ -198,8 +202,9 @@ class StageRunner:
             return state
         with open(self.state_path, encoding="utf-8") as f:
             state = json.load(f)
-        recorded = _with_todays_names(state["settings"], self.renamed)
-        wanted = self.settings
+        recorded = _with_defaults(_with_todays_names(state["settings"], self.renamed),
+                                  self.defaults)
+        wanted = _with_defaults(self.settings, self.defaults)
         recorded_base = state.get("base_dir")
         if self.base_dir:
             # A state from before the base was recorded: its paths are read against today's
@@ -288,6 +293,20 @@ def _with_todays_names(settings: dict[str, Any], renamed: dict[str, str]) -> dic
             table = table.get(name) if isinstance(table, dict) else None
         if isinstance(table, dict) and key in table:
             table[new] = table.pop(key)
+    return settings
+
+
+def _with_defaults(settings: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`settings` with each key of `defaults` (a dotted path under a table they have) that
+    they lack set to its default."""
+    settings = json.loads(json.dumps(settings))
+    for dotted, value in defaults.items():
+        *parents, key = dotted.split(".")
+        table: Any = settings
+        for name in parents:
+            table = table.get(name) if isinstance(table, dict) else None
+        if isinstance(table, dict) and key not in table:
+            table[key] = value
     return settings
 
 

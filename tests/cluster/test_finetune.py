@@ -4,6 +4,7 @@ DeepSpeed on the CPU, a tiny BERT, small slices. One local Ray serves the whole 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import shutil
@@ -35,6 +36,15 @@ def finetune(*args: str) -> dict:
     output = args[args.index("--output") + 1]
     with open(os.path.join(output, "results.json"), encoding="utf-8") as f:
         return json.load(f)
+
+
+def same_files(published: str, export: str) -> bool:
+    """Whether DIR/hf holds `export`'s files as hard links (a real directory: a copy of it is
+    whole, where the symbolic link it was copied as a dangling link)."""
+    names = sorted(os.listdir(export))
+    return (not os.path.islink(published) and sorted(os.listdir(published)) == names
+            and all(os.path.samefile(os.path.join(published, name), os.path.join(export, name))
+                    for name in names))
 
 
 def read_predictions(path: str) -> list[dict[str, str]]:
@@ -74,7 +84,7 @@ def test_sst2_sweep_on_two_workers_scores_exports_and_reuses_the_runs(model_dir,
     assert sweep["median"] == pytest.approx(sum(scores) / 2)
     best = sweep["runs"][scores.index(max(scores))]
     assert results["best_run"]["run_dir"] == best["run_dir"]
-    assert os.path.realpath(results["hf_dir"]) == os.path.join(best["run_dir"], "hf")
+    assert same_files(results["hf_dir"], os.path.join(best["run_dir"], "hf"))
     other = sweep["runs"][1 - scores.index(max(scores))]
     assert not os.path.exists(os.path.join(other["run_dir"], "hf"))  # only the best is kept
     # The metric is the predictions file's accuracy, one line per dev example.
@@ -191,7 +201,7 @@ def test_a_diverged_run_is_not_scored_and_a_moved_or_copied_output_is_rerun_in_p
         assert capsys.readouterr().out.count("done in an earlier run, reusing it") == 2
         best = os.path.join(output, "runs", "lr0.001-seed12345")
         assert again["best_run"]["run_dir"] == best and again["metrics"] == results["metrics"]
-        assert os.path.realpath(os.path.join(output, "hf")) == os.path.join(best, "hf")
+        assert same_files(os.path.join(output, "hf"), os.path.join(best, "hf"))
         assert all(run["run_dir"].startswith(output) for run in again["sweep"]["runs"])
 
     # Every run diverged: no score, no model, and what to do.
@@ -200,9 +210,10 @@ def test_a_diverged_run_is_not_scored_and_a_moved_or_copied_output_is_rerun_in_p
         "lower --lr" in capsys.readouterr().err
 
 
-def test_runs_of_weights_saved_over_since_are_not_reused(tmp_path, capsys):
-    """MODEL trained further, started again or saved over since the runs: its finished runs
-    were reused ("done in an earlier run") and results.json scored the old weights."""
+def test_runs_of_weights_or_data_changed_since_are_not_reused(tmp_path, capsys):
+    """MODEL trained further, started again or saved over since the runs, or a data file
+    edited: the finished runs were reused ("done in an earlier run") and results.json scored
+    the old weights, or the old dev set beside the new one's example count."""
     model = tiny_bert_dir(str(tmp_path / "model"))
     train = write_sst2_tsv(str(tmp_path / "train.tsv"), 16, seed=1)
     dev = write_sst2_tsv(str(tmp_path / "dev.tsv"), 8, seed=2)
@@ -210,12 +221,14 @@ def test_runs_of_weights_saved_over_since_are_not_reused(tmp_path, capsys):
     args = ["--task", "sst2", "--model", model, "--output", str(output), "--train", train,
             "--dev", dev, "--workers", "1", "--batch-size", "8", "--max-steps", "1",
             "--max-seq-length", "32"]
-    finetune(*args)
-    # An output an older bertforge made records no weights: it cannot say, and is reused.
+    results = finetune(*args)
+    assert results["data"]["sha256"]["dev"] == hashlib.sha256(open(dev, "rb").read()).hexdigest()
+    # An output an older bertforge made records no weights or data: it cannot say, and is
+    # reused.
     state_path = output / "finetune.json"
     state = json.loads(state_path.read_text())
     assert state["settings"]["model_weights"]["file"] == "model.safetensors"
-    del state["settings"]["model_weights"]
+    del state["settings"]["model_weights"], state["settings"]["data_files"]
     state_path.write_text(json.dumps(state))
     capsys.readouterr()
     finetune(*args)
@@ -228,3 +241,39 @@ def test_runs_of_weights_saved_over_since_are_not_reused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{output} holds a finetune made with other settings (differs in: " \
         "model_weights.modified_ns)" in err, err
+    # The weights as they were, and one dev line's label flipped: other examples.
+    os.utime(weights, ns=(written.st_atime_ns, written.st_mtime_ns))
+    lines = open(dev, encoding="utf-8").read().split("\n")
+    sentence, label = lines[1].split("\t")
+    lines[1] = f"{sentence}\t{1 - int(label)}"
+    with open(dev, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+    assert main(["finetune", *args]) == 2
+    assert "(differs in: data_files.dev)" in capsys.readouterr().err
+
+
+def test_a_rerun_with_fewer_seeds_fine_tunes_its_best_again_if_its_export_was_removed(
+        model_dir, tmp_path, capsys):
+    """A sweep keeps only its best run's export. A rerun asking for a subset of its seeds whose
+    best was another run removed DIR/hf, and said to rerun into a new --output."""
+    train = write_sst2_tsv(str(tmp_path / "train.tsv"), 16, seed=1)
+    dev = write_sst2_tsv(str(tmp_path / "dev.tsv"), 8, seed=2)
+    output = str(tmp_path / "out")
+
+    def args(*seeds: str) -> list[str]:
+        return ["--task", "sst2", "--model", model_dir, "--output", output, "--train", train,
+                "--dev", dev, "--workers", "1", "--batch-size", "8", "--max-steps", "2",
+                "--max-seq-length", "32", "--lr", "1e-3", "--seeds", *seeds]
+
+    sweep = finetune(*args("1", "2"))
+    removed = next(run for run in sweep["sweep"]["runs"]
+                   if run["run_dir"] != sweep["best_run"]["run_dir"])
+    assert not os.path.exists(os.path.join(removed["run_dir"], "hf"))
+    capsys.readouterr()
+    alone = finetune(*args(str(removed["seed"])))
+    out = capsys.readouterr().out
+    assert (f"lr0.001-seed{removed['seed']}: the best of these runs, its export was removed "
+            "when an earlier sweep kept only its best's; fine-tuning it again") in out
+    # The same seed gave the same model back, and DIR/hf is it.
+    assert alone["score"] == removed["score"] and alone["sweep"]["num_runs"] == 1
+    assert same_files(os.path.join(output, "hf"), os.path.join(removed["run_dir"], "hf"))

@@ -177,3 +177,22 @@ def test_two_tiny_tasks_end_to_end_then_a_rerun_skips_them(tmp_path, capsys) -> 
     assert "1 run(s) in one local worker process (lr0.001-seed7)" in more, more
     rte = json.loads((output / "rte" / "results.json").read_text())
     assert [run["seed"] for run in rte["sweep"]["runs"]] == [12345, 7]
+
+    # A flag typed at its default value is the same recipe (it was "differs in:
+    # finetune.warmup_fraction").
+    assert main([*args, "--tasks", "rte", "--seeds", "12345", "7", "--warmup-fraction",
+                 "0.1"]) == 0
+    assert "[glue] [1/1] rte: done in an earlier run, reusing it" in capsys.readouterr().out
+    # Fewer seeds: the table is theirs (it printed the larger sweep's best).
+    assert main([*args, "--tasks", "rte", "--seeds", "7"]) == 0
+    capsys.readouterr()
+    record = json.loads((output / "glue.json").read_text())
+    seven = next(run for run in rte["sweep"]["runs"] if run["seed"] == 7)
+    assert record["stages"]["rte"]["runs"] == [[1e-3, 7]]
+    assert record["glue"]["results"]["rte"] == seven["metrics"]
+    # An edited dev file: not the runs' data (their old scores were printed).
+    dev = glue_dir / "RTE" / "dev.tsv"
+    dev.write_text(dev.read_text().replace("\tnot_entailment\n", "\tentailment\n", 1))
+    assert main([*args, "--tasks", "rte", "--seeds", "7"]) == 2
+    assert f"{output / 'rte'} holds a finetune made with other settings (differs in: " \
+        "data_files.dev)" in capsys.readouterr().err
