@@ -42,7 +42,12 @@ from bertforge.cluster.launch.ray_train import QUIET_RAY_TRAIN, connect, run_on_
 from bertforge.cluster.launch.worker_output import LOG_DIR
 from bertforge.cluster.safety.atomic_files import write_json_atomic
 from bertforge.pipelines.contract.manifest import sha256_file
-from bertforge.training.finetune.config import HF_DIR_NAME, RESULT_NAME, FinetuneConfig
+from bertforge.training.finetune.config import (
+    HF_DIR_NAME,
+    PAPER_SWEEP,
+    RESULT_NAME,
+    FinetuneConfig,
+)
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.task_data import is_squad_split, same_file
 from bertforge.training.finetune.tasks import glue_dir_files
@@ -313,6 +318,7 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
     for cfg, learning_rate, seed in runs:
         fresh_dir(run_dir_of(cfg, learning_rate, seed))  # a run that died part-way: start over
     configs = [dataclasses.replace(cfg, learning_rate=lr, seeds=(seed,), sweep=False,
+                                   sweep_learning_rates=PAPER_SWEEP,
                                    output=run_dir_of(cfg, lr, seed)).to_dict()
                for cfg, lr, seed in runs]
     runs_root = os.path.join(runs[0][0].output, RUNS_DIR)

@@ -88,9 +88,17 @@ def test_settings_leave_out_what_a_rerun_may_change():
     ({"model": ""}, "^--model is required$"),
     ({"sweep": True, "sweep_learning_rates": (1e-5, -1.0)}, "learning rates must be positive"),
     # A repeat was the same run reused, counted twice in the median and spread.
-    ({"seeds": (1, 2, 1)}, "^--seeds lists 1 twice: each value is one run"),
+    ({"seeds": (1, 2, 1)}, "^--seeds lists 1 twice \\(to 6 digits, which name a run\\): each "
+     "value is one run"),
     ({"sweep": True, "sweep_learning_rates": (2e-5, 2e-5)}, "^--sweep-learning-rates lists "
      "2e-05 twice"),
+    # Two rates alike in a run's name (lr2e-05-seed1) shared its folder and were counted twice.
+    ({"sweep": True, "sweep_learning_rates": (2e-5, 2.0000001e-5)}, "^--sweep-learning-rates "
+     "lists 2e-05 twice"),
+    # The other mode's rate was trained without a word of the one given.
+    ({"sweep": True, "learning_rate": 1e-4}, "^--lr is the rate of a run without --sweep"),
+    ({"sweep_learning_rates": (1e-4,)}, "^--sweep-learning-rates are --sweep's rates: add "
+     "--sweep"),
     ({"task": "custom", "text_columns": ("s", "s"), "label_column": "l", "train": "t",
       "dev": "d"}, "^--text-columns names s twice"),
 ])

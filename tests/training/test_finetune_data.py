@@ -177,6 +177,33 @@ def test_read_label_set_of_a_custom_file(tmp_path) -> None:
     empty = write(tmp_path / "e.tsv", "s\tl\na\t1\nb\t\nc\t0\n")
     with pytest.raises(ValueError, match=r"e\.tsv, line 3: the label is empty"):
         read_label_set(empty, spec)
+    # Scores without --regression trained a classifier of a class per distinct score.
+    scores = write(tmp_path / "sc.tsv", "s\tl\na\t3.8\nb\t0.25\nc\t4\nd\t3.8\n")
+    with pytest.raises(ValueError, match=r"sc\.tsv: the label column holds scores such as "
+                       r"0\.25, 3\.8 \(3 distinct values\), not classes: give --regression"):
+        read_label_set(scores, spec)
+    assert read_label_set(write(tmp_path / "f.tsv", "s\tl\na\t1.0\nb\t0.0\n"),
+                          spec) == ("0.0", "1.0")  # whole numbers name classes
+
+
+def test_a_file_without_a_header_read_with_one_is_refused_not_cut(tmp_path) -> None:
+    """Columns given by index and the default header: the first example was dropped as the
+    header without a word."""
+    lines = "a fine film\t1\na dull one\t0\nfine\t1\n"
+    path = write(tmp_path / "n.tsv", lines)
+    spec = custom_task(["0"], "1", labels=("0", "1"))
+    with pytest.raises(ValueError, match=r"n\.tsv, line 1: read as a header \(the default\), "
+                       r"but its label '1' is one of the task's labels: a data line\? Give "
+                       "--no-has-header"):
+        read_examples(path, spec)
+    with pytest.raises(ValueError, match="line 1: read as a header"):
+        read_examples(path, custom_task(["0"], "1"))  # a score, for a regression
+    headless = custom_task(["0"], "1", labels=("0", "1"), has_header=False)
+    assert len(read_examples(path, headless)) == 3
+    # A header, by index or by name: read as one.
+    named = write(tmp_path / "h.tsv", "sentence\tlabel\n" + lines)
+    assert len(read_examples(named, spec)) == 3
+    assert len(read_examples(named, custom_task(["sentence"], "label", ("0", "1")))) == 3
 
 
 def hf_tokenizer(vocab_path: str, lower_case: bool) -> transformers.BertTokenizerFast:

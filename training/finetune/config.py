@@ -45,6 +45,9 @@ def squad_window(seq_length: int, max_query_length: int) -> int:
     return seq_length - max_query_length - 3
 
 
+# The BERT paper's fine-tuning rates (--sweep), and its one rate without a sweep.
+PAPER_SWEEP = (2e-5, 3e-5, 5e-5)
+PAPER_RATE = 2e-5
 # features.pair_tokenizer's least: [CLS] a [SEP] b [SEP], each text cut to one token or none.
 MIN_SEQ_LENGTH = 4
 # SQuAD's own options: refused on another task (`_check_squad_only`).
@@ -85,15 +88,16 @@ class FinetuneConfig:
                               "not read as data (on by default; --no-has-header for a file "
                               "without one, e.g. GLUE's CoLA)", marks=(PER_TASK,))
     # Which runs to make (SELECTS_RUNS).
-    learning_rate: float = option(2e-5, "peak learning rate (without --sweep)", aliases=("--lr",),
+    learning_rate: float = option(PAPER_RATE, "peak learning rate (without --sweep)",
+                                  aliases=("--lr",),
                                   marks=(SELECTS_RUNS,))
     seeds: tuple[int, ...] = option((12345,), "one run per seed (head init, dropout, order)",
                                     marks=(SELECTS_RUNS,))
     sweep: bool = option(False, "one run per learning rate in --sweep-learning-rates and seed; "
                          "reports the best dev score, the median and the spread",
                          marks=(SELECTS_RUNS,))
-    sweep_learning_rates: tuple[float, ...] = option((2e-5, 3e-5, 5e-5), "the sweep's rates",
-                                                     marks=(SELECTS_RUNS,))
+    sweep_learning_rates: tuple[float, ...] = option(PAPER_SWEEP, "the sweep's rates (with "
+                                                     "--sweep)", marks=(SELECTS_RUNS,))
     # The recipe, and SQuAD's own settings (PER_TASK).
     epochs: float = option(3.0, "passes over the training examples")
     max_steps: int | None = option(help="stop after this many optimizer steps (default: epochs)")
@@ -183,16 +187,25 @@ class FinetuneConfig:
     def _check_numbers(self) -> None:
         if not self.seeds:
             raise ValueError("give at least one seed")
+        # The rate the other mode takes was trained without a word of the one given.
+        if self.sweep and self.learning_rate != PAPER_RATE:
+            raise ValueError("--lr is the rate of a run without --sweep; give a sweep's rates "
+                             "as --sweep-learning-rates")
+        if not self.sweep and self.sweep_learning_rates != PAPER_SWEEP:
+            raise ValueError("--sweep-learning-rates are --sweep's rates: add --sweep (or give "
+                             "one rate as --lr)")
         rates = self.sweep_learning_rates if self.sweep else (self.learning_rate,)
         if not rates or min(rates) <= 0:
             raise ValueError(f"learning rates must be positive, got {list(rates)}")
-        # One run per value: a repeated one was the same run again, counted twice in the
-        # median and spread over runs.
+        # One run per value, named by it (runs/lr<rate>-seed<seed>): a repeated one was the
+        # same run again, counted twice in the median and spread over runs, as were two rates
+        # alike to the 6 digits of a run's name (2e-5 and 2.0000001e-5).
         for flag, values in (("--seeds", self.seeds), ("--sweep-learning-rates", rates)):
-            repeated = _first_repeated(values)
+            repeated = _first_repeated(f"{value:g}" for value in values)
             if repeated is not None:
-                raise ValueError(f"{flag} lists {repeated:g} twice: each value is one run, and "
-                                 "a repeat would count the same run twice in the median")
+                raise ValueError(f"{flag} lists {repeated} twice (to 6 digits, which name a "
+                                 "run): each value is one run, and a repeat would count the "
+                                 "same run twice in the median")
         positive = ("batch_size", "eval_batch_size", "doc_stride", "max_query_length",
                     "max_answer_length", "max_steps", "max_train_examples", "max_dev_examples",
                     "min_train_words", "max_seq_length", "log_every")

@@ -118,12 +118,33 @@ def read_examples(path: str, spec: TaskSpec) -> list[Example]:
     num_fields = len(rows[0][1])
     text_fields = [_resolve(c, header, num_fields, path) for c in spec.text_columns]
     label_field = _resolve(spec.label_column, header, num_fields, path)
+    if header is not None:
+        _refuse_data_as_header(path, spec, header[label_field])
     examples = []
     for number, fields in rows:
         label = _parse_label(fields[label_field], spec, path, number)
         text_b = fields[text_fields[1]] if len(text_fields) > 1 else None
         examples.append(Example(fields[text_fields[0]], text_b, label, number))
     return examples
+
+
+def _refuse_data_as_header(path: str, spec: TaskSpec, label: str) -> None:
+    """A file without a header, read with one (the default), lost its first example without a
+    word. Columns given by index are the sign (names are read from a header, which then is
+    one), and a first line whose label cell is one of the task's labels (or a score)."""
+    by_index = all(isinstance(c, int) for c in (*spec.text_columns, spec.label_column))
+    is_label = label.strip() in spec.labels if spec.labels is not None else _is_number(label)
+    if by_index and is_label:
+        raise ValueError(f"{path}, line 1: read as a header (the default), but its label "
+                         f"{_shortened(label.strip())!r} is one of the task's labels: a data "
+                         "line? Give --no-has-header for a file without a header")
+
+
+def _is_number(field: str) -> bool:
+    try:
+        return math.isfinite(float(field))
+    except ValueError:
+        return False
 
 
 def read_label_set(path: str, spec: TaskSpec) -> tuple[str, ...]:
@@ -138,6 +159,12 @@ def read_label_set(path: str, spec: TaskSpec) -> tuple[str, ...]:
             raise ValueError(f"{path}, line {number}: the label is empty")
         counts[value] += 1
     values = set(counts)
+    fractions = sorted(v for v in values if _is_number(v) and not float(v).is_integer())
+    if fractions and all(_is_number(v) for v in values):
+        # Scores (STS-B's 0-5) read as classes trained a classifier of one class per score.
+        raise ValueError(f"{path}: the label column holds scores such as "
+                         f"{', '.join(fractions[:3])} ({len(values)} distinct values), not "
+                         "classes: give --regression for a score, or --labels for classes")
     # Integers (signed too: -1 and +1) in numeric order, so that the positive class of a
     # binary task is the last, the one its F1 scores.
     numeric = all(_is_integer(v) for v in values)
