@@ -193,7 +193,8 @@ def _add_eval(commands) -> None:
     from bertforge.training.eval_options import EvalOptions
 
     p = commands.add_parser("eval", help="masked-LM and NSP accuracy of a checkpoint")
-    p.add_argument("checkpoint", help="a checkpoint directory, or a run directory (newest)")
+    p.add_argument("checkpoint", help="a checkpoint directory, a run directory (newest), or a "
+                   "Hugging Face BERT directory with the pretraining heads (an export)")
     p.add_argument("--data", required=True, help="prepared shard directory")
     add_flags(p, EvalOptions)
     p.set_defaults(handler=_run_eval)
@@ -489,12 +490,13 @@ def _run_eval(args: argparse.Namespace) -> None:
     from bertforge.pipelines.contract.config_fields import errors_naming_flags, given_values
     from bertforge.training.eval_options import EvalOptions
     from bertforge.training.evaluate import evaluate_checkpoint
-    from bertforge.training.inputs import check_eval_inputs
+    from bertforge.training.inputs import check_eval_inputs, is_hf_model_dir
 
     with errors_naming_flags(EvalOptions):
         options = EvalOptions(**given_values(args, EvalOptions))
     check_eval_inputs(args.checkpoint, args.data, options.split, options.device)
-    _log_in_run_dir(args.checkpoint, "eval")
+    if not is_hf_model_dir(args.checkpoint):  # a model's directory is left as it is
+        _log_in_run_dir(args.checkpoint, "eval")
     with reading_dataset(args.data, "eval"):  # prepare will not replace it meanwhile
         # The path as given: a run's newest checkpoint is picked where it is read.
         result = evaluate_checkpoint(args.checkpoint, args.data, options)

@@ -128,10 +128,14 @@ def evaluate_checkpoint(
         token_frequencies,
     )
     from bertforge.training.dataset_facts import DatasetFacts
+    from bertforge.training.inputs import is_hf_model_dir
 
     options = options or EvalOptions()  # the defaults `bertforge eval` shows
-    # A run directory's newest, read before a train still running there may remove it.
-    checkpoint_path, (model, metadata) = read_newest(checkpoint_path, load_model)
+    if is_hf_model_dir(checkpoint_path):
+        model, metadata = load_hf_model(checkpoint_path)
+    else:
+        # A run directory's newest, read before a train still running there may remove it.
+        checkpoint_path, (model, metadata) = read_newest(checkpoint_path, load_model)
     if DatasetFacts.read(data_dir).vocab_sha256 != metadata["vocab_sha256"]:
         raise ValueError(f"{data_dir} uses another vocabulary than checkpoint {checkpoint_path}")
     seed = options.seed
@@ -171,6 +175,31 @@ def evaluate_checkpoint(
                           device=device, max_batches=max_batches, progress=progress)
     loader.wait_for_checksums()  # no numbers from shards whose bytes are not the manifest's
     return result
+
+
+def load_hf_model(hf_dir: str):
+    """A Hugging Face BERT directory (a `bertforge export`, Google's converted release) as an
+    fp32 `BertForPreTraining` and what eval reads of a checkpoint's metadata: its vocabulary,
+    its trained positions, and no run (masks of the default seed and masking). A model without
+    the pretraining heads (a BertModel, a fine-tuned classifier) has nothing to score."""
+    from bertforge.training.model import BertForPreTraining
+    from bertforge.training.warm_start import read_initial_weights
+
+    initial = read_initial_weights(hf_dir)
+    if initial.lacking:
+        raise ValueError(f"model {hf_dir} lacks BERT's pretraining heads "
+                         f"({', '.join(initial.lacking)}): eval scores the masked-LM and "
+                         "next-sentence heads, which a BertModel or a fine-tuned model has not")
+    model = BertForPreTraining(initial.config)
+    missing, unexpected = model.load_state_dict(initial.state_dict, strict=False)
+    missing = [name for name in missing if name != "cls.predictions.decoder.weight"]  # tied
+    if missing or unexpected:
+        raise ValueError(f"model {hf_dir} does not hold a BERT of its config.json's shape: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
+    return model, {"vocab_sha256": initial.vocab_sha256,
+                   "positions_trained": initial.positions_trained,
+                   "model_config": initial.config.to_dict()}
 
 
 def eval_device(asked: str) -> str:

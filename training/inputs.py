@@ -245,7 +245,7 @@ def _check_complete_checkpoint(
 def check_model_source(source: str) -> str:
     """A warm-start or fine-tuning source: a complete checkpoint, a run directory with one
     (returns the checkpoint), or a Hugging Face directory with config.json and weights."""
-    from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES, hf_weights_file
+    from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES
 
     refuse_storage_uri(source, "a model")
     if os.path.isfile(source):
@@ -255,11 +255,21 @@ def check_model_source(source: str) -> str:
         raise MissingInputError(f"model {source}: no such directory")
     if checkpoint.holds_checkpoint(source):
         return check_checkpoint(source)
-    if os.path.exists(os.path.join(source, HF_CONFIG_NAME)) and hf_weights_file(source):
+    if is_hf_model_dir(source):
         return source
     raise UserInputError(
         f"model {source} is neither a complete checkpoint, a run directory with one, nor a "
         f"Hugging Face directory ({HF_CONFIG_NAME} + {HF_WEIGHTS_NAMES[0]})")
+
+
+def is_hf_model_dir(path: str) -> bool:
+    """A Hugging Face model's directory (config.json and weights) that holds no checkpoint (a
+    run directory has a config.json too)."""
+    from bertforge.training.hf_interop import HF_CONFIG_NAME, hf_weights_file
+
+    return (os.path.isdir(path) and not checkpoint.holds_checkpoint(path)
+            and os.path.exists(os.path.join(path, HF_CONFIG_NAME))
+            and hf_weights_file(path) is not None)
 
 
 def refuse_storage_uri(path: str, what: str) -> None:
@@ -448,18 +458,30 @@ def check_zero_stage_change(saved: dict[str, Any], zero_stage: int, world_size: 
 
 def check_eval_inputs(checkpoint_path: str, data_dir: str, split: str,
                       device: str = "cpu") -> None:
-    """`eval`: the checkpoint resolves, the dataset's split opens with the same vocabulary and
-    lengths the model has positions for, and the device asked for is there."""
+    """`eval`: the checkpoint (or Hugging Face directory) resolves, the dataset's split opens
+    with the same vocabulary and casing, and lengths the model has positions for, and the
+    device asked for is there."""
     facts = check_dataset(data_dir, (split,))
 
-    def fits_the_data(resolved: str, saved: dict[str, Any]) -> None:
+    def fits_the_data(resolved: str, saved: dict[str, Any],
+                      model_config: BertConfig | None = None) -> None:
+        what = f"checkpoint {resolved}" if model_config is None else f"model {resolved}"
         if saved.get("vocab_sha256") != facts.vocab_sha256:
-            raise UserInputError(f"{data_dir} uses another vocabulary than checkpoint {resolved}")
-        check_casing(saved, facts, f"checkpoint {resolved}", data_dir)
-        check_positions(facts.max_seq_length, checkpoint.model_config_of(resolved, saved),
-                        data_dir, f"checkpoint {resolved}")
+            raise UserInputError(f"{data_dir} uses another vocabulary than {what}")
+        check_casing(saved, facts, what, data_dir)
+        check_positions(facts.max_seq_length,
+                        model_config or checkpoint.model_config_of(resolved, saved),
+                        data_dir, what)
 
-    check_checkpoint(checkpoint_path, also=fits_the_data)
+    if is_hf_model_dir(checkpoint_path):
+        config, vocab_sha256 = hf_source_metadata(checkpoint_path)
+        if vocab_sha256 is None:
+            raise UserInputError(f"model {checkpoint_path} has no vocab.txt or tokenizer.json: "
+                                 f"its vocabulary cannot be checked against {data_dir}'s")
+        fits_the_data(checkpoint_path, {"vocab_sha256": vocab_sha256,
+                                        "lower_case": hf_lower_case(checkpoint_path)}, config)
+    else:
+        check_checkpoint(checkpoint_path, also=fits_the_data)
     if device == "cuda":
         import torch
 

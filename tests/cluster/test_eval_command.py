@@ -87,3 +87,35 @@ def test_a_bad_option_value_is_one_line_naming_the_flag(tmp_path, capsys):
 def test_auto_scores_on_the_gpu_when_there_is_one():
     assert eval_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     assert eval_device("cpu") == "cpu"
+
+
+def test_a_hugging_face_export_scores_as_its_checkpoint_does(short_model, capsys):
+    """A Hugging Face BERT (an export, Google's converted release) was refused as no
+    checkpoint: the one way to score a reference model on the same masks."""
+    from safetensors.torch import load_file, save_file
+
+    root, ckpt = short_model
+    hf = root / "hf"
+    assert main(["export", ckpt, "--output", str(hf)]) == 0
+    scores = []
+    for model in (ckpt, str(hf)):
+        capsys.readouterr()
+        assert main(["eval", model, "--data", str(root / "data"), "--device", "cpu"]) == 0
+        out = capsys.readouterr().out
+        scores.append(json.loads(out[out.index("{"):]))
+    assert scores[0] == scores[1]
+    assert not (hf / "logs").exists()  # the model's directory is left as it was
+    # Without the pretraining heads (a BertModel, a classifier) there is nothing to score.
+    bare = root / "bare"
+    bare.mkdir()
+    for name in ("config.json", "vocab.txt", "tokenizer_config.json"):
+        (bare / name).write_bytes((hf / name).read_bytes())
+    weights = load_file(str(hf / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if not k.startswith("cls.")},
+              str(bare / "model.safetensors"), metadata={"format": "pt"})
+    refused(["eval", str(bare), "--data", str(root / "data")], capsys,
+            f"model {bare} lacks BERT's pretraining heads (masked-LM head, next-sentence head)")
+    # Another vocabulary: refused before anything is read.
+    (bare / "vocab.txt").write_text((hf / "vocab.txt").read_text() + "extra\n")
+    refused(["eval", str(bare), "--data", str(root / "data")], capsys,
+            f"{root / 'data'} uses another vocabulary than model {bare}")
