@@ -12,6 +12,8 @@ REJECTS = "rejects"  # the tag of every step's side output of `Reject`s
 LOG_EVERY_DOCUMENTS = 10_000
 # Counters of the word pieces tokenized, and of those that are [UNK].
 TOKENIZED_PIECES, UNKNOWN_PIECES = "tokenized_pieces", "unknown_pieces"
+# Counters of the instances made, and of those whose second segment is a random one.
+INSTANCES, RANDOM_NEXT = "instances", "random_next"
 NO_DOCUMENTS_MESSAGE = "no usable document remains"
 NO_INSTANCES_MESSAGE = "no training instance was made"
 # The job's own refusals, said in one line (Beam wraps a step's error in its traceback).

@@ -27,10 +27,11 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.pvalue import AsDict
 
-from bertforge.pipelines.beam_common import REJECTS, count, reject
+from bertforge.pipelines.beam_common import INSTANCES, RANDOM_NEXT, REJECTS, count, reject
 from bertforge.pipelines.contract.tokenization import parse_vocab
 from bertforge.pipelines.instances.batch_columns import InstanceBatch
 from bertforge.pipelines.instances.pairing import (
+    NEXT_IS_RANDOM,
     create_instances_from_document,
     document_rng,
     stable_hash,
@@ -159,7 +160,7 @@ class CreateInstancesFromPool(beam.DoFn):
         docs = sorted(docs, key=lambda d: d.doc_id)  # the pool's order must not depend on workers
         token_docs = [sentences_of(doc, self._typecode) for doc in docs]
         columns = _BatchColumns(split, self._typecode)
-        num_instances = 0
+        num_instances = num_random_next = 0
         for dupe in range(self._config.dupe_factor):
             for index, doc in enumerate(docs):
                 order_keys = OrderKeys(self._config.seed, doc.doc_id, dupe)
@@ -167,11 +168,14 @@ class CreateInstancesFromPool(beam.DoFn):
                 for number, instance in enumerate(instances):
                     columns.add(order_keys(number), doc.doc_id, dupe, number, instance)
                 num_instances += len(instances)
+                num_random_next += sum(instance.next_sentence_label == NEXT_IS_RANDOM
+                                       for instance in instances)
                 if len(columns) >= ROWS_PER_INSTANCE_BATCH:
                     yield columns.flush(self._dtype)
         if len(columns):
             yield columns.flush(self._dtype)
-        count("instances", num_instances)
+        count(INSTANCES, num_instances)
+        count(RANDOM_NEXT, num_random_next)
         logger.debug(  # one per ~500 documents: the progress line says it for a console
             "pool %s/%d: %d documents -> %d instances", split, pool, len(docs), num_instances
         )

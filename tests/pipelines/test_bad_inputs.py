@@ -293,6 +293,29 @@ def test_a_vocabulary_that_does_not_fit_the_corpus_is_warned_of(tmp_path, caplog
     assert f"  [UNK]: {100 * share:.2f} % of the tokens" in format_report(stats)
 
 
+def test_pairs_mostly_random_for_sequences_too_short_are_warned_of(tmp_path, small_vocab,
+                                                                   caplog):
+    """At 16 tokens a sentence fills a sequence alone, with no real next to pair: NSP labels
+    were nearly all "random" without a word (`inspect` showed it)."""
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(corpus, [{"text": f"Document {d} begins here today. The cat sat on the mat all "
+                                  "day long. It slept until the evening came."}
+                         for d in range(60)])
+    with caplog.at_level("WARNING", logger="bertforge"):
+        summary = run(prepare_config([str(corpus)], str(tmp_path / "out"), small_vocab,
+                                     max_seq_length=16))
+    metrics = summary["metrics"]
+    share = metrics["random_next"] / metrics["instances"]
+    from bertforge.pipelines.dataset_stats import inspect_dataset
+
+    splits = inspect_dataset(str(tmp_path / "out"), num_samples=0)["splits"].values()
+    assert metrics["random_next"] == sum(split["nsp"]["random_next"] for split in splits)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(m.startswith(f"{100 * share:.0f} % of the sentence pairs have a random next "
+                            "sentence (half would be the design): at --max-seq-length 16")
+               for m in said), said
+
+
 def test_shards_left_empty_are_warned_of_with_the_flag_that_sets_them(tmp_path, small_vocab,
                                                                        caplog):
     """More validation shards asked for than the split has instances: the rest are written
