@@ -25,7 +25,9 @@ OVERWRITE_HELP = (
     "over a stopped one continues it). A dataset that a running train or eval "
     "reads is never replaced.\n"
     "A local run records its work in OUTPUT/.prepare-work as it goes: after a kill (kill -9, "
-    f"Ctrl-C, a reboot) the same command continues it; {OVERWRITE_FLAG} starts over instead.\n")
+    f"Ctrl-C, a reboot) the same command continues it; {OVERWRITE_FLAG} starts over instead.\n"
+    "--verbose shows Beam's own lines on the console too; without it they go to the job's log "
+    "only (OUTPUT/logs/prepare.log).\n")
 
 
 def prepare_guarded(command: PrepareCommand, *, overwrite: bool) -> dict[str, Any]:

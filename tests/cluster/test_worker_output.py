@@ -170,6 +170,8 @@ def test_a_refusal_leaves_no_log_in_the_temporary_directory_a_failure_does(tmp_p
     helped = subprocess.run([sys.executable, "-m", "bertforge.cluster.cli", "prepare", "--help"],
                             capture_output=True, text=True, env=env)
     assert helped.returncode == 0 and "--max-seq-length" in helped.stdout, helped.stderr
+    # The command's own flags are said too (--verbose was taken and never listed).
+    assert "\n--overwrite replaces" in helped.stdout and "\n--verbose shows" in helped.stdout
     assert not list(tmp_path.glob("bertforge-*.log"))
     # The same refusal after an engine logged a traceback (a failed Beam bundle, say).
     (tmp_path / "engine.py").write_text(
