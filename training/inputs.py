@@ -287,10 +287,22 @@ def check_output_dir(output: str) -> str:
     refuse_storage_uri(output, "an export")
     path = os.path.abspath(output)
     if os.path.exists(path) and not is_empty_directory(path):
-        raise UserInputError(f"output {output} exists; give a new directory (an export never "
-                             "writes over one)")
+        raise UserInputError(f"output {output} exists{_export_held(path)}; give a new directory "
+                             "(an export never writes over one)")
     check_run_dir(os.path.dirname(path), f"--output {output}: its folder")
     return path
+
+
+def _export_held(path: str) -> str:
+    """', holding the export of run R, step N' where `path` is an export: whether it is the
+    one wanted is then plain (a rerun of the same export is done without a word)."""
+    from bertforge.training.export import exported_source
+
+    try:
+        source = exported_source(path)
+        return f", holding the export of run {source['run_id']}, step {source['global_step']}"
+    except (OSError, ValueError, KeyError, TypeError):  # no export, or not one of ours
+        return ""
 
 
 def resolve_model_config(model: dict[str, Any], vocab_size: int) -> BertConfig:

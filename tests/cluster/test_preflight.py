@@ -225,6 +225,7 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
     assert main(["export", str(run_dir), "--output", str(hf)]) == 0
     first = capsys.readouterr().out
     written = {name: os.stat(hf / name).st_mtime_ns for name in os.listdir(hf)}
+    first_source = json.loads((hf / "config.json").read_text())["bertforge_source"]
     assert main(["export", str(run_dir), "--output", str(hf)]) == 0
     again = capsys.readouterr().out
     assert again.startswith(f"[export] {hf} already holds this export: nothing to do\n")
@@ -257,7 +258,10 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
                       micro_batch_size=8, warmup_steps=0, precision="fp32", zero_stage=0,
                       seed=7, resume=False))
     capsys.readouterr()
-    refused(["export", str(run_dir), "--output", str(hf)], capsys, f"output {hf} exists")
+    # It says which export it holds (whether it is the one wanted was not plain).
+    refused(["export", str(run_dir), "--output", str(hf)], capsys,
+            f"output {hf} exists, holding the export of run {first_source['run_id']}, step 1; "
+            "give a new directory")
     refused(["export", str(tiny_run), "--output", str(hf)], capsys, f"output {hf} exists")
     made_before = tmp_path / "made-before"  # an empty directory is no export: it is used
     made_before.mkdir()
