@@ -516,7 +516,8 @@ def _run_export(args: argparse.Namespace) -> None:
     source = export_already_made(args.checkpoint, args.output)
     if source is not None:
         _log_in_run_dir(args.checkpoint, "export")  # its log is the run's, as any export's
-        print(f"[export] {args.output} already holds this export: nothing to do", flush=True)
+        print(f"[export] {args.output} already holds this export: nothing to do",
+              file=sys.stderr, flush=True)
         output = os.path.abspath(args.output)
     else:
         check_export_inputs(args.checkpoint, args.output)
@@ -524,8 +525,9 @@ def _run_export(args: argparse.Namespace) -> None:
         # The path as given: a run's newest checkpoint is picked where it is read.
         output = export_checkpoint(args.checkpoint, args.output)
         source = exported_source(output)
+    # stdout holds the export's path alone (`HF=$(bertforge export ...)`); what it is, stderr.
     print(f"[export] run {source['run_id'] or '(no id: an older run)'}, step "
-          f"{source['global_step']}, from {source['checkpoint']}", flush=True)
+          f"{source['global_step']}, from {source['checkpoint']}", file=sys.stderr, flush=True)
     print(output)
 
 

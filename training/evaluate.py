@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -30,12 +31,18 @@ class EvalResult:
         return asdict(self)
 
 
+def _to_stderr(line: str) -> None:
+    """Progress beside a result: stdout holds `bertforge eval`'s JSON alone (`> result.json`,
+    `| jq`), as `prepare`'s summary."""
+    print(line, file=sys.stderr, flush=True)
+
+
 class EvalProgress:
     """`[eval] 120/480 batches | 3.1 batches/s | 39 s` at most every `every_seconds` (and not
     for a split scored in less), so a long evaluation never looks hung."""
 
     def __init__(self, total: int | None, every_seconds: float = 10.0,
-                 say: Callable[[str], None] = lambda line: print(line, flush=True)) -> None:
+                 say: Callable[[str], None] = _to_stderr) -> None:
         self.total, self.every_seconds, self.say = total, every_seconds, say
         self.started = self.last = time.monotonic()
 

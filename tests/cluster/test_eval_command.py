@@ -36,12 +36,12 @@ def test_a_validation_split_alone_is_scored_against_its_own_baseline(short_model
     root, ckpt = short_model
     held_out = write_dataset(str(root / "held_out"), {"validation": [16]}, seed=3)
     assert main(["eval", ckpt, "--data", held_out, "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    result = json.loads(out[out.index("{"):])
+    said = capsys.readouterr()
+    result = json.loads(said.out)  # stdout is the result alone (`> result.json`, `| jq`)
     assert result["num_sequences"] == 16
     assert 0 < result["mlm_baseline_accuracy"] < 1
     # Its first line counts what it scores: 16 sequences, not "1 batch of 64".
-    assert f"[eval] {ckpt}: 16 sequences of the validation split in 1 batch\n" in out
+    assert f"[eval] {ckpt}: 16 sequences of the validation split in 1 batch\n" in said.err
 
 
 def test_data_longer_than_the_models_positions_is_refused_before_scoring(short_model, capsys):
@@ -64,9 +64,9 @@ def test_data_longer_than_the_model_was_trained_at_is_scored_with_a_warning(shor
     assert main(["eval", run_dir, "--data", str(root / "data"), "--device", "cpu"]) == 0
     assert (f"[eval] warning: {root / 'data'} holds sequences of up to 64 tokens, longer than "
             "the 32 this model was trained at: positions 33-64 keep their random initial "
-            "embeddings") in capsys.readouterr().out
+            "embeddings") in capsys.readouterr().err
     assert main(["eval", run_dir, "--data", data, "--device", "cpu"]) == 0
-    assert "warning" not in capsys.readouterr().out
+    assert "warning" not in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda is valid")
@@ -101,8 +101,7 @@ def test_a_hugging_face_export_scores_as_its_checkpoint_does(short_model, capsys
     for model in (ckpt, str(hf)):
         capsys.readouterr()
         assert main(["eval", model, "--data", str(root / "data"), "--device", "cpu"]) == 0
-        out = capsys.readouterr().out
-        scores.append(json.loads(out[out.index("{"):]))
+        scores.append(json.loads(capsys.readouterr().out))
     assert scores[0] == scores[1]
     assert not (hf / "logs").exists()  # the model's directory is left as it was
     # Without the pretraining heads (a BertModel, a classifier) there is nothing to score.

@@ -223,20 +223,21 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
     # not refused; another checkpoint's into that directory is.
     hf = tmp_path / "hf"
     assert main(["export", str(run_dir), "--output", str(hf)]) == 0
-    first = capsys.readouterr().out
+    first = capsys.readouterr()
+    assert first.out == f"{hf}\n"  # the path alone (`HF=$(bertforge export ...)`)
     written = {name: os.stat(hf / name).st_mtime_ns for name in os.listdir(hf)}
     first_source = json.loads((hf / "config.json").read_text())["bertforge_source"]
     assert main(["export", str(run_dir), "--output", str(hf)]) == 0
-    again = capsys.readouterr().out
-    assert again.startswith(f"[export] {hf} already holds this export: nothing to do\n")
-    assert again.endswith(first), (first, again)  # the same source line and output
+    again = capsys.readouterr()
+    assert again.err.startswith(f"[export] {hf} already holds this export: nothing to do\n")
+    assert again.err.endswith(first.err) and again.out == first.out  # the same source line
     # As a command: its log is the run's, none left in the temporary directory.
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     done = subprocess.run([sys.executable, "-m", "bertforge.cluster.cli", "export", str(run_dir),
                            "--output", str(hf)], capture_output=True, text=True,
                           env={**os.environ, "TMPDIR": str(scratch)})
-    assert done.returncode == 0 and "already holds this export" in done.stdout, done.stderr
+    assert done.returncode == 0 and "already holds this export" in done.stderr, done.stderr
     assert os.listdir(scratch) == [] and (run_dir / "logs" / "export.log").exists()
     assert {name: os.stat(hf / name).st_mtime_ns for name in os.listdir(hf)} == written
     # Damaged from outside (weights cut short, a file gone) it is no longer this export: it

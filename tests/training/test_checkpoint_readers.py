@@ -88,7 +88,7 @@ def test_export_of_a_run_takes_the_newer_checkpoint_when_its_pick_is_removed(
     assert sorted(os.listdir(tmp_path / "hf")) == [
         "config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
         "tokenizer_config.json", "vocab.txt"]
-    assert f", step 3, from {newest}\n" in capsys.readouterr().out
+    assert f", step 3, from {newest}\n" in capsys.readouterr().err
 
 
 def test_a_checkpoint_removed_half_way_through_its_read_is_read_again_from_the_newest(
