@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bz2
 import glob
+import json
 import logging
 import os
 import re
@@ -106,9 +107,13 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
             hidden = _is_directory(pattern) and any(
                 name.startswith(".") and os.path.isdir(os.path.join(pattern, name))
                 for name in os.listdir(pattern))
+            workdir = _is_directory(pattern) and is_run_workdir(pattern, os.listdir(pattern))
             raise ValueError(f"--input {entry!r} matches no file" + (
                 " (its hidden folders, such as .git, are never read as corpus: name their "
-                "files, e.g. DIR/.folder/*.txt)" if hidden else "") + _unknown_prefix(entry))
+                "files, e.g. DIR/.folder/*.txt)" if hidden else "") + (
+                f" outside a bertforge {workdir}'s workdir (what it writes is never read as "
+                "corpus): keep the corpus and the workdir apart" if workdir else "")
+                + _unknown_prefix(entry))
         ours = [path for path in matched if inside_output(path)]
         if ours:
             matched = [path for path in matched if not inside_output(path)]
@@ -162,8 +167,9 @@ def files_under(directory: str, say: Callable[..., None] = logger.info) -> list[
     out, hidden files kept. Symbolic links to directories are not followed.
 
     bertforge's own outputs there are no corpus and are left out too: a dataset (a folder with
-    bertforge's manifest.json, whose shards, vocabulary and logs were read as text), a `vocab`
-    output's vocab.txt, and the commands' logs (`logs/prepare.log`, ...)."""
+    bertforge's manifest.json, whose shards, vocabulary and logs were read as text), a
+    pipeline's (or demo's) workdir, the directory itself included (`is_run_workdir`), a
+    `vocab` output's vocab.txt, and the commands' logs (`logs/prepare.log`, ...)."""
     found = []
 
     def unreadable(error: OSError) -> None:  # os.walk passed over it without a word
@@ -174,6 +180,13 @@ def files_under(directory: str, say: Callable[..., None] = logger.info) -> list[
         if folder != directory and _is_dataset(folder, names):
             subfolders[:] = []
             say("leaving out %s: a bertforge dataset, not corpus", folder)
+            continue
+        if is_run_workdir(folder, names):
+            # Its state file, lock, runs and export were read as corpus, and every later run
+            # was refused: they were "new input files" (and the state file "of another size").
+            subfolders[:] = []
+            say("leaving out %s: a bertforge %s's workdir (its own files), not corpus",
+                folder, is_run_workdir(folder, names))
             continue
         subfolders[:] = [d for d in subfolders if not d.startswith(".")]
         for linked in (d for d in subfolders if os.path.islink(os.path.join(folder, d))):
@@ -191,6 +204,26 @@ _OUR_LOG = re.compile(r"(prepare|vocab|train|eval|export|finetune|glue|pipeline|
 
 def _is_dataset(folder: str, names: list[str]) -> bool:
     return MANIFEST_NAME in names and is_bertforge_dataset(folder)
+
+
+# The state file a stage-running command keeps in its directory (`cluster.commands.
+# stage_runner`: COMMAND.json, with the job's "settings" and finished "stages").
+_RUN_STATE = re.compile(r"(pipeline|demo|finetune|glue)\.json")
+
+
+def is_run_workdir(folder: str, names: list[str]) -> str:
+    """The command ("pipeline", "demo", ...) whose workdir `folder` is, by its state file;
+    "" for any other folder (a corpus file named pipeline.json is no state: read as corpus)."""
+    for name in names:
+        if _RUN_STATE.fullmatch(name):
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    state = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(state, dict) and {"settings", "stages"} <= state.keys():
+                return name.removesuffix(".json")
+    return ""
 
 
 def _our_files(folder: str, names: list[str]) -> set[str]:

@@ -305,6 +305,33 @@ def test_differing_keys_ignore_how_to_run():
                                         "config.prepare.options.seed"]
 
 
+def test_a_workdir_under_an_input_folder_is_not_read_as_corpus(tmp_path, caplog):
+    """`inputs = ["."]` beside the workdir: its pipeline.json, lock, runs and export were read
+    as corpus, and every later run was refused, those being "new input files"."""
+    import logging
+
+    from bertforge.pipelines.read.inputs_transform import match_inputs
+
+    config = config_of(tmp_path, prepare__inputs=["."])
+    with StageRunner(config.workdir, "pipeline", config.settings()) as runner:
+        runner.run([Stage("vocab", lambda: {})])
+    (tmp_path / "work" / "hf").mkdir()
+    (tmp_path / "work" / "hf" / "config.json").write_text("{}")
+    (tmp_path / "corpus.txt").write_text("One. Two.\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "pipeline.json").write_text('{"a": 1}')  # a corpus file of that name
+    with caplog.at_level(logging.INFO):
+        assert match_inputs(config.prepare.options.inputs) == [
+            (str(tmp_path / "corpus.txt"), None), (str(tmp_path / "data" / "pipeline.json"), None)]
+    assert [r.getMessage() for r in caplog.records if "work" in r.getMessage()] == [
+        f"leaving out {tmp_path / 'work'}: a bertforge pipeline's workdir (its own files), "
+        "not corpus"]
+    # The workdir itself as the input: nothing is left, and the error says why.
+    with pytest.raises(ValueError, match=r"matches no file outside a bertforge pipeline's "
+                       r"workdir \(what it writes is never read as corpus\)"):
+        match_inputs((config.workdir,))
+
+
 def test_a_foreign_workdir_and_a_concurrent_run_are_refused(tmp_path):
     config = config_of(tmp_path)
     os.makedirs(config.workdir)
