@@ -36,6 +36,7 @@ from bertforge.cluster.commands.stages import (
     shards_complete,
     train_to_the_end,
     training_complete,
+    vocab_change,
     vocab_complete,
 )
 from bertforge.cluster.launch.launch_config import LaunchConfig
@@ -476,7 +477,7 @@ def build_stages(
     """vocab, prepare per length, a stage per phase, export (bodies: `cluster.commands.stages`),
     each done when its outputs are."""
     stages = [Stage("vocab", lambda: _make_vocab(config, paths),
-                    is_done=lambda: vocab_complete(paths.vocab_dir))]
+                    is_done=lambda: _vocab_done(config, paths, runner))]
     for length in sorted({phase.max_seq_length for phase in config.phases()}):
         stages.append(Stage(
             f"prepare-{length}",
@@ -503,10 +504,47 @@ def build_stages(
     return stages
 
 
-def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
+def _vocab_config(config: PipelineConfig, paths: PipelinePaths) -> VocabConfig:
     # Without its own inputs: prepare's, as prepare reads them (`books:` is read as books).
-    return make_vocab(config.vocab.vocab_config(config.prepare.options.inputs, paths.vocab_dir),
-                      existing=config.vocab.path)
+    return config.vocab.vocab_config(config.prepare.options.inputs, paths.vocab_dir)
+
+
+def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
+    return make_vocab(_vocab_config(config, paths), existing=config.vocab.path)
+
+
+def _vocab_done(config: PipelineConfig, paths: PipelinePaths, runner: StageRunner) -> bool:
+    """vocab.txt is there and is what the configuration makes now (`stages.vocab_change`: an
+    edited `[vocab] path` was kept without a word). One that is not is made again while
+    nothing was made with it; after that it is refused: the shards and the training hold the
+    old one, and remaking it alone would leave them stale."""
+    if not vocab_complete(paths.vocab_dir):
+        return False
+    change = vocab_change(_vocab_config(config, paths), config.vocab.path)
+    if not change:
+        return True
+    made = _made_with_the_vocab(config, paths)
+    if not made:
+        runner.say(f"vocab: {change}, and nothing was made with it yet: making it again")
+        return False
+    raise ValueError(
+        f"{change}, and {', '.join(made)} {'was' if len(made) == 1 else 'were'} made with it; "
+        f"restore {'it' if config.vocab.path else 'those inputs'}, or delete "
+        f"{' and '.join(made)} to make {'it' if len(made) == 1 else 'them'} again from the "
+        "new vocabulary")
+
+
+def _made_with_the_vocab(config: PipelineConfig, paths: PipelinePaths) -> list[str]:
+    """The outputs in the workdir made with its vocab.txt: datasets, trained phases, export."""
+    from bertforge.pipelines.contract.manifest import MANIFEST_NAME
+    from bertforge.training.checkpoint import committed_steps
+
+    lengths = sorted({phase.max_seq_length for phase in config.phases()})
+    made = [paths.shards(length) for length in lengths
+            if os.path.isfile(os.path.join(paths.shards(length), MANIFEST_NAME))]
+    made += [paths.run(phase.name) for phase in config.phases()
+             if committed_steps(paths.run(phase.name))]
+    return made + ([paths.hf] if os.path.isdir(paths.hf) else [])
 
 
 # --- the run --------------------------------------------------------------------------------

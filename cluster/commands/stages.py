@@ -42,17 +42,28 @@ def make_vocab(config: VocabConfig, existing: str | None = None) -> dict[str, An
             raise ValueError(f"vocab.path {existing} does not exist")
         shutil.copyfile(existing, path + ".tmp")
         os.replace(path + ".tmp", path)
-        source = existing
-    else:
-        from bertforge.pipelines.vocab import train_wordpiece_vocab
+        return {"source": existing, "sha256": sha256_file(path)}
+    from bertforge.pipelines.vocab import train_wordpiece_vocab
 
-        train_wordpiece_vocab(config)
-        source = "trained"
-    return {"source": source, "sha256": sha256_file(path)}
+    train_wordpiece_vocab(config)
+    return {"source": "trained", "sha256": sha256_file(path)}
 
 
 def vocab_complete(vocab_dir: str) -> bool:
     return os.path.isfile(os.path.join(vocab_dir, VOCAB_NAME))
+
+
+def vocab_change(config: VocabConfig, existing: str | None) -> str:
+    """How the vocabulary `config.output` holds is no longer what the configuration makes
+    ("" when it is): `existing` (a `[vocab] path`) edited since it was copied. One deleted
+    since is no change: the copy is all that is left of it."""
+    from bertforge.pipelines.contract.manifest import sha256_file
+
+    copy = os.path.join(config.output, VOCAB_NAME)
+    if existing:
+        if os.path.isfile(existing) and sha256_file(existing) != sha256_file(copy):
+            return f"vocab.path {existing} changed since it was copied to {copy}"
+    return ""
 
 
 def prepare_dataset(config: PrepareConfig, beam_args: Sequence[str]) -> dict[str, Any]:

@@ -3,6 +3,7 @@ real engines (Beam, Ray Train + DeepSpeed), run again to show it skips, resumes 
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -330,6 +331,48 @@ def test_a_workdir_under_an_input_folder_is_not_read_as_corpus(tmp_path, caplog)
     with pytest.raises(ValueError, match=r"matches no file outside a bertforge pipeline's "
                        r"workdir \(what it writes is never read as corpus\)"):
         match_inputs((config.workdir,))
+
+
+def _vocab_stage(config, runner):
+    from bertforge.cluster.commands.pipeline import build_stages
+
+    (stage,) = [s for s in build_stages(config, PipelinePaths(config.workdir), runner)
+                if s.name == "vocab"]
+    return stage
+
+
+def _a_dataset_made(config):
+    """shards as the vocab stage judges them made: their manifest is there."""
+    shards = PipelinePaths(config.workdir).shards(64)
+    os.makedirs(shards)
+    (open(os.path.join(shards, "manifest.json"), "w")).close()
+    return shards
+
+
+def test_an_edited_vocab_path_is_taken_or_refused(tmp_path, capsys):
+    """An edited `[vocab] path` file was ignored while the workdir held its copy."""
+    source = tmp_path / "google-vocab.txt"
+    source.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\n")
+    config = config_of(tmp_path, vocab={"path": "google-vocab.txt"})
+    copy = PipelinePaths(config.workdir).vocab
+    with StageRunner(config.workdir, "pipeline", config.settings()) as runner:
+        assert runner.run([_vocab_stage(config, runner)])["ran"] == ["vocab"]
+        assert runner.run([_vocab_stage(config, runner)])["skipped"] == ["vocab"]
+        source.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\nand\n")
+        # Nothing made with the copy yet: the edited file is taken, and said.
+        assert runner.run([_vocab_stage(config, runner)])["ran"] == ["vocab"]
+        assert (f"vocab: vocab.path {source} changed since it was copied to {copy}, and nothing "
+                "was made with it yet: making it again") in capsys.readouterr().out
+        assert open(copy).read().endswith("and\n")
+        shards = _a_dataset_made(config)
+        source.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
+        with pytest.raises(ValueError, match=re.escape(
+                f"vocab.path {source} changed since it was copied to {copy}, and {shards} was "
+                f"made with it; restore it, or delete {shards} to make it again from the new "
+                "vocabulary")):
+            runner.run([_vocab_stage(config, runner)])
+        source.unlink()  # gone since it was copied: the copy is all there is, and is kept
+        assert runner.run([_vocab_stage(config, runner)])["skipped"] == ["vocab"]
 
 
 def test_a_foreign_workdir_and_a_concurrent_run_are_refused(tmp_path):
