@@ -515,12 +515,14 @@ def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
 
 def _vocab_done(config: PipelineConfig, paths: PipelinePaths, runner: StageRunner) -> bool:
     """vocab.txt is there and is what the configuration makes now (`stages.vocab_change`: an
-    edited `[vocab] path` was kept without a word). One that is not is made again while
-    nothing was made with it; after that it is refused: the shards and the training hold the
-    old one, and remaking it alone would leave them stale."""
+    edited `[vocab] path`, or trained on inputs that changed since; both were kept without a
+    word). One that is not is made again while nothing was made with it; after that it is
+    refused: the shards and the training hold the old one, and remaking it alone would leave
+    them stale."""
     if not vocab_complete(paths.vocab_dir):
         return False
-    change = vocab_change(_vocab_config(config, paths), config.vocab.path)
+    change = vocab_change(_vocab_config(config, paths), config.vocab.path,
+                          runner.recorded("vocab"), runner.moved_since("vocab"))
     if not change:
         return True
     made = _made_with_the_vocab(config, paths)

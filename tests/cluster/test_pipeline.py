@@ -283,17 +283,17 @@ def test_inputs_of_a_moved_folder_are_looked_for_where_it_is_now(tmp_path):
     """dataset_identity's mapping of a recorded input location into the moved folder: a link
     inside the folder (a corpus kept elsewhere) is followed where the folder is now, where it
     could not be followed where the folder was."""
-    from bertforge.pipelines.dataset_identity import _moved
+    from bertforge.pipelines.dataset_identity import moved_location
 
     (tmp_path / "big").mkdir()
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "corpus").symlink_to(tmp_path / "big")
     old = str(tmp_path / "old")  # gone: moved to new
-    assert _moved(f"{old}/corpus/a.txt", (old, str(tmp_path / "new"))) == \
+    assert moved_location(f"{old}/corpus/a.txt", (old, str(tmp_path / "new"))) == \
         str(tmp_path / "big" / "a.txt")
-    assert _moved(f"{old}x/a.txt", (old, str(tmp_path / "new"))) == f"{old}x/a.txt"
-    assert _moved("/x/a.txt", ("/", "/z")) == "/z/x/a.txt"
-    assert _moved("/x/a.txt", None) == "/x/a.txt"
+    assert moved_location(f"{old}x/a.txt", (old, str(tmp_path / "new"))) == f"{old}x/a.txt"
+    assert moved_location("/x/a.txt", ("/", "/z")) == "/z/x/a.txt"
+    assert moved_location("/x/a.txt", None) == "/x/a.txt"
 
 
 def test_differing_keys_ignore_how_to_run():
@@ -372,6 +372,35 @@ def test_an_edited_vocab_path_is_taken_or_refused(tmp_path, capsys):
                 "vocabulary")):
             runner.run([_vocab_stage(config, runner)])
         source.unlink()  # gone since it was copied: the copy is all there is, and is kept
+        assert runner.run([_vocab_stage(config, runner)])["skipped"] == ["vocab"]
+
+
+def test_a_vocab_trained_on_inputs_changed_since_is_trained_again_or_refused(tmp_path,
+                                                                             capsys):
+    """A book replaced in the inputs (and the shards deleted): the old vocabulary was kept
+    without a word. The stage records what it trained on, as prepare's manifest does."""
+    from bertforge.cluster.demo.docstring_corpus import write_docstring_corpus
+
+    corpus = tmp_path / "corpus" / "docs.jsonl"
+    write_docstring_corpus(str(corpus), target_bytes=60_000)
+    config = config_of(tmp_path, vocab={"vocab_size": 300})
+    vocab = PipelinePaths(config.workdir).vocab
+    with StageRunner(config.workdir, "pipeline", config.settings()) as runner:
+        assert runner.run([_vocab_stage(config, runner)])["ran"] == ["vocab"]
+        assert runner.run([_vocab_stage(config, runner)])["skipped"] == ["vocab"]
+        (tmp_path / "corpus" / "book.jsonl").write_text('{"text": "A new book. Its words."}\n')
+        assert runner.run([_vocab_stage(config, runner)])["ran"] == ["vocab"]
+        assert (f"vocab: the input files {vocab} was trained on changed since (new: "
+                f"{tmp_path}/corpus/book.jsonl), and nothing was made with it yet: making it "
+                "again") in capsys.readouterr().out
+        shards = _a_dataset_made(config)
+        (tmp_path / "corpus" / "book.jsonl").write_text('{"text": "Another book. Longer."}\n')
+        with pytest.raises(ValueError, match=re.escape(
+                f"the input files {vocab} was trained on changed since (another size: "
+                f"{tmp_path}/corpus/book.jsonl), and {shards} was made with it; restore those "
+                f"inputs, or delete {shards} to make it again from the new vocabulary")):
+            runner.run([_vocab_stage(config, runner)])
+        (tmp_path / "corpus" / "book.jsonl").unlink()  # deleted since: no change
         assert runner.run([_vocab_stage(config, runner)])["skipped"] == ["vocab"]
 
 
