@@ -3,7 +3,8 @@
     vocab -> prepare-L1 (-> prepare-L2) -> phase1 -> (phase2) -> export
 
 Every stage decides from its outputs whether it is done, not from a record alone, so a deleted
-output is rebuilt on the next run: vocab.txt exists; a shard directory has its manifest.json
+output is rebuilt on the next run (a dataset only while a phase that trains on it is not
+done): vocab.txt exists; a shard directory has its manifest.json
 (the Beam job writes it last); a run directory has a committed checkpoint at the recipe's
 max_steps; the Hugging Face directory exists and was exported from the final checkpoint of the
 last phase as it is now. A stage that is not done starts over (vocab, export), continues the
@@ -476,32 +477,47 @@ def build_stages(
 ) -> list[Stage]:
     """vocab, prepare per length, a stage per phase, export (bodies: `cluster.commands.stages`),
     each done when its outputs are."""
-    stages = [Stage("vocab", lambda: _make_vocab(config, paths),
-                    is_done=lambda: _vocab_done(config, paths, runner))]
-    for length in sorted({phase.max_seq_length for phase in config.phases()}):
-        stages.append(Stage(
-            f"prepare-{length}",
-            lambda length=length: prepare_dataset(config.prepare_config(length),
-                                                  config.prepare.beam_args),
-            is_done=lambda length=length: shards_complete(
-                config.prepare_config(length), paths.root,
-                runner.moved_since(f"prepare-{length}")),
-        ))
     train_configs = config.train_configs()
     names = list(train_configs)
+    phases = []
     for index, (name, cfg) in enumerate(train_configs.items()):
         # resume=True: continues from the newest committed checkpoint, or starts fresh (phase 2
         # then warm-starts from phase 1's weights).
         later = names[index + 1] if index + 1 < len(names) else None
-        stages.append(Stage(
+        phases.append(Stage(
             name, lambda cfg=cfg: train_to_the_end(cfg, config.cluster, "pipeline"),
             is_done=lambda cfg=cfg, later=later: training_complete(cfg) or carried_on(
                 cfg, train_configs.get(later), later)))
-    last_run = paths.run(list(train_configs)[-1])
-    stages.append(Stage("export", lambda: export_final(last_run, paths.hf),
-                        is_done=lambda: export_complete(paths.hf, last_run,
-                                                        runner.recorded("export"))))
-    return stages
+    stages = [Stage("vocab", lambda: _make_vocab(config, paths),
+                    is_done=lambda: _vocab_done(config, paths, runner))]
+    for length in sorted({phase.max_seq_length for phase in config.phases()}):
+        readers = [stage for stage, phase in zip(phases, config.phases(), strict=True)
+                   if phase.max_seq_length == length]
+        stages.append(Stage(
+            f"prepare-{length}",
+            lambda length=length: prepare_dataset(config.prepare_config(length),
+                                                  config.prepare.beam_args),
+            is_done=lambda length=length, readers=readers: shards_complete(
+                config.prepare_config(length), paths.root,
+                runner.moved_since(f"prepare-{length}")) or _read_by_none_to_come(
+                    paths.shards(length), readers),
+        ))
+    last_run = paths.run(names[-1])
+    export = Stage("export", lambda: export_final(last_run, paths.hf),
+                   is_done=lambda: export_complete(paths.hf, last_run, runner.recorded("export")))
+    return stages + phases + [export]
+
+
+def _read_by_none_to_come(shards: str, readers: list[Stage]) -> str:
+    """Why a dataset that is gone (deleted to free the disk) is not made again: every phase
+    that trains on it is done, and none would read it (it was made again, the longest stage,
+    for nothing); "" while one is not."""
+    if not all(reader.is_done() for reader in readers):
+        return ""
+    done = " and ".join(reader.name for reader in readers)
+    return (f"its dataset {shards} is gone, but {done}, which "
+            f"{'trains' if len(readers) == 1 else 'train'} on it, "
+            f"{'is' if len(readers) == 1 else 'are'} done: not making it again")
 
 
 def _vocab_config(config: PipelineConfig, paths: PipelinePaths) -> VocabConfig:

@@ -577,6 +577,30 @@ def test_a_phase1_deleted_after_phase2_began_is_not_trained_again(finished_pipel
 
 
 @pytest.mark.slow
+def test_a_deleted_dataset_no_phase_will_read_is_not_made_again(finished_pipeline, monkeypatch,
+                                                                tmp_path, capsys):
+    """The shards deleted to free the disk once both phases and the export were done: the
+    rerun made them again (prepare is the longest stage) for nothing to read them."""
+    root, _, _ = finished_pipeline
+    project = tmp_path / "project"
+    shutil.copytree(root, project, symlinks=True)
+    work = project / "work"
+    shutil.rmtree(work / "shards-64")
+    shutil.rmtree(work / "shards-128")
+    _forbid_work(monkeypatch)
+    assert main(["pipeline", str(project / "pipeline.toml")]) == 0
+    out = capsys.readouterr().out
+    for length, phase in ((64, "phase1"), (128, "phase2")):
+        assert (f"prepare-{length}: its dataset {work}/shards-{length} is gone, but {phase}, "
+                "which trains on it, is done: not making it again") in out, out[-3000:]
+    # Phase 2 to train again (its final checkpoint lost): its dataset is made again.
+    shutil.rmtree(work / "runs" / "phase2" / "checkpoints" / "step_00000004")
+    assert main(["pipeline", str(project / "pipeline.toml")]) == 1  # _forbid_work's crash
+    out = capsys.readouterr().out
+    assert "prepare-64: its dataset" in out and "[3/6] prepare-128: starting" in out
+
+
+@pytest.mark.slow
 def test_an_edited_or_added_input_is_refused_not_skipped(finished_pipeline, monkeypatch):
     """The shards' manifest is there, but the corpus is no longer what made them: skipping
     would leave the user's edit out of the model without a word."""
