@@ -57,7 +57,7 @@ from bertforge.pipelines.contract.config_fields import (
 )
 from bertforge.pipelines.prepare_options import PrepareConfig, check_beam_args
 from bertforge.pipelines.vocab_options import VocabConfig
-from bertforge.training.config import TrainConfig
+from bertforge.training.config import DERIVED_FROM_MAX_STEPS, TrainConfig
 
 # Keys that say how to run, not what to make: outputs are byte-identical on any Beam runner and
 # the training batches the same on any worker count (DESIGN.md, "Determinism"), so changing them
@@ -338,25 +338,73 @@ def _check_same_model(phase1: TrainConfig, phase2: TrainConfig, vocab_size: int)
                          "model")
 
 
+# A phase's settings that say how often it saves and logs, not what it learns: `bertforge train`
+# takes them anew on resume (`training.resume_settings`), so a rerun may change them at any time.
+CADENCE_KEYS = ("checkpoint_every", "keep_checkpoints", "checkpoint_minutes", "log_every")
+# A phase's length of training: free while no later phase started from its weights.
+LENGTH_KEYS = ("max_steps", *DERIVED_FROM_MAX_STEPS)
+PHASE_NAMES = ("phase1", "phase2")
+
+
 def settings_free_to_change(config: PipelineConfig) -> tuple[str, ...]:
     """Phase settings no output depends on yet, which a rerun may change: those of a phase
     with no checkpoint, nor any phase after it (a phase that failed at its start is run again
-    as corrected), and the last phase's length of training (it resumes
-    to its new max_steps, its warm-up and log cadence following unless given, and the export
-    is made again: `bertforge train --resume auto --steps N` likewise). Phase 1's, under a
-    phase 2 started from its weights, stays fixed."""
+    as corrected), a phase's length of training while no later phase has a checkpoint (it
+    resumes to its new max_steps, its warm-up and log cadence following unless given, and
+    what comes after it is made again: `bertforge train --resume auto --steps N` likewise),
+    every phase's cadence (`CADENCE_KEYS`), and a [phase2] dropped whose run has no
+    checkpoint. Phase 1's, under a phase 2 started from its weights, stays fixed."""
     from bertforge.training.checkpoint import committed_steps
 
     configs = config.train_configs()
-    free = []
-    for name in reversed(configs):  # a phase after one with a checkpoint may depend on it
-        if committed_steps(configs[name].run_dir):
-            break
-        free[:0] = [f"config.{name}", f"recipes.{name}"]
-    last = list(configs)[-1]
-    free += [f"config.{last}.overrides.max_steps",
-             *(f"recipes.{last}.{key}" for key in ("max_steps", "warmup_steps", "log_every"))]
-    return tuple(free)
+    free: list[str] = []
+    started_later = False  # a later phase has a checkpoint: it started from this one
+    for name in reversed(configs):
+        if not started_later:
+            free += [f"config.{name}.overrides.max_steps",
+                     *(f"recipes.{name}.{key}" for key in LENGTH_KEYS)]
+        started_later = started_later or bool(committed_steps(configs[name].run_dir))
+        if not started_later:
+            free += [f"config.{name}", f"recipes.{name}"]
+        free += [f"{table}.{key}" for key in CADENCE_KEYS
+                 for table in (f"config.{name}.overrides", f"recipes.{name}")]
+    dropped = [name for name in PHASE_NAMES if name not in configs]
+    for name in dropped:
+        if not committed_steps(PipelinePaths(config.workdir).run(name)):
+            free += [f"config.{name}", f"recipes.{name}"]
+    return tuple(sorted(free))
+
+
+def smallest_remedy(config: PipelineConfig, changed: list[str]) -> str:
+    """What to delete so that a rerun may make the `changed` settings ("" for the stage
+    runner's own remedy, a new workdir): where only phases' settings changed, the runs that
+    hold what they made, not the vocabulary and the datasets (hours) with them: the run of
+    the first phase changed and of each after it with a checkpoint; only those after it
+    where its length alone changed; a [phase2] dropped, its run."""
+    from bertforge.training.checkpoint import committed_steps
+
+    phases = {key.split(".")[1] for key in changed}
+    if not all(key.split(".")[0] in ("config", "recipes") for key in changed) or not (
+            phases <= set(PHASE_NAMES)):
+        return ""
+    paths = PipelinePaths(config.workdir)
+    first = min(phases)  # phase1 < phase2
+    its_length = (f"config.{first}.overrides.max_steps",
+                  *(f"recipes.{first}.{name}" for name in LENGTH_KEYS))
+    length_only = all(key in its_length for key in changed if key.split(".")[1] == first)
+    later = PHASE_NAMES[PHASE_NAMES.index(first) + (1 if length_only else 0):]
+    runs = [paths.run(name) for name in later if committed_steps(paths.run(name))]
+    if not runs:
+        return ""
+    if config.phase2 is None and first == "phase2":
+        why = "to drop phase2"
+    elif length_only:
+        why = (f"to train {first} to its new length ({', '.join(later)} started from its "
+               "weights, and starts again from them)")
+    else:
+        why = f"to train {' and '.join(later)} again as the file says"
+    return (f"delete {' and '.join(runs)} {why}: the vocabulary and the datasets are kept "
+            "(or use another workdir)")
 
 
 def check_phases_can_start(config: PipelineConfig) -> None:
@@ -577,6 +625,7 @@ def run_pipeline(config: PipelineConfig, toml_text: str = "",
     check_phases_can_start(config)
     with StageRunner(paths.root, "pipeline", config.settings(),
                      ignored=HOW_TO_RUN_KEYS + settings_free_to_change(config),
+                     remedy=lambda changed: smallest_remedy(config, changed),
                      renamed=RENAMED_SETTINGS, may_add=PHASE2_SETTINGS,
                      dir_flag="workdir", base_dir=base_dir) as runner:
         runner.state["toml"] = toml_text or runner.state.get("toml", "")

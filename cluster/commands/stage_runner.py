@@ -88,6 +88,8 @@ class StageRunner:
     paths under `root` that the command's workers keep for themselves (their logs, state and
     error files), no output: an earlier run that left only those made nothing, and does not
     pin its settings.
+    `remedy`: the changed keys -> what to do to go on, where something smaller than a new
+    directory does it ("": that).
     `base_dir`: the folder the job's configuration is relative to (a pipeline file's); paths
     in the settings under it are compared relative to it, so a folder moved or copied with
     its configuration, inputs and outputs is the same job (the state records it).
@@ -98,7 +100,8 @@ class StageRunner:
                  may_add: dict[str, str] | None = None, scratch: tuple[str, ...] = (),
                  heartbeat_seconds: float = 60.0, skip_message: str = "output complete, skipping",
                  dir_flag: str = "directory", base_dir: str | None = None,
-                 recorded_since: tuple[str, ...] = ()):
+                 recorded_since: tuple[str, ...] = (),
+                 remedy: Callable[[list[str]], str] | None = None):
         self.root = os.path.abspath(root)
         self.base_dir = os.path.abspath(base_dir) if base_dir else None
         if self.base_dir and not lies_within(self.root, self.base_dir):
@@ -111,6 +114,7 @@ class StageRunner:
         self.renamed = renamed or {}
         self.may_add = may_add or {}
         self.recorded_since = recorded_since
+        self.remedy = remedy
         self.scratch = scratch
         self.heartbeat_seconds = heartbeat_seconds
         self.skip_message = skip_message
@@ -220,10 +224,10 @@ class StageRunner:
         if changed:
             shown = ", ".join(changed[:12]) + (f" and {len(changed) - 12} more"
                                                if len(changed) > 12 else "")
-            raise ValueError(
-                f"{self.root} holds a {self.command} made with other settings (differs in: "
-                f"{shown}); use another {self.dir_flag}, or delete it to start over"
-            )
+            remedy = (self.remedy and self.remedy(changed)) or (
+                f"use another {self.dir_flag}, or delete it to start over")
+            raise ValueError(f"{self.root} holds a {self.command} made with other settings "
+                             f"(differs in: {shown}); {remedy}")
         # The ignored keys, and the paths of a moved folder, may have changed: this run's.
         state["settings"] = self.settings
         if self.base_dir:

@@ -668,6 +668,44 @@ def test_a_changed_configuration_is_refused_before_any_work(finished_pipeline, m
         run_pipeline(config, text)
 
 
+@pytest.mark.slow
+def test_cadence_may_change_and_a_refusal_offers_the_smallest_remedy(finished_pipeline,
+                                                                     monkeypatch, tmp_path,
+                                                                     capsys):
+    """How often a phase saves and logs could not change once it had a checkpoint, and
+    lengthening phase 1 or dropping [phase2] was refused with "delete the workdir" (its
+    vocabulary and datasets too), where deleting phase 2's run was enough."""
+    root, _, _ = finished_pipeline
+    project = tmp_path / "project"
+    shutil.copytree(root, project, symlinks=True)
+    toml, phase2 = project / "pipeline.toml", project / "work" / "runs" / "phase2"
+    _forbid_work(monkeypatch)
+
+    def run(text: str) -> tuple[int, str]:
+        toml.write_text(text)
+        code = main(["pipeline", str(toml)])
+        out, err = capsys.readouterr()
+        return code, out + err
+
+    code, out = run(TINY_TOML.replace("log_every = 4 }", "log_every = 2, checkpoint_every = 4, "
+                                      "keep_checkpoints = 5, checkpoint_minutes = 5.0 }")
+                    .replace("checkpoint_every = 2 }", "checkpoint_every = 1 }"))
+    assert code == 0 and out.count("output complete, skipping") == 6, out[-3000:]
+    code, out = run(TINY_TOML.replace("max_steps = 8", "max_steps = 12"))
+    assert code == 2 and (f"; delete {phase2} to train phase1 to its new length (phase2 "
+                          "started from its weights, and starts again from them): the "
+                          "vocabulary and the datasets are kept") in out, out[-3000:]
+    no_phase2 = TINY_TOML[:TINY_TOML.index("[phase2]")] + TINY_TOML[TINY_TOML.index("[cluster]"):]
+    code, out = run(no_phase2)
+    assert code == 2 and f"; delete {phase2} to drop phase2: the vocabulary" in out, out[-3000:]
+    shutil.rmtree(phase2)  # as offered: each goes on (here to _forbid_work's crash, exit 1)
+    code, out = run(TINY_TOML.replace("max_steps = 8", "max_steps = 12"))
+    assert code == 1 and "[4/6] phase1: starting" in out, out[-3000:]
+    code, out = run(no_phase2)
+    assert code == 1 and "[3/4] phase1: output complete" in out and (
+        "[4/4] export: starting") in out, out[-3000:]
+
+
 def test_other_workers_for_a_phase_stopped_part_way_are_refused_where_they_set_the_batch(
         tmp_path):
     """[cluster] workers is how to run; a recipe with no global_batch_size (the tiny ones)
@@ -711,21 +749,71 @@ def test_a_phase2_of_an_earlier_phase1_is_refused(tmp_path):
         check_phases_can_start(config)
 
 
+def _checkpointed(tmp_path, phase: str):
+    step = tmp_path / "work" / "runs" / phase / "checkpoints" / "step_00000008"
+    step.mkdir(parents=True)
+    (step / "COMMITTED").write_text("{}")
+    return step.parent.parent
+
+
 def test_settings_no_output_depends_on_yet_are_free_to_change(tmp_path):
     """A phase that failed at its start (no checkpoint) is run again as corrected: a workdir
-    whose vocabulary and shards were made refused the corrected file ("other settings")."""
+    whose vocabulary and shards were made refused the corrected file ("other settings").
+    How often a phase saves and logs may change at any time, as `train` takes them on a
+    resume; a phase's length while no later phase started from it; a [phase2] dropped while
+    it has no checkpoint."""
     from bertforge.cluster.commands.pipeline import settings_free_to_change
 
     config = config_of(tmp_path, phase2={"recipe": "bert_tiny_phase2", "max_seq_length": 128})
-    training_length = ("config.phase2.overrides.max_steps", "recipes.phase2.max_steps",
-                       "recipes.phase2.warmup_steps", "recipes.phase2.log_every")
-    assert settings_free_to_change(config) == (
-        "config.phase1", "recipes.phase1", "config.phase2", "recipes.phase2", *training_length)
-    step = tmp_path / "work" / "runs" / "phase1" / "checkpoints" / "step_00000008"
-    step.mkdir(parents=True)
-    (step / "COMMITTED").write_text("{}")
-    assert settings_free_to_change(config) == ("config.phase2", "recipes.phase2",
-                                               *training_length)
-    # Phase 1's run deleted under a phase 2 started from it: phase 1's settings stay fixed.
-    shutil.move(str(step.parent.parent), str(tmp_path / "work" / "runs" / "phase2"))
-    assert settings_free_to_change(config) == training_length
+
+    def free(config):
+        keys = settings_free_to_change(config)
+        return lambda key: any(key == k or key.startswith(k + ".") for k in keys)
+
+    cadence = [f"{table}.{phase}.{key}" for table, key in (
+        ("config", "overrides.checkpoint_every"), ("config", "overrides.keep_checkpoints"),
+        ("recipes", "checkpoint_minutes"), ("recipes", "log_every"))
+        for phase in ("phase1", "phase2")]
+    learning_rate = ["config.phase1.overrides.learning_rate", "recipes.phase2.learning_rate"]
+    length = ["config.phase1.overrides.max_steps", "recipes.phase1.warmup_steps",
+              "recipes.phase2.max_steps"]
+    assert all(map(free(config), cadence + learning_rate + length))
+    phase1 = _checkpointed(tmp_path, "phase1")
+    is_free = free(config)
+    assert all(map(is_free, cadence + length + ["recipes.phase2.learning_rate"]))
+    assert not is_free("config.phase1.overrides.learning_rate")
+    # Phase 1's run deleted under a phase 2 started from it: phase 1's settings stay fixed,
+    # its length too (phase 2 started from its weights); the cadence stays free.
+    shutil.move(str(phase1), str(tmp_path / "work" / "runs" / "phase2"))
+    is_free = free(config)
+    assert all(map(is_free, cadence + ["recipes.phase2.max_steps"]))
+    assert not any(map(is_free, learning_rate + ["config.phase1.overrides.max_steps",
+                                                 "recipes.phase1.warmup_steps"]))
+    # [phase2] dropped: free while its run holds no checkpoint.
+    assert not free(config_of(tmp_path))("config.phase2")
+    shutil.rmtree(tmp_path / "work" / "runs" / "phase2")
+    assert free(config_of(tmp_path))("recipes.phase2.max_steps")
+
+
+def test_the_smallest_remedy_is_offered(tmp_path):
+    """"delete the workdir" threw away the vocabulary and the datasets (hours), where
+    deleting a phase's run was enough."""
+    from bertforge.cluster.commands.pipeline import smallest_remedy
+
+    both = config_of(tmp_path, phase2={"recipe": "bert_tiny_phase2", "max_seq_length": 128})
+    runs = tmp_path / "work" / "runs"
+    _checkpointed(tmp_path, "phase1")
+    _checkpointed(tmp_path, "phase2")
+    kept = ": the vocabulary and the datasets are kept (or use another workdir)"
+    assert smallest_remedy(both, ["config.phase1.overrides.max_steps",
+                                  "recipes.phase1.max_steps"]) == (
+        f"delete {runs / 'phase2'} to train phase1 to its new length (phase2 started from its "
+        "weights, and starts again from them)" + kept)
+    assert smallest_remedy(both, ["recipes.phase1.learning_rate"]) == (
+        f"delete {runs / 'phase1'} and {runs / 'phase2'} to train phase1 and phase2 again as "
+        "the file says" + kept)
+    assert smallest_remedy(config_of(tmp_path), ["config.phase2", "recipes.phase2"]) == (
+        f"delete {runs / 'phase2'} to drop phase2" + kept)
+    # What the datasets or the vocabulary depend on: the stage runner's own (a new workdir).
+    assert smallest_remedy(both, ["config.prepare.options.dupe_factor",
+                                  "recipes.phase1.learning_rate"]) == ""
