@@ -86,6 +86,7 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
     say = _silent if quiet else logger.info
     files: dict[str, str | None] = {}
     named: dict[str, str] = {}  # a file's location -> the path it was first named by
+    forced_by: dict[str, tuple[str, str]] = {}  # a file's location -> (its prefix, the entry)
     inside_output = _inside(output) if output else (lambda path: False)
     for entry in patterns:
         forced, pattern = readers.split_format(entry)
@@ -132,11 +133,26 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
                 say("skipping %s: a multistream index, used to split its dump", path)
                 continue
             # The same file named twice (`corpus/a.txt`, `./corpus/a.txt`) is read once, as the
-            # later naming says (`corpus`, then `books:corpus/a.txt`).
-            files[named.setdefault(readers.input_location(path), path)] = forced
+            # later naming says (`corpus`, then `books:corpus/a.txt`); two formats forced on
+            # it (`books:`, then `sentences:`) contradict each other: the last won unsaid.
+            location = readers.input_location(path)
+            _refuse_two_formats(named.get(location, path), forced_by.get(location),
+                                (forced, entry))
+            if forced:
+                forced_by[location] = (forced, entry)
+            files[named.setdefault(location, path)] = forced
     if not files:
         raise ValueError(f"--input {list(patterns)} matches no corpus file")
     return sorted(files.items())
+
+
+def _refuse_two_formats(path: str, before: tuple[str, str] | None,
+                        now: tuple[str | None, str]) -> None:
+    """A file named with two `FORMAT:` prefixes, (format, entry) each, is an error naming
+    both: which one it is, only its owner knows."""
+    if before and now[0] and before[0] != now[0]:
+        raise ValueError(f"{path} is named as {before[0]} ({before[1]!r}) and as {now[0]} "
+                         f"({now[1]!r}): give it one format")
 
 
 def _unknown_prefix(entry: str) -> str:
