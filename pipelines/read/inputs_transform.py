@@ -185,7 +185,8 @@ def files_under(directory: str, say: Callable[..., None] = logger.info) -> list[
     bertforge's own outputs there are no corpus and are left out too: a dataset (a folder with
     bertforge's manifest.json, whose shards, vocabulary and logs were read as text), a
     pipeline's (or demo's) workdir, the directory itself included (`is_run_workdir`), a
-    `vocab` output's vocab.txt, and the commands' logs (`logs/prepare.log`, ...)."""
+    pipeline file (`is_pipeline_file`), a `vocab` output's vocab.txt, and the commands' logs
+    (`logs/prepare.log`, ...)."""
     found = []
 
     def unreadable(error: OSError) -> None:  # os.walk passed over it without a word
@@ -209,6 +210,12 @@ def files_under(directory: str, say: Callable[..., None] = logger.info) -> list[
             say("leaving out %s: a symbolic link to a folder, not followed (give it as an "
                 "--input of its own to read it)", os.path.join(folder, linked))
         ours = _our_files(folder, names)
+        for name in sorted(name for name in names if is_pipeline_file(folder, name)):
+            # `inputs = ["."]` beside it: read as text, and each edit of the file (a cadence
+            # key) refused as an input "of another size".
+            say("leaving out %s: a bertforge pipeline file, not corpus",
+                os.path.join(folder, name))
+            ours.add(name)
         found += [os.path.join(folder, name) for name in names if name not in ours]
     return sorted(found)
 
@@ -250,6 +257,23 @@ def _our_files(folder: str, names: list[str]) -> set[str]:
     if VOCAB_NAME in names and os.path.isfile(os.path.join(folder, "logs", "vocab.log")):
         return {VOCAB_NAME}
     return set()
+
+
+def is_pipeline_file(folder: str, name: str) -> bool:
+    """Whether `name` in `folder` is a `bertforge pipeline` file: TOML with a `workdir` and a
+    [phase1] table."""
+    if not name.endswith(".toml"):
+        return False
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the pipeline reads it with tomli
+        return False
+    try:
+        with open(os.path.join(folder, name), "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, ValueError):
+        return False
+    return "workdir" in data and isinstance(data.get("phase1"), dict)
 
 
 def _refuse_unreadable_files(entry: str, matches: list[str]) -> None:

@@ -319,12 +319,17 @@ def test_a_workdir_under_an_input_folder_is_not_read_as_corpus(tmp_path, caplog)
     (tmp_path / "work" / "hf").mkdir()
     (tmp_path / "work" / "hf" / "config.json").write_text("{}")
     (tmp_path / "corpus.txt").write_text("One. Two.\n")
+    # The pipeline file beside it: each edit of it was an input "of another size".
+    (tmp_path / "pipe.toml").write_text('workdir = "work"\n[phase1]\nrecipe = "x"\n')
+    (tmp_path / "notes.toml").write_text('title = "mine"\n')  # any other TOML is read
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "pipeline.json").write_text('{"a": 1}')  # a corpus file of that name
     with caplog.at_level(logging.INFO):
         assert match_inputs(config.prepare.options.inputs) == [
-            (str(tmp_path / "corpus.txt"), None), (str(tmp_path / "data" / "pipeline.json"), None)]
-    assert [r.getMessage() for r in caplog.records if "work" in r.getMessage()] == [
+            (str(tmp_path / "corpus.txt"), None), (str(tmp_path / "data" / "pipeline.json"), None),
+            (str(tmp_path / "notes.toml"), None)]
+    assert [r.getMessage() for r in caplog.records if "leaving out" in r.getMessage()] == [
+        f"leaving out {tmp_path / 'pipe.toml'}: a bertforge pipeline file, not corpus",
         f"leaving out {tmp_path / 'work'}: a bertforge pipeline's workdir (its own files), "
         "not corpus"]
     # The workdir itself as the input: nothing is left, and the error says why.
