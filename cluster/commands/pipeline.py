@@ -593,11 +593,13 @@ def _vocab_done(config: PipelineConfig, paths: PipelinePaths, runner: StageRunne
     if not made:
         runner.say(f"vocab: {change}, and nothing was made with it yet: making it again")
         return False
+    one = len(made) == 1
+    named = [os.path.relpath(path, paths.root) for path in made]
     raise ValueError(
-        f"{change}, and {', '.join(made)} {'was' if len(made) == 1 else 'were'} made with it; "
-        f"restore {'it' if config.vocab.path else 'those inputs'}, or delete "
-        f"{' and '.join(made)} to make {'it' if len(made) == 1 else 'them'} again from the "
-        "new vocabulary")
+        f"{change}, and {paths.root}'s {', '.join(named[:-1])}{' and ' if not one else ''}"
+        f"{named[-1]} {'was' if one else 'were'} made with it; restore "
+        f"{'it' if config.vocab.path else 'those inputs'}, or delete {'it' if one else 'them'} "
+        f"to make {'it' if one else 'them'} again from the new vocabulary")
 
 
 def _made_with_the_vocab(config: PipelineConfig, paths: PipelinePaths) -> list[str]:

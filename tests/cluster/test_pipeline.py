@@ -351,7 +351,6 @@ def _a_dataset_made(config):
     shards = PipelinePaths(config.workdir).shards(64)
     os.makedirs(shards)
     (open(os.path.join(shards, "manifest.json"), "w")).close()
-    return shards
 
 
 def test_an_edited_vocab_path_is_taken_or_refused(tmp_path, capsys):
@@ -369,12 +368,12 @@ def test_an_edited_vocab_path_is_taken_or_refused(tmp_path, capsys):
         assert (f"vocab: vocab.path {source} changed since it was copied to {copy}, and nothing "
                 "was made with it yet: making it again") in capsys.readouterr().out
         assert open(copy).read().endswith("and\n")
-        shards = _a_dataset_made(config)
+        _a_dataset_made(config)
         source.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
         with pytest.raises(ValueError, match=re.escape(
-                f"vocab.path {source} changed since it was copied to {copy}, and {shards} was "
-                f"made with it; restore it, or delete {shards} to make it again from the new "
-                "vocabulary")):
+                f"vocab.path {source} changed since it was copied to {copy}, and "
+                f"{config.workdir}'s shards-64 was made with it; restore it, or delete it to "
+                "make it again from the new vocabulary")):
             runner.run([_vocab_stage(config, runner)])
         source.unlink()  # gone since it was copied: the copy is all there is, and is kept
         assert runner.run([_vocab_stage(config, runner)])["skipped"] == ["vocab"]
@@ -398,12 +397,13 @@ def test_a_vocab_trained_on_inputs_changed_since_is_trained_again_or_refused(tmp
         assert (f"vocab: the input files {vocab} was trained on changed since (new: "
                 f"{tmp_path}/corpus/book.jsonl), and nothing was made with it yet: making it "
                 "again") in capsys.readouterr().out
-        shards = _a_dataset_made(config)
+        _a_dataset_made(config)
         (tmp_path / "corpus" / "book.jsonl").write_text('{"text": "Another book. Longer."}\n')
         with pytest.raises(ValueError, match=re.escape(
                 f"the input files {vocab} was trained on changed since (another size: "
-                f"{tmp_path}/corpus/book.jsonl), and {shards} was made with it; restore those "
-                f"inputs, or delete {shards} to make it again from the new vocabulary")):
+                f"{tmp_path}/corpus/book.jsonl), and {config.workdir}'s shards-64 was made with "
+                "it; restore those inputs, or delete it to make it again from the new "
+                "vocabulary")):
             runner.run([_vocab_stage(config, runner)])
         (tmp_path / "corpus" / "book.jsonl").unlink()  # deleted since: no change
         assert runner.run([_vocab_stage(config, runner)])["skipped"] == ["vocab"]
@@ -615,9 +615,20 @@ def test_an_edited_or_added_input_is_refused_not_skipped(finished_pipeline, monk
     original = corpus.read_bytes()
     try:
         corpus.write_bytes(original + b'{"id": "late", "text": "A late document. Two."}\n')
-        with pytest.raises(ValueError, match=r"shards-64 holds a dataset made from other "
-                           r"inputs .*another size: .*docs\.jsonl.*new workdir"):
+        # The vocabulary, trained on them, first (`_vocab_done`) ...
+        with pytest.raises(ValueError, match=r"the input files .*vocab\.txt was trained on "
+                           r"changed since \(another size: .*docs\.jsonl\), and .*'s shards-64, "
+                           r"shards-128, runs/phase1, runs/phase2 and hf were made with it; "
+                           r"restore those inputs, or delete them"):
             run_pipeline(config)
+        # ... and the shards, where the vocabulary cannot tell (given by path, or recorded
+        # before it listed its inputs).
+        with monkeypatch.context() as patched:
+            patched.setattr("bertforge.cluster.commands.pipeline.vocab_change",
+                            lambda *args: "")
+            with pytest.raises(ValueError, match=r"shards-64 holds a dataset made from other "
+                               r"inputs .*another size: .*docs\.jsonl.*new workdir"):
+                run_pipeline(config)
         corpus.write_bytes(original)
         (root / "corpus" / "more.jsonl").write_text('{"id": "m", "text": "More. Text."}\n')
         with pytest.raises(ValueError, match=r"new: .*more\.jsonl"):
