@@ -41,7 +41,7 @@ def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: lis
     # By where the files are, not how they were spelled: a relative path is resolved in the
     # working directory of the run that wrote it (recorded since 2026-11-28; before, this one).
     recorded_in = found.extra.get(WORKING_DIRECTORY) or os.getcwd()
-    before = {_moved(input_location(path, recorded_in), moved): path
+    before = {moved_location(input_location(path, recorded_in), moved): path
               for path in found.input_files}
     now = {input_location(path): path for path in input_paths}
     gone = {before[key] for key in before.keys() - now.keys()} if gone_is_a_difference else set()
@@ -57,7 +57,7 @@ def dataset_differences(found: Manifest, config: PrepareConfig, input_paths: lis
     return differences
 
 
-def _moved(location: str, moved: tuple[str, str] | None) -> str:
+def moved_location(location: str, moved: tuple[str, str] | None) -> str:
     """`location` with the folder `moved[0]` it lies in replaced by `moved[1]`."""
     if moved is None:
         return location

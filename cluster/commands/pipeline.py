@@ -3,7 +3,8 @@
     vocab -> prepare-L1 (-> prepare-L2) -> phase1 -> (phase2) -> export
 
 Every stage decides from its outputs whether it is done, not from a record alone, so a deleted
-output is rebuilt on the next run: vocab.txt exists; a shard directory has its manifest.json
+output is rebuilt on the next run (a dataset only while a phase that trains on it is not
+done): vocab.txt exists; a shard directory has its manifest.json
 (the Beam job writes it last); a run directory has a committed checkpoint at the recipe's
 max_steps; the Hugging Face directory exists and was exported from the final checkpoint of the
 last phase as it is now. A stage that is not done starts over (vocab, export), continues the
@@ -36,6 +37,7 @@ from bertforge.cluster.commands.stages import (
     shards_complete,
     train_to_the_end,
     training_complete,
+    vocab_change,
     vocab_complete,
 )
 from bertforge.cluster.launch.launch_config import LaunchConfig
@@ -55,7 +57,7 @@ from bertforge.pipelines.contract.config_fields import (
 )
 from bertforge.pipelines.prepare_options import PrepareConfig, check_beam_args
 from bertforge.pipelines.vocab_options import VocabConfig
-from bertforge.training.config import TrainConfig
+from bertforge.training.config import DERIVED_FROM_MAX_STEPS, TrainConfig
 
 # Keys that say how to run, not what to make: outputs are byte-identical on any Beam runner and
 # the training batches the same on any worker count (DESIGN.md, "Determinism"), so changing them
@@ -336,25 +338,73 @@ def _check_same_model(phase1: TrainConfig, phase2: TrainConfig, vocab_size: int)
                          "model")
 
 
+# A phase's settings that say how often it saves and logs, not what it learns: `bertforge train`
+# takes them anew on resume (`training.resume_settings`), so a rerun may change them at any time.
+CADENCE_KEYS = ("checkpoint_every", "keep_checkpoints", "checkpoint_minutes", "log_every")
+# A phase's length of training: free while no later phase started from its weights.
+LENGTH_KEYS = ("max_steps", *DERIVED_FROM_MAX_STEPS)
+PHASE_NAMES = ("phase1", "phase2")
+
+
 def settings_free_to_change(config: PipelineConfig) -> tuple[str, ...]:
     """Phase settings no output depends on yet, which a rerun may change: those of a phase
     with no checkpoint, nor any phase after it (a phase that failed at its start is run again
-    as corrected), and the last phase's length of training (it resumes
-    to its new max_steps, its warm-up and log cadence following unless given, and the export
-    is made again: `bertforge train --resume auto --steps N` likewise). Phase 1's, under a
-    phase 2 started from its weights, stays fixed."""
+    as corrected), a phase's length of training while no later phase has a checkpoint (it
+    resumes to its new max_steps, its warm-up and log cadence following unless given, and
+    what comes after it is made again: `bertforge train --resume auto --steps N` likewise),
+    every phase's cadence (`CADENCE_KEYS`), and a [phase2] dropped whose run has no
+    checkpoint. Phase 1's, under a phase 2 started from its weights, stays fixed."""
     from bertforge.training.checkpoint import committed_steps
 
     configs = config.train_configs()
-    free = []
-    for name in reversed(configs):  # a phase after one with a checkpoint may depend on it
-        if committed_steps(configs[name].run_dir):
-            break
-        free[:0] = [f"config.{name}", f"recipes.{name}"]
-    last = list(configs)[-1]
-    free += [f"config.{last}.overrides.max_steps",
-             *(f"recipes.{last}.{key}" for key in ("max_steps", "warmup_steps", "log_every"))]
-    return tuple(free)
+    free: list[str] = []
+    started_later = False  # a later phase has a checkpoint: it started from this one
+    for name in reversed(configs):
+        if not started_later:
+            free += [f"config.{name}.overrides.max_steps",
+                     *(f"recipes.{name}.{key}" for key in LENGTH_KEYS)]
+        started_later = started_later or bool(committed_steps(configs[name].run_dir))
+        if not started_later:
+            free += [f"config.{name}", f"recipes.{name}"]
+        free += [f"{table}.{key}" for key in CADENCE_KEYS
+                 for table in (f"config.{name}.overrides", f"recipes.{name}")]
+    dropped = [name for name in PHASE_NAMES if name not in configs]
+    for name in dropped:
+        if not committed_steps(PipelinePaths(config.workdir).run(name)):
+            free += [f"config.{name}", f"recipes.{name}"]
+    return tuple(sorted(free))
+
+
+def smallest_remedy(config: PipelineConfig, changed: list[str]) -> str:
+    """What to delete so that a rerun may make the `changed` settings ("" for the stage
+    runner's own remedy, a new workdir): where only phases' settings changed, the runs that
+    hold what they made, not the vocabulary and the datasets (hours) with them: the run of
+    the first phase changed and of each after it with a checkpoint; only those after it
+    where its length alone changed; a [phase2] dropped, its run."""
+    from bertforge.training.checkpoint import committed_steps
+
+    phases = {key.split(".")[1] for key in changed}
+    if not all(key.split(".")[0] in ("config", "recipes") for key in changed) or not (
+            phases <= set(PHASE_NAMES)):
+        return ""
+    paths = PipelinePaths(config.workdir)
+    first = min(phases)  # phase1 < phase2
+    its_length = (f"config.{first}.overrides.max_steps",
+                  *(f"recipes.{first}.{name}" for name in LENGTH_KEYS))
+    length_only = all(key in its_length for key in changed if key.split(".")[1] == first)
+    later = PHASE_NAMES[PHASE_NAMES.index(first) + (1 if length_only else 0):]
+    runs = [paths.run(name) for name in later if committed_steps(paths.run(name))]
+    if not runs:
+        return ""
+    if config.phase2 is None and first == "phase2":
+        why = "to drop phase2"
+    elif length_only:
+        why = (f"to train {first} to its new length ({', '.join(later)} started from its "
+               "weights, and starts again from them)")
+    else:
+        why = f"to train {' and '.join(later)} again as the file says"
+    return (f"delete {' and '.join(runs)} {why}: the vocabulary and the datasets are kept "
+            "(or use another workdir)")
 
 
 def check_phases_can_start(config: PipelineConfig) -> None:
@@ -475,38 +525,94 @@ def build_stages(
 ) -> list[Stage]:
     """vocab, prepare per length, a stage per phase, export (bodies: `cluster.commands.stages`),
     each done when its outputs are."""
-    stages = [Stage("vocab", lambda: _make_vocab(config, paths),
-                    is_done=lambda: vocab_complete(paths.vocab_dir))]
-    for length in sorted({phase.max_seq_length for phase in config.phases()}):
-        stages.append(Stage(
-            f"prepare-{length}",
-            lambda length=length: prepare_dataset(config.prepare_config(length),
-                                                  config.prepare.beam_args),
-            is_done=lambda length=length: shards_complete(
-                config.prepare_config(length), paths.root,
-                runner.moved_since(f"prepare-{length}")),
-        ))
     train_configs = config.train_configs()
     names = list(train_configs)
+    phases = []
     for index, (name, cfg) in enumerate(train_configs.items()):
         # resume=True: continues from the newest committed checkpoint, or starts fresh (phase 2
         # then warm-starts from phase 1's weights).
         later = names[index + 1] if index + 1 < len(names) else None
-        stages.append(Stage(
+        phases.append(Stage(
             name, lambda cfg=cfg: train_to_the_end(cfg, config.cluster, "pipeline"),
             is_done=lambda cfg=cfg, later=later: training_complete(cfg) or carried_on(
                 cfg, train_configs.get(later), later)))
-    last_run = paths.run(list(train_configs)[-1])
-    stages.append(Stage("export", lambda: export_final(last_run, paths.hf),
-                        is_done=lambda: export_complete(paths.hf, last_run,
-                                                        runner.recorded("export"))))
-    return stages
+    stages = [Stage("vocab", lambda: _make_vocab(config, paths),
+                    is_done=lambda: _vocab_done(config, paths, runner))]
+    for length in sorted({phase.max_seq_length for phase in config.phases()}):
+        readers = [stage for stage, phase in zip(phases, config.phases(), strict=True)
+                   if phase.max_seq_length == length]
+        stages.append(Stage(
+            f"prepare-{length}",
+            lambda length=length: prepare_dataset(config.prepare_config(length),
+                                                  config.prepare.beam_args),
+            is_done=lambda length=length, readers=readers: shards_complete(
+                config.prepare_config(length), paths.root,
+                runner.moved_since(f"prepare-{length}")) or _read_by_none_to_come(
+                    paths.shards(length), readers),
+        ))
+    last_run = paths.run(names[-1])
+    export = Stage("export", lambda: export_final(last_run, paths.hf),
+                   is_done=lambda: export_complete(paths.hf, last_run, runner.recorded("export")))
+    return stages + phases + [export]
+
+
+def _read_by_none_to_come(shards: str, readers: list[Stage]) -> str:
+    """Why a dataset that is gone (deleted to free the disk) is not made again: every phase
+    that trains on it is done, and none would read it (it was made again, the longest stage,
+    for nothing); "" while one is not."""
+    if not all(reader.is_done() for reader in readers):
+        return ""
+    done = " and ".join(reader.name for reader in readers)
+    return (f"its dataset {shards} is gone, but {done}, which "
+            f"{'trains' if len(readers) == 1 else 'train'} on it, "
+            f"{'is' if len(readers) == 1 else 'are'} done: not making it again")
+
+
+def _vocab_config(config: PipelineConfig, paths: PipelinePaths) -> VocabConfig:
+    # Without its own inputs: prepare's, as prepare reads them (`books:` is read as books).
+    return config.vocab.vocab_config(config.prepare.options.inputs, paths.vocab_dir)
 
 
 def _make_vocab(config: PipelineConfig, paths: PipelinePaths) -> dict[str, Any]:
-    # Without its own inputs: prepare's, as prepare reads them (`books:` is read as books).
-    return make_vocab(config.vocab.vocab_config(config.prepare.options.inputs, paths.vocab_dir),
-                      existing=config.vocab.path)
+    return make_vocab(_vocab_config(config, paths), existing=config.vocab.path)
+
+
+def _vocab_done(config: PipelineConfig, paths: PipelinePaths, runner: StageRunner) -> bool:
+    """vocab.txt is there and is what the configuration makes now (`stages.vocab_change`: an
+    edited `[vocab] path`, or trained on inputs that changed since; both were kept without a
+    word). One that is not is made again while nothing was made with it; after that it is
+    refused: the shards and the training hold the old one, and remaking it alone would leave
+    them stale."""
+    if not vocab_complete(paths.vocab_dir):
+        return False
+    change = vocab_change(_vocab_config(config, paths), config.vocab.path,
+                          runner.recorded("vocab"), runner.moved_since("vocab"))
+    if not change:
+        return True
+    made = _made_with_the_vocab(config, paths)
+    if not made:
+        runner.say(f"vocab: {change}, and nothing was made with it yet: making it again")
+        return False
+    one = len(made) == 1
+    named = [os.path.relpath(path, paths.root) for path in made]
+    raise ValueError(
+        f"{change}, and {paths.root}'s {', '.join(named[:-1])}{' and ' if not one else ''}"
+        f"{named[-1]} {'was' if one else 'were'} made with it; restore "
+        f"{'it' if config.vocab.path else 'those inputs'}, or delete {'it' if one else 'them'} "
+        f"to make {'it' if one else 'them'} again from the new vocabulary")
+
+
+def _made_with_the_vocab(config: PipelineConfig, paths: PipelinePaths) -> list[str]:
+    """The outputs in the workdir made with its vocab.txt: datasets, trained phases, export."""
+    from bertforge.pipelines.contract.manifest import MANIFEST_NAME
+    from bertforge.training.checkpoint import committed_steps
+
+    lengths = sorted({phase.max_seq_length for phase in config.phases()})
+    made = [paths.shards(length) for length in lengths
+            if os.path.isfile(os.path.join(paths.shards(length), MANIFEST_NAME))]
+    made += [paths.run(phase.name) for phase in config.phases()
+             if committed_steps(paths.run(phase.name))]
+    return made + ([paths.hf] if os.path.isdir(paths.hf) else [])
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -521,6 +627,7 @@ def run_pipeline(config: PipelineConfig, toml_text: str = "",
     check_phases_can_start(config)
     with StageRunner(paths.root, "pipeline", config.settings(),
                      ignored=HOW_TO_RUN_KEYS + settings_free_to_change(config),
+                     remedy=lambda changed: smallest_remedy(config, changed),
                      renamed=RENAMED_SETTINGS, may_add=PHASE2_SETTINGS,
                      dir_flag="workdir", base_dir=base_dir) as runner:
         runner.state["toml"] = toml_text or runner.state.get("toml", "")

@@ -91,6 +91,8 @@ class StageRunner:
     `defaults`: dotted keys of settings recorded only when given (flags typed), and the value
     each takes when not: a key either side lacks reads as its default, so a flag typed at its
     default value, or left out when it was, is no other setting.
+    `remedy`: the changed keys -> what to do to go on, where something smaller than a new
+    directory does it ("": that).
     `base_dir`: the folder the job's configuration is relative to (a pipeline file's); paths
     in the settings under it are compared relative to it, so a folder moved or copied with
     its configuration, inputs and outputs is the same job (the state records it).
@@ -101,7 +103,8 @@ class StageRunner:
                  may_add: dict[str, str] | None = None, scratch: tuple[str, ...] = (),
                  heartbeat_seconds: float = 60.0, skip_message: str = "output complete, skipping",
                  dir_flag: str = "directory", base_dir: str | None = None,
-                 recorded_since: tuple[str, ...] = (), defaults: dict[str, Any] | None = None):
+                 recorded_since: tuple[str, ...] = (), defaults: dict[str, Any] | None = None,
+                 remedy: Callable[[list[str]], str] | None = None):
         self.root = os.path.abspath(root)
         self.base_dir = os.path.abspath(base_dir) if base_dir else None
         if self.base_dir and not lies_within(self.root, self.base_dir):
@@ -115,6 +118,7 @@ class StageRunner:
         self.may_add = may_add or {}
         self.recorded_since = recorded_since
         self.defaults = json.loads(json.dumps(defaults or {}))  # tuples as the file has lists
+        self.remedy = remedy
         self.scratch = scratch
         self.heartbeat_seconds = heartbeat_seconds
         self.skip_message = skip_message
@@ -225,10 +229,10 @@ class StageRunner:
         if changed:
             shown = ", ".join(changed[:12]) + (f" and {len(changed) - 12} more"
                                                if len(changed) > 12 else "")
-            raise ValueError(
-                f"{self.root} holds a {self.command} made with other settings (differs in: "
-                f"{shown}); use another {self.dir_flag}, or delete it to start over"
-            )
+            remedy = (self.remedy and self.remedy(changed)) or (
+                f"use another {self.dir_flag}, or delete it to start over")
+            raise ValueError(f"{self.root} holds a {self.command} made with other settings "
+                             f"(differs in: {shown}); {remedy}")
         # The ignored keys, and the paths of a moved folder, may have changed: this run's.
         state["settings"] = self.settings
         if self.base_dir:

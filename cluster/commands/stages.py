@@ -12,6 +12,7 @@ training resumes from its newest committed checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,17 +43,68 @@ def make_vocab(config: VocabConfig, existing: str | None = None) -> dict[str, An
             raise ValueError(f"vocab.path {existing} does not exist")
         shutil.copyfile(existing, path + ".tmp")
         os.replace(path + ".tmp", path)
-        source = existing
-    else:
-        from bertforge.pipelines.vocab import train_wordpiece_vocab
+        return {"source": existing, "sha256": sha256_file(path)}
+    from bertforge.pipelines.vocab import train_wordpiece_vocab
 
-        train_wordpiece_vocab(config)
-        source = "trained"
-    return {"source": source, "sha256": sha256_file(path)}
+    train_wordpiece_vocab(config)
+    # What it was trained on, as prepare's manifest records its inputs: a later run whose
+    # inputs changed is told (`vocab_change`), where the old vocabulary was kept unsaid.
+    return {"source": "trained", "sha256": sha256_file(path), "inputs": vocab_inputs(config)}
 
 
 def vocab_complete(vocab_dir: str) -> bool:
     return os.path.isfile(os.path.join(vocab_dir, VOCAB_NAME))
+
+
+def vocab_inputs(config: VocabConfig) -> dict[str, int | None]:
+    """{where each file is: its size} of the files `config` trains on as they are now; a
+    pattern that matches nothing any more adds none (the corpus deleted since)."""
+    from bertforge.pipelines.filesystem import sizes_of
+    from bertforge.pipelines.read.inputs_transform import match_inputs
+    from bertforge.pipelines.read.readers import input_location
+
+    paths = []
+    for pattern in config.inputs:
+        with contextlib.suppress(ValueError):
+            paths += [path for path, _ in match_inputs((pattern,), config.output, quiet=True)]
+    sizes = sizes_of(paths)
+    return {input_location(path): sizes.get(path) for path in paths}
+
+
+def vocab_change(config: VocabConfig, existing: str | None, recorded: dict[str, Any] | None,
+                 moved: tuple[str, str] | None = None) -> str:
+    """How the vocabulary `config.output` holds is no longer what the configuration makes
+    ("" when it is): `existing` (a `[vocab] path`) edited since it was copied, or, for a
+    trained one, input files added or of another size since (its `recorded` stage record;
+    one recorded without them cannot say). Files deleted since are no change, as for the
+    shards: the vocabulary is all that is left of them. `moved`: (from, to), the folder moved
+    whole since."""
+    from bertforge.pipelines.contract.manifest import sha256_file
+    from bertforge.pipelines.dataset_identity import moved_location
+
+    copy = os.path.join(config.output, VOCAB_NAME)
+    if existing:
+        if os.path.isfile(existing) and sha256_file(existing) != sha256_file(copy):
+            return f"vocab.path {existing} changed since it was copied to {copy}"
+        return ""
+    if not isinstance((recorded or {}).get("inputs"), dict):
+        return ""
+    before = {moved_location(location, moved): size
+              for location, size in recorded["inputs"].items()}
+    now = vocab_inputs(config)
+    new = sorted(set(now) - set(before))
+    resized = sorted(path for path in set(now) & set(before) if now[path] != before[path])
+    if not new and not resized:
+        return ""
+    named = "; ".join(filter(None, (_some("new", new), _some("another size", resized))))
+    return f"the input files {copy} was trained on changed since ({named})"
+
+
+def _some(what: str, paths: list[str], most: int = 3) -> str:
+    if not paths:
+        return ""
+    more = f" and {len(paths) - most} more" if len(paths) > most else ""
+    return f"{what}: {', '.join(paths[:most])}{more}"
 
 
 def prepare_dataset(config: PrepareConfig, beam_args: Sequence[str]) -> dict[str, Any]:

@@ -32,7 +32,6 @@ the worker config (a JSON-able dict), as `ray_train.run_on_ray`'s does.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import json
 import os
@@ -43,6 +42,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from bertforge.cluster.launch.parent_death import die_with_parent
 from bertforge.cluster.launch.worker_output import is_verbose
 from bertforge.cluster.safety.atomic_files import write_json_atomic
 from bertforge.training.errors import UserInputError
@@ -54,7 +54,6 @@ if TYPE_CHECKING:  # the child imports this module: no Ray in it unless its func
 USER_ERROR_EXIT = 3
 SPEC_NAME = "local-worker.json"
 ERROR_NAME = "local-worker.error"
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # A launcher's description of a process group (torchrun's, the deepspeed launcher's, or the
 # 1-rank group `training.engine.ensure_process_group` makes in a plain process and records in
 # its environment). The worker makes its own 1-rank group; inheriting these, it joined the
@@ -141,15 +140,6 @@ def _relay(stream, target) -> None:
 # --- the child ---------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """The kernel sends SIGKILL to this process when the driver dies, however it died."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the driver was gone before prctl took effect
-        sys.exit(1)
-
-
 _STOPS: list[int] = []  # the stop signals this child received
 _holding = False  # within `stops_held`
 
@@ -191,7 +181,7 @@ def stops_held() -> Iterator[None]:
 
 
 def main(argv: list[str]) -> int:
-    _die_with_parent()
+    die_with_parent()  # the driver, however it dies
     # This file runs as __main__; the worker function imports it again under its own name, and
     # that module's `stops_held` and `stop_if_asked` must see the stops: its handler, then.
     from bertforge.cluster.launch import local_worker

@@ -18,6 +18,7 @@ from ray.train.v2.api.exceptions import ControllerError
 from bertforge.cluster.launch import local_ray
 from bertforge.cluster.launch.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.launch.launch_config import LaunchConfig
+from bertforge.cluster.launch.parent_death import die_with_parent
 from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_copy
 from bertforge.cluster.launch.persistence import (
     check_storage_scheme,
@@ -183,7 +184,8 @@ def _fit(cfg: TrainConfig, launch: LaunchConfig, lock_token: str, storage_name: 
     result = run_on_ray(
         _worker_main,
         {"train": cfg.to_dict(), "threads": launch.cpus_per_worker,
-         "persist": bool(launch.storage), "run_id": run_id, "lock_token": lock_token},
+         "persist": bool(launch.storage), "run_id": run_id, "lock_token": lock_token,
+         "local_ray": not launch.address},
         launch, _run_config(cfg, launch, storage_name),
     )
     if launch.storage:
@@ -304,6 +306,12 @@ def _worker_main(loop_config: dict[str, Any]) -> None:
     from bertforge.cluster.launch.persistence import report_checkpoint, restore_latest
     from bertforge.cluster.launch.worker_output import quiet_worker
 
+    if loop_config.get("local_ray"):
+        # Its raylet dies with the driver (Ray's fate sharing); the worker, a process group of
+        # its own, went on training after `kill -9` of the driver's group, committing
+        # checkpoints into a run directory that was no longer locked. Not on a cluster: a
+        # driver gone there is Ray's to handle (the raylet is the node's, not this run's).
+        die_with_parent()
     torch.set_num_threads(loop_config["threads"])
     cfg = TrainConfig.from_dict(loop_config["train"])
     # Library output to RUN_DIR/logs/worker-RANK.log only; our progress lines to the console.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bz2
 import glob
+import json
 import logging
 import os
 import re
@@ -85,6 +86,7 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
     say = _silent if quiet else logger.info
     files: dict[str, str | None] = {}
     named: dict[str, str] = {}  # a file's location -> the path it was first named by
+    forced_by: dict[str, tuple[str, str]] = {}  # a file's location -> (its prefix, the entry)
     inside_output = _inside(output) if output else (lambda path: False)
     for entry in patterns:
         forced, pattern = readers.split_format(entry)
@@ -106,9 +108,13 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
             hidden = _is_directory(pattern) and any(
                 name.startswith(".") and os.path.isdir(os.path.join(pattern, name))
                 for name in os.listdir(pattern))
+            workdir = _is_directory(pattern) and is_run_workdir(pattern, os.listdir(pattern))
             raise ValueError(f"--input {entry!r} matches no file" + (
                 " (its hidden folders, such as .git, are never read as corpus: name their "
-                "files, e.g. DIR/.folder/*.txt)" if hidden else "") + _unknown_prefix(entry))
+                "files, e.g. DIR/.folder/*.txt)" if hidden else "") + (
+                f" outside a bertforge {workdir}'s workdir (what it writes is never read as "
+                "corpus): keep the corpus and the workdir apart" if workdir else "")
+                + _unknown_prefix(entry))
         ours = [path for path in matched if inside_output(path)]
         if ours:
             matched = [path for path in matched if not inside_output(path)]
@@ -127,11 +133,26 @@ def match_inputs(patterns: tuple[str, ...], output: str | None = None,
                 say("skipping %s: a multistream index, used to split its dump", path)
                 continue
             # The same file named twice (`corpus/a.txt`, `./corpus/a.txt`) is read once, as the
-            # later naming says (`corpus`, then `books:corpus/a.txt`).
-            files[named.setdefault(readers.input_location(path), path)] = forced
+            # later naming says (`corpus`, then `books:corpus/a.txt`); two formats forced on
+            # it (`books:`, then `sentences:`) contradict each other: the last won unsaid.
+            location = readers.input_location(path)
+            _refuse_two_formats(named.get(location, path), forced_by.get(location),
+                                (forced, entry))
+            if forced:
+                forced_by[location] = (forced, entry)
+            files[named.setdefault(location, path)] = forced
     if not files:
         raise ValueError(f"--input {list(patterns)} matches no corpus file")
     return sorted(files.items())
+
+
+def _refuse_two_formats(path: str, before: tuple[str, str] | None,
+                        now: tuple[str | None, str]) -> None:
+    """A file named with two `FORMAT:` prefixes, (format, entry) each, is an error naming
+    both: which one it is, only its owner knows."""
+    if before and now[0] and before[0] != now[0]:
+        raise ValueError(f"{path} is named as {before[0]} ({before[1]!r}) and as {now[0]} "
+                         f"({now[1]!r}): give it one format")
 
 
 def _unknown_prefix(entry: str) -> str:
@@ -162,8 +183,10 @@ def files_under(directory: str, say: Callable[..., None] = logger.info) -> list[
     out, hidden files kept. Symbolic links to directories are not followed.
 
     bertforge's own outputs there are no corpus and are left out too: a dataset (a folder with
-    bertforge's manifest.json, whose shards, vocabulary and logs were read as text), a `vocab`
-    output's vocab.txt, and the commands' logs (`logs/prepare.log`, ...)."""
+    bertforge's manifest.json, whose shards, vocabulary and logs were read as text), a
+    pipeline's (or demo's) workdir, the directory itself included (`is_run_workdir`), a
+    pipeline file (`is_pipeline_file`), a `vocab` output's vocab.txt, and the commands' logs
+    (`logs/prepare.log`, ...)."""
     found = []
 
     def unreadable(error: OSError) -> None:  # os.walk passed over it without a word
@@ -175,11 +198,24 @@ def files_under(directory: str, say: Callable[..., None] = logger.info) -> list[
             subfolders[:] = []
             say("leaving out %s: a bertforge dataset, not corpus", folder)
             continue
+        if is_run_workdir(folder, names):
+            # Its state file, lock, runs and export were read as corpus, and every later run
+            # was refused: they were "new input files" (and the state file "of another size").
+            subfolders[:] = []
+            say("leaving out %s: a bertforge %s's workdir (its own files), not corpus",
+                folder, is_run_workdir(folder, names))
+            continue
         subfolders[:] = [d for d in subfolders if not d.startswith(".")]
         for linked in (d for d in subfolders if os.path.islink(os.path.join(folder, d))):
             say("leaving out %s: a symbolic link to a folder, not followed (give it as an "
                 "--input of its own to read it)", os.path.join(folder, linked))
         ours = _our_files(folder, names)
+        for name in sorted(name for name in names if is_pipeline_file(folder, name)):
+            # `inputs = ["."]` beside it: read as text, and each edit of the file (a cadence
+            # key) refused as an input "of another size".
+            say("leaving out %s: a bertforge pipeline file, not corpus",
+                os.path.join(folder, name))
+            ours.add(name)
         found += [os.path.join(folder, name) for name in names if name not in ours]
     return sorted(found)
 
@@ -193,6 +229,26 @@ def _is_dataset(folder: str, names: list[str]) -> bool:
     return MANIFEST_NAME in names and is_bertforge_dataset(folder)
 
 
+# The state file a stage-running command keeps in its directory (`cluster.commands.
+# stage_runner`: COMMAND.json, with the job's "settings" and finished "stages").
+_RUN_STATE = re.compile(r"(pipeline|demo|finetune|glue)\.json")
+
+
+def is_run_workdir(folder: str, names: list[str]) -> str:
+    """The command ("pipeline", "demo", ...) whose workdir `folder` is, by its state file;
+    "" for any other folder (a corpus file named pipeline.json is no state: read as corpus)."""
+    for name in names:
+        if _RUN_STATE.fullmatch(name):
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    state = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(state, dict) and {"settings", "stages"} <= state.keys():
+                return name.removesuffix(".json")
+    return ""
+
+
 def _our_files(folder: str, names: list[str]) -> set[str]:
     """The names in `folder` that a bertforge command wrote: a `vocab` output's vocab.txt
     (beside its logs/vocab.log), and the commands' logs."""
@@ -201,6 +257,23 @@ def _our_files(folder: str, names: list[str]) -> set[str]:
     if VOCAB_NAME in names and os.path.isfile(os.path.join(folder, "logs", "vocab.log")):
         return {VOCAB_NAME}
     return set()
+
+
+def is_pipeline_file(folder: str, name: str) -> bool:
+    """Whether `name` in `folder` is a `bertforge pipeline` file: TOML with a `workdir` and a
+    [phase1] table."""
+    if not name.endswith(".toml"):
+        return False
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the pipeline reads it with tomli
+        return False
+    try:
+        with open(os.path.join(folder, name), "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, ValueError):
+        return False
+    return "workdir" in data and isinstance(data.get("phase1"), dict)
 
 
 def _refuse_unreadable_files(entry: str, matches: list[str]) -> None:

@@ -9,11 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
 
-from bertforge.cluster.launch.local_ray import KEEP_SESSIONS, reap_dead_runs
+from bertforge.cluster.launch.local_ray import KEEP_SESSIONS, reap_dead_runs, running
 from tests.support.train_process import TrainProcess, train_command
 from tests.training.conftest import write_dataset
 
@@ -82,8 +83,17 @@ def test_a_sigkilled_drivers_ray_is_gone_after_the_next_start(tmp_path):
         tree = run.tree()
         assert any("raylet" in p.name() for p in tree)
         old = old_sessions(run.ray_root, KEEP_SESSIONS + 2)
+        workers = [p for p in tree if "RayTrainWo" in p.name()]  # its comm, cut to 15
+        assert workers
         run.process.send_signal(signal.SIGKILL)
         run.process.wait(timeout=60)
+        # The training workers die with their raylet, which dies with the driver: a process
+        # group of their own, they trained on for seconds (till they noticed the raylet gone),
+        # committing checkpoints into a run directory no longer locked.
+        deadline = time.monotonic() + 0.6  # they noticed it after 0.9 s at the soonest
+        while any(map(running, workers)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(map(running, workers)), "the training workers outlived the driver"
 
         stopped = reap_dead_runs(run.ray_root)  # what the next run's start does first
 

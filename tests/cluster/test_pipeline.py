@@ -3,6 +3,7 @@ real engines (Beam, Ray Train + DeepSpeed), run again to show it skips, resumes 
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -282,17 +283,17 @@ def test_inputs_of_a_moved_folder_are_looked_for_where_it_is_now(tmp_path):
     """dataset_identity's mapping of a recorded input location into the moved folder: a link
     inside the folder (a corpus kept elsewhere) is followed where the folder is now, where it
     could not be followed where the folder was."""
-    from bertforge.pipelines.dataset_identity import _moved
+    from bertforge.pipelines.dataset_identity import moved_location
 
     (tmp_path / "big").mkdir()
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "corpus").symlink_to(tmp_path / "big")
     old = str(tmp_path / "old")  # gone: moved to new
-    assert _moved(f"{old}/corpus/a.txt", (old, str(tmp_path / "new"))) == \
+    assert moved_location(f"{old}/corpus/a.txt", (old, str(tmp_path / "new"))) == \
         str(tmp_path / "big" / "a.txt")
-    assert _moved(f"{old}x/a.txt", (old, str(tmp_path / "new"))) == f"{old}x/a.txt"
-    assert _moved("/x/a.txt", ("/", "/z")) == "/z/x/a.txt"
-    assert _moved("/x/a.txt", None) == "/x/a.txt"
+    assert moved_location(f"{old}x/a.txt", (old, str(tmp_path / "new"))) == f"{old}x/a.txt"
+    assert moved_location("/x/a.txt", ("/", "/z")) == "/z/x/a.txt"
+    assert moved_location("/x/a.txt", None) == "/x/a.txt"
 
 
 def test_differing_keys_ignore_how_to_run():
@@ -303,6 +304,109 @@ def test_differing_keys_ignore_how_to_run():
     assert differing_keys(old, new, HOW_TO_RUN_KEYS) == ["config.prepare.options.seed"]
     assert differing_keys(old, new) == ["config.cluster.workers", "config.prepare.beam_args",
                                         "config.prepare.options.seed"]
+
+
+def test_a_workdir_under_an_input_folder_is_not_read_as_corpus(tmp_path, caplog):
+    """`inputs = ["."]` beside the workdir: its pipeline.json, lock, runs and export were read
+    as corpus, and every later run was refused, those being "new input files"."""
+    import logging
+
+    from bertforge.pipelines.read.inputs_transform import match_inputs
+
+    config = config_of(tmp_path, prepare__inputs=["."])
+    with StageRunner(config.workdir, "pipeline", config.settings()) as runner:
+        runner.run([Stage("vocab", lambda: {})])
+    (tmp_path / "work" / "hf").mkdir()
+    (tmp_path / "work" / "hf" / "config.json").write_text("{}")
+    (tmp_path / "corpus.txt").write_text("One. Two.\n")
+    # The pipeline file beside it: each edit of it was an input "of another size".
+    (tmp_path / "pipe.toml").write_text('workdir = "work"\n[phase1]\nrecipe = "x"\n')
+    (tmp_path / "notes.toml").write_text('title = "mine"\n')  # any other TOML is read
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "pipeline.json").write_text('{"a": 1}')  # a corpus file of that name
+    with caplog.at_level(logging.INFO):
+        assert match_inputs(config.prepare.options.inputs) == [
+            (str(tmp_path / "corpus.txt"), None), (str(tmp_path / "data" / "pipeline.json"), None),
+            (str(tmp_path / "notes.toml"), None)]
+    assert [r.getMessage() for r in caplog.records if "leaving out" in r.getMessage()] == [
+        f"leaving out {tmp_path / 'pipe.toml'}: a bertforge pipeline file, not corpus",
+        f"leaving out {tmp_path / 'work'}: a bertforge pipeline's workdir (its own files), "
+        "not corpus"]
+    # The workdir itself as the input: nothing is left, and the error says why.
+    with pytest.raises(ValueError, match=r"matches no file outside a bertforge pipeline's "
+                       r"workdir \(what it writes is never read as corpus\)"):
+        match_inputs((config.workdir,))
+
+
+def _vocab_stage(config, runner):
+    from bertforge.cluster.commands.pipeline import build_stages
+
+    (stage,) = [s for s in build_stages(config, PipelinePaths(config.workdir), runner)
+                if s.name == "vocab"]
+    return stage
+
+
+def _a_dataset_made(config):
+    """shards as the vocab stage judges them made: their manifest is there."""
+    shards = PipelinePaths(config.workdir).shards(64)
+    os.makedirs(shards)
+    (open(os.path.join(shards, "manifest.json"), "w")).close()
+
+
+def test_an_edited_vocab_path_is_taken_or_refused(tmp_path, capsys):
+    """An edited `[vocab] path` file was ignored while the workdir held its copy."""
+    source = tmp_path / "google-vocab.txt"
+    source.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\n")
+    config = config_of(tmp_path, vocab={"path": "google-vocab.txt"})
+    copy = PipelinePaths(config.workdir).vocab
+    with StageRunner(config.workdir, "pipeline", config.settings()) as runner:
+        assert runner.run([_vocab_stage(config, runner)])["ran"] == ["vocab"]
+        assert runner.run([_vocab_stage(config, runner)])["skipped"] == ["vocab"]
+        source.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\nand\n")
+        # Nothing made with the copy yet: the edited file is taken, and said.
+        assert runner.run([_vocab_stage(config, runner)])["ran"] == ["vocab"]
+        assert (f"vocab: vocab.path {source} changed since it was copied to {copy}, and nothing "
+                "was made with it yet: making it again") in capsys.readouterr().out
+        assert open(copy).read().endswith("and\n")
+        _a_dataset_made(config)
+        source.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
+        with pytest.raises(ValueError, match=re.escape(
+                f"vocab.path {source} changed since it was copied to {copy}, and "
+                f"{config.workdir}'s shards-64 was made with it; restore it, or delete it to "
+                "make it again from the new vocabulary")):
+            runner.run([_vocab_stage(config, runner)])
+        source.unlink()  # gone since it was copied: the copy is all there is, and is kept
+        assert runner.run([_vocab_stage(config, runner)])["skipped"] == ["vocab"]
+
+
+def test_a_vocab_trained_on_inputs_changed_since_is_trained_again_or_refused(tmp_path,
+                                                                             capsys):
+    """A book replaced in the inputs (and the shards deleted): the old vocabulary was kept
+    without a word. The stage records what it trained on, as prepare's manifest does."""
+    from bertforge.cluster.demo.docstring_corpus import write_docstring_corpus
+
+    corpus = tmp_path / "corpus" / "docs.jsonl"
+    write_docstring_corpus(str(corpus), target_bytes=60_000)
+    config = config_of(tmp_path, vocab={"vocab_size": 300})
+    vocab = PipelinePaths(config.workdir).vocab
+    with StageRunner(config.workdir, "pipeline", config.settings()) as runner:
+        assert runner.run([_vocab_stage(config, runner)])["ran"] == ["vocab"]
+        assert runner.run([_vocab_stage(config, runner)])["skipped"] == ["vocab"]
+        (tmp_path / "corpus" / "book.jsonl").write_text('{"text": "A new book. Its words."}\n')
+        assert runner.run([_vocab_stage(config, runner)])["ran"] == ["vocab"]
+        assert (f"vocab: the input files {vocab} was trained on changed since (new: "
+                f"{tmp_path}/corpus/book.jsonl), and nothing was made with it yet: making it "
+                "again") in capsys.readouterr().out
+        _a_dataset_made(config)
+        (tmp_path / "corpus" / "book.jsonl").write_text('{"text": "Another book. Longer."}\n')
+        with pytest.raises(ValueError, match=re.escape(
+                f"the input files {vocab} was trained on changed since (another size: "
+                f"{tmp_path}/corpus/book.jsonl), and {config.workdir}'s shards-64 was made with "
+                "it; restore those inputs, or delete it to make it again from the new "
+                "vocabulary")):
+            runner.run([_vocab_stage(config, runner)])
+        (tmp_path / "corpus" / "book.jsonl").unlink()  # deleted since: no change
+        assert runner.run([_vocab_stage(config, runner)])["skipped"] == ["vocab"]
 
 
 def test_a_foreign_workdir_and_a_concurrent_run_are_refused(tmp_path):
@@ -478,6 +582,30 @@ def test_a_phase1_deleted_after_phase2_began_is_not_trained_again(finished_pipel
 
 
 @pytest.mark.slow
+def test_a_deleted_dataset_no_phase_will_read_is_not_made_again(finished_pipeline, monkeypatch,
+                                                                tmp_path, capsys):
+    """The shards deleted to free the disk once both phases and the export were done: the
+    rerun made them again (prepare is the longest stage) for nothing to read them."""
+    root, _, _ = finished_pipeline
+    project = tmp_path / "project"
+    shutil.copytree(root, project, symlinks=True)
+    work = project / "work"
+    shutil.rmtree(work / "shards-64")
+    shutil.rmtree(work / "shards-128")
+    _forbid_work(monkeypatch)
+    assert main(["pipeline", str(project / "pipeline.toml")]) == 0
+    out = capsys.readouterr().out
+    for length, phase in ((64, "phase1"), (128, "phase2")):
+        assert (f"prepare-{length}: its dataset {work}/shards-{length} is gone, but {phase}, "
+                "which trains on it, is done: not making it again") in out, out[-3000:]
+    # Phase 2 to train again (its final checkpoint lost): its dataset is made again.
+    shutil.rmtree(work / "runs" / "phase2" / "checkpoints" / "step_00000004")
+    assert main(["pipeline", str(project / "pipeline.toml")]) == 1  # _forbid_work's crash
+    out = capsys.readouterr().out
+    assert "prepare-64: its dataset" in out and "[3/6] prepare-128: starting" in out
+
+
+@pytest.mark.slow
 def test_an_edited_or_added_input_is_refused_not_skipped(finished_pipeline, monkeypatch):
     """The shards' manifest is there, but the corpus is no longer what made them: skipping
     would leave the user's edit out of the model without a word."""
@@ -487,9 +615,20 @@ def test_an_edited_or_added_input_is_refused_not_skipped(finished_pipeline, monk
     original = corpus.read_bytes()
     try:
         corpus.write_bytes(original + b'{"id": "late", "text": "A late document. Two."}\n')
-        with pytest.raises(ValueError, match=r"shards-64 holds a dataset made from other "
-                           r"inputs .*another size: .*docs\.jsonl.*new workdir"):
+        # The vocabulary, trained on them, first (`_vocab_done`) ...
+        with pytest.raises(ValueError, match=r"the input files .*vocab\.txt was trained on "
+                           r"changed since \(another size: .*docs\.jsonl\), and .*'s shards-64, "
+                           r"shards-128, runs/phase1, runs/phase2 and hf were made with it; "
+                           r"restore those inputs, or delete them"):
             run_pipeline(config)
+        # ... and the shards, where the vocabulary cannot tell (given by path, or recorded
+        # before it listed its inputs).
+        with monkeypatch.context() as patched:
+            patched.setattr("bertforge.cluster.commands.pipeline.vocab_change",
+                            lambda *args: "")
+            with pytest.raises(ValueError, match=r"shards-64 holds a dataset made from other "
+                               r"inputs .*another size: .*docs\.jsonl.*new workdir"):
+                run_pipeline(config)
         corpus.write_bytes(original)
         (root / "corpus" / "more.jsonl").write_text('{"id": "m", "text": "More. Text."}\n')
         with pytest.raises(ValueError, match=r"new: .*more\.jsonl"):
@@ -545,6 +684,44 @@ def test_a_changed_configuration_is_refused_before_any_work(finished_pipeline, m
         run_pipeline(config, text)
 
 
+@pytest.mark.slow
+def test_cadence_may_change_and_a_refusal_offers_the_smallest_remedy(finished_pipeline,
+                                                                     monkeypatch, tmp_path,
+                                                                     capsys):
+    """How often a phase saves and logs could not change once it had a checkpoint, and
+    lengthening phase 1 or dropping [phase2] was refused with "delete the workdir" (its
+    vocabulary and datasets too), where deleting phase 2's run was enough."""
+    root, _, _ = finished_pipeline
+    project = tmp_path / "project"
+    shutil.copytree(root, project, symlinks=True)
+    toml, phase2 = project / "pipeline.toml", project / "work" / "runs" / "phase2"
+    _forbid_work(monkeypatch)
+
+    def run(text: str) -> tuple[int, str]:
+        toml.write_text(text)
+        code = main(["pipeline", str(toml)])
+        out, err = capsys.readouterr()
+        return code, out + err
+
+    code, out = run(TINY_TOML.replace("log_every = 4 }", "log_every = 2, checkpoint_every = 4, "
+                                      "keep_checkpoints = 5, checkpoint_minutes = 5.0 }")
+                    .replace("checkpoint_every = 2 }", "checkpoint_every = 1 }"))
+    assert code == 0 and out.count("output complete, skipping") == 6, out[-3000:]
+    code, out = run(TINY_TOML.replace("max_steps = 8", "max_steps = 12"))
+    assert code == 2 and (f"; delete {phase2} to train phase1 to its new length (phase2 "
+                          "started from its weights, and starts again from them): the "
+                          "vocabulary and the datasets are kept") in out, out[-3000:]
+    no_phase2 = TINY_TOML[:TINY_TOML.index("[phase2]")] + TINY_TOML[TINY_TOML.index("[cluster]"):]
+    code, out = run(no_phase2)
+    assert code == 2 and f"; delete {phase2} to drop phase2: the vocabulary" in out, out[-3000:]
+    shutil.rmtree(phase2)  # as offered: each goes on (here to _forbid_work's crash, exit 1)
+    code, out = run(TINY_TOML.replace("max_steps = 8", "max_steps = 12"))
+    assert code == 1 and "[4/6] phase1: starting" in out, out[-3000:]
+    code, out = run(no_phase2)
+    assert code == 1 and "[3/4] phase1: output complete" in out and (
+        "[4/4] export: starting") in out, out[-3000:]
+
+
 def test_other_workers_for_a_phase_stopped_part_way_are_refused_where_they_set_the_batch(
         tmp_path):
     """[cluster] workers is how to run; a recipe with no global_batch_size (the tiny ones)
@@ -588,21 +765,71 @@ def test_a_phase2_of_an_earlier_phase1_is_refused(tmp_path):
         check_phases_can_start(config)
 
 
+def _checkpointed(tmp_path, phase: str):
+    step = tmp_path / "work" / "runs" / phase / "checkpoints" / "step_00000008"
+    step.mkdir(parents=True)
+    (step / "COMMITTED").write_text("{}")
+    return step.parent.parent
+
+
 def test_settings_no_output_depends_on_yet_are_free_to_change(tmp_path):
     """A phase that failed at its start (no checkpoint) is run again as corrected: a workdir
-    whose vocabulary and shards were made refused the corrected file ("other settings")."""
+    whose vocabulary and shards were made refused the corrected file ("other settings").
+    How often a phase saves and logs may change at any time, as `train` takes them on a
+    resume; a phase's length while no later phase started from it; a [phase2] dropped while
+    it has no checkpoint."""
     from bertforge.cluster.commands.pipeline import settings_free_to_change
 
     config = config_of(tmp_path, phase2={"recipe": "bert_tiny_phase2", "max_seq_length": 128})
-    training_length = ("config.phase2.overrides.max_steps", "recipes.phase2.max_steps",
-                       "recipes.phase2.warmup_steps", "recipes.phase2.log_every")
-    assert settings_free_to_change(config) == (
-        "config.phase1", "recipes.phase1", "config.phase2", "recipes.phase2", *training_length)
-    step = tmp_path / "work" / "runs" / "phase1" / "checkpoints" / "step_00000008"
-    step.mkdir(parents=True)
-    (step / "COMMITTED").write_text("{}")
-    assert settings_free_to_change(config) == ("config.phase2", "recipes.phase2",
-                                               *training_length)
-    # Phase 1's run deleted under a phase 2 started from it: phase 1's settings stay fixed.
-    shutil.move(str(step.parent.parent), str(tmp_path / "work" / "runs" / "phase2"))
-    assert settings_free_to_change(config) == training_length
+
+    def free(config):
+        keys = settings_free_to_change(config)
+        return lambda key: any(key == k or key.startswith(k + ".") for k in keys)
+
+    cadence = [f"{table}.{phase}.{key}" for table, key in (
+        ("config", "overrides.checkpoint_every"), ("config", "overrides.keep_checkpoints"),
+        ("recipes", "checkpoint_minutes"), ("recipes", "log_every"))
+        for phase in ("phase1", "phase2")]
+    learning_rate = ["config.phase1.overrides.learning_rate", "recipes.phase2.learning_rate"]
+    length = ["config.phase1.overrides.max_steps", "recipes.phase1.warmup_steps",
+              "recipes.phase2.max_steps"]
+    assert all(map(free(config), cadence + learning_rate + length))
+    phase1 = _checkpointed(tmp_path, "phase1")
+    is_free = free(config)
+    assert all(map(is_free, cadence + length + ["recipes.phase2.learning_rate"]))
+    assert not is_free("config.phase1.overrides.learning_rate")
+    # Phase 1's run deleted under a phase 2 started from it: phase 1's settings stay fixed,
+    # its length too (phase 2 started from its weights); the cadence stays free.
+    shutil.move(str(phase1), str(tmp_path / "work" / "runs" / "phase2"))
+    is_free = free(config)
+    assert all(map(is_free, cadence + ["recipes.phase2.max_steps"]))
+    assert not any(map(is_free, learning_rate + ["config.phase1.overrides.max_steps",
+                                                 "recipes.phase1.warmup_steps"]))
+    # [phase2] dropped: free while its run holds no checkpoint.
+    assert not free(config_of(tmp_path))("config.phase2")
+    shutil.rmtree(tmp_path / "work" / "runs" / "phase2")
+    assert free(config_of(tmp_path))("recipes.phase2.max_steps")
+
+
+def test_the_smallest_remedy_is_offered(tmp_path):
+    """"delete the workdir" threw away the vocabulary and the datasets (hours), where
+    deleting a phase's run was enough."""
+    from bertforge.cluster.commands.pipeline import smallest_remedy
+
+    both = config_of(tmp_path, phase2={"recipe": "bert_tiny_phase2", "max_seq_length": 128})
+    runs = tmp_path / "work" / "runs"
+    _checkpointed(tmp_path, "phase1")
+    _checkpointed(tmp_path, "phase2")
+    kept = ": the vocabulary and the datasets are kept (or use another workdir)"
+    assert smallest_remedy(both, ["config.phase1.overrides.max_steps",
+                                  "recipes.phase1.max_steps"]) == (
+        f"delete {runs / 'phase2'} to train phase1 to its new length (phase2 started from its "
+        "weights, and starts again from them)" + kept)
+    assert smallest_remedy(both, ["recipes.phase1.learning_rate"]) == (
+        f"delete {runs / 'phase1'} and {runs / 'phase2'} to train phase1 and phase2 again as "
+        "the file says" + kept)
+    assert smallest_remedy(config_of(tmp_path), ["config.phase2", "recipes.phase2"]) == (
+        f"delete {runs / 'phase2'} to drop phase2" + kept)
+    # What the datasets or the vocabulary depend on: the stage runner's own (a new workdir).
+    assert smallest_remedy(both, ["config.prepare.options.dupe_factor",
+                                  "recipes.phase1.learning_rate"]) == ""

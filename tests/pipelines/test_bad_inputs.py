@@ -163,6 +163,12 @@ def test_a_directory_stands_for_every_file_under_it(tmp_path, monkeypatch):
     assert match_inputs(("in/AA", "books:./in/AA/wiki_00", str(tmp_path / "in/AA/wiki_00"))) \
         == [("in/AA/wiki_00", None)]
     assert match_inputs(("in/AA", "books:./in/AA/wiki_00")) == [("in/AA/wiki_00", "books")]
+    # Two formats forced on one file: the last one won, without a word.
+    with pytest.raises(ValueError, match=r"^in/AA/wiki_00 is named as books \('books:in'\) "
+                       r"and as sentences \('sentences:./in/AA/wiki_00'\): give it one "
+                       r"format$"):
+        match_inputs(("books:in", "sentences:./in/AA/wiki_00"))
+    assert match_inputs(("books:in/AA", "books:./in/AA/wiki_00")) == [("in/AA/wiki_00", "books")]
 
 
 def test_a_dangling_symbolic_link_among_the_inputs_is_named(tmp_path, small_vocab):
