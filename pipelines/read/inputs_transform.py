@@ -266,8 +266,8 @@ def is_pipeline_file(folder: str, name: str) -> bool:
         return False
     try:
         import tomllib
-    except ImportError:  # Python 3.10: the pipeline reads it with tomli
-        return False
+    except ModuleNotFoundError:  # Python 3.10 (pyproject.toml installs tomli there)
+        import tomli as tomllib
     try:
         with open(os.path.join(folder, name), "rb") as f:
             data = tomllib.load(f)
