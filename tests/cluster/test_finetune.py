@@ -99,8 +99,10 @@ def test_sst2_sweep_on_two_workers_scores_exports_and_reuses_the_runs(model_dir,
         sentences = [line.split("\t")[0] for line in f.read().split("\n")[1:-1]]
     with torch.no_grad():
         logits = hf.eval()(**tokenizer(sentences, padding=True, return_tensors="pt")).logits
-    assert [hf.config.id2label[i] for i in logits.argmax(-1).tolist()] == \
-        [r["prediction"] for r in rows]
+    # Its labels are named as GLUE's Hugging Face dataset names them (they were "0" and "1");
+    # the predictions file keeps the dev file's own.
+    assert hf.config.id2label == {0: "negative", 1: "positive"}
+    assert [str(i) for i in logits.argmax(-1).tolist()] == [r["prediction"] for r in rows]
 
     # The same command again: the finished runs are reused, not trained again.
     metrics_file = os.path.join(results["best_run"]["run_dir"], "metrics.jsonl")

@@ -280,7 +280,7 @@ def _write_outputs(model, cfg: FinetuneConfig, data: TaskData, pretrained,
     hf_dir = export_finetuned(
         model, pretrained.vocab_path, pretrained.lower_case,
         os.path.join(cfg.output, HF_DIR_NAME), task=cfg.task, overwrite=True,
-        labels=None if data.spec is None else data.spec.labels,
+        labels=None if data.spec is None else data.spec.exported_labels,
         positions_trained=max(pretrained_positions, cfg.seq_length),
     )
     return {"predictions": predictions_path, "hf_dir": hf_dir}

@@ -33,6 +33,10 @@ class TaskSpec:
     dev_file: str | None
     # A regression's scores, lowest and highest (STS-B's 0-5); None: any finite number.
     score_range: tuple[float, float] | None = None
+    # What each label means, where the file's labels are bare ids ("0", "1"): the export's
+    # id2label, so that a `pipeline("text-classification")` of it says "positive", not "1"
+    # (the names of GLUE's Hugging Face dataset). None: the labels say it themselves.
+    label_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.text_columns) not in (1, 2):
@@ -49,6 +53,9 @@ class TaskSpec:
                 f"task {self.name}: metrics {list(self.metrics)} / primary {self.primary_metric!r}"
                 f" must be among {list(METRIC_NAMES)}"
             )
+        if self.label_names is not None and len(self.label_names) != len(self.labels or ()):
+            raise ValueError(f"task {self.name}: {len(self.label_names)} label names for "
+                             f"labels {list(self.labels or ())}")
         for column in (*self.text_columns, self.label_column):
             if not self.has_header and not isinstance(column, int):
                 raise ValueError(
@@ -60,6 +67,11 @@ class TaskSpec:
         return self.labels is None
 
     @property
+    def exported_labels(self) -> tuple[str, ...] | None:
+        """The export's label of each id (None for a regression)."""
+        return self.label_names or self.labels
+
+    @property
     def num_labels(self) -> int:
         """Output width of the classifier head: 1 for a regression."""
         return 1 if self.labels is None else len(self.labels)
@@ -69,15 +81,16 @@ BINARY = ("0", "1")
 GLUE_TASKS: dict[str, TaskSpec] = {
     "sst2": TaskSpec(
         "sst2", ("sentence",), "label", BINARY, (ACCURACY,), ACCURACY, True,
-        "SST-2/train.tsv", "SST-2/dev.tsv",
+        "SST-2/train.tsv", "SST-2/dev.tsv", label_names=("negative", "positive"),
     ),
     # CoLA: source, label, the author's mark, sentence; no header.
     "cola": TaskSpec(
-        "cola", (3,), 1, BINARY, (MCC, ACCURACY), MCC, False, "CoLA/train.tsv", "CoLA/dev.tsv"
+        "cola", (3,), 1, BINARY, (MCC, ACCURACY), MCC, False, "CoLA/train.tsv", "CoLA/dev.tsv",
+        label_names=("unacceptable", "acceptable"),
     ),
     "mrpc": TaskSpec(
         "mrpc", ("#1 String", "#2 String"), "Quality", BINARY, (F1, ACCURACY), F1, True,
-        "MRPC/train.tsv", "MRPC/dev.tsv",
+        "MRPC/train.tsv", "MRPC/dev.tsv", label_names=("not_equivalent", "equivalent"),
     ),
     "rte": TaskSpec(
         "rte", ("sentence1", "sentence2"), "label", ("entailment", "not_entailment"),
