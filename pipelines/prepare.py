@@ -64,6 +64,7 @@ from bertforge.pipelines.prepare_options import (
     beam_options,
     check_beam_args,
     check_gcs_paths,
+    dataflow_problems,
     help_text,
     parse_command_line,
 )
@@ -196,6 +197,7 @@ def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = F
     check_gcs_paths([("--output", config.output), ("--temp_location", google.temp_location),
                      ("--staging_location", google.staging_location)]
                     + [("--input", split_format(pattern)[1]) for pattern in config.inputs])
+    _check_dataflow(config, options)
     files = match_inputs(config.inputs, config.output, config.vocab)
     vocab_bytes = read_bytes(config.vocab)
     # A vocabulary that is no BERT one is refused before anything of the output is touched.
@@ -214,6 +216,24 @@ def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = F
     pipeline = beam.Pipeline(runner=runner, options=options)
     _ = pipeline | "PrepareDataset" >> PrepareDataset(config, files, vocab_bytes)
     return pipeline, files
+
+
+def _is_dataflow(runner: str) -> bool:
+    return "Dataflow" in runner
+
+
+def _check_dataflow(config: PrepareConfig, options: PipelineOptions) -> None:
+    """A Dataflow job that would fail or lose its output (`dataflow_problems`) is refused
+    before anything is sent; a dry run says what a real run would refuse, and goes on (its
+    translation is checked offline, on local files)."""
+    if not _is_dataflow(options.view_as(StandardOptions).runner):
+        return
+    problems = dataflow_problems(config, options)
+    if options.view_as(TestOptions).dry_run:
+        for problem in problems:
+            logger.warning("dry run: a real run is refused: %s", problem)
+    elif problems:
+        raise ValueError(f"--runner DataflowRunner: {'; '.join(problems)}")
 
 
 def run(config: PrepareConfig, beam_args: Sequence[str] = (), wait: bool = True,
@@ -259,7 +279,8 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
     options = pipeline.options
     runner = options.view_as(StandardOptions).runner
     if options.view_as(TestOptions).dry_run:
-        return _dry_run(pipeline, runner, files, config.output)
+        refused = dataflow_problems(config, options) if _is_dataflow(runner) else []
+        return _dry_run(pipeline, runner, files, config.output, refused)
     submitted = None  # a Dataflow job's report, once one is created
     try:
         result = pipeline.run()
@@ -300,13 +321,16 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
     return summary
 
 
-def _dry_run(pipeline: beam.Pipeline, runner: str, files: list, output: str) -> dict[str, Any]:
+def _dry_run(pipeline: beam.Pipeline, runner: str, files: list, output: str,
+             refused: list[str]) -> dict[str, Any]:
     """Translate the job without running it (Dataflow: the job request, built and not sent)."""
-    if "Dataflow" in runner:
+    if _is_dataflow(runner):
         proto = pipeline.run().job.proto_pipeline
     else:
         proto = pipeline.to_runner_api()
     report = job_report.dry_run_report(proto, runner, files, output)
+    if refused:
+        report["a_real_run_is_refused"] = refused
     logger.info("prepare: dry run (%s), nothing written", runner)
     return report
 

@@ -17,7 +17,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, NoReturn
 
-from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, TestOptions
+from apache_beam.options.pipeline_options import (
+    DirectOptions,
+    PipelineOptions,
+    SetupOptions,
+    TestOptions,
+    WorkerOptions,
+)
 
 from bertforge.pipelines.contract.config_fields import (
     NOT_IN_FILE,
@@ -33,6 +39,7 @@ from bertforge.pipelines.contract.config_fields import (
 from bertforge.pipelines.instances.pairing import check_max_seq_length
 from bertforge.pipelines.local.options import LocalRunnerOptions  # its flags are Beam's too
 from bertforge.pipelines.read.inputs_transform import input_patterns
+from bertforge.pipelines.read.readers import split_format
 
 # A launch choice, not a job option: return once a job that runs elsewhere (Dataflow) is submitted.
 NO_WAIT_FLAGS = ("--no-wait", "--no_wait")
@@ -173,11 +180,45 @@ def beam_options(beam_args: Sequence[str]) -> PipelineOptions:
     worker processes: Beam's default running mode, in_memory, would run one and say so only in
     the log."""
     options = PipelineOptions(list(beam_args))
+    test = options.view_as(TestOptions)
+    if isinstance(test.dry_run, str):  # Beam keeps the text: "False" was true, a dry run
+        test.dry_run = _true_or_false("--dry_run", test.dry_run)
     direct = options.view_as(DirectOptions)
     if (direct.direct_num_workers or 0) > 1 and not any(
             arg.split("=", 1)[0] == "--direct_running_mode" for arg in beam_args):
         direct.direct_running_mode = "multi_processing"
     return options
+
+
+def _true_or_false(flag: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{flag}={text}: give True or False")
+
+
+def dataflow_problems(config: PrepareConfig, options: PipelineOptions) -> list[str]:
+    """What makes a Dataflow job fail or lose its output, known before it is sent: paths on
+    this machine, which Dataflow's workers cannot read (inputs) or write somewhere that lasts
+    (the output: each worker's own disk, gone with it), and workers without bertforge (Beam's
+    stock image). The vocabulary may be local: this process reads it into the job."""
+    problems = [f"--input {pattern} is on this machine, where Dataflow's workers cannot read "
+                "it: copy it to gs:// (or s3://)"
+                for pattern in config.inputs if "://" not in split_format(pattern)[1]]
+    if "://" not in config.output:
+        problems.append(f"--output {config.output} is on this machine: Dataflow's workers "
+                        "would write the shards to their own disks, lost when they stop; give "
+                        "a gs:// output")
+    setup = options.view_as(SetupOptions)
+    if not (options.view_as(WorkerOptions).sdk_container_image or setup.extra_packages
+            or setup.setup_file):
+        problems.append("the workers would run Beam's stock image, which has no bertforge: "
+                        "give --sdk_container_image (the image of infra/dataflow/Dockerfile) "
+                        "or --extra_package dist/bertforge-0.1.0.tar.gz (`python -m build "
+                        "--sdist`)")
+    return problems
 
 
 def parse_command_line(argv: Sequence[str]) -> PrepareCommand:
@@ -242,7 +283,10 @@ def check_beam_args(beam_args: Sequence[str]) -> None:
                          f"({', '.join(owned)}): they come from the configuration")
     # Beam's parser would print its own help and exit: here --help is a flag out of place.
     asked_help = [a for a in beam_args if a in ("-h", "--help")]
-    _, unknown = _beam_parser().parse_known_args([a for a in beam_args if a not in asked_help])
+    known, unknown = _beam_parser().parse_known_args(
+        [a for a in beam_args if a not in asked_help])
+    if isinstance(getattr(known, "dry_run", None), str):
+        _true_or_false("--dry_run", known.dry_run)  # its one error, before anything runs
     unknown = asked_help + unknown
     flags = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
     if flags:

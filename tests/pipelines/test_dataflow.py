@@ -77,6 +77,17 @@ def test_dataflow_dry_run_through_the_cli_exits_0_and_says_what_it_checked(
     assert sum(report["input_formats"].values()) == 4 and "jsonl (name)" in report["input_formats"]
     assert "PrepareDataset/WriteManifest" in report["stages"]
     assert not output.exists()  # nothing written, not even the output directory
+    # Its local files translate, but it says what a real run refuses (it was not said).
+    refused = report["a_real_run_is_refused"]
+    assert refused[0].startswith("--input ") and "workers cannot read it" in refused[0]
+    assert refused[-1].startswith(f"--output {output} is on this machine")
+    # The real run is refused before anything is sent or written.
+    argv.remove("--dry_run=True")
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bertforge prepare: error: --runner DataflowRunner: --input ") and \
+        "Dataflow's workers cannot read it" in err, err
+    assert not output.exists()
 
 
 def test_no_wait_is_taken_out_of_the_job_flags_and_the_follow_commands():

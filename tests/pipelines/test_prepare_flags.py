@@ -100,6 +100,30 @@ def test_no_wait_and_beams_own_options_are_read_from_the_one_parse():
     assert "--no-wait" not in command.beam_args
     plain = parse_command_line(REQUIRED)
     assert plain.wait and not plain.quiet and not plain.dry_run
+    # Beam keeps --dry_run's text: "False" was true, a dry run that a script took for a run.
+    assert not parse_command_line(REQUIRED + ["--dry_run=False"]).dry_run
+    assert parse_command_line(REQUIRED + ["--dry_run", "true"]).dry_run
+    with pytest.raises(ValueError, match="^--dry_run=maybe: give True or False$"):
+        parse_command_line(REQUIRED + ["--dry_run=maybe"])
+
+
+def test_a_dataflow_job_that_would_fail_or_lose_its_output_is_named_before_it_is_sent():
+    """Local inputs (the workers cannot read them), a local output (each worker's own disk,
+    gone with it) and Beam's stock image (no bertforge) were sent to Dataflow unsaid."""
+    from bertforge.pipelines.prepare_options import dataflow_problems
+
+    dataflow = ["--runner=DataflowRunner", "--project=p", "--region=r",
+                "--temp_location=gs://b/tmp"]
+    command = parse_command_line(["--input=books:corpus/*.txt", "--input=gs://b/wiki.xml.bz2",
+                                  "--output=shards", "--vocab=vocab.txt", *dataflow])
+    problems = dataflow_problems(command.config, command.options)
+    assert [problem.split(" is ")[0] for problem in problems[:2]] == [
+        "--input books:corpus/*.txt", "--output shards"]
+    assert problems[2].startswith("the workers would run Beam's stock image, which has no "
+                                  "bertforge: give --sdk_container_image")
+    ready = parse_command_line(["--input=gs://b/wiki.xml.bz2", "--output=gs://b/shards",
+                                "--vocab=vocab.txt", *dataflow, "--sdk_container_image=i"])
+    assert dataflow_problems(ready.config, ready.options) == []  # the vocabulary may be local
 
 
 def test_beams_worker_start_notice_is_kept_off_the_console(caplog):
