@@ -326,6 +326,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
     if args.samples < 0:
         raise ValueError(f"--samples must be at least 0, got {args.samples}")
+    if "://" in args.data_dir:  # it said "manifest.json not found" of a dataset that is there
+        raise ValueError(f"{args.data_dir}: inspect reads a dataset on this machine (or a "
+                         "mounted one), not in object storage; copy it here first (gsutil -m "
+                         "cp -r)")
     if args.verify:
         verification = verify_dataset(args.data_dir)
         if not verification.ok:

@@ -21,6 +21,7 @@ from apache_beam.options.pipeline_options import (
     DirectOptions,
     PipelineOptions,
     SetupOptions,
+    StandardOptions,
     TestOptions,
     WorkerOptions,
 )
@@ -229,7 +230,12 @@ def parse_command_line(argv: Sequence[str]) -> PrepareCommand:
     check_beam_args(beam_args)
     values = given_values(parsed, PrepareConfig)
     values["inputs"] = input_patterns(values.get("inputs", ()))
-    return PrepareCommand(PrepareConfig(**values), tuple(beam_args), wait=not parsed.no_wait)
+    command = PrepareCommand(PrepareConfig(**values), tuple(beam_args), wait=not parsed.no_wait)
+    runner = command.options.view_as(StandardOptions).runner or "DirectRunner"
+    if parsed.no_wait and "Dataflow" not in runner:  # it ran and waited all the same
+        raise ValueError(f"--no-wait is for a job that runs elsewhere (DataflowRunner); "
+                         f"{runner} runs it in this process, to its end")
+    return command
 
 
 class _RefusingParser(argparse.ArgumentParser):

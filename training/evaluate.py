@@ -122,11 +122,13 @@ def evaluate_checkpoint(
 
     The masks are the checkpoint's run's: `options.seed` None takes its training seed, and
     its masking (share, predictions per row, whole words) is the run's, whose own validation
-    and the demo's eval drew them, so `bertforge eval` of a run gives their numbers (on a GPU
-    under its precision, as the run scored itself; on a CPU in fp32). The baseline's guess is
-    the scored split's most frequent token, as the run's validation takes it (the train split
-    may be terabytes). A checkpoint saved before these were recorded takes TrainConfig's
-    defaults."""
+    and the demo's eval drew them, so `bertforge eval` of a run scores its rows as they did
+    (on a GPU under its precision, as the run scored itself; on a CPU in fp32). It scores every
+    row of the split; the run's validation leaves out the last rows that do not fill a batch
+    on every rank (`loop._Validation`), so the two differ where those rows exist. The
+    baseline's guess is the scored split's most frequent token, as the run's validation takes
+    it (the train split may be terabytes). A checkpoint saved before these were recorded takes
+    TrainConfig's defaults."""
     from bertforge.training.checkpoint import load_model, positions_trained, read_newest
     from bertforge.training.data import (
         MaskingOptions,

@@ -285,6 +285,8 @@ def check_output_dir(output: str) -> str:
     """An export's output: a new (or empty) directory in a parent that can be created and
     written."""
     refuse_storage_uri(output, "an export")
+    if not output.strip():  # it said "output  exists" of the working directory
+        raise UserInputError("--output is empty: give the directory to export to")
     path = os.path.abspath(output)
     if os.path.exists(path) and not is_empty_directory(path):
         raise UserInputError(f"output {output} exists{_export_held(path)}; give a new directory "

@@ -219,6 +219,7 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
     assert json.loads((tiny_run / "config.json").read_text())["train"]["optimizer"] == "adamw"
     # eval and export of that checkpoint pass their pre-flight; a used output is refused.
     refused(["export", str(run_dir), "--output", str(tmp_path)], capsys, "exists")
+    refused(["export", str(run_dir), "--output", ""], capsys, "--output is empty")
     # The same export again (a scheduler's retry, or one stopped after its last file) is done,
     # not refused; another checkpoint's into that directory is.
     hf = tmp_path / "hf"

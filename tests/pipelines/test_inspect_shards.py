@@ -131,3 +131,6 @@ def test_inspect_of_a_file_or_a_negative_sample_count_is_one_line(tmp_path, caps
     _write_dataset(str(tmp_path / "data"), [([2, 5, 3, 6, 3], 3, 0)])
     refused(["inspect", str(tmp_path / "data"), "--samples", "-1"], capsys,
             "--samples must be at least 0, got -1")
+    # Object storage: it said "manifest.json not found" of a dataset that is there.
+    refused(["inspect", "gs://bucket/shards"], capsys,
+            "gs://bucket/shards: inspect reads a dataset on this machine")

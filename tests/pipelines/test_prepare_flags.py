@@ -103,6 +103,10 @@ def test_no_wait_and_beams_own_options_are_read_from_the_one_parse():
     # Beam keeps --dry_run's text: "False" was true, a dry run that a script took for a run.
     assert not parse_command_line(REQUIRED + ["--dry_run=False"]).dry_run
     assert parse_command_line(REQUIRED + ["--dry_run", "true"]).dry_run
+    # --no-wait of a local run: it ran and waited all the same, without a word.
+    with pytest.raises(ValueError, match="^--no-wait is for a job that runs elsewhere "
+                       r"\(DataflowRunner\); DirectRunner runs it in this process"):
+        parse_command_line(REQUIRED + ["--no-wait"])
     with pytest.raises(ValueError, match="^--dry_run=maybe: give True or False$"):
         parse_command_line(REQUIRED + ["--dry_run=maybe"])
 
