@@ -171,6 +171,16 @@ def test_a_directory_stands_for_every_file_under_it(tmp_path, monkeypatch):
     assert match_inputs(("books:in/AA", "books:./in/AA/wiki_00")) == [("in/AA/wiki_00", "books")]
 
 
+def test_object_storage_out_of_reach_is_one_line_naming_the_input():
+    """Beam's traceback before (123 lines for gs:// after the client's 99 s of retries); here
+    s3://, which this installation cannot reach at once (no AWS client set up)."""
+    from bertforge.pipelines.read.inputs_transform import match_inputs
+
+    with pytest.raises(ValueError, match=r"^--input 'books:s3://a-bucket/x\.txt': cannot reach "
+                       r"it \(.+\); check the path, the credentials and the network$"):
+        match_inputs(("books:s3://a-bucket/x.txt",))
+
+
 def test_a_dangling_symbolic_link_among_the_inputs_is_named(tmp_path, small_vocab):
     (tmp_path / "in").mkdir()
     write_jsonl(tmp_path / "in" / "good.jsonl", [{"text": "One. Two."}])
