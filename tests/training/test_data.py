@@ -25,7 +25,12 @@ from bertforge.training.data import (
 )
 from bertforge.training.errors import UserInputError
 from bertforge.training.masking import IGNORE_INDEX
-from tests.training.conftest import read_split_rows, reference_and_resumed, write_dataset
+from tests.training.conftest import (
+    read_split_rows,
+    reference_and_resumed,
+    write_dataset,
+    write_shard,
+)
 
 KEYS = ("input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label")
 
@@ -318,6 +323,24 @@ def test_row_count_and_checksum_mismatch(damaged, tmp_path):
     loader = PretrainingLoader(damaged, batch_size=4, seed=0)  # hashing in the background
     with pytest.raises(ValueError, match=f"{os.path.basename(path)} does not match its sha256"):
         loader.wait_for_checksums()
+
+
+def test_an_id_past_the_vocabulary_is_named_by_its_shard_and_row(damaged):
+    """eval's baseline said only "split 'train' holds ids past the vocabulary" of a damaged
+    file, where `inspect` names the row."""
+    import pyarrow as pa
+
+    path = shard_path(damaged)
+    table = pa.ipc.open_file(pa.memory_map(path)).read_all()
+    ids = table.column(0).to_pylist()
+    vocab_size = manifest_lib.read_manifest(damaged).tokenizer.vocab_size
+    ids[9][2] = vocab_size + 7  # row 9: the second record batch's third row (7 a batch)
+    rows = [(row, a, nsp) for row, a, nsp in zip(ids, table.column(1).to_pylist(),
+                                                  table.column(2).to_pylist(), strict=True)]
+    write_shard(path, rows, table.schema)
+    with pytest.raises(ValueError, match=f"^shard {path}, row 9: token id {vocab_size + 7} is "
+                       f"past the vocabulary's {vocab_size} entries"):
+        token_frequencies(damaged, "train")
 
 
 def test_vocabulary_mismatch(dataset_dir):

@@ -84,9 +84,10 @@ class ShardRows:
         # uint16 holds any BERT length (<= 512): 2 bytes a sample, kept for the loader's life.
         return lengths.astype(np.uint16 if lengths.max(initial=0) < 2**16 else np.int64)
 
-    def iter_token_ids(self) -> Iterator[np.ndarray]:
+    def iter_token_ids(self) -> Iterator[tuple[Segment, np.ndarray]]:
+        """(each record batch, its rows' token ids end to end)."""
         for segment in self._segments:
-            yield segment.values[segment.offsets[0] : segment.offsets[-1]]
+            yield segment, segment.values[segment.offsets[0] : segment.offsets[-1]]
 
 
 def _group_by(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
