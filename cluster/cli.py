@@ -159,7 +159,9 @@ def _add_submit(commands) -> None:
         "give absolute ones every node mounts. "
         "Usage: bertforge submit [options] -- COMMAND ...",
     )
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="the cluster's Jobs endpoint")
+    p.add_argument("--address", default=None,
+                   help="the cluster's Jobs endpoint, its dashboard's http address (default: "
+                   f"RAY_API_SERVER_ADDRESS or RAY_ADDRESS where set, else {DEFAULT_ADDRESS})")
     p.add_argument("--working-dir", default=None,
                    help="the job's working directory, uploaded (default: this directory, "
                    "unless the job is a bertforge command and this is no bertforge checkout: "
@@ -391,17 +393,19 @@ def _run_submit(args: argparse.Namespace) -> int:
         SubmitConfig,
         default_working_dir,
         follow_job,
+        jobs_address,
         stop,
         submit,
     )
 
+    address = jobs_address(args.address)  # once: what the command says is where it goes
     entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
     if (args.stop or args.follow) and (entrypoint or args.stop and args.follow):
         raise ValueError("give a command to submit, --follow ID or --stop ID: one of them")
     if args.stop:
-        return stop(args.address, args.stop)
+        return stop(address, args.stop)
     if args.follow:
-        return follow_job(args.address, args.follow)
+        return follow_job(address, args.follow)
     working_dir = None if args.image else (args.working_dir or default_working_dir(entrypoint))
     if not args.no_command_check:
         check_submitted_command(entrypoint, uploads=working_dir is not None)
@@ -412,7 +416,7 @@ def _run_submit(args: argparse.Namespace) -> int:
             raise ValueError(f"--env takes NAME=VALUE, got {item!r}")
         env_vars[name] = value
     return submit(SubmitConfig(
-        entrypoint=entrypoint, address=args.address,
+        entrypoint=entrypoint, address=address,
         working_dir=working_dir,
         excludes=DEFAULT_EXCLUDES + tuple(args.exclude), image=args.image,
         submission_id=args.submission_id, env_vars=env_vars, follow=not args.no_wait,

@@ -25,7 +25,7 @@ import shlex
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,9 @@ from bertforge.cluster.launch.checkout import built_package, package_folders
 from bertforge.training.errors import UserInputError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+# Ray's own variables for the Jobs API's address, in the order its client reads them
+# (`ray.dashboard.utils.get_address_for_submission_client`).
+ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 # Never uploaded: environments, version control, data and run outputs (they can be GBs).
 DEFAULT_EXCLUDES = (
     ".venv", ".git", "**/__pycache__", "*.arrow", "runs", "bertforge-demo", "*.pt",
@@ -109,6 +112,17 @@ def describe_runtime_env(runtime_env: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
+def jobs_address(given: str | None, environ: Mapping[str, str] = os.environ) -> str:
+    """The Jobs API address a submission, a follow and a stop go to, resolved once: `given`
+    (--address), else RAY_API_SERVER_ADDRESS, else RAY_ADDRESS (as Ray's client reads them),
+    else the tunnel's http://127.0.0.1:8265. Ray's client let the variables win unseen: the job
+    went to one, the command named 8265."""
+    if given is not None:
+        return given
+    return next((environ[name] for name in ADDRESS_VARIABLES if environ.get(name)),
+                DEFAULT_ADDRESS)
+
+
 def jobs_client(address: str):
     """A Jobs API client that authenticates with the cluster's token when one is at hand.
 
@@ -126,12 +140,24 @@ def jobs_client(address: str):
     token = cluster_token()
     headers = {"authorization": f"Bearer {token}"} if token else None
     try:
-        return JobSubmissionClient(address, headers=headers)
+        # Ray's client lets these override any address it is given; `address` is resolved
+        # from them already (`jobs_address`), and what the command says must be where it went.
+        with _variables_hidden(ADDRESS_VARIABLES):
+            return JobSubmissionClient(address, headers=headers)
     except ConnectionError as error:  # Ray raises it with a 90-line chain behind it
         raise UserInputError(
             f"no Ray cluster answers at {address} ({str(error).splitlines()[0]}); start one "
             "(`ray start --head`, the launcher configs in infra/) or give its dashboard "
             "address with --address (default port 8265)") from None
+
+
+@contextlib.contextmanager
+def _variables_hidden(names: tuple[str, ...]) -> Iterator[None]:
+    hidden = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
 
 
 def cluster_token() -> str | None:
