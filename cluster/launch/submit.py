@@ -25,6 +25,7 @@ import shlex
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,11 +117,35 @@ def jobs_address(given: str | None, environ: Mapping[str, str] = os.environ) -> 
     """The Jobs API address a submission, a follow and a stop go to, resolved once: `given`
     (--address), else RAY_API_SERVER_ADDRESS, else RAY_ADDRESS (as Ray's client reads them),
     else the tunnel's http://127.0.0.1:8265. Ray's client let the variables win unseen: the job
-    went to one, the command named 8265."""
-    if given is not None:
-        return given
-    return next((environ[name] for name in ADDRESS_VARIABLES if environ.get(name)),
-                DEFAULT_ADDRESS)
+    went to one, the command named 8265.
+
+    The Jobs API is HTTP on the dashboard's port, so a bare HOST:PORT, as `ray dashboard`
+    prints it, is http://HOST:PORT (Ray's client took it for a GCS address: 40 s, then a
+    traceback), and anything else that is no http(s) address (`auto`, `ray://...`, which
+    Ray's client turns into GCS or Ray Client look-ups) is refused in one line."""
+    named, address = "--address", given
+    if address is None:
+        named, address = next(((name, environ[name]) for name in ADDRESS_VARIABLES
+                               if environ.get(name)), ("", DEFAULT_ADDRESS))
+    address = address.strip().rstrip("/")
+    if "://" not in address and address not in ("auto", "local"):
+        address = f"http://{address}"
+    if _is_http_address(address):
+        return address
+    given_as = f"--address {given}" if named == "--address" else f"{named}={environ[named]}"
+    raise UserInputError(
+        f"{given_as} is no Ray dashboard address: give the dashboard's http address, where the "
+        f"Jobs API answers, with --address (default {DEFAULT_ADDRESS}, where `ray dashboard` "
+        "tunnels it)")
+
+
+def _is_http_address(address: str) -> bool:
+    parts = urllib.parse.urlsplit(address)
+    try:
+        port = parts.port  # ValueError where it is no number
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
 
 
 def jobs_client(address: str):

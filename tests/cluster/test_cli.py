@@ -115,6 +115,18 @@ def test_submit_with_no_cluster_is_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
         f"bertforge submit: error: no Ray cluster answers at http://127.0.0.1:{port}"), err
+    # HOST:PORT, as `ray dashboard` prints it, is http (Ray's client took it for a GCS address:
+    # 40 s, then a 29-line traceback); what is no http address at all is refused at once.
+    for address, line in (
+            (f"127.0.0.1:{port}", f"no Ray cluster answers at http://127.0.0.1:{port} ("),
+            ("auto", "--address auto is no Ray dashboard address: give the dashboard's http "
+                     "address, where the Jobs API answers, with --address (default "
+                     "http://127.0.0.1:8265"),
+            ("ray://127.0.0.1:10001", "--address ray://127.0.0.1:10001 is no Ray dashboard "
+                                      "address")):
+        assert main(["submit", "--address", address, "--", "bertforge", "train", "--help"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"bertforge submit: error: {line}"), err
 
 
 def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys):

@@ -207,6 +207,11 @@ def test_the_job_goes_where_the_command_says(two_node_cluster, tmp_path, monkeyp
     monkeypatch.setenv("RAY_API_SERVER_ADDRESS", elsewhere)
     assert main(["submit", "--address", url, "--follow", "bf-env-address"]) == 0
     assert "job bf-env-address SUCCEEDED" in capsys.readouterr().out
+    # HOST:PORT, as `ray dashboard` prints it, is the dashboard's http address (Ray's client
+    # took it for a GCS address: 40 s, then a traceback).
+    host_port = url.removeprefix("http://")
+    assert main(["submit", "--address", host_port, "--follow", "bf-env-address"]) == 0
+    assert "job bf-env-address SUCCEEDED" in capsys.readouterr().out
 
 
 def test_the_jobs_address_is_resolved_once_as_rays_client_would():
@@ -215,6 +220,16 @@ def test_the_jobs_address_is_resolved_once_as_rays_client_would():
     assert jobs_address(None, {"RAY_ADDRESS": "http://h:1",
                                "RAY_API_SERVER_ADDRESS": "http://h:2"}) == "http://h:2"
     assert jobs_address("http://h:3", {"RAY_ADDRESS": "http://h:1"}) == "http://h:3"
+    assert jobs_address("127.0.0.1:8275", {}) == "http://127.0.0.1:8275"
+    assert jobs_address(None, {"RAY_ADDRESS": "h:1/"}) == "http://h:1"
+    assert jobs_address("https://ray.example.com/", {}) == "https://ray.example.com"
+    for given in ("auto", "local", "ray://h:10001", "gs://b/x", "h:port"):
+        with pytest.raises(ValueError, match=f"^--address {re.escape(given)} is no Ray "
+                           "dashboard address: give the dashboard's http address"):
+            jobs_address(given, {})
+    with pytest.raises(ValueError, match=r"^RAY_ADDRESS=auto is no Ray dashboard address: "
+                       r".* with --address \(default http://127.0.0.1:8265"):
+        jobs_address(None, {"RAY_ADDRESS": "auto"})
 
 
 def test_outputs_inside_a_jobs_copy_of_its_working_dir_are_refused(tmp_path, monkeypatch,
