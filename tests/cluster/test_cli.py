@@ -153,6 +153,9 @@ def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys
         (["bertforge", "train", "--data", "/shared/shards", "--run-dir", "runs/r"],
          "the job's command: --run-dir runs/r is relative: give an absolute path every node "
          "mounts"),
+        (["bertforge", "prepare", "--input", "corpus", "--output", "shards", "--vocab", "v.txt"],
+         "the job's command: --output shards is relative: give an absolute path every node "
+         "mounts"),
         # prepare's rest: the job's flags and Beam's, as prepare itself parses them.
         (["bertforge", "prepare", "--input", "gs://b/c/*.jsonl", "--output", "gs://b/s",
           "--vocab", "gs://b/v.txt", "--num-shards", "abc"],
@@ -193,6 +196,32 @@ def test_a_relative_input_is_refused_where_nothing_is_uploaded(tmp_path, monkeyp
         err = capsys.readouterr().err
         assert err.startswith(f"bertforge submit: error: the job's command: {what} is relative, "
                               "and nothing is uploaded for it to be relative to"), err
+    # prepare's paths (its flags are its job's, parsed apart), vocab's --input (a list) and
+    # inspect's DATA_DIR were not looked at: the job wrote its dataset where `ray start` ran.
+    prepare = ["bertforge", "prepare", "--input", "/shared/corpus", "--output", "/shared/s",
+               "--vocab", "/shared/v.txt"]
+    refused = [
+        (["bertforge", "prepare", "--input", "/shared/corpus", "--output", "prel", "--vocab",
+          "/shared/v.txt"], "--output prel is relative: give an absolute path every node "
+                            "mounts"),
+        ([*prepare, "--input", "books:/shared/a.txt,corpus/b.txt"],
+         "--input corpus/b.txt is relative, and nothing is uploaded"),
+        ([*prepare, "--vocab", "v.txt"], "--vocab v.txt is relative, and nothing is uploaded"),
+        (["bertforge", "vocab", "--input", "wiki:dumps", "--output", "/shared/v"],
+         "--input dumps is relative, and nothing is uploaded"),
+        (["bertforge", "inspect", "shards"], "DATA_DIR shards is relative, and nothing is "
+                                             "uploaded"),
+    ]
+    for command, message in refused:
+        assert main(["submit", "--address", address, "--", *command]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"bertforge submit: error: the job's command: {message}"), err
+    # Object storage is no relative path, and Beam's own flags are Beam's.
+    for command in ([*prepare, "--input", "wiki:gs://b/dumps", "--output", "s3://b/s",
+                     "--temp_location", "tmp"],
+                    ["bertforge", "inspect", "gs://b/shards"]):
+        assert main(["submit", "--address", address, "--", *command]) == 2
+        assert f"no Ray cluster answers at {address}" in capsys.readouterr().err
     # Uploaded (--working-dir), the path is the upload's: it goes on to the cluster.
     (tmp_path / "job").mkdir()
     assert main(["submit", "--address", address, "--working-dir", "job", "--",
