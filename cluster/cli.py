@@ -159,7 +159,9 @@ def _add_submit(commands) -> None:
         "give absolute ones every node mounts. "
         "Usage: bertforge submit [options] -- COMMAND ...",
     )
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="the cluster's Jobs endpoint")
+    p.add_argument("--address", default=None,
+                   help="the cluster's Jobs endpoint, its dashboard's http address (default: "
+                   f"RAY_API_SERVER_ADDRESS or RAY_ADDRESS where set, else {DEFAULT_ADDRESS})")
     p.add_argument("--working-dir", default=None,
                    help="the job's working directory, uploaded (default: this directory, "
                    "unless the job is a bertforge command and this is no bertforge checkout: "
@@ -395,17 +397,19 @@ def _run_submit(args: argparse.Namespace) -> int:
         SubmitConfig,
         default_working_dir,
         follow_job,
+        jobs_address,
         stop,
         submit,
     )
 
+    address = jobs_address(args.address)  # once: what the command says is where it goes
     entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
     if (args.stop or args.follow) and (entrypoint or args.stop and args.follow):
         raise ValueError("give a command to submit, --follow ID or --stop ID: one of them")
     if args.stop:
-        return stop(args.address, args.stop)
+        return stop(address, args.stop)
     if args.follow:
-        return follow_job(args.address, args.follow)
+        return follow_job(address, args.follow)
     working_dir = None if args.image else (args.working_dir or default_working_dir(entrypoint))
     if not args.no_command_check:
         check_submitted_command(entrypoint, uploads=working_dir is not None)
@@ -416,7 +420,7 @@ def _run_submit(args: argparse.Namespace) -> int:
             raise ValueError(f"--env takes NAME=VALUE, got {item!r}")
         env_vars[name] = value
     return submit(SubmitConfig(
-        entrypoint=entrypoint, address=args.address,
+        entrypoint=entrypoint, address=address,
         working_dir=working_dir,
         excludes=DEFAULT_EXCLUDES + tuple(args.exclude), image=args.image,
         submission_id=args.submission_id, env_vars=env_vars, follow=not args.no_wait,
@@ -439,15 +443,16 @@ def check_submitted_command(words: list[str], uploads: bool = True) -> None:
                  "--no-command-check submits it as it is)")
     try:
         args, extra = build_parser().parse_known_args(arguments)
+        paths = args
         if args.command == "prepare":  # its rest is the job's flags and Beam's, as it parses them
             from bertforge.pipelines.prepare_options import parse_command_line
 
-            parse_command_line(extra)
+            paths = _prepare_paths(parse_command_line(extra))
         elif extra:
             refuse_unknown_flags(args.command_parser, extra)
-        _refuse_relative_outputs(args)
+        _refuse_relative_outputs(paths)
         if not uploads:
-            _refuse_relative_inputs(args)
+            _refuse_relative_inputs(paths)
         if args.command in SETTINGS_OF:
             SETTINGS_OF[args.command](args)
     except SystemExit as refusal:  # argparse's: its usage and message are printed above
@@ -465,11 +470,19 @@ def _refuse_relative_outputs(args: argparse.Namespace) -> None:
                          "(a job's working directory is a temporary copy)")
 
 
-# The inputs a submitted command names (flags, and eval's, export's and pipeline's positional
-# CHECKPOINT and CONFIG).
+def _prepare_paths(command) -> argparse.Namespace:
+    """A `PrepareCommand`'s own paths, named as the other commands' flags are (prepare's flags
+    are its job's, parsed apart): Beam's flags are Beam's to check."""
+    config = command.config
+    return argparse.Namespace(inputs=config.inputs, output=config.output, vocab=config.vocab)
+
+
+# The inputs a submitted command names (flags: vocab's and prepare's --input, a list; and
+# inspect's, eval's, export's and pipeline's positional DATA_DIR, CHECKPOINT and CONFIG).
 _INPUTS = ("data", "init_from", "model", "train", "dev", "data_root", "glue_dir", "checkpoint",
-           "config")
-_POSITIONAL = ("checkpoint", "config")
+           "config", "inputs", "vocab", "data_dir")
+_POSITIONAL = ("checkpoint", "config", "data_dir")
+_FLAGS = {"inputs": "--input"}  # where the flag is not the name's
 
 
 def _refuse_relative_inputs(args: argparse.Namespace) -> None:
@@ -484,9 +497,23 @@ def _refuse_relative_inputs(args: argparse.Namespace) -> None:
 def _relative_paths(args: argparse.Namespace, names: tuple[str, ...]):
     """(how the command line names it, value) of each local relative path among `names`."""
     for name in names:
-        value = getattr(args, name, None)
-        if isinstance(value, str) and value and "://" not in value and not os.path.isabs(value):
-            yield (name.upper() if name in _POSITIONAL else f"--{name.replace('_', '-')}"), value
+        for value in _paths_in(getattr(args, name, None)):
+            if value and "://" not in value and not os.path.isabs(value):
+                yield _FLAGS.get(name) or (name.upper() if name in _POSITIONAL
+                                           else f"--{name.replace('_', '-')}"), value
+
+
+def _paths_in(value) -> list[str]:
+    """A path flag's paths: the value, or of a list of inputs (`--input books:a.txt,b.txt`,
+    repeatable) each pattern's path without its FORMAT: prefix."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        return []
+    from bertforge.pipelines.read.inputs_transform import input_patterns
+    from bertforge.pipelines.read.readers import split_format
+
+    return [split_format(pattern)[1] for pattern in input_patterns(value)]
 
 
 def _run_eval(args: argparse.Namespace) -> None:

@@ -25,7 +25,8 @@ import shlex
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import urllib.parse
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,9 @@ from bertforge.cluster.launch.checkout import built_package, package_folders
 from bertforge.training.errors import UserInputError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+# Ray's own variables for the Jobs API's address, in the order its client reads them
+# (`ray.dashboard.utils.get_address_for_submission_client`).
+ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 # Never uploaded: environments, version control, data and run outputs (they can be GBs).
 DEFAULT_EXCLUDES = (
     ".venv", ".git", "**/__pycache__", "*.arrow", "runs", "bertforge-demo", "*.pt",
@@ -109,6 +113,41 @@ def describe_runtime_env(runtime_env: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
+def jobs_address(given: str | None, environ: Mapping[str, str] = os.environ) -> str:
+    """The Jobs API address a submission, a follow and a stop go to, resolved once: `given`
+    (--address), else RAY_API_SERVER_ADDRESS, else RAY_ADDRESS (as Ray's client reads them),
+    else the tunnel's http://127.0.0.1:8265. Ray's client let the variables win unseen: the job
+    went to one, the command named 8265.
+
+    The Jobs API is HTTP on the dashboard's port, so a bare HOST:PORT, as `ray dashboard`
+    prints it, is http://HOST:PORT (Ray's client took it for a GCS address: 40 s, then a
+    traceback), and anything else that is no http(s) address (`auto`, `ray://...`, which
+    Ray's client turns into GCS or Ray Client look-ups) is refused in one line."""
+    named, address = "--address", given
+    if address is None:
+        named, address = next(((name, environ[name]) for name in ADDRESS_VARIABLES
+                               if environ.get(name)), ("", DEFAULT_ADDRESS))
+    address = address.strip().rstrip("/")
+    if "://" not in address and address not in ("auto", "local"):
+        address = f"http://{address}"
+    if _is_http_address(address):
+        return address
+    given_as = f"--address {given}" if named == "--address" else f"{named}={environ[named]}"
+    raise UserInputError(
+        f"{given_as} is no Ray dashboard address: give the dashboard's http address, where the "
+        f"Jobs API answers, with --address (default {DEFAULT_ADDRESS}, where `ray dashboard` "
+        "tunnels it)")
+
+
+def _is_http_address(address: str) -> bool:
+    parts = urllib.parse.urlsplit(address)
+    try:
+        port = parts.port  # ValueError where it is no number
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
+
+
 def jobs_client(address: str):
     """A Jobs API client that authenticates with the cluster's token when one is at hand.
 
@@ -126,12 +165,24 @@ def jobs_client(address: str):
     token = cluster_token()
     headers = {"authorization": f"Bearer {token}"} if token else None
     try:
-        return JobSubmissionClient(address, headers=headers)
+        # Ray's client lets these override any address it is given; `address` is resolved
+        # from them already (`jobs_address`), and what the command says must be where it went.
+        with _variables_hidden(ADDRESS_VARIABLES):
+            return JobSubmissionClient(address, headers=headers)
     except ConnectionError as error:  # Ray raises it with a 90-line chain behind it
         raise UserInputError(
             f"no Ray cluster answers at {address} ({str(error).splitlines()[0]}); start one "
             "(`ray start --head`, the launcher configs in infra/) or give its dashboard "
             "address with --address (default port 8265)") from None
+
+
+@contextlib.contextmanager
+def _variables_hidden(names: tuple[str, ...]) -> Iterator[None]:
+    hidden = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
 
 
 def cluster_token() -> str | None:

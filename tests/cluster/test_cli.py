@@ -115,6 +115,18 @@ def test_submit_with_no_cluster_is_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
         f"bertforge submit: error: no Ray cluster answers at http://127.0.0.1:{port}"), err
+    # HOST:PORT, as `ray dashboard` prints it, is http (Ray's client took it for a GCS address:
+    # 40 s, then a 29-line traceback); what is no http address at all is refused at once.
+    for address, line in (
+            (f"127.0.0.1:{port}", f"no Ray cluster answers at http://127.0.0.1:{port} ("),
+            ("auto", "--address auto is no Ray dashboard address: give the dashboard's http "
+                     "address, where the Jobs API answers, with --address (default "
+                     "http://127.0.0.1:8265"),
+            ("ray://127.0.0.1:10001", "--address ray://127.0.0.1:10001 is no Ray dashboard "
+                                      "address")):
+        assert main(["submit", "--address", address, "--", "bertforge", "train", "--help"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"bertforge submit: error: {line}"), err
 
 
 def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys):
@@ -140,6 +152,9 @@ def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys
         # after the upload and the job's start; here, before.
         (["bertforge", "train", "--data", "/shared/shards", "--run-dir", "runs/r"],
          "the job's command: --run-dir runs/r is relative: give an absolute path every node "
+         "mounts"),
+        (["bertforge", "prepare", "--input", "corpus", "--output", "shards", "--vocab", "v.txt"],
+         "the job's command: --output shards is relative: give an absolute path every node "
          "mounts"),
         # prepare's rest: the job's flags and Beam's, as prepare itself parses them.
         (["bertforge", "prepare", "--input", "gs://b/c/*.jsonl", "--output", "gs://b/s",
@@ -181,6 +196,32 @@ def test_a_relative_input_is_refused_where_nothing_is_uploaded(tmp_path, monkeyp
         err = capsys.readouterr().err
         assert err.startswith(f"bertforge submit: error: the job's command: {what} is relative, "
                               "and nothing is uploaded for it to be relative to"), err
+    # prepare's paths (its flags are its job's, parsed apart), vocab's --input (a list) and
+    # inspect's DATA_DIR were not looked at: the job wrote its dataset where `ray start` ran.
+    prepare = ["bertforge", "prepare", "--input", "/shared/corpus", "--output", "/shared/s",
+               "--vocab", "/shared/v.txt"]
+    refused = [
+        (["bertforge", "prepare", "--input", "/shared/corpus", "--output", "prel", "--vocab",
+          "/shared/v.txt"], "--output prel is relative: give an absolute path every node "
+                            "mounts"),
+        ([*prepare, "--input", "books:/shared/a.txt,corpus/b.txt"],
+         "--input corpus/b.txt is relative, and nothing is uploaded"),
+        ([*prepare, "--vocab", "v.txt"], "--vocab v.txt is relative, and nothing is uploaded"),
+        (["bertforge", "vocab", "--input", "wiki:dumps", "--output", "/shared/v"],
+         "--input dumps is relative, and nothing is uploaded"),
+        (["bertforge", "inspect", "shards"], "DATA_DIR shards is relative, and nothing is "
+                                             "uploaded"),
+    ]
+    for command, message in refused:
+        assert main(["submit", "--address", address, "--", *command]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"bertforge submit: error: the job's command: {message}"), err
+    # Object storage is no relative path, and Beam's own flags are Beam's.
+    for command in ([*prepare, "--input", "wiki:gs://b/dumps", "--output", "s3://b/s",
+                     "--temp_location", "tmp"],
+                    ["bertforge", "inspect", "gs://b/shards"]):
+        assert main(["submit", "--address", address, "--", *command]) == 2
+        assert f"no Ray cluster answers at {address}" in capsys.readouterr().err
     # Uploaded (--working-dir), the path is the upload's: it goes on to the cluster.
     (tmp_path / "job").mkdir()
     assert main(["submit", "--address", address, "--working-dir", "job", "--",

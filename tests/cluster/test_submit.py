@@ -15,9 +15,11 @@ from bertforge.cluster.cli import main
 from bertforge.cluster.launch.checkout import package_folders
 from bertforge.cluster.launch.paths import jobs_copy_of
 from bertforge.cluster.launch.submit import (
+    DEFAULT_ADDRESS,
     SubmitConfig,
     describe_runtime_env,
     entrypoint_command,
+    jobs_address,
     shipped_package,
 )
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
@@ -185,6 +187,49 @@ def test_running_job_can_be_followed_again_and_stopped(two_node_cluster, capsys)
         assert main(["submit", "--address", url, *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"bertforge submit: error: {expected}") and "\n" not in err, err
+
+
+def test_the_job_goes_where_the_command_says(two_node_cluster, tmp_path, monkeypatch,
+                                            capsys):
+    """Ray's client honours RAY_ADDRESS (and RAY_API_SERVER_ADDRESS): the job went to the
+    cluster it names while the command said `submitted to http://127.0.0.1:8265` and told the
+    user to follow it there, where no cluster answered. An --address given wins over both."""
+    url = two_node_cluster.dashboard_url
+    monkeypatch.setenv("RAY_ADDRESS", url)
+    assert main(["submit", "--working-dir", str(tmp_path), "--no-wait", "--submission-id",
+                 "bf-env-address", "--", "true"]) == 0
+    out = capsys.readouterr().out
+    assert f"job bf-env-address submitted to {url} " in out, out
+    assert f"`bertforge submit --address {url} --follow bf-env-address` follows it" in out, out
+    assert main(["submit", "--follow", "bf-env-address"]) == 0
+    assert "job bf-env-address SUCCEEDED" in capsys.readouterr().out
+    elsewhere = "http://127.0.0.1:9"  # nothing answers there
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", elsewhere)
+    assert main(["submit", "--address", url, "--follow", "bf-env-address"]) == 0
+    assert "job bf-env-address SUCCEEDED" in capsys.readouterr().out
+    # HOST:PORT, as `ray dashboard` prints it, is the dashboard's http address (Ray's client
+    # took it for a GCS address: 40 s, then a traceback).
+    host_port = url.removeprefix("http://")
+    assert main(["submit", "--address", host_port, "--follow", "bf-env-address"]) == 0
+    assert "job bf-env-address SUCCEEDED" in capsys.readouterr().out
+
+
+def test_the_jobs_address_is_resolved_once_as_rays_client_would():
+    assert jobs_address(None, {}) == DEFAULT_ADDRESS
+    assert jobs_address(None, {"RAY_ADDRESS": "http://h:1"}) == "http://h:1"
+    assert jobs_address(None, {"RAY_ADDRESS": "http://h:1",
+                               "RAY_API_SERVER_ADDRESS": "http://h:2"}) == "http://h:2"
+    assert jobs_address("http://h:3", {"RAY_ADDRESS": "http://h:1"}) == "http://h:3"
+    assert jobs_address("127.0.0.1:8275", {}) == "http://127.0.0.1:8275"
+    assert jobs_address(None, {"RAY_ADDRESS": "h:1/"}) == "http://h:1"
+    assert jobs_address("https://ray.example.com/", {}) == "https://ray.example.com"
+    for given in ("auto", "local", "ray://h:10001", "gs://b/x", "h:port"):
+        with pytest.raises(ValueError, match=f"^--address {re.escape(given)} is no Ray "
+                           "dashboard address: give the dashboard's http address"):
+            jobs_address(given, {})
+    with pytest.raises(ValueError, match=r"^RAY_ADDRESS=auto is no Ray dashboard address: "
+                       r".* with --address \(default http://127.0.0.1:8265"):
+        jobs_address(None, {"RAY_ADDRESS": "auto"})
 
 
 def test_outputs_inside_a_jobs_copy_of_its_working_dir_are_refused(tmp_path, monkeypatch,
