@@ -119,23 +119,23 @@ def jobs_address(given: str | None, environ: Mapping[str, str] = os.environ) -> 
     else the tunnel's http://127.0.0.1:8265. Ray's client let the variables win unseen: the job
     went to one, the command named 8265.
 
-    The Jobs API is HTTP on the dashboard's port, so a bare HOST:PORT, as `ray dashboard`
+    The Jobs API is HTTP on the dashboard's port, so a bare HOST:PORT given, as `ray dashboard`
     prints it, is http://HOST:PORT (Ray's client took it for a GCS address: 40 s, then a
-    traceback), and anything else that is no http(s) address (`auto`, `ray://...`, which
-    Ray's client turns into GCS or Ray Client look-ups) is refused in one line."""
-    named, address = "--address", given
-    if address is None:
-        named, address = next(((name, environ[name]) for name in ADDRESS_VARIABLES
-                               if environ.get(name)), ("", DEFAULT_ADDRESS))
-    address = address.strip().rstrip("/")
+    traceback), and anything else given that is no http(s) address (`auto`, `ray://...`,
+    which Ray's client turns into GCS or Ray Client look-ups) is refused in one line."""
+    if given is None:
+        # Only an http(s) value names the Jobs API: RAY_ADDRESS=HOST:6379, as on a head node,
+        # is the cluster's GCS address, for `ray.init`; its dashboard is then the default's.
+        values = (environ.get(name, "").strip().rstrip("/") for name in ADDRESS_VARIABLES)
+        return next((value for value in values if _is_http_address(value)), DEFAULT_ADDRESS)
+    address = given.strip().rstrip("/")
     if "://" not in address and address not in ("auto", "local"):
         address = f"http://{address}"
     if _is_http_address(address):
         return address
-    given_as = f"--address {given}" if named == "--address" else f"{named}={environ[named]}"
     raise UserInputError(
-        f"{given_as} is no Ray dashboard address: give the dashboard's http address, where the "
-        f"Jobs API answers, with --address (default {DEFAULT_ADDRESS}, where `ray dashboard` "
+        f"--address {given} is no Ray dashboard address: give the dashboard's http address, "
+        f"where the Jobs API answers (default {DEFAULT_ADDRESS}, where `ray dashboard` "
         "tunnels it)")
 
 

@@ -120,8 +120,7 @@ def test_submit_with_no_cluster_is_one_line(capsys):
     for address, line in (
             (f"127.0.0.1:{port}", f"no Ray cluster answers at http://127.0.0.1:{port} ("),
             ("auto", "--address auto is no Ray dashboard address: give the dashboard's http "
-                     "address, where the Jobs API answers, with --address (default "
-                     "http://127.0.0.1:8265"),
+                     "address, where the Jobs API answers (default http://127.0.0.1:8265"),
             ("ray://127.0.0.1:10001", "--address ray://127.0.0.1:10001 is no Ray dashboard "
                                       "address")):
         assert main(["submit", "--address", address, "--", "bertforge", "train", "--help"]) == 2

@@ -221,15 +221,16 @@ def test_the_jobs_address_is_resolved_once_as_rays_client_would():
                                "RAY_API_SERVER_ADDRESS": "http://h:2"}) == "http://h:2"
     assert jobs_address("http://h:3", {"RAY_ADDRESS": "http://h:1"}) == "http://h:3"
     assert jobs_address("127.0.0.1:8275", {}) == "http://127.0.0.1:8275"
-    assert jobs_address(None, {"RAY_ADDRESS": "h:1/"}) == "http://h:1"
+    # A variable that is no http address is a GCS address, for ray.init (a head node's
+    # RAY_ADDRESS=127.0.0.1:6379): not the Jobs API's.
+    assert jobs_address(None, {"RAY_ADDRESS": "h:6379"}) == DEFAULT_ADDRESS
+    assert jobs_address(None, {"RAY_ADDRESS": "auto"}) == DEFAULT_ADDRESS
+    assert jobs_address(None, {"RAY_ADDRESS": "http://h:1/"}) == "http://h:1"
     assert jobs_address("https://ray.example.com/", {}) == "https://ray.example.com"
     for given in ("auto", "local", "ray://h:10001", "gs://b/x", "h:port"):
         with pytest.raises(ValueError, match=f"^--address {re.escape(given)} is no Ray "
                            "dashboard address: give the dashboard's http address"):
             jobs_address(given, {})
-    with pytest.raises(ValueError, match=r"^RAY_ADDRESS=auto is no Ray dashboard address: "
-                       r".* with --address \(default http://127.0.0.1:8265"):
-        jobs_address(None, {"RAY_ADDRESS": "auto"})
 
 
 def test_outputs_inside_a_jobs_copy_of_its_working_dir_are_refused(tmp_path, monkeypatch,
