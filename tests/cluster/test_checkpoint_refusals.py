@@ -145,6 +145,7 @@ def test_a_checkpoint_missing_other_ranks_files_is_one_line(trained, tmp_path, c
                       micro_batch_size=8, warmup_steps=0, precision="fp32", zero_stage=1))
     ckpt = checkpoint.latest_checkpoint(run_dir)
     assert main(["export", ckpt, "--output", str(tmp_path / "whole")]) == 0  # rank 0 of 1
+    capsys.readouterr()  # its lines (on stderr: stdout holds the export's path alone)
     path = os.path.join(ckpt, checkpoint.METADATA_NAME)
     with open(path) as f:
         metadata = json.load(f)
