@@ -334,9 +334,11 @@ def stop(address: str, job_id: str, timeout_s: float = 60.0) -> int:
     """Ask the job to stop and wait for its final status."""
     client = jobs_client(address)
     try:
-        client.stop_job(job_id)
+        stopping = client.stop_job(job_id)  # False: it had ended
     except RuntimeError as error:  # no such job, most often
         raise UserInputError(f"cannot stop job {job_id}: {_ray_reason(error)}") from None
+    if not stopping:  # its status alone read as if this stop had ended it
+        print(f"[submit] job {job_id} had already ended: nothing to stop", flush=True)
     return final_status(client, job_id, timeout_s=timeout_s, hint=(
         "it was asked to stop and the cluster may still end it; the same command asks again"))
 

@@ -212,6 +212,10 @@ def test_the_job_goes_where_the_command_says(two_node_cluster, tmp_path, monkeyp
     host_port = url.removeprefix("http://")
     assert main(["submit", "--address", host_port, "--follow", "bf-env-address"]) == 0
     assert "job bf-env-address SUCCEEDED" in capsys.readouterr().out
+    # A stop of a job that had ended says so (its status alone read as if the stop ended it).
+    assert main(["submit", "--address", url, "--stop", "bf-env-address"]) == 0
+    assert capsys.readouterr().out == ("[submit] job bf-env-address had already ended: nothing "
+                                       "to stop\n[submit] job bf-env-address SUCCEEDED\n")
 
 
 def test_the_jobs_address_is_resolved_once_as_rays_client_would():
