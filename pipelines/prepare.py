@@ -254,18 +254,20 @@ def only_a_template(result) -> bool:
     return getattr(result, "has_job", True) is False
 
 
+def _summarised(error: Exception) -> str:
+    """A runner's error in one line: Beam's message is a header ("Dataflow pipeline failed.
+    State: FAILED, Error:") and the workers' traceback, whose last line says what went wrong."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [repr(error)]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
 def _dataflow_job_ended(submitted: dict[str, Any], error: BaseException) -> None:
     """Waiting on a Dataflow job ended: the job failed (one line with the first and last
     lines of Beam's error and where its log is), or this process was stopped, which leaves
     the job running (say so, and how to cancel it)."""
     if isinstance(error, Exception):
-        # Beam's message: a header ("Dataflow pipeline failed. State: FAILED, Error:") and the
-        # workers' traceback, whose last line says what went wrong.
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [
-            repr(error)]
-        what = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
-        raise ValueError(f"Dataflow job {submitted['job_id']} did not succeed: {what} (its "
-                         f"log: {submitted['console']})") from error
+        raise ValueError(f"Dataflow job {submitted['job_id']} did not succeed: "
+                         f"{_summarised(error)} (its log: {submitted['console']})") from error
     print(f"[prepare] the Dataflow job {submitted['job_id']} goes on without this process; "
           f"to stop it: {submitted['cancel']}", file=sys.stderr, flush=True)
     raise error
@@ -307,6 +309,9 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
             message = str(error)[str(error).index(refusal) :].split("\n")[0]
             message = message.split(" [while running")[0]
             raise ValueError(message) from error
+        if not _is_local(runner):  # Flink, Spark, Prism: offline, its job server's download
+            raise ValueError(f"--runner {runner}: the job did not succeed: "
+                             f"{_summarised(error)}") from error
         raise
     local_job.after_success(pipeline.runner, config.output)
     summary = dataset_summary(config.output, time.monotonic() - start)

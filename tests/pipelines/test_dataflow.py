@@ -135,6 +135,29 @@ def test_a_waited_for_dataflow_job_that_fails_or_is_left_says_so_in_a_line(capsy
         "us-central1\n")
 
 
+def test_another_runners_failure_is_one_line(tmp_path, corpus_files, small_vocab, capsys,
+                                             monkeypatch):
+    """FlinkRunner offline (its job server's jar cannot be fetched) was Beam's 184-line
+    traceback. The runner's start fails here as it does offline, without the network."""
+    import apache_beam as beam
+
+    from bertforge.cluster.cli import main as cli_main
+
+    def cannot_start(pipeline):
+        raise RuntimeError("Unable to fetch remote job server jar at https://repo.maven.apache"
+                           ".org/x.jar: <urlopen error [Errno -2] Name or service not known>")
+
+    monkeypatch.setattr(beam.Pipeline, "run", cannot_start)
+    output = tmp_path / "out"
+    assert cli_main(["prepare", f"--output={output}", f"--vocab={small_vocab}",
+                     f"--input={corpus_files[0]}", "--runner", "FlinkRunner"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["bertforge prepare: error: --runner FlinkRunner: the job did not succeed: "
+                   "Unable to fetch remote job server jar at https://repo.maven.apache.org/x.jar: "
+                   "<urlopen error [Errno -2] Name or service not known>"], err
+    assert not output.exists()
+
+
 def test_a_job_written_as_a_template_is_not_waited_for():
     """With --template_location Dataflow creates no job (`job_id()` of None: an AttributeError
     where the report named the job); a local run's result is no template."""
