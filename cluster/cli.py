@@ -450,7 +450,7 @@ def check_submitted_command(words: list[str], uploads: bool = True) -> None:
             paths = _prepare_paths(parse_command_line(extra))
         elif extra:
             refuse_unknown_flags(args.command_parser, extra)
-        _refuse_relative_outputs(paths)
+        _refuse_relative_outputs(paths, uploads)
         if not uploads:
             _refuse_relative_inputs(paths)
         if args.command in SETTINGS_OF:
@@ -461,13 +461,15 @@ def check_submitted_command(words: list[str], uploads: bool = True) -> None:
         raise ValueError(f"the job's command: {error}{unchecked}") from None
 
 
-def _refuse_relative_outputs(args: argparse.Namespace) -> None:
+def _refuse_relative_outputs(args: argparse.Namespace, uploads: bool) -> None:
     """A job's relative --run-dir or --output lands in its working directory on the cluster: a
     temporary copy the job refuses to write into (after the upload and the job's start), or
     wherever Ray starts a job that uploaded none."""
+    where = ("a job's working directory is a temporary copy" if uploads else
+             "nothing is uploaded, so it would be wherever the cluster's Ray started")
     for what, value in _relative_paths(args, ("run_dir", "output", "storage")):
         raise ValueError(f"{what} {value} is relative: give an absolute path every node mounts "
-                         "(a job's working directory is a temporary copy)")
+                         f"({where})")
 
 
 def _prepare_paths(command) -> argparse.Namespace:

@@ -151,7 +151,7 @@ def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys
         # after the upload and the job's start; here, before.
         (["bertforge", "train", "--data", "/shared/shards", "--run-dir", "runs/r"],
          "the job's command: --run-dir runs/r is relative: give an absolute path every node "
-         "mounts"),
+         "mounts (a job's working directory is a temporary copy)"),
         (["bertforge", "prepare", "--input", "corpus", "--output", "shards", "--vocab", "v.txt"],
          "the job's command: --output shards is relative: give an absolute path every node "
          "mounts"),
@@ -202,7 +202,8 @@ def test_a_relative_input_is_refused_where_nothing_is_uploaded(tmp_path, monkeyp
     refused = [
         (["bertforge", "prepare", "--input", "/shared/corpus", "--output", "prel", "--vocab",
           "/shared/v.txt"], "--output prel is relative: give an absolute path every node "
-                            "mounts"),
+                            "mounts (nothing is uploaded, so it would be wherever the cluster's "
+                            "Ray started)"),
         ([*prepare, "--input", "books:/shared/a.txt,corpus/b.txt"],
          "--input corpus/b.txt is relative, and nothing is uploaded"),
         ([*prepare, "--vocab", "v.txt"], "--vocab v.txt is relative, and nothing is uploaded"),
