@@ -381,7 +381,31 @@ def _train_configs(args: argparse.Namespace):
     from bertforge.cluster.launch.launch_config import LaunchConfig
     from bertforge.pipelines.contract.config_fields import given_values
 
-    return train_config_from_args(args), LaunchConfig(**given_values(args, LaunchConfig))
+    cfg = train_config_from_args(args)
+    launch = given_values(args, LaunchConfig)
+    if "workers" not in launch and cfg.resume and cfg.global_batch_size is None:
+        workers = _run_workers(cfg.run_dir)
+        if workers is not None and workers != LaunchConfig.workers:
+            # A step's batch is workers x micro-batch here: with the default 2 workers a
+            # resume of a 1-worker run trained on at twice its batch.
+            print(f"[train] resuming {cfg.run_dir} on its own --workers {workers} (a step's "
+                  "batch is workers x micro-batch; --workers or --global-batch-size says "
+                  "otherwise)", flush=True)
+            launch["workers"] = workers
+    return cfg, LaunchConfig(**launch)
+
+
+def _run_workers(run_dir: str) -> int | None:
+    """The number of workers the newest checkpoint of `run_dir` was saved by; None without."""
+    from bertforge.training import checkpoint
+
+    if not checkpoint.committed_steps(run_dir):
+        return None
+    try:
+        saved = checkpoint.read_metadata(checkpoint.latest_checkpoint(run_dir)).get("world_size")
+    except (OSError, ValueError):
+        return None  # the run's input checks say what is wrong with it
+    return saved if isinstance(saved, int) and saved > 0 else None
 
 
 def _run_train(args: argparse.Namespace) -> None:

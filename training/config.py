@@ -133,6 +133,11 @@ class TrainConfig:
             if last > self.max_steps:  # a window the run never reaches profiles nothing
                 raise ValueError(f"profile_steps {first} {last} end after the run's last step, "
                                  f"{self.max_steps} (max_steps)")
+        # The loader's own checks, here too: found in the worker, each was four tracebacks.
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.dataloader_prefetch < 0:
+            raise ValueError(f"dataloader_prefetch must be >= 0, got {self.dataloader_prefetch}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
 

@@ -146,6 +146,9 @@ def test_a_batch_the_workers_or_the_data_cannot_hold_is_refused_before_ray(datas
             "--checkpoint-every must be >= 0, got -1")
     refused(["train", *run, "--checkpoint-minutes", "nan"], capsys,
             "--checkpoint-minutes must be >= 0, got nan")
+    refused(["train", *run, "--seed", "-1"], capsys, "--seed must be in [0, 2**64), got -1")
+    refused(["train", *run, "--dataloader-prefetch", "-1"], capsys,
+            "--dataloader-prefetch must be >= 0, got -1")
     assert not os.path.exists(tmp_path / "run")
 
 

@@ -460,6 +460,19 @@ def test_a_resume_that_names_no_setting_keeps_the_runs_own(dataset, tmp_path, ca
     said = capsys.readouterr().out
     assert f"[train] resuming {run_dir} with its own settings where this command gives none: " \
            in said and "--max-steps 6" in said and "--micro-batch-size 8" in said
+    # And its workers, where a step's batch is workers x micro-batch: the default 2 trained a
+    # 1-worker run on at twice its batch.
+    from bertforge.cluster.cli import _train_configs
+
+    def launched(*flags):
+        return _train_configs(build_parser().parse_args(
+            ["train", "--data", dataset, "--run-dir", str(run_dir), *flags]))[1]
+
+    assert launched().workers == 1
+    assert f"[train] resuming {run_dir} on its own --workers 1" in capsys.readouterr().out
+    assert launched("--workers", "2").workers == 2
+    assert launched("--global-batch-size", "16").workers == 2  # the batch is fixed anyway
+    assert launched("--resume", "never").workers == 2
     again = train(cfg)  # the same run, finished: nothing more to train, nothing pruned
     assert again.global_step == 6 and again.loss_first is None
     assert checkpoint.committed_steps(str(run_dir)) == [2, 4, 6]
