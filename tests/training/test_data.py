@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pathlib
 import shutil
 import threading
 import time
@@ -16,6 +17,7 @@ import torch
 from bertforge.pipelines.contract import manifest as manifest_lib
 from bertforge.training.data import (
     BucketingOptions,
+    MaskingOptions,
     PretrainingLoader,
     ReadOptions,
     download_split,
@@ -262,6 +264,18 @@ def test_validation_split_and_frequencies(dataset_dir):
             PretrainingLoader(dataset_dir, "validation", **{"batch_size": 5, "seed": 0, **given})
     with pytest.raises(ValueError, match="no split 'test'"):
         PretrainingLoader(dataset_dir, "test", batch_size=1, seed=0)
+    # Taken or failing late before: "no" as True, whole-word masking on for "no", an epoch of
+    # 1.5 at the next iter(); a pathlib.Path failed inside a string test.
+    with pytest.raises(TypeError, match="drop_last must be True or False, got 'no'"):
+        PretrainingLoader(dataset_dir, batch_size=5, seed=0, drop_last="no")
+    for given, message in (({"whole_word": "no"}, "whole_word must be True or False"),
+                           ({"max_predictions": 2.5}, "max_predictions must be an int or None")):
+        with pytest.raises(TypeError, match=message):
+            MaskingOptions(**given)
+    with pytest.raises(TypeError, match="epoch must be an int, got 1.5"):
+        loader.set_epoch(1.5)
+    assert len(PretrainingLoader(pathlib.Path(dataset_dir), batch_size=5, seed=0)) == len(
+        PretrainingLoader(dataset_dir, batch_size=5, seed=0))
     counts = token_frequencies(dataset_dir, "train")
     want = np.bincount(np.concatenate([r[0] for r in read_split_rows(dataset_dir, "train")]))
     np.testing.assert_array_equal(counts[: len(want)], want)

@@ -27,6 +27,15 @@ class MaskingOptions:
     whole_word: bool = False  # the 80/10/10 choice per word, not per piece
 
     def __post_init__(self) -> None:
+        # Of the wrong type they were taken ("no" turned whole-word masking on) or failed at
+        # the first batch, inside numpy.
+        if not isinstance(self.whole_word, bool):
+            raise TypeError(f"whole_word must be True or False, got {self.whole_word!r}")
+        if self.max_predictions is not None and (
+                isinstance(self.max_predictions, bool)
+                or not isinstance(self.max_predictions, (int, np.integer))):
+            raise TypeError(f"max_predictions must be an int or None, got "
+                            f"{self.max_predictions!r}")
         if not 0.0 < self.mask_prob < 1.0:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
         if self.max_predictions is not None and self.max_predictions < 1:

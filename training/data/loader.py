@@ -17,6 +17,7 @@ This module wires the parts: `split` (open and check), `order` (permutation, buc
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -78,7 +79,7 @@ class PretrainingLoader:
 
     def __init__(
         self,
-        data_dir: str,
+        data_dir: str | os.PathLike,
         split: str = "train",
         *,
         batch_size: int,
@@ -94,6 +95,9 @@ class PretrainingLoader:
         packing: PackingOptions | None = None,
     ):
         _check_layout(batch_size, rank, world_size, gradient_accumulation_steps, prefetch, seed)
+        if not isinstance(drop_last, bool):  # "no" was taken as True
+            raise TypeError(f"drop_last must be True or False, got {drop_last!r}")
+        data_dir = os.fspath(data_dir)  # a pathlib.Path too (it failed inside a string test)
         opened = open_split(data_dir, split, read or ReadOptions())
         self.manifest, self._rows = opened.manifest, opened.rows
         self._rules, self._checksums = opened.rules, opened.checksums
@@ -201,6 +205,8 @@ class PretrainingLoader:
 
         So a training loop may call `set_epoch(e)` blindly after `load_state_dict`.
         """
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)):
+            raise TypeError(f"epoch must be an int, got {epoch!r}")  # 1.5 failed at iter()
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         if epoch != self._epoch:
