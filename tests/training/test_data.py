@@ -177,6 +177,15 @@ def test_resume_with_another_global_batch_needs_a_boundary(dataset_dir):
     resumed = PretrainingLoader(dataset_dir, batch_size=8, seed=5)
     resumed.load_state_dict(saver.state_dict())
     assert resumed.batches_consumed == 2
+    # What is no saved state: {} was a KeyError of 'seed', None an AttributeError, an epoch
+    # of -3 taken until the next iter().
+    with pytest.raises(TypeError, match="a loader state is the dict state_dict\\(\\) returned, "
+                       "got NoneType"):
+        resumed.load_state_dict(None)
+    with pytest.raises(ValueError, match="not a loader state: it lacks epoch, seed"):
+        resumed.load_state_dict({})
+    with pytest.raises(ValueError, match="epoch is an int >= 0, got -3"):
+        resumed.load_state_dict({**saver.state_dict(), "epoch": -3})
 
 
 def test_world_size_does_not_change_global_batches(dataset_dir):

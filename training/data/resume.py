@@ -69,6 +69,7 @@ def resume_position(layout: Layout, state: dict[str, Any]) -> tuple[int, int]:
 
     A state saved at the very end of an epoch resumes at the start of the next one.
     """
+    _check_is_a_state(state)
     state = upgrade_state(state)
     _check_same_order(layout, state)
     epoch, samples = int(state["epoch"]), int(state["samples_consumed"])
@@ -82,6 +83,25 @@ def resume_position(layout: Layout, state: dict[str, Any]) -> tuple[int, int]:
         raise ValueError(_boundary_error(layout, samples, epoch, state["global_batch_size"]))
     _check_same_grouping(layout, state, samples)
     return epoch, samples // layout.global_batch_size
+
+
+# What every saved state holds, in any version.
+_STATE_KEYS = ("epoch", "seed", "global_batch_size", "num_samples")
+
+
+def _check_is_a_state(state: Any) -> None:
+    """Anything but what `state_dict()` returned is one error saying so: {} was a KeyError of
+    'seed', None an AttributeError, and an epoch of -3 was taken until the next iter()."""
+    if not isinstance(state, dict):
+        raise TypeError(f"a loader state is the dict state_dict() returned, got "
+                        f"{type(state).__name__}")
+    missing = [key for key in _STATE_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"not a loader state: it lacks {', '.join(missing)} (give what "
+                         "state_dict() returned)")
+    epoch = state["epoch"]
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"a loader state's epoch is an int >= 0, got {epoch!r}")
 
 
 def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
