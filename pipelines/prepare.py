@@ -66,6 +66,7 @@ from bertforge.pipelines.prepare_options import (
     check_gcs_paths,
     dataflow_problems,
     help_text,
+    is_dataflow,
     parse_command_line,
 )
 from bertforge.pipelines.read.inputs_transform import FORMATS, ReadInputs, match_inputs
@@ -218,15 +219,11 @@ def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = F
     return pipeline, files
 
 
-def _is_dataflow(runner: str) -> bool:
-    return "Dataflow" in runner
-
-
 def _check_dataflow(config: PrepareConfig, options: PipelineOptions) -> None:
     """A Dataflow job that would fail or lose its output (`dataflow_problems`) is refused
     before anything is sent; a dry run says what a real run would refuse, and goes on (its
     translation is checked offline, on local files)."""
-    if not _is_dataflow(options.view_as(StandardOptions).runner):
+    if not is_dataflow(options.view_as(StandardOptions).runner):
         return
     problems = dataflow_problems(config, options)
     if options.view_as(TestOptions).dry_run:
@@ -281,7 +278,7 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
     options = pipeline.options
     runner = options.view_as(StandardOptions).runner
     if options.view_as(TestOptions).dry_run:
-        refused = dataflow_problems(config, options) if _is_dataflow(runner) else []
+        refused = dataflow_problems(config, options) if is_dataflow(runner) else []
         return _dry_run(pipeline, runner, files, config.output, refused)
     submitted = None  # a Dataflow job's report, once one is created
     try:
@@ -329,7 +326,7 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
 def _dry_run(pipeline: beam.Pipeline, runner: str, files: list, output: str,
              refused: list[str]) -> dict[str, Any]:
     """Translate the job without running it (Dataflow: the job request, built and not sent)."""
-    if _is_dataflow(runner):
+    if is_dataflow(runner):
         proto = pipeline.run().job.proto_pipeline
     else:
         proto = pipeline.to_runner_api()

@@ -200,6 +200,11 @@ def _true_or_false(flag: str, text: str) -> bool:
     raise ValueError(f"{flag}={text}: give True or False")
 
 
+def is_dataflow(runner: str) -> bool:
+    """Whether `runner` (Beam's --runner) sends the job to Google Cloud Dataflow."""
+    return "Dataflow" in runner
+
+
 def dataflow_problems(config: PrepareConfig, options: PipelineOptions) -> list[str]:
     """What makes a Dataflow job fail or lose its output, known before it is sent: paths on
     this machine, which Dataflow's workers cannot read (inputs) or write somewhere that lasts
@@ -232,7 +237,7 @@ def parse_command_line(argv: Sequence[str]) -> PrepareCommand:
     values["inputs"] = input_patterns(values.get("inputs", ()))
     command = PrepareCommand(PrepareConfig(**values), tuple(beam_args), wait=not parsed.no_wait)
     runner = command.options.view_as(StandardOptions).runner or "DirectRunner"
-    if parsed.no_wait and "Dataflow" not in runner:  # it ran and waited all the same
+    if parsed.no_wait and not is_dataflow(runner):  # it ran and waited all the same
         raise ValueError(f"--no-wait is for a job that runs elsewhere (DataflowRunner); "
                          f"{runner} runs it in this process, to its end")
     return command

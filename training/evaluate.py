@@ -192,7 +192,7 @@ def load_hf_model(hf_dir: str):
     its trained positions, and no run (masks of the default seed and masking). A model without
     the pretraining heads (a BertModel, a fine-tuned classifier) has nothing to score."""
     from bertforge.training.model import BertForPreTraining
-    from bertforge.training.warm_start import read_initial_weights
+    from bertforge.training.warm_start import load_weights_into, read_initial_weights
 
     initial = read_initial_weights(hf_dir)
     if initial.lacking:
@@ -200,12 +200,7 @@ def load_hf_model(hf_dir: str):
                          f"({', '.join(initial.lacking)}): eval scores the masked-LM and "
                          "next-sentence heads, which a BertModel or a fine-tuned model has not")
     model = BertForPreTraining(initial.config)
-    missing, unexpected = model.load_state_dict(initial.state_dict, strict=False)
-    missing = [name for name in missing if name != "cls.predictions.decoder.weight"]  # tied
-    if missing or unexpected:
-        raise ValueError(f"model {hf_dir} does not hold a BERT of its config.json's shape: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model.tie_weights()
+    load_weights_into(model, initial, f"model {hf_dir}")
     return model, {"vocab_sha256": initial.vocab_sha256,
                    "positions_trained": initial.positions_trained,
                    "model_config": initial.config.to_dict()}

@@ -42,17 +42,23 @@ def load_initial_weights(model: BertForPreTraining, source: str, vocab_sha256: s
     Returns what was read, less its tensors."""
     initial = read_initial_weights(source)
     check_fits(source, initial.config, initial.vocab_sha256, model.config, vocab_sha256)
+    load_weights_into(model, initial, f"init_from {source}")
+    return initial._replace(state_dict={})
+
+
+def load_weights_into(model: BertForPreTraining, initial: InitialWeights, what: str) -> None:
+    """`initial`'s tensors into `model`, the parts it lacks left as initialised; a tensor
+    missing otherwise, or one the model has no place for, is one error naming `what`."""
     missing, unexpected = model.load_state_dict(initial.state_dict, strict=False)
     fresh = tuple(OPTIONAL_PARTS[part] for part in initial.lacking)
     missing = [name for name in missing if name != "cls.predictions.decoder.weight"  # tied
                and not (fresh and name.startswith(fresh))]
     if missing or unexpected:
         raise UserInputError(
-            f"init_from {source} does not fit the model: missing {missing[:5]}, "
+            f"{what} does not fit the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
     model.tie_weights()
-    return initial._replace(state_dict={})
 
 
 def check_fits(source: str, source_config: BertConfig, source_vocab_sha256: str | None,

@@ -160,8 +160,10 @@ def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
               f"{trained} tokens {cfg.model} was pretrained at: positions {trained + 1}-"
               f"{cfg.seq_length} keep their random initial embeddings; pretrain a phase at "
               f"that length first (the pipeline's [phase2]), or give {shorter}", flush=True)
+    train_sha256 = sha256_file(cfg.train)  # SQuAD's one file split in two: read once
+    dev_sha256 = train_sha256 if cfg.dev == cfg.train else sha256_file(cfg.dev)
     return {"model": provenance, "num_train_examples": len(train), "num_dev_examples": len(dev),
-            DATA_FILES: {"train": sha256_file(cfg.train), "dev": sha256_file(cfg.dev)}}
+            DATA_FILES: {"train": train_sha256, "dev": dev_sha256}}
 
 
 def run_name(learning_rate: float, seed: int) -> str:

@@ -287,15 +287,21 @@ def relative_paths(value: Any, base: str) -> Any:
     return value
 
 
+def _table_of(settings: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:
+    """(the table a dotted key lies in, or None where `settings` have no such table; its key)."""
+    *parents, key = dotted.split(".")
+    table: Any = settings
+    for name in parents:
+        table = table.get(name) if isinstance(table, dict) else None
+    return (table if isinstance(table, dict) else None), key
+
+
 def _with_todays_names(settings: dict[str, Any], renamed: dict[str, str]) -> dict[str, Any]:
     """`settings` as recorded, each key of `renamed` (a dotted path) under its new name."""
     settings = json.loads(json.dumps(settings))
     for old, new in renamed.items():
-        *parents, key = old.split(".")
-        table: Any = settings
-        for name in parents:
-            table = table.get(name) if isinstance(table, dict) else None
-        if isinstance(table, dict) and key in table:
+        table, key = _table_of(settings, old)
+        if table is not None and key in table:
             table[new] = table.pop(key)
     return settings
 
@@ -305,11 +311,8 @@ def _with_defaults(settings: dict[str, Any], defaults: dict[str, Any]) -> dict[s
     they lack set to its default."""
     settings = json.loads(json.dumps(settings))
     for dotted, value in defaults.items():
-        *parents, key = dotted.split(".")
-        table: Any = settings
-        for name in parents:
-            table = table.get(name) if isinstance(table, dict) else None
-        if isinstance(table, dict) and key not in table:
+        table, key = _table_of(settings, dotted)
+        if table is not None and key not in table:
             table[key] = value
     return settings
 
