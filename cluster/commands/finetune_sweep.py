@@ -465,7 +465,21 @@ def _finished(run_dir: str, label: str, record: dict[str, Any], seconds: float) 
                 "logits became NaN): not scored, no model kept; a lower --lr trains")
         return
     scores = ", ".join(f"{k} {v:.4f}" for k, v in record["metrics"].items())
-    console(f"[finetune] {label}: finished in {seconds:.1f} s ({scores})")
+    console(f"[finetune] {label}: finished in {seconds:.1f} s ({scores}{chance_note(result)})")
+    if result.get("single_label") is not None:
+        console(f"[finetune] {label}: predicted {result['single_label']!r} for every dev "
+                "example: it learned nothing (the BERT paper restarts such runs: other "
+                "--seeds, another --lr, or --sweep)")
+
+
+def chance_note(result: dict[str, Any]) -> str:
+    """"; always 'positive': accuracy 0.5092", what the dev set's most frequent label scores,
+    beside a classification's scores; "" for SQuAD, a regression, or a record made before."""
+    chance = result.get("chance")
+    if not chance:
+        return ""
+    scores = ", ".join(f"{k} {v:.4f}" for k, v in chance["metrics"].items())
+    return f"; always {chance['label']!r}: {scores}"
 
 
 def primary_metric(cfg: FinetuneConfig) -> str:
@@ -509,6 +523,7 @@ def summarise(cfg: FinetuneConfig, launch: LaunchConfig, records: list[dict[str,
             "runs": [{"learning_rate": r["learning_rate"], "seed": r["seed"],
                       "score": r["metrics"].get(primary), "metrics": r["metrics"],
                       "diverged": bool(r.get("diverged")),
+                      "single_label": r.get("single_label"),
                       "train_seconds": r["train_seconds"], "seconds": r.get("seconds"),
                       "run_dir": r["run_dir"]}
                      for r in records],
@@ -516,6 +531,8 @@ def summarise(cfg: FinetuneConfig, launch: LaunchConfig, records: list[dict[str,
         "output": cfg.output,
         "hf_dir": os.path.join(cfg.output, HF_DIR_NAME),
         "predictions": os.path.join(cfg.output, os.path.basename(best["predictions"])),
+        # The dev set's, so every run's; the best run's word on whether it learned.
+        **{key: best[key] for key in ("chance", "single_label") if key in best},
         # What the best run trained from (a run directory's newest when it started: beside a
         # running train a later run may have started from a newer checkpoint; each run's
         # result.json names its own). Runs recorded before runs named it: the driver's check.
@@ -606,6 +623,9 @@ def summary_line(results: dict[str, Any]) -> str:
     others = ", ".join(f"{k} {v:.4f}" for k, v in results["metrics"].items() if k != primary)
     if others:
         line += f"; {others}"
+    line += chance_note(results)
+    if results.get("single_label") is not None:
+        line += f" (it predicted {results['single_label']!r} for every dev example)"
     model = results["model"]
     origin = "random init of " if model["random_init"] else ""
     line += (f"; from {origin}{model['source']} ({model['kind']}); "

@@ -140,6 +140,8 @@ def _outcome(results: dict[str, Any]) -> dict[str, Any]:
         "dev_examples": results["data"]["num_dev_examples"],
         "final_train_loss": results["training"]["final_train_loss"],
         "results": os.path.join(results["output"], "results.json"),
+        "single_label": results.get("single_label"),
+        "chance": results.get("chance"),
     }
 
 
@@ -178,8 +180,15 @@ def summary_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
                        ("bag_of_words", "bag-of-words baseline")):
         run = record[key]
         seconds = run["train_seconds"] if "train_seconds" in run else run["seconds"]
+        learned = ""
+        if run.get("single_label") is not None:
+            learned = f", {run['single_label']!r} for every sentence: nothing learned"
         rows.append((f"SST-2 dev accuracy, {label}",
-                     f"{run['accuracy']:.3f}  ({seconds:.0f} s training)"))
+                     f"{run['accuracy']:.3f}  ({seconds:.0f} s training{learned})"))
+    chance = record["pretrained"].get("chance")
+    if chance:  # a demo recorded before runs measured it has none
+        rows.append(("SST-2 dev accuracy, always the commonest label",
+                     f"{chance['metrics']['accuracy']:.3f}  ({chance['label']!r})"))
     if "finetune_seconds" in record:
         rows.append(("SST-2 fine-tuning wall seconds",
                      f"{record['finetune_seconds']:.0f} (both runs, "

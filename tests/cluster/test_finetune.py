@@ -92,6 +92,16 @@ def test_sst2_sweep_on_two_workers_scores_exports_and_reuses_the_runs(model_dir,
     assert len(rows) == 32 and [r["line"] for r in rows] == [str(i) for i in range(2, 34)]
     correct = sum(r["prediction"] == r["label"] for r in rows)
     assert results["metrics"]["accuracy"] == pytest.approx(correct / 32)
+    # Beside it, what always answering the dev set's commonest label scores, named as the
+    # export names it, and whether the run answered one label only (it learned nothing).
+    commonest = max(("0", "1"), key=lambda label: ([r["label"] for r in rows].count(label),
+                                                   label == "0"))
+    chance = sum(r["label"] == commonest for r in rows) / 32
+    name = {"0": "negative", "1": "positive"}
+    assert results["chance"] == {"label": name[commonest], "metrics": {"accuracy": chance}}
+    predicted = {r["prediction"] for r in rows}
+    assert results["single_label"] == (name[predicted.pop()] if len(predicted) == 1 else None)
+    assert f"; always {name[commonest]!r}: accuracy {chance:.4f}" in out
     # The export predicts in transformers what the workers predicted.
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(results["hf_dir"])
     tokenizer = transformers.AutoTokenizer.from_pretrained(results["hf_dir"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -174,6 +175,29 @@ def test_sweep_statistics_and_summary_line():
     line = summary_line(results)
     assert line.startswith("[finetune] mrpc: f1 0.9000 (lr 3e-05, seed 2); 4 runs: median 0.8250")
     assert "accuracy 0.8500" in line and "from /m (run_dir)" in line
+    # MRPC's dev set is 68 % paraphrases: the line says what answering that always scores,
+    # and a best run that answered one label only.
+    chance = {"label": "equivalent", "metrics": {"f1": 0.8095, "accuracy": 0.68}}
+    line = summary_line({**results, "chance": chance, "single_label": "equivalent"})
+    assert ("accuracy 0.8500; always 'equivalent': f1 0.8095, accuracy 0.6800 (it predicted "
+            "'equivalent' for every dev example)") in line
+
+
+def test_a_run_s_line_gives_the_commonest_label_s_score_and_says_it_learned_nothing(
+        tmp_path, capsys):
+    from bertforge.cluster.commands.finetune_sweep import _finished
+
+    result = {"metrics": {"accuracy": 0.5092}, "single_label": "positive",
+              "chance": {"label": "positive", "metrics": {"accuracy": 0.5092}}}
+    (tmp_path / "result.json").write_text(json.dumps(result))
+    _finished(str(tmp_path), "lr0.0003-seed1", result, 6.4)
+    assert capsys.readouterr().out.splitlines() == [
+        "[finetune] lr0.0003-seed1: finished in 6.4 s (accuracy 0.5092; always 'positive': "
+        "accuracy 0.5092)",
+        "[finetune] lr0.0003-seed1: predicted 'positive' for every dev example: it learned "
+        "nothing (the BERT paper restarts such runs: other --seeds, another --lr, or --sweep)",
+    ]
+    assert json.loads((tmp_path / "result.json").read_text())["run_seconds"] == 6.4
 
 
 def test_a_hugging_face_dir_without_weights_is_refused_on_the_driver(tmp_path):

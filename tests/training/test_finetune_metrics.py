@@ -10,12 +10,14 @@ import pytest
 from bertforge.training.finetune.metrics import (
     accuracy,
     average_ranks,
+    chance_level,
     exact_match_score,
     f1_binary,
     f1_score,
     matthews_corrcoef,
     normalize_answer,
     pearson,
+    single_label,
     spearman,
     squad_evaluate,
     task_metrics,
@@ -115,3 +117,22 @@ def test_squad_em_and_f1_on_known_cases() -> None:
     result = squad_evaluate(examples, predictions)
     assert result == pytest.approx({"exact_match": 100 / 3, "f1": 100 * 1.8 / 3})
     assert squad_evaluate(examples[:1], {"q1": "the carolina panthers"})["exact_match"] == 100.0
+
+
+def test_chance_is_the_score_of_always_answering_the_commonest_dev_label() -> None:
+    """MRPC's dev set is 68 % paraphrases: accuracy 0.68 there is no skill; F1 of answering
+    "paraphrase" always is 0.81 and its Matthews correlation 0."""
+    labels = [1] * 68 + [0] * 32
+    assert chance_level(task_spec("mrpc"), labels) == {
+        "label": 1, "metrics": {"f1": pytest.approx(2 * 68 / (100 + 68)), "accuracy": 0.68}}
+    assert chance_level(task_spec("cola"), [0, 0, 1]) == {
+        "label": 0, "metrics": {"matthews_corrcoef": 0.0, "accuracy": pytest.approx(2 / 3)}}
+    assert chance_level(task_spec("rte"), [1, 0])["label"] == 0  # a tie: the smaller id
+    assert chance_level(task_spec("stsb"), [0.5, 4.0]) is None  # a regression has no label
+
+
+def test_single_label_is_a_run_that_answered_one_label_for_every_example() -> None:
+    assert single_label([1, 1, 1]) == 1
+    assert single_label([0]) == 0
+    assert single_label([1, 0, 1]) is None
+    assert single_label([]) is None

@@ -102,6 +102,7 @@ def _finetune(cfg: FinetuneConfig, report: ReportFn | None, scratch: str) -> dic
         "precision": precision, "zero_stage": engine.zero_optimization_stage(),
         "bf16_residual": resolved.config.bf16_residual,
         "model": pretrained.provenance,
+        **_against_chance(data, predictions),
     }
     if rank == 0:
         if not diverged:  # no predictions, and no export of NaN weights
@@ -261,6 +262,22 @@ def _score(data: TaskData, cfg: FinetuneConfig, logits: dict[str, np.ndarray]):
         predictions = logits["logits"].argmax(axis=-1)
     labels = data.dev["labels"].numpy()
     return task_metrics(data.spec, predictions, labels), predictions
+
+
+def _against_chance(data: TaskData, predictions) -> dict[str, Any]:
+    """A classification run's bar and whether it cleared it: `chance`, what always answering
+    the dev set's most frequent label scores, and `single_label`, the label it gave every dev
+    example where it gave one only (it learned nothing). {} for SQuAD, a regression, or a
+    diverged run."""
+    from bertforge.training.finetune.metrics import chance_level, single_label
+
+    if data.spec is None or data.spec.is_regression or predictions is None:
+        return {}
+    names = data.spec.exported_labels
+    chance = chance_level(data.spec, data.dev["labels"].numpy())
+    only = single_label(predictions)
+    return {"chance": {"label": names[chance["label"]], "metrics": chance["metrics"]},
+            "single_label": None if only is None else names[only]}
 
 
 def _write_outputs(model, cfg: FinetuneConfig, data: TaskData, pretrained,

@@ -104,6 +104,27 @@ def task_metrics(spec: TaskSpec, predictions, labels) -> dict[str, float]:
     return {name: METRIC_FUNCTIONS[name](predictions, labels) for name in spec.metrics}
 
 
+def chance_level(spec: TaskSpec, labels) -> dict | None:
+    """What always answering the dev set's most frequent label scores on `spec`'s metrics:
+    {"label": its id, "metrics": {...}}; None for a regression. The bar a run must clear to
+    have learned anything: MRPC's dev set is 68 % paraphrases, so an accuracy of 0.68 there
+    is no skill (its tie goes to the smaller id, as numpy's argmax does)."""
+    if spec.is_regression:
+        return None
+    y = np.asarray(labels)
+    ids, counts = np.unique(y, return_counts=True)
+    if ids.size == 0:
+        raise ValueError("no labels to score")
+    majority = int(ids[np.argmax(counts)])
+    return {"label": majority, "metrics": task_metrics(spec, np.full(y.shape, majority), y)}
+
+
+def single_label(predictions) -> int | None:
+    """The one label every prediction gave (a run that learned nothing), or None."""
+    p = np.asarray(predictions)
+    return int(p[0]) if p.size and p.ndim == 1 and np.all(p == p[0]) else None
+
+
 # SQuAD v1.1: the official evaluate-v1.1.py, function for function.
 
 
