@@ -108,20 +108,42 @@ def _cell(column: GlueColumn, metrics: dict[str, float] | None) -> str:
     return "/".join(f"{100.0 * metrics[m]:.1f}" for m in column.metrics)
 
 
-def format_glue_table(results: dict[str, dict[str, float]], name: str) -> str:
+def format_glue_table(results: dict[str, dict[str, float]], name: str,
+                      chance: dict[str, dict[str, float]] | None = None) -> str:
     """The GLUE paper's layout: a header of task names and metrics, then `name`'s row of dev
-    scores x 100, '-' for a task not in `results`, and the average over the tasks present."""
+    scores x 100, '-' for a task not in `results`, and the average over the tasks present.
+    With `chance` (every task of `results`), a row under it of what always answering each dev
+    set's commonest label scores (SuperGLUE's "most frequent class"), averaged the same way."""
+    header = ["", *(c.title for c in GLUE_COLUMNS), "Average"]
+    metrics = ["", *(c.metric_label for c in GLUE_COLUMNS), ""]
+    rows = [_row(results, name)]
+    if chance is not None and chance.keys() == results.keys() and results:
+        rows.append(_row(chance, MOST_FREQUENT_CLASS))
+    lines = (header, metrics, *rows)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(text.ljust(width) for text, width in zip(line, widths, strict=True))
+                     .rstrip() for line in lines)
+
+
+MOST_FREQUENT_CLASS = "most frequent class"
+
+
+def _row(results: dict[str, dict[str, float]], name: str) -> list[str]:
     average = glue_average(results)
     present = sum(c.task in results for c in GLUE_COLUMNS)
     average_cell = MISSING if average is None else f"{average:.1f}"
     if 0 < present < len(GLUE_COLUMNS):
         average_cell += f" ({present} of {len(GLUE_COLUMNS)} tasks)"
-    header = ["", *(c.title for c in GLUE_COLUMNS), "Average"]
-    metrics = ["", *(c.metric_label for c in GLUE_COLUMNS), ""]
-    row = [name, *(_cell(c, results.get(c.task)) for c in GLUE_COLUMNS), average_cell]
-    widths = [max(len(line[i]) for line in (header, metrics, row)) for i in range(len(row))]
-    return "\n".join("  ".join(text.ljust(width) for text, width in zip(line, widths, strict=True))
-                     .rstrip() for line in (header, metrics, row))
+    return [name, *(_cell(c, results.get(c.task)) for c in GLUE_COLUMNS), average_cell]
+
+
+def chance_metrics(task: str, record: dict[str, Any]) -> dict[str, float] | None:
+    """A task's most-frequent-class scores from its record; a constant answer correlates with
+    nothing, so STS-B's are 0 (the convention of GLUE's correlation metrics here); None for a
+    record made before runs measured it."""
+    if tasks.GLUE_TASKS[task].is_regression:
+        return {metric: 0.0 for metric in tasks.GLUE_TASKS[task].metrics}
+    return record.get("chance")
 
 
 def model_name(model: str, random_init: bool) -> str:
@@ -220,10 +242,13 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
                           ran_elsewhere=name in finished) for name in configs])
         results = {name: runner.recorded(name)["metrics"] for name in configs}
         random_init = bool(config.finetune.get("random_init", False))
-        table = format_glue_table(results, model_name(config.model, random_init))
+        chance = {name: chance_metrics(name, runner.recorded(name)) for name in configs}
+        table = format_glue_table(results, model_name(config.model, random_init),
+                                  None if None in chance.values() else chance)
         runner.state["glue"] = {
             "model": os.path.abspath(config.model), "random_init": random_init,
             "glue_dir": glue_dir, "results": results, "average": glue_average(results),
+            "most_frequent_class": chance,
             "tasks_run": list(configs),
             "tasks_missing": [c.task for c in GLUE_COLUMNS if c.task not in results],
             "table": table, "this_run_seconds": round(time.time() - started, 1),
@@ -256,6 +281,7 @@ def _task_record(results: dict[str, Any]) -> dict[str, Any]:
     return {
         "runs": [[run["learning_rate"], run["seed"]] for run in results["sweep"]["runs"]],
         "metrics": results["metrics"], "primary_metric": results["primary_metric"],
+        "chance": results.get("chance", {}).get("metrics"),
         "score": results["score"], "sweep": {k: v for k, v in results["sweep"].items()
                                              if k != "runs"},
         "results": os.path.join(results["output"], "results.json"),

@@ -12,6 +12,7 @@ from bertforge.cluster.cli import main
 from bertforge.cluster.commands.glue import (
     GLUE_COLUMNS,
     GlueConfig,
+    chance_metrics,
     format_glue_table,
     glue_average,
     model_name,
@@ -39,6 +40,22 @@ def test_the_table_has_the_glue_papers_columns_and_scores_times_100() -> None:
     # Each column starts where its header does.
     for title in ("SST-2", "MRPC", "Average"):
         assert row[header.index(title) - 1] == " "
+
+
+def test_a_most_frequent_class_row_under_the_model_s_where_every_task_has_one() -> None:
+    chance = {"cola": {"matthews_corrcoef": 0.0, "accuracy": 0.6913},
+              "sst2": {"accuracy": 0.5092}, "mrpc": {"f1": 0.8122, "accuracy": 0.6838},
+              "stsb": {"pearson": 0.0, "spearman": 0.0}, "rte": {"accuracy": 0.5271}}
+    lines = format_glue_table(EVERY_TASK, "bert-mini", chance).split("\n")
+    # (0 + 50.92 + (81.22 + 68.38) / 2 + 0 + 52.71) / 5 = 35.7
+    assert lines[3].split() == ["most", "frequent", "class", "0.0", "50.9", "81.2/68.4",
+                                "0.0/0.0", "52.7", "35.7"]
+    assert lines[2].split()[1:] == ["52.1", "92.3", "88.6/84.3", "87.1/86.9", "66.4", "76.9"]
+    # A task without it (a record from before): no row, rather than an average over fewer.
+    assert len(format_glue_table(EVERY_TASK, "m", {"sst2": chance["sst2"]}).split("\n")) == 3
+    assert chance_metrics("stsb", {}) == {"pearson": 0.0, "spearman": 0.0}
+    assert chance_metrics("sst2", {"chance": {"accuracy": 0.5}}) == {"accuracy": 0.5}
+    assert chance_metrics("sst2", {"metrics": {}}) is None
 
 
 def test_missing_tasks_are_dashes_and_the_average_says_over_how_many() -> None:
@@ -163,6 +180,15 @@ def test_two_tiny_tasks_end_to_end_then_a_rerun_skips_them(tmp_path, capsys) -> 
     expected = (glue["results"]["sst2"]["accuracy"] + glue["results"]["rte"]["accuracy"]) * 50
     assert glue["average"] == pytest.approx(expected)
     assert glue["table"] in printed and glue["table"].split("\n")[2].startswith("tiny-bert ")
+    # Under it, what always answering each dev set's commonest label scores.
+    for task in ("sst2", "rte"):
+        results = json.loads((output / task / "results.json").read_text())
+        assert glue["most_frequent_class"][task] == results["chance"]["metrics"]
+    chance = glue["most_frequent_class"]
+    assert glue["table"].split("\n")[3].split()[-5:] == [
+        f"{(chance['sst2']['accuracy'] + chance['rte']['accuracy']) * 50:.1f}", "(2", "of", "5",
+        "tasks)"]
+    assert glue["table"].split("\n")[3].startswith("most frequent class ")
     # --workers 1 on this machine: one worker process, no Ray.
     assert ("2 run(s) in one local worker process (sst2/runs/lr0.001-seed12345, rte/runs/"
             in printed)
