@@ -6,7 +6,8 @@ Every file goes through `read_file`, which a Beam DoFn and the vocabulary traine
 - a truncated or corrupt compressed file keeps the records read before the damage and adds one
   `truncated_compressed_file` / `corrupt_compressed_file` reject;
 - `empty_file` for zero bytes or no record at all, `binary_file` for content that is not text,
-  `utf16_file` for UTF-16 text (UTF-8 is read).
+  `utf16_file` for UTF-16 text (UTF-8 is read), `vocabulary_file` for a WordPiece vocabulary
+  (a `vocab.txt` kept beside the corpus: read, its tokens became a document of "sentences").
 
 `detect_format` chooses a file's format before it is read: a format prefix, else its name, else
 its first decompressed bytes (`readers.choose_format`).
@@ -161,6 +162,22 @@ def format_mismatch(path: str, choice: readers.FormatChoice) -> Reject:
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 
+# BERT's special tokens, each a line of every WordPiece vocab.txt (Google's within its first 104).
+VOCAB_SPECIAL_LINES = frozenset({b"[PAD]", b"[UNK]", b"[CLS]", b"[SEP]", b"[MASK]"})
+MIN_VOCAB_LINES = 20
+
+
+def looks_like_vocabulary(head: bytes) -> bool:
+    """A WordPiece vocabulary's first bytes: a token a line, no spaces inside one, and at least
+    three of BERT's special tokens among them. Text, even a word list, has no `[CLS]` line."""
+    lines = head.split(b"\n")[:-1] if len(head) == SNIFF_BYTES else head.split(b"\n")
+    lines = [line.rstrip(b"\r") for line in lines]
+    if len(lines) < MIN_VOCAB_LINES or any(not line.strip() or len(line.split()) != 1
+                                           for line in lines if line):
+        return False
+    return len(VOCAB_SPECIAL_LINES.intersection(lines)) >= 3
+
+
 def looks_binary(head: bytes) -> bool:
     if b"\x00" in head:
         return True
@@ -205,6 +222,10 @@ def read_file(
             return
         if looks_binary(head):
             yield Reject("binary_file", path, "", f"first bytes {head[:24]!r}")
+            return
+        if looks_like_vocabulary(head):
+            yield Reject("vocabulary_file", path, "", "a WordPiece vocabulary (a token a line: "
+                         "[PAD], [UNK], [CLS], ...), not corpus: keep it apart from the corpus")
             return
         num_items = 0
         for item in readers.read_documents(path, doc_id_prefix, PrefixedStream(head, stream), fmt):

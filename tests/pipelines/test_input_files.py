@@ -5,6 +5,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import json
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -125,3 +126,38 @@ def test_overlong_sentences_are_cut():
     pieces, num_cut = bound_sentence_length(["short.", "word " * 5000], max_chars=1000)
     assert num_cut == 1 and pieces[0] == "short."
     assert all(len(p) <= 1000 for p in pieces) and len(pieces) > 25
+
+
+def google_style_vocab(num_words: int = 3000) -> str:
+    """Google's layout: [PAD], [unused0-98], [UNK], [CLS], [SEP], [MASK], then pieces."""
+    specials = ["[PAD]", *(f"[unused{i}]" for i in range(99)), "[UNK]", "[CLS]", "[SEP]",
+                "[MASK]"]
+    words = [f"word{i}" if i % 3 else f"##piece{i}" for i in range(num_words)]
+    return "\n".join(specials + words) + "\n"
+
+
+def test_a_vocabulary_among_the_corpus_files_is_rejected_not_read_as_sentences(tmp_path):
+    """A vocab.txt beside the corpus files was read as one document of 8,000 "sentences"
+    (`[PAD]`, `##0`, ...): 129 instances of tokens in a prepare of two books, and tokens in
+    a trained vocabulary, without a word."""
+    from bertforge.pipelines.read.input_files import iter_texts
+
+    google = tmp_path / "vocab.txt"
+    google.write_text(google_style_vocab())
+    ours = tmp_path / "ours.txt"  # bertforge vocab's layout, CRLF as a Windows editor saves it
+    ours.write_bytes("\r\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "##0", "the",
+                                  *(f"w{i}" for i in range(40))]).encode())
+    for path in (google, ours):
+        (reject,) = _read(path)
+        assert (reject.reason, reject.source) == ("vocabulary_file", str(path))
+        assert "not corpus" in reject.detail
+    # Text is read: a word list (no special tokens), and a file that mentions [CLS] in prose.
+    words = tmp_path / "words.txt"
+    words.write_text("\n".join(f"word{i}" for i in range(100)) + "\n")
+    assert _reasons(_read(words)) == [] and len(_read(words)) == 1
+    prose = tmp_path / "prose.txt"
+    prose.write_text("[PAD]\n[UNK]\n[CLS]\n" + "A sentence of several words.\n" * 30)
+    assert _reasons(_read(prose)) == []
+    skipped = Counter()
+    assert list(iter_texts([str(google), str(prose)], skipped=skipped))  # the vocab trainer's
+    assert skipped == {"vocabulary_file": 1}
