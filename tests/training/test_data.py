@@ -750,3 +750,14 @@ def test_ranks_wait_for_a_nodes_copy_of_a_remote_dataset_beyond_the_groups_timeo
         leftovers = [name for name in os.listdir(path)
                      if name.startswith(".copied-") or ".tmp" in name or ".partial" in name]
         assert leftovers == []  # this run's marker goes once every rank has read it
+
+
+def test_an_empty_split_says_so_whatever_the_batch(tmp_path):
+    """An empty split advised "a smaller batch ... drop_last=False serves every sample", which
+    an evaluation loader already had and no batch size mends."""
+    data = write_dataset(str(tmp_path / "data"), {"train": [8], "validation": [0]})
+    for drop_last in (True, False):
+        with pytest.raises(UserInputError, match=r"split 'validation' of .* holds no samples: "
+                           r"prepare more data") as error:
+            PretrainingLoader(data, "validation", batch_size=1, seed=0, drop_last=drop_last)
+        assert "batch" not in str(error.value)

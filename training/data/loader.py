@@ -122,6 +122,9 @@ class PretrainingLoader:
             (masking or MaskingOptions()).for_dataset(self.facts),
             seed=seed,
         )
+        if self.num_samples == 0:  # no batch size mends it (what the message below says)
+            raise UserInputError(f"split {split!r} of {data_dir} holds no samples: prepare "
+                                 "more data (a larger corpus, or --validation_fraction)")
         if len(self) == 0:  # only with drop_last: a training loader
             raise UserInputError(
                 f"split {split!r} of {data_dir} has {self.num_samples} samples, fewer than one "
