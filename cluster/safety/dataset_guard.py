@@ -57,11 +57,13 @@ def writing_dataset(output: str, config, *, overwrite: bool) -> Iterator[None]:
         return
     output = output.removeprefix("file://")
     refuse_a_training_run(output)
-    fresh = not os.path.isdir(output) or not _has_content(output)
     cleaned = False
     try:
         with exclusive_directory(output, "prepare"):
-            # Only once the lock is ours: what another prepare just made is not ours to clean.
+            # Only once the lock is ours: what another prepare just made is not ours to clean
+            # (looked at before, a prepare that ended meanwhile left a folder taken for empty,
+            # and this run's refusal of its dataset deleted it).
+            fresh = not _has_content(output)
             try:
                 refuse_readers(output)
                 if not overwrite:

@@ -346,3 +346,28 @@ def test_the_summary_writes_a_path_as_the_user_named_it(inputs, tmp_path, capsys
     printed = capsys.readouterr().out
     assert json.loads(printed)["output"] == str(output)
     assert f'"output": "{output}"' in printed, printed
+
+
+def test_a_dataset_finished_just_before_the_lock_is_not_cleaned_as_this_runs_own(
+        tmp_path, monkeypatch):
+    """Another prepare ends (its manifest written, its lock let go) between this one's first
+    look at the folder and its lock: this one's failure, or its refusal of that dataset, took
+    the folder for one it had made from nothing and deleted the finished dataset."""
+    from bertforge.cluster.safety import dataset_guard
+
+    output = tmp_path / "shards"
+
+    @contextlib.contextmanager
+    def another_ends_first(root, command, **timing):
+        os.makedirs(os.path.join(root, "train"))
+        (output / "train" / "part-00000-of-00001.arrow").write_bytes(b"shard")
+        (output / "manifest.json").write_text("{}", encoding="utf-8")
+        with exclusive_directory(root, command, **timing) as lock:
+            yield lock
+
+    monkeypatch.setattr(dataset_guard, "exclusive_directory", another_ends_first)
+    config = type("Config", (), {"vocab": str(tmp_path / "vocab.txt"), "inputs": ()})()
+    with pytest.raises(RuntimeError), \
+            dataset_guard.writing_dataset(str(output), config, overwrite=False):
+        raise RuntimeError("this prepare fails")
+    assert sorted(os.listdir(output)) == ["manifest.json", "train"]
