@@ -34,6 +34,7 @@ from bertforge.cluster.safety.run_lock import (
     Holder,
     RunDirectoryInUse,
     exclusive_directory,
+    refuse_if_in_use,
 )
 from bertforge.pipelines.local.work_dir import WORK_DIR_NAME
 
@@ -210,9 +211,33 @@ def reading_dataset(data_dir: str, command: str) -> Iterator[None]:
         yield  # a read-only dataset: nobody can replace it under us
         return
     try:
+        refuse_a_writer(data_dir.removeprefix("file://"))
         yield
     finally:
         lock.__exit__(None, None, None)
         shutil.rmtree(record, ignore_errors=True)
         with contextlib.suppress(OSError):  # the last reader leaves no empty folder behind
             os.rmdir(os.path.dirname(record))
+
+
+def refuse_a_writer(data_dir: str) -> None:
+    """A `prepare` writing `data_dir` now (its lock, DATA/.lock) is past its look for readers:
+    a run that reads it meanwhile had its shards rewritten or deleted under it. Looked at once
+    this reader is recorded, as `prepare` looks for readers once its lock is taken: of two
+    that start together, one sees the other."""
+    try:
+        refuse_if_in_use(data_dir)
+    except RunDirectoryInUse:
+        holder = Holder.parse(_lock_text(data_dir) or "")
+        raise DatasetConflict(
+            f"{data_dir} is being written by a bertforge prepare"
+            f"{f' ({holder.describe()})' if holder else ''}: wait for it to end, or read "
+            "another dataset") from None
+
+
+def _lock_text(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, LOCK_NAME), encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None

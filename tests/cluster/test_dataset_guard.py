@@ -371,3 +371,21 @@ def test_a_dataset_finished_just_before_the_lock_is_not_cleaned_as_this_runs_own
             dataset_guard.writing_dataset(str(output), config, overwrite=False):
         raise RuntimeError("this prepare fails")
     assert sorted(os.listdir(output)) == ["manifest.json", "train"]
+
+
+def test_a_run_is_refused_a_dataset_that_a_prepare_is_writing(tmp_path):
+    """A prepare looks for readers once, when it starts: a train or eval that began to read
+    the dataset after that (a --overwrite, or the same job making a lost shard again) had its
+    shards rewritten or deleted under it. Now the reader is refused, naming the prepare."""
+    from bertforge.cluster.safety.dataset_guard import DatasetConflict
+
+    output = tmp_path / "shards"
+    with exclusive_directory(str(output), "prepare"):  # a prepare past its look for readers
+        with pytest.raises(DatasetConflict,
+                           match=rf"^{output} is being written by a bertforge prepare \(host "
+                                 r".*\): wait for it to end"), \
+                reading_dataset(str(output), "train"):
+            pass
+        assert not (output / ".readers").exists()  # the refused reader's record went
+    with reading_dataset(str(output), "train"):  # once it ended
+        pass
