@@ -20,7 +20,7 @@ from apache_beam.pvalue import AsSingleton
 
 from bertforge.pipelines.beam_common import count
 from bertforge.pipelines.contract import manifest
-from bertforge.pipelines.filesystem import sha256_of
+from bertforge.pipelines.filesystem import sha256_of, sync_if_local
 from bertforge.pipelines.instances.batch_columns import (
     InstanceBatch,
     RowKeys,
@@ -195,6 +195,7 @@ class WriteShardFile(beam.DoFn):
                                           self._vocab_size)
             finally:
                 sink.close()
+            sync_if_local(tmp_path)  # before the bundle that made it counts as done
             FileSystems.rename([tmp_path], [path])
         if left:
             FileSystems.delete(left)

@@ -167,3 +167,29 @@ def test_a_shard_of_other_rows_is_not_taken_for_a_redone_one(tmp_path):
     os.remove(pieces[1][1])
     with pytest.raises(Exception, match="piece1"):
         list(WriteShardFile(str(tmp_path), 320, {"train": 1}).process((("train", 0), pieces)))
+
+
+def test_shards_and_the_manifest_are_on_the_disk_before_anything_vouches_for_them(
+        tmp_path, monkeypatch):
+    """A shard's bundle counts as done (a synced record) and the manifest says the dataset is
+    finished: without an fsync of the shard and of the manifest a power loss could keep those
+    records and lose the bytes, and the same command then took the damaged dataset as done."""
+    from bertforge.pipelines.filesystem import write_bytes
+    from bertforge.pipelines.write.shards_transform import WriteShardFile
+
+    synced: set[int] = set()
+    fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.add(os.fstat(fd).st_ino)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    (tmp_path / "train").mkdir()
+    pieces = _piece_files(tmp_path / "train", [5])
+    list(WriteShardFile(str(tmp_path), 320, {"train": 1}).process((("train", 0), pieces)))
+    write_bytes(str(tmp_path / "vocab.txt"), b"[PAD]\n")
+    found = manifest.Manifest(manifest.TokenizerEntry("0", 320, True), {}, {}, {})
+    manifest.write_manifest(str(tmp_path), found)
+    for name in ("train/part-00000-of-00001.arrow", "vocab.txt", "manifest.json"):
+        assert os.stat(tmp_path / name).st_ino in synced, name
