@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -177,16 +178,27 @@ def live_readers(data_dir: str) -> list[Holder]:
     root = os.path.join(data_dir, READERS_DIR)
     live = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        record = os.path.join(root, name)
         try:
-            with open(os.path.join(root, name, LOCK_NAME), encoding="utf-8") as f:
+            with open(os.path.join(record, LOCK_NAME), encoding="utf-8") as f:
                 holder = Holder.parse(f.read())
         except OSError:
             holder = None
         if holder is not None and holder.is_alive(STALE_AFTER_SECONDS):
             live.append(holder)
-        else:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        elif holder is not None or _age(record) >= STALE_AFTER_SECONDS:
+            shutil.rmtree(record, ignore_errors=True)
+        # else a reader's record being made (its lock file not in it yet), left to it: removed,
+        # the reader's lock failed and it read on unrecorded, or failed naming the record. It
+        # looks for this prepare's lock once recorded (`refuse_a_writer`).
     return live
+
+
+def _age(path: str) -> float:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def refuse_readers(data_dir: str) -> None:
@@ -208,6 +220,7 @@ def reading_dataset(data_dir: str, command: str) -> Iterator[None]:
         lock = exclusive_directory(record, command)
         lock.__enter__()
     except (OSError, RunDirectoryInUse):
+        refuse_a_writer(data_dir.removeprefix("file://"))
         yield  # a read-only dataset: nobody can replace it under us
         return
     try:

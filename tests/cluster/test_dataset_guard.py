@@ -389,3 +389,47 @@ def test_a_run_is_refused_a_dataset_that_a_prepare_is_writing(tmp_path):
         assert not (output / ".readers").exists()  # the refused reader's record went
     with reading_dataset(str(output), "train"):  # once it ended
         pass
+
+
+@pytest.mark.parametrize("when", ["folder made", "lock file written"])
+def test_a_reader_whose_record_a_prepare_swept_away_is_refused_too(tmp_path, monkeypatch, when):
+    """prepare looks for readers while a reader's record is being made, before its lock file is
+    in it: it took the record for a dead reader's and removed it; the reader then failed naming
+    its record's folder ("cannot write the run lock in DATA/.readers/..."), or, its lock file
+    gone before the link, read on unrecorded, as if the dataset were read-only, while the
+    prepare rewrote it."""
+    from bertforge.cluster.safety import dataset_guard, run_lock
+
+    output = tmp_path / "shards"
+    write_private, link = run_lock._LocalFile._write_private, os.link
+
+    def swept_then_write(self, text):
+        dataset_guard.live_readers(str(output))  # the prepare's look, at this moment
+        return write_private(self, text)
+
+    def swept_then_link(source, target):
+        if dataset_guard.READERS_DIR in str(target):
+            dataset_guard.live_readers(str(output))
+        return link(source, target)
+
+    with exclusive_directory(str(output), "prepare"):
+        if when == "folder made":
+            monkeypatch.setattr(run_lock._LocalFile, "_write_private", swept_then_write)
+        else:
+            monkeypatch.setattr(run_lock.os, "link", swept_then_link)
+        with pytest.raises(dataset_guard.DatasetConflict, match="is being written by a "
+                           "bertforge prepare"), reading_dataset(str(output), "train"):
+            pass
+
+
+def test_a_record_without_a_lock_goes_once_old(tmp_path):
+    """A reader killed before its lock file was written left an empty record: it goes once
+    older than a lock's staleness; a young one is a reader's being made."""
+    from bertforge.cluster.safety.dataset_guard import READERS_DIR, live_readers
+
+    old, young = tmp_path / READERS_DIR / "old", tmp_path / READERS_DIR / "young"
+    old.mkdir(parents=True)
+    young.mkdir()
+    os.utime(old, (0, 0))
+    assert live_readers(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path / READERS_DIR)) == ["young"]
