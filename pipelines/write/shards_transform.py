@@ -152,6 +152,7 @@ class WritePieceFile(beam.DoFn):
             )
         finally:
             sink.close()
+        sync_if_local(path)  # the bundle's record, which names it, is synced once it is done
         yield (split, index), (piece, path, num_rows, num_tokens)
 
 

@@ -175,7 +175,8 @@ def test_shards_and_the_manifest_are_on_the_disk_before_anything_vouches_for_the
     finished: without an fsync of the shard and of the manifest a power loss could keep those
     records and lose the bytes, and the same command then took the damaged dataset as done."""
     from bertforge.pipelines.filesystem import write_bytes
-    from bertforge.pipelines.write.shards_transform import WriteShardFile
+    from bertforge.pipelines.instances.batch_columns import InstanceBatch
+    from bertforge.pipelines.write.shards_transform import WritePieceFile, WriteShardFile
 
     synced: set[int] = set()
     fsync = os.fsync
@@ -186,6 +187,14 @@ def test_shards_and_the_manifest_are_on_the_disk_before_anything_vouches_for_the
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
     (tmp_path / "train").mkdir()
+    batch = InstanceBatch("train", np.array([7, 3], dtype=np.uint64), ("a:0", "a:1"),
+                          np.zeros(2, np.int32), np.arange(2, dtype=np.int32),
+                          np.array([2, 5, 3, 2, 6, 3, 3] * 2, dtype=np.int32),
+                          np.array([7, 7], dtype=np.int32), np.array([3, 3], dtype=np.uint16),
+                          np.zeros(2, np.int8))
+    (_, (_, piece, _, _)), = WritePieceFile(str(tmp_path), 320, {"train": 1}).process(
+        (("train", 0, 0), [batch]))
+    assert os.stat(piece).st_ino in synced, "a piece"
     pieces = _piece_files(tmp_path / "train", [5])
     list(WriteShardFile(str(tmp_path), 320, {"train": 1}).process((("train", 0), pieces)))
     write_bytes(str(tmp_path / "vocab.txt"), b"[PAD]\n")
