@@ -75,7 +75,7 @@ def writing_dataset(output: str, config, *, overwrite: bool) -> Iterator[None]:
                 # Work a rerun continues (a stop, a worker killed) stays, and with it the
                 # pieces written so far; a failure the job reported took its work away.
                 if fresh and not os.path.isdir(os.path.join(output, WORK_DIR_NAME)):
-                    _remove_all_but_the_lock(output)
+                    remove_all_but_the_lock(output)
                     cleaned = True
                 raise
     finally:
@@ -95,7 +95,7 @@ def refuse_a_training_run(output: str) -> None:
                               "give the dataset a folder of its own")
 
 
-def _remove_all_but_the_lock(output: str) -> None:
+def remove_all_but_the_lock(output: str) -> None:
     """Everything the failed job wrote; the lock goes when it is released, then the folder."""
     for name in os.listdir(output):
         if name != LOCK_NAME:

@@ -433,3 +433,41 @@ def test_a_record_without_a_lock_goes_once_old(tmp_path):
     os.utime(old, (0, 0))
     assert live_readers(str(tmp_path)) == []
     assert sorted(os.listdir(tmp_path / READERS_DIR)) == ["young"]
+
+
+def test_a_pipelines_prepare_stage_leaves_a_live_prepare_and_its_readers_alone(
+        tmp_path, monkeypatch):
+    """The pipeline's prepare stage cleared its dataset's folder (`rmtree`) with no look at
+    who used it: a `bertforge prepare` run by hand into it lost its work and its lock, a train
+    reading it its shards and its reader record. Now the stage takes the dataset's lock and
+    refuses a reader, as `bertforge prepare` does; run alone, it clears and makes it."""
+    import bertforge.pipelines.prepare as prepare_module
+    from bertforge.cluster.commands import stages
+    from bertforge.cluster.safety.dataset_guard import DatasetConflict
+
+    made = []
+    monkeypatch.setattr(prepare_module, "run",
+                        lambda config, beam_args, start_over=False: made.append(1) or {})
+    output = tmp_path / "work" / "shards-64"
+    config = type("Config", (), {"output": str(output)})()
+    (output / "train").mkdir(parents=True)
+    piece = output / "train" / "part-00000-of-00002.arrow.piece0-x.tmp"
+    piece.write_text("a live prepare's piece")
+    with exclusive_directory(str(output), "prepare"), \
+            pytest.raises(ValueError, match="another bertforge prepare is running in"):
+        stages.prepare_dataset(config, [])
+    assert piece.exists() and not made
+    with reading_dataset(str(output), "eval"), \
+            pytest.raises(DatasetConflict, match="is being read by a bertforge eval"):
+        stages.prepare_dataset(config, [])
+    assert piece.exists() and not made
+    # A finished dataset's check drops a work record a late stop left, but not a live one's.
+    (output / "manifest.json").write_text("{}")
+    (output / ".prepare-work").mkdir()
+    with exclusive_directory(str(output), "prepare"), \
+            pytest.raises(ValueError, match="another bertforge prepare is running in"):
+        stages.shards_complete(config, str(tmp_path / "work"))
+    assert (output / ".prepare-work").exists()
+    (output / ".prepare-work").rmdir()
+    stages.prepare_dataset(config, [])  # alone: what was there goes, the job runs
+    assert made == [1] and os.listdir(output) == []
