@@ -87,7 +87,12 @@ def _running(pid: int) -> tuple[bool, float | None]:
     except PermissionError:
         pass  # it exists: another user's process
     try:
-        return True, psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        # Killed, and not reaped yet by its parent (a notebook, a script waiting on something
+        # else): it answers os.kill, but runs no more, and its directory stayed locked.
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False, None
+        return True, process.create_time()
     except psutil.Error:
         # Another user's process that psutil may not inspect, or hidden by a hidepid /proc:
         # os.kill saw it, so it runs; its start time (pid reuse) cannot be checked.

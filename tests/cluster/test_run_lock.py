@@ -301,3 +301,23 @@ def test_two_runs_taking_over_a_dead_holders_lock_without_hard_links_get_one_loc
         with pytest.raises(RunDirectoryInUse, match="another bertforge train is running"):
             second.__enter__()
         assert lock_record(tmp_path)["token"] == "first"
+
+
+def test_a_holder_that_died_unreaped_is_gone(tmp_path):
+    """A holder killed (the OOM killer, kill -9) whose parent has not reaped it yet (a notebook
+    or a script that started it and waits on something else) is a zombie: its pid still
+    answers os.kill(pid, 0), and the directory stayed locked with nothing running in it."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(child.pid).create_time()
+        write_lock(tmp_path, pid=child.pid, pid_start=started)
+        os.kill(child.pid, 9)
+        deadline = time.monotonic() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        with exclusive_directory(str(tmp_path), "train"):  # taken over, not refused
+            assert lock_record(tmp_path)["pid"] == os.getpid()
+    finally:
+        child.kill()
+        child.wait()
