@@ -37,7 +37,22 @@ def write_bytes(path: str, data: bytes) -> None:
     tmp_path = f"{path}.tmp-{uuid.uuid4().hex}"
     with FileSystems.create(tmp_path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
         f.write(data)
+    sync_if_local(tmp_path)
     FileSystems.rename([tmp_path], [path])
+
+
+def sync_if_local(path: str) -> None:
+    """A local file's bytes on the disk (fsync) before a record that vouches for them is
+    written: the manifest, a bundle's done-marker. Without it a power loss could keep the
+    record and lose the bytes (a new file's data reaches the disk after its name), and the
+    same command then took the damaged dataset as finished. Object storage writes whole."""
+    if "://" in path and not path.startswith("file://"):
+        return
+    fd = os.open(path.removeprefix("file://"), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_bytes(path: str) -> bytes:

@@ -112,6 +112,9 @@ def save(
             with open(os.path.join(path, METADATA_NAME), "w", encoding="utf-8") as f:
                 json.dump({**metadata, "global_step": step}, f, indent=2, sort_keys=True)
             shutil.copyfile(vocab_path, os.path.join(path, "vocab.txt"))
+        # This rank's files among them on the disk, not in the page cache (a full disk may
+        # say so only here: delayed allocation).
+        _sync_files(path)
     except Exception as error:
         if not _disk_full(error, root):
             raise
@@ -261,6 +264,7 @@ def convert_to_universal(checkpoint_path: str, *, device: torch.device | None = 
             # Nested one level: the converter writes a `latest_universal` file beside its output.
             output = os.path.join(staging, os.path.basename(target))
             _run_ds_to_universal(checkpoint_path, output)
+            _sync_files(output)
             _write_marker(output, {"source": os.path.basename(checkpoint_path),
                                    "time": time.time()})
             if not _converted_since_committed(target, checkpoint_path):
@@ -687,11 +691,39 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _sync_files(path: str) -> None:
+    """fsync every file in a checkpoint's folder, and the folder. Each rank calls it once its
+    own files are written, so each file is synced at least by its writer, whatever names
+    DeepSpeed gives them. Without it a power loss could keep the commit marker and lose the
+    files it vouches for (ext4 and XFS write a new file's data after its name): the resume
+    then loaded empty files as the newest checkpoint. Syncing a file already on the disk costs
+    a system call."""
+    for folder, _, names in os.walk(path):
+        for name in sorted(names):
+            if not name.startswith(COMMIT_MARKER):
+                with contextlib.suppress(FileNotFoundError):  # another rank's, renamed
+                    _fsync_path(os.path.join(folder, name))
+        _fsync_path(folder)
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_marker(path: str, payload: dict[str, Any]) -> None:
+    """The marker written whole and synced (an empty COMMITTED still counted as one), then its
+    name, synced with its folder's."""
     tmp = os.path.join(path, COMMIT_MARKER + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, os.path.join(path, COMMIT_MARKER))
+    _fsync_path(path)
 
 
 def _prune(run_dir: str, keep: int, *, run_id: str | None = None, step: int | None = None) -> None:

@@ -37,6 +37,8 @@ class MetricsLogger:
             if resumed_step is not None:
                 _drop_after(os.path.join(run_dir, METRICS_NAME), resumed_step)
             self._file = open(os.path.join(run_dir, METRICS_NAME), "a", encoding="utf-8")
+            if _ends_mid_line(os.path.join(run_dir, METRICS_NAME)):
+                self._file.write("\n")  # a torn record keeps a line of its own, not ours too
             self._writer = _tensorboard_writer(
                 os.path.join(run_dir, "tensorboard"),
                 purge_step=None if resumed_step is None else resumed_step + 1)
@@ -85,7 +87,25 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [record for line in f if (record := _record(line)) is not None]
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """A line's record; None for a blank line or a torn one: the tail of a record whose write
+    a full disk, or a power loss, cut (every resume failed on it with a JSON error)."""
+    try:
+        record = json.loads(line) if line.strip() else None
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _ends_mid_line(path: str) -> bool:
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def _drop_after(path: str, step: int) -> None:
@@ -94,7 +114,8 @@ def _drop_after(path: str, step: int) -> None:
         return
     with open(path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    kept = [line if line.endswith("\n") else line + "\n" for line in lines
+            if (record := _record(line)) is not None and record.get("step", 0) <= step]
     if len(kept) == len(lines):
         return
     with open(path + ".tmp", "w", encoding="utf-8") as f:

@@ -19,8 +19,6 @@ import shutil
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from bertforge.cluster.commands.stage_runner import fresh_dir
-
 if TYPE_CHECKING:  # imported where used: Beam, Ray and torch load only for the stage that runs
     from bertforge.cluster.launch.launch_config import LaunchConfig
     from bertforge.pipelines.prepare_options import PrepareConfig
@@ -112,10 +110,15 @@ def prepare_dataset(config: PrepareConfig, beam_args: Sequence[str]) -> dict[str
     once, as `bertforge prepare`'s does (`guarded_prepare.stoppable_beam_job`): the runner's
     cleanup joins them, and the pipeline hung at 0 % CPU after a SIGTERM."""
     from bertforge.cluster.commands.guarded_prepare import stoppable_beam_job
+    from bertforge.cluster.safety.dataset_guard import refuse_readers, remove_all_but_the_lock
+    from bertforge.cluster.safety.run_lock import exclusive_directory
     from bertforge.pipelines.local.work_dir import WORK_DIR_NAME, WorkConflict
     from bertforge.pipelines.prepare import run as run_prepare
 
-    with stoppable_beam_job(config.output):
+    # The dataset's own lock, as `bertforge prepare` takes it, and no reader: a prepare run by
+    # hand into this folder, or a train or eval reading it, had its files cleared under it.
+    with stoppable_beam_job(config.output), exclusive_directory(config.output, "pipeline"):
+        refuse_readers(config.output)
         if os.path.isdir(os.path.join(config.output, WORK_DIR_NAME)):
             # A killed attempt's recorded work: the job continues it, or starts over when it
             # was another job's (the configuration changed since).
@@ -124,7 +127,8 @@ def prepare_dataset(config: PrepareConfig, beam_args: Sequence[str]) -> dict[str
             except WorkConflict:
                 summary = run_prepare(config, beam_args, start_over=True)
         else:
-            fresh_dir(config.output)  # no manifest, no work record: its files cannot be trusted
+            # No manifest, no work record: its files cannot be trusted.
+            remove_all_but_the_lock(config.output)
             summary = run_prepare(config, beam_args)
     return {"instances": summary.get("instances"), "seconds_in_beam": summary.get("seconds")}
 
@@ -138,11 +142,13 @@ def shards_complete(config: PrepareConfig, workdir: str,
     stale. Input files deleted since are no reason: the shards are all that is left of them.
     `moved`: (from, to), the project folder moved whole since its inputs were read."""
     from bertforge.cluster.safety.dataset_guard import differences_from_dataset
+    from bertforge.cluster.safety.run_lock import refuse_if_in_use
     from bertforge.pipelines.contract.manifest import MANIFEST_NAME, finished_dataset
     from bertforge.pipelines.local.work_dir import WORK_DIR_NAME
 
     if not os.path.isfile(os.path.join(config.output, MANIFEST_NAME)):
         return False
+    refuse_if_in_use(config.output)  # a prepare by hand: its work record below is its own
     differences = differences_from_dataset(config.output, config, inputs_may_be_gone=True,
                                            moved=moved)
     if differences:

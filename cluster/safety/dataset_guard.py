@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -34,6 +35,7 @@ from bertforge.cluster.safety.run_lock import (
     Holder,
     RunDirectoryInUse,
     exclusive_directory,
+    refuse_if_in_use,
 )
 from bertforge.pipelines.local.work_dir import WORK_DIR_NAME
 
@@ -57,11 +59,13 @@ def writing_dataset(output: str, config, *, overwrite: bool) -> Iterator[None]:
         return
     output = output.removeprefix("file://")
     refuse_a_training_run(output)
-    fresh = not os.path.isdir(output) or not _has_content(output)
     cleaned = False
     try:
         with exclusive_directory(output, "prepare"):
-            # Only once the lock is ours: what another prepare just made is not ours to clean.
+            # Only once the lock is ours: what another prepare just made is not ours to clean
+            # (looked at before, a prepare that ended meanwhile left a folder taken for empty,
+            # and this run's refusal of its dataset deleted it).
+            fresh = not _has_content(output)
             try:
                 refuse_readers(output)
                 if not overwrite:
@@ -71,7 +75,7 @@ def writing_dataset(output: str, config, *, overwrite: bool) -> Iterator[None]:
                 # Work a rerun continues (a stop, a worker killed) stays, and with it the
                 # pieces written so far; a failure the job reported took its work away.
                 if fresh and not os.path.isdir(os.path.join(output, WORK_DIR_NAME)):
-                    _remove_all_but_the_lock(output)
+                    remove_all_but_the_lock(output)
                     cleaned = True
                 raise
     finally:
@@ -91,7 +95,7 @@ def refuse_a_training_run(output: str) -> None:
                               "give the dataset a folder of its own")
 
 
-def _remove_all_but_the_lock(output: str) -> None:
+def remove_all_but_the_lock(output: str) -> None:
     """Everything the failed job wrote; the lock goes when it is released, then the folder."""
     for name in os.listdir(output):
         if name != LOCK_NAME:
@@ -174,16 +178,27 @@ def live_readers(data_dir: str) -> list[Holder]:
     root = os.path.join(data_dir, READERS_DIR)
     live = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        record = os.path.join(root, name)
         try:
-            with open(os.path.join(root, name, LOCK_NAME), encoding="utf-8") as f:
+            with open(os.path.join(record, LOCK_NAME), encoding="utf-8") as f:
                 holder = Holder.parse(f.read())
         except OSError:
             holder = None
         if holder is not None and holder.is_alive(STALE_AFTER_SECONDS):
             live.append(holder)
-        else:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        elif holder is not None or _age(record) >= STALE_AFTER_SECONDS:
+            shutil.rmtree(record, ignore_errors=True)
+        # else a reader's record being made (its lock file not in it yet), left to it: removed,
+        # the reader's lock failed and it read on unrecorded, or failed naming the record. It
+        # looks for this prepare's lock once recorded (`refuse_a_writer`).
     return live
+
+
+def _age(path: str) -> float:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def refuse_readers(data_dir: str) -> None:
@@ -205,12 +220,37 @@ def reading_dataset(data_dir: str, command: str) -> Iterator[None]:
         lock = exclusive_directory(record, command)
         lock.__enter__()
     except (OSError, RunDirectoryInUse):
+        refuse_a_writer(data_dir.removeprefix("file://"))
         yield  # a read-only dataset: nobody can replace it under us
         return
     try:
+        refuse_a_writer(data_dir.removeprefix("file://"))
         yield
     finally:
         lock.__exit__(None, None, None)
         shutil.rmtree(record, ignore_errors=True)
         with contextlib.suppress(OSError):  # the last reader leaves no empty folder behind
             os.rmdir(os.path.dirname(record))
+
+
+def refuse_a_writer(data_dir: str) -> None:
+    """A `prepare` writing `data_dir` now (its lock, DATA/.lock) is past its look for readers:
+    a run that reads it meanwhile had its shards rewritten or deleted under it. Looked at once
+    this reader is recorded, as `prepare` looks for readers once its lock is taken: of two
+    that start together, one sees the other."""
+    try:
+        refuse_if_in_use(data_dir)
+    except RunDirectoryInUse:
+        holder = Holder.parse(_lock_text(data_dir) or "")
+        raise DatasetConflict(
+            f"{data_dir} is being written by a bertforge prepare"
+            f"{f' ({holder.describe()})' if holder else ''}: wait for it to end, or read "
+            "another dataset") from None
+
+
+def _lock_text(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, LOCK_NAME), encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None

@@ -87,7 +87,12 @@ def _running(pid: int) -> tuple[bool, float | None]:
     except PermissionError:
         pass  # it exists: another user's process
     try:
-        return True, psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        # Killed, and not reaped yet by its parent (a notebook, a script waiting on something
+        # else): it answers os.kill, but runs no more, and its directory stayed locked.
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False, None
+        return True, process.create_time()
     except psutil.Error:
         # Another user's process that psutil may not inspect, or hidden by a hidepid /proc:
         # os.kill saw it, so it runs; its start time (pid reuse) cannot be checked.
@@ -228,12 +233,23 @@ class _LocalFile:
         with open(aside, encoding="utf-8") as f:
             moved = f.read()
         if moved != expected:  # a fresh lock was published meanwhile: put it back
-            with contextlib.suppress(OSError):
-                os.link(aside, self.path)
-            os.unlink(aside)
+            self._put_back(aside, moved)
             return False
         os.unlink(aside)
         return True
+
+    def _put_back(self, aside: str, text: str) -> None:
+        """A live run's lock, moved aside to be checked, back in place: linked, or where the
+        filesystem has no hard links written again (O_EXCL). Unlinked instead, its run held
+        nothing, and the run that moved it took the lock at its next try: two runs."""
+        try:
+            os.link(aside, self.path)
+        except FileExistsError:
+            pass  # a third run published one meanwhile; its heartbeat tells the other
+        except OSError:  # no hard links here
+            self._create_exclusive(text)
+        finally:
+            os.unlink(aside)
 
 
 class _StorageFile:

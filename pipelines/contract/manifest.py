@@ -197,6 +197,8 @@ def write_manifest(data_dir: str, manifest: Manifest) -> str:
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # two writers (two runs' copies) never share one
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())  # an empty manifest after a power loss is no dataset's
     os.replace(tmp, path)
     return path
 

@@ -65,8 +65,27 @@ class WorkDir:
 
 
 def identity_differences(found: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    return [f"{key} {found.get(key)!r} -> {wanted.get(key)!r}"
+    return [_difference(key, found.get(key), wanted.get(key))
             for key in sorted(set(found) | set(wanted)) if found.get(key) != wanted.get(key)]
+
+
+def _difference(key: str, before: Any, after: Any, most: int = 3) -> str:
+    """A key's change. Of a list of records named by their first item (the inputs: [path,
+    size, time]), only the records that changed: one file touched in a corpus of thousands
+    named every file, twice, and hid which one it was."""
+    if not (_named_records(before) and _named_records(after)):
+        return f"{key} {before!r} -> {after!r}"
+    was, now = {r[0]: r[1:] for r in before}, {r[0]: r[1:] for r in after}
+    changed = [f"{name} {was.get(name, 'absent')} -> {now.get(name, 'absent')}"
+               for name in sorted(was.keys() | now.keys(), key=str)
+               if was.get(name) != now.get(name)]
+    more = f" and {len(changed) - most} more" if len(changed) > most else ""
+    return f"{key} {', '.join(changed[:most]) or 'the same, in another order'}{more}"
+
+
+def _named_records(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(r, list) and r and isinstance(r[0], str) for r in value)
 
 
 def stage_dir_name(label: str, step_names: list[str]) -> str:

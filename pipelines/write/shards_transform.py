@@ -13,13 +13,14 @@ import uuid
 
 import apache_beam as beam
 import numpy as np
+import pyarrow as pa
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import AsSingleton
 
 from bertforge.pipelines.beam_common import count
 from bertforge.pipelines.contract import manifest
-from bertforge.pipelines.filesystem import sha256_of
+from bertforge.pipelines.filesystem import sha256_of, sync_if_local
 from bertforge.pipelines.instances.batch_columns import (
     InstanceBatch,
     RowKeys,
@@ -151,7 +152,25 @@ class WritePieceFile(beam.DoFn):
             )
         finally:
             sink.close()
+        sync_if_local(path)  # the bundle's record, which names it, is synced once it is done
         yield (split, index), (piece, path, num_rows, num_tokens)
+
+
+def written_by_an_earlier_attempt(path: str, pieces_gone: bool, num_rows: int) -> bool:
+    """Whether an attempt of this bundle killed after its rename (before the bundle counted as
+    done: a `kill -9` of a local prepare, a Dataflow worker lost) wrote the shard already: its
+    pieces are deleted only once the shard is in place, so a redo found some gone, and every
+    rerun of the same command failed on them. A shard of other rows (an older dataset's, a
+    damaged file) is not it: a piece gone with no such shard fails the open, naming the piece."""
+    if not pieces_gone or not FileSystems.exists(path):
+        return False
+    try:
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+            reader = pa.ipc.open_file(pa.PythonFile(f, mode="r"))
+            rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+    except (pa.ArrowInvalid, OSError):
+        return False
+    return rows == num_rows
 
 
 class WriteShardFile(beam.DoFn):
@@ -167,15 +186,20 @@ class WriteShardFile(beam.DoFn):
         pieces = sorted(v for v in values if v is not None)
         rel_path = manifest.shard_file_name(split, index, self._shards_per_split[split])
         path = FileSystems.join(self._output, rel_path)
-        tmp_path = f"{path}.tmp-{uuid.uuid4().hex}"  # unique: a retried bundle may race an old one
-        sink = _create(tmp_path)
-        try:
-            global_order.concat_shard(sink, self._open_all(p[1] for p in pieces), self._vocab_size)
-        finally:
-            sink.close()
-        FileSystems.rename([tmp_path], [path])
-        FileSystems.delete([p[1] for p in pieces])
         num_rows, num_tokens = sum(p[2] for p in pieces), sum(p[3] for p in pieces)
+        left = [p[1] for p in pieces if FileSystems.exists(p[1])]
+        if not written_by_an_earlier_attempt(path, len(left) < len(pieces), num_rows):
+            tmp_path = f"{path}.tmp-{uuid.uuid4().hex}"  # unique: a retried bundle may race
+            sink = _create(tmp_path)
+            try:
+                global_order.concat_shard(sink, self._open_all(p[1] for p in pieces),
+                                          self._vocab_size)
+            finally:
+                sink.close()
+            sync_if_local(tmp_path)  # before the bundle that made it counts as done
+            FileSystems.rename([tmp_path], [path])
+        if left:
+            FileSystems.delete(left)
         count("tokens", num_tokens)
         # An empty shard is in the manifest all the same; its line on the console would be
         # noise, and with no document at all five such lines came before the one-line error

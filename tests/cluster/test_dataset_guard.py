@@ -346,3 +346,128 @@ def test_the_summary_writes_a_path_as_the_user_named_it(inputs, tmp_path, capsys
     printed = capsys.readouterr().out
     assert json.loads(printed)["output"] == str(output)
     assert f'"output": "{output}"' in printed, printed
+
+
+def test_a_dataset_finished_just_before_the_lock_is_not_cleaned_as_this_runs_own(
+        tmp_path, monkeypatch):
+    """Another prepare ends (its manifest written, its lock let go) between this one's first
+    look at the folder and its lock: this one's failure, or its refusal of that dataset, took
+    the folder for one it had made from nothing and deleted the finished dataset."""
+    from bertforge.cluster.safety import dataset_guard
+
+    output = tmp_path / "shards"
+
+    @contextlib.contextmanager
+    def another_ends_first(root, command, **timing):
+        os.makedirs(os.path.join(root, "train"))
+        (output / "train" / "part-00000-of-00001.arrow").write_bytes(b"shard")
+        (output / "manifest.json").write_text("{}", encoding="utf-8")
+        with exclusive_directory(root, command, **timing) as lock:
+            yield lock
+
+    monkeypatch.setattr(dataset_guard, "exclusive_directory", another_ends_first)
+    config = type("Config", (), {"vocab": str(tmp_path / "vocab.txt"), "inputs": ()})()
+    with pytest.raises(RuntimeError), \
+            dataset_guard.writing_dataset(str(output), config, overwrite=False):
+        raise RuntimeError("this prepare fails")
+    assert sorted(os.listdir(output)) == ["manifest.json", "train"]
+
+
+def test_a_run_is_refused_a_dataset_that_a_prepare_is_writing(tmp_path):
+    """A prepare looks for readers once, when it starts: a train or eval that began to read
+    the dataset after that (a --overwrite, or the same job making a lost shard again) had its
+    shards rewritten or deleted under it. Now the reader is refused, naming the prepare."""
+    from bertforge.cluster.safety.dataset_guard import DatasetConflict
+
+    output = tmp_path / "shards"
+    with exclusive_directory(str(output), "prepare"):  # a prepare past its look for readers
+        with pytest.raises(DatasetConflict,
+                           match=rf"^{output} is being written by a bertforge prepare \(host "
+                                 r".*\): wait for it to end"), \
+                reading_dataset(str(output), "train"):
+            pass
+        assert not (output / ".readers").exists()  # the refused reader's record went
+    with reading_dataset(str(output), "train"):  # once it ended
+        pass
+
+
+@pytest.mark.parametrize("when", ["folder made", "lock file written"])
+def test_a_reader_whose_record_a_prepare_swept_away_is_refused_too(tmp_path, monkeypatch, when):
+    """prepare looks for readers while a reader's record is being made, before its lock file is
+    in it: it took the record for a dead reader's and removed it; the reader then failed naming
+    its record's folder ("cannot write the run lock in DATA/.readers/..."), or, its lock file
+    gone before the link, read on unrecorded, as if the dataset were read-only, while the
+    prepare rewrote it."""
+    from bertforge.cluster.safety import dataset_guard, run_lock
+
+    output = tmp_path / "shards"
+    write_private, link = run_lock._LocalFile._write_private, os.link
+
+    def swept_then_write(self, text):
+        dataset_guard.live_readers(str(output))  # the prepare's look, at this moment
+        return write_private(self, text)
+
+    def swept_then_link(source, target):
+        if dataset_guard.READERS_DIR in str(target):
+            dataset_guard.live_readers(str(output))
+        return link(source, target)
+
+    with exclusive_directory(str(output), "prepare"):
+        if when == "folder made":
+            monkeypatch.setattr(run_lock._LocalFile, "_write_private", swept_then_write)
+        else:
+            monkeypatch.setattr(run_lock.os, "link", swept_then_link)
+        with pytest.raises(dataset_guard.DatasetConflict, match="is being written by a "
+                           "bertforge prepare"), reading_dataset(str(output), "train"):
+            pass
+
+
+def test_a_record_without_a_lock_goes_once_old(tmp_path):
+    """A reader killed before its lock file was written left an empty record: it goes once
+    older than a lock's staleness; a young one is a reader's being made."""
+    from bertforge.cluster.safety.dataset_guard import READERS_DIR, live_readers
+
+    old, young = tmp_path / READERS_DIR / "old", tmp_path / READERS_DIR / "young"
+    old.mkdir(parents=True)
+    young.mkdir()
+    os.utime(old, (0, 0))
+    assert live_readers(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path / READERS_DIR)) == ["young"]
+
+
+def test_a_pipelines_prepare_stage_leaves_a_live_prepare_and_its_readers_alone(
+        tmp_path, monkeypatch):
+    """The pipeline's prepare stage cleared its dataset's folder (`rmtree`) with no look at
+    who used it: a `bertforge prepare` run by hand into it lost its work and its lock, a train
+    reading it its shards and its reader record. Now the stage takes the dataset's lock and
+    refuses a reader, as `bertforge prepare` does; run alone, it clears and makes it."""
+    import bertforge.pipelines.prepare as prepare_module
+    from bertforge.cluster.commands import stages
+    from bertforge.cluster.safety.dataset_guard import DatasetConflict
+
+    made = []
+    monkeypatch.setattr(prepare_module, "run",
+                        lambda config, beam_args, start_over=False: made.append(1) or {})
+    output = tmp_path / "work" / "shards-64"
+    config = type("Config", (), {"output": str(output)})()
+    (output / "train").mkdir(parents=True)
+    piece = output / "train" / "part-00000-of-00002.arrow.piece0-x.tmp"
+    piece.write_text("a live prepare's piece")
+    with exclusive_directory(str(output), "prepare"), \
+            pytest.raises(ValueError, match="another bertforge prepare is running in"):
+        stages.prepare_dataset(config, [])
+    assert piece.exists() and not made
+    with reading_dataset(str(output), "eval"), \
+            pytest.raises(DatasetConflict, match="is being read by a bertforge eval"):
+        stages.prepare_dataset(config, [])
+    assert piece.exists() and not made
+    # A finished dataset's check drops a work record a late stop left, but not a live one's.
+    (output / "manifest.json").write_text("{}")
+    (output / ".prepare-work").mkdir()
+    with exclusive_directory(str(output), "prepare"), \
+            pytest.raises(ValueError, match="another bertforge prepare is running in"):
+        stages.shards_complete(config, str(tmp_path / "work"))
+    assert (output / ".prepare-work").exists()
+    (output / ".prepare-work").rmdir()
+    stages.prepare_dataset(config, [])  # alone: what was there goes, the job runs
+    assert made == [1] and os.listdir(output) == []

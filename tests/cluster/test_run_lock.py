@@ -269,3 +269,55 @@ def test_a_file_where_the_directory_goes_is_named(tmp_path):
                                              f"{afile} is a file, not a directory"):
             with exclusive_directory(str(directory), "demo"):
                 pass
+
+
+def test_two_runs_taking_over_a_dead_holders_lock_without_hard_links_get_one_lock(
+        tmp_path, monkeypatch):
+    """On a mount without hard links (gcsfuse, some FUSE), two runs take over one dead holder's
+    lock: the first publishes its own; the second, which read the dead holder's before that,
+    moves the first's aside to check it, cannot link it back, and deleted it, then took the
+    lock itself: two runs writing one directory. The first's lock must go back."""
+    from bertforge.cluster.safety import run_lock
+
+    def no_hard_links(*_):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(run_lock.os, "link", no_hard_links)
+    pid, started = dead_pid()
+    write_lock(tmp_path, pid=pid, pid_start=started, heartbeat=time.time() - 3600)
+    dead = (tmp_path / LOCK_NAME).read_text()
+    first = RunLock([str(tmp_path)], "train")
+    first.me.token = "first"
+    second = RunLock([str(tmp_path)], "train")
+    read = run_lock._LocalFile.read
+    reads = []
+
+    def read_before_the_takeover(self):  # the second run read the dead holder's record first
+        reads.append(1)
+        return dead if len(reads) == 1 else read(self)
+
+    with first:
+        monkeypatch.setattr(run_lock._LocalFile, "read", read_before_the_takeover)
+        with pytest.raises(RunDirectoryInUse, match="another bertforge train is running"):
+            second.__enter__()
+        assert lock_record(tmp_path)["token"] == "first"
+
+
+def test_a_holder_that_died_unreaped_is_gone(tmp_path):
+    """A holder killed (the OOM killer, kill -9) whose parent has not reaped it yet (a notebook
+    or a script that started it and waits on something else) is a zombie: its pid still
+    answers os.kill(pid, 0), and the directory stayed locked with nothing running in it."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(child.pid).create_time()
+        write_lock(tmp_path, pid=child.pid, pid_start=started)
+        os.kill(child.pid, 9)
+        deadline = time.monotonic() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        with exclusive_directory(str(tmp_path), "train"):  # taken over, not refused
+            assert lock_record(tmp_path)["pid"] == os.getpid()
+    finally:
+        child.kill()
+        child.wait()

@@ -153,3 +153,21 @@ def test_start_over_discards_the_work_of_another_job(tmp_path):
     assert other.open(start_over=True) is False  # nothing to continue
     assert os.listdir(work.root) == ["job.json"]
     assert WorkDir(work.root, {"seed": 100}).open() is True  # its own work, to continue
+
+
+def test_a_refused_rerun_names_the_input_files_that_changed_not_every_file(tmp_path):
+    """One file of a corpus of thousands touched since the killed run: the refusal named every
+    file, twice, in one line, and which one had changed was left to find."""
+    files = [[f"/corpus/part-{i:05d}.txt", 1000 + i, 1.0e9] for i in range(2000)]
+    work = WorkDir(str(tmp_path / WORK_DIR_NAME), {"inputs": files, "seed": 99})
+    work.open()
+    touched = [list(f) for f in files]
+    touched[7][2] = 1.5e9
+    with pytest.raises(WorkConflict) as refused:
+        WorkDir(work.root, {"inputs": touched + [["/corpus/new.txt", 5, 2.0e9]],
+                            "seed": 99}).open()
+    message = str(refused.value)
+    assert message.endswith("(differs in: inputs /corpus/new.txt absent -> [5, 2000000000.0], "
+                            "/corpus/part-00007.txt [1007, 1000000000.0] -> "
+                            "[1007, 1500000000.0])"), message
+    assert len(message) < 400

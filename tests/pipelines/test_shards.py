@@ -1,4 +1,5 @@
 import io
+import os
 import random
 
 import numpy as np
@@ -117,3 +118,87 @@ def test_concatenated_pieces_equal_one_shard_byte_for_byte(monkeypatch):
     concat_shard(empty, [], 30_522)
     write_shard(reference, iter([]), 30_522)
     assert empty.getvalue() == reference.getvalue()
+
+
+def _piece_files(folder, rows_per_piece: list[int]) -> list[tuple]:
+    """Pieces of shard 0 of one as WritePieceFile leaves them: (piece, path, rows, tokens)."""
+    rng = np.random.default_rng(1)
+    pieces = []
+    for piece, num_rows in enumerate(rows_per_piece):
+        rows = [(rng.integers(5, 300, 9).astype(np.uint16).tobytes(), 3, 0, f"d{piece}-{i}")
+                for i in range(num_rows)]
+        path = folder / f"part-00000-of-00001.arrow.piece{piece}-x.tmp"
+        with open(path, "wb") as f:
+            write_shard(f, iter(rows), 320)
+        pieces.append((piece, str(path), num_rows, 9 * num_rows))
+    return pieces
+
+
+def test_a_shard_redone_after_a_kill_past_its_rename_gives_the_same_entry(tmp_path):
+    """A kill after WriteShardFile renamed the shard and deleted its pieces, before the bundle
+    counted as done: the same command redoes the bundle. It failed on the pieces gone, on
+    every rerun (only --overwrite went on); it takes the shard that attempt wrote."""
+    from bertforge.pipelines.write.shards_transform import WriteShardFile
+
+    (tmp_path / "train").mkdir()
+    pieces = _piece_files(tmp_path / "train", [5, 7])
+    step = WriteShardFile(str(tmp_path), 320, {"train": 1})
+    first = list(step.process((("train", 0), pieces)))
+    assert not [p for p in os.listdir(tmp_path / "train") if "piece" in p]
+    again = list(step.process((("train", 0), pieces)))  # the redo: pieces gone
+    assert again == first and first[0]["num_rows"] == 12
+
+    # Some pieces left (killed within the delete): the shard is taken, the rest deleted.
+    pieces = _piece_files(tmp_path / "train", [5, 7])
+    os.remove(pieces[0][1])
+    assert list(step.process((("train", 0), pieces))) == first
+    assert not [p for p in os.listdir(tmp_path / "train") if "piece" in p]
+
+
+def test_a_shard_of_other_rows_is_not_taken_for_a_redone_one(tmp_path):
+    """A piece gone and the shard's name holding other rows (an older dataset's): no shard is
+    made up from it; the missing piece is named."""
+    from bertforge.pipelines.write.shards_transform import WriteShardFile
+
+    (tmp_path / "train").mkdir()
+    old = _piece_files(tmp_path / "train", [3])
+    list(WriteShardFile(str(tmp_path), 320, {"train": 1}).process((("train", 0), old)))
+    pieces = _piece_files(tmp_path / "train", [5, 7])
+    os.remove(pieces[1][1])
+    with pytest.raises(Exception, match="piece1"):
+        list(WriteShardFile(str(tmp_path), 320, {"train": 1}).process((("train", 0), pieces)))
+
+
+def test_shards_and_the_manifest_are_on_the_disk_before_anything_vouches_for_them(
+        tmp_path, monkeypatch):
+    """A shard's bundle counts as done (a synced record) and the manifest says the dataset is
+    finished: without an fsync of the shard and of the manifest a power loss could keep those
+    records and lose the bytes, and the same command then took the damaged dataset as done."""
+    from bertforge.pipelines.filesystem import write_bytes
+    from bertforge.pipelines.instances.batch_columns import InstanceBatch
+    from bertforge.pipelines.write.shards_transform import WritePieceFile, WriteShardFile
+
+    synced: set[int] = set()
+    fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.add(os.fstat(fd).st_ino)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    (tmp_path / "train").mkdir()
+    batch = InstanceBatch("train", np.array([7, 3], dtype=np.uint64), ("a:0", "a:1"),
+                          np.zeros(2, np.int32), np.arange(2, dtype=np.int32),
+                          np.array([2, 5, 3, 2, 6, 3, 3] * 2, dtype=np.int32),
+                          np.array([7, 7], dtype=np.int32), np.array([3, 3], dtype=np.uint16),
+                          np.zeros(2, np.int8))
+    (_, (_, piece, _, _)), = WritePieceFile(str(tmp_path), 320, {"train": 1}).process(
+        (("train", 0, 0), [batch]))
+    assert os.stat(piece).st_ino in synced, "a piece"
+    pieces = _piece_files(tmp_path / "train", [5])
+    list(WriteShardFile(str(tmp_path), 320, {"train": 1}).process((("train", 0), pieces)))
+    write_bytes(str(tmp_path / "vocab.txt"), b"[PAD]\n")
+    found = manifest.Manifest(manifest.TokenizerEntry("0", 320, True), {}, {}, {})
+    manifest.write_manifest(str(tmp_path), found)
+    for name in ("train/part-00000-of-00001.arrow", "vocab.txt", "manifest.json"):
+        assert os.stat(tmp_path / name).st_ino in synced, name

@@ -172,3 +172,47 @@ def test_where_a_checkpoint_cannot_be_renamed_its_marker_goes_first(tmp_path, mo
     checkpoint._prune(str(tmp_path), keep=1, run_id="run", step=2)
     assert order[:2] == [("remove", checkpoint.COMMIT_MARKER), ("rmtree", "step_00000001")]
     assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]
+
+
+class _FilesEngine:
+    """DeepSpeed's save_checkpoint as far as files go: a weights file and an optimizer file."""
+
+    device = torch.device("cpu")
+
+    def save_checkpoint(self, root, tag, client_state, save_latest):
+        os.makedirs(os.path.join(root, tag), exist_ok=True)
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            torch.save({"client_state": client_state}, os.path.join(root, tag, name))
+
+
+def test_a_checkpoints_files_are_on_the_disk_before_its_commit_marker(tmp_path, monkeypatch):
+    """COMMITTED vouches for the files beside it: without an fsync of them (and of itself) a
+    power loss could keep the marker and lose the weights (a new file's data reaches the disk
+    after its name, on ext4 and XFS), and the resume loaded empty files as the newest
+    checkpoint. Every file is synced before the marker lands; the marker is synced itself."""
+    synced: list[str] = []
+    at_commit: list[list[str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd):
+        synced.append(os.path.realpath(os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recording_replace(src, dst, *args, **kwargs):
+        if os.path.basename(dst) == checkpoint.COMMIT_MARKER:
+            at_commit.append(list(synced))
+        return replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", recording_fsync)
+    monkeypatch.setattr(checkpoint.os, "replace", recording_replace)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n")
+    path = checkpoint.save(_FilesEngine(), str(tmp_path / "run"), 2, {"step": 2},
+                           metadata={"run_id": "r"}, vocab_path=str(vocab), keep=2)
+    files = {os.path.realpath(os.path.join(path, name)) for name in os.listdir(path)
+             if name != checkpoint.COMMIT_MARKER}
+    assert len(files) == 5 and len(at_commit) == 1
+    assert files <= set(at_commit[0]), sorted(files - set(at_commit[0]))
+    marker_tmp = os.path.realpath(os.path.join(path, checkpoint.COMMIT_MARKER + ".tmp"))
+    assert marker_tmp in at_commit[0]
+    assert os.path.realpath(path) in synced  # the directory: its names, the marker's too
