@@ -340,6 +340,36 @@ def tokenizer_setting(hf_dir: str, key: str) -> Any:
         return None
 
 
+def hf_lower_case(hf_dir: str) -> bool | None:
+    """Whether a Hugging Face directory's tokenizer lower-cases: its tokenizer_config.json's
+    do_lower_case, else its tokenizer.json's normalizer (a tokenizer saved as a generic
+    `PreTrainedTokenizerFast` records no do_lower_case, and a cased one read as BERT's default,
+    uncased, was fine-tuned on other ids than its own tokenizer gives); None when neither
+    file says."""
+    value = tokenizer_setting(hf_dir, "do_lower_case")
+    if isinstance(value, bool):
+        return value
+    try:
+        with open(os.path.join(hf_dir, HF_TOKENIZER_NAME), encoding="utf-8") as f:
+            tokenizer = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return _lower_cases(tokenizer.get("normalizer")) if isinstance(tokenizer, dict) else None
+
+
+def _lower_cases(normalizer: Any) -> bool:
+    """A tokenizers normalizer lower-cases: BertNormalizer's `lowercase`, a Lowercase step,
+    alone or in a Sequence (null, or any other step: the text keeps its case)."""
+    if not isinstance(normalizer, dict):
+        return False
+    kind = normalizer.get("type")
+    if kind == "BertNormalizer":
+        return bool(normalizer.get("lowercase", True))  # the library's default
+    if kind == "Sequence":
+        return any(_lower_cases(step) for step in normalizer.get("normalizers") or ())
+    return kind == "Lowercase"
+
+
 def hf_positions_trained(hf_dir: str, config: BertConfig) -> int:
     """A Hugging Face directory's trained positions: its tokenizer's model_max_length where
     that is below max_position_embeddings (a bertforge export says so, `_tokenizer_config`),

@@ -320,12 +320,11 @@ def resolve_model_config(model: dict[str, Any], vocab_size: int) -> BertConfig:
 
 
 def hf_lower_case(hf_dir: str) -> bool | None:
-    """`do_lower_case` of a Hugging Face directory's tokenizer_config.json; None when it has
-    no such file or key (nothing to compare)."""
-    from bertforge.training.hf_interop import tokenizer_setting
+    """Whether a Hugging Face directory's tokenizer lower-cases (its tokenizer_config.json,
+    else its tokenizer.json); None when neither says (nothing to compare)."""
+    from bertforge.training import hf_interop
 
-    value = tokenizer_setting(hf_dir, "do_lower_case")
-    return value if isinstance(value, bool) else None
+    return hf_interop.hf_lower_case(hf_dir)
 
 
 def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str,
@@ -375,8 +374,8 @@ def _check_train_run(cfg: TrainConfig, facts: DatasetFacts, world_size: int | No
     if resumed is None and cfg.init_from:
         source = check_model_source(cfg.init_from)
         # A checkpoint's bertforge.json says it all; a Hugging Face directory's config.json and
-        # vocabulary its model (the worker reads its weights), its tokenizer_config.json its
-        # casing (when it has one).
+        # vocabulary its model (the worker reads its weights), its tokenizer files its casing
+        # (when they say it).
         if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)):
             saved = read_checkpoint_metadata(source)
             check_fits(cfg.init_from, checkpoint.model_config_of(source, saved),

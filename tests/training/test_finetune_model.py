@@ -161,6 +161,32 @@ def test_a_directory_transformers_5_saved_with_a_tokenizer_json_only_is_accepted
         load_pretrained(str(saved))
 
 
+@pytest.mark.parametrize("lower_case", [False, True])
+def test_a_tokenizer_saved_without_do_lower_case_keeps_its_own_casing(
+        bert_dir, tmp_path, lower_case) -> None:
+    """A tokenizer saved as a generic PreTrainedTokenizerFast writes no do_lower_case: a cased
+    one was taken as uncased, and the model fine-tuned on other ids than its tokenizer gives."""
+    from bertforge.pipelines.contract.tokenization import load_tokenizer
+    from bertforge.training.hf_interop import build_hf_tokenizer_json
+    from bertforge.training.inputs import hf_lower_case
+
+    saved = tmp_path / "saved"
+    transformers.BertModel.from_pretrained(bert_dir).save_pretrained(saved)
+    (tmp_path / "tokenizer.json").write_text(
+        build_hf_tokenizer_json(os.path.join(bert_dir, "vocab.txt"), lower_case), "utf-8")
+    own = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), unk_token="[UNK]", pad_token="[PAD]",
+        cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    own.save_pretrained(saved)
+    assert "do_lower_case" not in (saved / "tokenizer_config.json").read_text("utf-8")
+    loaded = load_pretrained(str(saved))
+    assert loaded.lower_case is lower_case
+    assert hf_lower_case(str(saved)) is lower_case  # train --init-from's and eval's check
+    text = "Good movie , GREAT acting"
+    ours = load_tokenizer(loaded.vocab_path, loaded.lower_case).encode(text).ids
+    assert ours == own(text, add_special_tokens=False)["input_ids"]
+
+
 def test_random_init_keeps_the_architecture_and_vocabulary_only(bert_dir) -> None:
     pretrained = load_pretrained(bert_dir)
     fresh = load_pretrained(bert_dir, random_init=True)

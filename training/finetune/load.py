@@ -25,6 +25,7 @@ from bertforge.training.hf_interop import (
     bert_tensors,
     config_from_hf_dict,
     encoder_name_map,
+    hf_lower_case,
     hf_positions_trained,
     hf_vocab_file,
     hf_weights_file,
@@ -161,12 +162,10 @@ def _hf_encoder(source: str, config: BertConfig) -> dict[str, torch.Tensor]:
 
 
 def _hf_lower_case(source: str) -> bool:
-    """tokenizer_config.json's do_lower_case; BERT's default (uncased) without one."""
-    path = os.path.join(source, "tokenizer_config.json")
-    if not os.path.exists(path):
-        return True
-    with open(path, encoding="utf-8") as f:
-        return bool(json.load(f).get("do_lower_case", True))
+    """The casing its own tokenizer applies (tokenizer_config.json, else tokenizer.json);
+    BERT's default (uncased) where neither says."""
+    lower_case = hf_lower_case(source)
+    return True if lower_case is None else lower_case
 
 
 def _weights_file_identity(source: str) -> dict[str, Any] | None:
