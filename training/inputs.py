@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from bertforge.pipelines.contract.manifest import is_bertforge_dataset
+from bertforge.pipelines.contract.manifest import is_bertforge_dataset, sha256_file
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
 from bertforge.training.data.split import read_dataset_manifest, read_vocab_tokens, split_rows
@@ -230,6 +230,7 @@ def _check_complete_checkpoint(
     if lacking:  # export, eval and warm starts read each of them
         raise UserInputError(f"{os.path.join(resolved, checkpoint.METADATA_NAME)} lacks "
                              f"{', '.join(lacking)}: not a bertforge checkpoint's, or edited")
+    check_checkpoint_vocab(resolved, saved)
     missing = checkpoint.missing_rank_files(resolved, saved)
     if missing:
         raise MissingInputError(
@@ -240,6 +241,21 @@ def _check_complete_checkpoint(
     verify_checkpoint(resolved, saved)
     if also is not None:
         also(resolved, saved)
+
+
+def check_checkpoint_vocab(resolved: str, saved: dict[str, Any]) -> None:
+    """The checkpoint's vocab.txt is the one its weights were trained with (its bertforge.json's
+    vocab_sha256): export ships it as the model's tokenizer and finetune tokenizes with it, so
+    another one of the same size (a copy from another run, an edit) gave every word other ids
+    and was taken silently."""
+    path = os.path.join(resolved, "vocab.txt")
+    expected = saved["vocab_sha256"]
+    digest = sha256_file(path)  # a few hundred KB: milliseconds
+    if isinstance(expected, str) and digest != expected:
+        raise UserInputError(
+            f"{path} is not the vocabulary this checkpoint was trained with (sha256 "
+            f"{digest[:12]}..., its {checkpoint.METADATA_NAME} says {expected[:12]}...): copy "
+            "back the vocab.txt of the dataset it was trained on")
 
 
 def check_model_source(source: str) -> str:
