@@ -47,6 +47,7 @@ from bertforge.training.finetune.config import (
     PAPER_SWEEP,
     RESULT_NAME,
     FinetuneConfig,
+    squad_window,
 )
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.task_data import is_squad_split, same_file
@@ -167,12 +168,16 @@ def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
 
 
 def _shorter_flags(cfg: FinetuneConfig, length: int) -> str:
-    """The flags that fine-tune at `length` tokens: SQuAD's windows must then fit it too."""
+    """The flags that fine-tune at `length` tokens: SQuAD's windows must then fit it too (a
+    question of at most half of it where the window left would hold under 2 tokens)."""
     flags = f"--max-seq-length {length}"
+    if not cfg.is_squad:
+        return flags
+    if squad_window(length, cfg.max_query_length) < 2:
+        cfg = dataclasses.replace(cfg, max_query_length=max(1, (length - 3) // 2))
+        flags += f" --max-query-length {cfg.max_query_length}"
     stride = cfg.doc_stride_for(length)
-    if cfg.is_squad and stride != cfg.doc_stride:
-        flags += f" --doc-stride {stride}"
-    return flags
+    return flags + (f" --doc-stride {stride}" if stride != cfg.doc_stride else "")
 
 
 def run_name(learning_rate: float, seed: int) -> str:

@@ -293,3 +293,10 @@ def test_a_length_past_the_models_positions_names_the_flags_that_fit(tmp_path):
     facts = check_inputs(dataclasses.replace(cfg, max_seq_length=128, doc_stride=30),
                          LaunchConfig(workers=1))
     assert facts["num_dev_examples"] > 0
+    # Positions too few for a 64-token question: a shorter question is named too.
+    model = tiny_bert_dir(str(tmp_path / "m64"), max_position_embeddings=64)
+    with pytest.raises(ValueError, match="give --max-seq-length 64 --max-query-length 30 "
+                                         "--doc-stride 15$"):
+        check_inputs(dataclasses.replace(cfg, model=model), LaunchConfig(workers=1))
+    check_inputs(dataclasses.replace(cfg, model=model, max_seq_length=64, max_query_length=30,
+                                     doc_stride=15), LaunchConfig(workers=1))
