@@ -35,7 +35,10 @@ class Verification:
 
 
 def read_arrow_file(path: str) -> pa.Table:
-    """The whole table of one Arrow IPC file; a file that is not one is named."""
+    """The whole table of one Arrow IPC file; a file that is not one, or none, is named."""
+    if not os.path.exists(path):  # Arrow's own words: "Failed to open local file ... errno 2"
+        raise ValueError(f"{path} is missing (the manifest lists it): copy it back, or "
+                         "prepare the dataset again")
     try:
         with pa.memory_map(path) as source:
             return pa.ipc.open_file(source).read_all()

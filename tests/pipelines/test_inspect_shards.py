@@ -102,6 +102,16 @@ def test_inspect_of_a_dataset_without_its_vocabulary_says_what_is_missing(tmp_pa
         inspect_dataset(str(tmp_path / "data"))
 
 
+def test_inspect_of_a_dataset_without_a_shard_says_it_is_missing(tmp_path):
+    """It said "is not a readable Arrow IPC file ([Errno 2] Failed to open local file ...)"."""
+    path = _write_dataset(str(tmp_path / "data"), [([2, 5, 3, 6, 3], 3, 0)])
+    os.remove(path)
+    with pytest.raises(ValueError) as error:
+        inspect_dataset(str(tmp_path / "data"))
+    assert str(error.value) == (f"{path} is missing (the manifest lists it): copy it back, or "
+                                "prepare the dataset again")
+
+
 def test_verify_names_shards_the_manifest_does_not_list(tmp_path):
     """A shard another dataset left in the directory: a reader globbing `train/*.arrow` would
     read it, so --verify names it (it said "4 files ... match the manifest")."""
