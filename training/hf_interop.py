@@ -539,6 +539,40 @@ def hf_vocab_file(hf_dir: str) -> str | None:
     return written
 
 
+def hf_added_tokens(hf_dir: str) -> dict[str, int]:
+    """{token: id} a Hugging Face directory's tokenizer adds on top of its WordPiece vocabulary
+    (`tokenizer.add_tokens`, `add_special_tokens`): tokenizer.json's added_tokens and an older
+    transformers' added_tokens.json; {} where neither file is there or readable."""
+    added: dict[str, int] = {}
+    for name in (HF_TOKENIZER_NAME, "added_tokens.json"):
+        try:
+            with open(os.path.join(hf_dir, name), encoding="utf-8") as f:
+                values = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if name == HF_TOKENIZER_NAME and isinstance(values, dict):
+            entries = values.get("added_tokens") or ()
+            added.update({entry["content"]: entry["id"] for entry in entries
+                          if isinstance(entry, dict) and {"content", "id"} <= entry.keys()})
+        elif isinstance(values, dict):
+            added.update(values)
+    return added
+
+
+def tokens_beyond_vocab(hf_dir: str, vocab_path: str, lower_case: bool) -> list[str]:
+    """The added tokens of `hf_dir`'s tokenizer that BERT's tokenizer of `vocab_path` alone
+    (with its special tokens, as fine-tuning tokenizes) does not read as their ids, in id
+    order: it splits them into pieces (`covid19` into `co`, `##vid`, `##19`; `[E1]` into
+    `[`, `e1`, `]`) where the model's own tokenizer gives their trained ids."""
+    tokenizer = load_tokenizer(vocab_path, lower_case)
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    added = sorted((index, token) for token, index in hf_added_tokens(hf_dir).items()
+                   if isinstance(index, int) and isinstance(token, str))
+    return [token for index, token in added
+            if tokenizer.encode(token, add_special_tokens=False).ids != [index]]
+
+
 def read_hf_config(hf_dir: str) -> BertConfig:
     """The BertConfig of a Hugging Face directory's config.json."""
     config_path = os.path.join(hf_dir, HF_CONFIG_NAME)

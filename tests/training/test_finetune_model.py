@@ -187,6 +187,46 @@ def test_a_tokenizer_saved_without_do_lower_case_keeps_its_own_casing(
     assert ours == own(text, add_special_tokens=False)["input_ids"]
 
 
+def test_a_tokenizer_with_tokens_added_beyond_its_vocabulary_is_refused(bert_dir,
+                                                                        tmp_path) -> None:
+    """`add_tokens` (domain words) or `add_special_tokens` ([E1] entity markers) and
+    `resize_token_embeddings`: their ids were never produced, each such word fine-tuned as
+    WordPiece pieces and the export's tokenizer left without it, silently."""
+    from bertforge.pipelines.contract.tokenization import load_tokenizer
+
+    saved = tmp_path / "saved"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bert_dir)
+    tokenizer.add_tokens(["goodish"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[E1]"]})
+    model = transformers.BertForPreTraining.from_pretrained(bert_dir)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    with pytest.raises(ValueError) as error:
+        load_pretrained(str(saved))
+    assert str(error.value) == (
+        f"model {saved}: its tokenizer adds 2 token(s) that fine-tuning here, with its "
+        "WordPiece vocabulary alone, would split into pieces (goodish, [E1]); write each word "
+        "of them into its vocab.txt at its id (WordPiece then reads it whole), or fine-tune it "
+        "with its own tokenizer in transformers")
+    # What it says to do, for the word: its id is then the model's own tokenizer's. A marker
+    # in brackets is still split by BERT's pre-tokenizer, so it stays refused.
+    (saved / "vocab.txt").write_text("\n".join([*VOCAB, "goodish", "[E1]"]) + "\n", "utf-8")
+    with pytest.raises(ValueError, match=r"adds 1 token\(s\) .* \(\[E1\]\)"):
+        load_pretrained(str(saved))
+    words = tmp_path / "words"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bert_dir)
+    tokenizer.add_tokens(["goodish"])
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(words)
+    tokenizer.save_pretrained(words)
+    (words / "vocab.txt").write_text("\n".join([*VOCAB, "goodish"]) + "\n", "utf-8")
+    loaded = load_pretrained(str(words))
+    text = "a goodish film , very good"
+    ours = load_tokenizer(loaded.vocab_path, loaded.lower_case).encode(text).ids
+    assert ours == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def test_random_init_keeps_the_architecture_and_vocabulary_only(bert_dir) -> None:
     pretrained = load_pretrained(bert_dir)
     fresh = load_pretrained(bert_dir, random_init=True)

@@ -31,6 +31,7 @@ from bertforge.training.hf_interop import (
     hf_weights_file,
     load_hf_weights,
     rename_from_hf,
+    tokens_beyond_vocab,
 )
 from bertforge.training.inputs import check_model_source
 from bertforge.training.model import BertConfig
@@ -125,7 +126,22 @@ def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:
                              weights=_weights_file_identity(source))
     if state is not None and "bert.pooler.dense.weight" not in state:
         provenance["pooler"] = "initialised randomly (the source has none)"
-    return PretrainedModel(config, state, vocab_path, _hf_lower_case(source), provenance)
+    lower_case = _hf_lower_case(source)
+    _refuse_added_tokens(source, vocab_path, lower_case)
+    return PretrainedModel(config, state, vocab_path, lower_case, provenance)
+
+
+def _refuse_added_tokens(source: str, vocab_path: str, lower_case: bool) -> None:
+    """Tokens its tokenizer adds (`add_tokens`, [E1] markers) that ours would split: fine-tuned
+    on the pieces, their trained rows unused and the export's tokenizer without them, silently."""
+    added = tokens_beyond_vocab(source, vocab_path, lower_case)
+    if added:
+        shown = ", ".join(added[:5]) + (", ..." if len(added) > 5 else "")
+        raise ValueError(
+            f"model {source}: its tokenizer adds {len(added)} token(s) that fine-tuning here, "
+            f"with its WordPiece vocabulary alone, would split into pieces ({shown}); write "
+            "each word of them into its vocab.txt at its id (WordPiece then reads it whole), "
+            "or fine-tune it with its own tokenizer in transformers")
 
 
 def _hf_config(source: str) -> BertConfig:
