@@ -89,7 +89,10 @@ _VOCAB_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias")
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 
 HF_CONFIG_NAME = "config.json"
-HF_WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
+# In transformers' order of preference; an index names the shards of a sharded save
+# (`save_pretrained(max_shard_size=...)`: BERT-large's 1.3 GB under a 500MB limit, say).
+HF_WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model.bin.index.json")
 HF_TOKENIZER_NAME = "tokenizer.json"
 
 
@@ -481,8 +484,8 @@ def _replace_directory(staging: str, output_dir: str) -> None:
 
 
 def hf_weights_file(hf_dir: str) -> str | None:
-    """A Hugging Face directory's weights file: model.safetensors, else pytorch_model.bin;
-    None when it has neither."""
+    """A Hugging Face directory's weights file: model.safetensors, else a sharded save's index,
+    else pytorch_model.bin (or its index); None when it has none of them."""
     for name in HF_WEIGHTS_NAMES:
         path = os.path.join(hf_dir, name)
         if os.path.exists(path):
@@ -491,16 +494,40 @@ def hf_weights_file(hf_dir: str) -> str | None:
 
 
 def load_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
-    """The tensors of a Hugging Face directory: model.safetensors, else pytorch_model.bin."""
+    """The tensors of a Hugging Face directory (`hf_weights_file`'s, every shard of an index)."""
     path = hf_weights_file(hf_dir)
     if path is None:
-        # Sharded checkpoints (model-0000x-of-0000y) only exist past ~10 GB; BERT never needs
-        # them.
         raise ValueError(f"{hf_dir} has none of {list(HF_WEIGHTS_NAMES)}")
+    if not path.endswith(".index.json"):
+        return _load_weights_file(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in _shard_files(path):
+        tensors.update(_load_weights_file(shard))
+    return tensors
+
+
+def _load_weights_file(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         return load_file(path, device="cpu")
     # weights_only: a pickle from the internet must not run code.
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _shard_files(index_path: str) -> list[str]:
+    """The shard files a sharded save's index names (its weight_map's values), in order, each
+    there: a shard missing is named, not a missing-tensor list."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{index_path} is not a sharded save's index ({error})") from None
+    folder = os.path.dirname(index_path)
+    paths = [os.path.join(folder, os.path.basename(str(name))) for name in names]
+    missing = [os.path.basename(path) for path in paths if not os.path.isfile(path)]
+    if missing:
+        raise ValueError(f"{index_path} names shard(s) the directory lacks: {', '.join(missing)}")
+    return paths
 
 
 def hf_vocab_file(hf_dir: str) -> str | None:

@@ -227,6 +227,29 @@ def test_a_tokenizer_with_tokens_added_beyond_its_vocabulary_is_refused(bert_dir
     assert ours == tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def test_a_sharded_save_is_read_whole_and_a_missing_shard_named(bert_dir, tmp_path) -> None:
+    """`save_pretrained(max_shard_size=...)` writes model-0000k-of-0000n.safetensors and an
+    index: such a directory was "neither a complete checkpoint, ... nor a Hugging Face
+    directory"."""
+    from bertforge.training.warm_start import read_initial_weights
+
+    sharded = tmp_path / "sharded"
+    transformers.BertForPreTraining.from_pretrained(bert_dir).save_pretrained(
+        sharded, max_shard_size="20KB")
+    transformers.AutoTokenizer.from_pretrained(bert_dir).save_pretrained(sharded)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1 and not (sharded / "model.safetensors").exists()
+    whole = load_pretrained(bert_dir).state_dict
+    loaded = load_pretrained(str(sharded)).state_dict
+    assert loaded.keys() == whole.keys()
+    assert all(torch.equal(loaded[name], whole[name]) for name in whole)
+    assert read_initial_weights(str(sharded)).lacking == ()  # train --init-from's and eval's
+    shards[-1].unlink()
+    with pytest.raises(ValueError, match=f"names shard\\(s\\) the directory lacks: "
+                                         f"{shards[-1].name}"):
+        load_pretrained(str(sharded))
+
+
 def test_random_init_keeps_the_architecture_and_vocabulary_only(bert_dir) -> None:
     pretrained = load_pretrained(bert_dir)
     fresh = load_pretrained(bert_dir, random_init=True)
