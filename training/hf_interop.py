@@ -566,6 +566,33 @@ def hf_vocab_file(hf_dir: str) -> str | None:
     return written
 
 
+def vocab_files_disagree(hf_dir: str) -> str | None:
+    """Where a Hugging Face directory has both a vocab.txt and a WordPiece tokenizer.json that
+    hold different vocabularies (vocab.txt edited, its [unusedN] lines made words, and
+    tokenizer.json left as it was), the first id they differ at, said; else None. transformers'
+    fast tokenizer (AutoTokenizer's default) reads tokenizer.json, fine-tuning here vocab.txt:
+    the two gave one text other ids, silently."""
+    try:
+        with open(os.path.join(hf_dir, HF_TOKENIZER_NAME), encoding="utf-8") as f:
+            tokenizer = json.load(f)
+        model = tokenizer["model"]
+        # Its added tokens are its too: written into vocab.txt at their ids, they agree.
+        fast = {**model["vocab"], **{entry["content"]: entry["id"]
+                                     for entry in tokenizer.get("added_tokens") or ()}}
+        if model.get("type") != "WordPiece" or not os.path.exists(
+                os.path.join(hf_dir, "vocab.txt")):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # no tokenizer.json, or none to compare: hf_vocab_file says what is wrong
+    slow = read_vocab(os.path.join(hf_dir, "vocab.txt"), allow_repeats=True)
+    if slow == fast:
+        return None
+    by_id = [{index: token for token, index in vocab.items()} for vocab in (slow, fast)]
+    index = min(i for i in set(by_id[0]) | set(by_id[1]) if by_id[0].get(i) != by_id[1].get(i))
+    return (f"id {index} is {by_id[0].get(index)!r} in vocab.txt but {by_id[1].get(index)!r} "
+            f"in {HF_TOKENIZER_NAME}")
+
+
 def hf_added_tokens(hf_dir: str) -> dict[str, int]:
     """{token: id} a Hugging Face directory's tokenizer adds on top of its WordPiece vocabulary
     (`tokenizer.add_tokens`, `add_special_tokens`): tokenizer.json's added_tokens and an older

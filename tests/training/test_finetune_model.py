@@ -250,6 +250,27 @@ def test_a_sharded_save_is_read_whole_and_a_missing_shard_named(bert_dir, tmp_pa
         load_pretrained(str(sharded))
 
 
+def test_a_vocab_txt_that_its_tokenizer_json_disagrees_with_is_refused(bert_dir,
+                                                                       tmp_path) -> None:
+    """vocab.txt edited (a word in place of another) and tokenizer.json left as it was:
+    AutoTokenizer reads tokenizer.json, fine-tuning read vocab.txt, each text other ids."""
+    import shutil
+
+    edited = tmp_path / "edited"
+    shutil.copytree(bert_dir, edited)
+    lines = (edited / "vocab.txt").read_text("utf-8").splitlines()
+    lines[5] = "covid"
+    (edited / "vocab.txt").write_text("\n".join(lines) + "\n", "utf-8")
+    with pytest.raises(ValueError) as error:
+        load_pretrained(str(edited))
+    assert str(error.value) == (
+        f"model {edited}: its vocab.txt and tokenizer.json hold different vocabularies (id 5 is "
+        f"'covid' in vocab.txt but {VOCAB[5]!r} in tokenizer.json): transformers' fast "
+        "tokenizer reads tokenizer.json, fine-tuning here vocab.txt; remove the stale one")
+    (edited / "tokenizer.json").unlink()  # what it says: vocab.txt is then the tokenizer
+    assert load_pretrained(str(edited)).vocab_path == str(edited / "vocab.txt")
+
+
 def test_random_init_keeps_the_architecture_and_vocabulary_only(bert_dir) -> None:
     pretrained = load_pretrained(bert_dir)
     fresh = load_pretrained(bert_dir, random_init=True)

@@ -21,6 +21,7 @@ from bertforge.pipelines.contract.tokenization import read_vocab
 from bertforge.training import checkpoint
 from bertforge.training.hf_interop import (
     HF_CONFIG_NAME,
+    HF_TOKENIZER_NAME,
     HF_WEIGHTS_NAMES,
     bert_tensors,
     config_from_hf_dict,
@@ -32,6 +33,7 @@ from bertforge.training.hf_interop import (
     load_hf_weights,
     rename_from_hf,
     tokens_beyond_vocab,
+    vocab_files_disagree,
 )
 from bertforge.training.inputs import check_model_source
 from bertforge.training.model import BertConfig
@@ -127,13 +129,20 @@ def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:
     if state is not None and "bert.pooler.dense.weight" not in state:
         provenance["pooler"] = "initialised randomly (the source has none)"
     lower_case = _hf_lower_case(source)
-    _refuse_added_tokens(source, vocab_path, lower_case)
+    _refuse_another_tokenizer(source, vocab_path, lower_case)
     return PretrainedModel(config, state, vocab_path, lower_case, provenance)
 
 
-def _refuse_added_tokens(source: str, vocab_path: str, lower_case: bool) -> None:
-    """Tokens its tokenizer adds (`add_tokens`, [E1] markers) that ours would split: fine-tuned
-    on the pieces, their trained rows unused and the export's tokenizer without them, silently."""
+def _refuse_another_tokenizer(source: str, vocab_path: str, lower_case: bool) -> None:
+    """Where the model's own tokenizer gives a text other ids than fine-tuning here would (its
+    tokenizer.json and vocab.txt disagree; it adds tokens, `add_tokens` or [E1] markers, that
+    ours would split): fine-tuned on other ids, the export's tokenizer not its, silently."""
+    differ = vocab_files_disagree(source)
+    if differ:
+        raise ValueError(
+            f"model {source}: its vocab.txt and {HF_TOKENIZER_NAME} hold different vocabularies "
+            f"({differ}): transformers' fast tokenizer reads {HF_TOKENIZER_NAME}, fine-tuning "
+            "here vocab.txt; remove the stale one")
     added = tokens_beyond_vocab(source, vocab_path, lower_case)
     if added:
         shown = ", ".join(added[:5]) + (", ..." if len(added) > 5 else "")
