@@ -196,7 +196,8 @@ def _add_eval(commands) -> None:
 
     p = commands.add_parser("eval", help="masked-LM and NSP accuracy of a checkpoint")
     p.add_argument("checkpoint", help="a checkpoint directory, a run directory (newest), or a "
-                   "Hugging Face BERT directory with the pretraining heads (an export)")
+                   "Hugging Face BERT directory with the pretraining heads (an export; a "
+                   "BertForMaskedLM: masked-LM alone)")
     p.add_argument("--data", required=True, help="prepared shard directory")
     add_flags(p, EvalOptions)
     p.set_defaults(handler=_run_eval)

@@ -35,7 +35,10 @@ class Verification:
 
 
 def read_arrow_file(path: str) -> pa.Table:
-    """The whole table of one Arrow IPC file; a file that is not one is named."""
+    """The whole table of one Arrow IPC file; a file that is not one, or none, is named."""
+    if not os.path.exists(path):  # Arrow's own words: "Failed to open local file ... errno 2"
+        raise ValueError(f"{path} is missing (the manifest lists it): copy it back, or "
+                         "prepare the dataset again")
     try:
         with pa.memory_map(path) as source:
             return pa.ipc.open_file(source).read_all()
@@ -48,6 +51,7 @@ def verify_dataset(data_dir: str) -> Verification:
     found = manifest.read_manifest(data_dir)
     result = Verification()
     vocab = _verify_vocab(data_dir, found.tokenizer, result)
+    _verify_casing(data_dir, found, result)
     rules = _row_rules(data_dir, found, vocab, result)
     for entry in (shard for split in found.splits.values() for shard in split.shards):
         _verify_shard(os.path.join(data_dir, entry.path), entry, rules, result)
@@ -72,6 +76,19 @@ def _verify_vocab(data_dir: str, tokenizer: manifest.TokenizerEntry,
         result.problems.append(f"{path}: {len(ids)} tokens, the manifest says "
                                f"{tokenizer.vocab_size}")
     return sorted(ids, key=ids.__getitem__)
+
+
+def _verify_casing(data_dir: str, found: manifest.Manifest, result: Verification) -> None:
+    """The manifest records the casing twice (its tokenizer's, its instance parameters'); an
+    edit of one (lower_case flipped by hand) made `train`'s casing checks and the export's
+    do_lower_case follow a casing the shards were not tokenized with, and verified clean."""
+    recorded = found.instance_params.get("lower_case")
+    if isinstance(recorded, bool) and recorded != found.tokenizer.lower_case:
+        result.problems.append(
+            f"{os.path.join(data_dir, manifest.MANIFEST_NAME)}: tokenizer.lower_case is "
+            f"{found.tokenizer.lower_case} but instance_params.lower_case {recorded} (edited?): "
+            "the shards were tokenized with one of them; restore it, or prepare the dataset "
+            "again")
 
 
 def _row_rules(data_dir: str, found: manifest.Manifest, vocab: list[str] | None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
@@ -21,9 +22,9 @@ from bertforge.training.metrics import counted
 class EvalResult:
     mlm_accuracy: float
     mlm_baseline_accuracy: float  # always predicting the split's most frequent token
-    nsp_accuracy: float
+    nsp_accuracy: float | None  # None: a model without a next-sentence head (BertForMaskedLM)
     mlm_loss: float
-    nsp_loss: float
+    nsp_loss: float | None
     num_predictions: int
     num_sequences: int
 
@@ -177,13 +178,23 @@ def evaluate_checkpoint(
                      f"{loader.max_seq_length} tokens, longer than the {trained} this model was "
                      f"trained at: positions {trained + 1}-{loader.max_seq_length} keep their "
                      "random initial embeddings, so these numbers say little of the model")
+    if metadata.get(NO_NSP_HEAD):
+        progress.say(f"[eval] {checkpoint_path} has no next-sentence head (a masked-LM model): "
+                     "its masked-LM head is scored alone")
     device = eval_device(options.device)
     with torch.autocast("cuda", dtype=torch.bfloat16,
                         enabled=device == "cuda" and metadata.get("precision") == "bf16"):
         result = evaluate(model.to(device), loader, baseline_token_id=baseline_token_id,
                           device=device, max_batches=max_batches, progress=progress)
     loader.wait_for_checksums()  # no numbers from shards whose bytes are not the manifest's
+    if metadata.get(NO_NSP_HEAD):
+        result = dataclasses.replace(result, nsp_accuracy=None, nsp_loss=None)
     return result
+
+
+# load_hf_model's word that the model has no next-sentence head (a BertForMaskedLM): its
+# masked-LM head is scored alone, as NSP from fresh weights would be a coin's numbers.
+NO_NSP_HEAD = "no_next_sentence_head"
 
 
 def load_hf_model(hf_dir: str):
@@ -195,15 +206,17 @@ def load_hf_model(hf_dir: str):
     from bertforge.training.warm_start import load_weights_into, read_initial_weights
 
     initial = read_initial_weights(hf_dir)
-    if initial.lacking:
+    if "masked-LM head" in initial.lacking:
         raise ValueError(f"model {hf_dir} lacks BERT's pretraining heads "
-                         f"({', '.join(initial.lacking)}): eval scores the masked-LM and "
-                         "next-sentence heads, which a BertModel or a fine-tuned model has not")
+                         f"({', '.join(initial.lacking)}): eval scores the masked-LM head (and "
+                         "the next-sentence head), which a BertModel or a fine-tuned model has "
+                         "not")
     model = BertForPreTraining(initial.config)
-    load_weights_into(model, initial, f"model {hf_dir}")
+    load_weights_into(model, initial, f"model {hf_dir}")  # what it lacks: fresh weights
     return model, {"vocab_sha256": initial.vocab_sha256,
                    "positions_trained": initial.positions_trained,
-                   "model_config": initial.config.to_dict()}
+                   "model_config": initial.config.to_dict(),
+                   NO_NSP_HEAD: "next-sentence head" in initial.lacking}
 
 
 def eval_device(asked: str) -> str:

@@ -89,7 +89,10 @@ _VOCAB_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias")
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 
 HF_CONFIG_NAME = "config.json"
-HF_WEIGHTS_NAMES = ("model.safetensors", "pytorch_model.bin")
+# In transformers' order of preference; an index names the shards of a sharded save
+# (`save_pretrained(max_shard_size=...)`: BERT-large's 1.3 GB under a 500MB limit, say).
+HF_WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model.bin.index.json")
 HF_TOKENIZER_NAME = "tokenizer.json"
 
 
@@ -340,6 +343,36 @@ def tokenizer_setting(hf_dir: str, key: str) -> Any:
         return None
 
 
+def hf_lower_case(hf_dir: str) -> bool | None:
+    """Whether a Hugging Face directory's tokenizer lower-cases: its tokenizer_config.json's
+    do_lower_case, else its tokenizer.json's normalizer (a tokenizer saved as a generic
+    `PreTrainedTokenizerFast` records no do_lower_case, and a cased one read as BERT's default,
+    uncased, was fine-tuned on other ids than its own tokenizer gives); None when neither
+    file says."""
+    value = tokenizer_setting(hf_dir, "do_lower_case")
+    if isinstance(value, bool):
+        return value
+    try:
+        with open(os.path.join(hf_dir, HF_TOKENIZER_NAME), encoding="utf-8") as f:
+            tokenizer = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return _lower_cases(tokenizer.get("normalizer")) if isinstance(tokenizer, dict) else None
+
+
+def _lower_cases(normalizer: Any) -> bool:
+    """A tokenizers normalizer lower-cases: BertNormalizer's `lowercase`, a Lowercase step,
+    alone or in a Sequence (null, or any other step: the text keeps its case)."""
+    if not isinstance(normalizer, dict):
+        return False
+    kind = normalizer.get("type")
+    if kind == "BertNormalizer":
+        return bool(normalizer.get("lowercase", True))  # the library's default
+    if kind == "Sequence":
+        return any(_lower_cases(step) for step in normalizer.get("normalizers") or ())
+    return kind == "Lowercase"
+
+
 def hf_positions_trained(hf_dir: str, config: BertConfig) -> int:
     """A Hugging Face directory's trained positions: its tokenizer's model_max_length where
     that is below max_position_embeddings (a bertforge export says so, `_tokenizer_config`),
@@ -451,8 +484,8 @@ def _replace_directory(staging: str, output_dir: str) -> None:
 
 
 def hf_weights_file(hf_dir: str) -> str | None:
-    """A Hugging Face directory's weights file: model.safetensors, else pytorch_model.bin;
-    None when it has neither."""
+    """A Hugging Face directory's weights file: model.safetensors, else a sharded save's index,
+    else pytorch_model.bin (or its index); None when it has none of them."""
     for name in HF_WEIGHTS_NAMES:
         path = os.path.join(hf_dir, name)
         if os.path.exists(path):
@@ -461,16 +494,40 @@ def hf_weights_file(hf_dir: str) -> str | None:
 
 
 def load_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
-    """The tensors of a Hugging Face directory: model.safetensors, else pytorch_model.bin."""
+    """The tensors of a Hugging Face directory (`hf_weights_file`'s, every shard of an index)."""
     path = hf_weights_file(hf_dir)
     if path is None:
-        # Sharded checkpoints (model-0000x-of-0000y) only exist past ~10 GB; BERT never needs
-        # them.
         raise ValueError(f"{hf_dir} has none of {list(HF_WEIGHTS_NAMES)}")
+    if not path.endswith(".index.json"):
+        return _load_weights_file(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in _shard_files(path):
+        tensors.update(_load_weights_file(shard))
+    return tensors
+
+
+def _load_weights_file(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         return load_file(path, device="cpu")
     # weights_only: a pickle from the internet must not run code.
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _shard_files(index_path: str) -> list[str]:
+    """The shard files a sharded save's index names (its weight_map's values), in order, each
+    there: a shard missing is named, not a missing-tensor list."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{index_path} is not a sharded save's index ({error})") from None
+    folder = os.path.dirname(index_path)
+    paths = [os.path.join(folder, os.path.basename(str(name))) for name in names]
+    missing = [os.path.basename(path) for path in paths if not os.path.isfile(path)]
+    if missing:
+        raise ValueError(f"{index_path} names shard(s) the directory lacks: {', '.join(missing)}")
+    return paths
 
 
 def hf_vocab_file(hf_dir: str) -> str | None:
@@ -507,6 +564,67 @@ def hf_vocab_file(hf_dir: str) -> str | None:
         f.write(text)
     os.replace(f.name, written)  # whole or absent, whoever writes it
     return written
+
+
+def vocab_files_disagree(hf_dir: str) -> str | None:
+    """Where a Hugging Face directory has both a vocab.txt and a WordPiece tokenizer.json that
+    hold different vocabularies (vocab.txt edited, its [unusedN] lines made words, and
+    tokenizer.json left as it was), the first id they differ at, said; else None. transformers'
+    fast tokenizer (AutoTokenizer's default) reads tokenizer.json, fine-tuning here vocab.txt:
+    the two gave one text other ids, silently."""
+    try:
+        with open(os.path.join(hf_dir, HF_TOKENIZER_NAME), encoding="utf-8") as f:
+            tokenizer = json.load(f)
+        model = tokenizer["model"]
+        # Its added tokens are its too: written into vocab.txt at their ids, they agree.
+        fast = {**model["vocab"], **{entry["content"]: entry["id"]
+                                     for entry in tokenizer.get("added_tokens") or ()}}
+        if model.get("type") != "WordPiece" or not os.path.exists(
+                os.path.join(hf_dir, "vocab.txt")):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # no tokenizer.json, or none to compare: hf_vocab_file says what is wrong
+    slow = read_vocab(os.path.join(hf_dir, "vocab.txt"), allow_repeats=True)
+    if slow == fast:
+        return None
+    by_id = [{index: token for token, index in vocab.items()} for vocab in (slow, fast)]
+    index = min(i for i in set(by_id[0]) | set(by_id[1]) if by_id[0].get(i) != by_id[1].get(i))
+    return (f"id {index} is {by_id[0].get(index)!r} in vocab.txt but {by_id[1].get(index)!r} "
+            f"in {HF_TOKENIZER_NAME}")
+
+
+def hf_added_tokens(hf_dir: str) -> dict[str, int]:
+    """{token: id} a Hugging Face directory's tokenizer adds on top of its WordPiece vocabulary
+    (`tokenizer.add_tokens`, `add_special_tokens`): tokenizer.json's added_tokens and an older
+    transformers' added_tokens.json; {} where neither file is there or readable."""
+    added: dict[str, int] = {}
+    for name in (HF_TOKENIZER_NAME, "added_tokens.json"):
+        try:
+            with open(os.path.join(hf_dir, name), encoding="utf-8") as f:
+                values = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if name == HF_TOKENIZER_NAME and isinstance(values, dict):
+            entries = values.get("added_tokens") or ()
+            added.update({entry["content"]: entry["id"] for entry in entries
+                          if isinstance(entry, dict) and {"content", "id"} <= entry.keys()})
+        elif isinstance(values, dict):
+            added.update(values)
+    return added
+
+
+def tokens_beyond_vocab(hf_dir: str, vocab_path: str, lower_case: bool) -> list[str]:
+    """The added tokens of `hf_dir`'s tokenizer that BERT's tokenizer of `vocab_path` alone
+    (with its special tokens, as fine-tuning tokenizes) does not read as their ids, in id
+    order: it splits them into pieces (`covid19` into `co`, `##vid`, `##19`; `[E1]` into
+    `[`, `e1`, `]`) where the model's own tokenizer gives their trained ids."""
+    tokenizer = load_tokenizer(vocab_path, lower_case)
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    added = sorted((index, token) for token, index in hf_added_tokens(hf_dir).items()
+                   if isinstance(index, int) and isinstance(token, str))
+    return [token for index, token in added
+            if tokenizer.encode(token, add_special_tokens=False).ids != [index]]
 
 
 def read_hf_config(hf_dir: str) -> BertConfig:

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from bertforge.pipelines.contract.manifest import is_bertforge_dataset
+from bertforge.pipelines.contract.manifest import is_bertforge_dataset, sha256_file
 from bertforge.training import checkpoint
 from bertforge.training.config import TrainConfig
 from bertforge.training.data.split import read_dataset_manifest, read_vocab_tokens, split_rows
@@ -230,6 +230,7 @@ def _check_complete_checkpoint(
     if lacking:  # export, eval and warm starts read each of them
         raise UserInputError(f"{os.path.join(resolved, checkpoint.METADATA_NAME)} lacks "
                              f"{', '.join(lacking)}: not a bertforge checkpoint's, or edited")
+    check_checkpoint_vocab(resolved, saved)
     missing = checkpoint.missing_rank_files(resolved, saved)
     if missing:
         raise MissingInputError(
@@ -240,6 +241,21 @@ def _check_complete_checkpoint(
     verify_checkpoint(resolved, saved)
     if also is not None:
         also(resolved, saved)
+
+
+def check_checkpoint_vocab(resolved: str, saved: dict[str, Any]) -> None:
+    """The checkpoint's vocab.txt is the one its weights were trained with (its bertforge.json's
+    vocab_sha256): export ships it as the model's tokenizer and finetune tokenizes with it, so
+    another one of the same size (a copy from another run, an edit) gave every word other ids
+    and was taken silently."""
+    path = os.path.join(resolved, "vocab.txt")
+    expected = saved["vocab_sha256"]
+    digest = sha256_file(path)  # a few hundred KB: milliseconds
+    if isinstance(expected, str) and digest != expected:
+        raise UserInputError(
+            f"{path} is not the vocabulary this checkpoint was trained with (sha256 "
+            f"{digest[:12]}..., its {checkpoint.METADATA_NAME} says {expected[:12]}...): copy "
+            "back the vocab.txt of the dataset it was trained on")
 
 
 def check_model_source(source: str) -> str:
@@ -320,12 +336,11 @@ def resolve_model_config(model: dict[str, Any], vocab_size: int) -> BertConfig:
 
 
 def hf_lower_case(hf_dir: str) -> bool | None:
-    """`do_lower_case` of a Hugging Face directory's tokenizer_config.json; None when it has
-    no such file or key (nothing to compare)."""
-    from bertforge.training.hf_interop import tokenizer_setting
+    """Whether a Hugging Face directory's tokenizer lower-cases (its tokenizer_config.json,
+    else its tokenizer.json); None when neither says (nothing to compare)."""
+    from bertforge.training import hf_interop
 
-    value = tokenizer_setting(hf_dir, "do_lower_case")
-    return value if isinstance(value, bool) else None
+    return hf_interop.hf_lower_case(hf_dir)
 
 
 def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str,
@@ -375,8 +390,8 @@ def _check_train_run(cfg: TrainConfig, facts: DatasetFacts, world_size: int | No
     if resumed is None and cfg.init_from:
         source = check_model_source(cfg.init_from)
         # A checkpoint's bertforge.json says it all; a Hugging Face directory's config.json and
-        # vocabulary its model (the worker reads its weights), its tokenizer_config.json its
-        # casing (when it has one).
+        # vocabulary its model (the worker reads its weights), its tokenizer files its casing
+        # (when they say it).
         if os.path.exists(os.path.join(source, checkpoint.COMMIT_MARKER)):
             saved = read_checkpoint_metadata(source)
             check_fits(cfg.init_from, checkpoint.model_config_of(source, saved),

@@ -47,6 +47,7 @@ from bertforge.training.finetune.config import (
     PAPER_SWEEP,
     RESULT_NAME,
     FinetuneConfig,
+    squad_window,
 )
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.task_data import is_squad_split, same_file
@@ -146,24 +147,37 @@ def check_inputs(cfg: FinetuneConfig, launch: LaunchConfig) -> dict[str, Any]:
     if not cfg.is_squad and len(train) < cfg.batch_size:
         raise ValueError(f"{cfg.train}: {len(train)} training examples are fewer than one batch "
                          f"of {cfg.batch_size}; lower --batch-size")
-    if cfg.seq_length > pretrained.config.max_position_embeddings:
+    positions = pretrained.config.max_position_embeddings
+    if cfg.seq_length > positions:
+        # The default length (SQuAD's 384) is the task's, not the model's: say what fits.
         raise ValueError(f"max_seq_length {cfg.seq_length} exceeds the model's "
-                         f"max_position_embeddings {pretrained.config.max_position_embeddings}")
+                         f"max_position_embeddings {positions} ({cfg.model}); give "
+                         f"{_shorter_flags(cfg, positions)}")
     trained = provenance["positions_trained"]
     if cfg.seq_length > trained and not cfg.random_init:
         # Google's recipe pretrains at 512 tokens last for this reason.
-        shorter = f"--max-seq-length {trained}"
-        stride = cfg.doc_stride_for(trained)
-        if cfg.is_squad and stride != cfg.doc_stride:  # its windows must fit the shorter length
-            shorter += f" --doc-stride {stride}"
         print(f"[finetune] warning: max_seq_length {cfg.seq_length} is longer than the "
               f"{trained} tokens {cfg.model} was pretrained at: positions {trained + 1}-"
               f"{cfg.seq_length} keep their random initial embeddings; pretrain a phase at "
-              f"that length first (the pipeline's [phase2]), or give {shorter}", flush=True)
+              f"that length first (the pipeline's [phase2]), or give "
+              f"{_shorter_flags(cfg, trained)}", flush=True)
     train_sha256 = sha256_file(cfg.train)  # SQuAD's one file split in two: read once
     dev_sha256 = train_sha256 if cfg.dev == cfg.train else sha256_file(cfg.dev)
     return {"model": provenance, "num_train_examples": len(train), "num_dev_examples": len(dev),
             DATA_FILES: {"train": train_sha256, "dev": dev_sha256}}
+
+
+def _shorter_flags(cfg: FinetuneConfig, length: int) -> str:
+    """The flags that fine-tune at `length` tokens: SQuAD's windows must then fit it too (a
+    question of at most half of it where the window left would hold under 2 tokens)."""
+    flags = f"--max-seq-length {length}"
+    if not cfg.is_squad:
+        return flags
+    if squad_window(length, cfg.max_query_length) < 2:
+        cfg = dataclasses.replace(cfg, max_query_length=max(1, (length - 3) // 2))
+        flags += f" --max-query-length {cfg.max_query_length}"
+    stride = cfg.doc_stride_for(length)
+    return flags + (f" --doc-stride {stride}" if stride != cfg.doc_stride else "")
 
 
 def run_name(learning_rate: float, seed: int) -> str:

@@ -168,3 +168,22 @@ def test_metadata_without_what_loads_read_is_one_line(run_copy, tmp_path, capsys
         json.dump(metadata, f)
     refused(["export", ckpt, "--output", str(tmp_path / "hf")], capsys,
             f"{path} lacks lower_case")
+
+
+def test_a_vocabulary_that_is_not_the_checkpoints_is_one_line(trained, run_copy, tmp_path,
+                                                              capsys):
+    """A checkpoint's vocab.txt replaced by another of the same size (its lines reordered: a
+    copy from another run, an edit) was exported as the model's tokenizer, every word then
+    another id, and fine-tuned with: its bertforge.json's vocab_sha256 says which it was."""
+    _, ckpt = run_copy
+    path = os.path.join(ckpt, "vocab.txt")
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines[:5] + lines[5:][::-1]) + "\n")
+    expected = (f"{path} is not the vocabulary this checkpoint was trained with",
+                "copy back the vocab.txt of the dataset it was trained on")
+    refused(["export", ckpt, "--output", str(tmp_path / "hf")], capsys, *expected)
+    assert not os.path.exists(tmp_path / "hf")
+    with pytest.raises(UserInputError, match="is not the vocabulary this checkpoint"):
+        check_model_source(ckpt)  # finetune --model's and --init-from's pre-flight

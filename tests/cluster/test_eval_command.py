@@ -118,3 +118,32 @@ def test_a_hugging_face_export_scores_as_its_checkpoint_does(short_model, capsys
     (bare / "vocab.txt").write_text((hf / "vocab.txt").read_text() + "extra\n")
     refused(["eval", str(bare), "--data", str(root / "data")], capsys,
             f"{root / 'data'} uses another vocabulary than model {bare}")
+
+
+def test_a_masked_lm_model_without_a_next_sentence_head_is_scored_on_its_masked_lm(
+        short_model, capsys):
+    """A BertForMaskedLM (no pooler, no next-sentence head: many released BERTs) was refused
+    as having no pretraining heads, though its masked-LM head is what eval scores first."""
+    from safetensors.torch import load_file, save_file
+
+    root, ckpt = short_model
+    hf = root / "hf-for-mlm"
+    assert main(["export", ckpt, "--output", str(hf)]) == 0
+    mlm = root / "mlm"
+    mlm.mkdir()
+    for name in ("config.json", "vocab.txt", "tokenizer_config.json"):
+        (mlm / name).write_bytes((hf / name).read_bytes())
+    weights = load_file(str(hf / "model.safetensors"))
+    save_file({k: v for k, v in weights.items()
+               if not k.startswith(("cls.seq_relationship.", "bert.pooler."))},
+              str(mlm / "model.safetensors"), metadata={"format": "pt"})
+    scores = []
+    for model in (ckpt, str(mlm)):
+        capsys.readouterr()
+        assert main(["eval", model, "--data", str(root / "data"), "--device", "cpu"]) == 0
+        out, err = capsys.readouterr()
+        scores.append((json.loads(out), err))
+    (full, _), (masked_lm, said) = scores
+    assert masked_lm == {**full, "nsp_accuracy": None, "nsp_loss": None}
+    assert (f"[eval] {mlm} has no next-sentence head (a masked-LM model): its masked-LM head "
+            "is scored alone") in said

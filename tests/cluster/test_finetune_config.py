@@ -296,3 +296,31 @@ def test_a_header_read_as_data_is_not_made_a_class(tmp_path):
     # Word labels are the task's own: no header in sight.
     path.write_text("a fine film\tpositive\na dull one\tnegative\nanother\tneutral\n")
     assert read_label_set(str(path), without_header) == ("negative", "neutral", "positive")
+
+
+def test_a_length_past_the_models_positions_names_the_flags_that_fit(tmp_path):
+    """SQuAD's default 384 tokens on a model of 128 positions was refused with no word of
+    what to give instead; the flags must fit SQuAD's windows too (stride < window)."""
+    from bertforge.cluster.commands.finetune_sweep import check_inputs
+    from tests.support.finetune_data import tiny_bert_dir, write_squad_json
+
+    model = tiny_bert_dir(str(tmp_path / "m"), max_position_embeddings=128)
+    squad = write_squad_json(str(tmp_path / "squad.json"))
+    cfg = FinetuneConfig(task="squad", model=model, output=str(tmp_path / "out"), train=squad,
+                         dev=squad)
+    with pytest.raises(ValueError) as error:
+        check_inputs(cfg, LaunchConfig(workers=1))
+    assert str(error.value) == (
+        f"max_seq_length 384 exceeds the model's max_position_embeddings 128 ({model}); give "
+        "--max-seq-length 128 --doc-stride 30")
+    # What it says to give is accepted.
+    facts = check_inputs(dataclasses.replace(cfg, max_seq_length=128, doc_stride=30),
+                         LaunchConfig(workers=1))
+    assert facts["num_dev_examples"] > 0
+    # Positions too few for a 64-token question: a shorter question is named too.
+    model = tiny_bert_dir(str(tmp_path / "m64"), max_position_embeddings=64)
+    with pytest.raises(ValueError, match="give --max-seq-length 64 --max-query-length 30 "
+                                         "--doc-stride 15$"):
+        check_inputs(dataclasses.replace(cfg, model=model), LaunchConfig(workers=1))
+    check_inputs(dataclasses.replace(cfg, model=model, max_seq_length=64, max_query_length=30,
+                                     doc_stride=15), LaunchConfig(workers=1))

@@ -285,12 +285,15 @@ def test_a_warm_start_of_another_architecture_or_vocabulary_is_refused_before_ra
     phase2 = ["train", "--data", dataset, "--init-from", str(source), "--workers", "1"]
     refused([*phase2, "--run-dir", str(tmp_path / "p2"), "--preset", "mini"], capsys,
             f"init_from {source} has another architecture", "hidden_size 128 != 256")
-    metadata_path = os.path.join(checkpoint.latest_checkpoint(str(source)),
-                                 checkpoint.METADATA_NAME)
+    latest = checkpoint.latest_checkpoint(str(source))
+    metadata_path = os.path.join(latest, checkpoint.METADATA_NAME)
     with open(metadata_path) as f:
         metadata = json.load(f)
-    with open(metadata_path, "w") as f:  # as if phase 1 had run on another vocabulary
-        json.dump({**metadata, "vocab_sha256": "0" * 64}, f)
+    vocab_path = os.path.join(latest, "vocab.txt")  # as if phase 1 had run on another vocabulary
+    with open(vocab_path, "a", encoding="utf-8") as f:
+        f.write("[another]\n")
+    with open(metadata_path, "w") as f:
+        json.dump({**metadata, "vocab_sha256": manifest_lib.sha256_file(vocab_path)}, f)
     refused([*phase2, "--run-dir", str(tmp_path / "p3")], capsys, "another vocabulary")
     assert not os.path.exists(tmp_path / "p2" / "checkpoints")
     # A file where the model's folder goes was "no such directory".

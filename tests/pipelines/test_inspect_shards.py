@@ -102,6 +102,16 @@ def test_inspect_of_a_dataset_without_its_vocabulary_says_what_is_missing(tmp_pa
         inspect_dataset(str(tmp_path / "data"))
 
 
+def test_inspect_of_a_dataset_without_a_shard_says_it_is_missing(tmp_path):
+    """It said "is not a readable Arrow IPC file ([Errno 2] Failed to open local file ...)"."""
+    path = _write_dataset(str(tmp_path / "data"), [([2, 5, 3, 6, 3], 3, 0)])
+    os.remove(path)
+    with pytest.raises(ValueError) as error:
+        inspect_dataset(str(tmp_path / "data"))
+    assert str(error.value) == (f"{path} is missing (the manifest lists it): copy it back, or "
+                                "prepare the dataset again")
+
+
 def test_verify_names_shards_the_manifest_does_not_list(tmp_path):
     """A shard another dataset left in the directory: a reader globbing `train/*.arrow` would
     read it, so --verify names it (it said "4 files ... match the manifest")."""
@@ -134,3 +144,21 @@ def test_inspect_of_a_file_or_a_negative_sample_count_is_one_line(tmp_path, caps
     # Object storage: it said "manifest.json not found" of a dataset that is there.
     refused(["inspect", "gs://bucket/shards"], capsys,
             "gs://bucket/shards: inspect reads a dataset on this machine")
+
+
+def test_verify_names_a_casing_edited_in_one_of_the_manifests_two_records(tmp_path):
+    """lower_case flipped by hand in the manifest's tokenizer verified clean, and the export's
+    do_lower_case and every casing check then followed it; prepare writes it twice."""
+    import json
+
+    _write_dataset(str(tmp_path / "data"), [([2, 5, 3, 6, 3], 3, 0)])
+    path = tmp_path / "data" / manifest.MANIFEST_NAME
+    values = json.loads(path.read_text())
+    values["instance_params"]["lower_case"] = True  # as prepare writes it
+    path.write_text(json.dumps(values))
+    assert verify_dataset(str(tmp_path / "data")).problems == []
+    values["tokenizer"]["lower_case"] = False
+    path.write_text(json.dumps(values))
+    assert verify_dataset(str(tmp_path / "data")).problems == [
+        f"{path}: tokenizer.lower_case is False but instance_params.lower_case True (edited?): "
+        "the shards were tokenized with one of them; restore it, or prepare the dataset again"]

@@ -21,7 +21,8 @@ def write_vocab(path: str) -> str:
     return path
 
 
-def tiny_bert_dir(root: str, seed: int = 0, vocab_path: str | None = None) -> str:
+def tiny_bert_dir(root: str, seed: int = 0, vocab_path: str | None = None,
+                  max_position_embeddings: int = 512) -> str:
     """A 2-layer, 32-wide BERT with random weights on VOCAB (or the vocabulary at `vocab_path`),
     exported like a pretraining run's Hugging Face directory."""
     from bertforge.pipelines.contract.tokenization import read_vocab
@@ -32,7 +33,8 @@ def tiny_bert_dir(root: str, seed: int = 0, vocab_path: str | None = None) -> st
     vocab_path = vocab_path or write_vocab(os.path.join(root, "vocab-src.txt"))
     torch.manual_seed(seed)
     config = BertConfig(len(read_vocab(vocab_path)), hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=512)
+                        num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=max_position_embeddings)
     model = BertForPreTraining(config)
     return export_hf_directory(model.state_dict(), config, vocab_path, True,
                                os.path.join(root, "tiny-bert"))

@@ -161,6 +161,116 @@ def test_a_directory_transformers_5_saved_with_a_tokenizer_json_only_is_accepted
         load_pretrained(str(saved))
 
 
+@pytest.mark.parametrize("lower_case", [False, True])
+def test_a_tokenizer_saved_without_do_lower_case_keeps_its_own_casing(
+        bert_dir, tmp_path, lower_case) -> None:
+    """A tokenizer saved as a generic PreTrainedTokenizerFast writes no do_lower_case: a cased
+    one was taken as uncased, and the model fine-tuned on other ids than its tokenizer gives."""
+    from bertforge.pipelines.contract.tokenization import load_tokenizer
+    from bertforge.training.hf_interop import build_hf_tokenizer_json
+    from bertforge.training.inputs import hf_lower_case
+
+    saved = tmp_path / "saved"
+    transformers.BertModel.from_pretrained(bert_dir).save_pretrained(saved)
+    (tmp_path / "tokenizer.json").write_text(
+        build_hf_tokenizer_json(os.path.join(bert_dir, "vocab.txt"), lower_case), "utf-8")
+    own = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), unk_token="[UNK]", pad_token="[PAD]",
+        cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    own.save_pretrained(saved)
+    assert "do_lower_case" not in (saved / "tokenizer_config.json").read_text("utf-8")
+    loaded = load_pretrained(str(saved))
+    assert loaded.lower_case is lower_case
+    assert hf_lower_case(str(saved)) is lower_case  # train --init-from's and eval's check
+    text = "Good movie , GREAT acting"
+    ours = load_tokenizer(loaded.vocab_path, loaded.lower_case).encode(text).ids
+    assert ours == own(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_tokenizer_with_tokens_added_beyond_its_vocabulary_is_refused(bert_dir,
+                                                                        tmp_path) -> None:
+    """`add_tokens` (domain words) or `add_special_tokens` ([E1] entity markers) and
+    `resize_token_embeddings`: their ids were never produced, each such word fine-tuned as
+    WordPiece pieces and the export's tokenizer left without it, silently."""
+    from bertforge.pipelines.contract.tokenization import load_tokenizer
+
+    saved = tmp_path / "saved"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bert_dir)
+    tokenizer.add_tokens(["goodish"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[E1]"]})
+    model = transformers.BertForPreTraining.from_pretrained(bert_dir)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    with pytest.raises(ValueError) as error:
+        load_pretrained(str(saved))
+    assert str(error.value) == (
+        f"model {saved}: its tokenizer adds 2 token(s) that fine-tuning here, with its "
+        "WordPiece vocabulary alone, would split into pieces (goodish, [E1]); write each word "
+        "of them into its vocab.txt at its id (WordPiece then reads it whole), or fine-tune it "
+        "with its own tokenizer in transformers")
+    # What it says to do, for the word: its id is then the model's own tokenizer's. A marker
+    # in brackets is still split by BERT's pre-tokenizer, so it stays refused.
+    (saved / "vocab.txt").write_text("\n".join([*VOCAB, "goodish", "[E1]"]) + "\n", "utf-8")
+    with pytest.raises(ValueError, match=r"adds 1 token\(s\) .* \(\[E1\]\)"):
+        load_pretrained(str(saved))
+    words = tmp_path / "words"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bert_dir)
+    tokenizer.add_tokens(["goodish"])
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(words)
+    tokenizer.save_pretrained(words)
+    (words / "vocab.txt").write_text("\n".join([*VOCAB, "goodish"]) + "\n", "utf-8")
+    loaded = load_pretrained(str(words))
+    text = "a goodish film , very good"
+    ours = load_tokenizer(loaded.vocab_path, loaded.lower_case).encode(text).ids
+    assert ours == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_sharded_save_is_read_whole_and_a_missing_shard_named(bert_dir, tmp_path) -> None:
+    """`save_pretrained(max_shard_size=...)` writes model-0000k-of-0000n.safetensors and an
+    index: such a directory was "neither a complete checkpoint, ... nor a Hugging Face
+    directory"."""
+    from bertforge.training.warm_start import read_initial_weights
+
+    sharded = tmp_path / "sharded"
+    transformers.BertForPreTraining.from_pretrained(bert_dir).save_pretrained(
+        sharded, max_shard_size="20KB")
+    transformers.AutoTokenizer.from_pretrained(bert_dir).save_pretrained(sharded)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1 and not (sharded / "model.safetensors").exists()
+    whole = load_pretrained(bert_dir).state_dict
+    loaded = load_pretrained(str(sharded)).state_dict
+    assert loaded.keys() == whole.keys()
+    assert all(torch.equal(loaded[name], whole[name]) for name in whole)
+    assert read_initial_weights(str(sharded)).lacking == ()  # train --init-from's and eval's
+    shards[-1].unlink()
+    with pytest.raises(ValueError, match=f"names shard\\(s\\) the directory lacks: "
+                                         f"{shards[-1].name}"):
+        load_pretrained(str(sharded))
+
+
+def test_a_vocab_txt_that_its_tokenizer_json_disagrees_with_is_refused(bert_dir,
+                                                                       tmp_path) -> None:
+    """vocab.txt edited (a word in place of another) and tokenizer.json left as it was:
+    AutoTokenizer reads tokenizer.json, fine-tuning read vocab.txt, each text other ids."""
+    import shutil
+
+    edited = tmp_path / "edited"
+    shutil.copytree(bert_dir, edited)
+    lines = (edited / "vocab.txt").read_text("utf-8").splitlines()
+    lines[5] = "covid"
+    (edited / "vocab.txt").write_text("\n".join(lines) + "\n", "utf-8")
+    with pytest.raises(ValueError) as error:
+        load_pretrained(str(edited))
+    assert str(error.value) == (
+        f"model {edited}: its vocab.txt and tokenizer.json hold different vocabularies (id 5 is "
+        f"'covid' in vocab.txt but {VOCAB[5]!r} in tokenizer.json): transformers' fast "
+        "tokenizer reads tokenizer.json, fine-tuning here vocab.txt; remove the stale one")
+    (edited / "tokenizer.json").unlink()  # what it says: vocab.txt is then the tokenizer
+    assert load_pretrained(str(edited)).vocab_path == str(edited / "vocab.txt")
+
+
 def test_random_init_keeps_the_architecture_and_vocabulary_only(bert_dir) -> None:
     pretrained = load_pretrained(bert_dir)
     fresh = load_pretrained(bert_dir, random_init=True)

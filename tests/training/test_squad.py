@@ -103,6 +103,10 @@ def test_reads_the_official_dev_file(squad_examples) -> None:
         (squad_json([question(), question()]), r"question id 'q1' appears twice"),
         (squad_json([{**question(), "answers": []}]), r"question 'q1' has no answers"),
         (squad_json([question(start="0")]), r"question 'q1': 'answer_start' is a str, not int"),
+        # SQuAD v2.0's file was "has no answers" at its first unanswerable question.
+        (squad_json([question(), {**question("q2"), "answers": [], "is_impossible": True}]),
+         r"question 'q2' is unanswerable \(is_impossible: SQuAD v2\.0's format\); --task squad"
+         r" reads SQuAD v1\.1"),
     ],
     ids=[
         "not-json",
@@ -113,6 +117,7 @@ def test_reads_the_official_dev_file(squad_examples) -> None:
         "same-id",
         "empty-answers",
         "bad-type",
+        "squad-v2",
     ],
 )
 def test_bad_squad_files_give_one_clear_error(tmp_path, value, message) -> None:

@@ -21,15 +21,19 @@ from bertforge.pipelines.contract.tokenization import read_vocab
 from bertforge.training import checkpoint
 from bertforge.training.hf_interop import (
     HF_CONFIG_NAME,
+    HF_TOKENIZER_NAME,
     HF_WEIGHTS_NAMES,
     bert_tensors,
     config_from_hf_dict,
     encoder_name_map,
+    hf_lower_case,
     hf_positions_trained,
     hf_vocab_file,
     hf_weights_file,
     load_hf_weights,
     rename_from_hf,
+    tokens_beyond_vocab,
+    vocab_files_disagree,
 )
 from bertforge.training.inputs import check_model_source
 from bertforge.training.model import BertConfig
@@ -124,7 +128,29 @@ def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:
                              weights=_weights_file_identity(source))
     if state is not None and "bert.pooler.dense.weight" not in state:
         provenance["pooler"] = "initialised randomly (the source has none)"
-    return PretrainedModel(config, state, vocab_path, _hf_lower_case(source), provenance)
+    lower_case = _hf_lower_case(source)
+    _refuse_another_tokenizer(source, vocab_path, lower_case)
+    return PretrainedModel(config, state, vocab_path, lower_case, provenance)
+
+
+def _refuse_another_tokenizer(source: str, vocab_path: str, lower_case: bool) -> None:
+    """Where the model's own tokenizer gives a text other ids than fine-tuning here would (its
+    tokenizer.json and vocab.txt disagree; it adds tokens, `add_tokens` or [E1] markers, that
+    ours would split): fine-tuned on other ids, the export's tokenizer not its, silently."""
+    differ = vocab_files_disagree(source)
+    if differ:
+        raise ValueError(
+            f"model {source}: its vocab.txt and {HF_TOKENIZER_NAME} hold different vocabularies "
+            f"({differ}): transformers' fast tokenizer reads {HF_TOKENIZER_NAME}, fine-tuning "
+            "here vocab.txt; remove the stale one")
+    added = tokens_beyond_vocab(source, vocab_path, lower_case)
+    if added:
+        shown = ", ".join(added[:5]) + (", ..." if len(added) > 5 else "")
+        raise ValueError(
+            f"model {source}: its tokenizer adds {len(added)} token(s) that fine-tuning here, "
+            f"with its WordPiece vocabulary alone, would split into pieces ({shown}); write "
+            "each word of them into its vocab.txt at its id (WordPiece then reads it whole), "
+            "or fine-tune it with its own tokenizer in transformers")
 
 
 def _hf_config(source: str) -> BertConfig:
@@ -161,12 +187,10 @@ def _hf_encoder(source: str, config: BertConfig) -> dict[str, torch.Tensor]:
 
 
 def _hf_lower_case(source: str) -> bool:
-    """tokenizer_config.json's do_lower_case; BERT's default (uncased) without one."""
-    path = os.path.join(source, "tokenizer_config.json")
-    if not os.path.exists(path):
-        return True
-    with open(path, encoding="utf-8") as f:
-        return bool(json.load(f).get("do_lower_case", True))
+    """The casing its own tokenizer applies (tokenizer_config.json, else tokenizer.json);
+    BERT's default (uncased) where neither says."""
+    lower_case = hf_lower_case(source)
+    return True if lower_case is None else lower_case
 
 
 def _weights_file_identity(source: str) -> dict[str, Any] | None:

@@ -62,6 +62,9 @@ def _read_question(qa: dict, context: str, title: str, path: str, where: str) ->
     qid = str(_field(qa, "id", (str, int), path, where))
     where = f"question {qid!r}"
     answers = _field(qa, "answers", list, path, where)
+    if not answers and qa.get("is_impossible") is True:  # SQuAD v2.0's unanswerable questions
+        raise ValueError(f"{path}: {where} is unanswerable (is_impossible: SQuAD v2.0's format); "
+                         "--task squad reads SQuAD v1.1, whose every question has an answer")
     if not answers:
         raise ValueError(f"{path}: {where} has no answers (SQuAD v1.1 has one or more)")
     texts = [_field(a, "text", str, path, where) for a in answers]
