@@ -48,6 +48,13 @@ def parse_vocab(vocab_bytes: bytes, name: str = "the vocabulary", *,
         raise ValueError(f"{name} {_repeated_entries(tokens)}: a token's id is its line, so a "
                          "repeated one leaves a line no text reaches and its id ambiguous; "
                          "remove the repeats")
+    if vocab["[PAD]"] != 0 and not allow_repeats:
+        # The model pads with id 0 (its padding row, which no gradient reaches: Hugging Face's
+        # pad_token_id), so whatever token is there never trained, [UNK] in the `tokenizers`
+        # quickstart's order, and an export said its [PAD] was that token.
+        raise ValueError(f"{name} has [PAD] on line {vocab['[PAD]'] + 1}: BERT pads with id 0, "
+                         f"whose embedding never trains, so [PAD] must be the first line "
+                         f"(line 1 holds {tokens[0]!r}); move it there and prepare again")
     return vocab
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bz2
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -112,6 +113,28 @@ def test_a_vocabulary_with_a_repeated_token_is_refused_before_the_output_is_touc
     from bertforge.pipelines.contract.tokenization import read_vocab
 
     assert read_vocab(str(repeated), allow_repeats=True)["the"] == len(lines)
+
+
+def test_a_vocabulary_whose_pad_is_not_its_first_line_is_refused_before_the_job(
+        tmp_path, small_vocab):
+    """The `tokenizers` quickstart's order ([UNK], [CLS], [SEP], [PAD], [MASK]) was prepared
+    and trained: the model pads with id 0, whose embedding never trains, so [UNK] never did,
+    and the export named [UNK]'s id as its pad_token_id."""
+    good = tmp_path / "g.jsonl"
+    write_jsonl(good, [{"text": "The cat sat. The dog ran."}])
+    lines = [line for line in open(small_vocab, encoding="utf-8").read().splitlines()
+             if line != "[PAD]"]
+    moved = tmp_path / "vocab.txt"
+    moved.write_text("\n".join([*lines[:3], "[PAD]", *lines[3:]]) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^{moved} has \[PAD\] on line 4: BERT pads with id 0"
+                                         rf".*line 1 holds {re.escape(repr(lines[0]))}\); move it "
+                                         "there"):
+        run(prepare_config([str(good)], str(tmp_path / "o"), str(moved)))
+    assert not (tmp_path / "o" / manifest.MANIFEST_NAME).exists()
+    # A model's own vocabulary (fine-tuning a Hugging Face BERT) is read as it is.
+    from bertforge.pipelines.contract.tokenization import read_vocab
+
+    assert read_vocab(str(moved), allow_repeats=True)["[PAD]"] == 3
 
 
 def test_a_file_that_is_no_vocabulary_is_said_to_be_none(tmp_path):
