@@ -183,3 +183,22 @@ def test_a_regression_dev_predictions_file_holds_the_scores_that_were_scored(tmp
     write_glue_predictions(str(path), data, scores)
     rows = [line.split("\t") for line in path.read_text().splitlines()[1:]]
     assert np.array_equal(np.array([row[1] for row in rows], dtype=np.float32), scores)
+
+
+def test_a_model_without_a_pooler_says_its_pooler_starts_random(files, tmp_path, capsys):
+    """A BertForMaskedLM save (many released BERTs) fine-tuned with a random pooler under the
+    classifier, said only in results.json's provenance."""
+    import shutil
+
+    import transformers
+
+    full = transformers.BertForPreTraining.from_pretrained(files["model"])
+    masked_lm = transformers.BertForMaskedLM(full.config)
+    masked_lm.load_state_dict(full.state_dict(), strict=False)
+    masked_lm.save_pretrained(tmp_path / "mlm")
+    shutil.copy(os.path.join(files["model"], "vocab.txt"), tmp_path / "mlm")
+    capsys.readouterr()
+    record, _ = run({**files, "model": str(tmp_path / "mlm")}, tmp_path / "out", max_steps=1)
+    assert record["model"]["pooler"] == "initialised randomly (the source has none)"
+    assert (f"[finetune] {tmp_path / 'mlm'} has no pooler (a masked-LM-only save): the "
+            "classifier's pooler starts from random weights") in capsys.readouterr().out

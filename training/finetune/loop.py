@@ -77,6 +77,9 @@ def _finetune(cfg: FinetuneConfig, report: ReportFn | None, scratch: str) -> dic
                 f"{data.num_train_examples} train examples ({data.num_train_rows} rows), "
                 f"{num_steps} steps of "
                 f"{cfg.batch_size} ({counted(world_size, 'worker')}), {precision}")
+        if "pooler" in pretrained.provenance and data.spec is not None:  # SQuAD has none
+            console(f"[finetune] {cfg.model} has no pooler (a masked-LM-only save): the "
+                    "classifier's pooler starts from random weights")
     torch.manual_seed(seed + rank)  # dropout: a different mask on every rank
     engine = build_engine(model, resolved)
     started = time.time()
