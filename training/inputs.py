@@ -521,5 +521,9 @@ def check_eval_inputs(checkpoint_path: str, data_dir: str, split: str,
 
 def check_export_inputs(checkpoint_path: str, output: str) -> None:
     """`export`: the checkpoint resolves and the output directory can be written."""
+    if is_hf_model_dir(checkpoint_path):  # it was "neither a complete checkpoint nor a run"
+        raise UserInputError(f"{checkpoint_path} is a Hugging Face model directory already: "
+                             "export reads a bertforge checkpoint or run directory (finetune "
+                             "and eval take this directory as it is)")
     check_checkpoint(checkpoint_path)
     check_output_dir(output)

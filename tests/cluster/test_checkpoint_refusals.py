@@ -136,6 +136,18 @@ def test_object_storage_paths_are_one_line_not_a_local_gs_folder(
     assert os.listdir(tmp_path) == []
 
 
+def test_exporting_an_export_says_it_is_one_already(trained, tmp_path, capsys):
+    """It said "neither a complete checkpoint nor a run with one" of a Hugging Face directory."""
+    _, run_dir = trained
+    hf = str(tmp_path / "hf")
+    assert main(["export", run_dir, "--output", hf]) == 0
+    capsys.readouterr()
+    refused(["export", hf, "--output", str(tmp_path / "again")], capsys,
+            f"{hf} is a Hugging Face model directory already: export reads a bertforge "
+            "checkpoint or run directory")
+    assert not os.path.exists(tmp_path / "again")
+
+
 def test_a_checkpoint_missing_other_ranks_files_is_one_line(trained, tmp_path, capsys):
     """A ZeRO checkpoint holds each rank's part of the weights in that rank's file: one of two
     ranks' (a node that kept its own run directory) was a KeyError traceback from export."""
