@@ -165,6 +165,10 @@ def test_uncommitted_checkpoint_is_ignored_and_old_ones_pruned(dataset, tmp_path
     run_dir = tmp_path / "run"
     train(config(dataset, run_dir, checkpoint_every=2, keep_checkpoints=2))
     assert checkpoint.committed_steps(str(run_dir)) == [4, 6]
+    # ZeRO 2 (the module's config): DeepSpeed's zero_to_fp32.py and zero_to_torch.py, copied
+    # beside the step folders at every save, are not left there (they fail on these
+    # checkpoints as they stand; `bertforge export` is the way out).
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_00000004", "step_00000006"]
     os.remove(run_dir / "checkpoints" / "step_00000006" / checkpoint.COMMIT_MARKER)
     assert checkpoint.latest_checkpoint(str(run_dir)).endswith("step_00000004")
 
