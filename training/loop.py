@@ -129,6 +129,9 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         # Only a fresh run warm-starts; a resumed one has its own, newer weights.
         initial = load_initial_weights(model, cfg.init_from, facts.vocab_sha256)
         positions_trained = max(positions_trained, initial.positions_trained)
+        if rank == 0:  # a warm start said nothing: a run from scratch looked the same
+            console(f"[train] warm start: weights from {initial.describe()}; the optimizer, "
+                    "the learning-rate schedule and the data order start anew")
         if initial.lacking and rank == 0:
             console(f"[train] init_from {cfg.init_from} has no {' and no '.join(initial.lacking)}"
                     " (a model saved with another head): they start from a fresh initialisation")
