@@ -126,8 +126,9 @@ def evaluate_checkpoint(
     (on a GPU under its precision, as the run scored itself; on a CPU in fp32). It scores every
     row of the split; the run's validation leaves out the last rows that do not fill a batch
     on every rank (`loop._Validation`), so the two differ where those rows exist. The
-    baseline's guess is the scored split's most frequent token, as the run's validation takes
-    it (the train split may be terabytes). A checkpoint saved before these were recorded takes
+    baseline's guess is the validation split's most frequent token, as the run's validation
+    takes it; of another split, the rows scored's (`baseline_rows`: the train split may be
+    terabytes). A checkpoint saved before these were recorded takes
     TrainConfig's defaults."""
     from bertforge.training.checkpoint import load_model, positions_trained, read_newest
     from bertforge.training.data import (
@@ -157,8 +158,6 @@ def evaluate_checkpoint(
         masking=MaskingOptions(**metadata.get("masking", {})),
         read=ReadOptions(verify_checksums=options.verify_checksums),
     )
-    baseline_token_id = most_frequent_token(token_frequencies(data_dir, options.split),
-                                            data_dir)
     # The loader's bound on labels per row: the fixed-width sparse head (no host sync).
     model.max_predictions = loader.max_predictions_per_row
     max_batches = options.max_batches
@@ -167,6 +166,9 @@ def evaluate_checkpoint(
     # The sequences scored, and their batches' size only where there are several (a batch of 200
     # said of 16 sequences read as 200 scored).
     scored = min(loader.num_samples, total * options.batch_size)
+    baseline_token_id = most_frequent_token(
+        token_frequencies(data_dir, options.split, baseline_rows(loader, options.split, scored)),
+        data_dir)
     batches = counted(total, "batch", "batches") + (f" of {options.batch_size}" if total > 1
                                                      else "")
     progress.say(f"[eval] {checkpoint_path}: {counted(scored, 'sequence', 'sequences')} of "
@@ -184,6 +186,16 @@ def evaluate_checkpoint(
                           device=device, max_batches=max_batches, progress=progress)
     loader.wait_for_checksums()  # no numbers from shards whose bytes are not the manifest's
     return result
+
+
+def baseline_rows(loader, split: str, scored: int):
+    """The rows whose most frequent token the baseline guesses: None (the whole split) for the
+    validation split, as the run's own validation guesses (it is small), or where every row is
+    scored; else the `scored` rows alone. `--split train --max-batches 10` streamed every row
+    of the train split for its guess before scoring 10 batches."""
+    if split == "validation" or scored >= loader.num_samples:
+        return None
+    return loader.epoch_order(loader.epoch)[:scored]
 
 
 def load_hf_model(hf_dir: str):
