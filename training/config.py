@@ -73,9 +73,8 @@ class TrainConfig:
     log_every: int | None = option(help="steps between log lines (default: max_steps/20, "
                                    "at most 50)")
     eval_every: int = option(0, "steps between validation passes; 0: never during training")
-    eval_batches: int = option(50, "global batches per validation pass; 0: every full global "
-                               "batch of the split (the last, partial one is left out: "
-                               "`bertforge eval` scores it too)")
+    eval_batches: int = option(50, "global batches per validation pass; 0: the whole split "
+                               "(its last, partial batch too, as `bertforge eval` scores it)")
     # Dense peak TFLOP/s of one device, for MFU; None logs no MFU. E.g. 989 for an H100 SXM
     # in bf16, 312 for an A100 in bf16.
     peak_tflops: float | None = option(help="per-device peak for MFU, e.g. 989 for an H100 "

@@ -89,8 +89,10 @@ def evaluate(model, batches, *, baseline_token_id: int, device: str = "cpu",
             (targets == baseline_token_id).sum(),
             (out.seq_relationship_logits.argmax(-1) == nsp_targets).sum(),
             instances,
-            out.mlm_loss.double() * predicted,
-            out.nsp_loss.double() * instances,
+            # A batch with nothing to score (a blank row: `loop.every_rank_a_row`) has NaN
+            # mean losses; it adds 0, where a real NaN loss stays NaN.
+            torch.where(predicted > 0, out.mlm_loss.double() * predicted, 0.0),
+            torch.where(instances > 0, out.nsp_loss.double() * instances, 0.0),
         )
         totals += torch.stack([value.double() for value in values])
         if progress is not None:
@@ -124,12 +126,13 @@ def evaluate_checkpoint(
     its masking (share, predictions per row, whole words) is the run's, whose own validation
     and the demo's eval drew them, so `bertforge eval` of a run scores its rows as they did
     (on a GPU under its precision, as the run scored itself; on a CPU in fp32). It scores every
-    row of the split; the run's validation leaves out the last rows that do not fill a batch
-    on every rank (`loop._Validation`), so the two differ where those rows exist. The
-    baseline's guess is the validation split's most frequent token, as the run's validation
-    takes it; of another split, the rows scored's (`baseline_rows`: the train split may be
-    terabytes). A checkpoint saved before these were recorded takes
-    TrainConfig's defaults."""
+    row of the split, as the run's validation does with --eval-batches 0 or enough to cover
+    it (`loop._Validation`; its last partial batch was left out before 2026-11-29, so the two
+    differed where it had rows); --max-batches N scores the run's first N validation batches
+    where --batch-size is the run's global one (workers x micro-batch). The baseline's guess
+    is the validation split's most frequent token, as the run's validation takes it; of
+    another split, the rows scored's (`baseline_rows`: the train split may be terabytes). A
+    checkpoint saved before these were recorded takes TrainConfig's defaults."""
     from bertforge.training.checkpoint import load_model, positions_trained, read_newest
     from bertforge.training.data import (
         MaskingOptions,

@@ -604,18 +604,19 @@ class _Validation:
             return None
         from bertforge.training.data import token_frequencies
 
-        # drop_last: every rank gets a full micro-batch, so no rank runs a forward pass on
-        # zero rows (NaN NSP loss) and, under ZeRO-3, every rank joins every parameter gather.
-        # The micro-batch a device allows may exceed a small split (512 on an H200 against the
-        # 269 rows of a proof run's split, seen through Ray Train there): evaluate in batches
-        # the split fills on every rank.
+        # Every row, the last partial batch's too (drop_last=False), as `bertforge eval`
+        # scores them: the run's numbers and eval's of the same checkpoint were those of 64
+        # and 70 rows of a 70-row split. A rank the partial batch leaves no row runs a blank
+        # one (`every_rank_a_row`). The micro-batch a device allows may exceed a small split
+        # (512 on an H200 against the 269 rows of a proof run's split, seen through Ray Train
+        # there): evaluate in batches the split fills on every rank.
         rows = facts.split_sizes.get("validation", 0)
         batch_size = cfg.micro_batch_size
         if rows >= world_size:
             batch_size = min(batch_size, rows // world_size)
         loader = PretrainingLoader(
             cfg.data_dir, "validation", batch_size=batch_size, seed=cfg.seed,
-            rank=rank, world_size=world_size, masking=masking, prefetch=0,
+            rank=rank, world_size=world_size, masking=masking, prefetch=0, drop_last=False,
             read=ReadOptions(verify_checksums=cfg.verify_checksums),
         )
         # The baseline guess from the validation tokens: the train split may be terabytes.
@@ -624,7 +625,7 @@ class _Validation:
 
     def run(self, engine) -> dict[str, float]:
         self.loader.load_state_dict(self.start_state)
-        batches = iter(self.loader)
+        batches = every_rank_a_row(self.loader)
         if self.max_batches:
             batches = itertools.islice(batches, self.max_batches)
         # The engine (not engine.module) so that ZeRO-3 gathers its partitioned parameters;
@@ -638,6 +639,25 @@ class _Validation:
             "eval_nsp_loss": result.nsp_loss,
             "eval_mlm_baseline_accuracy": result.mlm_baseline_accuracy,
         }
+
+
+def every_rank_a_row(batches) -> Iterator[dict[str, torch.Tensor]]:
+    """`batches`, a batch of no row replaced by one blank row that nothing is scored on (no
+    label, no NSP label): the last partial batch of a split can leave a rank without a row,
+    and that rank must still run the forward pass (under ZeRO-3 every rank joins every
+    parameter gather), on a row, since a forward on none makes NaN losses."""
+    blank = None
+    for batch in batches:
+        if batch["input_ids"].shape[0]:
+            yield batch
+            continue
+        if blank is None:
+            blank = {name: torch.zeros((1, *tensor.shape[1:]), dtype=tensor.dtype)
+                     for name, tensor in batch.items()}
+            blank["attention_mask"].fill_(1)  # a row attending to nothing divides by 0
+            blank["labels"].fill_(IGNORE_INDEX)
+            blank["next_sentence_label"].fill_(IGNORE_INDEX)
+        yield blank
 
 
 def _write_run_config(

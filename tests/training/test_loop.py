@@ -332,15 +332,40 @@ def test_eval_masks_the_split_as_the_run_did_by_default(dataset, tmp_path):
 def test_eval_of_a_run_with_its_own_masking_gives_its_validation_numbers(dataset, tmp_path):
     """A run that masks 30 % by whole words, at most 15 a row: eval of its checkpoint masks
     the same way (recorded in bertforge.json), so its numbers are the run's own validation's
-    (the whole split, in batches of the micro-batch), not those of Google's default masking."""
+    (the whole split), not those of Google's default masking. Its 40 rows are 2 batches of 16
+    and a partial one of 8, which the run's validation left out (eval scores every row): the
+    same checkpoint's numbers were those of 32 rows in metrics.jsonl and of 40 in eval."""
     run_dir = tmp_path / "run"
     run = train(config(dataset, run_dir, max_steps=2, eval_every=2, eval_batches=0,
                        zero_stage=0, precision="fp32", mask_prob=0.3, max_predictions=15,
-                       whole_word_masking=True))
+                       whole_word_masking=True, micro_batch_size=16))
     [logged] = [r for r in read_metrics(str(run_dir)) if "eval_mlm_accuracy" in r]
     result = evaluate_checkpoint(run.checkpoint_path, dataset, EvalOptions(batch_size=8))
     assert result.mlm_loss == pytest.approx(logged["eval_mlm_loss"], rel=1e-5)
     assert result.mlm_accuracy == pytest.approx(logged["eval_mlm_accuracy"], rel=1e-6)
+
+
+def test_a_rank_the_last_partial_batch_leaves_no_row_scores_a_blank_one(dataset):
+    """33 validation rows on 2 ranks in batches of 8: the last global batch holds one row,
+    rank 1 none. It runs the forward on a blank row (every rank joins every ZeRO-3 gather),
+    which adds nothing to the counts and no NaN to the losses."""
+    from bertforge.training.data import PretrainingLoader
+    from bertforge.training.evaluate import evaluate
+    from bertforge.training.inputs import resolve_model_config
+    from bertforge.training.model import BertForPreTraining
+
+    data = write_dataset(os.path.join(os.path.dirname(dataset), "odd"), {"validation": [33]})
+    model = BertForPreTraining(resolve_model_config(TINY, 264))
+    totals = []
+    for rank in (0, 1):
+        loader = PretrainingLoader(data, "validation", batch_size=8, seed=1, rank=rank,
+                                   world_size=2, drop_last=False, prefetch=0)
+        batches = list(loop.every_rank_a_row(loader))
+        assert len(batches) == 3 and [len(b["next_sentence_label"]) for b in batches][-1] == 1
+        totals.append(evaluate(model, iter(batches), baseline_token_id=5))
+    assert totals[0].num_sequences + totals[1].num_sequences == 33
+    assert totals[1].num_sequences == 16  # the blank row counted nothing
+    assert all(torch.isfinite(torch.tensor([t.mlm_loss, t.nsp_loss])).all() for t in totals)
 
 
 def test_an_eval_cadence_past_the_last_step_is_said_not_silent(dataset, tmp_path, capsys):
