@@ -256,7 +256,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
                 checkpoint_seconds += time.time() - saving
                 save_clock.saved()
                 if report is not None:
-                    report({"step": step, "checkpoint_path": path, "loss": last_loss})
+                    report({"step": step, "checkpoint_path": path, "loss": last_loss,
+                            "run_id": run_id})
             profiler.end(step)
     logger.close()
     seconds = time.time() - started

@@ -189,8 +189,10 @@ def _fit(cfg: TrainConfig, launch: LaunchConfig, lock_token: str, storage_name: 
         launch, _run_config(cfg, launch, storage_name),
     )
     if launch.storage:
-        # The driver's node need not hold the files: the outcome is what storage registered.
-        return {"step": result.metrics["step"], "checkpoint_path": result.checkpoint.path}
+        # The driver's node need not hold the files: the outcome is what storage registered,
+        # and the run its worker reported (the summary lacked run_id with --storage alone).
+        return {"step": result.metrics["step"], "checkpoint_path": result.checkpoint.path,
+                "run_id": result.metrics.get("run_id")}
     final = latest_checkpoint(run_dir)
     if final is None:
         raise RuntimeError(f"training finished without a complete checkpoint in {run_dir}")
