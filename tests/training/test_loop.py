@@ -505,6 +505,12 @@ def test_a_resume_that_names_no_setting_keeps_the_runs_own(dataset, tmp_path, ca
     again = train(cfg)  # the same run, finished: nothing more to train, nothing pruned
     assert again.global_step == 6 and again.loss_first is None
     assert checkpoint.committed_steps(str(run_dir)) == [2, 4, 6]
+    # A flag that does not go with a kept setting names where that setting came from: the
+    # run's ZeRO 2 was "got 2" of a stage the command never named.
+    with pytest.raises(ValueError, match=r"--optimizer 'lamb' needs zero_stage 0, got 2: .* "
+                       r"\(this resume keeps the run's own .*--zero-stage 2.*, where the "
+                       r"command gives none\)$"):
+        resumed("--optimizer", "lamb")
     longer = resumed("--steps", "8", "--lr", "5e-4")  # what a command gives wins
     assert (longer.max_steps, longer.learning_rate, longer.micro_batch_size) == (8, 5e-4, 8)
     fresh = resumed("--resume", "never")  # a new run: the defaults
