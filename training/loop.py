@@ -639,6 +639,9 @@ class _Validation:
             "eval_mlm_loss": result.mlm_loss,
             "eval_nsp_loss": result.nsp_loss,
             "eval_mlm_baseline_accuracy": result.mlm_baseline_accuracy,
+            # What it counted, as `bertforge eval` says of its own (num_sequences): whether
+            # --eval-batches covered the split, and what the two numbers compare.
+            "eval_sequences": result.num_sequences,
         }
 
 

@@ -341,6 +341,7 @@ def test_eval_of_a_run_with_its_own_masking_gives_its_validation_numbers(dataset
                        whole_word_masking=True, micro_batch_size=16))
     [logged] = [r for r in read_metrics(str(run_dir)) if "eval_mlm_accuracy" in r]
     result = evaluate_checkpoint(run.checkpoint_path, dataset, EvalOptions(batch_size=8))
+    assert logged["eval_sequences"] == result.num_sequences == 40  # each says what it counted
     assert result.mlm_loss == pytest.approx(logged["eval_mlm_loss"], rel=1e-5)
     assert result.mlm_accuracy == pytest.approx(logged["eval_mlm_accuracy"], rel=1e-6)
 
