@@ -108,9 +108,12 @@ class TrainConfig:
         if not self.data_dir or not self.run_dir:
             raise ValueError("data_dir and run_dir are required")
         self.adam_betas = tuple(self.adam_betas)
-        for name, derive in DERIVED_FROM_MAX_STEPS.items():
-            if getattr(self, name) is None:
-                setattr(self, name, derive(self.max_steps))
+        # Not a field: what this config was left to derive (a checkpoint records them as
+        # derived, so a resume with another --max-steps derives them again, while one given,
+        # even the derived value, is kept). A config read back from a dict derives nothing.
+        self.derived = tuple(name for name in DERIVED_FROM_MAX_STEPS if getattr(self, name) is None)
+        for name in self.derived:
+            setattr(self, name, DERIVED_FROM_MAX_STEPS[name](self.max_steps))
         self.engine()  # the engine's options and the batch arithmetic, checked there
         if self.log_every < 1:
             raise ValueError(f"log_every must be at least 1, got {self.log_every}")

@@ -70,14 +70,17 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, *, report: ReportFn | None = None,
-          run_id: str | None = None) -> TrainResult:
+          run_id: str | None = None, derived: tuple[str, ...] | None = None) -> TrainResult:
     """Train to cfg.max_steps, resuming from the newest complete checkpoint when cfg.resume.
 
     `run_id`: the id a launch gave its new run (--resume never on Ray): a worker group that
     Ray restarts after a failure continues this run's own newest checkpoint, where a fresh
-    start would move it aside with the older runs' and train from step 0 again."""
+    start would move it aside with the older runs' and train from step 0 again. `derived`:
+    the settings the command left to follow max_steps (default `cfg.derived`; a config sent
+    as a dict to a worker has lost them)."""
     ensure_process_group()
-    asked = recorded_settings(cfg)  # before the device decides anything: a resume's defaults
+    # Before the device decides anything: a resume's defaults.
+    asked = recorded_settings(cfg, cfg.derived if derived is None else derived)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # A gs:// or s3:// dataset is read from a copy on this node; records name the URI.
     data_source = cfg.data_dir if "://" in cfg.data_dir else os.path.abspath(cfg.data_dir)

@@ -525,7 +525,31 @@ def test_a_resume_that_names_no_setting_keeps_the_runs_own(dataset, tmp_path, ca
     with open(metadata_path) as f:
         metadata = json.load(f)
     metadata["train_config"].update(max_steps=100_000, warmup_steps=10_000, log_every=50)
+    # Saved before checkpoints said which settings followed the length: equal to what it
+    # derives counts as derived.
+    del metadata["train_config"]["derived_from_max_steps"]
     with open(metadata_path, "w") as f:
         json.dump(metadata, f)
     ended = resumed("--max-steps", "6")
     assert (ended.warmup_steps, ended.log_every, ended.micro_batch_size) == (0, 1, 8)
+
+
+def test_a_longer_resume_keeps_a_warm_up_given_and_derives_one_left_to_the_length(dataset,
+                                                                                  tmp_path):
+    """`--steps 10 --warmup-steps 1` (what 10 steps derive anyway), resumed with `--steps 20`,
+    trained on with a warm-up of 2: a setting given was taken for a derived one, against "a
+    resume keeps the run's own settings for every flag its command does not give". A warm-up
+    left to the length follows the new one."""
+    from bertforge.cluster.cli import build_parser, train_config_from_args
+
+    def resumed(run_dir, *flags):
+        return train_config_from_args(build_parser().parse_args(
+            ["train", "--data", dataset, "--run-dir", str(run_dir), *flags]))
+
+    warmups = {}
+    for name, warmup in (("given", 1), ("left", None)):
+        train(config(dataset, tmp_path / name, max_steps=10, warmup_steps=warmup, zero_stage=0,
+                     precision="fp32"))
+        warmups[name] = resumed(tmp_path / name, "--steps", "20").warmup_steps
+        assert resumed(tmp_path / name).warmup_steps == 1  # the same length: the same plan
+    assert warmups == {"given": 1, "left": 2}
