@@ -51,10 +51,10 @@ def continued_settings(run_dir: str, given: dict[str, Any]) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(TrainConfig)} - set(NOT_CONTINUED)
     continued = {name: value for name, value in recorded.items()
                  if name in known and name not in given}
-    steps = recorded.get("max_steps")
-    if given.get("max_steps", steps) != steps:  # what followed the old length follows the new
-        for name in _derived(recorded, steps):
-            continued.pop(name, None)
+    # What followed the run's length follows this command's (the same length: the same
+    # values), and stays derived in this run's record: continued, it would count as given.
+    for name in _derived(recorded, recorded.get("max_steps")):
+        continued.pop(name, None)
     return continued
 
 

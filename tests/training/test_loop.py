@@ -551,5 +551,9 @@ def test_a_longer_resume_keeps_a_warm_up_given_and_derives_one_left_to_the_lengt
         train(config(dataset, tmp_path / name, max_steps=10, warmup_steps=warmup, zero_stage=0,
                      precision="fp32"))
         warmups[name] = resumed(tmp_path / name, "--steps", "20").warmup_steps
-        assert resumed(tmp_path / name).warmup_steps == 1  # the same length: the same plan
+        same_length = resumed(tmp_path / name)
+        assert same_length.warmup_steps == 1  # the same plan
+        # And it stays derived (or given) in the resumed run's own record: a derived warm-up
+        # continued as a setting counted as given there, and a later --steps kept it.
+        assert ("warmup_steps" in same_length.derived) == (warmup is None)
     assert warmups == {"given": 1, "left": 2}
