@@ -361,6 +361,7 @@ def train_config_from_args(args: argparse.Namespace):
         model = continued_model(init_from, args.run_dir, overrides["resume"])
         if model is not None:
             overrides["model"] = model
+    kept = ""
     if overrides["resume"] and not args.recipe:  # a recipe names them all again
         from bertforge.training.resume_settings import continued_settings, describe
 
@@ -370,12 +371,20 @@ def train_config_from_args(args: argparse.Namespace):
             print(f"[train] resuming {args.run_dir} with its own settings where this command "
                   f"gives none: {kept}", flush=True)
         overrides = {**continued, **overrides}
-    with errors_naming_flags(TrainConfig):
-        if args.recipe:
-            return recipe_by_name(args.recipe, args.data, args.run_dir, init_from=init_from,
-                                  **overrides)
-        return TrainConfig(data_dir=args.data, run_dir=args.run_dir, init_from=init_from,
-                           **overrides)
+    try:
+        with errors_naming_flags(TrainConfig):
+            if args.recipe:
+                return recipe_by_name(args.recipe, args.data, args.run_dir, init_from=init_from,
+                                      **overrides)
+            return TrainConfig(data_dir=args.data, run_dir=args.run_dir, init_from=init_from,
+                               **overrides)
+    except ValueError as error:
+        if not kept:
+            raise
+        # A flag given against a setting the run keeps: `--optimizer lamb` on a ZeRO-2 run
+        # said "needs zero_stage 0, got 2" of a stage the command never named.
+        raise ValueError(f"{error} (this resume keeps the run's own {kept}, where the command "
+                         "gives none)") from None
 
 
 def _train_configs(args: argparse.Namespace):

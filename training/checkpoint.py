@@ -107,6 +107,8 @@ def save(
     barrier(engine.device)
     try:
         engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
+        if rank == 0:
+            _remove_recovery_scripts(root)
         torch.save(_rng_state(), rng_file(path, rank))
         if rank == 0:
             with open(os.path.join(path, METADATA_NAME), "w", encoding="utf-8") as f:
@@ -135,6 +137,22 @@ def save(
         # prunes the run's, so this node keeps its own parts of the newest `keep` saves.
         prune_node_copies(run_dir, keep, step)
     return path
+
+
+# What DeepSpeed's global rank 0 copies into checkpoints/ at every ZeRO 1-3 save (its
+# `_copy_recovery_script`): run as they stand they fail ("Unable to find 'latest' file":
+# bertforge saves with save_latest=False), and with --tag they give a state dict in our
+# parameter names, not a model anyone loads. No load reads them, the same scripts ship in
+# the installed deepspeed (deepspeed/utils/), and `bertforge export` is the way out.
+DEEPSPEED_RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+def _remove_recovery_scripts(root: str) -> None:
+    """Checkpoints/ holds step folders alone: the scripts beside them looked like the way to
+    get weights out (and moved aside, pruned or uploaded with nothing)."""
+    for name in DEEPSPEED_RECOVERY_SCRIPTS:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(root, name))
 
 
 def _clear_step(path: str) -> None:

@@ -73,9 +73,8 @@ class TrainConfig:
     log_every: int | None = option(help="steps between log lines (default: max_steps/20, "
                                    "at most 50)")
     eval_every: int = option(0, "steps between validation passes; 0: never during training")
-    eval_batches: int = option(50, "global batches per validation pass; 0: every full global "
-                               "batch of the split (the last, partial one is left out: "
-                               "`bertforge eval` scores it too)")
+    eval_batches: int = option(50, "global batches per validation pass; 0: the whole split "
+                               "(its last, partial batch too, as `bertforge eval` scores it)")
     # Dense peak TFLOP/s of one device, for MFU; None logs no MFU. E.g. 989 for an H100 SXM
     # in bf16, 312 for an A100 in bf16.
     peak_tflops: float | None = option(help="per-device peak for MFU, e.g. 989 for an H100 "
@@ -109,9 +108,12 @@ class TrainConfig:
         if not self.data_dir or not self.run_dir:
             raise ValueError("data_dir and run_dir are required")
         self.adam_betas = tuple(self.adam_betas)
-        for name, derive in DERIVED_FROM_MAX_STEPS.items():
-            if getattr(self, name) is None:
-                setattr(self, name, derive(self.max_steps))
+        # Not a field: what this config was left to derive (a checkpoint records them as
+        # derived, so a resume with another --max-steps derives them again, while one given,
+        # even the derived value, is kept). A config read back from a dict derives nothing.
+        self.derived = tuple(name for name in DERIVED_FROM_MAX_STEPS if getattr(self, name) is None)
+        for name in self.derived:
+            setattr(self, name, DERIVED_FROM_MAX_STEPS[name](self.max_steps))
         self.engine()  # the engine's options and the batch arithmetic, checked there
         if self.log_every < 1:
             raise ValueError(f"log_every must be at least 1, got {self.log_every}")

@@ -15,7 +15,8 @@ class EvalOptions:
     split: str = option("validation", "the split to score", choices=("train", "validation"))
     batch_size: int = option(64, "sequences per batch")
     max_batches: int | None = option(
-        help="score only the first N batches (default: the whole split)")
+        help="score only the first N batches (default: the whole split); of the train "
+        "split the baseline then guesses those rows' most frequent token")
     seed: int | None = option(
         help="the seed of the masks and of the batches' order (default: the checkpoint's "
         "training seed, as its run's validation and the demo's eval)")

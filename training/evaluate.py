@@ -90,8 +90,10 @@ def evaluate(model, batches, *, baseline_token_id: int, device: str = "cpu",
             (targets == baseline_token_id).sum(),
             (out.seq_relationship_logits.argmax(-1) == nsp_targets).sum(),
             instances,
-            out.mlm_loss.double() * predicted,
-            out.nsp_loss.double() * instances,
+            # A batch with nothing to score (a blank row: `loop.every_rank_a_row`) has NaN
+            # mean losses; it adds 0, where a real NaN loss stays NaN.
+            torch.where(predicted > 0, out.mlm_loss.double() * predicted, 0.0),
+            torch.where(instances > 0, out.nsp_loss.double() * instances, 0.0),
         )
         totals += torch.stack([value.double() for value in values])
         if progress is not None:
@@ -125,11 +127,13 @@ def evaluate_checkpoint(
     its masking (share, predictions per row, whole words) is the run's, whose own validation
     and the demo's eval drew them, so `bertforge eval` of a run scores its rows as they did
     (on a GPU under its precision, as the run scored itself; on a CPU in fp32). It scores every
-    row of the split; the run's validation leaves out the last rows that do not fill a batch
-    on every rank (`loop._Validation`), so the two differ where those rows exist. The
-    baseline's guess is the scored split's most frequent token, as the run's validation takes
-    it (the train split may be terabytes). A checkpoint saved before these were recorded takes
-    TrainConfig's defaults."""
+    row of the split, as the run's validation does with --eval-batches 0 or enough to cover
+    it (`loop._Validation`; its last partial batch was left out before 2026-11-29, so the two
+    differed where it had rows); --max-batches N scores the run's first N validation batches
+    where --batch-size is the run's global one (workers x micro-batch). The baseline's guess
+    is the validation split's most frequent token, as the run's validation takes it; of
+    another split, the rows scored's (`baseline_rows`: the train split may be terabytes). A
+    checkpoint saved before these were recorded takes TrainConfig's defaults."""
     from bertforge.training.checkpoint import load_model, positions_trained, read_newest
     from bertforge.training.data import (
         MaskingOptions,
@@ -158,8 +162,6 @@ def evaluate_checkpoint(
         masking=MaskingOptions(**metadata.get("masking", {})),
         read=ReadOptions(verify_checksums=options.verify_checksums),
     )
-    baseline_token_id = most_frequent_token(token_frequencies(data_dir, options.split),
-                                            data_dir)
     # The loader's bound on labels per row: the fixed-width sparse head (no host sync).
     model.max_predictions = loader.max_predictions_per_row
     max_batches = options.max_batches
@@ -168,6 +170,9 @@ def evaluate_checkpoint(
     # The sequences scored, and their batches' size only where there are several (a batch of 200
     # said of 16 sequences read as 200 scored).
     scored = min(loader.num_samples, total * options.batch_size)
+    baseline_token_id = most_frequent_token(
+        token_frequencies(data_dir, options.split, baseline_rows(loader, options.split, scored)),
+        data_dir)
     batches = counted(total, "batch", "batches") + (f" of {options.batch_size}" if total > 1
                                                      else "")
     progress.say(f"[eval] {checkpoint_path}: {counted(scored, 'sequence', 'sequences')} of "
@@ -195,6 +200,16 @@ def evaluate_checkpoint(
 # load_hf_model's word that the model has no next-sentence head (a BertForMaskedLM): its
 # masked-LM head is scored alone, as NSP from fresh weights would be a coin's numbers.
 NO_NSP_HEAD = "no_next_sentence_head"
+
+
+def baseline_rows(loader, split: str, scored: int):
+    """The rows whose most frequent token the baseline guesses: None (the whole split) for the
+    validation split, as the run's own validation guesses (it is small), or where every row is
+    scored; else the `scored` rows alone. `--split train --max-batches 10` streamed every row
+    of the train split for its guess before scoring 10 batches."""
+    if split == "validation" or scored >= loader.num_samples:
+        return None
+    return loader.epoch_order(loader.epoch)[:scored]
 
 
 def load_hf_model(hf_dir: str):

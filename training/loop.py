@@ -70,14 +70,17 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, *, report: ReportFn | None = None,
-          run_id: str | None = None) -> TrainResult:
+          run_id: str | None = None, derived: tuple[str, ...] | None = None) -> TrainResult:
     """Train to cfg.max_steps, resuming from the newest complete checkpoint when cfg.resume.
 
     `run_id`: the id a launch gave its new run (--resume never on Ray): a worker group that
     Ray restarts after a failure continues this run's own newest checkpoint, where a fresh
-    start would move it aside with the older runs' and train from step 0 again."""
+    start would move it aside with the older runs' and train from step 0 again. `derived`:
+    the settings the command left to follow max_steps (default `cfg.derived`; a config sent
+    as a dict to a worker has lost them)."""
     ensure_process_group()
-    asked = recorded_settings(cfg)  # before the device decides anything: a resume's defaults
+    # Before the device decides anything: a resume's defaults.
+    asked = recorded_settings(cfg, cfg.derived if derived is None else derived)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # A gs:// or s3:// dataset is read from a copy on this node; records name the URI.
     data_source = cfg.data_dir if "://" in cfg.data_dir else os.path.abspath(cfg.data_dir)
@@ -129,6 +132,9 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         # Only a fresh run warm-starts; a resumed one has its own, newer weights.
         initial = load_initial_weights(model, cfg.init_from, facts.vocab_sha256)
         positions_trained = max(positions_trained, initial.positions_trained)
+        if rank == 0:  # a warm start said nothing: a run from scratch looked the same
+            console(f"[train] warm start: weights from {initial.describe()}; the optimizer, "
+                    "the learning-rate schedule and the data order start anew")
         if initial.lacking and rank == 0:
             console(f"[train] init_from {cfg.init_from} has no {' and no '.join(initial.lacking)}"
                     " (a model saved with another head): they start from a fresh initialisation")
@@ -253,7 +259,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
                 checkpoint_seconds += time.time() - saving
                 save_clock.saved()
                 if report is not None:
-                    report({"step": step, "checkpoint_path": path, "loss": last_loss})
+                    report({"step": step, "checkpoint_path": path, "loss": last_loss,
+                            "run_id": run_id})
             profiler.end(step)
     logger.close()
     seconds = time.time() - started
@@ -601,18 +608,19 @@ class _Validation:
             return None
         from bertforge.training.data import token_frequencies
 
-        # drop_last: every rank gets a full micro-batch, so no rank runs a forward pass on
-        # zero rows (NaN NSP loss) and, under ZeRO-3, every rank joins every parameter gather.
-        # The micro-batch a device allows may exceed a small split (512 on an H200 against the
-        # 269 rows of a proof run's split, seen through Ray Train there): evaluate in batches
-        # the split fills on every rank.
+        # Every row, the last partial batch's too (drop_last=False), as `bertforge eval`
+        # scores them: the run's numbers and eval's of the same checkpoint were those of 64
+        # and 70 rows of a 70-row split. A rank the partial batch leaves no row runs a blank
+        # one (`every_rank_a_row`). The micro-batch a device allows may exceed a small split
+        # (512 on an H200 against the 269 rows of a proof run's split, seen through Ray Train
+        # there): evaluate in batches the split fills on every rank.
         rows = facts.split_sizes.get("validation", 0)
         batch_size = cfg.micro_batch_size
         if rows >= world_size:
             batch_size = min(batch_size, rows // world_size)
         loader = PretrainingLoader(
             cfg.data_dir, "validation", batch_size=batch_size, seed=cfg.seed,
-            rank=rank, world_size=world_size, masking=masking, prefetch=0,
+            rank=rank, world_size=world_size, masking=masking, prefetch=0, drop_last=False,
             read=ReadOptions(verify_checksums=cfg.verify_checksums),
         )
         # The baseline guess from the validation tokens: the train split may be terabytes.
@@ -621,7 +629,7 @@ class _Validation:
 
     def run(self, engine) -> dict[str, float]:
         self.loader.load_state_dict(self.start_state)
-        batches = iter(self.loader)
+        batches = every_rank_a_row(self.loader)
         if self.max_batches:
             batches = itertools.islice(batches, self.max_batches)
         # The engine (not engine.module) so that ZeRO-3 gathers its partitioned parameters;
@@ -634,7 +642,29 @@ class _Validation:
             "eval_mlm_loss": result.mlm_loss,
             "eval_nsp_loss": result.nsp_loss,
             "eval_mlm_baseline_accuracy": result.mlm_baseline_accuracy,
+            # What it counted, as `bertforge eval` says of its own (num_sequences): whether
+            # --eval-batches covered the split, and what the two numbers compare.
+            "eval_sequences": result.num_sequences,
         }
+
+
+def every_rank_a_row(batches) -> Iterator[dict[str, torch.Tensor]]:
+    """`batches`, a batch of no row replaced by one blank row that nothing is scored on (no
+    label, no NSP label): the last partial batch of a split can leave a rank without a row,
+    and that rank must still run the forward pass (under ZeRO-3 every rank joins every
+    parameter gather), on a row, since a forward on none makes NaN losses."""
+    blank = None
+    for batch in batches:
+        if batch["input_ids"].shape[0]:
+            yield batch
+            continue
+        if blank is None:
+            blank = {name: torch.zeros((1, *tensor.shape[1:]), dtype=tensor.dtype)
+                     for name, tensor in batch.items()}
+            blank["attention_mask"].fill_(1)  # a row attending to nothing divides by 0
+            blank["labels"].fill_(IGNORE_INDEX)
+            blank["next_sentence_label"].fill_(IGNORE_INDEX)
+        yield blank
 
 
 def _write_run_config(

@@ -24,9 +24,17 @@ RECORDED = "train_config"  # the key in a checkpoint's bertforge.json
 NOT_CONTINUED = ("data_dir", "run_dir", "resume", "init_from", "model", "profile_steps")
 
 
-def recorded_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """What a checkpoint records of the command that trained it."""
-    return {name: value for name, value in cfg.to_dict().items() if name not in NOT_CONTINUED}
+# Beside the settings: those of DERIVED_FROM_MAX_STEPS the command left to follow max_steps.
+DERIVED = "derived_from_max_steps"
+
+
+def recorded_settings(cfg: TrainConfig, derived: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What a checkpoint records of the command that trained it, and which of its settings
+    followed max_steps (`derived`): those follow a resume's new length, where a value given
+    (`--warmup-steps 300` of 3,000 steps, what the length derives anyway) is kept."""
+    settings = {name: value for name, value in cfg.to_dict().items()
+                if name not in NOT_CONTINUED}
+    return {**settings, DERIVED: sorted(derived)}
 
 
 def continued_settings(run_dir: str, given: dict[str, Any]) -> dict[str, Any]:
@@ -43,12 +51,21 @@ def continued_settings(run_dir: str, given: dict[str, Any]) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(TrainConfig)} - set(NOT_CONTINUED)
     continued = {name: value for name, value in recorded.items()
                  if name in known and name not in given}
-    steps = recorded.get("max_steps")
-    if given.get("max_steps", steps) != steps:  # what followed the old length follows the new
-        for name, derive in DERIVED_FROM_MAX_STEPS.items():
-            if steps is not None and continued.get(name) == derive(steps):
-                del continued[name]
+    # What followed the run's length follows this command's (the same length: the same
+    # values), and stays derived in this run's record: continued, it would count as given.
+    for name in _derived(recorded, recorded.get("max_steps")):
+        continued.pop(name, None)
     return continued
+
+
+def _derived(recorded: dict[str, Any], steps: int | None) -> list[str]:
+    """The settings that followed the run's length; saved before checkpoints recorded them
+    (2026-11-29), those equal to what the length derives (a `--warmup-steps 300` given to
+    3,000 steps was taken for derived then)."""
+    if DERIVED in recorded:
+        return list(recorded[DERIVED])
+    return [name for name, derive in DERIVED_FROM_MAX_STEPS.items()
+            if steps is not None and recorded.get(name) == derive(steps)]
 
 
 def describe(continued: dict[str, Any]) -> str:

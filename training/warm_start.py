@@ -83,6 +83,19 @@ class InitialWeights(NamedTuple):
     # hf_interop.OPTIONAL_PARTS a Hugging Face BERT of another head lacks (a BertModel: the
     # pretraining heads); a warm start initialises them afresh.
     lacking: tuple[str, ...] = ()
+    # What was read, for the run's line: the checkpoint (a run directory's newest, picked at
+    # read time) or the Hugging Face directory, and the checkpoint's step and run (None: HF).
+    read_from: str = ""
+    step: int | None = None
+    run_id: str | None = None
+
+    def describe(self) -> str:
+        """`RUN/checkpoints/step_00000040 (step 40 of run ID)`, or `DIR (a Hugging Face
+        BERT)`."""
+        if self.step is None:
+            return f"{self.read_from} (a Hugging Face BERT)"
+        of_run = f" of run {self.run_id}" if self.run_id else ""
+        return f"{self.read_from} (step {self.step}{of_run})"
 
 
 def read_initial_weights(source: str) -> InitialWeights:
@@ -90,9 +103,10 @@ def read_initial_weights(source: str) -> InitialWeights:
     # Checkpoints first: a run directory also holds a config.json (the resolved recipe).
     if checkpoint.holds_checkpoint(source):
         # A run's newest, read before a train still running there may remove it.
-        _, (model, metadata) = checkpoint.read_newest(source, checkpoint.load_model)
+        path, (model, metadata) = checkpoint.read_newest(source, checkpoint.load_model)
         return InitialWeights(model.config, model.state_dict(), metadata["vocab_sha256"],
-                              checkpoint.positions_trained(metadata))
+                              checkpoint.positions_trained(metadata), read_from=path,
+                              step=metadata.get("global_step"), run_id=metadata.get("run_id"))
     if hf_weights_file(source) is None:
         raise ValueError(
             f"init_from {source} is neither a complete checkpoint, a run directory with one, "
@@ -105,7 +119,8 @@ def read_initial_weights(source: str) -> InitialWeights:
         raise UserInputError(f"init_from {source} does not hold a BERT of its "
                              f"{HF_CONFIG_NAME}'s shape: {error}") from None
     return InitialWeights(config, {name: tensor.float() for name, tensor in state.items()},
-                          vocab_sha256, hf_positions_trained(source, config), tuple(lacking))
+                          vocab_sha256, hf_positions_trained(source, config), tuple(lacking),
+                          read_from=source)
 
 
 def hf_source_metadata(source: str) -> tuple[BertConfig, str | None]:

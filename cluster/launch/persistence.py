@@ -105,7 +105,7 @@ def report_checkpoint(metrics: dict[str, Any]) -> None:
         for name in files_of_rank(os.listdir(path), rank):
             os.link(os.path.join(path, name), os.path.join(staging, name))  # no copy
         ray.train.report(
-            {"step": metrics["step"]},
+            {"step": metrics["step"], "run_id": metrics.get("run_id")},
             checkpoint=ray.train.Checkpoint.from_directory(staging),
             checkpoint_dir_name=os.path.basename(path),
         )

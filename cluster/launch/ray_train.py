@@ -101,6 +101,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     else:
         refuse_output_in_the_jobs_copy(cfg.run_dir, "--run-dir")
     storage_name = storage_run_name(cfg.run_dir)  # against this directory, as `absolute`
+    derived = cfg.derived  # what the command left to follow max_steps: read back, none is
     # Relative paths are the user's working directory's, not the workers'.
     cfg = TrainConfig.from_dict({**cfg.to_dict(), "data_dir": absolute(cfg.data_dir),
                                  "run_dir": absolute(cfg.run_dir),
@@ -132,7 +133,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
         try:
             connect(launch)
             return _fit(TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir}), launch,
-                        lock.me.token, storage_name)
+                        lock.me.token, storage_name, derived)
         except SystemExit as exit_:
             stop = local_ray.as_stop(exit_)
             if stop is None:
@@ -175,8 +176,8 @@ def _finished_run(cfg: TrainConfig) -> dict[str, Any] | None:
             "run_id": metadata.get("run_id")}
 
 
-def _fit(cfg: TrainConfig, launch: LaunchConfig, lock_token: str, storage_name: str
-         ) -> dict[str, Any]:
+def _fit(cfg: TrainConfig, launch: LaunchConfig, lock_token: str, storage_name: str,
+         derived: tuple[str, ...] = ()) -> dict[str, Any]:
     run_dir = cfg.run_dir
     # A new run's id, chosen once for the launch: a worker group Ray restarts after a failure
     # continues this run's checkpoints instead of starting it over (training.loop.train).
@@ -185,12 +186,14 @@ def _fit(cfg: TrainConfig, launch: LaunchConfig, lock_token: str, storage_name: 
         _worker_main,
         {"train": cfg.to_dict(), "threads": launch.cpus_per_worker,
          "persist": bool(launch.storage), "run_id": run_id, "lock_token": lock_token,
-         "local_ray": not launch.address},
+         "local_ray": not launch.address, "derived": list(derived)},
         launch, _run_config(cfg, launch, storage_name),
     )
     if launch.storage:
-        # The driver's node need not hold the files: the outcome is what storage registered.
-        return {"step": result.metrics["step"], "checkpoint_path": result.checkpoint.path}
+        # The driver's node need not hold the files: the outcome is what storage registered,
+        # and the run its worker reported (the summary lacked run_id with --storage alone).
+        return {"step": result.metrics["step"], "checkpoint_path": result.checkpoint.path,
+                "run_id": result.metrics.get("run_id")}
     final = latest_checkpoint(run_dir)
     if final is None:
         raise RuntimeError(f"training finished without a complete checkpoint in {run_dir}")
@@ -322,14 +325,15 @@ def _worker_main(loop_config: dict[str, Any]) -> None:
     if not loop_config["persist"]:
         _refuse_a_run_dir_of_its_own(cfg.run_dir, loop_config["lock_token"])
     run_id = loop_config.get("run_id")
+    derived = tuple(loop_config.get("derived", ()))  # lost in the config's dict
     if loop_config["persist"]:
         # A new run's storage holds only its own checkpoints (refuse_a_stored_run).
         if cfg.resume or run_id is not None:
             restore_latest(cfg.run_dir)
-        train(cfg, report=report_checkpoint, run_id=run_id)
+        train(cfg, report=report_checkpoint, run_id=run_id, derived=derived)
     else:
         train(cfg, report=lambda metrics: ray.train.report({"step": metrics["step"]}),
-              run_id=run_id)
+              run_id=run_id, derived=derived)
 
 
 def _refuse_a_run_dir_of_its_own(run_dir: str, lock_token: str) -> None:

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from bertforge.cluster.cli import main
 from bertforge.training import checkpoint
+from bertforge.training import data as data_package
 from bertforge.training.config import TrainConfig
 from bertforge.training.evaluate import eval_device
 from bertforge.training.loop import train
 from tests.support.refusals import refused
-from tests.training.conftest import write_dataset
+from tests.training.conftest import read_split_rows, write_dataset
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,34 @@ def test_a_validation_split_alone_is_scored_against_its_own_baseline(short_model
     assert 0 < result["mlm_baseline_accuracy"] < 1
     # Its first line counts what it scores: 16 sequences, not "1 batch of 64".
     assert f"[eval] {ckpt}: 16 sequences of the validation split in 1 batch\n" in said.err
+
+
+def test_a_few_batches_of_the_train_split_count_only_their_rows_for_the_baseline(
+        short_model, capsys, monkeypatch):
+    """`--split train --max-batches 1` streamed the whole train split (terabytes, for a real
+    corpus) to find the baseline's guess, before scoring one batch: now it counts the rows it
+    scores. The validation split keeps its whole split's guess, as the run's validation."""
+    root, ckpt = short_model
+    counted_rows = []
+    real = data_package.token_frequencies
+
+    def spy(data_dir, split="train", rows=None):
+        counted_rows.append((split, None if rows is None else len(rows)))
+        return real(data_dir, split, rows)
+
+    monkeypatch.setattr(data_package, "token_frequencies", spy)
+    argv = ["eval", ckpt, "--data", str(root / "data"), "--device", "cpu", "--batch-size", "8",
+            "--max-batches", "1"]
+    assert main([*argv, "--split", "train"]) == 0
+    assert main(argv) == 0  # the validation split
+    assert counted_rows == [("train", 8), ("validation", None)]
+    result = json.loads(capsys.readouterr().out.split("}\n", 1)[0] + "}")
+    assert 0 <= result["mlm_baseline_accuracy"] <= 1 and result["num_sequences"] == 8
+    # The rows' own counts, their padding left out.
+    rows = np.array([3, 0, 17])
+    counts = real(str(root / "data"), "train", rows)
+    ids = np.concatenate([read_split_rows(str(root / "data"), "train")[i][0] for i in rows])
+    assert counts.tolist() == np.bincount(ids, minlength=len(counts)).tolist()
 
 
 def test_data_longer_than_the_models_positions_is_refused_before_scoring(short_model, capsys):

@@ -23,6 +23,7 @@ from ray.train.torch import TorchTrainer
 from bertforge.cluster.launch.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.launch.ray_train import LaunchConfig, connect, train_on_ray
 from bertforge.training.checkpoint import (
+    checkpoint_run_id,
     committed_steps,
     latest_checkpoint,
     load_fp32_state_dict,
@@ -145,6 +146,8 @@ def test_killed_workers_restart_from_local_then_from_storage_and_end_with_the_sa
     assert console.count("[train] restored step") == 1, console
     assert outcome["step"] == MAX_STEPS
     assert outcome["checkpoint_path"].startswith(str(tmp_path / "storage"))
+    # The run, as without --storage (the summary had no run_id with it).
+    assert outcome["run_id"] == checkpoint_run_id(outcome["checkpoint_path"]) is not None
     assert same_weights(straight, outcome["checkpoint_path"])
     moved = os.listdir(tmp_path / "faulty" / "previous")
     assert len(moved) == 1 and console.count("(--resume never)") == 1, console

@@ -59,6 +59,16 @@ def test_a_warm_start_continues_its_sources_model_and_a_preset_that_does_not_fit
                        *ONE_STEP))
     recorded = json.loads((continued / "config.json").read_text())["train"]
     assert recorded["model"] == expected and recorded["init_from"] == str(hf)
+    # One line says it warm-started, and from what (a run: the checkpoint it picked); before,
+    # nothing told a warm start from a run from scratch.
+    assert (f"[train] warm start: weights from {hf} (a Hugging Face BERT); the optimizer, the "
+            "learning-rate schedule and the data order start anew") in capsys.readouterr().out
+    picked = checkpoint.latest_checkpoint(str(source))
+    run_id = checkpoint.checkpoint_run_id(picked)
+    train(train_config("--data", data, "--run-dir", str(tmp_path / "from-run"), "--init-from",
+                       str(source), *ONE_STEP))
+    assert f"[train] warm start: weights from {picked} (step 1 of run {run_id}); " in \
+        capsys.readouterr().out
 
     # A resume keeps its checkpoint's model, though its source has gone since, and so does a
     # resume that names no model at all: no flag could name these fields ("another
@@ -71,6 +81,7 @@ def test_a_warm_start_continues_its_sources_model_and_a_preset_that_does_not_fit
     further = ONE_STEP[:1] + ["2"] + ONE_STEP[2:]
     resumed = train(train_config("--data", data, "--run-dir", str(continued), *further))
     assert resumed.global_step == 2
+    assert "warm start" not in capsys.readouterr().out  # a resume has weights of its own
     assert train_config("--data", data, "--run-dir", str(tmp_path / "fresh")).model == \
         {"preset": "tiny"}
 

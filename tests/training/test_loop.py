@@ -165,6 +165,10 @@ def test_uncommitted_checkpoint_is_ignored_and_old_ones_pruned(dataset, tmp_path
     run_dir = tmp_path / "run"
     train(config(dataset, run_dir, checkpoint_every=2, keep_checkpoints=2))
     assert checkpoint.committed_steps(str(run_dir)) == [4, 6]
+    # ZeRO 2 (the module's config): DeepSpeed's zero_to_fp32.py and zero_to_torch.py, copied
+    # beside the step folders at every save, are not left there (they fail on these
+    # checkpoints as they stand; `bertforge export` is the way out).
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_00000004", "step_00000006"]
     os.remove(run_dir / "checkpoints" / "step_00000006" / checkpoint.COMMIT_MARKER)
     assert checkpoint.latest_checkpoint(str(run_dir)).endswith("step_00000004")
 
@@ -328,15 +332,41 @@ def test_eval_masks_the_split_as_the_run_did_by_default(dataset, tmp_path):
 def test_eval_of_a_run_with_its_own_masking_gives_its_validation_numbers(dataset, tmp_path):
     """A run that masks 30 % by whole words, at most 15 a row: eval of its checkpoint masks
     the same way (recorded in bertforge.json), so its numbers are the run's own validation's
-    (the whole split, in batches of the micro-batch), not those of Google's default masking."""
+    (the whole split), not those of Google's default masking. Its 40 rows are 2 batches of 16
+    and a partial one of 8, which the run's validation left out (eval scores every row): the
+    same checkpoint's numbers were those of 32 rows in metrics.jsonl and of 40 in eval."""
     run_dir = tmp_path / "run"
     run = train(config(dataset, run_dir, max_steps=2, eval_every=2, eval_batches=0,
                        zero_stage=0, precision="fp32", mask_prob=0.3, max_predictions=15,
-                       whole_word_masking=True))
+                       whole_word_masking=True, micro_batch_size=16))
     [logged] = [r for r in read_metrics(str(run_dir)) if "eval_mlm_accuracy" in r]
     result = evaluate_checkpoint(run.checkpoint_path, dataset, EvalOptions(batch_size=8))
+    assert logged["eval_sequences"] == result.num_sequences == 40  # each says what it counted
     assert result.mlm_loss == pytest.approx(logged["eval_mlm_loss"], rel=1e-5)
     assert result.mlm_accuracy == pytest.approx(logged["eval_mlm_accuracy"], rel=1e-6)
+
+
+def test_a_rank_the_last_partial_batch_leaves_no_row_scores_a_blank_one(dataset):
+    """33 validation rows on 2 ranks in batches of 8: the last global batch holds one row,
+    rank 1 none. It runs the forward on a blank row (every rank joins every ZeRO-3 gather),
+    which adds nothing to the counts and no NaN to the losses."""
+    from bertforge.training.data import PretrainingLoader
+    from bertforge.training.evaluate import evaluate
+    from bertforge.training.inputs import resolve_model_config
+    from bertforge.training.model import BertForPreTraining
+
+    data = write_dataset(os.path.join(os.path.dirname(dataset), "odd"), {"validation": [33]})
+    model = BertForPreTraining(resolve_model_config(TINY, 264))
+    totals = []
+    for rank in (0, 1):
+        loader = PretrainingLoader(data, "validation", batch_size=8, seed=1, rank=rank,
+                                   world_size=2, drop_last=False, prefetch=0)
+        batches = list(loop.every_rank_a_row(loader))
+        assert len(batches) == 3 and [len(b["next_sentence_label"]) for b in batches][-1] == 1
+        totals.append(evaluate(model, iter(batches), baseline_token_id=5))
+    assert totals[0].num_sequences + totals[1].num_sequences == 33
+    assert totals[1].num_sequences == 16  # the blank row counted nothing
+    assert all(torch.isfinite(torch.tensor([t.mlm_loss, t.nsp_loss])).all() for t in totals)
 
 
 def test_an_eval_cadence_past_the_last_step_is_said_not_silent(dataset, tmp_path, capsys):
@@ -476,6 +506,12 @@ def test_a_resume_that_names_no_setting_keeps_the_runs_own(dataset, tmp_path, ca
     again = train(cfg)  # the same run, finished: nothing more to train, nothing pruned
     assert again.global_step == 6 and again.loss_first is None
     assert checkpoint.committed_steps(str(run_dir)) == [2, 4, 6]
+    # A flag that does not go with a kept setting names where that setting came from: the
+    # run's ZeRO 2 was "got 2" of a stage the command never named.
+    with pytest.raises(ValueError, match=r"--optimizer 'lamb' needs zero_stage 0, got 2: .* "
+                       r"\(this resume keeps the run's own .*--zero-stage 2.*, where the "
+                       r"command gives none\)$"):
+        resumed("--optimizer", "lamb")
     longer = resumed("--steps", "8", "--lr", "5e-4")  # what a command gives wins
     assert (longer.max_steps, longer.learning_rate, longer.micro_batch_size) == (8, 5e-4, 8)
     fresh = resumed("--resume", "never")  # a new run: the defaults
@@ -489,7 +525,35 @@ def test_a_resume_that_names_no_setting_keeps_the_runs_own(dataset, tmp_path, ca
     with open(metadata_path) as f:
         metadata = json.load(f)
     metadata["train_config"].update(max_steps=100_000, warmup_steps=10_000, log_every=50)
+    # Saved before checkpoints said which settings followed the length: equal to what it
+    # derives counts as derived.
+    del metadata["train_config"]["derived_from_max_steps"]
     with open(metadata_path, "w") as f:
         json.dump(metadata, f)
     ended = resumed("--max-steps", "6")
     assert (ended.warmup_steps, ended.log_every, ended.micro_batch_size) == (0, 1, 8)
+
+
+def test_a_longer_resume_keeps_a_warm_up_given_and_derives_one_left_to_the_length(dataset,
+                                                                                  tmp_path):
+    """`--steps 10 --warmup-steps 1` (what 10 steps derive anyway), resumed with `--steps 20`,
+    trained on with a warm-up of 2: a setting given was taken for a derived one, against "a
+    resume keeps the run's own settings for every flag its command does not give". A warm-up
+    left to the length follows the new one."""
+    from bertforge.cluster.cli import build_parser, train_config_from_args
+
+    def resumed(run_dir, *flags):
+        return train_config_from_args(build_parser().parse_args(
+            ["train", "--data", dataset, "--run-dir", str(run_dir), *flags]))
+
+    warmups = {}
+    for name, warmup in (("given", 1), ("left", None)):
+        train(config(dataset, tmp_path / name, max_steps=10, warmup_steps=warmup, zero_stage=0,
+                     precision="fp32"))
+        warmups[name] = resumed(tmp_path / name, "--steps", "20").warmup_steps
+        same_length = resumed(tmp_path / name)
+        assert same_length.warmup_steps == 1  # the same plan
+        # And it stays derived (or given) in the resumed run's own record: a derived warm-up
+        # continued as a setting counted as given there, and a later --steps kept it.
+        assert ("warmup_steps" in same_length.derived) == (warmup is None)
+    assert warmups == {"given": 1, "left": 2}
