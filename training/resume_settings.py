@@ -78,6 +78,9 @@ def describe(continued: dict[str, Any]) -> str:
         if _same(value, defaults.get(name)):
             continue
         flag = flag_spellings(by_name[name])[0]
+        if isinstance(value, bool):  # as typed: `--packing`, `--no-verify-checksums`
+            changed.append(flag if value else f"--no-{flag.removeprefix('--')}")
+            continue
         shown = " ".join(map(str, value)) if isinstance(value, list | tuple) else value
         changed.append(f"{flag} {shown}")
     return ", ".join(changed)

@@ -189,3 +189,16 @@ def test_prepare_argv_splits_into_the_config_and_beams_flags():
     assert config.num_shards == 9 and not config.lower_case
     assert config.max_seq_length == PrepareConfig.max_seq_length  # the dataclass's default
     assert beam_args == ["--runner=DirectRunner", "--direct_num_workers=2"]
+
+
+def test_a_resume_says_the_switches_it_keeps_as_they_are_typed():
+    """The resume's line said `--packing True` and `--verify-checksums False`, which the
+    command line does not take (`--packing`, `--no-verify-checksums`)."""
+    from bertforge.training.resume_settings import describe
+
+    said = describe({"packing": True, "verify_checksums": False, "max_steps": 6,
+                     "whole_word_masking": False})  # the default: not said
+    assert said == "--packing, --no-verify-checksums, --max-steps 6"
+    args = build_parser().parse_args(["train", "--data", "d", "--run-dir", "r",
+                                      *said.replace(",", "").split()])
+    assert (args.packing, args.verify_checksums, args.max_steps) == (True, False, 6)
