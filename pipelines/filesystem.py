@@ -9,6 +9,8 @@ import uuid
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
+from bertforge.pipelines.durable_files import fsync_path
+
 
 def open_raw(path: str):
     """The file's bytes as stored: decompression is the readers' business (`input_files`)."""
@@ -48,11 +50,7 @@ def sync_if_local(path: str) -> None:
     same command then took the damaged dataset as finished. Object storage writes whole."""
     if "://" in path and not path.startswith("file://"):
         return
-    fd = os.open(path.removeprefix("file://"), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path.removeprefix("file://"))
 
 
 def read_bytes(path: str) -> bytes:

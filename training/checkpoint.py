@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from bertforge.pipelines.durable_files import fsync_path
 from bertforge.training.distributed import barrier, local_rank
 from bertforge.training.errors import UserInputError, disk_full, first_line
 from bertforge.training.metrics import METRICS_NAME
@@ -720,16 +721,8 @@ def _sync_files(path: str) -> None:
         for name in sorted(names):
             if not name.startswith(COMMIT_MARKER):
                 with contextlib.suppress(FileNotFoundError):  # another rank's, renamed
-                    _fsync_path(os.path.join(folder, name))
-        _fsync_path(folder)
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+                    fsync_path(os.path.join(folder, name))
+        fsync_path(folder)
 
 
 def _write_marker(path: str, payload: dict[str, Any]) -> None:
@@ -741,7 +734,7 @@ def _write_marker(path: str, payload: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(path, COMMIT_MARKER))
-    _fsync_path(path)
+    fsync_path(path)
 
 
 def _prune(run_dir: str, keep: int, *, run_id: str | None = None, step: int | None = None) -> None:

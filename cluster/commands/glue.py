@@ -112,12 +112,13 @@ def format_glue_table(results: dict[str, dict[str, float]], name: str,
                       chance: dict[str, dict[str, float]] | None = None) -> str:
     """The GLUE paper's layout: a header of task names and metrics, then `name`'s row of dev
     scores x 100, '-' for a task not in `results`, and the average over the tasks present.
-    With `chance` (every task of `results`), a row under it of what always answering each dev
-    set's commonest label scores (SuperGLUE's "most frequent class"), averaged the same way."""
+    With `chance` for every task of `results` (None: a record made before it was measured), a
+    row under it of what always answering each dev set's commonest label scores (SuperGLUE's
+    "most frequent class"), averaged the same way."""
     header = ["", *(c.title for c in GLUE_COLUMNS), "Average"]
     metrics = ["", *(c.metric_label for c in GLUE_COLUMNS), ""]
     rows = [_row(results, name)]
-    if chance is not None and chance.keys() == results.keys() and results:
+    if results and chance is not None and all(chance.get(task) for task in results):
         rows.append(_row(chance, MOST_FREQUENT_CLASS))
     lines = (header, metrics, *rows)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -243,8 +244,7 @@ def run_glue(config: GlueConfig, launch: Any) -> dict[str, Any]:
         results = {name: runner.recorded(name)["metrics"] for name in configs}
         random_init = bool(config.finetune.get("random_init", False))
         chance = {name: chance_metrics(name, runner.recorded(name)) for name in configs}
-        table = format_glue_table(results, model_name(config.model, random_init),
-                                  None if None in chance.values() else chance)
+        table = format_glue_table(results, model_name(config.model, random_init), chance)
         runner.state["glue"] = {
             "model": os.path.abspath(config.model), "random_init": random_init,
             "glue_dir": glue_dir, "results": results, "average": glue_average(results),

@@ -21,6 +21,8 @@ import re
 import shutil
 from typing import Any
 
+from bertforge.pipelines.durable_files import write_json_atomic
+
 # Its name inside prepare's output directory (free of Beam: `train` checks for it too).
 WORK_DIR_NAME = ".prepare-work"
 JOB_FILE = "job.json"
@@ -54,7 +56,7 @@ class WorkDir:
             return True
         self.discard()
         os.makedirs(self.root)
-        write_json_atomically(path, self.identity)
+        write_json_atomic(path, self.identity, indent=None)
         return False
 
     def stage(self, label: str, step_names: list[str]) -> StageDir:
@@ -110,13 +112,13 @@ class StageDir:
         return read_json(self.bundle_prefix(index) + ".json")
 
     def commit_bundle(self, index: int, record: dict) -> None:
-        write_json_atomically(self.bundle_prefix(index) + ".json", record)
+        write_json_atomic(self.bundle_prefix(index) + ".json", record, indent=None)
 
     def completed(self) -> dict | None:
         return read_json(self.file(STAGE_FILE))
 
     def commit(self, record: dict) -> None:
-        write_json_atomically(self.file(STAGE_FILE), record)
+        write_json_atomic(self.file(STAGE_FILE), record, indent=None)
 
 
 def encode_bytes(data: bytes) -> str:
@@ -133,12 +135,3 @@ def read_json(path: str) -> dict | None:
             return json.load(f)
     except FileNotFoundError:
         return None
-
-
-def write_json_atomically(path: str, record: Any) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
