@@ -9,7 +9,7 @@ import uuid
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from bertforge.pipelines.durable_files import fsync_path
+from bertforge.pipelines.contract.durable_files import fsync_path
 
 
 def open_raw(path: str):

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from bertforge.pipelines.durable_files import fsync_path
+from bertforge.pipelines.contract.durable_files import fsync_path
 from bertforge.training.distributed import barrier, local_rank
 from bertforge.training.errors import UserInputError, disk_full, first_line
 from bertforge.training.metrics import METRICS_NAME

@@ -40,8 +40,8 @@ from bertforge.cluster.launch.local_worker import run_in_local_process, runs_in_
 from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_copy
 from bertforge.cluster.launch.ray_train import QUIET_RAY_TRAIN, connect, run_on_ray
 from bertforge.cluster.launch.worker_output import LOG_DIR
+from bertforge.pipelines.contract.durable_files import write_json_atomic
 from bertforge.pipelines.contract.manifest import sha256_file
-from bertforge.pipelines.durable_files import write_json_atomic
 from bertforge.training.finetune.config import (
     HF_DIR_NAME,
     PAPER_SWEEP,

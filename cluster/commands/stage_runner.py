@@ -32,7 +32,7 @@ from bertforge.cluster.launch.worker_output import LOG_DIR, log_driver_to
 
 # One run per directory: the lock `train` takes too (host, pid, heartbeat; shared filesystems).
 from bertforge.cluster.safety.run_lock import LOCK_NAME, exclusive_directory
-from bertforge.pipelines.durable_files import write_json_atomic
+from bertforge.pipelines.contract.durable_files import write_json_atomic
 from bertforge.pipelines.read.readers import lies_within, split_format
 
 

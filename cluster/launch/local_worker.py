@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from bertforge.cluster.launch.parent_death import die_with_parent
 from bertforge.cluster.launch.worker_output import is_verbose
-from bertforge.pipelines.durable_files import write_json_atomic
+from bertforge.pipelines.contract.durable_files import write_json_atomic
 from bertforge.training.errors import UserInputError
 
 if TYPE_CHECKING:  # the child imports this module: no Ray in it unless its function needs it

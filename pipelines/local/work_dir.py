@@ -21,7 +21,7 @@ import re
 import shutil
 from typing import Any
 
-from bertforge.pipelines.durable_files import write_json_atomic
+from bertforge.pipelines.contract.durable_files import write_json_atomic
 
 # Its name inside prepare's output directory (free of Beam: `train` checks for it too).
 WORK_DIR_NAME = ".prepare-work"

@@ -1,4 +1,4 @@
-"""A record written whole (`pipelines/durable_files.py`): a pipeline's state file, a
+"""A record written whole (`pipelines/contract/durable_files.py`): a pipeline's state file, a
 fine-tuning sweep's results."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import os
 import threading
 
-from bertforge.pipelines.durable_files import write_json_atomic
+from bertforge.pipelines.contract.durable_files import write_json_atomic
 
 
 def test_a_record_is_synced_before_its_name_and_leaves_no_temp_file(tmp_path, monkeypatch):
