@@ -363,13 +363,23 @@ def train_config_from_args(args: argparse.Namespace):
             overrides["model"] = model
     kept = ""
     if overrides["resume"] and not args.recipe:  # a recipe names them all again
-        from bertforge.training.resume_settings import continued_settings, describe
+        from bertforge.training.resume_settings import (
+            changed_settings,
+            continued_settings,
+            describe,
+            describe_changes,
+        )
 
         continued = continued_settings(args.run_dir, overrides)
         kept = describe(continued)
         if kept:
             print(f"[train] resuming {args.run_dir} with its own settings where this command "
                   f"gives none: {kept}", flush=True)
+        # What the command sets otherwise trains from the next step on (a longer --steps, a new
+        # --lr); said, as a --mask-prob or --packing given by habit changed the run silently.
+        changed = describe_changes(changed_settings(args.run_dir, overrides))
+        if changed:
+            print(f"[train] resuming {args.run_dir} with this command's {changed}", flush=True)
         overrides = {**continued, **overrides}
     try:
         with errors_naming_flags(TrainConfig):

@@ -23,6 +23,9 @@ class DatasetFacts:
     lower_case: bool
     # Instances per split ({"train": n, "validation": m}): the validation's batch size (loop).
     split_sizes: dict[str, int] = field(default_factory=dict, compare=False)
+    # The training split's samples in order (`Manifest.split_sha256`): a resume must continue
+    # the same ones, as its loader position counts samples of their order.
+    train_sha256: str | None = field(default=None, compare=False)
 
     @classmethod
     def read(cls, data_dir: str) -> DatasetFacts:
@@ -42,6 +45,7 @@ class DatasetFacts:
             vocab_sha256=tokenizer.vocab_sha256,
             lower_case=tokenizer.lower_case,
             split_sizes={name: split.num_instances for name, split in manifest.splits.items()},
+            train_sha256=manifest.split_sha256("train"),
         )
 
     def default_max_predictions(self, mask_prob: float = 0.15) -> int:

@@ -439,6 +439,14 @@ def check_same_course(saved: dict[str, Any], cfg: TrainConfig, facts: DatasetFac
             f"({saved.get('data_dir', 'its --data')}); {cfg.data_dir} has "
             f"{facts.split_sizes['train']:,}, and the run's position in its data order would "
             f"point at other samples: resume on the run's own dataset, {restart}")
+    trained_order = saved.get("train_sha256")
+    if trained_order not in (None, facts.train_sha256):
+        raise UserInputError(
+            f"{path} was trained on other samples than the training split of {cfg.data_dir} "
+            f"holds (the same number, {facts.split_sizes['train']:,}, but other shards: a "
+            "dataset prepared again from other text or with other settings), and the run's "
+            "position in its data order would point at them: resume on the run's own dataset "
+            f"({saved.get('data_dir', 'its --data')}), {restart}")
     if saved.get("optimizer") not in (None, cfg.optimizer):
         raise UserInputError(
             f"{path} was trained with --optimizer {saved['optimizer']}, whose state it holds; "

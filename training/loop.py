@@ -201,6 +201,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         # What a resume must keep, checked by the driver before Ray (training.inputs): the
         # data order's size and the optimizer whose state the checkpoint holds.
         "train_samples": loader.num_samples,
+        "train_sha256": facts.train_sha256,  # and which samples, in which order
         "optimizer": cfg.optimizer,
         "masking": asdict(requested_masking),  # another dataset: its own default predictions
         RECORDED: asked,  # what a resume that names no setting keeps (training.resume_settings)

@@ -26,6 +26,7 @@ NOT_CONTINUED = ("data_dir", "run_dir", "resume", "init_from", "model", "profile
 
 # Beside the settings: those of DERIVED_FROM_MAX_STEPS the command left to follow max_steps.
 DERIVED = "derived_from_max_steps"
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
 def recorded_settings(cfg: TrainConfig, derived: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -37,20 +38,30 @@ def recorded_settings(cfg: TrainConfig, derived: tuple[str, ...] = ()) -> dict[s
     return {**settings, DERIVED: sorted(derived)}
 
 
-def continued_settings(run_dir: str, given: dict[str, Any]) -> dict[str, Any]:
-    """The settings of the run in `run_dir` (its newest complete checkpoint's) that `given`,
-    the command's own, leaves out; {} for a fresh run or one saved before checkpoints recorded
-    them."""
+def _recorded_settings(run_dir: str) -> dict[str, Any]:
+    """The settings the newest complete checkpoint of `run_dir` records; {} for a fresh run or
+    one saved before checkpoints recorded them."""
     if not checkpoint.committed_steps(run_dir):
         return {}
     newest = checkpoint.latest_checkpoint(run_dir)
     try:
-        recorded = checkpoint.read_metadata(newest).get(RECORDED) or {}
+        return checkpoint.read_metadata(newest).get(RECORDED) or {}
     except (OSError, ValueError):
         return {}  # the run's input checks say what is wrong with it
-    known = {f.name for f in dataclasses.fields(TrainConfig)} - set(NOT_CONTINUED)
-    continued = {name: value for name, value in recorded.items()
-                 if name in known and name not in given}
+
+
+def _known(recorded: dict[str, Any]) -> dict[str, Any]:
+    """The recorded settings this bertforge has a field for, less where the run is."""
+    return {name: value for name, value in recorded.items()
+            if name in _FIELDS and name not in NOT_CONTINUED}
+
+
+def continued_settings(run_dir: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the run in `run_dir` (its newest complete checkpoint's) that `given`,
+    the command's own, leaves out; {} for a fresh run or one saved before checkpoints recorded
+    them."""
+    recorded = _recorded_settings(run_dir)
+    continued = {name: value for name, value in _known(recorded).items() if name not in given}
     # What followed the run's length follows this command's (the same length: the same
     # values), and stays derived in this run's record: continued, it would count as given.
     for name in _derived(recorded, recorded.get("max_steps")):
@@ -68,22 +79,42 @@ def _derived(recorded: dict[str, Any], steps: int | None) -> list[str]:
             if steps is not None and recorded.get(name) == derive(steps)]
 
 
+def changed_settings(run_dir: str, given: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{name: (the run's own value, the command's)} for the settings `given` sets otherwise
+    than the run in `run_dir` recorded: a resume trains on with the command's."""
+    recorded = _known(_recorded_settings(run_dir))
+    return {name: (recorded[name], value) for name, value in given.items()
+            if name in recorded and not _same(recorded[name], value)}
+
+
 def describe(continued: dict[str, Any]) -> str:
     """`--steps 30, --batch-size 16` for the continued settings that differ from the
     defaults (the rest would be the same either way)."""
     defaults = TrainConfig(data_dir="-", run_dir="-").to_dict()
-    by_name = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    changed = []
-    for name, value in continued.items():
-        if _same(value, defaults.get(name)):
-            continue
-        flag = flag_spellings(by_name[name])[0]
-        if isinstance(value, bool):  # as typed: `--packing`, `--no-verify-checksums`
-            changed.append(flag if value else f"--no-{flag.removeprefix('--')}")
-            continue
-        shown = " ".join(map(str, value)) if isinstance(value, list | tuple) else value
-        changed.append(f"{flag} {shown}")
-    return ", ".join(changed)
+    return ", ".join(_as_typed(name, value) for name, value in continued.items()
+                     if not _same(value, defaults.get(name)))
+
+
+def describe_changes(changed: dict[str, tuple[Any, Any]]) -> str:
+    """`--mask-prob 0.2 (the run's: 0.15), --packing (the run's: --no-packing)`."""
+    return ", ".join(f"{_as_typed(name, given)} (the run's: {_shown(name, own)})"
+                     for name, (own, given) in changed.items())
+
+
+def _as_typed(name: str, value: Any) -> str:
+    """The flag that sets `name` to `value`, as a user types it."""
+    if isinstance(value, bool):
+        return _shown(name, value)
+    return f"{flag_spellings(_FIELDS[name])[0]} {_shown(name, value)}"
+
+
+def _shown(name: str, value: Any) -> str:
+    """A value as typed after its flag; a switch as the flag itself (`--no-packing`)."""
+    if isinstance(value, bool):
+        flag = flag_spellings(_FIELDS[name])[0]
+        return flag if value else f"--no-{flag.removeprefix('--')}"
+    return " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -130,6 +130,16 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
+    def split_sha256(self, name: str) -> str | None:
+        """One digest of a split's samples in the order readers number them (its shards' own
+        digests and row counts, in the manifest's order; not their paths, so a moved or copied
+        dataset keeps it); None for a split the dataset lacks."""
+        split = self.splits.get(name)
+        if split is None:
+            return None
+        listed = "".join(f"{shard.sha256} {shard.num_rows}\n" for shard in split.shards)
+        return hashlib.sha256(listed.encode()).hexdigest()
+
     def instance_param(self, name: str, where: str = "the dataset") -> int:
         """An instance parameter readers rely on (`max_seq_length`), read by the one rule every
         reader follows: missing, or not a positive integer, is a ValueError naming it."""

@@ -219,6 +219,18 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
     other = write_dataset(str(tmp_path / "other"), {"train": [20, 20], "validation": [16]})
     refused(["train", "--data", other, "--run-dir", str(tiny_run), "--workers", "1"], capsys,
             "was trained on a dataset of 70 training samples", f"{other} has 40")
+    # The same number of samples, other ones (prepared again with another seed): the run's
+    # position in its data order went on among them, silently.
+    again = write_dataset(str(tmp_path / "again"), {"train": [40, 30], "validation": [16]},
+                          seed=1)
+    refused(["train", "--data", again, "--run-dir", str(tiny_run), "--workers", "1"], capsys,
+            f"was trained on other samples than the training split of {again} holds (the "
+            "same number, 70, but other shards", f"resume on the run's own dataset ({dataset})")
+    # The run's own dataset, moved: the same samples, so the run resumes (here: is finished).
+    moved = shutil.copytree(dataset, tmp_path / "moved")
+    assert main(["train", "--data", str(moved), "--run-dir", str(tiny_run), "--workers",
+                 "1"]) == 0
+    assert f"{tiny_run} is at step 1 of 1: nothing to train" in capsys.readouterr().out
     assert json.loads((tiny_run / "config.json").read_text())["train"]["optimizer"] == "adamw"
     # eval and export of that checkpoint pass their pre-flight; a used output is refused.
     refused(["export", str(run_dir), "--output", str(tmp_path)], capsys, "exists")

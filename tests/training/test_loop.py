@@ -512,8 +512,18 @@ def test_a_resume_that_names_no_setting_keeps_the_runs_own(dataset, tmp_path, ca
                        r"\(this resume keeps the run's own .*--zero-stage 2.*, where the "
                        r"command gives none\)$"):
         resumed("--optimizer", "lamb")
+    capsys.readouterr()
     longer = resumed("--steps", "8", "--lr", "5e-4")  # what a command gives wins
     assert (longer.max_steps, longer.learning_rate, longer.micro_batch_size) == (8, 5e-4, 8)
+    # and is said beside what the run had (a --mask-prob given by habit changed it silently);
+    # what the command gives as the run had it is not.
+    said = capsys.readouterr().out
+    assert f"[train] resuming {run_dir} with this command's --max-steps 8 (the run's: 6), " \
+           "--learning-rate 0.0005 (the run's: 0.001)\n" in said, said
+    resumed("--micro-batch-size", "8", "--no-packing")
+    assert "with this command's" not in capsys.readouterr().out
+    resumed("--packing")
+    assert "with this command's --packing (the run's: --no-packing)" in capsys.readouterr().out
     fresh = resumed("--resume", "never")  # a new run: the defaults
     assert (fresh.max_steps, fresh.micro_batch_size) == (1000, 32)
     assert longer.warmup_steps == 2  # given to the run, kept
