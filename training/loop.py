@@ -146,7 +146,11 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     # A run keeps its id across resumes (one saved before runs had ids gets one now).
     run_id = (saved or {}).get("run_id") or run_id or checkpoint.new_run_id()
     if resume_from is None:
-        _start_fresh(cfg.run_dir, run_id, rank, engine.device)
+        moved_to = _start_fresh(cfg.run_dir, run_id, rank, engine.device)
+        if moved_to is not None and cfg.init_from:
+            # `--init-from RUN --resume never`: the weights came from what is now under
+            # RUN/previous/ID; config.json named RUN, whose newest checkpoint is this run's.
+            cfg = replace(cfg, init_from=moved_path(cfg.init_from, cfg.run_dir, moved_to))
     loader = PretrainingLoader(
         cfg.data_dir, "train", batch_size=cfg.micro_batch_size, seed=cfg.seed,
         rank=rank, world_size=world_size, masking=masking, prefetch=cfg.dataloader_prefetch,
@@ -290,11 +294,13 @@ def _diverged(loss: float, step: int, last_loss: float | None,
                          "Lower --lr or lengthen --warmup-steps")
 
 
-def _start_fresh(run_dir: str, run_id: str, rank: int, device) -> None:
+def _start_fresh(run_dir: str, run_id: str, rank: int, device) -> str | None:
     """A new run (--resume never) on a directory that holds another run's checkpoints: rank 0
-    moves them aside, with that run's metrics and config, before this run saves anything.
-    Its checkpoints would otherwise mix with this run's, and `latest_checkpoint`, pruning and
-    export would all go by step numbers across both runs."""
+    moves them aside, with that run's metrics and config, before this run saves anything, and
+    returns where (None elsewhere, and when there was nothing to move). Its checkpoints would
+    otherwise mix with this run's, and `latest_checkpoint`, pruning and export would all go by
+    step numbers across both runs."""
+    target = None
     if rank == 0:
         moved = checkpoint.move_aside(run_dir)
         if moved is not None:
@@ -303,6 +309,18 @@ def _start_fresh(run_dir: str, run_id: str, rank: int, device) -> None:
                     f"run's {len(steps)} checkpoint(s) (steps {steps[0]}-{steps[-1]}), metrics "
                     f"and config are kept in {target} (export or --init-from it takes them)")
     barrier(device)  # no rank saves into checkpoints/ before it is this run's alone
+    return target
+
+
+def moved_path(path: str, run_dir: str, moved_to: str) -> str:
+    """Where `path` is once `run_dir`'s previous run moved to `moved_to`: the run directory
+    becomes `moved_to`, its checkpoints move with it, and any other path stays."""
+    inside = os.path.relpath(os.path.realpath(path), os.path.realpath(run_dir))
+    if inside == os.curdir:
+        return moved_to
+    if inside.split(os.sep)[0] == checkpoint.CHECKPOINTS_DIR:
+        return os.path.join(moved_to, inside)
+    return path
 
 
 def count_parameters(model_config: BertConfig) -> int:

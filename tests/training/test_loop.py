@@ -14,7 +14,7 @@ from bertforge.training.errors import UserInputError
 from bertforge.training.eval_options import EvalOptions
 from bertforge.training.evaluate import evaluate_checkpoint
 from bertforge.training.export import export_checkpoint
-from bertforge.training.loop import train
+from bertforge.training.loop import moved_path, train
 from bertforge.training.metrics import read_metrics
 from tests.training.conftest import write_dataset
 
@@ -303,6 +303,16 @@ def test_a_new_run_on_a_used_run_directory_loses_no_checkpoint(dataset, tmp_path
     # `--resume auto` afterwards continues the new run, under its id.
     again = train(config(dataset, run_dir, max_steps=5, checkpoint_every=1, keep_checkpoints=2))
     assert again.run_id == new.run_id and checkpoint.committed_steps(str(run_dir)) == [4, 5]
+    # A new run warm-started from the run directory's own run (`--init-from RUN --resume
+    # never`): its weights are what the move puts under previous/, and config.json names
+    # that, not RUN, whose newest checkpoint is now the new run's.
+    train(config(dataset, run_dir, resume=False, init_from=str(run_dir), max_steps=1,
+                 warmup_steps=0))
+    started_from = json.loads((run_dir / "config.json").read_text())["train"]["init_from"]
+    assert started_from == str(run_dir / checkpoint.PREVIOUS_DIR / new.run_id)
+    assert checkpoint.latest_checkpoint(started_from).endswith("step_00000005")
+    elsewhere = str(aside / "checkpoints")  # not moved: named as it was
+    assert moved_path(elsewhere, str(run_dir), started_from) == elsewhere
 
 
 def test_validation_of_a_split_smaller_than_the_micro_batch(dataset, tmp_path):
