@@ -67,7 +67,12 @@ def test_sst2_from_the_pretrained_model_from_random_init_and_bag_of_words(finish
     # One worker group ran both: its logs (under the first job's runs/) hold both runs' steps.
     root = os.path.join(summary["hf_dir"], os.pardir, "finetune")
     worker_log = open(os.path.join(root, "pretrained", "runs", "logs", "worker-0.log")).read()
-    assert worker_log.count("[finetune] step 4/4") == 2
+    assert worker_log.count("[finetune] step 4/4") == 4  # each model at each of two rates
+    # Each model is read at its best rate (at one rate, the rate decided the comparison).
+    for run in (pretrained, random_init):
+        by_rate = run["accuracy_by_learning_rate"]
+        assert set(by_rate) == {"0.0003", "0.001"}
+        assert run["accuracy"] == max(by_rate.values()) == by_rate[f"{run['learning_rate']:g}"]
     assert not os.path.exists(os.path.join(root, "random_init", "runs", "logs"))
     # The bar both runs are read against: always the commonest label of the 48 dev sentences
     # (the predictions file's label column), and whether a run gave one label throughout.
