@@ -241,15 +241,17 @@ def dev_windows():
 
 
 def logits_like_a_model(features, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Noise, with high logits on some question tokens and [CLS] (as an untrained or confused
-    model gives) and on the padding, which a model's output has too."""
+    """Noise, with high logits on some question tokens, [CLS] and [SEP] (as an untrained or
+    confused model gives); the padding -inf, as evaluation's trimmed batches leave it for a row
+    alone (bertforge never takes a candidate there: `test_padding_is_never_a_candidate`)."""
     generator = torch.Generator().manual_seed(seed)
     start, end = torch.randn(2, *features["input_ids"].shape, generator=generator)
     not_context = features["offset_mapping"][..., 0] < 0
     boost = torch.rand(start.shape, generator=generator) < 0.3
     start[not_context & boost] += 2.0
     end[not_context & boost] += 2.0
-    return start, end
+    padding = features["attention_mask"] == 0
+    return start.masked_fill(padding, float("-inf")), end.masked_fill(padding, float("-inf"))
 
 
 @needs_squad
@@ -271,6 +273,20 @@ def test_postprocessing_picks_google_run_squads_span(dev_windows, seed) -> None:
         if ours[example.id] != expected:
             differ.append((example.id, ours[example.id], expected))
     assert not differ, f"{len(differ)} of {len(examples)} answers differ: {differ[:3]}"
+
+
+@needs_squad
+def test_padding_is_never_a_candidate(dev_windows) -> None:
+    """Evaluation trims each batch to its longest row: a row's padding logits are the model's
+    within that width and -inf past it, so a padding logit taking one of the n_best places
+    made an answer depend on the batch size and the number of workers."""
+    _, examples, features = dev_windows
+    start, end = logits_like_a_model(features, 0)
+    alone = postprocess_predictions(examples, features, start, end)
+    padding = features["attention_mask"] == 0
+    assert padding.any(dim=1).sum() > 10  # short windows, padded
+    in_a_batch = [logits.masked_fill(padding, 50.0) for logits in (start, end)]
+    assert postprocess_predictions(examples, features, *in_a_batch) == alone
 
 
 # --- GLUE's metrics against their textbook definitions -------------------------------------------

@@ -250,8 +250,15 @@ def best_spans(
     among the `n_best` highest start and end logits of ALL its positions, the pairs inside the
     context, starting at a `max_context` token, end >= start, at most `max_answer_length`
     tokens; score = start + end logit, -inf when the window has no such span. (Taking the top
-    `n_best` of the context tokens alone found spans run_squad.py never considers.)"""
-    start, end = start_logits.float(), end_logits.float()
+    `n_best` of the context tokens alone found spans run_squad.py never considers.)
+
+    Padding is never among the `n_best`: evaluation trims a batch to its longest row, so a
+    row's padding logits exist or not by its batch-mates, and a score must not depend on the
+    batch size or the number of workers (run_squad.py's padding logits are trained down: its
+    loss is a softmax over every position)."""
+    is_padding = features["attention_mask"] == 0
+    start = start_logits.float().masked_fill(is_padding, float("-inf"))
+    end = end_logits.float().masked_fill(is_padding, float("-inf"))
     k = min(n_best, start.shape[1])
     top_start, start_index = start.topk(k, dim=1)
     top_end, end_index = end.topk(k, dim=1)
