@@ -15,6 +15,7 @@ load with no missing or unexpected keys, without importing `transformers` (a dev
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -343,7 +344,39 @@ def tokenizer_setting(hf_dir: str, key: str) -> Any:
         return None
 
 
-def hf_lower_case(hf_dir: str) -> bool | None:
+class TokenizerFile:
+    """A Hugging Face directory's tokenizer.json, read and parsed at most once: a model's load
+    asks it for the vocabulary, the casing, whether vocab.txt agrees and the added tokens, and
+    each of those read and parsed the whole file again (bert-base-uncased's is 700 KB of
+    JSON). Give one to every function of one load; each makes its own without."""
+
+    def __init__(self, hf_dir: str) -> None:
+        self.path = os.path.join(hf_dir, HF_TOKENIZER_NAME)
+
+    @functools.cached_property
+    def raw(self) -> bytes | None:
+        """The file's bytes; None when there is none (or it cannot be read)."""
+        try:
+            with open(self.path, "rb") as f:
+                return f.read()
+        except OSError:
+            return None
+
+    @functools.cached_property
+    def parsed(self) -> Any:
+        """The file's JSON; None without a file. A ValueError when it is not JSON (not cached:
+        every caller that asks is told)."""
+        return None if self.raw is None else json.loads(self.raw)
+
+    def parsed_or_none(self) -> Any:
+        """The file's JSON, or None where there is none or it is not JSON."""
+        try:
+            return self.parsed
+        except ValueError:
+            return None
+
+
+def hf_lower_case(hf_dir: str, tokenizer_file: TokenizerFile | None = None) -> bool | None:
     """Whether a Hugging Face directory's tokenizer lower-cases: its tokenizer_config.json's
     do_lower_case, else its tokenizer.json's normalizer (a tokenizer saved as a generic
     `PreTrainedTokenizerFast` records no do_lower_case, and a cased one read as BERT's default,
@@ -352,11 +385,7 @@ def hf_lower_case(hf_dir: str) -> bool | None:
     value = tokenizer_setting(hf_dir, "do_lower_case")
     if isinstance(value, bool):
         return value
-    try:
-        with open(os.path.join(hf_dir, HF_TOKENIZER_NAME), encoding="utf-8") as f:
-            tokenizer = json.load(f)
-    except (OSError, ValueError):
-        return None
+    tokenizer = (tokenizer_file or TokenizerFile(hf_dir)).parsed_or_none()
     return _lower_cases(tokenizer.get("normalizer")) if isinstance(tokenizer, dict) else None
 
 
@@ -530,7 +559,7 @@ def _shard_files(index_path: str) -> list[str]:
     return paths
 
 
-def hf_vocab_file(hf_dir: str) -> str | None:
+def hf_vocab_file(hf_dir: str, tokenizer_file: TokenizerFile | None = None) -> str | None:
     """A Hugging Face directory's WordPiece vocabulary as a vocab.txt path: its own, or, where
     it has only a tokenizer.json (what transformers 5 saves), one written from that file's
     WordPiece vocabulary into the temporary directory, named by the file's sha256 (every
@@ -539,18 +568,17 @@ def hf_vocab_file(hf_dir: str) -> str | None:
     own = os.path.join(hf_dir, "vocab.txt")
     if os.path.exists(own):
         return own
-    path = os.path.join(hf_dir, HF_TOKENIZER_NAME)
-    if not os.path.exists(path):
+    tokenizer_file = tokenizer_file or TokenizerFile(hf_dir)
+    path, raw = tokenizer_file.path, tokenizer_file.raw
+    if raw is None:
         return None
-    with open(path, "rb") as f:
-        raw = f.read()
     folder = os.path.join(tempfile.gettempdir(), "bertforge-vocab",
                           hashlib.sha256(raw).hexdigest()[:16])
     written = os.path.join(folder, "vocab.txt")
     if os.path.exists(written):  # these bytes were read and checked before (the driver's)
         return written
     try:
-        model = json.loads(raw)["model"]
+        model = tokenizer_file.parsed["model"]
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path} is no tokenizers file ({error})") from None
     if model.get("type") != "WordPiece":
@@ -566,23 +594,23 @@ def hf_vocab_file(hf_dir: str) -> str | None:
     return written
 
 
-def vocab_files_disagree(hf_dir: str) -> str | None:
+def vocab_files_disagree(hf_dir: str, tokenizer_file: TokenizerFile | None = None) -> str | None:
     """Where a Hugging Face directory has both a vocab.txt and a WordPiece tokenizer.json that
     hold different vocabularies (vocab.txt edited, its [unusedN] lines made words, and
     tokenizer.json left as it was), the first id they differ at, said; else None. transformers'
     fast tokenizer (AutoTokenizer's default) reads tokenizer.json, fine-tuning here vocab.txt:
     the two gave one text other ids, silently."""
+    if not os.path.exists(os.path.join(hf_dir, "vocab.txt")):
+        return None  # nothing to compare
     try:
-        with open(os.path.join(hf_dir, HF_TOKENIZER_NAME), encoding="utf-8") as f:
-            tokenizer = json.load(f)
+        tokenizer = (tokenizer_file or TokenizerFile(hf_dir)).parsed
         model = tokenizer["model"]
         # Its added tokens are its too: written into vocab.txt at their ids, they agree.
         fast = {**model["vocab"], **{entry["content"]: entry["id"]
                                      for entry in tokenizer.get("added_tokens") or ()}}
-        if model.get("type") != "WordPiece" or not os.path.exists(
-                os.path.join(hf_dir, "vocab.txt")):
+        if model.get("type") != "WordPiece":
             return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None  # no tokenizer.json, or none to compare: hf_vocab_file says what is wrong
     slow = read_vocab(os.path.join(hf_dir, "vocab.txt"), allow_repeats=True)
     if slow == fast:
@@ -593,27 +621,28 @@ def vocab_files_disagree(hf_dir: str) -> str | None:
             f"in {HF_TOKENIZER_NAME}")
 
 
-def hf_added_tokens(hf_dir: str) -> dict[str, int]:
+def hf_added_tokens(hf_dir: str, tokenizer_file: TokenizerFile | None = None) -> dict[str, int]:
     """{token: id} a Hugging Face directory's tokenizer adds on top of its WordPiece vocabulary
     (`tokenizer.add_tokens`, `add_special_tokens`): tokenizer.json's added_tokens and an older
     transformers' added_tokens.json; {} where neither file is there or readable."""
     added: dict[str, int] = {}
-    for name in (HF_TOKENIZER_NAME, "added_tokens.json"):
-        try:
-            with open(os.path.join(hf_dir, name), encoding="utf-8") as f:
-                values = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if name == HF_TOKENIZER_NAME and isinstance(values, dict):
-            entries = values.get("added_tokens") or ()
-            added.update({entry["content"]: entry["id"] for entry in entries
-                          if isinstance(entry, dict) and {"content", "id"} <= entry.keys()})
-        elif isinstance(values, dict):
-            added.update(values)
+    tokenizer = (tokenizer_file or TokenizerFile(hf_dir)).parsed_or_none()
+    if isinstance(tokenizer, dict):
+        entries = tokenizer.get("added_tokens") or ()
+        added.update({entry["content"]: entry["id"] for entry in entries
+                      if isinstance(entry, dict) and {"content", "id"} <= entry.keys()})
+    try:
+        with open(os.path.join(hf_dir, "added_tokens.json"), encoding="utf-8") as f:
+            values = json.load(f)
+    except (OSError, ValueError):
+        return added
+    if isinstance(values, dict):
+        added.update(values)
     return added
 
 
-def tokens_beyond_vocab(hf_dir: str, vocab_path: str, lower_case: bool) -> list[str]:
+def tokens_beyond_vocab(hf_dir: str, vocab_path: str, lower_case: bool,
+                        tokenizer_file: TokenizerFile | None = None) -> list[str]:
     """The added tokens of `hf_dir`'s tokenizer that BERT's tokenizer of `vocab_path` alone
     (with its special tokens, as fine-tuning tokenizes) does not read as their ids, in id
     order: it splits them into pieces (`covid19` into `co`, `##vid`, `##19`; `[E1]` into
@@ -621,7 +650,8 @@ def tokens_beyond_vocab(hf_dir: str, vocab_path: str, lower_case: bool) -> list[
     tokenizer = load_tokenizer(vocab_path, lower_case)
     tokenizer.add_special_tokens(
         [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
-    added = sorted((index, token) for token, index in hf_added_tokens(hf_dir).items()
+    added = sorted((index, token)
+                   for token, index in hf_added_tokens(hf_dir, tokenizer_file).items()
                    if isinstance(index, int) and isinstance(token, str))
     return [token for index, token in added
             if tokenizer.encode(token, add_special_tokens=False).ids != [index]]

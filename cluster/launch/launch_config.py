@@ -28,8 +28,10 @@ class LaunchConfig:
     cpus_per_worker: int = option(1, "CPUs (and torch threads) per worker")
     address: str | None = option(help="Ray cluster address, 'auto' on a cluster node (default: a "
                                  "private local Ray on 127.0.0.1)")
-    max_failures: int = option(3, "worker-group restarts from the newest checkpoint before "
-                               "giving up")
+    # Fine-tuning keeps no checkpoint: "from the newest checkpoint" in its --help was untrue.
+    max_failures: int = option(3, "restarts of a failed worker group before giving up (train "
+                               "resumes from its newest checkpoint; finetune and glue start the "
+                               "unfinished run again, keeping the finished ones)")
     # Where Ray Train persists every rank's checkpoint files (gs://, s3://, or a path all nodes
     # share); None: the run directory itself must be shared storage.
     storage: str | None = option(help="persist every rank's checkpoints to this URI (gs://, "

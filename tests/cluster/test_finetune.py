@@ -93,15 +93,15 @@ def test_sst2_sweep_on_two_workers_scores_exports_and_reuses_the_runs(model_dir,
     correct = sum(r["prediction"] == r["label"] for r in rows)
     assert results["metrics"]["accuracy"] == pytest.approx(correct / 32)
     # Beside it, what always answering the dev set's commonest label scores, named as the
-    # export names it, and whether the run answered one label only (it learned nothing).
-    commonest = max(("0", "1"), key=lambda label: ([r["label"] for r in rows].count(label),
-                                                   label == "0"))
+    # export and the predictions file name it, and whether the run answered one label only
+    # (it learned nothing).
+    commonest = max(("negative", "positive"), key=lambda label: (
+        [r["label"] for r in rows].count(label), label == "negative"))
     chance = sum(r["label"] == commonest for r in rows) / 32
-    name = {"0": "negative", "1": "positive"}
-    assert results["chance"] == {"label": name[commonest], "metrics": {"accuracy": chance}}
+    assert results["chance"] == {"label": commonest, "metrics": {"accuracy": chance}}
     predicted = {r["prediction"] for r in rows}
-    assert results["single_label"] == (name[predicted.pop()] if len(predicted) == 1 else None)
-    assert f"; always {name[commonest]!r}: accuracy {chance:.4f}" in out
+    assert results["single_label"] == (predicted.pop() if len(predicted) == 1 else None)
+    assert f"; always {commonest!r}: accuracy {chance:.4f}" in out
     # The export predicts in transformers what the workers predicted.
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(results["hf_dir"])
     tokenizer = transformers.AutoTokenizer.from_pretrained(results["hf_dir"])
@@ -109,10 +109,12 @@ def test_sst2_sweep_on_two_workers_scores_exports_and_reuses_the_runs(model_dir,
         sentences = [line.split("\t")[0] for line in f.read().split("\n")[1:-1]]
     with torch.no_grad():
         logits = hf.eval()(**tokenizer(sentences, padding=True, return_tensors="pt")).logits
-    # Its labels are named as GLUE's Hugging Face dataset names them (they were "0" and "1");
-    # the predictions file keeps the dev file's own.
+    # Its labels are named as GLUE's Hugging Face dataset names them (they were "0" and "1"),
+    # and so are the predictions file's (they were the dev file's 0/1 beside results.json's
+    # "negative"/"positive").
     assert hf.config.id2label == {0: "negative", 1: "positive"}
-    assert [str(i) for i in logits.argmax(-1).tolist()] == [r["prediction"] for r in rows]
+    assert [hf.config.id2label[i] for i in logits.argmax(-1).tolist()] == [
+        r["prediction"] for r in rows]
 
     # The same command again: the finished runs are reused, not trained again.
     metrics_file = os.path.join(results["best_run"]["run_dir"], "metrics.jsonl")

@@ -41,6 +41,17 @@ def test_every_field_has_help_and_a_finetune_flag():
                 f"{cls.__name__}.{f.name}: a flag exactly where not for checkpoints"
 
 
+def test_finetune_help_says_what_its_flags_do():
+    """--max-failures said "restarts from the newest checkpoint" (fine-tuning keeps none: the
+    unfinished run starts again), and --batch-size "examples" where SQuAD's are windows."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command")
+    helps = {a.dest: a.help for a in commands.choices["finetune"]._actions}
+    assert "finetune and glue start the unfinished run again" in helps["max_failures"]
+    assert "squad: context windows" in helps["batch_size"]
+    assert "squad: context windows" in helps["eval_batch_size"]
+
+
 def test_flags_build_the_config_and_defaults_are_the_papers_recipe():
     args = parse("--task", "SST-2", "--model", "m", "--output", "o", "--sweep",
                  "--seeds", "1", "2", "--workers", "3")

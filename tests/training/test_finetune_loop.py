@@ -123,8 +123,11 @@ def test_every_glue_task_runs_on_a_slice_of_its_real_files(task, tmp_path):
     assert len(rows) == 24
     if spec.is_regression:
         assert all(0.0 <= float(row[2]) <= 5.0 for row in rows)
-    else:
-        assert {row[2] for row in rows} <= set(spec.labels)
+    else:  # named as results.json and the export name them: CoLA's 0/1 as (un)acceptable
+        assert {row[2] for row in rows} <= set(spec.exported_labels)
+        assert {row[1] for row in rows} <= set(spec.exported_labels)
+        if record["single_label"] is not None:
+            assert {row[1] for row in rows} == {record["single_label"]}
 
 
 def test_squad_runs_on_an_article_split_of_the_real_dev_file(tmp_path):
@@ -178,11 +181,30 @@ def test_a_regression_dev_predictions_file_holds_the_scores_that_were_scored(tmp
 
     scores = np.array([2.0000001, 2.0000002, 2.0000005, -1.2345678e-7], dtype=np.float32)
     examples = [SimpleNamespace(line=i + 2, label=float(i)) for i in range(len(scores))]
-    data = SimpleNamespace(spec=SimpleNamespace(labels=None), dev_examples=examples)
+    data = SimpleNamespace(spec=SimpleNamespace(labels=None, exported_labels=None),
+                           dev_examples=examples)
     path = tmp_path / "dev_predictions.tsv"
     write_glue_predictions(str(path), data, scores)
     rows = [line.split("\t") for line in path.read_text().splitlines()[1:]]
     assert np.array_equal(np.array([row[1] for row in rows], dtype=np.float32), scores)
+
+
+def test_dev_predictions_name_the_labels_as_results_json_does(tmp_path):
+    """SST-2's file says 0/1; results.json, the console ("predicted 'negative' for every dev
+    example") and the export say negative/positive, and the predictions file said 0/1."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from bertforge.training.finetune.loop import write_glue_predictions
+    from bertforge.training.finetune.tasks import task_spec
+
+    examples = [SimpleNamespace(line=2, label=1), SimpleNamespace(line=3, label=0)]
+    data = SimpleNamespace(spec=task_spec("sst2"), dev_examples=examples)
+    path = tmp_path / "dev_predictions.tsv"
+    write_glue_predictions(str(path), data, np.array([0, 0]))
+    assert path.read_text().splitlines() == [
+        "line\tprediction\tlabel", "2\tnegative\tpositive", "3\tnegative\tnegative"]
 
 
 def test_a_model_without_a_pooler_says_its_pooler_starts_random(files, tmp_path, capsys):

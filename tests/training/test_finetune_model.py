@@ -161,6 +161,33 @@ def test_a_directory_transformers_5_saved_with_a_tokenizer_json_only_is_accepted
         load_pretrained(str(saved))
 
 
+def test_a_load_reads_the_tokenizer_json_once(bert_dir, tmp_path, monkeypatch) -> None:
+    """The vocabulary, the casing, vocab.txt's agreement and the added tokens each read and
+    parsed the whole tokenizer.json again: 4 times per load (bert-base-uncased's is 700 KB)."""
+    import builtins
+
+    saved = tmp_path / "saved"
+    transformers.BertModel.from_pretrained(bert_dir).save_pretrained(saved)
+    transformers.AutoTokenizer.from_pretrained(bert_dir).save_pretrained(saved)
+    (saved / "tokenizer_config.json").unlink()  # no do_lower_case: tokenizer.json says it
+    real_open, reads = builtins.open, []
+
+    def counting_open(file, *args, **kwargs):
+        if os.path.basename(str(file)) == "tokenizer.json":
+            reads.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    for vocab_txt in (True, False):  # beside a vocab.txt, and alone (transformers 5's save)
+        if vocab_txt:
+            write_vocab(str(saved / "vocab.txt"))
+        else:
+            (saved / "vocab.txt").unlink()
+        reads.clear()
+        assert load_pretrained(str(saved)).lower_case is True
+        assert len(reads) == 1, f"tokenizer.json read {len(reads)} times in one load"
+
+
 @pytest.mark.parametrize("lower_case", [False, True])
 def test_a_tokenizer_saved_without_do_lower_case_keeps_its_own_casing(
         bert_dir, tmp_path, lower_case) -> None:

@@ -280,6 +280,10 @@ def test_postprocess_rules(tmp_path) -> None:
 
     # The question, [CLS] and padding are never part of an answer, whatever their logits.
     assert answer({1: 100.0, 0: 100.0, 5: 5.0}, {2: 100.0, 15: 100.0, 6: 4.0}) == "Denver Broncos"
+    # The n_best are those of all positions, as run_squad.py's: a question token among them
+    # takes a candidate's place (here the only one's), it is not skipped for the next.
+    assert answer({1: 100.0, 5: 5.0}, {6: 4.0}, n_best=1) == ""
+    assert answer({1: 100.0, 5: 5.0}, {6: 4.0}, n_best=2) == "Denver Broncos"
     # An end before its start is refused: the best valid span starts at 7 or ends at 5.
     reversed_peaks = answer({7: 50.0}, {5: 50.0})
     assert reversed_peaks.startswith("beat") or reversed_peaks.endswith("Denver")
@@ -297,7 +301,13 @@ def test_best_span_over_windows_and_answer_outside_a_window(tmp_path) -> None:
     assert features["example_index"].tolist() == [0, 0, 0]
     start, end = torch.zeros(2, 3, 14)
     start[:, 5], end[:, 6] = 1.0, 1.0  # the first two context tokens of each window
-    start[2, 5], end[2, 7] = 9.0, 9.0  # the best pair, in the last window: context tokens 10-12
+    start[2, 5], end[2, 7] = 9.0, 9.0  # the highest pair, in the last window: context tokens 10-12
+    # ... but token 10 is that window's first: run_squad.py takes a start there only from the
+    # window where it has the most context, the second (5 tokens left, 2 right). The last
+    # window's best left is "Sunday" (token 12, its most-context window; logits 0 + 9).
+    assert features["max_context"][2, 5:9].tolist() == [False, False, True, True]
+    assert postprocess_predictions(examples, features, start, end) == {"q": "Sunday"}
+    start[1, 10], end[1, 12] = 5.0, 5.0  # tokens 10-12 in the second window score 10 > 9
     assert postprocess_predictions(examples, features, start, end) == {"q": "Clara on Sunday"}
     tokenizer = load_tokenizer(str(tmp_path / "vocab.txt"), True)
     train = squad_features(tokenizer, examples, 14, 3, 4, training=True)

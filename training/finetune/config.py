@@ -101,8 +101,11 @@ class FinetuneConfig:
     # The recipe, and SQuAD's own settings (PER_TASK).
     epochs: float = option(3.0, "passes over the training examples")
     max_steps: int | None = option(help="stop after this many optimizer steps (default: epochs)")
-    batch_size: int = option(32, "examples per optimizer step, over all workers")
-    eval_batch_size: int = option(64, "examples per forward pass per worker on dev")
+    # SQuAD's rows are windows (a long context gives several), as in Google's run_squad.py.
+    batch_size: int = option(32, "examples (squad: context windows) per optimizer step, over "
+                             "all workers")
+    eval_batch_size: int = option(64, "examples (squad: context windows) per forward pass per "
+                                  "worker on dev")
     max_seq_length: int | None = option(help="tokens per example (default: 128; squad 384)")
     doc_stride: int = option(128, "squad: context tokens shared by consecutive windows",
                              marks=(PER_TASK,))

@@ -23,6 +23,7 @@ from bertforge.training.hf_interop import (
     HF_CONFIG_NAME,
     HF_TOKENIZER_NAME,
     HF_WEIGHTS_NAMES,
+    TokenizerFile,
     bert_tensors,
     config_from_hf_dict,
     encoder_name_map,
@@ -113,8 +114,9 @@ def _from_checkpoint(source: str, kind: str, random_init: bool,
 
 def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:
     config = _hf_config(source)
+    tokenizer_file = TokenizerFile(source)  # read and parsed once for all that asks it
     try:
-        vocab_path = hf_vocab_file(source)
+        vocab_path = hf_vocab_file(source, tokenizer_file)
     except ValueError as error:
         raise ValueError(f"model {source}: {error}") from None
     if vocab_path is None:
@@ -128,22 +130,23 @@ def _from_hf_dir(source: str, random_init: bool) -> PretrainedModel:
                              weights=_weights_file_identity(source))
     if state is not None and "bert.pooler.dense.weight" not in state:
         provenance["pooler"] = "initialised randomly (the source has none)"
-    lower_case = _hf_lower_case(source)
-    _refuse_another_tokenizer(source, vocab_path, lower_case)
+    lower_case = _hf_lower_case(source, tokenizer_file)
+    _refuse_another_tokenizer(source, vocab_path, lower_case, tokenizer_file)
     return PretrainedModel(config, state, vocab_path, lower_case, provenance)
 
 
-def _refuse_another_tokenizer(source: str, vocab_path: str, lower_case: bool) -> None:
+def _refuse_another_tokenizer(source: str, vocab_path: str, lower_case: bool,
+                              tokenizer_file: TokenizerFile) -> None:
     """Where the model's own tokenizer gives a text other ids than fine-tuning here would (its
     tokenizer.json and vocab.txt disagree; it adds tokens, `add_tokens` or [E1] markers, that
     ours would split): fine-tuned on other ids, the export's tokenizer not its, silently."""
-    differ = vocab_files_disagree(source)
+    differ = vocab_files_disagree(source, tokenizer_file)
     if differ:
         raise ValueError(
             f"model {source}: its vocab.txt and {HF_TOKENIZER_NAME} hold different vocabularies "
             f"({differ}): transformers' fast tokenizer reads {HF_TOKENIZER_NAME}, fine-tuning "
             "here vocab.txt; remove the stale one")
-    added = tokens_beyond_vocab(source, vocab_path, lower_case)
+    added = tokens_beyond_vocab(source, vocab_path, lower_case, tokenizer_file)
     if added:
         shown = ", ".join(added[:5]) + (", ..." if len(added) > 5 else "")
         raise ValueError(
@@ -186,10 +189,10 @@ def _hf_encoder(source: str, config: BertConfig) -> dict[str, torch.Tensor]:
     return {name: tensor.float() for name, tensor in state.items()}
 
 
-def _hf_lower_case(source: str) -> bool:
+def _hf_lower_case(source: str, tokenizer_file: TokenizerFile) -> bool:
     """The casing its own tokenizer applies (tokenizer_config.json, else tokenizer.json);
     BERT's default (uncased) where neither says."""
-    lower_case = hf_lower_case(source)
+    lower_case = hf_lower_case(source, tokenizer_file)
     return True if lower_case is None else lower_case
 
 

@@ -307,8 +307,10 @@ def _write_outputs(model, cfg: FinetuneConfig, data: TaskData, pretrained,
 
 
 def write_glue_predictions(path: str, data: TaskData, predictions: np.ndarray) -> None:
-    """line (in the dev file), prediction, label: label strings, or scores for a regression."""
-    labels = data.spec.labels
+    """line (in the dev file), prediction, label: the labels named as the export, results.json
+    and the console name them (SST-2's `negative`/`positive` for the file's `0`/`1`: a run said
+    to predict 'negative' for every example showed `0` here), or scores for a regression."""
+    labels = data.spec.exported_labels
 
     def shown(value) -> str:
         # 9 digits give a float32 score back exactly: at 6, near-equal scores tied in the file,

@@ -10,6 +10,14 @@ limit. Training labels are the first gold answer's token span, or [CLS] (0, 0) i
 does not hold the whole answer. `offset_mapping` maps each context token back to its characters
 in the context (-1 elsewhere), which is how predicted spans become answer text.
 
+Predicted spans are chosen as Google's `run_squad.py` `write_predictions` chooses them, so that
+the scores are the ones the BERT paper's numbers are: the `n_best` highest start and end logits of
+a window over ALL its positions (a question token or [CLS] among them takes a candidate's place,
+as there), then only spans inside the context, end >= start, at most `max_answer_length` tokens,
+starting at a token this window holds with the most context (`max_context`: of the windows that
+hold a token, the one where min(tokens left, tokens right) + 0.01 x window length is highest; a
+token near a window's edge is predicted from the next window, which sees both sides of it).
+
 Only `dev-v1.1.json` is available on this machine, so fine-tuning here trains on some of its
 articles and evaluates on the others (`split_squad`): scores are not comparable with published
 SQuAD dev numbers, which train on the 87k questions of train-v1.1.json.
@@ -149,6 +157,23 @@ def _answer_span(example: SquadExample, offsets: np.ndarray) -> tuple[int, int] 
     return first, last
 
 
+def max_context(starts: Sequence[int], stops: Sequence[int]) -> list[np.ndarray]:
+    """For each window [start, stop) of one context's tokens: whether it is, for each of its
+    tokens, the window with the most context (Google's `_check_is_max_context`: the highest
+    min(left, right) + 0.01 x length, the first window on a tie)."""
+    num_tokens = max(stops, default=0)
+    best_score = np.full(num_tokens, -np.inf)
+    best_window = np.zeros(num_tokens, dtype=np.int64)
+    for window, (start, stop) in enumerate(zip(starts, stops, strict=True)):
+        position = np.arange(stop - start)
+        score = np.minimum(position, stop - start - 1 - position) + 0.01 * (stop - start)
+        better = score > best_score[start:stop]
+        best_score[start:stop][better] = score[better]
+        best_window[start:stop][better] = window
+    return [best_window[start:stop] == window
+            for window, (start, stop) in enumerate(zip(starts, stops, strict=True))]
+
+
 def squad_features(
     tokenizer: Tokenizer,
     examples: Sequence[SquadExample],
@@ -159,7 +184,9 @@ def squad_features(
 ) -> dict[str, torch.Tensor]:
     """One row per window: MODEL_INPUTS (int64 [F, max_seq_length]); `example_index` [F] (the
     example's position in `examples`); `offset_mapping` [F, max_seq_length, 2] (context
-    characters [start, end) of each context token, -1 elsewhere); when training, SQUAD_LABELS."""
+    characters [start, end) of each context token, -1 elsewhere); `max_context` [F,
+    max_seq_length] (bool: a context token whose most-context window this is); when training,
+    SQUAD_LABELS."""
     window = squad_window(max_seq_length, max_query_length)  # the shortest a window can be
     if max_query_length < 1 or window <= doc_stride:
         raise ValueError(
@@ -177,12 +204,15 @@ def squad_features(
     }
     rows = {name: [] for name in (*MODEL_INPUTS, "example_index", *SQUAD_LABELS)}
     windows = []  # (context offsets, first context token, first feature position, stop)
+    most_context = []  # per window: its max_context over its context tokens
     for index, (example, question) in enumerate(zip(examples, questions, strict=True)):
         context_ids, context_offsets = encoded[example.context]
         budget = max_seq_length - len(question) - 3
         head = [cls_id, *question, sep_id]
-        for start in window_starts(len(context_ids), budget, doc_stride):
-            stop = min(start + budget, len(context_ids))
+        starts = window_starts(len(context_ids), budget, doc_stride)
+        stops = [min(start + budget, len(context_ids)) for start in starts]
+        most_context.extend(max_context(starts, stops))
+        for start, stop in zip(starts, stops, strict=True):
             rows["input_ids"].append(head + context_ids[start:stop] + [sep_id])
             rows["token_type_ids"].append([0] * len(head) + [1] * (stop - start + 1))
             rows["example_index"].append(index)
@@ -197,9 +227,12 @@ def squad_features(
     )
     features["example_index"] = torch.tensor(rows["example_index"], dtype=torch.int64)
     offsets = np.full((len(windows), max_seq_length, 2), NOT_CONTEXT, dtype=np.int64)
+    is_max_context = np.zeros((len(windows), max_seq_length), dtype=bool)
     for feature, (context_offsets, start, position, stop) in enumerate(windows):
         offsets[feature, position : position + stop - start] = context_offsets[start:stop]
+        is_max_context[feature, position : position + stop - start] = most_context[feature]
     features["offset_mapping"] = torch.from_numpy(offsets)
+    features["max_context"] = torch.from_numpy(is_max_context)
     if training:
         for name in SQUAD_LABELS:
             features[name] = torch.tensor(rows[name], dtype=torch.int64)
@@ -213,18 +246,30 @@ def best_spans(
     n_best: int = 20,
     max_answer_length: int = 30,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per window (score, start token, end token) of its best span: among the `n_best` highest
-    start and end logits of context tokens, end >= start, at most `max_answer_length` tokens;
-    score = start + end logit, -inf when the window has no such span."""
-    is_context = features["offset_mapping"][..., 0] >= 0
-    start = start_logits.float().masked_fill(~is_context, float("-inf"))
-    end = end_logits.float().masked_fill(~is_context, float("-inf"))
+    """Per window (score, start token, end token) of its best span, as run_squad.py picks it:
+    among the `n_best` highest start and end logits of ALL its positions, the pairs inside the
+    context, starting at a `max_context` token, end >= start, at most `max_answer_length`
+    tokens; score = start + end logit, -inf when the window has no such span. (Taking the top
+    `n_best` of the context tokens alone found spans run_squad.py never considers.)
+
+    Padding is never among the `n_best`: evaluation trims a batch to its longest row, so a
+    row's padding logits exist or not by its batch-mates, and a score must not depend on the
+    batch size or the number of workers (run_squad.py's padding logits are trained down: its
+    loss is a softmax over every position)."""
+    is_padding = features["attention_mask"] == 0
+    start = start_logits.float().masked_fill(is_padding, float("-inf"))
+    end = end_logits.float().masked_fill(is_padding, float("-inf"))
     k = min(n_best, start.shape[1])
     top_start, start_index = start.topk(k, dim=1)
     top_end, end_index = end.topk(k, dim=1)
+    is_context = features["offset_mapping"][..., 0] >= 0
+    may_start = (is_context & features["max_context"]).gather(1, start_index)
+    may_end = is_context.gather(1, end_index)
     scores = top_start[:, :, None] + top_end[:, None, :]  # [F, k starts, k ends]
     length = end_index[:, None, :] - start_index[:, :, None] + 1
-    scores = scores.masked_fill((length < 1) | (length > max_answer_length), float("-inf"))
+    valid = may_start[:, :, None] & may_end[:, None, :]
+    valid &= (length >= 1) & (length <= max_answer_length)
+    scores = scores.masked_fill(~valid, float("-inf"))
     best_score, best = scores.flatten(1).max(dim=1)
     rows = torch.arange(len(best))
     return best_score, start_index[rows, best // k], end_index[rows, best % k]
@@ -238,8 +283,9 @@ def postprocess_predictions(
     n_best: int = 20,
     max_answer_length: int = 30,
 ) -> dict[str, str]:
-    """{question id: answer text}: the best span over all windows of each example (run_qa's
-    n-best search, vectorised), cut from the context by the offsets; "" when none is valid.
+    """{question id: answer text}: the best span over all windows of each example (run_squad's
+    n-best search, vectorised: `best_spans`), cut from the context by the offsets; "" when none
+    is valid (every question has its entry, so the official script scores it).
     The logits are [F, max_seq_length] tensors or numpy arrays, in the features' row order."""
     start_logits, end_logits = torch.as_tensor(start_logits), torch.as_tensor(end_logits)
     if start_logits.shape != features["input_ids"].shape or end_logits.shape != start_logits.shape:
