@@ -116,7 +116,6 @@ def _shown(name: str, value: Any) -> str:
     return " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
 
 
-
 def _same(a: Any, b: Any) -> bool:
     as_list = (list, tuple)
     return list(a) == list(b) if isinstance(a, as_list) and isinstance(b, as_list) else a == b
