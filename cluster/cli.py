@@ -497,6 +497,7 @@ def check_submitted_command(words: list[str], uploads: bool = True) -> None:
         _refuse_relative_outputs(paths, uploads)
         if not uploads:
             _refuse_relative_inputs(paths)
+        _refuse_a_private_ray(args)
         if args.command in SETTINGS_OF:
             SETTINGS_OF[args.command](args)
     except SystemExit as refusal:  # argparse's: its usage and message are printed above
@@ -514,6 +515,17 @@ def _refuse_relative_outputs(args: argparse.Namespace, uploads: bool) -> None:
     for what, value in _relative_paths(args, ("run_dir", "output", "storage")):
         raise ValueError(f"{what} {value} is relative: give an absolute path every node mounts "
                          f"({where})")
+
+
+def _refuse_a_private_ray(args: argparse.Namespace) -> None:
+    """Without --address, train, finetune and glue start a Ray of their own (a local run never
+    joins a cluster it was not told to): inside a job that is a second Ray on the node the
+    job's driver runs on, which trained there alone beside the cluster (and Ray Train's
+    placement-group cleaner failed on "Found multiple active Ray instances")."""
+    if args.command in ("train", "finetune", "glue") and not getattr(args, "address", None):
+        raise ValueError("no --address: the job would start a Ray of its own on the node its "
+                         "driver runs on and run there alone, not on the cluster's nodes; add "
+                         "--address auto")
 
 
 def _prepare_paths(command) -> argparse.Namespace:

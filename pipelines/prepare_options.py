@@ -60,9 +60,10 @@ class PrepareConfig:
     and the manifest's instance parameters are all generated from these fields."""
 
     inputs: tuple[str, ...] = option(
-        (), "corpus file, directory or glob (local, gs://, s3://); repeatable and/or "
-        "comma-separated. The format is chosen by, in order: 1) a FORMAT: prefix, taken as "
-        "given (jsonl, parquet, wiki, wikiextractor, books, sentences; books:DIR/*.txt reads "
+        (), "corpus files, directories or globs (local, gs://, s3://): several after one "
+        "--input, --input repeated, and/or comma-separated. The format is chosen by, in "
+        "order: 1) a FORMAT: prefix, taken as given (jsonl, parquet, wiki, wikiextractor, "
+        "books, sentences; books:DIR/*.txt reads "
         "one book per file, the only way to get books; a prefix heading a comma-separated "
         "list is the whole list's); 2) the name, past any .gz/.bz2: "
         ".jsonl/.json JSON Lines with 'text', .parquet with a 'text' column, .xml or a "

@@ -100,8 +100,9 @@ def resolve_data_files(cfg: FinetuneConfig) -> FinetuneConfig:
             if not os.path.isfile(path):
                 raise ValueError(f"{flag} {path}: no such file")
         if not cfg.is_squad and same_file(cfg.train, cfg.dev):
-            raise ValueError(f"--train and --dev are one file ({cfg.dev}): the dev scores would "
-                             "be of examples trained on; give the task's dev file as --dev")
+            raise ValueError(f"--train and --dev are one file ({cfg.dev}), or copies of it: "
+                             "the dev scores would be of examples trained on; give the task's "
+                             "train file as --train and its dev file as --dev")
         return dataclasses.replace(cfg, train=os.path.abspath(cfg.train),
                                    dev=os.path.abspath(cfg.dev))
     if cfg.train is not None or cfg.dev is not None:

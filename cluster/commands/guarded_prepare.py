@@ -43,10 +43,11 @@ def prepare_guarded(command: PrepareCommand, *, overwrite: bool) -> dict[str, An
         if not overwrite and is_local(output) and dataset_complete(output):
             if not command.quiet:  # --quiet: the summary only
                 # On stderr, with the job's other lines: stdout is the summary's JSON alone.
-                # Inputs compare by location and size, not content (a corpus of terabytes).
+                # Inputs compare by location, size and the format each is read as, not by
+                # content (a corpus of terabytes).
                 print(f"[prepare] {output} already holds this dataset (the same settings, and "
-                      "inputs of the same names and sizes): nothing to do (--overwrite makes "
-                      "it again)", file=sys.stderr, flush=True)
+                      "inputs of the same names and sizes, read as the same formats): nothing "
+                      "to do (--overwrite makes it again)", file=sys.stderr, flush=True)
             return {**dataset_summary(output, 0.0), "unchanged": True}
         return run_command(command, start_over=overwrite)
 

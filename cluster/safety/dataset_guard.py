@@ -161,16 +161,16 @@ def differences_from_dataset(output: str, config, *, inputs_may_be_gone: bool = 
     # Quiet: the job's own walk of the same inputs says what it leaves out (a continued
     # prepare said each "leaving out" twice).
     if inputs_may_be_gone:
-        paths = []
+        matched = []
         for pattern in config.inputs:
             with contextlib.suppress(ValueError):  # matches nothing now
-                paths += [path for path, _ in match_inputs((pattern,), output, config.vocab,
-                                                           quiet=True)]
+                matched += match_inputs((pattern,), output, config.vocab, quiet=True)
     else:
-        paths = [path for path, _ in match_inputs(config.inputs, output, config.vocab,
-                                                  quiet=True)]
+        matched = match_inputs(config.inputs, output, config.vocab, quiet=True)
+    paths = [path for path, _ in matched]
     return dataset_differences(found, config, paths, sha256_of(config.vocab), sizes_of(paths),
-                               gone_is_a_difference=not inputs_may_be_gone, moved=moved)
+                               gone_is_a_difference=not inputs_may_be_gone, moved=moved,
+                               forced_formats=dict(matched))
 
 
 def live_readers(data_dir: str) -> list[Holder]:

@@ -206,10 +206,15 @@ def _argument(cls: type, f: dataclasses.Field, kind: Any, beam: bool) -> dict[st
             options["action"] = argparse.BooleanOptionalAction
     elif typing.get_origin(kind) is tuple:
         items = typing.get_args(kind)
-        if beam:  # repeatable, as Beam's own list flags are
+        variadic = Ellipsis in items  # tuple[str, ...]; tuple[float, float] takes 2
+        if beam and variadic:
+            # Repeatable, as Beam's own list flags are, and several after one flag too, as
+            # every other command takes them: `prepare --input a b` (what `vocab` takes, and
+            # what the shell makes of an unquoted glob) was refused, b taken for a stray.
+            options.update(action="extend", type=items[0], nargs="+")
+        elif beam:
             options.update(action="append", type=items[0])
         else:
-            variadic = Ellipsis in items  # tuple[str, ...]; tuple[float, float] takes 2
             options.update(type=items[0], nargs="+" if variadic else len(items),
                            metavar=items[0].__name__.upper())
             if variadic:  # `--input a --input b` is both, as `--input a b` (not b alone)

@@ -135,7 +135,8 @@ def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys
     address = f"http://127.0.0.1:{_unused_port()}"
     nothing_submitted = ("; nothing was submitted (it was checked against this bertforge: "
                          "--no-command-check submits it as it is)")
-    train = ["train", "--data", "/shared/shards", "--run-dir", "/shared/runs/r"]
+    train = ["train", "--address", "auto", "--data", "/shared/shards", "--run-dir",
+             "/shared/runs/r"]
     refused = [
         (["bertforge", *train, "--max-setps", "10"],
          "the job's command is refused above"),
@@ -145,11 +146,21 @@ def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys
         (["RAY_DEDUP_LOGS=0", "bertforge", *train, "--recipe", "bert_large_phase2"],
          "the job's command: recipe bert_large_phase2 warm-starts from phase 1: give "
          "--init-from"),
-        (["python3", "-m", "bertforge.cluster.cli", "glue", "--model", "/m", "--tasks", "nope"],
+        (["python3", "-m", "bertforge.cluster.cli", "glue", "--address", "auto", "--model",
+          "/m", "--tasks", "nope"],
          "the job's command: --tasks: 'nope' is no GLUE task"),
+        # Without --address the job started a second Ray on the driver's node and trained
+        # there alone, beside the cluster.
+        (["bertforge", "train", "--data", "/shared/shards", "--run-dir", "/shared/runs/r"],
+         "the job's command: no --address: the job would start a Ray of its own on the node "
+         "its driver runs on and run there alone, not on the cluster's nodes; add --address "
+         "auto"),
+        (["bertforge", "finetune", "--task", "rte", "--model", "/m", "--output", "/o"],
+         "the job's command: no --address"),
         # A relative output lands in the job's temporary working directory: refused there,
         # after the upload and the job's start; here, before.
-        (["bertforge", "train", "--data", "/shared/shards", "--run-dir", "runs/r"],
+        (["bertforge", "train", "--address", "auto", "--data", "/shared/shards", "--run-dir",
+          "runs/r"],
          "the job's command: --run-dir runs/r is relative: give an absolute path every node "
          "mounts (a job's working directory is a temporary copy)"),
         (["bertforge", "prepare", "--input", "corpus", "--output", "shards", "--vocab", "v.txt"],
@@ -187,7 +198,7 @@ def test_a_relative_input_is_refused_where_nothing_is_uploaded(tmp_path, monkeyp
     the cluster's Ray started: `--data ../shards` was found missing there, once the job ran."""
     address = f"http://127.0.0.1:{_unused_port()}"
     monkeypatch.chdir(tmp_path)
-    train = ["bertforge", "train", "--run-dir", "/shared/runs/r"]
+    train = ["bertforge", "train", "--address", "auto", "--run-dir", "/shared/runs/r"]
     for command, what in (([*train, "--data", "../shards"], "--data ../shards"),
                           (["bertforge", "export", "runs/r", "--output", "/shared/hf"],
                            "CHECKPOINT runs/r")):

@@ -252,6 +252,20 @@ def test_one_file_as_train_and_dev_is_a_squad_split_or_refused(tmp_path):
     with pytest.raises(ValueError, match="--train and --dev are one file"):
         resolve_data_files(FinetuneConfig(**REQUIRED, train=str(tsv),
                                           dev=str(tmp_path / "." / "dev.tsv")))
+    # A copy is the same examples (shared/data's glue-sst2-dev.tsv is GLUE's SST-2 dev.tsv):
+    # it trained on the dev set and scored it. SQuAD's copy is split by article.
+    copy = tmp_path / "copy.tsv"
+    copy.write_text("sentence\tlabel\n")
+    with pytest.raises(ValueError, match="--train and --dev are one file .*, or copies of it"):
+        resolve_data_files(FinetuneConfig(**REQUIRED, train=str(copy), dev=str(tsv)))
+    (tmp_path / "squad-copy.json").write_text("{}")
+    copied = resolve_data_files(FinetuneConfig(**{**REQUIRED, "task": "squad"},
+                                               train=str(tmp_path / "squad-copy.json"),
+                                               dev=str(squad)))
+    assert "split by article" in data_note(copied)
+    other = tmp_path / "train.tsv"
+    other.write_text("sentence\tlabel\n" + "a\t1\n")  # another file of its own: taken
+    assert resolve_data_files(FinetuneConfig(**REQUIRED, train=str(other), dev=str(tsv))).train
     # --dev alone is refused, as the help says ("both, or neither").
     with pytest.raises(ValueError, match="give both --train and --dev"):
         resolve_data_files(FinetuneConfig(**REQUIRED, dev=str(tsv), data_root=str(tmp_path)))

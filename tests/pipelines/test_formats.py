@@ -166,6 +166,13 @@ def test_prepare_records_every_format_and_counts_the_mismatch(disguised, small_v
     from bertforge.cluster.safety.dataset_guard import differences_from_dataset
 
     assert differences_from_dataset(str(output), config) == []  # the same job again
+    # A file read as another format makes other documents from the same bytes: not the same
+    # job (it was: a `books:` prefix added after prepare's warning found "nothing to do").
+    as_sentences = prepare_config([f"sentences:{disguised / 'dump.txt'}", *inputs[1:]],
+                                  str(output), small_vocab, validation_fraction=0.0,
+                                  num_validation_shards=0)
+    assert differences_from_dataset(str(output), as_sentences) == [
+        f"how the input files are read ({disguised / 'dump.txt'} as wiki -> sentences)"]
     assert summary["rejected"]["format_mismatch"] == 1
     assert summary["documents"] == 5 + 4 + 40
     rejects = (output / manifest.REJECTS_NAME).read_text()
@@ -196,3 +203,30 @@ def test_real_dumps_under_wikimedia_names(tmp_path, small_vocab):
     chosen = manifest.read_manifest(str(tmp_path / "a")).input_files
     assert chosen[str(renamed / SPLIT)]["chosen_by"] == "name"
     assert chosen[str(renamed / "enwiki-latest-pages-articles")]["chosen_by"] == "content"
+
+
+def test_a_prefix_dropped_since_is_a_difference_where_the_file_now_reads_otherwise(tmp_path):
+    """A book prepared with `books:` and named without it since is read a sentence a line:
+    another dataset. A prefix that chose what the name chooses anyway (`wiki:a.xml`) is none."""
+    from bertforge.pipelines.dataset_identity import dataset_differences
+
+    book, dump = tmp_path / "book.txt", tmp_path / "dump.xml"
+    book.write_text("It was a dark and stormy\nnight. The rain fell.\n")
+    dump.write_text("<mediawiki>\n" + "".join(_wiki_pages(2)) + "</mediawiki>\n")
+    config = prepare_config([str(book), str(dump)], str(tmp_path / "out"), "vocab.txt")
+    made = manifest.Manifest(
+        manifest.TokenizerEntry("v", 320, True), config.instance_params(), {}, {},
+        input_files={str(book): {"format": "books", "chosen_by": "prefix",
+                                 "bytes": book.stat().st_size},
+                     str(dump): {"format": "wiki", "chosen_by": "prefix",
+                                 "bytes": dump.stat().st_size}})
+    paths = [str(book), str(dump)]
+    sizes = {path: (tmp_path / path).stat().st_size for path in paths}
+
+    def differences(forced):
+        return dataset_differences(made, config, paths, "v", sizes, forced_formats=forced)
+
+    assert differences({str(book): None, str(dump): None}) == [
+        f"how the input files are read ({book} as books -> sentences)"]
+    assert differences({str(book): "books", str(dump): "wiki"}) == []
+    assert differences({str(book): "books", str(dump): None}) == []

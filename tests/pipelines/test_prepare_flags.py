@@ -93,6 +93,15 @@ def test_a_bad_value_or_a_missing_one_is_one_error_naming_the_flag():
         parse_command_line(REQUIRED + ["--num-validation-shards=3", "--validation-fraction=0"])
 
 
+def test_several_inputs_after_one_flag_are_all_read_as_vocab_reads_them():
+    """`prepare --input 'wiki/*.bz2' 'books:b/*.txt'` (vocab's form, or an unquoted glob the
+    shell expanded) was refused: the second pattern was "an unexpected argument"."""
+    command = parse_command_line(["--input", "w/*.xml.bz2", "books:b/*.txt", "--input=c.jsonl",
+                                  "--output=o", "--vocab=v", "--runner", "DirectRunner"])
+    assert command.config.inputs == ("w/*.xml.bz2", "books:b/*.txt", "c.jsonl")
+    assert command.beam_args == ("--runner", "DirectRunner")
+
+
 def test_no_wait_and_beams_own_options_are_read_from_the_one_parse():
     command = parse_command_line(REQUIRED + ["--no-wait", "--runner=DataflowRunner", "--quiet",
                                              "--dry_run=True"])

@@ -138,8 +138,7 @@ class LocalRayCluster:
 
     def stop(self) -> None:
         """Stop this cluster's processes only: `ray stop` would stop every Ray on the machine."""
-        victims = [p for p in psutil.process_iter(["cmdline"])
-                   if self.temp_dir in " ".join(p.info["cmdline"] or [])]
+        victims = self._processes()
         for process in victims:
             with contextlib.suppress(psutil.Error):
                 process.terminate()
@@ -152,6 +151,18 @@ class LocalRayCluster:
                 process.kill()
         psutil.wait_procs(alive, timeout=10)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _processes(self) -> list[psutil.Process]:
+        """Those naming our temp dir, and everything they started: the raylet's agents retitle
+        themselves (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`), so their command line names
+        no temp dir, and they outlive a raylet that is killed (every stop left both running)."""
+        found: dict[int, psutil.Process] = {}
+        for process in psutil.process_iter(["cmdline"]):
+            if self.temp_dir in " ".join(process.info["cmdline"] or []):
+                with contextlib.suppress(psutil.Error):
+                    for member in (process, *process.children(recursive=True)):
+                        found[member.pid] = member
+        return list(found.values())
 
     def __enter__(self) -> LocalRayCluster:
         return self

@@ -7,6 +7,7 @@ runs differ in their training seed only and score the same dev examples.
 
 from __future__ import annotations
 
+import filecmp
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -90,10 +91,12 @@ def is_squad_split(cfg: FinetuneConfig) -> bool:
 
 
 def same_file(first: str, second: str) -> bool:
-    """One file under two names: a link, a hard link, `dir/../file`. (Comparing the names, a
-    link to SQuAD's dev file as --train trained on the whole dev set and then scored it.)"""
+    """One file under two names (a link, a hard link, `dir/../file`), or two copies of it.
+    (Comparing the names, a link to SQuAD's dev file as --train trained on the whole dev set
+    and then scored it; so did a copy, such as shared/data's glue-sst2-dev.tsv beside
+    glue/SST-2/dev.tsv, for a GLUE task.) Files of different sizes are not read."""
     try:
-        return os.path.samefile(first, second)
+        return os.path.samefile(first, second) or filecmp.cmp(first, second, shallow=False)
     except OSError:  # one is missing: the names decide, its reader says it is missing
         return os.path.realpath(first) == os.path.realpath(second)
 
