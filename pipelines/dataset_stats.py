@@ -154,7 +154,8 @@ def _format_split(name: str, split: dict[str, Any]) -> list[str]:
     nsp, length = split["nsp"], split["length"]
     lines = [
         f"{name}: {split['num_rows']:,} instances, {split['num_tokens']:,} tokens, "
-        f"{split['num_documents']:,} documents, {split['num_shards']} shards "
+        f"{split['num_documents']:,} documents, {split['num_shards']} "
+        f"shard{'' if split['num_shards'] == 1 else 's'} "
         f"(rows {min(split['shard_rows'], default=0)}-{max(split['shard_rows'], default=0)})",
         f"  NSP: {nsp['real_next']:,} real next, {nsp['random_next']:,} random "
         f"({100 * nsp['random_share']:.1f} % random)",

@@ -504,7 +504,10 @@ def check_eval_inputs(checkpoint_path: str, data_dir: str, split: str,
                       model_config: BertConfig | None = None) -> None:
         what = f"checkpoint {resolved}" if model_config is None else f"model {resolved}"
         if saved.get("vocab_sha256") != facts.vocab_sha256:
-            raise UserInputError(f"{data_dir} uses another vocabulary than {what}")
+            raise UserInputError(
+                f"{data_dir} uses another vocabulary than {what}: eval scores a model on text "
+                "prepared with its own vocabulary (`bertforge prepare --vocab` its vocab.txt), "
+                "or give the dataset of the run that trained it")
         check_casing(saved, facts, what, data_dir)
         check_positions(facts.max_seq_length,
                         model_config or checkpoint.model_config_of(resolved, saved),

@@ -219,7 +219,8 @@ def check_resume_architecture(
     if differences:
         raise UserInputError(
             f"cannot resume {checkpoint_path}: another architecture than the requested model "
-            f"(checkpoint != requested: {', '.join(differences)}); use the run's own model, "
-            "or another --run-dir (or --resume never) for a new run"
+            f"(checkpoint != requested: {', '.join(differences)}); name no --preset or "
+            "--recipe (a resume then trains the run's own model), or another --run-dir (or "
+            "--resume never) for a new run"
         )
     check_casing(saved, facts, f"checkpoint {checkpoint_path}", data_dir)

@@ -147,7 +147,8 @@ def test_a_hugging_face_export_scores_as_its_checkpoint_does(short_model, capsys
     # Another vocabulary: refused before anything is read.
     (bare / "vocab.txt").write_text((hf / "vocab.txt").read_text() + "extra\n")
     refused(["eval", str(bare), "--data", str(root / "data")], capsys,
-            f"{root / 'data'} uses another vocabulary than model {bare}")
+            f"{root / 'data'} uses another vocabulary than model {bare}: eval scores a model "
+            "on text prepared with its own vocabulary (`bertforge prepare --vocab`")
 
 
 def test_a_masked_lm_model_without_a_next_sentence_head_is_scored_on_its_masked_lm(

@@ -197,7 +197,8 @@ def test_resume_with_another_architecture_is_one_line(dataset, tmp_path, capsys)
     train(TrainConfig(data_dir=dataset, run_dir=str(run_dir), model=TINY, max_steps=1,
                       micro_batch_size=8, warmup_steps=0, precision="fp32", zero_stage=0))
     err = refused(["train", "--data", dataset, "--run-dir", str(run_dir), "--preset", "mini"],
-                  capsys, "another architecture", "hidden_size 32 != 256")
+                  capsys, "another architecture", "hidden_size 32 != 256",
+                  "name no --preset or --recipe (a resume then trains the run's own model)")
     assert "cannot resume" in err and "step_00000001" in err
     # The CLI's own model (the tiny preset): another precision, or a ZeRO stage across 0 and
     # 1-3, is what no attempt could load (found in the workers before, retried four times).

@@ -46,6 +46,9 @@ def test_samples_are_decoded_per_segment(prepared):
         stats["samples"][0]["doc_id"],
     ):
         assert text in report
+    for split in stats["splits"].values():  # "1 shards" before
+        shards = split["num_shards"]
+        assert f" {shards} shard{'' if shards == 1 else 's'} (rows" in report
 
 
 def _write_dataset(root: str, rows: list[tuple[list[int], int, int]]) -> str:
