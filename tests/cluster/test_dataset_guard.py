@@ -391,6 +391,37 @@ def test_a_run_is_refused_a_dataset_that_a_prepare_is_writing(tmp_path):
         pass
 
 
+def test_inspect_verify_reads_as_a_reader_that_prepare_respects(tmp_path, monkeypatch, capsys):
+    """`inspect --verify` hashes every shard (minutes on a large dataset) but registered as no
+    reader: a `prepare --overwrite` meanwhile rewrote the shards under it, and it reported
+    sha256 and row-count damage that was not there. Now it is a reader like train and eval,
+    and is refused, naming the prepare, while one writes the dataset."""
+    from bertforge.cluster.safety import dataset_guard
+    from bertforge.pipelines import verify_dataset
+    from tests.training.conftest import write_dataset
+
+    data = write_dataset(str(tmp_path / "data"), {"train": [20, 20]}, max_seq_length=32)
+    verify = verify_dataset.verify_dataset
+    seen = []
+
+    def verify_seeing_readers(data_dir):
+        seen.extend(holder.command for holder in dataset_guard.live_readers(data_dir))
+        with pytest.raises(dataset_guard.DatasetConflict, match="is being read by a bertforge "
+                           "inspect"):
+            dataset_guard.refuse_readers(data_dir)  # what a prepare now does
+        return verify(data_dir)
+
+    monkeypatch.setattr(verify_dataset, "verify_dataset", verify_seeing_readers)
+    assert main(["inspect", data, "--verify", "--samples", "0"]) == 0
+    assert seen == ["inspect"]
+    assert not os.path.exists(os.path.join(data, dataset_guard.READERS_DIR))
+    capsys.readouterr()
+
+    with exclusive_directory(data, "prepare"):  # a prepare writing it now
+        assert main(["inspect", data, "--verify"]) == 2
+    assert f"{data} is being written by a bertforge prepare" in one_error_line(capsys)
+
+
 @pytest.mark.parametrize("when", ["folder made", "lock file written"])
 def test_a_reader_whose_record_a_prepare_swept_away_is_refused_too(tmp_path, monkeypatch, when):
     """prepare looks for readers while a reader's record is being made, before its lock file is
