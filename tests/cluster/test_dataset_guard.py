@@ -47,7 +47,7 @@ def one_error_line(capsys) -> str:
 
 
 def test_another_dataset_is_refused_unless_asked_and_the_same_job_runs_again(
-    inputs, tmp_path, capsys
+    inputs, tmp_path, capsys, monkeypatch
 ):
     output = tmp_path / "shards"
     assert prepare(inputs, output) == 0
@@ -76,8 +76,17 @@ def test_another_dataset_is_refused_unless_asked_and_the_same_job_runs_again(
     assert "already holds" not in capsys.readouterr().out
     assert shard.exists() and manifest_bytes(output) == first
 
-    assert prepare(inputs, output, "--dupe-factor=2", "--overwrite") == 0
+    # Another shard count: the old shards go before the new manifest is written. (They went
+    # after the job, so a kill just after the manifest left them beside a complete dataset:
+    # `inspect --verify` failed on each. That kill: no cleanup after the job.)
+    with monkeypatch.context() as patched:
+        from bertforge.pipelines import local_job
+
+        patched.setattr(local_job, "after_success", lambda runner, output: None)
+        assert prepare(inputs, output, "--dupe-factor=2", "--num-shards=3", "--overwrite") == 0
     assert json.loads(manifest_bytes(output))["instance_params"]["dupe_factor"] == 2
+    assert sorted(path.name for path in (output / "train").glob("*.arrow")) == [
+        f"part-0000{i}-of-00003.arrow" for i in range(3)]
 
     # The same command after the corpus grew: another dataset (its input's size is not the
     # one recorded), refused as such; it was replaced without a word.
