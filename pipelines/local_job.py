@@ -170,13 +170,15 @@ def _full_folder(error: BaseException, output: str, work_root: str) -> str:
 
 def _named_file(error: BaseException) -> str | None:
     seen: BaseException | None = error
-    while seen is not None:
+    walked: list[BaseException] = []  # a chain can loop (an error its own cause)
+    while seen is not None and all(seen is not earlier for earlier in walked):
         if isinstance(seen, OSError) and seen.errno == errno.ENOSPC and seen.filename \
                 and os.path.isabs(str(seen.filename)):
             return str(seen.filename)
         found = _FULL_FILE_IN_TEXT.search(str(seen))
         if found:
             return found.group(1)
+        walked.append(seen)
         seen = seen.__cause__ or seen.__context__
     return None
 

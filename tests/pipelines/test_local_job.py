@@ -87,6 +87,16 @@ def test_a_full_temporary_work_of_a_remote_output_is_not_said_of_the_bucket(tmp_
                       "gs://b/shards")
 
 
+def test_a_full_disk_error_that_is_its_own_cause_is_named_not_walked_for_ever(tmp_path):
+    """`raise e from e` (Ray does it) makes a chain that loops."""
+    runner = _runner_with_work(tmp_path)
+    output = str(tmp_path / "out")
+    error = RuntimeError("No space left on device")
+    error.__cause__ = error
+    with pytest.raises(OSError, match=f"no space left on the disk of {output} "):
+        after_failure(runner, error, output)
+
+
 def test_a_failure_a_rerun_can_continue_keeps_the_work(tmp_path, caplog):
     runner = _runner_with_work(tmp_path)
     after_failure(runner, RuntimeError("SDK worker exited with -9"), str(tmp_path / "out"))
