@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from collections import Counter
 
 from apache_beam.io.filesystems import FileSystems
@@ -157,13 +156,15 @@ def _full_folder(error: BaseException, output: str, work_root: str) -> str:
     """The folder whose disk filled: `output` when that is its disk (it said so of every full
     disk, a split folder mounted elsewhere or the temporary work of a remote --output too).
     The file the error names, where it names one (errno's filename); else, as pyarrow's
-    writes name none, the fullest of the folders the job writes into."""
+    writes name none, the fullest of the folders the job writes into (the output and its
+    folders; for a remote output, its work in the temporary directory)."""
     named = _named_file(error)
     if "://" in output:  # object storage does not fill: the work or the temporary directory
-        return os.path.dirname(named) if named else min((work_root, tempfile.gettempdir()),
-                                                        key=_free_bytes)
+        return os.path.dirname(named) if named else work_root
+    # Not the temporary directory: a local job writes nothing there (tried with TMPDIR on a
+    # full disk), and a fuller one would be named for the output's.
     candidates = [os.path.dirname(named)] if named else \
-        [output, *_folders_in(output), work_root, tempfile.gettempdir()]
+        [output, *_folders_in(output), work_root]
     fullest = min(candidates, key=_free_bytes)  # the output first: it wins a tie
     return output if _device(fullest) == _device(output) else fullest
 
