@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import logging
@@ -333,16 +334,29 @@ def _run_inspect(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.data_dir}: inspect reads a dataset on this machine (or a "
                          "mounted one), not in object storage; copy it here first (gsutil -m "
                          "cp -r)")
-    if args.verify:
-        verification = verify_dataset(args.data_dir)
-        if not verification.ok:
-            print(format_verification(args.data_dir, verification), file=sys.stderr)
-            return 1
-    stats = inspect_dataset(args.data_dir, num_samples=args.samples)
+    with _reading_if_there(args.data_dir):
+        if args.verify:
+            verification = verify_dataset(args.data_dir)
+            if not verification.ok:
+                print(format_verification(args.data_dir, verification), file=sys.stderr)
+                return 1
+        stats = inspect_dataset(args.data_dir, num_samples=args.samples)
     print(format_report(stats))
     if args.verify:
         print(format_verification(args.data_dir, verification))
     return 1 if any(split["problems"] for split in stats["splits"].values()) else 0
+
+
+def _reading_if_there(data_dir: str):
+    """inspect reads every shard (--verify hashes them all, for minutes on a large dataset): as
+    a reader, like train and eval, so a `prepare --overwrite` meanwhile is refused instead of
+    rewriting the shards under it (it reported sha256 and row-count damage that was not
+    there), and a prepare already writing it is named. A path that is no folder is left to
+    inspect's own one-line error (no folder is made for it)."""
+    from bertforge.cluster.safety.dataset_guard import reading_dataset
+
+    return reading_dataset(data_dir, "inspect") if os.path.isdir(data_dir) \
+        else contextlib.nullcontext()
 
 
 def train_config_from_args(args: argparse.Namespace):

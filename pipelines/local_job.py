@@ -16,6 +16,8 @@ import glob
 import hashlib
 import logging
 import os
+import re
+import shutil
 from collections import Counter
 
 from apache_beam.io.filesystems import FileSystems
@@ -122,12 +124,11 @@ def after_failure(runner, error: Exception, output: str) -> None:
                            "--overwrite to start over") from error
     full = _is_disk_full(error)
     if full or any(words in str(error) for words in JOB_REFUSALS) or isinstance(error, ValueError):
+        where = _full_folder(error, output, runner.work.root) if full else output
         runner.work.discard()
         after_success(runner, output)
         if full:
-            raise OSError(errno.ENOSPC, f"no space left on the disk of {output} (the dataset and "
-                          f"its work directory {WORK_DIR_NAME}): free space or choose another "
-                          "--output; nothing of this run was kept") from error
+            raise OSError(errno.ENOSPC, _disk_full_message(where, output)) from error
         return
     logger.error("prepare failed; its work is kept in %s: the same command continues it",
                  runner.work.root)
@@ -136,3 +137,82 @@ def after_failure(runner, error: Exception, output: str) -> None:
 def _is_disk_full(error: BaseException) -> bool:
     return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or \
         "No space left on device" in str(error)
+
+
+def _disk_full_message(where: str, output: str) -> str:
+    if where == output:
+        return (f"no space left on the disk of {output} (the dataset and its work directory "
+                f"{WORK_DIR_NAME}): free space or choose another --output; nothing of this run "
+                "was kept")
+    return (f"no space left on the disk of {where}, where prepare wrote (not the disk of "
+            f"--output {output}): free space there; nothing of this run was kept")
+
+
+# What the OS says of a full disk when Beam passes an error on as text (from a worker process).
+_FULL_FILE_IN_TEXT = re.compile(r"No space left on device: '(/[^']+)'")
+
+
+def _full_folder(error: BaseException, output: str, work_root: str) -> str:
+    """The folder whose disk filled: `output` when that is its disk (it said so of every full
+    disk, a split folder mounted elsewhere or the temporary work of a remote --output too).
+    The file the error names, where it names one (errno's filename); else, as pyarrow's
+    writes name none, the fullest of the folders the job writes into (the output and its
+    folders; for a remote output, its work in the temporary directory)."""
+    named = _named_file(error)
+    if "://" in output:  # object storage does not fill: the work or the temporary directory
+        return os.path.dirname(named) if named else work_root
+    # Not the temporary directory: a local job writes nothing there (tried with TMPDIR on a
+    # full disk), and a fuller one would be named for the output's.
+    candidates = [os.path.dirname(named)] if named else \
+        [output, *_folders_in(output), work_root]
+    fullest = min(candidates, key=_free_bytes)  # the output first: it wins a tie
+    return output if _device(fullest) == _device(output) else fullest
+
+
+def _named_file(error: BaseException) -> str | None:
+    seen: BaseException | None = error
+    walked: list[BaseException] = []  # a chain can loop (an error its own cause)
+    while seen is not None and all(seen is not earlier for earlier in walked):
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC and seen.filename \
+                and os.path.isabs(str(seen.filename)):
+            return str(seen.filename)
+        found = _FULL_FILE_IN_TEXT.search(str(seen))
+        if found:
+            return found.group(1)
+        walked.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _folders_in(output: str) -> list[str]:
+    """The split folders and the work directory: any may be a mount of its own."""
+    try:
+        names = sorted(os.listdir(output))
+    except OSError:
+        return []
+    return [os.path.join(output, name) for name in names
+            if os.path.isdir(os.path.join(output, name))]
+
+
+def _existing(path: str) -> str:
+    """`path`, or its nearest folder that exists (a file the failure removed)."""
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path or "/"
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        return shutil.disk_usage(_existing(path)).free
+    except OSError:
+        return 2**63
+
+
+def _device(path: str) -> int | None:
+    try:
+        return os.stat(_existing(path)).st_dev
+    except OSError:
+        return None

@@ -27,14 +27,24 @@ class DivergedError(UserInputError):
 def disk_full(error: BaseException) -> bool:
     """Whether `error` (or one it was raised from) is a full disk or quota: an OSError's errno,
     or the OS's words in the message of a library that drops the errno (safetensors)."""
-    seen: BaseException | None = error
-    while seen is not None:
+    for seen in exception_chain(error):
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
             return True
-        seen = seen.__cause__ or seen.__context__
     return False
+
+
+def exception_chain(error: BaseException) -> list[BaseException]:
+    """`error` and those it was raised from or during, each once. A chain can loop: Ray's
+    failed start (its dashboard, on a full TMPDIR) raised an error that is its own cause, and
+    walking it without this check spun for ever in the command's error handler, with no word."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = error
+    while seen is not None and all(seen is not earlier for earlier in chain):
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return chain
 
 
 def first_line(error: BaseException) -> str:

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -151,6 +152,7 @@ def start(num_cpus: int) -> None:
             reclaim_signals()
             break
         except Exception as error:  # Ray raises a bare Exception for some of these
+            refuse_a_full_root(root, error)
             timeout = startup_timeout(error)
             if timeout is None or attempt == START_ATTEMPTS:
                 raise
@@ -162,6 +164,25 @@ def start(num_cpus: int) -> None:
                   f"again (attempt {attempt + 1} of {START_ATTEMPTS})", file=sys.stderr,
                   flush=True)
     _record_this_driver(root)
+
+
+# Less free than this where Ray keeps its session after a failed start: the disk is why. Ray
+# says nothing of it: its dashboard fails to start and Ray raises that log's last lines.
+FULL_BELOW_BYTES = 16 * 2**20
+
+
+def refuse_a_full_root(root: str, error: BaseException) -> None:
+    """A start that failed on a full disk (TMPDIR's) said so in no word (a traceback of the
+    dashboard's), and was retried into the same wall: one line naming the folder, at once."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return
+    if free < FULL_BELOW_BYTES:
+        raise OSError(errno.ENOSPC, f"no space left on the disk of {root}, where the local Ray "
+                      f"keeps its session ({free / 2**20:.1f} MiB free): free space there, or "
+                      "set TMPDIR to a folder with room, and run the same command again"
+                      ) from error
 
 
 def startup_timeout(error: BaseException) -> str | None:

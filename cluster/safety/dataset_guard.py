@@ -6,7 +6,7 @@ replaced under a run that reads it.
 - A dataset already there (its manifest) that other inputs, vocabulary or instance parameters
   would replace is refused, naming what differs, unless `--overwrite` says to replace it. The
   same job again is allowed: it rewrites the same bytes.
-- `train` and `eval` register as readers of their --data directory for as long as they run
+- `train`, `eval` and `inspect` register as readers of their dataset for as long as they run
   (DATA/.readers/<token>/.lock, the same lock files; best effort: a read-only dataset cannot be
   replaced anyway). `prepare` refuses to touch a dataset with a live reader.
 - A `prepare` that fails in a directory that did not exist (or was empty) before leaves nothing

@@ -87,6 +87,31 @@ def test_a_full_disk_is_one_line_for_any_command(tmp_path, monkeypatch, capsys):
         "of this run was kept\n")
 
 
+def test_an_error_that_is_its_own_cause_ends_the_command(tmp_path, monkeypatch, capsys):
+    """Ray's failed start (its dashboard, on a full TMPDIR) raises `e from e`: the command's
+    look for a full disk down the chain spun for ever, with not a word on the console (seen
+    by hand: `bertforge train` with TMPDIR on a full tmpfs, ended only by a SIGTERM)."""
+    def ray_like(*args, **kwargs):
+        try:
+            raise Exception("\nthe dashboard's last lines")
+        except Exception as e:
+            raise e from e
+
+    def too_long(signum, frame):
+        raise TimeoutError("the command's error handler did not return")
+
+    monkeypatch.setattr(export, "export_checkpoint", ray_like)
+    monkeypatch.setattr("bertforge.training.inputs.check_export_inputs", lambda *a: None)
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.setitimer(signal.ITIMER_REAL, 10)
+    try:
+        assert main(["export", str(tmp_path), "--output", str(tmp_path / "hf")]) == 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert "the dashboard's last lines" in capsys.readouterr().err
+
+
 def test_a_full_disk_in_a_fine_tune_is_not_retried(tmp_path, monkeypatch):
     """Each of the local worker's four attempts fine-tuned from the start into the same wall,
     then the command ended with exit code 1 and nothing said."""

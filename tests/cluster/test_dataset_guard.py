@@ -47,7 +47,7 @@ def one_error_line(capsys) -> str:
 
 
 def test_another_dataset_is_refused_unless_asked_and_the_same_job_runs_again(
-    inputs, tmp_path, capsys
+    inputs, tmp_path, capsys, monkeypatch
 ):
     output = tmp_path / "shards"
     assert prepare(inputs, output) == 0
@@ -76,8 +76,17 @@ def test_another_dataset_is_refused_unless_asked_and_the_same_job_runs_again(
     assert "already holds" not in capsys.readouterr().out
     assert shard.exists() and manifest_bytes(output) == first
 
-    assert prepare(inputs, output, "--dupe-factor=2", "--overwrite") == 0
+    # Another shard count: the old shards go before the new manifest is written. (They went
+    # after the job, so a kill just after the manifest left them beside a complete dataset:
+    # `inspect --verify` failed on each. That kill: no cleanup after the job.)
+    with monkeypatch.context() as patched:
+        from bertforge.pipelines import local_job
+
+        patched.setattr(local_job, "after_success", lambda runner, output: None)
+        assert prepare(inputs, output, "--dupe-factor=2", "--num-shards=3", "--overwrite") == 0
     assert json.loads(manifest_bytes(output))["instance_params"]["dupe_factor"] == 2
+    assert sorted(path.name for path in (output / "train").glob("*.arrow")) == [
+        f"part-0000{i}-of-00003.arrow" for i in range(3)]
 
     # The same command after the corpus grew: another dataset (its input's size is not the
     # one recorded), refused as such; it was replaced without a word.
@@ -389,6 +398,37 @@ def test_a_run_is_refused_a_dataset_that_a_prepare_is_writing(tmp_path):
         assert not (output / ".readers").exists()  # the refused reader's record went
     with reading_dataset(str(output), "train"):  # once it ended
         pass
+
+
+def test_inspect_verify_reads_as_a_reader_that_prepare_respects(tmp_path, monkeypatch, capsys):
+    """`inspect --verify` hashes every shard (minutes on a large dataset) but registered as no
+    reader: a `prepare --overwrite` meanwhile rewrote the shards under it, and it reported
+    sha256 and row-count damage that was not there. Now it is a reader like train and eval,
+    and is refused, naming the prepare, while one writes the dataset."""
+    from bertforge.cluster.safety import dataset_guard
+    from bertforge.pipelines import verify_dataset
+    from tests.training.conftest import write_dataset
+
+    data = write_dataset(str(tmp_path / "data"), {"train": [20, 20]}, max_seq_length=32)
+    verify = verify_dataset.verify_dataset
+    seen = []
+
+    def verify_seeing_readers(data_dir):
+        seen.extend(holder.command for holder in dataset_guard.live_readers(data_dir))
+        with pytest.raises(dataset_guard.DatasetConflict, match="is being read by a bertforge "
+                           "inspect"):
+            dataset_guard.refuse_readers(data_dir)  # what a prepare now does
+        return verify(data_dir)
+
+    monkeypatch.setattr(verify_dataset, "verify_dataset", verify_seeing_readers)
+    assert main(["inspect", data, "--verify", "--samples", "0"]) == 0
+    assert seen == ["inspect"]
+    assert not os.path.exists(os.path.join(data, dataset_guard.READERS_DIR))
+    capsys.readouterr()
+
+    with exclusive_directory(data, "prepare"):  # a prepare writing it now
+        assert main(["inspect", data, "--verify"]) == 2
+    assert f"{data} is being written by a bertforge prepare" in one_error_line(capsys)
 
 
 @pytest.mark.parametrize("when", ["folder made", "lock file written"])

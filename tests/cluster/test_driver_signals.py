@@ -21,6 +21,22 @@ def test_ignored_sighup_stays_ignored_and_default_sigterm_is_handled_then_restor
         signal.signal(signal.SIGTERM, previous_term)
 
 
+def test_an_ignored_sigint_stays_ignored_and_a_default_one_is_handled():
+    """A script's `bertforge train &` starts with SIGINT ignored (the shell's doing): taking it
+    back would let a Ctrl-C meant for the script's foreground command stop the run too."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with driver_teardown():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C
+        with driver_teardown():
+            assert signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN,
+                                                           signal.default_int_handler)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_signal_is_a_stop_however_ray_surfaces_it(monkeypatch):
     from bertforge.cluster.launch import local_ray
 

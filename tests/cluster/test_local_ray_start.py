@@ -96,3 +96,23 @@ def test_any_other_failure_is_raised_without_a_retry(fake_start):
     with pytest.raises(ValueError, match="num_cpus"):
         local_ray.start(num_cpus=2)
     assert len(calls) == 1 and recorded == []
+
+
+def test_a_start_that_failed_on_a_full_disk_is_one_line_naming_it(fake_start, monkeypatch,
+                                                                  tmp_path):
+    """TMPDIR full: Ray's dashboard failed to start, Ray raised its log's last lines (and
+    `e from e`), and the command printed a traceback that said nothing of the disk."""
+    import errno
+    import shutil
+
+    outcomes, calls, recorded = fake_start
+    outcomes += [Exception("\nthe dashboard's last lines")]
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(local_ray.shutil, "disk_usage",
+                        lambda path: usage._replace(free=3 * 2**20))
+    with pytest.raises(OSError, match=rf"^\[Errno 28\] no space left on the disk of {tmp_path}, "
+                       r"where the local Ray keeps its session \(3.0 MiB free\): free space "
+                       "there, or set TMPDIR to a folder with room") as raised:
+        local_ray.start(num_cpus=2)
+    assert raised.value.errno == errno.ENOSPC
+    assert len(calls) == 1 and recorded == []  # not retried into the same wall

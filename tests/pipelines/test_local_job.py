@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 
@@ -31,6 +32,69 @@ def test_a_full_disk_is_one_error_naming_the_directory_and_nothing_is_kept(tmp_p
         after_failure(runner, error, output)
     assert raised.value.errno == errno.ENOSPC
     assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["train"]
+
+
+def _on_disks(monkeypatch, full: str):
+    """`full` (a folder) on a disk of its own with no room left; the rest on one with room."""
+    from bertforge.pipelines import local_job
+
+    def on_full(path):
+        return os.path.abspath(path).startswith(full)
+
+    monkeypatch.setattr(local_job, "_device", lambda path: 2 if on_full(path) else 1,
+                        raising=False)  # (the code before had none)
+    monkeypatch.setattr(local_job, "_free_bytes", lambda path: 0 if on_full(path) else 2**40,
+                        raising=False)
+
+
+def test_a_full_split_folder_mounted_elsewhere_is_the_disk_named(tmp_path, monkeypatch):
+    """pyarrow's ENOSPC names no file, and every full disk was said to be --output's: with
+    OUTPUT/train on a disk of its own (a tmpfs here, by hand), "free space or choose another
+    --output" of a disk that had room."""
+    runner = _runner_with_work(tmp_path)
+    output = str(tmp_path / "out")
+    _on_disks(monkeypatch, full=os.path.join(output, "train"))
+    with pytest.raises(OSError, match=rf"^\[Errno 28\] no space left on the disk of "
+                       rf"{output}/train, where prepare wrote \(not the disk of --output "
+                       rf"{output}\): free space there"):
+        after_failure(runner, OSError(errno.ENOSPC, "No space left on device"), output)
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_full_disk_the_error_names_is_the_disk_named(tmp_path, monkeypatch, as_text):
+    """errno's filename, or the OS's words as Beam passes on a worker's error as text."""
+    runner = _runner_with_work(tmp_path)
+    output = str(tmp_path / "out")
+    elsewhere = str(tmp_path / "elsewhere")
+    _on_disks(monkeypatch, full=elsewhere)
+    error = OSError(errno.ENOSPC, "No space left on device", f"{elsewhere}/spill.bin")
+    if as_text:
+        error = RuntimeError(f"Traceback ... OSError: {error}")
+    with pytest.raises(OSError, match=f"no space left on the disk of {elsewhere}, where "):
+        after_failure(runner, error, output)
+
+
+def test_a_full_temporary_work_of_a_remote_output_is_not_said_of_the_bucket(tmp_path):
+    """A local job into gs://... works in the temporary directory: its full disk was said to
+    be the bucket's ("no space left on the disk of gs://b/shards")."""
+    runner = LocalRunner(work_dir=None)
+    runner.work = WorkDir(str(tmp_path / "bertforge-work-x"), {"job": 1})
+    runner.work.open()
+    with pytest.raises(OSError, match=f"no space left on the disk of {tmp_path}/bertforge-work-x/s"
+                       r", where prepare wrote \(not the disk of --output gs://b/shards\)"):
+        after_failure(runner, OSError(errno.ENOSPC, "No space left on device",
+                                      str(tmp_path / "bertforge-work-x" / "s" / "b1.run")),
+                      "gs://b/shards")
+
+
+def test_a_full_disk_error_that_is_its_own_cause_is_named_not_walked_for_ever(tmp_path):
+    """`raise e from e` (Ray does it) makes a chain that loops."""
+    runner = _runner_with_work(tmp_path)
+    output = str(tmp_path / "out")
+    error = RuntimeError("No space left on device")
+    error.__cause__ = error
+    with pytest.raises(OSError, match=f"no space left on the disk of {output} "):
+        after_failure(runner, error, output)
 
 
 def test_a_failure_a_rerun_can_continue_keeps_the_work(tmp_path, caplog):
