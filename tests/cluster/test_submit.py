@@ -24,6 +24,7 @@ from bertforge.cluster.launch.submit import (
 )
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
 from bertforge.training.metrics import read_metrics
+from tests.support.train_process import sigint_as_in_a_terminal
 from tests.training.conftest import write_dataset
 
 pytestmark = pytest.mark.slow
@@ -164,7 +165,8 @@ def test_running_job_can_be_followed_again_and_stopped(two_node_cluster, capsys)
     follower = subprocess.Popen(
         [sys.executable, "-m", "bertforge.cluster.cli", "submit", "--address", url,
          "--follow", "bf-sleeper"], env={**os.environ, "RAY_AUTH_MODE": "token"}, cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=sigint_as_in_a_terminal)  # a runner's ignored SIGINT would pass on
     lines = []
     while "asleep\n" not in lines:  # its logs from the start reached us (not the command's)
         lines.append(follower.stdout.readline())

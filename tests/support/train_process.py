@@ -43,7 +43,7 @@ class TrainProcess:
         with open(self.stdout_path, "w") as stdout, open(self.stderr_path, "w") as stderr:
             self.process = subprocess.Popen(command, env=self.env, cwd=cwd, stdout=stdout,
                                             stderr=stderr, text=True,
-                                            preexec_fn=_sigint_as_in_a_terminal)
+                                            preexec_fn=sigint_as_in_a_terminal)
         self.seen: dict[int, psutil.Process] = {}
 
     @property
@@ -117,7 +117,7 @@ class TrainProcess:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-def _sigint_as_in_a_terminal() -> None:
+def sigint_as_in_a_terminal() -> None:
     """SIGINT's default, whatever the test runner set (one that ignores it would pass the
     ignoring on, and Ctrl-C would do nothing to the run)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
