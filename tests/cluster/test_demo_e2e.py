@@ -75,18 +75,20 @@ def test_sst2_from_the_pretrained_model_from_random_init_and_bag_of_words(finish
         assert run["accuracy"] == max(by_rate.values()) == by_rate[f"{run['learning_rate']:g}"]
     assert not os.path.exists(os.path.join(root, "random_init", "runs", "logs"))
     # The bar both runs are read against: always the commonest label of the 48 dev sentences
-    # (the predictions file's label column), and whether a run gave one label throughout.
+    # (the predictions file's label column, in the label names results.json uses), and
+    # whether a run gave one label throughout.
     results = [json.loads(open(r["results"]).read()) for r in (pretrained, random_init)]
-    name = {"0": "negative", "1": "positive"}
     for run, result in zip((pretrained, random_init), results, strict=True):
         with open(result["predictions"], encoding="utf-8") as f:
             rows = [line.split("\t") for line in f.read().splitlines()[1:]]
         labels = [label for _, _, label in rows]
-        commonest = max(("0", "1"), key=lambda label: (labels.count(label), label == "0"))
-        assert run["chance"] == {"label": name[commonest],
+        assert set(labels) <= {"negative", "positive"}
+        commonest = max(("negative", "positive"),
+                        key=lambda label: (labels.count(label), label == "negative"))
+        assert run["chance"] == {"label": commonest,
                                  "metrics": {"accuracy": labels.count(commonest) / 48}}
         predicted = {prediction for _, prediction, _ in rows}
-        assert run["single_label"] == (name[predicted.pop()] if len(predicted) == 1 else None)
+        assert run["single_label"] == (predicted.pop() if len(predicted) == 1 else None)
     assert [r["model"]["random_init"] for r in results] == [False, True]
     assert results[0]["config"]["model"] == summary["hf_dir"]
 
