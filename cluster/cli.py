@@ -722,7 +722,11 @@ class _CommandFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
         if self.command and record.name.split(".")[0] == "bertforge":
-            return f"[{self.command}] " + text.removeprefix(f"[{record.name}] ")
+            # A stage's records name it ("prepare: done"): under the demo or the pipeline
+            # that says which stage, under the command of that name it was said twice
+            # ("[prepare] prepare: done").
+            message = text.removeprefix(f"[{record.name}] ").removeprefix(f"{self.command}: ")
+            return f"[{self.command}] {message}"
         return text
 
 

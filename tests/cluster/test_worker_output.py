@@ -126,6 +126,10 @@ def test_our_log_records_are_the_commands_lines_and_an_engines_keep_its_name():
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.stderr == "[demo] prepare: done in 9.7 s\n[ray.train] an engine's warning\n"
+    # Under the command the stage is, its name once ("[prepare] prepare: done" before).
+    alone = subprocess.run([sys.executable, "-c", script.replace('"demo"', '"prepare"')],
+                           capture_output=True, text=True)
+    assert alone.stderr == "[prepare] done in 9.7 s\n[ray.train] an engine's warning\n"
 
 
 CRASH = textwrap.dedent("""

@@ -31,7 +31,7 @@ JOB_FLAGS = ["--max-seq-length", "48", "--dupe-factor", "2", "--num-shards", "2"
 # A stage whose input is not sized yet says how long it has run; the counters come once a
 # document is read (never "0% of 0.0 MB", never "0 documents (0 MB) read").
 PROGRESS_LINE = re.compile(
-    r"prepare: [^(;]+ \(stage \d+ of \d+\), "
+    r"\[prepare\] [^(;]+ \(stage \d+ of \d+\), "
     r"(\d+% of ([\d.]*[1-9][\d.]* MB|[\d,]+ (kB|bytes)) in [^;]+|\d+ (s|min \d+ s) in this stage)"
     r"(; [1-9][\d,]* documents \(([\d,]*[1-9][\d,]* MB|[\d,]+ (kB|bytes))\) read, [\d,]+ kept, "
     r"[\d,]+ instances)?"

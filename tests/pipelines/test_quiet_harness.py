@@ -66,6 +66,6 @@ def test_a_local_prepare_in_one_process_keeps_its_lines_per_file_and_shard_in_th
     console = result.stdout + result.stderr
     assert " (by " not in console and "documents, 0 rejects" not in console, console
     assert "wrote train/" not in console and "wrote rejects.jsonl" not in console, console
-    assert "[prepare] prepare: done in " in console  # the command's own lines stay
+    assert "[prepare] done in " in console  # the command's own lines stay
     log = (tmp_path / "shards" / "logs" / "prepare.log").read_text(encoding="utf-8")
     assert log.count("wrote train/part-") == 4 and log.count(": format jsonl (by ") == 3, log
