@@ -382,16 +382,18 @@ def train_config_from_args(args: argparse.Namespace):
             continued_settings,
             describe,
             describe_changes,
+            run_settings,
         )
 
-        continued = continued_settings(args.run_dir, overrides)
+        recorded = run_settings(args.run_dir)
+        continued = continued_settings(recorded, overrides)
         kept = describe(continued)
         if kept:
             print(f"[train] resuming {args.run_dir} with its own settings where this command "
                   f"gives none: {kept}", flush=True)
         # What the command sets otherwise trains from the next step on (a longer --steps, a new
         # --lr); said, as a --mask-prob or --packing given by habit changed the run silently.
-        changed = describe_changes(changed_settings(args.run_dir, overrides))
+        changed = describe_changes(changed_settings(recorded, overrides))
         if changed:
             print(f"[train] resuming {args.run_dir} with this command's {changed}", flush=True)
         overrides = {**continued, **overrides}

@@ -17,7 +17,6 @@ import hashlib
 import logging
 import os
 import re
-import shutil
 from collections import Counter
 
 from apache_beam.io.filesystems import FileSystems
@@ -25,6 +24,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from bertforge.pipelines.beam_common import JOB_REFUSALS, METRICS_NAMESPACE
 from bertforge.pipelines.contract import manifest
+from bertforge.pipelines.contract.disk_space import exception_chain, fullest_of, nearest_existing
 from bertforge.pipelines.local.options import (
     LocalRunnerOptions,
     bundle_bytes,
@@ -165,22 +165,18 @@ def _full_folder(error: BaseException, output: str, work_root: str) -> str:
     # full disk), and a fuller one would be named for the output's.
     candidates = [os.path.dirname(named)] if named else \
         [output, *_folders_in(output), work_root]
-    fullest = min(candidates, key=_free_bytes)  # the output first: it wins a tie
+    fullest = fullest_of(*candidates)  # the output first: it wins a tie
     return output if _device(fullest) == _device(output) else fullest
 
 
 def _named_file(error: BaseException) -> str | None:
-    seen: BaseException | None = error
-    walked: list[BaseException] = []  # a chain can loop (an error its own cause)
-    while seen is not None and all(seen is not earlier for earlier in walked):
+    for seen in exception_chain(error):
         if isinstance(seen, OSError) and seen.errno == errno.ENOSPC and seen.filename \
                 and os.path.isabs(str(seen.filename)):
             return str(seen.filename)
         found = _FULL_FILE_IN_TEXT.search(str(seen))
         if found:
             return found.group(1)
-        walked.append(seen)
-        seen = seen.__cause__ or seen.__context__
     return None
 
 
@@ -194,25 +190,8 @@ def _folders_in(output: str) -> list[str]:
             if os.path.isdir(os.path.join(output, name))]
 
 
-def _existing(path: str) -> str:
-    """`path`, or its nearest folder that exists (a file the failure removed)."""
-    while path and not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path or "/"
-
-
-def _free_bytes(path: str) -> int:
-    try:
-        return shutil.disk_usage(_existing(path)).free
-    except OSError:
-        return 2**63
-
-
 def _device(path: str) -> int | None:
     try:
-        return os.stat(_existing(path)).st_dev
+        return os.stat(nearest_existing(path)).st_dev
     except OSError:
         return None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import errno
 
+from bertforge.pipelines.contract.disk_space import exception_chain
+
 
 class UserInputError(ValueError):
     """The run's inputs (data, vocabulary, config, run directory) are wrong: do not retry."""
@@ -33,18 +35,6 @@ def disk_full(error: BaseException) -> bool:
         if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
             return True
     return False
-
-
-def exception_chain(error: BaseException) -> list[BaseException]:
-    """`error` and those it was raised from or during, each once. A chain can loop: Ray's
-    failed start (its dashboard, on a full TMPDIR) raised an error that is its own cause, and
-    walking it without this check spun for ever in the command's error handler, with no word."""
-    chain: list[BaseException] = []
-    seen: BaseException | None = error
-    while seen is not None and all(seen is not earlier for earlier in chain):
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    return chain
 
 
 def first_line(error: BaseException) -> str:

@@ -38,9 +38,10 @@ def recorded_settings(cfg: TrainConfig, derived: tuple[str, ...] = ()) -> dict[s
     return {**settings, DERIVED: sorted(derived)}
 
 
-def _recorded_settings(run_dir: str) -> dict[str, Any]:
-    """The settings the newest complete checkpoint of `run_dir` records; {} for a fresh run or
-    one saved before checkpoints recorded them."""
+def run_settings(run_dir: str) -> dict[str, Any]:
+    """The settings the newest complete checkpoint of `run_dir` records (read once for
+    `continued_settings` and `changed_settings`); {} for a fresh run or one saved before
+    checkpoints recorded them."""
     if not checkpoint.committed_steps(run_dir):
         return {}
     newest = checkpoint.latest_checkpoint(run_dir)
@@ -56,11 +57,9 @@ def _known(recorded: dict[str, Any]) -> dict[str, Any]:
             if name in _FIELDS and name not in NOT_CONTINUED}
 
 
-def continued_settings(run_dir: str, given: dict[str, Any]) -> dict[str, Any]:
-    """The settings of the run in `run_dir` (its newest complete checkpoint's) that `given`,
-    the command's own, leaves out; {} for a fresh run or one saved before checkpoints recorded
-    them."""
-    recorded = _recorded_settings(run_dir)
+def continued_settings(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The run's settings (`recorded`: `run_settings`) that `given`, the command's own, leaves
+    out."""
     continued = {name: value for name, value in _known(recorded).items() if name not in given}
     # What followed the run's length follows this command's (the same length: the same
     # values), and stays derived in this run's record: continued, it would count as given.
@@ -79,12 +78,14 @@ def _derived(recorded: dict[str, Any], steps: int | None) -> list[str]:
             if steps is not None and recorded.get(name) == derive(steps)]
 
 
-def changed_settings(run_dir: str, given: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+def changed_settings(recorded: dict[str, Any],
+                     given: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """{name: (the run's own value, the command's)} for the settings `given` sets otherwise
-    than the run in `run_dir` recorded: a resume trains on with the command's."""
-    recorded = _known(_recorded_settings(run_dir))
-    return {name: (recorded[name], value) for name, value in given.items()
-            if name in recorded and not _same(recorded[name], value)}
+    than the run recorded them (`recorded`: `run_settings`): a resume trains on with the
+    command's."""
+    known = _known(recorded)
+    return {name: (known[name], value) for name, value in given.items()
+            if name in known and not _same(known[name], value)}
 
 
 def describe(continued: dict[str, Any]) -> str:

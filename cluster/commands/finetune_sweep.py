@@ -40,6 +40,7 @@ from bertforge.cluster.launch.local_worker import run_in_local_process, runs_in_
 from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_copy
 from bertforge.cluster.launch.ray_train import QUIET_RAY_TRAIN, connect, run_on_ray
 from bertforge.cluster.launch.worker_output import LOG_DIR
+from bertforge.pipelines.contract.disk_space import fullest_of
 from bertforge.pipelines.contract.durable_files import write_json_atomic
 from bertforge.pipelines.contract.manifest import sha256_file
 from bertforge.training.finetune.config import (
@@ -447,24 +448,10 @@ def fine_tune_one(values: dict[str, Any]) -> dict[str, Any]:
     except Exception as error:
         if not disk_full(error):
             raise
-        where = _fullest_of(values["output"], tempfile.gettempdir())
+        where = fullest_of(values["output"], tempfile.gettempdir())
         raise UserInputError(
             f"no space left on the disk of {where} ({first_line(error)}): make room there "
             "and the same command continues (finished runs are kept)") from error
-
-
-def _fullest_of(*directories: str) -> str:
-    """Which of the directories a run writes to (its output; the temporary directory, which
-    holds its copy of the vocabulary) has the least room: the one that filled."""
-    def free(directory: str) -> int:
-        while directory and not os.path.exists(directory):
-            directory = os.path.dirname(directory)
-        try:
-            return shutil.disk_usage(directory or "/").free
-        except OSError:
-            return 2**63
-
-    return min(directories, key=free)
 
 
 def _finished(run_dir: str, label: str, record: dict[str, Any], seconds: float) -> None:

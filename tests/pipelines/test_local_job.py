@@ -37,14 +37,14 @@ def test_a_full_disk_is_one_error_naming_the_directory_and_nothing_is_kept(tmp_p
 def _on_disks(monkeypatch, full: str):
     """`full` (a folder) on a disk of its own with no room left; the rest on one with room."""
     from bertforge.pipelines import local_job
+    from bertforge.pipelines.contract import disk_space
 
     def on_full(path):
         return os.path.abspath(path).startswith(full)
 
     monkeypatch.setattr(local_job, "_device", lambda path: 2 if on_full(path) else 1,
                         raising=False)  # (the code before had none)
-    monkeypatch.setattr(local_job, "_free_bytes", lambda path: 0 if on_full(path) else 2**40,
-                        raising=False)
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 0 if on_full(path) else 2**40)
 
 
 def test_a_full_split_folder_mounted_elsewhere_is_the_disk_named(tmp_path, monkeypatch):
