@@ -9,7 +9,11 @@ is what this measures: each backend SDPA offers (cuDNN, flash, memory-efficient,
 forward and forward + backward for each of the four combinations, on the layout the model
 hands SDPA (query, key and value split from one QKV GEMM's output, heads transposed, so not
 contiguous), at the model's width and head size. A combination a backend does not serve (flash
-takes no mask) is reported as such, not timed.
+takes no mask) is reported as such, not timed. The `jagged-*` rows give the same kernels
+nested tensors (`torch.nested`, jagged layout) of each row's own tokens instead: there "mask"
+means the short rows are cut to their length, the way a model without a padding bias would
+hand them over (their query, key and value contiguous: a copy the model's QKV GEMM could
+write directly).
 
 TFLOP/s count the attention's GEMMs at every padded position (4 B H S^2 D forward, 2.5 times
 that backward, as flash recomputes the scores), so a row with the mask does the same work.
@@ -26,13 +30,16 @@ Output: a markdown table and its JSON under `--output-dir`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import logging
 import os
 import platform
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,11 +56,18 @@ BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
+    # The same kernels on nested tensors of the jagged layout: each row only as long as its
+    # tokens, so padding is left out by the sequence offsets (flash-attention's varlen kernel)
+    # rather than masked by a bias; flash then serves the masked case too, with dropout.
+    "jagged-flash": SDPBackend.FLASH_ATTENTION,
+    "jagged-efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "jagged-math": SDPBackend.MATH,
 }
 # (mask, dropout): the four combinations, BERT's own (both) last.
 COMBINATIONS = ((False, False), (True, False), (False, True), (True, True))
 DROPOUT = 0.1  # BERT's attention_probs_dropout_prob
 SHORT_ROWS = 0.1  # Google's short_seq_prob: about this share of rows is padded
+NESTED_SDPA_LOGGER = "torch.nested._internal.sdpa"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated <seq len>x<batch>")
     parser.add_argument("--heads", type=int, default=16, help="BERT-large's 16")
     parser.add_argument("--head-size", type=int, default=64, help="BERT-large's 64")
-    parser.add_argument("--backends", default=",".join(BACKENDS))
+    # jagged-math, the nested tensors' math path, is a CPU's way to run the jagged rows: on a
+    # GPU it loops over the rows in Python.
+    parser.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "jagged-math"))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
@@ -80,7 +96,8 @@ def model_inputs(seq_len: int, batch: int, heads: int, head_size: int, device: s
                  generator: torch.Generator) -> tuple[torch.Tensor, ...]:
     """Query, key and value as training.model.BertSelfAttention hands them to SDPA (views of
     one [B, S, 3 H D] tensor, heads transposed), bf16, each requiring its gradient; and the
-    padding bias, [B, 1, 1, S], 0 or bf16's lowest where a key is padding."""
+    padding bias, [B, 1, 1, S], 0 or bf16's lowest where a key is padding; and each row's
+    length."""
     width = heads * head_size
     qkv = torch.randn(batch, seq_len, 3 * width, generator=generator).to(device, torch.bfloat16)
     qkv.requires_grad_(True)
@@ -92,7 +109,7 @@ def model_inputs(seq_len: int, batch: int, heads: int, head_size: int, device: s
     padding = torch.arange(seq_len)[None, :] >= lengths[:, None]
     bias = torch.zeros(batch, 1, 1, seq_len, dtype=torch.bfloat16)
     bias.masked_fill_(padding[:, None, None, :], torch.finfo(torch.bfloat16).min)
-    return qkv, query, key, value, bias.to(device)
+    return qkv, query, key, value, bias.to(device), lengths
 
 
 def attention_flops(seq_len: int, batch: int, heads: int, head_size: int) -> float:
@@ -116,22 +133,17 @@ def time_ms(fn, device: str, warmup: int, repeats: int) -> float:
 def measure(backend: str, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, masked: bool,
             dropout: bool, args: argparse.Namespace) -> dict[str, Any]:
     """One row: `backend` on `inputs` (model_inputs'), the output's gradient `grad`."""
-    _, query, key, value, bias = inputs
+    _, query, key, value, bias, lengths = inputs
     batch, _, seq_len, _ = query.shape
-    mask = bias if masked else None
     p = DROPOUT if dropout else 0.0
     row = {"backend": backend, "seq_len": seq_len, "batch": batch, "mask": masked,
            "dropout": p}
-
-    def forward() -> torch.Tensor:
-        with sdpa_kernel([BACKENDS[backend]]):
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                                  dropout_p=p)
-
-    def forward_backward() -> None:
-        # The gradients of query, key and value themselves: not summed into the QKV output's
-        # (a copy of 3 B S H that is the split's backward, not attention's).
-        torch.autograd.grad(forward(), (query, key, value), grad)
+    if backend.startswith("jagged-"):
+        forward, forward_backward = _jagged_calls(backend, query, key, value,
+                                                  lengths if masked else None, p)
+    else:
+        forward, forward_backward = _padded_calls(backend, query, key, value,
+                                                  bias if masked else None, grad, p)
 
     # SDPA says why a backend declines in warnings, then raises "No available kernel": the
     # reasons go into the row, not onto the console once a row.
@@ -152,6 +164,62 @@ def measure(backend: str, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, 
     row["forward_tflops"] = flops / row["forward_ms"] / 1e9
     row["backward_tflops"] = 2.5 * flops / backward_ms / 1e9 if backward_ms > 0 else None
     return row
+
+
+def _padded_calls(backend: str, query, key, value, mask, grad, p: float):
+    """The model's call: SDPA over the padded views, padding masked by the bias if any."""
+    def forward() -> torch.Tensor:
+        with sdpa_kernel([BACKENDS[backend]]):
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                  dropout_p=p)
+
+    def forward_backward() -> None:
+        # The gradients of query, key and value themselves: not summed into the QKV output's
+        # (a copy of 3 B S H that is the split's backward, not attention's).
+        torch.autograd.grad(forward(), (query, key, value), grad)
+
+    return forward, forward_backward
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _jagged_calls(backend: str, query, key, value, lengths, p: float):
+    """SDPA over nested tensors of each row's tokens (all of them where `lengths` is None):
+    [B, H, j, D] views of contiguous [tokens, H, D] leaves, as flash's varlen kernel takes
+    them."""
+    batch, heads, seq_len, head_size = query.shape
+    if lengths is None:
+        lengths = torch.full((batch,), seq_len)
+    keep = (torch.arange(seq_len)[None, :] < lengths[:, None]).to(query.device)
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(query.device)
+    leaves = [x.detach().transpose(1, 2)[keep].contiguous().requires_grad_(True)
+              for x in (query, key, value)]
+    grad = torch.randn_like(leaves[0])
+    # Known here, on the host: the nested tensors would otherwise read them back from the
+    # device at every call, a wait that a model's step could not afford either.
+    seqlens = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())}
+
+    def forward() -> torch.Tensor:
+        q, k, v = (torch.nested.nested_tensor_from_jagged(x, offsets, **seqlens).transpose(1, 2)
+                   for x in leaves)
+        # A backend that declines logs its reasons, a line each, rather than warning: the row
+        # says "not served" with SDPA's error instead.
+        with sdpa_kernel([BACKENDS[backend]]), _quiet(NESTED_SDPA_LOGGER):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p).transpose(1, 2)
+
+    def forward_backward() -> None:
+        torch.autograd.grad(forward().values(), leaves, grad)
+
+    return forward, forward_backward
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -54,7 +54,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
   # gives on a CPU with native bf16 (an AVX2 machine resolves fp32 and refuses it).
   PARITY=(--preset tiny --steps 20 --micro-batch 8 --lr 3e-3 --fp8)
   FIDELITY=(--preset tiny --micro-batch 8 --batches 2 --train-steps 10 --lr 3e-3 --fp8)
-  ATTENTION=(--device cpu --shapes 64x4 --heads 2 --head-size 16 --warmup 1 --repeats 2)
+  ATTENTION=(--device cpu --shapes 64x4 --heads 2 --head-size 16 --warmup 1 --repeats 2
+    --backends cudnn,flash,efficient,math,jagged-flash,jagged-efficient,jagged-math)
   LIMIT=(600 600 600 600 600 600 600)
 else
   # Where nothing is installed (the lent machine): DeepSpeed and its missing dependencies as
