@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import sys
 import time
 from collections import Counter
@@ -215,8 +216,17 @@ def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = F
     if _is_local(standard.runner):
         runner = local_job.local_runner(config, options, files, vocab_bytes, start_over)
     pipeline = beam.Pipeline(runner=runner, options=options)
+    _without_beams_scratch_folder(pipeline)
     _ = pipeline | "PrepareDataset" >> PrepareDataset(config, files, vocab_bytes)
     return pipeline, files
+
+
+def _without_beams_scratch_folder(pipeline: beam.Pipeline) -> None:
+    """Beam's Pipeline makes a folder in the temporary directory (`local_tempdir`, for the
+    artifacts of cross-language transforms: this job has none) that only `Pipeline.run` removes,
+    at its end: a dry run, which is never run, and a run killed by SIGKILL or the OOM killer
+    each left an empty `beam-pipeline-temp*` there. Removed at once; `run` ignores a missing one."""
+    shutil.rmtree(pipeline.local_tempdir, ignore_errors=True)
 
 
 def _check_dataflow(config: PrepareConfig, options: PipelineOptions) -> None:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import tempfile
 from pathlib import Path
 
 import apache_beam as beam
@@ -247,6 +248,22 @@ def test_missing_inputs_are_a_clear_error(tmp_path, small_vocab):
     with pytest.raises(ValueError, match="--runner BundleBasedDirectRunner: Beam's older local"):
         main([f"--input={pattern}", f"--output={tmp_path}", f"--vocab={small_vocab}",
               "--runner=BundleBasedDirectRunner"])
+
+
+
+def test_a_local_dry_run_leaves_nothing_in_the_temporary_directory(tmp_path, corpus_files,
+                                                                   small_vocab, monkeypatch):
+    """Beam's Pipeline makes a `beam-pipeline-temp*` folder that only its run removes: every
+    dry run, which never runs, left one in TMPDIR."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    argv = [f"--input={entry}" for entry in corpus_files]
+    report = main(argv + [f"--output={tmp_path / 'out'}", f"--vocab={small_vocab}",
+                          "--runner=DirectRunner", "--dry_run=True"])
+    assert report["dry_run"] is True
+    assert os.listdir(temporary) == []
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
