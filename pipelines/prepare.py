@@ -284,6 +284,7 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
          ) -> dict[str, Any]:
     start = time.monotonic()
     _warn_past_bert_positions(config.max_seq_length)
+    earlier = local_job.files_before(config.output)  # before the job removes a manifest there
     pipeline, files = _build(config, options, start_over)
     options = pipeline.options
     runner = options.view_as(StandardOptions).runner
@@ -309,7 +310,7 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
             _dataflow_job_ended(submitted, error)  # raises
         if not isinstance(error, Exception):
             raise
-        local_job.after_failure(pipeline.runner, error, config.output)
+        local_job.after_failure(pipeline.runner, error, config.output, earlier)
         refusal = next((words for words in JOB_REFUSALS if words in str(error)), None)
         if refusal:
             # Beam wraps the DoFn's error (in another process with multi_processing): unwrap it.
