@@ -110,9 +110,7 @@ def after_success(runner, output: str) -> None:
     so are the shards of the dataset this one replaced (`--overwrite`) that the new manifest
     does not list (another --num-shards names them differently)."""
     if isinstance(runner, LocalRunner) and "://" not in output:
-        for pattern in TEMPORARY_SHARD_FILES:
-            for path in glob.glob(os.path.join(output, pattern)):
-                os.remove(path)
+        _remove_temporary_shard_files(output)
         if os.path.isfile(os.path.join(output, manifest.MANIFEST_NAME)):
             for path in manifest.unlisted_shard_files(output, manifest.read_manifest(output)):
                 os.remove(os.path.join(output, path))
@@ -135,6 +133,28 @@ def files_before(output: str) -> list[str]:
         return []
     return sorted(name for name in names
                   if name not in NOT_DATASET_FILES and not name.startswith("."))
+
+
+def _remove_temporary_shard_files(output: str) -> None:
+    for pattern in TEMPORARY_SHARD_FILES:
+        for path in glob.glob(os.path.join(output, pattern)):
+            os.remove(path)
+
+
+def drop_a_finished_runs_leftovers(output: str) -> None:
+    """What a run killed after its manifest and before its own clean-up (`after_success`, the
+    runner's discard of its work) left in a local output: its work record and temporary shard
+    pieces. Every run removes the manifest before it opens its work record, so a manifest
+    beside one was written by that record's run, which had finished: the record is no work to
+    continue. Continued, every bundle was reused, the manifest's step among them, after the
+    manifest was removed: the next prepare failed with "manifest.json not found" and the
+    dataset was lost."""
+    if _is_remote(output):
+        return
+    output = output.removeprefix("file://")
+    if os.path.isfile(os.path.join(output, manifest.MANIFEST_NAME)):
+        shutil.rmtree(os.path.join(output, WORK_DIR_NAME), ignore_errors=True)
+        _remove_temporary_shard_files(output)
 
 
 def after_failure(runner, error: Exception, output: str, earlier: list[str]) -> None:

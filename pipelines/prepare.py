@@ -208,6 +208,7 @@ def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = F
         "prepare: %d input files -> %s (runner %s)", len(files), config.output, standard.runner
     )
     if not options.view_as(TestOptions).dry_run:
+        local_job.drop_a_finished_runs_leftovers(config.output)  # while its manifest says so
         stale = FileSystems.join(config.output, manifest.MANIFEST_NAME)
         if FileSystems.exists(stale):
             FileSystems.delete([stale])  # incomplete until this run's manifest lands

@@ -9,7 +9,11 @@ import pytest
 
 from bertforge.pipelines.local.runner import LocalRunner
 from bertforge.pipelines.local.work_dir import WorkDir
-from bertforge.pipelines.local_job import after_failure, files_before
+from bertforge.pipelines.local_job import (
+    after_failure,
+    drop_a_finished_runs_leftovers,
+    files_before,
+)
 
 
 def _runner_with_work(tmp_path) -> LocalRunner:
@@ -135,6 +139,22 @@ def test_a_failure_the_job_reports_takes_the_work_away(tmp_path):
     after_failure(runner, ValueError("no usable document remains"), str(tmp_path / "out"), [])
     assert not (tmp_path / "out" / ".prepare-work").exists()
     assert not list((tmp_path / "out").rglob("*.tmp"))
+
+
+def test_a_work_record_beside_a_manifest_is_a_finished_runs_and_goes(tmp_path):
+    """Every run removes the manifest before it opens its work record: a record beside one is
+    left by a run killed after its manifest, and continued, the job reused its manifest's step
+    after removing the manifest (`python -m bertforge.pipelines.prepare` failed, the dataset
+    lost). Without a manifest it is work to continue, and stays."""
+    runner = _runner_with_work(tmp_path)
+    output = tmp_path / "out"
+    drop_a_finished_runs_leftovers(str(output))
+    assert (output / ".prepare-work" / "job.json").exists()
+    assert list(output.rglob("*.tmp"))
+    (output / "manifest.json").write_text("{}")
+    drop_a_finished_runs_leftovers(str(output))
+    assert not os.path.exists(runner.work.root) and not list(output.rglob("*.tmp"))
+    assert (output / "manifest.json").exists()
 
 
 def test_progress_lines_say_nothing_of_zero_megabytes_or_documents():
