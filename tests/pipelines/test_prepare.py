@@ -13,6 +13,7 @@ import apache_beam as beam
 import pyarrow as pa
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
@@ -364,8 +365,9 @@ def test_create_pretraining_instances_provenance():
         seed=SEED,
     )
     docs = _synthetic_documents()
-    options = PipelineOptions(["--runner=DirectRunner"])
-    with BeamTestPipeline(options=options) as pipeline:
+    # The FnApiRunner: Beam's DirectRunner first tries Prism, whose failed start offline left a
+    # beam-temp* folder and two others in TMPDIR each time.
+    with BeamTestPipeline(runner=FnApiRunner(), options=PipelineOptions([])) as pipeline:
         created = (
             pipeline | beam.Create(docs) | CreatePretrainingInstances(config, _synthetic_vocab())
         )
