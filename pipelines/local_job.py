@@ -6,7 +6,9 @@ disk the user chose for it. A killed run (kill -9, Ctrl-C, a reboot, a worker ki
 leaves it there and the same command continues it; a rerun with other inputs, vocabulary,
 instance parameters, bundle size or code is refused until `--overwrite` starts over. On success
 the work directory and every temporary shard piece are removed; on a failure the job itself
-reports (bad input, a full disk) they are removed too, since a rerun would fail the same way.
+reports (bad input, a full disk) they are removed too, since a rerun would fail the same way,
+and so is everything else the run wrote when the output held nothing before it
+(`files_before`); files it held before are left.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 from collections import Counter
 
 from apache_beam.io.filesystems import FileSystems
@@ -107,16 +110,57 @@ def after_success(runner, output: str) -> None:
     so are the shards of the dataset this one replaced (`--overwrite`) that the new manifest
     does not list (another --num-shards names them differently)."""
     if isinstance(runner, LocalRunner) and "://" not in output:
-        for pattern in TEMPORARY_SHARD_FILES:
-            for path in glob.glob(os.path.join(output, pattern)):
-                os.remove(path)
+        _remove_temporary_shard_files(output)
         if os.path.isfile(os.path.join(output, manifest.MANIFEST_NAME)):
             for path in manifest.unlisted_shard_files(output, manifest.read_manifest(output)):
                 os.remove(os.path.join(output, path))
 
 
-def after_failure(runner, error: Exception, output: str) -> None:
-    """Keep the work for a rerun, unless the rerun would fail the same way; raise what to say."""
+# In a local output, what is not a dataset's file: the command's logs, and the dot-names
+# (the run lock, readers' records, the work directory).
+NOT_DATASET_FILES = ("logs",)
+
+
+def files_before(output: str) -> list[str]:
+    """The names a local output holds before a run writes to it (an earlier dataset, a killed
+    run's shards, a user's files), but its logs and dot-names: what a failed run leaves there
+    (`after_failure`). [] for a folder that is not there yet, or in object storage."""
+    if _is_remote(output):
+        return []
+    try:
+        names = os.listdir(output.removeprefix("file://"))
+    except OSError:
+        return []
+    return sorted(name for name in names
+                  if name not in NOT_DATASET_FILES and not name.startswith("."))
+
+
+def _remove_temporary_shard_files(output: str) -> None:
+    for pattern in TEMPORARY_SHARD_FILES:
+        for path in glob.glob(os.path.join(output, pattern)):
+            os.remove(path)
+
+
+def drop_a_finished_runs_leftovers(output: str) -> None:
+    """What a run killed after its manifest and before its own clean-up (`after_success`, the
+    runner's discard of its work) left in a local output: its work record and temporary shard
+    pieces. Every run removes the manifest before it opens its work record, so a manifest
+    beside one was written by that record's run, which had finished: the record is no work to
+    continue. Continued, every bundle was reused, the manifest's step among them, after the
+    manifest was removed: the next prepare failed with "manifest.json not found" and the
+    dataset was lost."""
+    if _is_remote(output):
+        return
+    output = output.removeprefix("file://")
+    if os.path.isfile(os.path.join(output, manifest.MANIFEST_NAME)):
+        shutil.rmtree(os.path.join(output, WORK_DIR_NAME), ignore_errors=True)
+        _remove_temporary_shard_files(output)
+
+
+def after_failure(runner, error: Exception, output: str, earlier: list[str]) -> None:
+    """Keep the work for a rerun, unless the rerun would fail the same way; raise what to say.
+    `earlier`: what the output held before this run (`files_before`), left there; when it held
+    nothing, everything this run wrote goes with its work."""
     if not isinstance(runner, LocalRunner) or runner.work is None:
         return
     if isinstance(error, WorkConflict):
@@ -127,11 +171,25 @@ def after_failure(runner, error: Exception, output: str) -> None:
         where = _full_folder(error, output, runner.work.root) if full else output
         runner.work.discard()
         after_success(runner, output)
+        if not earlier and not _is_remote(output):
+            _remove_what_the_run_wrote(output.removeprefix("file://"))
         if full:
-            raise OSError(errno.ENOSPC, _disk_full_message(where, output)) from error
+            raise OSError(errno.ENOSPC, _disk_full_message(where, output, earlier)) from error
         return
     logger.error("prepare failed; its work is kept in %s: the same command continues it",
                  runner.work.root)
+
+
+def _is_remote(output: str) -> bool:
+    return "://" in output and not output.startswith("file://")
+
+
+def _remove_what_the_run_wrote(output: str) -> None:
+    """An output that held nothing before the run: whatever is in it now is the run's (shards
+    it finished, the split folders), but the logs and the lock."""
+    for name in files_before(output):
+        path = os.path.join(output, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
 
 
 def _is_disk_full(error: BaseException) -> bool:
@@ -139,13 +197,27 @@ def _is_disk_full(error: BaseException) -> bool:
         "No space left on device" in str(error)
 
 
-def _disk_full_message(where: str, output: str) -> str:
+def _disk_full_message(where: str, output: str, earlier: list[str]) -> str:
     if where == output:
         return (f"no space left on the disk of {output} (the dataset and its work directory "
-                f"{WORK_DIR_NAME}): free space or choose another --output; nothing of this run "
-                "was kept")
+                f"{WORK_DIR_NAME}): free space or choose another --output; "
+                f"{_what_was_kept(output, earlier)}")
     return (f"no space left on the disk of {where}, where prepare wrote (not the disk of "
-            f"--output {output}): free space there; nothing of this run was kept")
+            f"--output {output}): free space there; {_what_was_kept(output, earlier)}")
+
+
+def _what_was_kept(output: str, earlier: list[str]) -> str:
+    """It said "nothing of this run was kept" of a folder that held files before the run,
+    which were left there, and with them any shard this run had finished."""
+    if _is_remote(output):
+        return "its temporary work was removed"
+    if not earlier:
+        return "nothing of this run was kept"
+    # The job removes a dataset's manifest as it starts: incomplete until a run ends.
+    no_dataset = (" (without its manifest.json: no dataset)"
+                  if manifest.MANIFEST_NAME in earlier else "")
+    return (f"its work directory and temporary files were removed; the files {output} held "
+            f"before this run were left{no_dataset}, with any shard this run had finished")
 
 
 # What the OS says of a full disk when Beam passes an error on as text (from a worker process).

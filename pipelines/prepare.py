@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import sys
 import time
 from collections import Counter
@@ -207,6 +208,7 @@ def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = F
         "prepare: %d input files -> %s (runner %s)", len(files), config.output, standard.runner
     )
     if not options.view_as(TestOptions).dry_run:
+        local_job.drop_a_finished_runs_leftovers(config.output)  # while its manifest says so
         stale = FileSystems.join(config.output, manifest.MANIFEST_NAME)
         if FileSystems.exists(stale):
             FileSystems.delete([stale])  # incomplete until this run's manifest lands
@@ -215,8 +217,17 @@ def _build(config: PrepareConfig, options: PipelineOptions, start_over: bool = F
     if _is_local(standard.runner):
         runner = local_job.local_runner(config, options, files, vocab_bytes, start_over)
     pipeline = beam.Pipeline(runner=runner, options=options)
+    _without_beams_scratch_folder(pipeline)
     _ = pipeline | "PrepareDataset" >> PrepareDataset(config, files, vocab_bytes)
     return pipeline, files
+
+
+def _without_beams_scratch_folder(pipeline: beam.Pipeline) -> None:
+    """Beam's Pipeline makes a folder in the temporary directory (`local_tempdir`, for the
+    artifacts of cross-language transforms: this job has none) that only `Pipeline.run` removes,
+    at its end: a dry run, which is never run, and a run killed by SIGKILL or the OOM killer
+    each left an empty `beam-pipeline-temp*` there. Removed at once; `run` ignores a missing one."""
+    shutil.rmtree(pipeline.local_tempdir, ignore_errors=True)
 
 
 def _check_dataflow(config: PrepareConfig, options: PipelineOptions) -> None:
@@ -274,6 +285,7 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
          ) -> dict[str, Any]:
     start = time.monotonic()
     _warn_past_bert_positions(config.max_seq_length)
+    earlier = local_job.files_before(config.output)  # before the job removes a manifest there
     pipeline, files = _build(config, options, start_over)
     options = pipeline.options
     runner = options.view_as(StandardOptions).runner
@@ -299,7 +311,7 @@ def _run(config: PrepareConfig, options: PipelineOptions, wait: bool, start_over
             _dataflow_job_ended(submitted, error)  # raises
         if not isinstance(error, Exception):
             raise
-        local_job.after_failure(pipeline.runner, error, config.output)
+        local_job.after_failure(pipeline.runner, error, config.output, earlier)
         refusal = next((words for words in JOB_REFUSALS if words in str(error)), None)
         if refusal:
             # Beam wraps the DoFn's error (in another process with multi_processing): unwrap it.

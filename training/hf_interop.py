@@ -522,6 +522,22 @@ def hf_weights_file(hf_dir: str) -> str | None:
     return None
 
 
+def hf_weights_sha256(hf_dir: str) -> str | None:
+    """The SHA-256 of the weights a Hugging Face directory holds (`hf_weights_file`'s bytes; of a
+    sharded save, its index's then every shard's, in `_shard_files`' order), read in 1 MB
+    chunks: BERT-large's file is 1.3 GB. None where it has no weights file."""
+    path = hf_weights_file(hf_dir)
+    if path is None:
+        return None
+    files = [path, *(_shard_files(path) if path.endswith(".index.json") else [])]
+    digest = hashlib.sha256()
+    for name in files:
+        with open(name, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def load_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
     """The tensors of a Hugging Face directory (`hf_weights_file`'s, every shard of an index)."""
     path = hf_weights_file(hf_dir)

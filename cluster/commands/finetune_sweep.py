@@ -53,6 +53,7 @@ from bertforge.training.finetune.config import (
 from bertforge.training.finetune.load import load_pretrained
 from bertforge.training.finetune.task_data import is_squad_split, same_file
 from bertforge.training.finetune.tasks import glue_dir_files
+from bertforge.training.hf_interop import hf_weights_sha256
 from bertforge.training.inputs import check_model_source
 
 RESULTS_NAME = "results.json"
@@ -202,7 +203,8 @@ def run_finetunes(cfgs: list[FinetuneConfig], launch: LaunchConfig) -> list[dict
 def open_jobs(cfgs: list[FinetuneConfig], launch: LaunchConfig) -> list[_Job]:
     """Each fine-tuning job with its inputs checked (`check_inputs`), before any directory of
     its is made: a caller with a directory of its own over them (glue) opens them first."""
-    jobs = [_Job.open(cfg, launch) for cfg in cfgs]
+    digests: dict[str, str | None] = {}  # glue's tasks share one MODEL: read it once
+    jobs = [_Job.open(cfg, launch, digests) for cfg in cfgs]
     if len({job.cfg.output for job in jobs}) < len(jobs):
         raise ValueError("two fine-tuning jobs share one --output directory")
     return jobs
@@ -231,9 +233,11 @@ class _Job:
 
     cfg: FinetuneConfig
     facts: dict[str, Any]
+    weights: dict[str, Any] | None  # MODEL's weights, as its runs are reused for (`weights_key`)
 
     @classmethod
-    def open(cls, cfg: FinetuneConfig, launch: LaunchConfig) -> _Job:
+    def open(cls, cfg: FinetuneConfig, launch: LaunchConfig,
+             digests: dict[str, str | None]) -> _Job:
         refuse_output_in_the_jobs_copy(cfg.output, "--output")  # before reading the inputs
         cfg = resolve_data_files(cfg)
         # Relative paths are the user's working directory's, not the workers'.
@@ -244,7 +248,7 @@ class _Job:
                   "must be on a filesystem every node mounts at the same paths", flush=True)
         if data_note(cfg):
             print(f"[finetune] {data_note(cfg)}", flush=True)
-        return cls(cfg, facts)
+        return cls(cfg, facts, weights_key(cfg, facts["model"]["weights"], digests))
 
     @property
     def names(self) -> list[str]:
@@ -254,13 +258,15 @@ class _Job:
         # The runs are of MODEL's weights and the data files as they are now: a run trained
         # further, started again (--resume never) or saved over since holds other weights, and
         # an edited file other examples (their finished runs were reused).
-        weights = None if self.cfg.random_init else self.facts["model"]["weights"]
-        settings = {**self.cfg.settings(), MODEL_WEIGHTS: weights,
+        settings = {**self.cfg.settings(), MODEL_WEIGHTS: self.weights,
                     DATA_FILES: self.facts[DATA_FILES]}
+        # The weights' time, recorded by an older bertforge, is no longer compared; its
+        # records without their SHA-256 are compared by the weights file's name and size.
         return StageRunner(self.cfg.output, "finetune", settings,
                            scratch=WORKER_SCRATCH, heartbeat_seconds=60.0,
                            skip_message="done in an earlier run, reusing it",
-                           dir_flag="--output", recorded_since=(MODEL_WEIGHTS, DATA_FILES))
+                           dir_flag="--output", ignored=(f"{MODEL_WEIGHTS}.modified_ns",),
+                           recorded_since=(MODEL_WEIGHTS, DATA_FILES, f"{MODEL_WEIGHTS}.sha256"))
 
     def finish(self, runner: StageRunner, launch: LaunchConfig,
                started: float | None) -> dict[str, Any]:
@@ -304,6 +310,20 @@ class _Job:
         records = [in_place(runner.recorded(name), run_dir_of(self.cfg, lr, seed))
                    for name, (lr, seed) in zip(self.names, self.cfg.runs(), strict=True)]
         return summarise(self.cfg, launch, records, self.facts)
+
+
+def weights_key(cfg: FinetuneConfig, weights: dict[str, Any] | None,
+                digests: dict[str, str | None]) -> dict[str, Any] | None:
+    """MODEL's weights as the reuse of its finished runs is keyed: a checkpoint's run id and
+    step; a Hugging Face directory's weights file by name, size and SHA-256. Its modification
+    time was the key: a file replaced by another of the same size with the same time (`cp -p`,
+    `rsync -t`, `touch -r`) had the other model's runs reused. Hashed once per command for
+    each MODEL (`digests`), and not for --random-init, which reads no weights."""
+    if cfg.random_init or weights is None or "file" not in weights:
+        return None if cfg.random_init else weights
+    if cfg.model not in digests:
+        digests[cfg.model] = hf_weights_sha256(cfg.model)
+    return {**weights, "sha256": digests[cfg.model]}
 
 
 def run_dir_of(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:

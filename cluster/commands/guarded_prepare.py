@@ -53,14 +53,16 @@ def prepare_guarded(command: PrepareCommand, *, overwrite: bool) -> dict[str, An
 
 
 def dataset_complete(output: str) -> bool:
-    """A finished dataset (`manifest.finished_dataset`) and no work of a run that was stopped.
-    The same job again then has nothing to do; it used to delete the manifest first and redo
-    the whole job (hours on a large corpus), and a kill meanwhile lost the dataset."""
+    """A finished dataset (`manifest.finished_dataset`): the same job again then has nothing to
+    do; it used to delete the manifest first and redo the whole job (hours on a large corpus),
+    and a kill meanwhile lost the dataset. What a run killed after its manifest left beside it
+    (its work record, temporary pieces) is removed first, without a word: it is no part of
+    the dataset (`local_job.drop_a_finished_runs_leftovers`)."""
     from bertforge.pipelines.contract.manifest import finished_dataset
+    from bertforge.pipelines.local_job import drop_a_finished_runs_leftovers
 
-    output = output.removeprefix("file://")
-    return (not os.path.isdir(os.path.join(output, WORK_DIR_NAME))
-            and finished_dataset(output))
+    drop_a_finished_runs_leftovers(output)
+    return finished_dataset(output.removeprefix("file://"))
 
 
 @contextlib.contextmanager

@@ -81,9 +81,9 @@ class StageRunner:
     `settings` are what a later run must match to reuse this directory's outputs; keys under
     `ignored` (dotted prefixes such as "cluster") only say how to run and may change; `renamed`
     maps a recorded key's dotted path to its name today (a directory an earlier bertforge made
-    stays usable); `recorded_since`: top-level keys an older bertforge did not record (a
-    state without one is not refused for it); `may_add` maps a dotted prefix to the stage it
-    configures: settings there that the recorded run did not have (a pipeline's [phase2],
+    stays usable); `recorded_since`: keys an older bertforge did not record (dotted: a key in
+    a key; a state without one is not refused for it); `may_add` maps a dotted prefix to the
+    stage it configures: settings there that the recorded run did not have (a pipeline's [phase2],
     added once phase 1 is done) are no difference while that stage has not run. `scratch`:
     paths under `root` that the command's workers keep for themselves (their logs, state and
     error files), no output: an earlier run that left only those made nothing, and does not
@@ -217,7 +217,7 @@ class StageRunner:
             wanted = relative_paths(wanted, self.base_dir)
         recorded_keys = _flatten(recorded)
         # What an older bertforge did not record, it cannot say differed.
-        unknown = tuple(key for key in self.recorded_since if key not in recorded)
+        unknown = tuple(key for key in self.recorded_since if not _records(recorded, key))
         changed = [key for key in differing_keys(recorded, wanted, self.ignored + unknown)
                    if not self._added_for_a_stage_to_come(key, recorded_keys, state["stages"])]
         if changed and not state["stages"] and not self._holds_outputs():
@@ -329,6 +329,16 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 def _under(key: str, prefix: str) -> bool:
     """Whether dotted `key` is `prefix` or lies under it."""
     return key == prefix or key.startswith(f"{prefix}.")
+
+
+def _records(settings: dict[str, Any], dotted_key: str) -> bool:
+    """Whether `settings` hold `dotted_key` (`model_weights.sha256`: a key in a key)."""
+    node: Any = settings
+    for part in dotted_key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def differing_keys(

@@ -144,7 +144,7 @@ def shards_complete(config: PrepareConfig, workdir: str,
     from bertforge.cluster.safety.dataset_guard import differences_from_dataset
     from bertforge.cluster.safety.run_lock import refuse_if_in_use
     from bertforge.pipelines.contract.manifest import MANIFEST_NAME, finished_dataset
-    from bertforge.pipelines.local.work_dir import WORK_DIR_NAME
+    from bertforge.pipelines.local_job import drop_a_finished_runs_leftovers
 
     if not os.path.isfile(os.path.join(config.output, MANIFEST_NAME)):
         return False
@@ -159,7 +159,7 @@ def shards_complete(config: PrepareConfig, workdir: str,
             f"workdir (or after deleting {workdir})")
     # A stop that landed after the manifest, before the job removed its work record: the job
     # had finished (its manifest is written last), and the record is only disk (GBs).
-    shutil.rmtree(os.path.join(config.output, WORK_DIR_NAME), ignore_errors=True)
+    drop_a_finished_runs_leftovers(config.output)
     # A shard lost since: the stage makes the dataset again, the same (the job is deterministic).
     return finished_dataset(config.output)
 

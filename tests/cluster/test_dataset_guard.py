@@ -298,15 +298,34 @@ def test_sigterm_stops_a_local_prepare_at_once_and_keeps_its_work_to_continue(in
     assert not alive
 
 
-def test_a_pipelines_complete_dataset_drops_a_work_record_a_late_stop_left(inputs, tmp_path):
-    """A stop after the manifest, before the job removed its work record: the pipeline's
-    rerun skipped the stage as complete and kept the record (GBs at scale) for good."""
+def test_a_complete_dataset_drops_what_a_kill_after_its_manifest_left(inputs, tmp_path, capsys,
+                                                                      monkeypatch):
+    """A kill after the manifest, before the job removed its work record and pieces: the next
+    prepare continued that record, reused every bundle (the manifest's step among them) after
+    removing the manifest, and failed, "manifest.json not found": the dataset was lost. The
+    pipeline's rerun skipped the stage as complete and kept the record (GBs at scale) for
+    good."""
     from bertforge.cluster.commands.guarded_prepare import dataset_complete
     from bertforge.cluster.commands.stages import shards_complete
+    from bertforge.pipelines import local_job
+    from bertforge.pipelines.local.work_dir import WorkDir
     from bertforge.pipelines.prepare_options import PrepareConfig
 
     output = tmp_path / "shards"
+    with monkeypatch.context() as killed:  # what the kill skips: the job's own clean-up
+        killed.setattr(WorkDir, "discard", lambda self: None)
+        killed.setattr(local_job, "after_success", lambda runner, output: None)
+        assert prepare(inputs, output) == 0
+    assert (output / ".prepare-work" / "job.json").exists()
+    piece = output / "train" / "part-00000-of-00002.arrow.piece3-ab12.tmp"
+    piece.write_bytes(b"a piece of a redone bundle")
+    first = manifest_bytes(output)
+    capsys.readouterr()
     assert prepare(inputs, output) == 0
+    assert f"[prepare] {output} already holds this dataset" in capsys.readouterr().err
+    assert manifest_bytes(output) == first
+    assert not (output / ".prepare-work").exists() and not piece.exists()
+
     (output / ".prepare-work" / "stage-1").mkdir(parents=True)
     config = PrepareConfig(inputs=(str(inputs / "corpus.jsonl"),), output=str(output),
                            vocab=str(inputs / "vocab.txt"), max_seq_length=48, num_shards=2)

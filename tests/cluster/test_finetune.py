@@ -247,16 +247,33 @@ def test_runs_of_weights_or_data_changed_since_are_not_reused(tmp_path, capsys):
     capsys.readouterr()
     finetune(*args)
     assert "done in an earlier run, reusing it" in capsys.readouterr().out
-    # New weights saved in MODEL (an export again, a save_pretrained): other settings.
+    # Another model's weights of the same size saved over MODEL's, with MODEL's time (`cp -p`,
+    # `rsync -t`, `touch -r`): reused as MODEL's, when the time was the key.
     weights = os.path.join(model, "model.safetensors")
     written = os.stat(weights)
-    os.utime(weights, ns=(written.st_atime_ns, written.st_mtime_ns + 10**9))
+    original = open(weights, "rb").read()
+    other = tiny_bert_dir(str(tmp_path / "other"), seed=1)
+    shutil.copyfile(os.path.join(other, "model.safetensors"), weights)
+    os.utime(weights, ns=(written.st_atime_ns, written.st_mtime_ns))
+    assert os.path.getsize(weights) == written.st_size
     assert main(["finetune", *args]) == 2
     err = capsys.readouterr().err
     assert f"{output} holds a finetune made with other settings (differs in: " \
-        "model_weights.modified_ns)" in err, err
-    # The weights as they were, and one dev line's label flipped: other examples.
-    os.utime(weights, ns=(written.st_atime_ns, written.st_mtime_ns))
+        "model_weights.sha256)" in err, err
+    # MODEL's own weights back, touched since: the same weights. An older bertforge's record
+    # of them (their time, no SHA-256) is compared by the file's name and size.
+    with open(weights, "wb") as f:
+        f.write(original)
+    state = json.loads(state_path.read_text())
+    assert set(state["settings"]["model_weights"]) == {"file", "bytes", "sha256"}
+    finetune(*args)
+    assert "done in an earlier run, reusing it" in capsys.readouterr().out
+    del state["settings"]["model_weights"]["sha256"]
+    state["settings"]["model_weights"]["modified_ns"] = written.st_mtime_ns
+    state_path.write_text(json.dumps(state))
+    finetune(*args)
+    assert "done in an earlier run, reusing it" in capsys.readouterr().out
+    # One dev line's label flipped: other examples.
     lines = open(dev, encoding="utf-8").read().split("\n")
     sentence, label = lines[1].split("\t")
     lines[1] = f"{sentence}\t{1 - int(label)}"

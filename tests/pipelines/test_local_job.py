@@ -9,7 +9,11 @@ import pytest
 
 from bertforge.pipelines.local.runner import LocalRunner
 from bertforge.pipelines.local.work_dir import WorkDir
-from bertforge.pipelines.local_job import after_failure
+from bertforge.pipelines.local_job import (
+    after_failure,
+    drop_a_finished_runs_leftovers,
+    files_before,
+)
 
 
 def _runner_with_work(tmp_path) -> LocalRunner:
@@ -28,10 +32,36 @@ def _runner_with_work(tmp_path) -> LocalRunner:
 def test_a_full_disk_is_one_error_naming_the_directory_and_nothing_is_kept(tmp_path, error):
     runner = _runner_with_work(tmp_path)
     output = str(tmp_path / "out")
+    (tmp_path / "out" / "train" / "part-00001-of-00002.arrow").write_bytes(b"a finished shard")
+    (tmp_path / "out" / ".lock").write_text("its lock")
     with pytest.raises(OSError, match=f"no space left on the disk of {output}") as raised:
-        after_failure(runner, error, output)
+        after_failure(runner, error, output, earlier=[])
     assert raised.value.errno == errno.ENOSPC
-    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["train"]
+    assert str(raised.value.strerror).endswith("; nothing of this run was kept")
+    # The lock is its holder's to remove (with the folder, by `bertforge prepare`'s guard).
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == [".lock"]
+
+
+def test_a_full_disk_in_a_folder_that_held_files_says_they_were_left(tmp_path):
+    """Into a folder holding an earlier dataset, whose files the failed run left there (the
+    job removed its manifest as it started), it said "nothing of this run was kept"."""
+    output = tmp_path / "out"
+    output.mkdir()
+    for name in ("vocab.txt", "rejects.jsonl", "manifest.json"):
+        (output / name).write_text("an earlier dataset's")
+    earlier = files_before(str(output))
+    assert earlier == ["manifest.json", "rejects.jsonl", "vocab.txt"]
+    (output / "manifest.json").unlink()  # as the job does as it starts
+    runner = _runner_with_work(tmp_path)
+    with pytest.raises(OSError) as raised:
+        after_failure(runner, OSError(errno.ENOSPC, "No space left on device"), str(output),
+                      earlier)
+    assert raised.value.strerror == (
+        f"no space left on the disk of {output} (the dataset and its work directory "
+        ".prepare-work): free space or choose another --output; its work directory and "
+        f"temporary files were removed; the files {output} held before this run were left "
+        "(without its manifest.json: no dataset), with any shard this run had finished")
+    assert sorted(p.name for p in output.rglob("*")) == ["rejects.jsonl", "train", "vocab.txt"]
 
 
 def _on_disks(monkeypatch, full: str):
@@ -57,7 +87,7 @@ def test_a_full_split_folder_mounted_elsewhere_is_the_disk_named(tmp_path, monke
     with pytest.raises(OSError, match=rf"^\[Errno 28\] no space left on the disk of "
                        rf"{output}/train, where prepare wrote \(not the disk of --output "
                        rf"{output}\): free space there"):
-        after_failure(runner, OSError(errno.ENOSPC, "No space left on device"), output)
+        after_failure(runner, OSError(errno.ENOSPC, "No space left on device"), output, [])
 
 
 @pytest.mark.parametrize("as_text", [False, True])
@@ -71,7 +101,7 @@ def test_a_full_disk_the_error_names_is_the_disk_named(tmp_path, monkeypatch, as
     if as_text:
         error = RuntimeError(f"Traceback ... OSError: {error}")
     with pytest.raises(OSError, match=f"no space left on the disk of {elsewhere}, where "):
-        after_failure(runner, error, output)
+        after_failure(runner, error, output, [])
 
 
 def test_a_full_temporary_work_of_a_remote_output_is_not_said_of_the_bucket(tmp_path):
@@ -84,7 +114,7 @@ def test_a_full_temporary_work_of_a_remote_output_is_not_said_of_the_bucket(tmp_
                        r", where prepare wrote \(not the disk of --output gs://b/shards\)"):
         after_failure(runner, OSError(errno.ENOSPC, "No space left on device",
                                       str(tmp_path / "bertforge-work-x" / "s" / "b1.run")),
-                      "gs://b/shards")
+                      "gs://b/shards", [])
 
 
 def test_a_full_disk_error_that_is_its_own_cause_is_named_not_walked_for_ever(tmp_path):
@@ -94,21 +124,37 @@ def test_a_full_disk_error_that_is_its_own_cause_is_named_not_walked_for_ever(tm
     error = RuntimeError("No space left on device")
     error.__cause__ = error
     with pytest.raises(OSError, match=f"no space left on the disk of {output} "):
-        after_failure(runner, error, output)
+        after_failure(runner, error, output, [])
 
 
 def test_a_failure_a_rerun_can_continue_keeps_the_work(tmp_path, caplog):
     runner = _runner_with_work(tmp_path)
-    after_failure(runner, RuntimeError("SDK worker exited with -9"), str(tmp_path / "out"))
+    after_failure(runner, RuntimeError("SDK worker exited with -9"), str(tmp_path / "out"), [])
     assert (tmp_path / "out" / ".prepare-work" / "job.json").exists()
     assert "the same command continues it" in caplog.text
 
 
 def test_a_failure_the_job_reports_takes_the_work_away(tmp_path):
     runner = _runner_with_work(tmp_path)
-    after_failure(runner, ValueError("no usable document remains"), str(tmp_path / "out"))
+    after_failure(runner, ValueError("no usable document remains"), str(tmp_path / "out"), [])
     assert not (tmp_path / "out" / ".prepare-work").exists()
     assert not list((tmp_path / "out").rglob("*.tmp"))
+
+
+def test_a_work_record_beside_a_manifest_is_a_finished_runs_and_goes(tmp_path):
+    """Every run removes the manifest before it opens its work record: a record beside one is
+    left by a run killed after its manifest, and continued, the job reused its manifest's step
+    after removing the manifest (`python -m bertforge.pipelines.prepare` failed, the dataset
+    lost). Without a manifest it is work to continue, and stays."""
+    runner = _runner_with_work(tmp_path)
+    output = tmp_path / "out"
+    drop_a_finished_runs_leftovers(str(output))
+    assert (output / ".prepare-work" / "job.json").exists()
+    assert list(output.rglob("*.tmp"))
+    (output / "manifest.json").write_text("{}")
+    drop_a_finished_runs_leftovers(str(output))
+    assert not os.path.exists(runner.work.root) and not list(output.rglob("*.tmp"))
+    assert (output / "manifest.json").exists()
 
 
 def test_progress_lines_say_nothing_of_zero_megabytes_or_documents():

@@ -6,12 +6,14 @@ import hashlib
 import json
 import os
 import random
+import tempfile
 from pathlib import Path
 
 import apache_beam as beam
 import pyarrow as pa
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
@@ -249,6 +251,22 @@ def test_missing_inputs_are_a_clear_error(tmp_path, small_vocab):
               "--runner=BundleBasedDirectRunner"])
 
 
+
+def test_a_local_dry_run_leaves_nothing_in_the_temporary_directory(tmp_path, corpus_files,
+                                                                   small_vocab, monkeypatch):
+    """Beam's Pipeline makes a `beam-pipeline-temp*` folder that only its run removes: every
+    dry run, which never runs, left one in TMPDIR."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    argv = [f"--input={entry}" for entry in corpus_files]
+    report = main(argv + [f"--output={tmp_path / 'out'}", f"--vocab={small_vocab}",
+                          "--runner=DirectRunner", "--dry_run=True"])
+    assert report["dry_run"] is True
+    assert os.listdir(temporary) == []
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_shards_are_byte_identical_across_workers_and_runs(
     prepared, corpus_files, small_vocab, tmp_path
@@ -347,8 +365,9 @@ def test_create_pretraining_instances_provenance():
         seed=SEED,
     )
     docs = _synthetic_documents()
-    options = PipelineOptions(["--runner=DirectRunner"])
-    with BeamTestPipeline(options=options) as pipeline:
+    # The FnApiRunner: Beam's DirectRunner first tries Prism, whose failed start offline left a
+    # beam-temp* folder and two others in TMPDIR each time.
+    with BeamTestPipeline(runner=FnApiRunner(), options=PipelineOptions([])) as pipeline:
         created = (
             pipeline | beam.Create(docs) | CreatePretrainingInstances(config, _synthetic_vocab())
         )

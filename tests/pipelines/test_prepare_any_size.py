@@ -100,10 +100,10 @@ def _bundles_done(output) -> int:
     return len(glob.glob(os.path.join(output, WORK_DIR_NAME, "*", "b*.json")))
 
 
-def _kill_9_after(args: list[str], output, num_bundles: int) -> None:
+def _kill_9_after(args: list[str], output, num_bundles: int, temporary) -> None:
     """Start the command, kill -9 it and its workers (as the OOM killer might) once that many
-    bundles are done."""
-    run = _prepare(args)
+    bundles are done; `temporary` is its TMPDIR."""
+    run = _prepare(args, env={**os.environ, "TMPDIR": str(temporary)})
     deadline = time.monotonic() + 240
     while _bundles_done(output) < num_bundles and run.poll() is None and \
             time.monotonic() < deadline:
@@ -116,10 +116,15 @@ def _kill_9_after(args: list[str], output, num_bundles: int) -> None:
 def test_kill_9_then_the_same_command_continues_and_gives_the_same_shards(golden, tmp_path):
     output = tmp_path / "shards"
     args = golden + ["--output", str(output), *TINY_BUNDLES]
-    _kill_9_after(args, output, num_bundles=60)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    _kill_9_after(args, output, num_bundles=60, temporary=temporary)
     done_before = _bundles_done(output)
     assert done_before >= 60
     assert not os.path.exists(output / "manifest.json")
+    # Its work is in the output, to continue; Beam's `beam-pipeline-temp*`, which only a run
+    # that ends removes, was left in TMPDIR by every killed run.
+    assert os.listdir(temporary) == []
 
     # Another job into this work is refused, naming what differs, and leaves the work alone.
     other = [a if a != "99" else "100" for a in args]  # another --seed

@@ -256,19 +256,21 @@ def logits_like_a_model(features, seed: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 @needs_squad
-def test_postprocessing_picks_google_run_squads_span(dev_windows) -> None:
+@pytest.mark.parametrize("n_best", [20, 3])  # 3: 100 of the 160 left without a valid span
+def test_postprocessing_picks_google_run_squads_span(dev_windows, n_best) -> None:
+    """The span write_predictions picks, and its "empty" where none is valid ("" was ours)."""
     tokenizer, examples, features = dev_windows
     assert len(features["input_ids"]) > 1.4 * len(examples)  # windows overlap: max context
     start, end = logits_like_a_model(features, 0)
-    ours = postprocess_predictions(examples, features, start, end)
-    assert set(ours) == {e.id for e in examples}  # every question has an answer, "" or not
+    ours = postprocess_predictions(examples, features, start, end, n_best=n_best)
+    assert set(ours) == {e.id for e in examples}  # every question has an answer
     offsets = features["offset_mapping"]
     differ = []
     for index, example in enumerate(examples):
         encoding = tokenizer.encode(example.context, add_special_tokens=False)
         view = google_features(features, index, [tuple(o) for o in encoding.offsets])
-        best = google_best_span(view, start, end)
-        expected = "" if best is None else example.context[
+        best = google_best_span(view, start, end, n_best_size=n_best)
+        expected = "empty" if best is None else example.context[
             int(offsets[best[0], best[1], 0]) : int(offsets[best[0], best[2], 1])]
         if ours[example.id] != expected:
             differ.append((example.id, ours[example.id], expected))

@@ -197,14 +197,13 @@ def _hf_lower_case(source: str, tokenizer_file: TokenizerFile) -> bool:
 
 
 def _weights_file_identity(source: str) -> dict[str, Any] | None:
-    """Which weights a Hugging Face directory holds now, without reading them: its weights
-    file's name, size and modification time (new weights saved there change them)."""
+    """A Hugging Face directory's weights file, without reading it: its name and size. What it
+    holds (its SHA-256) is read once per command, where a rerun's reuse of runs depends on it
+    (`cluster.commands.finetune_sweep.weights_key`), not at every load of the model."""
     path = hf_weights_file(source)
     if path is None:
         return None  # random init from a config and a vocabulary alone
-    stat = os.stat(path)
-    return {"file": os.path.basename(path), "bytes": stat.st_size,
-            "modified_ns": stat.st_mtime_ns}
+    return {"file": os.path.basename(path), "bytes": os.path.getsize(path)}
 
 
 def _provenance(source: str, kind: str, random_init: bool, vocab_path: str, *,

@@ -275,6 +275,12 @@ def best_spans(
     return best_score, start_index[rows, best // k], end_index[rows, best % k]
 
 
+# The answer of a question with no valid span among the n best: Google's run_squad.py
+# (`write_predictions` appends `_NbestPrediction(text="empty", ...)` to an empty n-best list)
+# and Hugging Face's run_qa.py (`postprocess_qa_predictions`) both write "empty"; "" was ours.
+NO_VALID_SPAN = "empty"
+
+
 def postprocess_predictions(
     examples: Sequence[SquadExample],
     features: dict[str, torch.Tensor],
@@ -284,8 +290,9 @@ def postprocess_predictions(
     max_answer_length: int = 30,
 ) -> dict[str, str]:
     """{question id: answer text}: the best span over all windows of each example (run_squad's
-    n-best search, vectorised: `best_spans`), cut from the context by the offsets; "" when none
-    is valid (every question has its entry, so the official script scores it).
+    n-best search, vectorised: `best_spans`), cut from the context by the offsets;
+    `NO_VALID_SPAN` when none is valid (every question has its entry, so the official script
+    scores it).
     The logits are [F, max_seq_length] tensors or numpy arrays, in the features' row order."""
     start_logits, end_logits = torch.as_tensor(start_logits), torch.as_tensor(end_logits)
     if start_logits.shape != features["input_ids"].shape or end_logits.shape != start_logits.shape:
@@ -300,7 +307,7 @@ def postprocess_predictions(
         if example not in best or scores[feature] > scores[best[example]]:
             best[example] = feature
     offsets = features["offset_mapping"]
-    predictions = {example.id: "" for example in examples}
+    predictions = {example.id: NO_VALID_SPAN for example in examples}
     for example, feature in best.items():
         if scores[feature] > float("-inf"):
             first = int(offsets[feature, starts[feature], 0])
