@@ -38,8 +38,9 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # (`ray.dashboard.utils.get_address_for_submission_client`).
 ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 # Never uploaded: environments, version control, data and run outputs (they can be GBs).
+# Ray's own default excludes (.git, .venv, venv, __pycache__) are among them.
 DEFAULT_EXCLUDES = (
-    ".venv", ".git", "**/__pycache__", "*.arrow", "runs", "bertforge-demo", "*.pt",
+    ".venv", "venv", ".git", "**/__pycache__", "*.arrow", "runs", "bertforge-demo", "*.pt",
     "*.safetensors",
 )
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
@@ -162,6 +163,7 @@ def jobs_client(address: str):
     for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
                  "ray._private.runtime_env.packaging"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    _drop_rays_default_excludes_notice()
     token = cluster_token()
     headers = {"authorization": f"Bearer {token}"} if token else None
     try:
@@ -174,6 +176,22 @@ def jobs_client(address: str):
             f"no Ray cluster answers at {address} ({str(error).splitlines()[0]}); start one "
             "(`ray start --head`, the launcher configs in infra/) or give its dashboard "
             "address with --address (default port 8265)") from None
+
+
+class _RaysDefaultExcludesNotice(logging.Filter):
+    """Ray 2.60's warning, per submission, that it now leaves `.git`, `.venv`, `venv` and
+    `__pycache__` out of a working directory ("Directory '.git' is now ignored by default
+    ..."): our excludes leave them out anyway (DEFAULT_EXCLUDES), so it is no news, and every
+    `bertforge submit` from a checkout opened with two such lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is now ignored by default when packaging" not in record.getMessage()
+
+
+def _drop_rays_default_excludes_notice() -> None:
+    logger = logging.getLogger("ray._private.runtime_env.working_dir")
+    if not any(isinstance(f, _RaysDefaultExcludesNotice) for f in logger.filters):
+        logger.addFilter(_RaysDefaultExcludesNotice())
 
 
 @contextlib.contextmanager

@@ -16,13 +16,16 @@ from bertforge.cluster.launch.checkout import package_folders
 from bertforge.cluster.launch.paths import jobs_copy_of
 from bertforge.cluster.launch.submit import (
     DEFAULT_ADDRESS,
+    DEFAULT_EXCLUDES,
     SubmitConfig,
     describe_runtime_env,
     entrypoint_command,
     jobs_address,
+    jobs_client,
     shipped_package,
 )
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
+from bertforge.training.errors import UserInputError
 from bertforge.training.metrics import read_metrics
 from tests.support.train_process import sigint_as_in_a_terminal
 from tests.training.conftest import write_dataset
@@ -299,6 +302,38 @@ def test_runtime_env_hides_values_and_excludes_heavy_paths(tmp_path):
         SubmitConfig(entrypoint=[], working_dir=str(tmp_path))
     with pytest.raises(ValueError, match="either --image or --working-dir"):
         SubmitConfig(entrypoint=["x"], working_dir=str(tmp_path), image="repo/bertforge:1")
+
+
+def test_rays_notice_of_its_default_excludes_is_not_shown(tmp_path):
+    """Every submit from a checkout opened with Ray's two warnings "Directory '.git' (and
+    '.venv') is now ignored by default when packaging the working directory": no news, our
+    excludes leave them out anyway. Ray's own upload step, as the Jobs client runs it."""
+    import logging
+
+    from ray._private import ray_constants
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+    from ray.util.debug import reset_log_once
+
+    for name in (".git", ".venv", "venv", "__pycache__"):
+        (tmp_path / name).mkdir()
+    ours = {pattern.removeprefix("**/") for pattern in DEFAULT_EXCLUDES}
+    assert set(ray_constants.get_runtime_env_default_excludes()) <= ours
+    with pytest.raises(UserInputError, match="no Ray cluster answers"):
+        jobs_client("http://127.0.0.1:9")  # nothing there; the client's logging is set first
+    records = []
+    logger = logging.getLogger("ray._private.runtime_env.working_dir")
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        reset_log_once()  # Ray warns once a process: a test before this one may have had it
+        upload_working_dir_if_needed(
+            SubmitConfig(["x"], working_dir=str(tmp_path)).runtime_env(),
+            include_gitignore=True, upload_fn=lambda *args, **kwargs: None)
+        logger.warning("another warning of Ray's still shows")
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in records] == ["another warning of Ray's still shows"]
 
 
 def test_a_bertforge_job_from_a_folder_that_is_no_checkout_uploads_nothing(tmp_path,
