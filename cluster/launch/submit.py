@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shlex
+import socket
 import sys
 import threading
 import time
@@ -172,10 +173,31 @@ def jobs_client(address: str):
         with _variables_hidden(ADDRESS_VARIABLES):
             return JobSubmissionClient(address, headers=headers)
     except ConnectionError as error:  # Ray raises it with a 90-line chain behind it
-        raise UserInputError(
-            f"no Ray cluster answers at {address} ({str(error).splitlines()[0]}); start one "
-            "(`ray start --head`, the launcher configs in infra/) or give its dashboard "
-            "address with --address (default port 8265)") from None
+        raise UserInputError(_no_dashboard_at(address, str(error).splitlines()[0])) from None
+
+
+def _no_dashboard_at(address: str, reason: str) -> str:
+    """Why the Jobs API did not answer, in one line. Something else listening there is most
+    often the head's GCS port, which `ray start --head` prints first, for `ray start --address`:
+    "no Ray cluster answers" sent the user to start a cluster that was running."""
+    if not _something_listens_at(address):
+        return (f"no Ray cluster answers at {address} ({reason}); start one (`ray start "
+                "--head`, the launcher configs in infra/) or give its dashboard address with "
+                "--address (default port 8265)")
+    return (f"what answers at {address} is no Ray dashboard ({reason}); give the dashboard's "
+            "address with --address (`ray start --head` prints it after 'view the dashboard "
+            "at'; port 8265 by default), not the one `ray start --address` takes (the "
+            "cluster's GCS, port 6379 by default)")
+
+
+def _something_listens_at(address: str) -> bool:
+    parts = urllib.parse.urlsplit(address)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=2.0):
+            return True
+    except OSError:
+        return False
 
 
 class _RaysDefaultExcludesNotice(logging.Filter):

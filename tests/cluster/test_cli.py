@@ -1,3 +1,4 @@
+import contextlib
 import os
 import subprocess
 import sys
@@ -126,6 +127,38 @@ def test_submit_with_no_cluster_is_one_line(capsys):
         assert main(["submit", "--address", address, "--", "bertforge", "train", "--help"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"bertforge submit: error: {line}"), err
+
+
+def test_submit_to_a_port_where_no_dashboard_answers_names_the_dashboards(capsys):
+    """`ray start --head` prints the GCS address first (`ray start --address='HOST:6379'`);
+    given to `bertforge submit --address`, it was "no Ray cluster answers at ...; start one",
+    of a cluster that was running. Something that listens there and is no dashboard: a
+    server that hangs up, as the GCS's gRPC port does on an HTTP request."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def hang_up() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = server.accept()
+                connection.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        assert main(["submit", "--address", f"127.0.0.1:{port}", "--follow", "job-1"]) == 2
+    finally:
+        server.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"bertforge submit: error: what answers at http://127.0.0.1:{port} is no Ray dashboard "
+        "("), err
+    assert err[0].endswith("give the dashboard's address with --address (`ray start --head` "
+                           "prints it after 'view the dashboard at'; port 8265 by default), "
+                           "not the one `ray start --address` takes (the cluster's GCS, port "
+                           "6379 by default)"), err
 
 
 def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys):
