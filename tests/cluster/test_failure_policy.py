@@ -83,3 +83,40 @@ def test_a_worker_group_that_cannot_be_scheduled_is_one_line_after_bounded_tries
                                              r".*RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"):
         run_on_ray(print, {}, LaunchConfig(workers=4, gpu=True, address="auto",
                                            cpus_per_worker=6), RunConfig())
+
+
+def test_a_run_whose_restarts_are_used_up_ends_with_what_it_left(tmp_path, monkeypatch, capsys):
+    """A worker that kept dying (a node lost twice with --max-failures 1) ended `train` with
+    Ray's traceback of some 45 lines alone: no word of the flag, nor of the checkpoint that
+    the same command resumes from. Ray's report stays; one line of ours follows it."""
+    from bertforge.cluster.cli import main
+    from bertforge.cluster.launch import ray_train
+    from tests.training.conftest import write_dataset
+
+    data = write_dataset(str(tmp_path / "shards"), {"train": [32], "validation": [8]})
+    run_dir = tmp_path / "run"
+    newest = str(run_dir / "checkpoints" / "step_00000400")
+
+    def crashes_past_its_restarts(*args, **kwargs):
+        raise WorkerGroupError("Training failed due to worker errors:\n[Rank 0 Error Snippet]:"
+                               "\nA worker health check failed.",
+                               {0: RuntimeError("A worker health check failed.")})
+
+    monkeypatch.setattr(ray_train, "connect", lambda launch: None)
+    monkeypatch.setattr(ray_train, "_fit", crashes_past_its_restarts)
+    argv = ["train", "--address", "auto", "--data", data, "--run-dir", str(run_dir),
+            "--workers", "2", "--max-failures", "1", "--steps", "10", "--batch-size", "8",
+            "--resume", "never"]
+    for committed, left in ((None, "no checkpoint was committed; the same command starts it "
+                                   "over"),
+                            (newest, f"newest committed checkpoint {newest}; the same command "
+                                     "resumes from it")):
+        monkeypatch.setattr(ray_train, "latest_checkpoint",
+                            lambda run_dir, found=committed: found)
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "ray.train.WorkerGroupError: Training failed due to worker errors:" in err
+        assert "A worker health check failed." in err
+        assert err[-1] == ("bertforge train: error: the run's workers failed 2 times, more than "
+                           "--max-failures 1 allows (the last failure's report is above); "
+                           f"{left} (submitted again: with a new --submission-id)")
