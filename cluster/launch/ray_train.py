@@ -76,6 +76,7 @@ def connect(launch: LaunchConfig) -> None:
         return
     check_local_resources(launch)
     if launch.address:
+        _send_the_clusters_token()
         # No runtime_env here: inside a `bertforge submit` job the job's own (its working
         # directory) must reach the workers unchanged.
         ray.init(address=launch.address)
@@ -84,6 +85,18 @@ def connect(launch: LaunchConfig) -> None:
         local_ray.start(num_cpus=max(os.cpu_count() or 1,
                                      launch.workers * launch.cpus_per_worker))
     show_train_workers()  # their lines on the console, the other Ray processes' in the log
+
+
+def _send_the_clusters_token() -> None:
+    """Token mode where a token is at hand and RAY_AUTH_MODE says nothing, as `ray start` and a
+    local `ray.init` decide: Ray 2.60's clusters require the token, and `ray.init(address=...)`
+    sends it only in token mode, so `train --address HEAD:6379` on a node of a cluster started
+    by hand spent 20 s on "Authentication token is missing", then ended in a traceback."""
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:

@@ -4,6 +4,8 @@ test_fault_tolerance, on that module's local Ray)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from ray.train import FailureConfig
 from ray.train.v2._internal.execution.failure_handling import FailureDecision
@@ -120,3 +122,40 @@ def test_a_run_whose_restarts_are_used_up_ends_with_what_it_left(tmp_path, monke
         assert err[-1] == ("bertforge train: error: the run's workers failed 2 times, more than "
                            "--max-failures 1 allows (the last failure's report is above); "
                            f"{left} (submitted again: with a new --submission-id)")
+
+
+def test_joining_a_cluster_sends_its_token_as_ray_start_does(monkeypatch):
+    """`train --address HEAD:6379` on a node of a cluster started by hand (`ray start`), with
+    the cluster's token at hand and RAY_AUTH_MODE unset: Ray's client sent no token, spent
+    20 s on "Authentication token is missing" and ended in a traceback."""
+    import ray
+    from ray._raylet import (
+        AuthenticationMode,
+        AuthenticationTokenLoader,
+        Config,
+        get_authentication_mode,
+    )
+
+    from bertforge.cluster.launch import ray_train
+    from bertforge.cluster.launch.ray_train import LaunchConfig, connect
+
+    modes = []
+    mode_before = os.environ.pop("RAY_AUTH_MODE", None)  # connect sets it: restored below
+    try:
+        with monkeypatch.context() as patched:
+            patched.setenv("RAY_AUTH_TOKEN", "0123456789abcdef0123456789abcdef")
+            Config.initialize("")  # as a process that imported Ray without token mode
+            AuthenticationTokenLoader.instance().reset_cache()  # the token given here
+            patched.setattr(ray, "is_initialized", lambda: False)
+            patched.setattr(ray, "init", lambda **kwargs: modes.append(get_authentication_mode()))
+            patched.setattr(ray_train.local_ray, "reclaim_signals", lambda: None)
+            patched.setattr(ray_train, "show_train_workers", lambda: None)
+            connect(LaunchConfig(workers=1, address="127.0.0.2:6379"))
+    finally:
+        # This process's own mode and token again, for the tests after this one.
+        os.environ.pop("RAY_AUTH_MODE", None)
+        if mode_before is not None:
+            os.environ["RAY_AUTH_MODE"] = mode_before
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    assert modes == [AuthenticationMode.TOKEN]
