@@ -165,6 +165,8 @@ def jobs_client(address: str):
                  "ray._private.runtime_env.packaging"):
         logging.getLogger(name).setLevel(logging.WARNING)
     _drop_rays_default_excludes_notice()
+    from ray.exceptions import AuthenticationError
+
     token = cluster_token()
     headers = {"authorization": f"Bearer {token}"} if token else None
     try:
@@ -174,6 +176,17 @@ def jobs_client(address: str):
             return JobSubmissionClient(address, headers=headers)
     except ConnectionError as error:  # Ray raises it with a 90-line chain behind it
         raise UserInputError(_no_dashboard_at(address, str(error).splitlines()[0])) from None
+    except AuthenticationError:  # a traceback, then Ray's advice in 8 lines
+        raise UserInputError(_token_refused(address, token)) from None
+
+
+def _token_refused(address: str, token: str | None) -> str:
+    """The cluster asks for its token (`ray start --head` turns that on where the head has one):
+    none here, or another cluster's."""
+    what = ("and this machine has none" if token is None else
+            f"and refused this machine's ({_token_source()})")
+    return (f"the Ray cluster at {address} asks for its token {what}: copy the head's "
+            "~/.ray/auth_token to ~/.ray/ here, or set RAY_AUTH_TOKEN to its contents")
 
 
 def _no_dashboard_at(address: str, reason: str) -> str:
@@ -230,11 +243,18 @@ def cluster_token() -> str | None:
     lookup order)."""
     if os.environ.get("RAY_AUTH_TOKEN"):
         return os.environ["RAY_AUTH_TOKEN"].strip()
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH", os.path.expanduser("~/.ray/auth_token"))
+    path = _token_source()
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             return f.read().strip() or None
     return None
+
+
+def _token_source() -> str:
+    """Where `cluster_token` reads the token: RAY_AUTH_TOKEN, or the file's path."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    return os.environ.get("RAY_AUTH_TOKEN_PATH", os.path.expanduser("~/.ray/auth_token"))
 
 
 def entrypoint_command(words: list[str]) -> str:

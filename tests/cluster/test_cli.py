@@ -161,6 +161,44 @@ def test_submit_to_a_port_where_no_dashboard_answers_names_the_dashboards(capsys
                            "6379 by default)"), err
 
 
+def test_submit_without_the_clusters_token_is_one_line(tmp_path, monkeypatch, capsys):
+    """A cluster started by hand (`ray start --head` with a token) asks every client for it:
+    without it, or with another cluster's, `bertforge submit` ended in Ray's traceback. Its
+    dashboard's answers, as Ray 2.60's gives them: 401 without a token, 403 for a wrong one."""
+    import http.server
+    import threading
+
+    class Dashboard(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's name for GET
+            refused = self.headers.get("authorization") is not None
+            self.send_response(403 if refused else 401)
+            self.end_headers()
+            self.wfile.write(b"Forbidden: Invalid authentication token" if refused else
+                             b"Unauthorized: Missing authentication token")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Dashboard)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))  # none there
+    try:
+        for token, what in ((None, "and this machine has none"),
+                            ("another-clusters", f"and refused this machine's ({tmp_path}"
+                                                 "/auth_token)")):
+            if token:
+                (tmp_path / "auth_token").write_text(token)
+            assert main(["submit", "--address", url, "--follow", "job-1"]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err == [f"bertforge submit: error: the Ray cluster at {url} asks for its "
+                           f"token {what}: copy the head's ~/.ray/auth_token to ~/.ray/ here, "
+                           "or set RAY_AUTH_TOKEN to its contents"], err
+    finally:
+        server.shutdown()
+
+
 def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys):
     """A mistyped flag or a bad value in `bertforge submit -- bertforge train ...` used to be
     found once the job ran on the cluster (its upload and start first); it is refused here, as
