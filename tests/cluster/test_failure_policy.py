@@ -15,12 +15,29 @@ from bertforge.cluster.launch.failure_policy import UserErrorsFailAtOnce
 from bertforge.training.errors import UserInputError
 
 
-def test_other_worker_errors_are_still_retried():
-    """Ray's own decisions for everything else (a real run of that costs a minute here)."""
+def test_other_worker_errors_are_still_retried(capsys, monkeypatch):
+    """Ray's own decisions for everything else (a real run of that costs a minute here), each
+    restart said on the console: a worker's traceback, then steps again from an earlier one,
+    read as if the run had crashed, and nothing said that a restart was used up."""
+    from bertforge.cluster.launch import worker_output
+
     policy = UserErrorsFailAtOnce(FailureConfig(max_failures=1))
     crash = WorkerGroupError("rank 0 died", {0: RuntimeError("worker crashed")})
     assert policy.make_decision(crash) == FailureDecision.RETRY
+    notice = capsys.readouterr().out  # written by Ray Train's controller, in its process
+    assert notice == ("[bertforge] a worker failed (failure 1, --max-failures 1): restarting "
+                      "the workers, from the newest checkpoint where there is one\n")
     assert policy.make_decision(crash) == FailureDecision.RAISE  # max_failures used up
+    assert capsys.readouterr().out == ""  # the command's own last line says it (ray_train)
+    # The driver shows the notice as its command's line, and none of the controller's others.
+    monkeypatch.setattr(worker_output, "_driver_command", "train")
+    worker_output._print_train_worker_lines({
+        "actor_name": "TrainController", "pid": 7, "is_err": False,
+        "lines": ["[2026-11-29 16:33:40,385 E 12567 12602] core_worker.cc:2465: Actor ...",
+                  notice.rstrip("\n")]})
+    assert capsys.readouterr().out == ("[train] a worker failed (failure 1, --max-failures 1): "
+                                       "restarting the workers, from the newest checkpoint "
+                                       "where there is one\n")
     user = WorkerGroupError("rank 1", {0: RuntimeError("peer gone"), 1: UserInputError("bad")})
     assert UserErrorsFailAtOnce(FailureConfig(max_failures=5)).make_decision(user) == (
         FailureDecision.RAISE)
