@@ -399,8 +399,22 @@ def stop(address: str, job_id: str, timeout_s: float = 60.0) -> int:
         raise UserInputError(f"cannot stop job {job_id}: {_ray_reason(error)}") from None
     if not stopping:  # its status alone read as if this stop had ended it
         print(f"[submit] job {job_id} had already ended: nothing to stop", flush=True)
-    return final_status(client, job_id, timeout_s=timeout_s, hint=(
+    code = final_status(client, job_id, timeout_s=timeout_s, hint=(
         "it was asked to stop and the cluster may still end it; the same command asks again"))
+    if stopping:
+        _show_its_last_word(client, job_id)
+    return code
+
+
+def _show_its_last_word(client, job_id: str) -> None:
+    """A stopped bertforge command's own last line ("bertforge train: stopped by SIGTERM;
+    newest committed checkpoint ...; the same command resumes from it"): what a resubmission
+    continues from. `--stop` said only STOPPED, and the line was in the job's logs alone."""
+    with contextlib.suppress(Exception):  # the logs are a courtesy: the stop has happened
+        lines = [line for line in client.get_job_logs(job_id).splitlines() if line.strip()]
+        own = [line for line in lines if line.startswith("bertforge ")]
+        if own and own[-1] == lines[-1]:
+            print(f"[submit] job {job_id} ended with: {own[-1]}", flush=True)
 
 
 def _ray_reason(error: Exception) -> str:

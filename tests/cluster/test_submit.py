@@ -158,9 +158,15 @@ def test_failing_job_gives_a_failing_exit_code(two_node_cluster, capsys):
 
 def test_running_job_can_be_followed_again_and_stopped(two_node_cluster, capsys):
     url = two_node_cluster.dashboard_url
+    # It ends, as a bertforge command does when stopped, with a line of its own.
     assert main(["submit", "--address", url, "--working-dir", REPO, "--no-wait",
                  "--submission-id", "bf-sleeper", "--",
-                 "python", "-c", "import time; print('as' + 'leep', flush=True); "
+                 "python", "-c", "import signal, sys, time\n"
+                 "def stop(*_):\n"
+                 "    print('bertforge sleep: stopped by SIGTERM; slept enough', flush=True)\n"
+                 "    sys.exit(143)\n"
+                 "signal.signal(signal.SIGTERM, stop)\n"
+                 "print('as' + 'leep', flush=True)\n"
                  "time.sleep(120)"]) == 0
     assert (f"`bertforge submit --address {url} --follow bf-sleeper` follows it, `bertforge "
             f"submit --address {url} --stop bf-sleeper` stops it") in capsys.readouterr().out
@@ -181,7 +187,10 @@ def test_running_job_can_be_followed_again_and_stopped(two_node_cluster, capsys)
                            f"`bertforge submit --address {url} --follow bf-sleeper` follows it, "
                            f"`bertforge submit --address {url} --stop bf-sleeper` stops it")
     assert main(["submit", "--address", url, "--stop", "bf-sleeper"]) == 3
-    assert "bf-sleeper STOPPED" in capsys.readouterr().out
+    # What the job said last, which told a stopped `train`'s checkpoint, was in its logs alone.
+    assert capsys.readouterr().out == (
+        "[submit] job bf-sleeper STOPPED\n[submit] job bf-sleeper ended with: bertforge sleep: "
+        "stopped by SIGTERM; slept enough\n")
     # An id used before, and one the cluster never had: one line each, not Ray's traceback.
     for argv, expected in (
             (["--working-dir", REPO, "--no-wait", "--submission-id", "bf-sleeper", "--",
