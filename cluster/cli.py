@@ -800,12 +800,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         return _one_line(args.command, stop.describe(), stop.code)
     except Exception as error:
-        from bertforge.training.errors import disk_full
+        from bertforge.training.errors import RestartsUsedUp, disk_full
 
         if disk_full(error):  # what to do is plain; the engine's traceback would hide it
             return _one_line(args.command, f"error: {_disk_full_line(error)}", 2)
         # Printed here, not by the interpreter: importing Ray replaces sys.excepthook with one
         # whose lines the quiet console counts as Ray's (a finetune's crash showed nothing).
+        if isinstance(error, RestartsUsedUp):  # the crash's report, then what to do
+            traceback.print_exception(error.__cause__ or error)
+            return _one_line(args.command, f"error: {error}", 1)
         traceback.print_exception(error)
         return 1
     return status or 0  # handlers that run a job return its exit code

@@ -26,6 +26,12 @@ class DivergedError(UserInputError):
     settings, diverges the same way."""
 
 
+class RestartsUsedUp(RuntimeError):
+    """A run that crashed more often than its restarts allow (`--max-failures`): the command
+    prints the last crash's report (this error's cause), then this one line saying what is
+    left and how to go on."""
+
+
 def disk_full(error: BaseException) -> bool:
     """Whether `error` (or one it was raised from) is a full disk or quota: an OSError's errno,
     or the OS's words in the message of a library that drops the errno (safetensors)."""

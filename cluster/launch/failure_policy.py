@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import sys
 from collections.abc import Iterator
 
 from ray.train.v2._internal.execution.failure_handling import (
@@ -23,6 +24,7 @@ from ray.train.v2._internal.execution.failure_handling import (
 )
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
+from bertforge.cluster.launch.worker_output import CONTROLLER_NOTICE
 from bertforge.training.errors import UserInputError
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,27 @@ class UserErrorsFailAtOnce(DefaultFailurePolicy):
         if user_error is not None:
             logger.error("not retried (retrying cannot fix it): %s", user_error)
             return FailureDecision.RAISE
-        return super().make_decision(training_failed_error)
+        failures_before = self._failures_counted()
+        decision = super().make_decision(training_failed_error)
+        if decision == FailureDecision.RETRY and self._failures_counted() > failures_before:
+            self._announce_restart()
+        return decision
+
+    def _failures_counted(self) -> int:
+        """The failures counted against max_failures so far (not preemptions, not the
+        controller's own: Ray keeps those apart)."""
+        return getattr(self, "_worker_group_failures", 0)
+
+    def _announce_restart(self) -> None:
+        """A line for the user's console (the driver shows it: `worker_output`): a worker's
+        traceback, then steps again from an earlier one, read as if the run had crashed, and
+        nothing said that a restart was used up. Written, not printed: Ray Train may have
+        made print a logger's."""
+        sys.stdout.write(
+            f"{CONTROLLER_NOTICE}a worker failed (failure {self._failures_counted()}, "
+            f"--max-failures {self.failure_config.max_failures}): restarting the workers, "
+            "from the newest checkpoint where there is one\n")
+        sys.stdout.flush()
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
-from ray.train.v2.api.exceptions import ControllerError
+from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 from bertforge.cluster.launch import local_ray
 from bertforge.cluster.launch.failure_policy import user_errors_fail_at_once
@@ -40,7 +40,7 @@ from bertforge.cluster.safety.run_lock import (
 )
 from bertforge.training.checkpoint import latest_checkpoint, new_run_id, read_metadata
 from bertforge.training.config import TrainConfig
-from bertforge.training.errors import UserInputError
+from bertforge.training.errors import RestartsUsedUp, UserInputError
 from bertforge.training.inputs import check_train_inputs, refuse_run_dir_uri
 from bertforge.training.metrics import console, counted
 from bertforge.training.object_storage import child_uri
@@ -76,6 +76,7 @@ def connect(launch: LaunchConfig) -> None:
         return
     check_local_resources(launch)
     if launch.address:
+        _send_the_clusters_token()
         # No runtime_env here: inside a `bertforge submit` job the job's own (its working
         # directory) must reach the workers unchanged.
         ray.init(address=launch.address)
@@ -84,6 +85,18 @@ def connect(launch: LaunchConfig) -> None:
         local_ray.start(num_cpus=max(os.cpu_count() or 1,
                                      launch.workers * launch.cpus_per_worker))
     show_train_workers()  # their lines on the console, the other Ray processes' in the log
+
+
+def _send_the_clusters_token() -> None:
+    """Token mode where a token is at hand and RAY_AUTH_MODE says nothing, as `ray start` and a
+    local `ray.init` decide: Ray 2.60's clusters require the token, and `ray.init(address=...)`
+    sends it only in token mode, so `train --address HEAD:6379` on a node of a cluster started
+    by hand spent 20 s on "Authentication token is missing", then ended in a traceback."""
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
@@ -146,6 +159,25 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
             stop.note = (f"newest committed checkpoint {newest}; the same command resumes "
                          "from it" if newest else "no checkpoint was committed yet")
             raise stop from None
+        except WorkerGroupError as error:  # a user error's is a UserInputError by now
+            raise RestartsUsedUp(_restarts_used_up(launch, run_dir)) from error
+
+
+def _restarts_used_up(launch: LaunchConfig, run_dir: str) -> str:
+    """What a run that crashed once more than --max-failures allows leaves, in one line: it
+    ended with Ray's traceback alone, which named neither the flag nor the checkpoint that a
+    resubmission continues from."""
+    crashes = counted(launch.max_failures + 1, "time")
+    if launch.storage:
+        left = (f"the same command resumes from the newest checkpoint in --storage "
+                f"{launch.storage}")
+    else:
+        newest = latest_checkpoint(run_dir)
+        left = (f"newest committed checkpoint {newest}; the same command resumes from it"
+                if newest else "no checkpoint was committed; the same command starts it over")
+    return (f"the run's workers failed {crashes}, more than --max-failures "
+            f"{launch.max_failures} allows (the last failure's report is above); {left} "
+            "(submitted again: with a new --submission-id)")
 
 
 def refuse_a_stored_run(storage: str, name: str, run_dir: str) -> None:

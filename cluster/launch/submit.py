@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shlex
+import socket
 import sys
 import threading
 import time
@@ -38,8 +39,9 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # (`ray.dashboard.utils.get_address_for_submission_client`).
 ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 # Never uploaded: environments, version control, data and run outputs (they can be GBs).
+# Ray's own default excludes (.git, .venv, venv, __pycache__) are among them.
 DEFAULT_EXCLUDES = (
-    ".venv", ".git", "**/__pycache__", "*.arrow", "runs", "bertforge-demo", "*.pt",
+    ".venv", "venv", ".git", "**/__pycache__", "*.arrow", "runs", "bertforge-demo", "*.pt",
     "*.safetensors",
 )
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
@@ -162,6 +164,9 @@ def jobs_client(address: str):
     for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
                  "ray._private.runtime_env.packaging"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    _drop_rays_default_excludes_notice()
+    from ray.exceptions import AuthenticationError
+
     token = cluster_token()
     headers = {"authorization": f"Bearer {token}"} if token else None
     try:
@@ -170,10 +175,58 @@ def jobs_client(address: str):
         with _variables_hidden(ADDRESS_VARIABLES):
             return JobSubmissionClient(address, headers=headers)
     except ConnectionError as error:  # Ray raises it with a 90-line chain behind it
-        raise UserInputError(
-            f"no Ray cluster answers at {address} ({str(error).splitlines()[0]}); start one "
-            "(`ray start --head`, the launcher configs in infra/) or give its dashboard "
-            "address with --address (default port 8265)") from None
+        raise UserInputError(_no_dashboard_at(address, str(error).splitlines()[0])) from None
+    except AuthenticationError:  # a traceback, then Ray's advice in 8 lines
+        raise UserInputError(_token_refused(address, token)) from None
+
+
+def _token_refused(address: str, token: str | None) -> str:
+    """The cluster asks for its token (`ray start --head` turns that on where the head has one):
+    none here, or another cluster's."""
+    what = ("and this machine has none" if token is None else
+            f"and refused this machine's ({_token_source()})")
+    return (f"the Ray cluster at {address} asks for its token {what}: copy the head's "
+            "~/.ray/auth_token to ~/.ray/ here, or set RAY_AUTH_TOKEN to its contents")
+
+
+def _no_dashboard_at(address: str, reason: str) -> str:
+    """Why the Jobs API did not answer, in one line. Something else listening there is most
+    often the head's GCS port, which `ray start --head` prints first, for `ray start --address`:
+    "no Ray cluster answers" sent the user to start a cluster that was running."""
+    if not _something_listens_at(address):
+        return (f"no Ray cluster answers at {address} ({reason}); start one (`ray start "
+                "--head`, the launcher configs in infra/) or give its dashboard address with "
+                "--address (default port 8265)")
+    return (f"what answers at {address} is no Ray dashboard ({reason}); give the dashboard's "
+            "address with --address (`ray start --head` prints it after 'view the dashboard "
+            "at'; port 8265 by default), not the one `ray start --address` takes (the "
+            "cluster's GCS, port 6379 by default)")
+
+
+def _something_listens_at(address: str) -> bool:
+    parts = urllib.parse.urlsplit(address)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
+class _RaysDefaultExcludesNotice(logging.Filter):
+    """Ray 2.60's warning, per submission, that it now leaves `.git`, `.venv`, `venv` and
+    `__pycache__` out of a working directory ("Directory '.git' is now ignored by default
+    ..."): our excludes leave them out anyway (DEFAULT_EXCLUDES), so it is no news, and every
+    `bertforge submit` from a checkout opened with two such lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is now ignored by default when packaging" not in record.getMessage()
+
+
+def _drop_rays_default_excludes_notice() -> None:
+    logger = logging.getLogger("ray._private.runtime_env.working_dir")
+    if not any(isinstance(f, _RaysDefaultExcludesNotice) for f in logger.filters):
+        logger.addFilter(_RaysDefaultExcludesNotice())
 
 
 @contextlib.contextmanager
@@ -190,11 +243,18 @@ def cluster_token() -> str | None:
     lookup order)."""
     if os.environ.get("RAY_AUTH_TOKEN"):
         return os.environ["RAY_AUTH_TOKEN"].strip()
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH", os.path.expanduser("~/.ray/auth_token"))
+    path = _token_source()
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             return f.read().strip() or None
     return None
+
+
+def _token_source() -> str:
+    """Where `cluster_token` reads the token: RAY_AUTH_TOKEN, or the file's path."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    return os.environ.get("RAY_AUTH_TOKEN_PATH", os.path.expanduser("~/.ray/auth_token"))
 
 
 def entrypoint_command(words: list[str]) -> str:
@@ -339,8 +399,22 @@ def stop(address: str, job_id: str, timeout_s: float = 60.0) -> int:
         raise UserInputError(f"cannot stop job {job_id}: {_ray_reason(error)}") from None
     if not stopping:  # its status alone read as if this stop had ended it
         print(f"[submit] job {job_id} had already ended: nothing to stop", flush=True)
-    return final_status(client, job_id, timeout_s=timeout_s, hint=(
+    code = final_status(client, job_id, timeout_s=timeout_s, hint=(
         "it was asked to stop and the cluster may still end it; the same command asks again"))
+    if stopping:
+        _show_its_last_word(client, job_id)
+    return code
+
+
+def _show_its_last_word(client, job_id: str) -> None:
+    """A stopped bertforge command's own last line ("bertforge train: stopped by SIGTERM;
+    newest committed checkpoint ...; the same command resumes from it"): what a resubmission
+    continues from. `--stop` said only STOPPED, and the line was in the job's logs alone."""
+    with contextlib.suppress(Exception):  # the logs are a courtesy: the stop has happened
+        lines = [line for line in client.get_job_logs(job_id).splitlines() if line.strip()]
+        own = [line for line in lines if line.startswith("bertforge ")]
+        if own and own[-1] == lines[-1]:
+            print(f"[submit] job {job_id} ended with: {own[-1]}", flush=True)
 
 
 def _ray_reason(error: Exception) -> str:

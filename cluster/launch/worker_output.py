@@ -64,6 +64,10 @@ _PRINT_STAND_INS = ("redirected_print", "safe_print")
 _PRINT_PATCHES_OFF = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TQDM_PATCH_PRINT": "0"}
 # Ray prefixes a forwarded line of a Ray Train worker with this actor name.
 _TRAIN_WORKER_ACTOR = "RayTrainWorker"
+# Ray Train's controller: of its forwarded lines the driver shows only those that begin with
+# CONTROLLER_NOTICE (`failure_policy`'s restart notices), as its own command's.
+_CONTROLLER_ACTOR = "TrainController"
+CONTROLLER_NOTICE = "[bertforge] "
 
 
 def worker_log_path(run_dir: str, rank: int) -> str:
@@ -334,7 +338,10 @@ _DISPATCH_NAME = "bertforge_train_workers"
 
 
 def _print_train_worker_lines(data: dict) -> None:
-    if not str(data.get("actor_name") or "").startswith(_TRAIN_WORKER_ACTOR):
+    actor = str(data.get("actor_name") or "")
+    if actor.startswith(_CONTROLLER_ACTOR):
+        _print_controller_notices(data.get("lines", ()))
+    if not actor.startswith(_TRAIN_WORKER_ACTOR):
         return
     stream = sys.stderr if data.get("is_err") else sys.stdout
     console = stream.console if isinstance(stream, _Console) else stream
@@ -344,4 +351,12 @@ def _print_train_worker_lines(data: dict) -> None:
         # A worker's error lines keep which process wrote them.
         console.write(f"(worker pid={data.get('pid')}) {line}\n" if data.get("is_err")
                       else line + "\n")
+    console.flush()
+
+
+def _print_controller_notices(lines) -> None:
+    console = sys.stdout.console if isinstance(sys.stdout, _Console) else sys.stdout
+    for line in lines:
+        if line.startswith(CONTROLLER_NOTICE):
+            console.write(f"[{_driver_command}] {line.removeprefix(CONTROLLER_NOTICE)}\n")
     console.flush()

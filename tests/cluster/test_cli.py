@@ -1,3 +1,4 @@
+import contextlib
 import os
 import subprocess
 import sys
@@ -126,6 +127,76 @@ def test_submit_with_no_cluster_is_one_line(capsys):
         assert main(["submit", "--address", address, "--", "bertforge", "train", "--help"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"bertforge submit: error: {line}"), err
+
+
+def test_submit_to_a_port_where_no_dashboard_answers_names_the_dashboards(capsys):
+    """`ray start --head` prints the GCS address first (`ray start --address='HOST:6379'`);
+    given to `bertforge submit --address`, it was "no Ray cluster answers at ...; start one",
+    of a cluster that was running. Something that listens there and is no dashboard: a
+    server that hangs up, as the GCS's gRPC port does on an HTTP request."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def hang_up() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = server.accept()
+                connection.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        assert main(["submit", "--address", f"127.0.0.1:{port}", "--follow", "job-1"]) == 2
+    finally:
+        server.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"bertforge submit: error: what answers at http://127.0.0.1:{port} is no Ray dashboard "
+        "("), err
+    assert err[0].endswith("give the dashboard's address with --address (`ray start --head` "
+                           "prints it after 'view the dashboard at'; port 8265 by default), "
+                           "not the one `ray start --address` takes (the cluster's GCS, port "
+                           "6379 by default)"), err
+
+
+def test_submit_without_the_clusters_token_is_one_line(tmp_path, monkeypatch, capsys):
+    """A cluster started by hand (`ray start --head` with a token) asks every client for it:
+    without it, or with another cluster's, `bertforge submit` ended in Ray's traceback. Its
+    dashboard's answers, as Ray 2.60's gives them: 401 without a token, 403 for a wrong one."""
+    import http.server
+    import threading
+
+    class Dashboard(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's name for GET
+            refused = self.headers.get("authorization") is not None
+            self.send_response(403 if refused else 401)
+            self.end_headers()
+            self.wfile.write(b"Forbidden: Invalid authentication token" if refused else
+                             b"Unauthorized: Missing authentication token")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Dashboard)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))  # none there
+    try:
+        for token, what in ((None, "and this machine has none"),
+                            ("another-clusters", f"and refused this machine's ({tmp_path}"
+                                                 "/auth_token)")):
+            if token:
+                (tmp_path / "auth_token").write_text(token)
+            assert main(["submit", "--address", url, "--follow", "job-1"]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err == [f"bertforge submit: error: the Ray cluster at {url} asks for its "
+                           f"token {what}: copy the head's ~/.ray/auth_token to ~/.ray/ here, "
+                           "or set RAY_AUTH_TOKEN to its contents"], err
+    finally:
+        server.shutdown()
 
 
 def test_a_submitted_commands_mistakes_are_refused_before_it_is_submitted(capsys):

@@ -4,6 +4,8 @@ test_fault_tolerance, on that module's local Ray)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from ray.train import FailureConfig
 from ray.train.v2._internal.execution.failure_handling import FailureDecision
@@ -13,12 +15,29 @@ from bertforge.cluster.launch.failure_policy import UserErrorsFailAtOnce
 from bertforge.training.errors import UserInputError
 
 
-def test_other_worker_errors_are_still_retried():
-    """Ray's own decisions for everything else (a real run of that costs a minute here)."""
+def test_other_worker_errors_are_still_retried(capsys, monkeypatch):
+    """Ray's own decisions for everything else (a real run of that costs a minute here), each
+    restart said on the console: a worker's traceback, then steps again from an earlier one,
+    read as if the run had crashed, and nothing said that a restart was used up."""
+    from bertforge.cluster.launch import worker_output
+
     policy = UserErrorsFailAtOnce(FailureConfig(max_failures=1))
     crash = WorkerGroupError("rank 0 died", {0: RuntimeError("worker crashed")})
     assert policy.make_decision(crash) == FailureDecision.RETRY
+    notice = capsys.readouterr().out  # written by Ray Train's controller, in its process
+    assert notice == ("[bertforge] a worker failed (failure 1, --max-failures 1): restarting "
+                      "the workers, from the newest checkpoint where there is one\n")
     assert policy.make_decision(crash) == FailureDecision.RAISE  # max_failures used up
+    assert capsys.readouterr().out == ""  # the command's own last line says it (ray_train)
+    # The driver shows the notice as its command's line, and none of the controller's others.
+    monkeypatch.setattr(worker_output, "_driver_command", "train")
+    worker_output._print_train_worker_lines({
+        "actor_name": "TrainController", "pid": 7, "is_err": False,
+        "lines": ["[2026-11-29 16:33:40,385 E 12567 12602] core_worker.cc:2465: Actor ...",
+                  notice.rstrip("\n")]})
+    assert capsys.readouterr().out == ("[train] a worker failed (failure 1, --max-failures 1): "
+                                       "restarting the workers, from the newest checkpoint "
+                                       "where there is one\n")
     user = WorkerGroupError("rank 1", {0: RuntimeError("peer gone"), 1: UserInputError("bad")})
     assert UserErrorsFailAtOnce(FailureConfig(max_failures=5)).make_decision(user) == (
         FailureDecision.RAISE)
@@ -83,3 +102,77 @@ def test_a_worker_group_that_cannot_be_scheduled_is_one_line_after_bounded_tries
                                              r".*RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"):
         run_on_ray(print, {}, LaunchConfig(workers=4, gpu=True, address="auto",
                                            cpus_per_worker=6), RunConfig())
+
+
+def test_a_run_whose_restarts_are_used_up_ends_with_what_it_left(tmp_path, monkeypatch, capsys):
+    """A worker that kept dying (a node lost twice with --max-failures 1) ended `train` with
+    Ray's traceback of some 45 lines alone: no word of the flag, nor of the checkpoint that
+    the same command resumes from. Ray's report stays; one line of ours follows it."""
+    from bertforge.cluster.cli import main
+    from bertforge.cluster.launch import ray_train
+    from tests.training.conftest import write_dataset
+
+    data = write_dataset(str(tmp_path / "shards"), {"train": [32], "validation": [8]})
+    run_dir = tmp_path / "run"
+    newest = str(run_dir / "checkpoints" / "step_00000400")
+
+    def crashes_past_its_restarts(*args, **kwargs):
+        raise WorkerGroupError("Training failed due to worker errors:\n[Rank 0 Error Snippet]:"
+                               "\nA worker health check failed.",
+                               {0: RuntimeError("A worker health check failed.")})
+
+    monkeypatch.setattr(ray_train, "connect", lambda launch: None)
+    monkeypatch.setattr(ray_train, "_fit", crashes_past_its_restarts)
+    argv = ["train", "--address", "auto", "--data", data, "--run-dir", str(run_dir),
+            "--workers", "2", "--max-failures", "1", "--steps", "10", "--batch-size", "8",
+            "--resume", "never"]
+    for committed, left in ((None, "no checkpoint was committed; the same command starts it "
+                                   "over"),
+                            (newest, f"newest committed checkpoint {newest}; the same command "
+                                     "resumes from it")):
+        monkeypatch.setattr(ray_train, "latest_checkpoint",
+                            lambda run_dir, found=committed: found)
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "ray.train.WorkerGroupError: Training failed due to worker errors:" in err
+        assert "A worker health check failed." in err
+        assert err[-1] == ("bertforge train: error: the run's workers failed 2 times, more than "
+                           "--max-failures 1 allows (the last failure's report is above); "
+                           f"{left} (submitted again: with a new --submission-id)")
+
+
+def test_joining_a_cluster_sends_its_token_as_ray_start_does(monkeypatch):
+    """`train --address HEAD:6379` on a node of a cluster started by hand (`ray start`), with
+    the cluster's token at hand and RAY_AUTH_MODE unset: Ray's client sent no token, spent
+    20 s on "Authentication token is missing" and ended in a traceback."""
+    import ray
+    from ray._raylet import (
+        AuthenticationMode,
+        AuthenticationTokenLoader,
+        Config,
+        get_authentication_mode,
+    )
+
+    from bertforge.cluster.launch import ray_train
+    from bertforge.cluster.launch.ray_train import LaunchConfig, connect
+
+    modes = []
+    mode_before = os.environ.pop("RAY_AUTH_MODE", None)  # connect sets it: restored below
+    try:
+        with monkeypatch.context() as patched:
+            patched.setenv("RAY_AUTH_TOKEN", "0123456789abcdef0123456789abcdef")
+            Config.initialize("")  # as a process that imported Ray without token mode
+            AuthenticationTokenLoader.instance().reset_cache()  # the token given here
+            patched.setattr(ray, "is_initialized", lambda: False)
+            patched.setattr(ray, "init", lambda **kwargs: modes.append(get_authentication_mode()))
+            patched.setattr(ray_train.local_ray, "reclaim_signals", lambda: None)
+            patched.setattr(ray_train, "show_train_workers", lambda: None)
+            connect(LaunchConfig(workers=1, address="127.0.0.2:6379"))
+    finally:
+        # This process's own mode and token again, for the tests after this one.
+        os.environ.pop("RAY_AUTH_MODE", None)
+        if mode_before is not None:
+            os.environ["RAY_AUTH_MODE"] = mode_before
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    assert modes == [AuthenticationMode.TOKEN]

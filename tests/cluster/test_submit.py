@@ -16,13 +16,16 @@ from bertforge.cluster.launch.checkout import package_folders
 from bertforge.cluster.launch.paths import jobs_copy_of
 from bertforge.cluster.launch.submit import (
     DEFAULT_ADDRESS,
+    DEFAULT_EXCLUDES,
     SubmitConfig,
     describe_runtime_env,
     entrypoint_command,
     jobs_address,
+    jobs_client,
     shipped_package,
 )
 from bertforge.training.checkpoint import latest_checkpoint, read_metadata
+from bertforge.training.errors import UserInputError
 from bertforge.training.metrics import read_metrics
 from tests.support.train_process import sigint_as_in_a_terminal
 from tests.training.conftest import write_dataset
@@ -155,9 +158,15 @@ def test_failing_job_gives_a_failing_exit_code(two_node_cluster, capsys):
 
 def test_running_job_can_be_followed_again_and_stopped(two_node_cluster, capsys):
     url = two_node_cluster.dashboard_url
+    # It ends, as a bertforge command does when stopped, with a line of its own.
     assert main(["submit", "--address", url, "--working-dir", REPO, "--no-wait",
                  "--submission-id", "bf-sleeper", "--",
-                 "python", "-c", "import time; print('as' + 'leep', flush=True); "
+                 "python", "-c", "import signal, sys, time\n"
+                 "def stop(*_):\n"
+                 "    print('bertforge sleep: stopped by SIGTERM; slept enough', flush=True)\n"
+                 "    sys.exit(143)\n"
+                 "signal.signal(signal.SIGTERM, stop)\n"
+                 "print('as' + 'leep', flush=True)\n"
                  "time.sleep(120)"]) == 0
     assert (f"`bertforge submit --address {url} --follow bf-sleeper` follows it, `bertforge "
             f"submit --address {url} --stop bf-sleeper` stops it") in capsys.readouterr().out
@@ -178,7 +187,10 @@ def test_running_job_can_be_followed_again_and_stopped(two_node_cluster, capsys)
                            f"`bertforge submit --address {url} --follow bf-sleeper` follows it, "
                            f"`bertforge submit --address {url} --stop bf-sleeper` stops it")
     assert main(["submit", "--address", url, "--stop", "bf-sleeper"]) == 3
-    assert "bf-sleeper STOPPED" in capsys.readouterr().out
+    # What the job said last, which told a stopped `train`'s checkpoint, was in its logs alone.
+    assert capsys.readouterr().out == (
+        "[submit] job bf-sleeper STOPPED\n[submit] job bf-sleeper ended with: bertforge sleep: "
+        "stopped by SIGTERM; slept enough\n")
     # An id used before, and one the cluster never had: one line each, not Ray's traceback.
     for argv, expected in (
             (["--working-dir", REPO, "--no-wait", "--submission-id", "bf-sleeper", "--",
@@ -299,6 +311,38 @@ def test_runtime_env_hides_values_and_excludes_heavy_paths(tmp_path):
         SubmitConfig(entrypoint=[], working_dir=str(tmp_path))
     with pytest.raises(ValueError, match="either --image or --working-dir"):
         SubmitConfig(entrypoint=["x"], working_dir=str(tmp_path), image="repo/bertforge:1")
+
+
+def test_rays_notice_of_its_default_excludes_is_not_shown(tmp_path):
+    """Every submit from a checkout opened with Ray's two warnings "Directory '.git' (and
+    '.venv') is now ignored by default when packaging the working directory": no news, our
+    excludes leave them out anyway. Ray's own upload step, as the Jobs client runs it."""
+    import logging
+
+    from ray._private import ray_constants
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+    from ray.util.debug import reset_log_once
+
+    for name in (".git", ".venv", "venv", "__pycache__"):
+        (tmp_path / name).mkdir()
+    ours = {pattern.removeprefix("**/") for pattern in DEFAULT_EXCLUDES}
+    assert set(ray_constants.get_runtime_env_default_excludes()) <= ours
+    with pytest.raises(UserInputError, match="no Ray cluster answers"):
+        jobs_client("http://127.0.0.1:9")  # nothing there; the client's logging is set first
+    records = []
+    logger = logging.getLogger("ray._private.runtime_env.working_dir")
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        reset_log_once()  # Ray warns once a process: a test before this one may have had it
+        upload_working_dir_if_needed(
+            SubmitConfig(["x"], working_dir=str(tmp_path)).runtime_env(),
+            include_gitignore=True, upload_fn=lambda *args, **kwargs: None)
+        logger.warning("another warning of Ray's still shows")
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in records] == ["another warning of Ray's still shows"]
 
 
 def test_a_bertforge_job_from_a_folder_that_is_no_checkout_uploads_nothing(tmp_path,
