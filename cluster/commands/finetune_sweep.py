@@ -38,7 +38,12 @@ from bertforge.cluster.launch import local_worker
 from bertforge.cluster.launch.launch_config import LaunchConfig
 from bertforge.cluster.launch.local_worker import run_in_local_process, runs_in_one_local_process
 from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_copy
-from bertforge.cluster.launch.ray_train import QUIET_RAY_TRAIN, connect, run_on_ray
+from bertforge.cluster.launch.ray_train import (
+    QUIET_RAY_TRAIN,
+    connect,
+    restarts_used_up,
+    run_on_ray,
+)
 from bertforge.cluster.launch.worker_output import LOG_DIR
 from bertforge.pipelines.contract.disk_space import fullest_of
 from bertforge.pipelines.contract.durable_files import write_json_atomic
@@ -347,6 +352,9 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
     its stage then records. The worker logs and Ray Train's state go under the first job's
     DIR/runs."""
     from ray.train import FailureConfig, RunConfig
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from bertforge.training.errors import RestartsUsedUp
 
     # A run with a result.json finished in a call that died before recording it: kept.
     runs = [(cfg, lr, seed) for cfg, lr, seed in runs
@@ -374,12 +382,18 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
             run_in_local_process(_worker_main, worker_config, launch, runs_root)
             return
         connect(launch)
-        run_on_ray(
-            _worker_main, {**worker_config, "ray": True}, launch,
-            # Ray Train's own state in DIR/runs/ray; a restarted worker group skips finished runs.
-            RunConfig(name="ray", storage_path=runs_root, logging_config=QUIET_RAY_TRAIN,
-                      failure_config=FailureConfig(max_failures=launch.max_failures)),
-        )
+        try:
+            run_on_ray(
+                _worker_main, {**worker_config, "ray": True}, launch,
+                # Ray Train's own state in DIR/runs/ray; a restarted worker group skips
+                # finished runs.
+                RunConfig(name="ray", storage_path=runs_root, logging_config=QUIET_RAY_TRAIN,
+                          failure_config=FailureConfig(max_failures=launch.max_failures)),
+            )
+        except WorkerGroupError as error:  # a user error's is a UserInputError by now
+            raise RestartsUsedUp(restarts_used_up(
+                "fine-tuning", launch, "the same command runs again what did not finish "
+                "(each finished run is reused)")) from error
 
 
 def _label(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:

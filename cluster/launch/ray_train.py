@@ -160,24 +160,27 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
                          "from it" if newest else "no checkpoint was committed yet")
             raise stop from None
         except WorkerGroupError as error:  # a user error's is a UserInputError by now
-            raise RestartsUsedUp(_restarts_used_up(launch, run_dir)) from error
+            raise RestartsUsedUp(restarts_used_up("run", launch, _what_a_run_left(
+                launch, run_dir))) from error
 
 
-def _restarts_used_up(launch: LaunchConfig, run_dir: str) -> str:
-    """What a run that crashed once more than --max-failures allows leaves, in one line: it
-    ended with Ray's traceback alone, which named neither the flag nor the checkpoint that a
-    resubmission continues from."""
+def restarts_used_up(what: str, launch: LaunchConfig, left: str) -> str:
+    """One line for a `what` ("run", "fine-tuning") whose workers crashed once more than
+    --max-failures allows: it ended with Ray's traceback alone, which named neither the flag
+    nor what `left` says (what a resubmission continues from)."""
     crashes = counted(launch.max_failures + 1, "time")
-    if launch.storage:
-        left = (f"the same command resumes from the newest checkpoint in --storage "
-                f"{launch.storage}")
-    else:
-        newest = latest_checkpoint(run_dir)
-        left = (f"newest committed checkpoint {newest}; the same command resumes from it"
-                if newest else "no checkpoint was committed; the same command starts it over")
-    return (f"the run's workers failed {crashes}, more than --max-failures "
+    return (f"the {what}'s workers failed {crashes}, more than --max-failures "
             f"{launch.max_failures} allows (the last failure's report is above); {left} "
             "(submitted again: with a new --submission-id)")
+
+
+def _what_a_run_left(launch: LaunchConfig, run_dir: str) -> str:
+    if launch.storage:
+        return (f"the same command resumes from the newest checkpoint in --storage "
+                f"{launch.storage}")
+    newest = latest_checkpoint(run_dir)
+    return (f"newest committed checkpoint {newest}; the same command resumes from it"
+            if newest else "no checkpoint was committed; the same command starts it over")
 
 
 def refuse_a_stored_run(storage: str, name: str, run_dir: str) -> None:

@@ -141,6 +141,35 @@ def test_a_run_whose_restarts_are_used_up_ends_with_what_it_left(tmp_path, monke
                            f"{left} (submitted again: with a new --submission-id)")
 
 
+def test_a_fine_tuning_whose_restarts_are_used_up_ends_with_what_it_left(tmp_path, monkeypatch,
+                                                                        capsys):
+    """The same for `finetune` on Ray Train workers: Ray's report, then one line naming the
+    flag and that the same command reruns only what did not finish."""
+    from bertforge.cluster.cli import main
+    from bertforge.cluster.commands import finetune_sweep
+    from tests.support.finetune_data import tiny_bert_dir, write_sst2_tsv
+
+    def crashes_past_its_restarts(*args, **kwargs):
+        raise WorkerGroupError("Training failed due to worker errors:\n[Rank 1 Error Snippet]:"
+                               "\nThe actor died unexpectedly.",
+                               {1: RuntimeError("The actor died unexpectedly.")})
+
+    monkeypatch.setattr(finetune_sweep, "connect", lambda launch: None)
+    monkeypatch.setattr(finetune_sweep, "run_on_ray", crashes_past_its_restarts)
+    argv = ["finetune", "--task", "sst2", "--model", tiny_bert_dir(str(tmp_path / "model")),
+            "--train", write_sst2_tsv(str(tmp_path / "sst2" / "train.tsv"), 16, 0),
+            "--dev", write_sst2_tsv(str(tmp_path / "sst2" / "dev.tsv"), 8, 1),
+            "--output", str(tmp_path / "ft"), "--address", "auto", "--workers", "2",
+            "--max-failures", "2", "--max-steps", "2", "--batch-size", "8"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "ray.train.WorkerGroupError: Training failed due to worker errors:" in err
+    assert err[-1] == ("bertforge finetune: error: the fine-tuning's workers failed 3 times, "
+                       "more than --max-failures 2 allows (the last failure's report is "
+                       "above); the same command runs again what did not finish (each "
+                       "finished run is reused) (submitted again: with a new --submission-id)")
+
+
 def test_joining_a_cluster_sends_its_token_as_ray_start_does(monkeypatch):
     """`train --address HEAD:6379` on a node of a cluster started by hand (`ray start`), with
     the cluster's token at hand and RAY_AUTH_MODE unset: Ray's client sent no token, spent
