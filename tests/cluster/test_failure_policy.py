@@ -104,6 +104,13 @@ def test_a_worker_group_that_cannot_be_scheduled_is_one_line_after_bounded_tries
                                            cpus_per_worker=6), RunConfig())
 
 
+def crashes_past_its_restarts(*args, **kwargs):
+    """What Ray Train's fit raises once the worker group failed past max_failures."""
+    raise WorkerGroupError("Training failed due to worker errors:\n[Rank 0 Error Snippet]:"
+                           "\nA worker health check failed.",
+                           {0: RuntimeError("A worker health check failed.")})
+
+
 def test_a_run_whose_restarts_are_used_up_ends_with_what_it_left(tmp_path, monkeypatch, capsys):
     """A worker that kept dying (a node lost twice with --max-failures 1) ended `train` with
     Ray's traceback of some 45 lines alone: no word of the flag, nor of the checkpoint that
@@ -115,11 +122,6 @@ def test_a_run_whose_restarts_are_used_up_ends_with_what_it_left(tmp_path, monke
     data = write_dataset(str(tmp_path / "shards"), {"train": [32], "validation": [8]})
     run_dir = tmp_path / "run"
     newest = str(run_dir / "checkpoints" / "step_00000400")
-
-    def crashes_past_its_restarts(*args, **kwargs):
-        raise WorkerGroupError("Training failed due to worker errors:\n[Rank 0 Error Snippet]:"
-                               "\nA worker health check failed.",
-                               {0: RuntimeError("A worker health check failed.")})
 
     monkeypatch.setattr(ray_train, "connect", lambda launch: None)
     monkeypatch.setattr(ray_train, "_fit", crashes_past_its_restarts)
@@ -148,11 +150,6 @@ def test_a_fine_tuning_whose_restarts_are_used_up_ends_with_what_it_left(tmp_pat
     from bertforge.cluster.cli import main
     from bertforge.cluster.commands import finetune_sweep
     from tests.support.finetune_data import tiny_bert_dir, write_sst2_tsv
-
-    def crashes_past_its_restarts(*args, **kwargs):
-        raise WorkerGroupError("Training failed due to worker errors:\n[Rank 1 Error Snippet]:"
-                               "\nThe actor died unexpectedly.",
-                               {1: RuntimeError("The actor died unexpectedly.")})
 
     monkeypatch.setattr(finetune_sweep, "connect", lambda launch: None)
     monkeypatch.setattr(finetune_sweep, "run_on_ray", crashes_past_its_restarts)
