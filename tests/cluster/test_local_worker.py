@@ -73,10 +73,16 @@ def test_the_worker_makes_its_own_group_whatever_group_the_driver_is_in(tmp_path
 
 
 @pytest.mark.slow
-def test_a_local_finetune_starts_no_ray_and_a_killed_worker_redoes_its_run(tmp_path, capsys):
+def test_a_local_finetune_starts_no_ray_and_a_killed_worker_redoes_its_run(tmp_path, capsys,
+                                                                           monkeypatch):
     """The default local `finetune` (one worker): no Ray at all; SIGKILL its worker mid-run and
-    the same command finishes, the run started over (one attempt's steps in its metrics)."""
+    the same command finishes, the run started over (one attempt's steps in its metrics), and
+    the killed worker's scratch copy of the vocabulary is gone with it (it stayed in /tmp)."""
     import ray
+
+    worker_tmp = tmp_path / "tmp"  # the worker process's temporary directory
+    worker_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(worker_tmp))
 
     model = tiny_bert_dir(str(tmp_path / "model"))
     train = write_sst2_tsv(str(tmp_path / "train.tsv"), 512, seed=1)
@@ -123,3 +129,5 @@ def test_a_local_finetune_starts_no_ray_and_a_killed_worker_redoes_its_run(tmp_p
     assert len(finished) == 1 and "(accuracy " in finished[0], finished
     assert not [p for p in psutil.Process().children(recursive=True)
                 if "local_worker" in " ".join(p.cmdline())]
+    assert not list(worker_tmp.glob("bertforge-finetune-*"))
+    assert not [name for name in os.listdir(run_dir) if name.startswith(".scratch-")]

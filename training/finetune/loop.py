@@ -52,8 +52,12 @@ def finetune(cfg: FinetuneConfig, *, report: ReportFn | None = None) -> dict[str
     """Train on cfg.train at cfg.learning_rate with cfg.seeds[0], score cfg.dev, write the
     outputs into cfg.output (rank 0); returns the run's record (also in output/result.json)."""
     # The pretrained model's vocabulary is read until the export: a copy of it lives here (a
-    # train still running in MODEL's run may remove the checkpoint meanwhile).
-    with tempfile.TemporaryDirectory(prefix="bertforge-finetune-") as scratch:
+    # train still running in MODEL's run may remove the checkpoint meanwhile). In the run's own
+    # folder, not the temporary directory: a worker killed mid-run (SIGKILL, the OOM killer)
+    # left its copy in /tmp for good, where the rerun of an unfinished run starts its folder
+    # afresh (finetune_sweep).
+    os.makedirs(cfg.output, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".scratch-", dir=cfg.output) as scratch:
         return _finetune(cfg, report, scratch)
 
 
