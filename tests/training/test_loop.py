@@ -308,9 +308,24 @@ def test_a_new_run_on_a_used_run_directory_loses_no_checkpoint(dataset, tmp_path
     # that, not RUN, whose newest checkpoint is now the new run's.
     train(config(dataset, run_dir, resume=False, init_from=str(run_dir), max_steps=1,
                  warmup_steps=0))
-    started_from = json.loads((run_dir / "config.json").read_text())["train"]["init_from"]
+    run_config = json.loads((run_dir / "config.json").read_text())
+    started_from = run_config["train"]["init_from"]
     assert started_from == str(run_dir / checkpoint.PREVIOUS_DIR / new.run_id)
     assert checkpoint.latest_checkpoint(started_from).endswith("step_00000005")
+    # Which checkpoint gave the weights, recorded where they go (config.json and the
+    # checkpoints): init_from named a run, whose newest checkpoint moves on.
+    warm_start = {"init_from": started_from, "global_step": 5, "run_id": new.run_id,
+                  "checkpoint": checkpoint.latest_checkpoint(started_from)}
+    assert run_config["warm_start"] == warm_start
+    warmed = checkpoint.latest_checkpoint(str(run_dir))
+    assert checkpoint.read_metadata(warmed)["warm_start"] == warm_start
+    # A resume keeps it; a run from scratch records none.
+    train(config(dataset, run_dir, max_steps=2, warmup_steps=0))
+    assert checkpoint.read_metadata(checkpoint.latest_checkpoint(str(run_dir)))[
+        "warm_start"] == warm_start
+    assert json.loads((run_dir / "config.json").read_text())["warm_start"] == warm_start
+    from_scratch = checkpoint.read_metadata(checkpoint.latest_checkpoint(started_from))
+    assert "warm_start" in from_scratch and from_scratch["warm_start"] is None
     elsewhere = str(aside / "checkpoints")  # not moved: named as it was
     assert moved_path(elsewhere, str(run_dir), started_from) == elsewhere
 
