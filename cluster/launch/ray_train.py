@@ -36,9 +36,15 @@ from bertforge.cluster.safety.dataset_guard import reading_dataset
 from bertforge.cluster.safety.run_lock import (
     exclusive_directory,
     held_with_token,
+    live_holder,
     refuse_if_in_use,
 )
-from bertforge.training.checkpoint import latest_checkpoint, new_run_id, read_metadata
+from bertforge.training.checkpoint import (
+    CHECKPOINTS_DIR,
+    latest_checkpoint,
+    new_run_id,
+    read_metadata,
+)
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import UserInputError
 from bertforge.training.inputs import check_train_inputs, refuse_run_dir_uri
@@ -112,6 +118,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     # Another run writing there: said first, as the lock below would (its checkpoints are
     # being saved and pruned, and the pre-flight would read them).
     refuse_if_in_use(cfg.run_dir)
+    refuse_a_warm_start_from_a_live_run(cfg)
     if not launch.address and not launch.gpu and not (cfg.resume and
                                                       latest_checkpoint(cfg.run_dir)):
         check_cpu_engine(cfg.engine())  # this CPU is the workers'
@@ -146,6 +153,28 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
             stop.note = (f"newest committed checkpoint {newest}; the same command resumes "
                          "from it" if newest else "no checkpoint was committed yet")
             raise stop from None
+
+
+def refuse_a_warm_start_from_a_live_run(cfg: TrainConfig) -> None:
+    """A new run whose --init-from names a run directory that a train is still writing: its
+    newest checkpoint is only where that run has got to (phase 2 took step 240 of a phase 1
+    of 400, and said so only in passing). A checkpoint named by its own path is taken as
+    asked; a run that resumes its own checkpoint reads no --init-from."""
+    source = cfg.init_from
+    if not source or (cfg.resume and latest_checkpoint(cfg.run_dir)):
+        return
+    if not os.path.isdir(os.path.join(source, CHECKPOINTS_DIR)):
+        return  # a checkpoint, a Hugging Face directory, or nothing: the pre-flight's to say
+    holder = live_holder(source)
+    if holder is None:
+        return
+    newest = latest_checkpoint(source)
+    at = f"its newest checkpoint, {newest}, is only where it has got to" if newest else \
+        "it has no checkpoint yet"
+    raise UserInputError(
+        f"--init-from {source} is a run still training (bertforge {holder.command}: "
+        f"{holder.describe()}): {at}; wait for it to end, or name the checkpoint to start "
+        f"from ({os.path.join(source, CHECKPOINTS_DIR, 'step_NNNNNNNN')})")
 
 
 def refuse_a_stored_run(storage: str, name: str, run_dir: str) -> None:

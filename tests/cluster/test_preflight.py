@@ -298,6 +298,15 @@ def test_a_warm_start_of_another_architecture_or_vocabulary_is_refused_before_ra
     phase2 = ["train", "--data", dataset, "--init-from", str(source), "--workers", "1"]
     refused([*phase2, "--run-dir", str(tmp_path / "p2"), "--preset", "mini"], capsys,
             f"init_from {source} has another architecture", "hidden_size 128 != 256")
+    # Phase 1 still training there: its newest checkpoint is only where it has got to (phase 2
+    # took it, saying so in passing).
+    from bertforge.cluster.safety.run_lock import exclusive_directory
+
+    with exclusive_directory(str(source), "train"):
+        refused([*phase2, "--run-dir", str(tmp_path / "p2")], capsys,
+                f"--init-from {source} is a run still training (bertforge train: host ",
+                "step_00000001, is only where it has got to; wait for it to end, or name the "
+                "checkpoint to start from")
     latest = checkpoint.latest_checkpoint(str(source))
     metadata_path = os.path.join(latest, checkpoint.METADATA_NAME)
     with open(metadata_path) as f:
