@@ -144,6 +144,23 @@ def hf_source_metadata(source: str) -> tuple[BertConfig, str | None]:
     return config, sha256_file(vocab_path) if vocab_path is not None else None
 
 
+def source_positions(source: str) -> tuple[int, int] | None:
+    """(positions trained, max_position_embeddings) of a warm-start source, from its metadata
+    alone (a checkpoint's bertforge.json, a Hugging Face directory's config and tokenizer
+    files); None when `source` is neither: the run's input checks say what it is."""
+    if checkpoint.holds_checkpoint(source):
+        _, metadata = checkpoint.read_newest(source, checkpoint.read_metadata)
+        config = checkpoint.model_config_of(source, metadata)
+        return checkpoint.positions_trained(metadata), config.max_position_embeddings
+    if os.path.exists(os.path.join(source, HF_CONFIG_NAME)):
+        try:
+            config = read_hf_config(source)
+        except ValueError:
+            return None
+        return hf_positions_trained(source, config), config.max_position_embeddings
+    return None
+
+
 def continued_model(init_from: str | None, run_dir: str, resume: bool) -> dict[str, Any] | None:
     """The model of a `train` that names none (no --preset, no --recipe): a run that resumes
     keeps its checkpoint's (whatever has become of its --init-from since; no flag could name a

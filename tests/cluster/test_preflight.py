@@ -14,8 +14,9 @@ import pytest
 
 from bertforge.cluster.cli import main
 from bertforge.pipelines.contract import manifest as manifest_lib
-from bertforge.training import checkpoint
+from bertforge.training import checkpoint, recipes
 from bertforge.training.config import TrainConfig
+from bertforge.training.inputs import check_phase2_length
 from bertforge.training.loop import train
 from tests.support.refusals import refused
 from tests.training.conftest import write_dataset
@@ -307,6 +308,17 @@ def test_a_warm_start_of_another_architecture_or_vocabulary_is_refused_before_ra
                 f"--init-from {source} is a run still training (bertforge train: host ",
                 "step_00000001, is only where it has got to; wait for it to end, or name the "
                 "checkpoint to start from")
+    # Phase 2's recipe on data of phase 1's length (its shards given by mistake) trained phase
+    # 1 again under phase 2's name; longer data, or phase 1's recipe, is what was asked.
+    refused([*phase2, "--run-dir", str(tmp_path / "p2"), "--recipe", "bert_tiny_phase2"], capsys,
+            f"--recipe bert_tiny_phase2 trains phase 2 at longer sequences than phase 1, but "
+            f"{dataset} holds sequences of up to 64 tokens and --init-from {source} was trained "
+            "at 64 already (of its 512 positions): give phase 2 a dataset prepared with "
+            "--max-seq-length 512")
+    longer = write_dataset(str(tmp_path / "longer"), {"train": [40]}, max_seq_length=128)
+    for recipe, data in (("bert_tiny_phase2", longer), ("bert_tiny_phase1", dataset)):
+        check_phase2_length(recipe, recipes.recipe_by_name(
+            recipe, data, str(tmp_path / "p2"), init_from=str(source)))
     latest = checkpoint.latest_checkpoint(str(source))
     metadata_path = os.path.join(latest, checkpoint.METADATA_NAME)
     with open(metadata_path) as f:
