@@ -313,9 +313,7 @@ def _start_fresh(run_dir: str, run_id: str, rank: int, device) -> str | None:
         moved = checkpoint.move_aside(run_dir)
         if moved is not None:
             target, steps = moved
-            console(f"[train] new run {run_id} in {run_dir} (--resume never): the previous "
-                    f"run's {len(steps)} checkpoint(s) (steps {steps[0]}-{steps[-1]}), metrics "
-                    f"and config are kept in {target} (export or --init-from it takes them)")
+            console(checkpoint.moved_aside_line(run_dir, run_id, target, steps))
     barrier(device)  # no rank saves into checkpoints/ before it is this run's alone
     return target
 

@@ -283,7 +283,8 @@ def test_a_new_run_on_a_used_run_directory_loses_no_checkpoint(dataset, tmp_path
     # The old run is kept aside, whole and named: its checkpoints, metrics and config.
     (moved,) = os.listdir(run_dir / checkpoint.PREVIOUS_DIR)
     aside = run_dir / checkpoint.PREVIOUS_DIR / moved
-    assert moved == old.run_id and f"kept in {aside}" in out and "steps 4-8" in out
+    size = checkpoint.shown_bytes(checkpoint.folder_bytes(str(aside)))
+    assert moved == old.run_id and f"kept in {aside} ({size};" in out and "steps 4-8" in out
     assert checkpoint.committed_steps(str(aside)) == [4, 8]
     kept = checkpoint.load_fp32_state_dict(checkpoint.latest_checkpoint(str(aside)))
     assert all(torch.equal(kept[name], old_weights[name]) for name in old_weights)
