@@ -51,6 +51,7 @@ from bertforge.training.inputs import check_train_inputs, refuse_run_dir_uri
 from bertforge.training.metrics import console, counted
 from bertforge.training.object_storage import child_uri
 from bertforge.training.resolved_engine import check_cpu_engine
+from bertforge.training.resume_settings import RECORDED
 
 # A worker group that cannot be scheduled (no node has the resources, an autoscaler that adds
 # none) times out after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s); Ray Train
@@ -129,6 +130,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
         if not cfg.resume:
             refuse_a_stored_run(launch.storage, storage_name, run_dir)
     check_train_inputs(cfg, launch.workers)
+    warn_of_an_unfinished_source(cfg)
     # One run per run directory (and per run in storage), taken before Ray starts.
     # And a reader of its dataset, which `prepare` will not replace meanwhile.
     with exclusive_directory(run_dir, "train", storage=storage_run) as lock, \
@@ -179,6 +181,26 @@ def refuse_a_warm_start_from_a_live_run(cfg: TrainConfig) -> None:
         f"--init-from {source} is a run still training (bertforge {holder.command}: "
         f"{holder.describe()}): {at}; wait for it to end, or name the checkpoint to start "
         f"from ({os.path.join(source, CHECKPOINTS_DIR, 'step_NNNNNNNN')})")
+
+
+def warn_of_an_unfinished_source(cfg: TrainConfig) -> None:
+    """A new run warm-started from a run directory whose newest checkpoint is short of the
+    steps that run was to train (stopped, crashed, or killed past its restarts, and never
+    resumed): phase 2 from a phase 1 cut at step 240 of 400 looked like any other warm start.
+    Said, not refused: an early phase 1 may be what is wanted."""
+    source = cfg.init_from
+    if not source or (cfg.resume and latest_checkpoint(cfg.run_dir)):
+        return
+    newest = latest_checkpoint(source) if os.path.isdir(
+        os.path.join(source, CHECKPOINTS_DIR)) else None
+    if newest is None:
+        return
+    metadata = read_metadata(newest)
+    step, planned = metadata.get("global_step"), (metadata.get(RECORDED) or {}).get("max_steps")
+    if isinstance(step, int) and isinstance(planned, int) and step < planned:
+        console(f"[train] warning: --init-from {source} is a run that stopped at step {step} of "
+                f"its {planned}: this run starts from {newest}; resume that run first (the "
+                "same command it was started with) to start from its end")
 
 
 def refuse_a_stored_run(storage: str, name: str, run_dir: str) -> None:

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from bertforge.cluster.cli import main
+from bertforge.cluster.launch.ray_train import warn_of_an_unfinished_source
 from bertforge.pipelines.contract import manifest as manifest_lib
 from bertforge.training import checkpoint, recipes
 from bertforge.training.config import TrainConfig
@@ -323,6 +324,18 @@ def test_a_warm_start_of_another_architecture_or_vocabulary_is_refused_before_ra
     metadata_path = os.path.join(latest, checkpoint.METADATA_NAME)
     with open(metadata_path) as f:
         metadata = json.load(f)
+    # Phase 1 stopped short of its steps and never resumed: phase 2 from it looked like any
+    # other warm start. Said (an early phase 1 may be what is wanted), then taken.
+    p2_config = TrainConfig(data_dir=dataset, run_dir=str(tmp_path / "p2"), init_from=str(source))
+    warn_of_an_unfinished_source(p2_config)
+    assert capsys.readouterr().out == ""  # it ran its 1 step
+    with open(metadata_path, "w") as f:
+        json.dump({**metadata, "train_config": {**metadata["train_config"], "max_steps": 4}}, f)
+    warn_of_an_unfinished_source(p2_config)
+    assert capsys.readouterr().out == (
+        f"[train] warning: --init-from {source} is a run that stopped at step 1 of its 4: this "
+        f"run starts from {latest}; resume that run first (the same command it was started "
+        "with) to start from its end\n")
     vocab_path = os.path.join(latest, "vocab.txt")  # as if phase 1 had run on another vocabulary
     with open(vocab_path, "a", encoding="utf-8") as f:
         f.write("[another]\n")
