@@ -88,6 +88,17 @@ def committed_steps(run_dir: str) -> list[int]:
     return sorted(steps)
 
 
+def cut_saves(run_dir: str, after: int) -> list[int]:
+    """Steps after `after` whose save was cut short (a kill mid-save): folders without their
+    commit marker, which a resume from `after` passes over and its saves clear."""
+    root = checkpoints_root(run_dir)
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(root)
+                  if (m := _TAG_PATTERN.match(name)) and int(m.group(1)) > after
+                  and not os.path.exists(os.path.join(root, name, COMMIT_MARKER)))
+
+
 def latest_checkpoint(run_dir: str) -> str | None:
     """Path of the newest complete checkpoint, or None."""
     steps = committed_steps(run_dir)

@@ -391,7 +391,11 @@ def _maybe_resume(
         raise UserInputError(f"{path}: {error}") from error
     saved_config = state.get("config") or {}  # the TrainConfig it was saved with
     if dist.get_rank() == 0:
-        console(f"[train] resumed from {path} at step {state['global_step']}")
+        cut = checkpoint.cut_saves(cfg.run_dir, after=state["global_step"])
+        # Said: the step folder of a save a kill cut short looked like a newer checkpoint.
+        console(f"[train] resumed from {path} at step {state['global_step']}" + (
+            f" (the save of step {', '.join(map(str, cut))} was cut short: not a checkpoint, "
+            "its files are cleared)" if cut else ""))
         before = saved_global_batch(saved_config, saved.get("world_size"))
         now = cfg.global_batch(dist.get_world_size())
         if before is not None and before != now:  # another --batch-size or --workers: no word

@@ -161,7 +161,7 @@ def test_rerun_of_a_finished_run_trains_no_further(dataset, tmp_path):
     assert again.checkpoint_path == first.checkpoint_path
 
 
-def test_uncommitted_checkpoint_is_ignored_and_old_ones_pruned(dataset, tmp_path):
+def test_uncommitted_checkpoint_is_ignored_and_old_ones_pruned(dataset, tmp_path, capsys):
     run_dir = tmp_path / "run"
     train(config(dataset, run_dir, checkpoint_every=2, keep_checkpoints=2))
     assert checkpoint.committed_steps(str(run_dir)) == [4, 6]
@@ -171,6 +171,13 @@ def test_uncommitted_checkpoint_is_ignored_and_old_ones_pruned(dataset, tmp_path
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_00000004", "step_00000006"]
     os.remove(run_dir / "checkpoints" / "step_00000006" / checkpoint.COMMIT_MARKER)
     assert checkpoint.latest_checkpoint(str(run_dir)).endswith("step_00000004")
+    # The resume says that the newer step folder was a save cut short (a kill mid-save).
+    capsys.readouterr()
+    train(config(dataset, run_dir, checkpoint_every=2, keep_checkpoints=2))
+    assert (f"[train] resumed from {run_dir / 'checkpoints' / 'step_00000004'} at step 4 (the "
+            "save of step 6 was cut short: not a checkpoint, its files are cleared)\n"
+            ) in capsys.readouterr().out
+    assert checkpoint.committed_steps(str(run_dir)) == [4, 6]
 
 
 def test_training_learns_and_checkpoint_evaluates_and_exports(dataset, tmp_path):
