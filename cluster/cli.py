@@ -802,13 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         return _one_line(args.command, stop.describe(), stop.code)
     except Exception as error:
-        from bertforge.training.errors import RunFailedError, disk_full
-
-        if isinstance(error, RunFailedError):  # its line says it all; Ray's report is logged
-            from bertforge.cluster.launch.worker_output import to_log_only
-
-            to_log_only("".join(traceback.format_exception(error)))
-            return _one_line(args.command, f"error: {error}", 1)
+        from bertforge.training.errors import disk_full
 
         if disk_full(error):  # what to do is plain; the engine's traceback would hide it
             return _one_line(args.command, f"error: {_disk_full_line(error)}", 2)

@@ -26,12 +26,6 @@ class DivergedError(UserInputError):
     settings, diverges the same way."""
 
 
-class RunFailedError(RuntimeError):
-    """A run that crashed more often than its launcher restarts it (`--max-failures`): not the
-    user's inputs, but what happened, what it left and how to go on fit one line, which the
-    command line prints as its last (the engine's report goes to the run's log)."""
-
-
 def disk_full(error: BaseException) -> bool:
     """Whether `error` (or one it was raised from) is a full disk or quota: an OSError's errno,
     or the OS's words in the message of a library that drops the errno (safetensors)."""

@@ -23,7 +23,7 @@ from ray.train.v2._internal.execution.failure_handling import (
 )
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
-from bertforge.training.errors import RunFailedError, UserInputError, first_line
+from bertforge.training.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -55,36 +55,6 @@ def out_of_memory_of(error: BaseException) -> UserInputError | None:
         f"Ray stopped the run: the node ran low on memory ({found.group(1)}) and its memory "
         "monitor killed the workers; lower the micro-batch, the workers on one machine or the "
         "model's size, or give each worker more memory (Ray's report is in the run's log)")
-
-
-# What Ray says of a worker whose process is gone (SIGKILL, the kernel's OOM killer, a
-# segfault): a health check that found the actor dead.
-_DEAD_WORKER = ("health check failed", "actor died unexpectedly", "worker process has died")
-
-
-def run_failed(error: TrainingFailedError, checkpoint: str | None, max_failures: int,
-               log: str) -> RunFailedError:
-    """`error`, Ray's report of a run whose restarts are used up (some 40 lines, a traceback
-    among them, were all a user read), as one line: what failed, after how many restarts,
-    the newest committed `checkpoint` and that the same command resumes from it."""
-    resume = (f"newest committed checkpoint {checkpoint}; the same command resumes from it"
-              if checkpoint else "no checkpoint was committed; the same command starts again")
-    return RunFailedError(
-        f"the run failed after {max_failures} restart(s) (--max-failures {max_failures}): "
-        f"{_cause(error)}; {resume} (Ray's report is in {log})")
-
-
-def _cause(error: TrainingFailedError) -> str:
-    if not isinstance(error, WorkerGroupError):
-        return first_line(getattr(error, "controller_failure", error))
-    causes = []
-    for rank, failure in sorted(error.worker_failures.items()):
-        text = str(failure)
-        if any(sign in text for sign in _DEAD_WORKER):
-            causes.append(f"the process of worker {rank} died (killed, out of memory or crashed)")
-        else:
-            causes.append(f"worker {rank} raised {type(failure).__name__}: {first_line(failure)}")
-    return "; ".join(causes) or first_line(error)
 
 
 class UserErrorsFailAtOnce(DefaultFailurePolicy):

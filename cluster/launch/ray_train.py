@@ -13,10 +13,10 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
-from ray.train.v2.api.exceptions import ControllerError, TrainingFailedError
+from ray.train.v2.api.exceptions import ControllerError
 
 from bertforge.cluster.launch import local_ray
-from bertforge.cluster.launch.failure_policy import run_failed, user_errors_fail_at_once
+from bertforge.cluster.launch.failure_policy import user_errors_fail_at_once
 from bertforge.cluster.launch.launch_config import LaunchConfig
 from bertforge.cluster.launch.parent_death import die_with_parent
 from bertforge.cluster.launch.paths import absolute, refuse_output_in_the_jobs_copy
@@ -143,10 +143,6 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
             connect(launch)
             return _fit(TrainConfig.from_dict({**cfg.to_dict(), "run_dir": run_dir}), launch,
                         lock.me.token, storage_name, derived)
-        except TrainingFailedError as error:  # a crash more often than --max-failures
-            local_ray.shutdown()  # no worker commits after the newest checkpoint is named
-            raise run_failed(error, latest_checkpoint(run_dir), launch.max_failures,
-                             os.path.join(run_dir, LOG_DIR, "train.log")) from error
         except SystemExit as exit_:
             stop = local_ray.as_stop(exit_)
             if stop is None:

@@ -286,11 +286,6 @@ def log_driver_to(path: str) -> str | None:
     return path
 
 
-def to_log_only(text: str) -> None:
-    """`text` in this process's log and not on the console (the console: where it has none)."""
-    (_log or sys.stderr).write(text)
-
-
 def driver_log_path() -> str | None:
     return getattr(_log, "name", None) if _driver_command else None
 

@@ -83,37 +83,3 @@ def test_a_worker_group_that_cannot_be_scheduled_is_one_line_after_bounded_tries
                                              r".*RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"):
         run_on_ray(print, {}, LaunchConfig(workers=4, gpu=True, address="auto",
                                            cpus_per_worker=6), RunConfig())
-
-
-def test_a_run_that_crashed_past_its_restarts_ends_with_one_line(monkeypatch, tmp_path, capsys):
-    """A worker SIGKILLed (or killed by the OOM killer) once more than --max-failures allows:
-    the command ended with Ray's report, some 40 lines and a traceback, and nothing said that
-    the newest checkpoint was whole and the same command would resume from it."""
-    from bertforge.cluster.cli import main
-    from bertforge.cluster.launch import ray_train
-    from tests.training.conftest import write_dataset
-
-    data = write_dataset(str(tmp_path / "data"))
-    run_dir = tmp_path / "run"
-    saved = run_dir / "checkpoints" / "step_00000004"
-    dead = RuntimeError("A worker health check failed.\nWorker info: ...\nThe actor died "
-                        "unexpectedly before finishing this task.")
-
-    def crashed(*args, **kwargs):  # after the workers committed step 4
-        saved.mkdir(parents=True)
-        (saved / "COMMITTED").write_text("{}")
-        raise WorkerGroupError("rank 0 died", {0: dead, 1: ValueError("peer gone\nmore")})
-
-    monkeypatch.setattr(ray_train, "connect", lambda launch: None)
-    monkeypatch.setattr(ray_train, "_fit", crashed)
-    monkeypatch.setattr(ray_train, "_finished_run", lambda cfg: None)
-    status = main(["train", "--data", data, "--run-dir", str(run_dir), "--workers", "2",
-                   "--max-failures", "2", "--steps", "8", "--preset", "tiny"])
-    err = capsys.readouterr().err.strip()
-    assert status == 1 and "\n" not in err and "Traceback" not in err, err
-    assert err == (
-        "bertforge train: error: the run failed after 2 restart(s) (--max-failures 2): the "
-        "process of worker 0 died (killed, out of memory or crashed); worker 1 raised "
-        f"ValueError: peer gone; newest committed checkpoint {saved}; the same command resumes "
-        f"from it (Ray's report is in {run_dir / 'logs' / 'train.log'})")
-    assert "WorkerGroupError" in (run_dir / "logs" / "train.log").read_text()
