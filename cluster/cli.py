@@ -446,9 +446,11 @@ def _run_workers(run_dir: str) -> int | None:
 
 def _run_train(args: argparse.Namespace) -> None:
     from bertforge.cluster.launch.ray_train import train_on_ray
+    from bertforge.training.inputs import check_phase2_length
 
-    print(json.dumps(train_on_ray(*_train_configs(args)), indent=2, default=str,
-                     ensure_ascii=False))
+    cfg, launch = _train_configs(args)
+    check_phase2_length(args.recipe, cfg)  # the recipe's name says what the run is for
+    print(json.dumps(train_on_ray(cfg, launch), indent=2, default=str, ensure_ascii=False))
 
 
 def _run_submit(args: argparse.Namespace) -> int:

@@ -88,6 +88,17 @@ def committed_steps(run_dir: str) -> list[int]:
     return sorted(steps)
 
 
+def cut_saves(run_dir: str, after: int) -> list[int]:
+    """Steps after `after` whose save was cut short (a kill mid-save): folders without their
+    commit marker, which a resume from `after` passes over and its saves clear."""
+    root = checkpoints_root(run_dir)
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(root)
+                  if (m := _TAG_PATTERN.match(name)) and int(m.group(1)) > after
+                  and not os.path.exists(os.path.join(root, name, COMMIT_MARKER)))
+
+
 def latest_checkpoint(run_dir: str) -> str | None:
     """Path of the newest complete checkpoint, or None."""
     steps = committed_steps(run_dir)
@@ -831,6 +842,41 @@ def move_aside(run_dir: str) -> tuple[str, list[int]] | None:
         if os.path.exists(os.path.join(run_dir, name)):
             os.rename(os.path.join(run_dir, name), os.path.join(target, name))
     return target, steps
+
+
+def folder_bytes(path: str) -> int:
+    """The bytes of every file under `path` (0 when it is gone)."""
+    total = 0
+    for folder, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):  # removed meanwhile
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
+
+
+def shown_bytes(count: int) -> str:
+    """'153 MiB', '7.9 GiB': a size as a line shows it."""
+    if count >= 2**30:
+        return f"{count / 2**30:,.1f} GiB"
+    return f"{count / 2**20:,.0f} MiB"
+
+
+def moved_aside_line(run_dir: str, run_id: str, target: str, steps: list[int]) -> str:
+    """What a fresh start says of the run it moved to RUN_DIR/previous/: where, and the disk it
+    and every earlier run kept there hold. Each `--resume never` keeps one more run whole
+    (BERT-large: ~4 GB a checkpoint), and nothing prunes previous/: a scheduler that restarts
+    with it filled the disk unseen."""
+    previous = os.path.dirname(target)
+    runs = [name for name in os.listdir(previous) if os.path.isdir(os.path.join(previous, name))]
+    held = sum(folder_bytes(os.path.join(previous, name)) for name in runs)
+    line = (f"[train] new run {run_id} in {run_dir} (--resume never): the previous run's "
+            f"{len(steps)} checkpoint(s) (steps {steps[0]}-{steps[-1]}), metrics and config are "
+            f"kept in {target} ({shown_bytes(folder_bytes(target))}; export or --init-from it "
+            "takes them)")
+    if len(runs) > 1:
+        line += (f"; {previous} holds {len(runs)} earlier runs, {shown_bytes(held)} in all: "
+                 "delete those you no longer need")
+    return line
 
 
 def load_model(checkpoint_path: str):

@@ -32,6 +32,7 @@ from bertforge.training.warm_start import (
     check_fits,
     check_resume_architecture,
     hf_source_metadata,
+    source_positions,
 )
 
 # Pseudo filesystems: a directory there can look creatable and writable and still not hold files.
@@ -355,6 +356,33 @@ def check_positions(max_seq_length: int, model_config: BertConfig, data_dir: str
             f"{positions} or less, or a model with more positions (BERT uses 512 in both "
             "phases)"
         )
+
+
+def check_phase2_length(recipe: str | None, cfg: TrainConfig) -> None:
+    """A phase-2 recipe trains the positions its warm start has not trained yet (Google's and
+    NVIDIA's phase 2: 512 tokens after 128). On data no longer than its source was trained at
+    it trained phase 1 again under phase 2's name, without a word (`--data` given phase 1's
+    shards). Refused for a new run whose source has untrained positions; a source that trained
+    all of them (Google's BERT) may go on at any length. What cannot be read is left to the
+    pre-flight, which says what it is."""
+    if not (recipe or "").endswith("phase2") or not cfg.init_from or "://" in cfg.data_dir:
+        return
+    if cfg.resume and checkpoint.committed_steps(cfg.run_dir):
+        return  # a resume reads no --init-from
+    try:
+        length = DatasetFacts.read(cfg.data_dir).max_seq_length
+        positions = source_positions(cfg.init_from)
+    except (OSError, ValueError):
+        return
+    if positions is None:
+        return
+    trained, available = positions
+    if length <= trained < available:
+        raise UserInputError(
+            f"--recipe {recipe} trains phase 2 at longer sequences than phase 1, but "
+            f"{cfg.data_dir} holds sequences of up to {length} tokens and --init-from "
+            f"{cfg.init_from} was trained at {trained} already (of its {available} positions): "
+            f"give phase 2 a dataset prepared with --max-seq-length {available}")
 
 
 def check_train_inputs(cfg: TrainConfig, world_size: int | None = None) -> None:

@@ -128,9 +128,14 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
     positions_trained = facts.max_seq_length
     if saved is not None:
         positions_trained = max(positions_trained, checkpoint.positions_trained(saved))
+    # Where the run's first weights came from, kept through its resumes (its checkpoints'
+    # bertforge.json, config.json): --init-from names a run, whose newest checkpoint then
+    # moves on, and the checkpoint actually read was said once, on the console.
+    warm_start = (saved or {}).get("warm_start")
     if resume_from is None and cfg.init_from:
         # Only a fresh run warm-starts; a resumed one has its own, newer weights.
         initial = load_initial_weights(model, cfg.init_from, facts.vocab_sha256)
+        warm_start = initial.record()
         positions_trained = max(positions_trained, initial.positions_trained)
         if rank == 0:  # a warm start said nothing: a run from scratch looked the same
             console(f"[train] warm start: weights from {initial.describe()}; the optimizer, "
@@ -151,6 +156,8 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
             # `--init-from RUN --resume never`: the weights came from what is now under
             # RUN/previous/ID; config.json named RUN, whose newest checkpoint is this run's.
             cfg = replace(cfg, init_from=moved_path(cfg.init_from, cfg.run_dir, moved_to))
+            warm_start = {**warm_start, "init_from": cfg.init_from, "checkpoint": moved_path(
+                warm_start["checkpoint"], cfg.run_dir, moved_to)}
     loader = PretrainingLoader(
         cfg.data_dir, "train", batch_size=cfg.micro_batch_size, seed=cfg.seed,
         rank=rank, world_size=world_size, masking=masking, prefetch=cfg.dataloader_prefetch,
@@ -176,7 +183,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         # --grad-accum beside it is ignored (config.json said the ignored one).
         _write_run_config(replace(cfg, data_dir=data_source,
                                   gradient_accumulation_steps=accumulation),
-                          model_config, world_size, resolved.precision)
+                          model_config, world_size, resolved.precision, warm_start)
     validation = _Validation.create(cfg, rank, world_size, masking, facts)
 
     # A fresh start continues from step 0: what an attempt stopped before its first save
@@ -190,6 +197,7 @@ def train(cfg: TrainConfig, *, report: ReportFn | None = None,
         "model_config": model_config.to_dict(),
         "max_seq_length": facts.max_seq_length,
         "positions_trained": positions_trained,  # exports and fine-tunes read it
+        "warm_start": warm_start,  # None: a run from scratch
         "data_dir": data_source,
         "world_size": world_size,
         "zero_stage": cfg.zero_stage,
@@ -305,9 +313,7 @@ def _start_fresh(run_dir: str, run_id: str, rank: int, device) -> str | None:
         moved = checkpoint.move_aside(run_dir)
         if moved is not None:
             target, steps = moved
-            console(f"[train] new run {run_id} in {run_dir} (--resume never): the previous "
-                    f"run's {len(steps)} checkpoint(s) (steps {steps[0]}-{steps[-1]}), metrics "
-                    f"and config are kept in {target} (export or --init-from it takes them)")
+            console(checkpoint.moved_aside_line(run_dir, run_id, target, steps))
     barrier(device)  # no rank saves into checkpoints/ before it is this run's alone
     return target
 
@@ -385,7 +391,11 @@ def _maybe_resume(
         raise UserInputError(f"{path}: {error}") from error
     saved_config = state.get("config") or {}  # the TrainConfig it was saved with
     if dist.get_rank() == 0:
-        console(f"[train] resumed from {path} at step {state['global_step']}")
+        cut = checkpoint.cut_saves(cfg.run_dir, after=state["global_step"])
+        # Said: the step folder of a save a kill cut short looked like a newer checkpoint.
+        console(f"[train] resumed from {path} at step {state['global_step']}" + (
+            f" (the save of step {', '.join(map(str, cut))} was cut short: not a checkpoint, "
+            "its files are cleared)" if cut else ""))
         before = saved_global_batch(saved_config, saved.get("world_size"))
         now = cfg.global_batch(dist.get_world_size())
         if before is not None and before != now:  # another --batch-size or --workers: no word
@@ -687,11 +697,13 @@ def every_rank_a_row(batches) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def _write_run_config(
-    cfg: TrainConfig, model_config: BertConfig, world_size: int, precision: PrecisionChoice
+    cfg: TrainConfig, model_config: BertConfig, world_size: int, precision: PrecisionChoice,
+    warm_start: dict[str, Any] | None = None,
 ) -> None:
     os.makedirs(cfg.run_dir, exist_ok=True)
-    # train.precision is the resolved one; "precision" also says what was asked for and why.
+    # train.precision is the resolved one; "precision" also says what was asked for and why;
+    # "warm_start" which checkpoint train.init_from gave the run its first weights.
     resolved = {"train": cfg.to_dict(), "model": model_config.to_dict(), "world_size": world_size,
-                "precision": precision.to_dict()}
+                "precision": precision.to_dict(), "warm_start": warm_start}
     with open(os.path.join(cfg.run_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(resolved, f, indent=2, sort_keys=True)

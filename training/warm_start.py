@@ -88,6 +88,14 @@ class InitialWeights(NamedTuple):
     read_from: str = ""
     step: int | None = None
     run_id: str | None = None
+    source: str = ""  # the --init-from it was read for
+
+    def record(self) -> dict[str, Any]:
+        """What the run records of its warm start (config.json, each checkpoint's
+        bertforge.json): the source as given, the checkpoint read (a run directory's newest at
+        the time, or the Hugging Face directory) and, for a checkpoint, its step and run."""
+        return {"init_from": self.source, "checkpoint": self.read_from,
+                "global_step": self.step, "run_id": self.run_id}
 
     def describe(self) -> str:
         """`RUN/checkpoints/step_00000040 (step 40 of run ID)`, or `DIR (a Hugging Face
@@ -106,7 +114,8 @@ def read_initial_weights(source: str) -> InitialWeights:
         path, (model, metadata) = checkpoint.read_newest(source, checkpoint.load_model)
         return InitialWeights(model.config, model.state_dict(), metadata["vocab_sha256"],
                               checkpoint.positions_trained(metadata), read_from=path,
-                              step=metadata.get("global_step"), run_id=metadata.get("run_id"))
+                              step=metadata.get("global_step"), run_id=metadata.get("run_id"),
+                              source=source)
     if hf_weights_file(source) is None:
         raise ValueError(
             f"init_from {source} is neither a complete checkpoint, a run directory with one, "
@@ -120,7 +129,7 @@ def read_initial_weights(source: str) -> InitialWeights:
                              f"{HF_CONFIG_NAME}'s shape: {error}") from None
     return InitialWeights(config, {name: tensor.float() for name, tensor in state.items()},
                           vocab_sha256, hf_positions_trained(source, config), tuple(lacking),
-                          read_from=source)
+                          read_from=source, source=source)
 
 
 def hf_source_metadata(source: str) -> tuple[BertConfig, str | None]:
@@ -133,6 +142,23 @@ def hf_source_metadata(source: str) -> tuple[BertConfig, str | None]:
     except ValueError as error:
         raise UserInputError(f"init_from {source}: {error}") from None
     return config, sha256_file(vocab_path) if vocab_path is not None else None
+
+
+def source_positions(source: str) -> tuple[int, int] | None:
+    """(positions trained, max_position_embeddings) of a warm-start source, from its metadata
+    alone (a checkpoint's bertforge.json, a Hugging Face directory's config and tokenizer
+    files); None when `source` is neither: the run's input checks say what it is."""
+    if checkpoint.holds_checkpoint(source):
+        _, metadata = checkpoint.read_newest(source, checkpoint.read_metadata)
+        config = checkpoint.model_config_of(source, metadata)
+        return checkpoint.positions_trained(metadata), config.max_position_embeddings
+    if os.path.exists(os.path.join(source, HF_CONFIG_NAME)):
+        try:
+            config = read_hf_config(source)
+        except ValueError:
+            return None
+        return hf_positions_trained(source, config), config.max_position_embeddings
+    return None
 
 
 def continued_model(init_from: str | None, run_dir: str, resume: bool) -> dict[str, Any] | None:

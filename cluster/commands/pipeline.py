@@ -303,6 +303,8 @@ class PipelineConfig:
                 raise ValueError(f"{phase.name}: {error}") from None
         if "phase2" in configs:
             _check_same_model(configs["phase1"], configs["phase2"], self.vocab.vocab_size)
+            _check_phase2_longer(self.phase1, self.phase2, configs["phase2"],
+                                 self.vocab.vocab_size)
         return configs
 
     def settings(self) -> dict[str, Any]:
@@ -336,6 +338,22 @@ def _check_same_model(phase1: TrainConfig, phase2: TrainConfig, vocab_size: int)
         raise ValueError(f"phase2 warm-starts from phase1's weights, but its model is another "
                          f"(phase1 != phase2: {', '.join(differences)}): give both phases one "
                          "model")
+
+
+def _check_phase2_longer(phase1: PhaseSection, phase2: PhaseSection, cfg: TrainConfig,
+                         vocab_size: int) -> None:
+    """A phase-2 recipe trains the positions phase 1 left untrained (`bertforge train`'s
+    `inputs.check_phase2_length`, which a pipeline's phase 2 does not pass through): at phase
+    1's length or shorter it trained phase 1 again under phase 2's name."""
+    from bertforge.training.inputs import resolve_model_config
+
+    positions = resolve_model_config(cfg.model, vocab_size).max_position_embeddings
+    if phase2.recipe.endswith("phase2") and \
+            phase2.max_seq_length <= phase1.max_seq_length < positions:
+        raise ValueError(
+            f"phase2: recipe {phase2.recipe} trains at longer sequences than phase 1, and "
+            f"max_seq_length {phase2.max_seq_length} is not longer than phase1's "
+            f"{phase1.max_seq_length}: give [phase2] max_seq_length = {positions}")
 
 
 # A phase's settings that say how often it saves and logs, not what it learns: `bertforge train`

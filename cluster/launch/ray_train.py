@@ -36,15 +36,22 @@ from bertforge.cluster.safety.dataset_guard import reading_dataset
 from bertforge.cluster.safety.run_lock import (
     exclusive_directory,
     held_with_token,
+    live_holder,
     refuse_if_in_use,
 )
-from bertforge.training.checkpoint import latest_checkpoint, new_run_id, read_metadata
+from bertforge.training.checkpoint import (
+    CHECKPOINTS_DIR,
+    latest_checkpoint,
+    new_run_id,
+    read_metadata,
+)
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import RestartsUsedUp, UserInputError
 from bertforge.training.inputs import check_train_inputs, refuse_run_dir_uri
 from bertforge.training.metrics import console, counted
 from bertforge.training.object_storage import child_uri
 from bertforge.training.resolved_engine import check_cpu_engine
+from bertforge.training.resume_settings import RECORDED
 
 # A worker group that cannot be scheduled (no node has the resources, an autoscaler that adds
 # none) times out after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s); Ray Train
@@ -125,6 +132,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     # Another run writing there: said first, as the lock below would (its checkpoints are
     # being saved and pruned, and the pre-flight would read them).
     refuse_if_in_use(cfg.run_dir)
+    refuse_a_warm_start_from_a_live_run(cfg)
     if not launch.address and not launch.gpu and not (cfg.resume and
                                                       latest_checkpoint(cfg.run_dir)):
         check_cpu_engine(cfg.engine())  # this CPU is the workers'
@@ -135,6 +143,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
         if not cfg.resume:
             refuse_a_stored_run(launch.storage, storage_name, run_dir)
     check_train_inputs(cfg, launch.workers)
+    warn_of_an_unfinished_source(cfg)
     # One run per run directory (and per run in storage), taken before Ray starts.
     # And a reader of its dataset, which `prepare` will not replace meanwhile.
     with exclusive_directory(run_dir, "train", storage=storage_run) as lock, \
@@ -181,6 +190,48 @@ def _what_a_run_left(launch: LaunchConfig, run_dir: str) -> str:
     newest = latest_checkpoint(run_dir)
     return (f"newest committed checkpoint {newest}; the same command resumes from it"
             if newest else "no checkpoint was committed; the same command starts it over")
+
+
+def refuse_a_warm_start_from_a_live_run(cfg: TrainConfig) -> None:
+    """A new run whose --init-from names a run directory that a train is still writing: its
+    newest checkpoint is only where that run has got to (phase 2 took step 240 of a phase 1
+    of 400, and said so only in passing). A checkpoint named by its own path is taken as
+    asked; a run that resumes its own checkpoint reads no --init-from."""
+    source = cfg.init_from
+    if not source or (cfg.resume and latest_checkpoint(cfg.run_dir)):
+        return
+    if not os.path.isdir(os.path.join(source, CHECKPOINTS_DIR)):
+        return  # a checkpoint, a Hugging Face directory, or nothing: the pre-flight's to say
+    holder = live_holder(source)
+    if holder is None:
+        return
+    newest = latest_checkpoint(source)
+    at = f"its newest checkpoint, {newest}, is only where it has got to" if newest else \
+        "it has no checkpoint yet"
+    raise UserInputError(
+        f"--init-from {source} is a run still training (bertforge {holder.command}: "
+        f"{holder.describe()}): {at}; wait for it to end, or name the checkpoint to start "
+        f"from ({os.path.join(source, CHECKPOINTS_DIR, 'step_NNNNNNNN')})")
+
+
+def warn_of_an_unfinished_source(cfg: TrainConfig) -> None:
+    """A new run warm-started from a run directory whose newest checkpoint is short of the
+    steps that run was to train (stopped, crashed, or killed past its restarts, and never
+    resumed): phase 2 from a phase 1 cut at step 240 of 400 looked like any other warm start.
+    Said, not refused: an early phase 1 may be what is wanted."""
+    source = cfg.init_from
+    if not source or (cfg.resume and latest_checkpoint(cfg.run_dir)):
+        return
+    newest = latest_checkpoint(source) if os.path.isdir(
+        os.path.join(source, CHECKPOINTS_DIR)) else None
+    if newest is None:
+        return
+    metadata = read_metadata(newest)
+    step, planned = metadata.get("global_step"), (metadata.get(RECORDED) or {}).get("max_steps")
+    if isinstance(step, int) and isinstance(planned, int) and step < planned:
+        console(f"[train] warning: --init-from {source} is a run that stopped at step {step} of "
+                f"its {planned}: this run starts from {newest}; resume that run first (the "
+                "same command it was started with) to start from its end")
 
 
 def refuse_a_stored_run(storage: str, name: str, run_dir: str) -> None:

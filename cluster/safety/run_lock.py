@@ -437,18 +437,24 @@ def _in_use(holder: Holder, lock) -> RunDirectoryInUse:
                              "directory")
 
 
+def live_holder(root: str, stale_after_seconds: float = STALE_AFTER_SECONDS) -> Holder | None:
+    """The live run that holds `root`'s lock, or None (no lock, a holder that is gone, or
+    `root` no directory: the caller's own checks name what it is)."""
+    try:
+        text = lock_file_for(root).read()
+    except OSError:
+        return None
+    holder = Holder.parse(text or "")
+    return holder if holder is not None and holder.is_alive(stale_after_seconds) else None
+
+
 def refuse_if_in_use(root: str, stale_after_seconds: float = STALE_AFTER_SECONDS) -> None:
     """The refusal `exclusive_directory` gives a live holder of `root`, without taking the
     lock or making the directory: a pre-flight then reads nothing of a run directory that
     another run is writing (its checkpoints, being saved and pruned meanwhile)."""
-    lock = lock_file_for(root)
-    try:
-        text = lock.read()
-    except OSError:  # `root` is no directory (a file, say): the pre-flight names what it is
-        return
-    holder = Holder.parse(text or "")
-    if holder is not None and holder.is_alive(stale_after_seconds):
-        raise _in_use(holder, lock)
+    holder = live_holder(root, stale_after_seconds)
+    if holder is not None:
+        raise _in_use(holder, lock_file_for(root))
 
 
 @contextlib.contextmanager

@@ -101,6 +101,10 @@ def test_phase2_warm_starts_from_phase1s_run(tmp_path):
                  "overrides": {"model": {"preset": "mini"}}}},
      "phase2 warm-starts from phase1's weights, but its model is another (phase1 != phase2: "
      "hidden_size 128 != 256"),
+    # Phase 2's recipe at phase 1's length trained phase 1 again under phase 2's name.
+    ({"phase2": {"recipe": "bert_tiny_phase2", "max_seq_length": 64}},
+     "phase2: recipe bert_tiny_phase2 trains at longer sequences than phase 1, and "
+     "max_seq_length 64 is not longer than phase1's 64: give [phase2] max_seq_length = 512"),
     ({"prepare__num_shards": 0}, "prepare: num_shards must be at least 1"),
     ({"prepare__inputs": []}, "prepare.inputs is required"),
     ({"prepare__beam_args": ["--output=/elsewhere"]},

@@ -13,9 +13,11 @@ import sys
 import pytest
 
 from bertforge.cluster.cli import main
+from bertforge.cluster.launch.ray_train import warn_of_an_unfinished_source
 from bertforge.pipelines.contract import manifest as manifest_lib
-from bertforge.training import checkpoint
+from bertforge.training import checkpoint, recipes
 from bertforge.training.config import TrainConfig
+from bertforge.training.inputs import check_phase2_length
 from bertforge.training.loop import train
 from tests.support.refusals import refused
 from tests.training.conftest import write_dataset
@@ -298,10 +300,42 @@ def test_a_warm_start_of_another_architecture_or_vocabulary_is_refused_before_ra
     phase2 = ["train", "--data", dataset, "--init-from", str(source), "--workers", "1"]
     refused([*phase2, "--run-dir", str(tmp_path / "p2"), "--preset", "mini"], capsys,
             f"init_from {source} has another architecture", "hidden_size 128 != 256")
+    # Phase 1 still training there: its newest checkpoint is only where it has got to (phase 2
+    # took it, saying so in passing).
+    from bertforge.cluster.safety.run_lock import exclusive_directory
+
+    with exclusive_directory(str(source), "train"):
+        refused([*phase2, "--run-dir", str(tmp_path / "p2")], capsys,
+                f"--init-from {source} is a run still training (bertforge train: host ",
+                "step_00000001, is only where it has got to; wait for it to end, or name the "
+                "checkpoint to start from")
+    # Phase 2's recipe on data of phase 1's length (its shards given by mistake) trained phase
+    # 1 again under phase 2's name; longer data, or phase 1's recipe, is what was asked.
+    refused([*phase2, "--run-dir", str(tmp_path / "p2"), "--recipe", "bert_tiny_phase2"], capsys,
+            f"--recipe bert_tiny_phase2 trains phase 2 at longer sequences than phase 1, but "
+            f"{dataset} holds sequences of up to 64 tokens and --init-from {source} was trained "
+            "at 64 already (of its 512 positions): give phase 2 a dataset prepared with "
+            "--max-seq-length 512")
+    longer = write_dataset(str(tmp_path / "longer"), {"train": [40]}, max_seq_length=128)
+    for recipe, data in (("bert_tiny_phase2", longer), ("bert_tiny_phase1", dataset)):
+        check_phase2_length(recipe, recipes.recipe_by_name(
+            recipe, data, str(tmp_path / "p2"), init_from=str(source)))
     latest = checkpoint.latest_checkpoint(str(source))
     metadata_path = os.path.join(latest, checkpoint.METADATA_NAME)
     with open(metadata_path) as f:
         metadata = json.load(f)
+    # Phase 1 stopped short of its steps and never resumed: phase 2 from it looked like any
+    # other warm start. Said (an early phase 1 may be what is wanted), then taken.
+    p2_config = TrainConfig(data_dir=dataset, run_dir=str(tmp_path / "p2"), init_from=str(source))
+    warn_of_an_unfinished_source(p2_config)
+    assert capsys.readouterr().out == ""  # it ran its 1 step
+    with open(metadata_path, "w") as f:
+        json.dump({**metadata, "train_config": {**metadata["train_config"], "max_steps": 4}}, f)
+    warn_of_an_unfinished_source(p2_config)
+    assert capsys.readouterr().out == (
+        f"[train] warning: --init-from {source} is a run that stopped at step 1 of its 4: this "
+        f"run starts from {latest}; resume that run first (the same command it was started "
+        "with) to start from its end\n")
     vocab_path = os.path.join(latest, "vocab.txt")  # as if phase 1 had run on another vocabulary
     with open(vocab_path, "a", encoding="utf-8") as f:
         f.write("[another]\n")

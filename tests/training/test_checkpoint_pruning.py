@@ -55,6 +55,27 @@ def test_move_aside_keeps_the_old_run_whole(tmp_path):
     assert checkpoint.resolve_checkpoint(target).endswith("step_00000008")  # export takes it
 
 
+def test_a_fresh_start_says_what_the_runs_it_kept_aside_hold(tmp_path):
+    """Each --resume never keeps one more run whole under previous/, and nothing prunes it: a
+    scheduler restarting so filled the disk while every line named one folder, no size."""
+    lines = []
+    for n, run_id in enumerate(("first", "second")):
+        fake_checkpoint(tmp_path, 4, run_id)
+        weights = tmp_path / "checkpoints" / "step_00000004" / "mp_rank_00_model_states.pt"
+        weights.write_bytes(b"\0" * (3 + n) * 2**20)
+        target, steps = checkpoint.move_aside(str(tmp_path))
+        lines.append(checkpoint.moved_aside_line(str(tmp_path), f"new{n}", target, steps))
+    previous = tmp_path / checkpoint.PREVIOUS_DIR
+    assert lines[0] == (
+        f"[train] new run new0 in {tmp_path} (--resume never): the previous run's 1 "
+        f"checkpoint(s) (steps 4-4), metrics and config are kept in {previous / 'first'} (3 MiB; "
+        "export or --init-from it takes them)")
+    assert lines[1].endswith(f"kept in {previous / 'second'} (4 MiB; export or --init-from it "
+                             f"takes them); {previous} holds 2 earlier runs, 7 MiB in all: "
+                             "delete those you no longer need")
+    assert checkpoint.shown_bytes(int(7.94 * 2**30)) == "7.9 GiB"
+
+
 def test_truncated_and_raw_files_are_told_apart(tmp_path):
     good = tmp_path / "a.pt"
     torch.save({"x": torch.zeros(3)}, good)

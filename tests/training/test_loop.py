@@ -161,7 +161,7 @@ def test_rerun_of_a_finished_run_trains_no_further(dataset, tmp_path):
     assert again.checkpoint_path == first.checkpoint_path
 
 
-def test_uncommitted_checkpoint_is_ignored_and_old_ones_pruned(dataset, tmp_path):
+def test_uncommitted_checkpoint_is_ignored_and_old_ones_pruned(dataset, tmp_path, capsys):
     run_dir = tmp_path / "run"
     train(config(dataset, run_dir, checkpoint_every=2, keep_checkpoints=2))
     assert checkpoint.committed_steps(str(run_dir)) == [4, 6]
@@ -171,6 +171,13 @@ def test_uncommitted_checkpoint_is_ignored_and_old_ones_pruned(dataset, tmp_path
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_00000004", "step_00000006"]
     os.remove(run_dir / "checkpoints" / "step_00000006" / checkpoint.COMMIT_MARKER)
     assert checkpoint.latest_checkpoint(str(run_dir)).endswith("step_00000004")
+    # The resume says that the newer step folder was a save cut short (a kill mid-save).
+    capsys.readouterr()
+    train(config(dataset, run_dir, checkpoint_every=2, keep_checkpoints=2))
+    assert (f"[train] resumed from {run_dir / 'checkpoints' / 'step_00000004'} at step 4 (the "
+            "save of step 6 was cut short: not a checkpoint, its files are cleared)\n"
+            ) in capsys.readouterr().out
+    assert checkpoint.committed_steps(str(run_dir)) == [4, 6]
 
 
 def test_training_learns_and_checkpoint_evaluates_and_exports(dataset, tmp_path):
@@ -283,7 +290,8 @@ def test_a_new_run_on_a_used_run_directory_loses_no_checkpoint(dataset, tmp_path
     # The old run is kept aside, whole and named: its checkpoints, metrics and config.
     (moved,) = os.listdir(run_dir / checkpoint.PREVIOUS_DIR)
     aside = run_dir / checkpoint.PREVIOUS_DIR / moved
-    assert moved == old.run_id and f"kept in {aside}" in out and "steps 4-8" in out
+    size = checkpoint.shown_bytes(checkpoint.folder_bytes(str(aside)))
+    assert moved == old.run_id and f"kept in {aside} ({size};" in out and "steps 4-8" in out
     assert checkpoint.committed_steps(str(aside)) == [4, 8]
     kept = checkpoint.load_fp32_state_dict(checkpoint.latest_checkpoint(str(aside)))
     assert all(torch.equal(kept[name], old_weights[name]) for name in old_weights)
@@ -308,9 +316,24 @@ def test_a_new_run_on_a_used_run_directory_loses_no_checkpoint(dataset, tmp_path
     # that, not RUN, whose newest checkpoint is now the new run's.
     train(config(dataset, run_dir, resume=False, init_from=str(run_dir), max_steps=1,
                  warmup_steps=0))
-    started_from = json.loads((run_dir / "config.json").read_text())["train"]["init_from"]
+    run_config = json.loads((run_dir / "config.json").read_text())
+    started_from = run_config["train"]["init_from"]
     assert started_from == str(run_dir / checkpoint.PREVIOUS_DIR / new.run_id)
     assert checkpoint.latest_checkpoint(started_from).endswith("step_00000005")
+    # Which checkpoint gave the weights, recorded where they go (config.json and the
+    # checkpoints): init_from named a run, whose newest checkpoint moves on.
+    warm_start = {"init_from": started_from, "global_step": 5, "run_id": new.run_id,
+                  "checkpoint": checkpoint.latest_checkpoint(started_from)}
+    assert run_config["warm_start"] == warm_start
+    warmed = checkpoint.latest_checkpoint(str(run_dir))
+    assert checkpoint.read_metadata(warmed)["warm_start"] == warm_start
+    # A resume keeps it; a run from scratch records none.
+    train(config(dataset, run_dir, max_steps=2, warmup_steps=0))
+    assert checkpoint.read_metadata(checkpoint.latest_checkpoint(str(run_dir)))[
+        "warm_start"] == warm_start
+    assert json.loads((run_dir / "config.json").read_text())["warm_start"] == warm_start
+    from_scratch = checkpoint.read_metadata(checkpoint.latest_checkpoint(started_from))
+    assert "warm_start" in from_scratch and from_scratch["warm_start"] is None
     elsewhere = str(aside / "checkpoints")  # not moved: named as it was
     assert moved_path(elsewhere, str(run_dir), started_from) == elsewhere
 
