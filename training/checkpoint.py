@@ -61,6 +61,10 @@ _RETIRED_PREFIX = ".retired-"  # a pruned checkpoint on its way out (`_retire`)
 # it is reading (`read_newest`): the tries follow one another at once, each on the newest.
 READ_TRIES = 3
 PREVIOUS_DIR = "previous"  # RUN_DIR/previous/<UTC time>/: the runs a fresh start moved aside
+# The log a train's driver opens first in its run directory (cluster.launch.ray_train), before
+# its workers start: a run's only file but its lock for the first seconds, or for good when it
+# stopped then.
+TRAIN_LOG = os.path.join("logs", "train.log")
 # What a run writes beside its checkpoints, moved aside with them (training.metrics, loop).
 _RUN_FILES = (METRICS_NAME, "tensorboard", "config.json", PROFILE_DIR)
 # The MLM decoder is tied to the word embeddings, so a checkpoint may carry it once.
@@ -547,15 +551,19 @@ def resolve_checkpoint(path: str) -> str:
 def run_marks(path: str) -> list[str]:
     """What shows `path` to be a training run's directory, with or without a checkpoint: its
     checkpoints folder, the metrics its first step writes (a run stopped before its first
-    save has no checkpoints/); [] for any other folder."""
-    return [name for name in (CHECKPOINTS_DIR, METRICS_NAME)
+    save has no checkpoints/), the driver's log its train writes first (a run still starting
+    its workers, or stopped then, has nothing else); [] for any other folder."""
+    return [name for name in (CHECKPOINTS_DIR, METRICS_NAME, TRAIN_LOG)
             if os.path.exists(os.path.join(path, name))]
 
 
-def no_checkpoint_yet(path: str) -> str:
-    return (f"run {path} has no complete checkpoint yet (a run before its first save, or "
-            "stopped before it): wait for one (--checkpoint-every and --checkpoint-minutes set "
-            "how often a run saves), or give another checkpoint")
+def no_checkpoint_yet(path: str, flag: str | None = None) -> str:
+    """What to say of a run directory without a complete checkpoint, given where a checkpoint
+    was wanted; `flag` names the option that gave it (--init-from)."""
+    named = f"{flag} {path} is a run directory with" if flag else f"run {path} has"
+    return (f"{named} no complete checkpoint yet (a run before its first save, or stopped "
+            "before it): wait for one (--checkpoint-every and --checkpoint-minutes set how "
+            "often a run saves), or give another checkpoint")
 
 
 def pruned_checkpoint(path: str) -> str | None:

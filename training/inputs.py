@@ -259,23 +259,26 @@ def check_checkpoint_vocab(resolved: str, saved: dict[str, Any]) -> None:
             "back the vocab.txt of the dataset it was trained on")
 
 
-def check_model_source(source: str) -> str:
+def check_model_source(source: str, flag: str = "model") -> str:
     """A warm-start or fine-tuning source: a complete checkpoint, a run directory with one
-    (returns the checkpoint), or a Hugging Face directory with config.json and weights."""
+    (returns the checkpoint), or a Hugging Face directory with config.json and weights. `flag`
+    names the source in a refusal: the option that gave it (train's --init-from)."""
     from bertforge.training.hf_interop import HF_CONFIG_NAME, HF_WEIGHTS_NAMES
 
     refuse_storage_uri(source, "a model")
     if os.path.isfile(source):
-        raise UserInputError(f"model {source}: a file, not a directory (a checkpoint, a run "
+        raise UserInputError(f"{flag} {source}: a file, not a directory (a checkpoint, a run "
                              "directory or a Hugging Face model's directory)")
     if not os.path.isdir(source):
-        raise MissingInputError(f"model {source}: no such directory")
+        raise MissingInputError(f"{flag} {source}: no such directory")
     if checkpoint.holds_checkpoint(source):
         return check_checkpoint(source)
+    if checkpoint.run_marks(source):  # its config.json is the run's recipe, not a model's
+        raise UserInputError(checkpoint.no_checkpoint_yet(source, flag))
     if is_hf_model_dir(source):
         return source
     raise UserInputError(
-        f"model {source} is neither a complete checkpoint, a run directory with one, nor a "
+        f"{flag} {source} is neither a complete checkpoint, a run directory with one, nor a "
         f"Hugging Face directory ({HF_CONFIG_NAME} + {HF_WEIGHTS_NAMES[0]})")
 
 
@@ -416,7 +419,7 @@ def _check_train_run(cfg: TrainConfig, facts: DatasetFacts, world_size: int | No
             check_zero_stage_change(saved, cfg.zero_stage, world_size, path)
         check_same_course(saved, cfg, facts, path)
     if resumed is None and cfg.init_from:
-        source = check_model_source(cfg.init_from)
+        source = check_model_source(cfg.init_from, "--init-from")
         # A checkpoint's bertforge.json says it all; a Hugging Face directory's config.json and
         # vocabulary its model (the worker reads its weights), its tokenizer files its casing
         # (when they say it).

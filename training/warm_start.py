@@ -152,7 +152,7 @@ def source_positions(source: str) -> tuple[int, int] | None:
         _, metadata = checkpoint.read_newest(source, checkpoint.read_metadata)
         config = checkpoint.model_config_of(source, metadata)
         return checkpoint.positions_trained(metadata), config.max_position_embeddings
-    if os.path.exists(os.path.join(source, HF_CONFIG_NAME)):
+    if _is_model_config(source):
         try:
             config = read_hf_config(source)
         except ValueError:
@@ -179,7 +179,7 @@ def source_model_fields(source: str) -> dict[str, Any] | None:
     the run's input checks say what it is instead."""
     if checkpoint.holds_checkpoint(source):
         _, config = checkpoint.read_newest(source, checkpoint.model_config_of)
-    elif os.path.exists(os.path.join(source, HF_CONFIG_NAME)):
+    elif _is_model_config(source):
         try:
             config = read_hf_config(source)
         except ValueError as error:
@@ -189,6 +189,13 @@ def source_model_fields(source: str) -> dict[str, Any] | None:
     fields = config.to_dict()
     del fields["vocab_size"]
     return fields
+
+
+def _is_model_config(source: str) -> bool:
+    """`source` has a Hugging Face config.json; a run directory's (a run before its first
+    checkpoint) is its recipe, not a model's."""
+    return (os.path.exists(os.path.join(source, HF_CONFIG_NAME))
+            and not checkpoint.run_marks(source))
 
 
 def architecture_differences(source: BertConfig, target: BertConfig) -> list[str]:

@@ -27,7 +27,6 @@ from bertforge.cluster.launch.persistence import (
 )
 from bertforge.cluster.launch.torch_store import NodeAddressTorchConfig
 from bertforge.cluster.launch.worker_output import (
-    LOG_DIR,
     is_verbose,
     log_driver_to,
     show_train_workers,
@@ -41,6 +40,7 @@ from bertforge.cluster.safety.run_lock import (
 )
 from bertforge.training.checkpoint import (
     CHECKPOINTS_DIR,
+    TRAIN_LOG,
     latest_checkpoint,
     new_run_id,
     read_metadata,
@@ -148,7 +148,7 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     # And a reader of its dataset, which `prepare` will not replace meanwhile.
     with exclusive_directory(run_dir, "train", storage=storage_run) as lock, \
             reading_dataset(cfg.data_dir, "train"):
-        log_driver_to(os.path.join(run_dir, LOG_DIR, "train.log"))
+        log_driver_to(os.path.join(run_dir, TRAIN_LOG))
         finished = None if launch.storage else _finished_run(cfg)
         if finished is not None:
             return finished

@@ -125,6 +125,41 @@ def test_run_directory_errors_are_refused_before_ray(dataset, tmp_path, capsys, 
         refused(command, capsys, f"run {stopped} has no complete checkpoint yet")
 
 
+def test_init_from_a_run_without_a_checkpoint_names_the_flag_and_the_run(dataset, tmp_path,
+                                                                         capsys):
+    """`--init-from` of a run before its first save was "model RUN is neither a complete
+    checkpoint, ...": neither the flag nor what the folder is. A run's folder holds its lock and
+    the driver's log alone while its workers start; one stopped before its first save also its
+    metrics and its recipe's config.json (read as a Hugging Face config by a train without
+    --recipe or --preset)."""
+    starting = tmp_path / "starting"
+    (starting / "logs").mkdir(parents=True)
+    (starting / ".lock").write_text("")
+    (starting / "logs" / "train.log").write_text("[train] starting Ray\n")
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "metrics.jsonl").write_text('{"step": 1, "loss": 9.8}\n')
+    (stopped / "config.json").write_text('{"model": {"hidden_size": 128}, "train": {}}')
+    new_run = str(tmp_path / "run")
+    for run in (starting, stopped):
+        for model in ([], ["--preset", "tiny"]):
+            refused(["train", "--data", dataset, "--run-dir", new_run, "--init-from", str(run),
+                     *model], capsys,
+                    f"--init-from {run} is a run directory with no complete checkpoint yet",
+                    "wait for one", "or give another checkpoint")
+    assert not os.path.exists(new_run)
+    refused(["export", str(starting), "--output", str(tmp_path / "hf")], capsys,
+            f"run {starting} has no complete checkpoint yet")
+    other = tmp_path / "other"
+    other.mkdir()
+    refused(["train", "--data", dataset, "--run-dir", new_run, "--init-from", str(other)],
+            capsys, f"--init-from {other} is neither a complete checkpoint, a run directory "
+                    "with one, nor a Hugging Face directory")
+    refused(["train", "--data", dataset, "--run-dir", new_run, "--init-from",
+             str(tmp_path / "nope")], capsys, f"--init-from {tmp_path / 'nope'}: no such "
+                                              "directory")
+
+
 def test_a_batch_the_workers_or_the_data_cannot_hold_is_refused_before_ray(dataset, tmp_path,
                                                                            capsys):
     """Found in the workers before, where each attempt failed alike (4 tracebacks a worker)."""
