@@ -28,7 +28,8 @@ SOURCE_KEY = "bertforge_source"
 def export_checkpoint(checkpoint_or_run_dir: str, output_dir: str) -> str:
     """Write config.json, model.safetensors, vocab and tokenizer files; returns output_dir.
 
-    config.json names the checkpoint, run id and step the weights come from (`SOURCE_KEY`;
+    config.json names the checkpoint, run id and step the weights come from, and the warm
+    start its run grew from, if any (`SOURCE_KEY`;
     transformers keeps an unknown key as an attribute of the config; `exported_source` reads
     it back); the tokenizer's model_max_length is the positions the weights were trained at.
     Everything is read from the checkpoint first (its weights and its vocab.txt), so a train
@@ -42,8 +43,11 @@ def export_checkpoint(checkpoint_or_run_dir: str, output_dir: str) -> str:
             return model, metadata
 
         checkpoint_path, (model, metadata) = read_newest(checkpoint_or_run_dir, read)
+        # Its lineage too: the checkpoint that gave a warm-started run its first weights (a
+        # phase 2's phase-1 checkpoint; None for a run from scratch).
         source = {"checkpoint": os.path.abspath(checkpoint_path),
-                  "run_id": metadata.get("run_id"), "global_step": metadata.get("global_step")}
+                  "run_id": metadata.get("run_id"), "global_step": metadata.get("global_step"),
+                  "warm_start": metadata.get("warm_start")}
         return write_hf_directory(
             to_hf_state_dict(model.state_dict(), model.config),
             {**hf_config_dict(model.config), SOURCE_KEY: source}, model.config,
@@ -54,7 +58,8 @@ def export_checkpoint(checkpoint_or_run_dir: str, output_dir: str) -> str:
 
 
 def exported_source(output_dir: str) -> dict:
-    """The checkpoint, run id and step an export's weights come from (its config.json)."""
+    """The checkpoint, run id and step an export's weights come from, and its run's warm start
+    (its config.json; an export made before it was recorded has no "warm_start")."""
     with open(os.path.join(output_dir, HF_CONFIG_NAME), encoding="utf-8") as f:
         return json.load(f)[SOURCE_KEY]
 

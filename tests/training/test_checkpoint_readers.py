@@ -84,7 +84,7 @@ def test_export_of_a_run_takes_the_newer_checkpoint_when_its_pick_is_removed(
     assert [os.path.basename(path) for path, in calls] == ["step_00000002", "step_00000003"]
     assert export.exported_source(str(tmp_path / "hf")) == {
         "checkpoint": newest, "run_id": checkpoint.read_metadata(newest)["run_id"],
-        "global_step": 3}
+        "global_step": 3, "warm_start": None}
     assert sorted(os.listdir(tmp_path / "hf")) == [
         "config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
         "tokenizer_config.json", "vocab.txt"]

@@ -11,7 +11,7 @@ import torch
 from bertforge.pipelines.contract.manifest import read_manifest
 from bertforge.training import checkpoint, recipes
 from bertforge.training.data import PretrainingLoader
-from bertforge.training.export import export_checkpoint
+from bertforge.training.export import export_checkpoint, exported_source
 from bertforge.training.hf_interop import OPTIONAL_PARTS
 from bertforge.training.loop import train
 from bertforge.training.metrics import read_metrics
@@ -128,6 +128,29 @@ def test_phase2_starts_from_phase1_weights_with_a_fresh_optimizer(phases, tmp_pa
         [cfg.learning_rate / 2, cfg.learning_rate])
     with open(os.path.join(cfg.run_dir, "config.json")) as f:
         assert phase1_dir in f.read()
+    # Its export says which phase-1 checkpoint it grew from.
+    lineage = exported_source(export_checkpoint(cfg.run_dir, str(tmp_path / "hf")))["warm_start"]
+    assert lineage["checkpoint"] == phase1_ckpt and lineage["init_from"] == phase1_dir
+
+
+def test_an_export_records_the_warm_start_its_run_grew_from(phases, tmp_path):
+    """A phase-2 model exported to Hugging Face said which checkpoint it was (run, step) but not
+    which phase-1 checkpoint gave that run its first weights: its checkpoints' bertforge.json
+    holds it (`warm_start`), its export's `bertforge_source` now too; None from scratch."""
+    _, _, phase1_dir, phase1_ckpt = phases
+    assert exported_source(export_checkpoint(phase1_dir, str(tmp_path / "p1")))[
+        "warm_start"] is None
+    phase2 = tmp_path / "phase2" / "checkpoints" / os.path.basename(phase1_ckpt)
+    shutil.copytree(phase1_ckpt, phase2)  # as if a phase 2 warm-started from phase 1 saved it
+    record = {"init_from": phase1_dir, "checkpoint": phase1_ckpt,
+              "global_step": checkpoint.read_metadata(phase1_ckpt)["global_step"],
+              "run_id": checkpoint.read_metadata(phase1_ckpt)["run_id"]}
+    metadata_path = phase2 / checkpoint.METADATA_NAME
+    metadata = json.loads(metadata_path.read_text())
+    metadata_path.write_text(json.dumps({**metadata, "warm_start": record}))
+    source = exported_source(export_checkpoint(str(tmp_path / "phase2"), str(tmp_path / "hf")))
+    assert source["warm_start"] == record
+    assert source["checkpoint"] == str(phase2) and source["run_id"] == record["run_id"]
 
 
 def test_warm_start_from_a_hugging_face_directory(phases, tmp_path):
