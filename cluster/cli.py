@@ -809,7 +809,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Printed here, not by the interpreter: importing Ray replaces sys.excepthook with one
         # whose lines the quiet console counts as Ray's (a finetune's crash showed nothing).
         if isinstance(error, RestartsUsedUp):  # the crash's report, then what to do
-            traceback.print_exception(error.__cause__ or error)
+            if error.__cause__ is not None:  # Ray's; a local worker's output came already
+                traceback.print_exception(error.__cause__)
             return _one_line(args.command, f"error: {error}", 1)
         traceback.print_exception(error)
         return 1

@@ -379,7 +379,10 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
     with heartbeat("finetune", label, every_seconds=60.0):
         # No Ray: its processes cost one worker on few cores (cluster.launch.local_worker).
         if local:
-            run_in_local_process(_worker_main, worker_config, launch, runs_root)
+            try:
+                run_in_local_process(_worker_main, worker_config, launch, runs_root)
+            except RestartsUsedUp as error:
+                raise RestartsUsedUp(f"{error}; {_WHAT_A_SWEEP_LEFT}") from None
             return
         connect(launch)
         try:
@@ -391,9 +394,13 @@ def _run_pending(launch: LaunchConfig, runs: list[tuple[FinetuneConfig, float, i
                           failure_config=FailureConfig(max_failures=launch.max_failures)),
             )
         except WorkerGroupError as error:  # a user error's is a UserInputError by now
-            raise RestartsUsedUp(restarts_used_up(
-                "fine-tuning", launch, "the same command runs again what did not finish "
-                "(each finished run is reused)")) from error
+            raise RestartsUsedUp(restarts_used_up("fine-tuning", launch,
+                                                  _WHAT_A_SWEEP_LEFT)) from error
+
+
+# What a fine-tuning whose worker failed past --max-failures leaves for the same command.
+_WHAT_A_SWEEP_LEFT = ("the same command runs again what did not finish (each finished run is "
+                      "reused)")
 
 
 def _label(cfg: FinetuneConfig, learning_rate: float, seed: int) -> str:

@@ -21,6 +21,7 @@ What Ray Train gave the worker, this gives it too:
   driver's log gets it too;
 - restarts: a child that dies (a crash, the OOM killer) is started again, up to
   `launch.max_failures` times, and skips the work it finished (the worker function's own rule);
+  past them the command ends with one line (`RestartsUsedUp`), as Ray Train's runs do;
   a `UserInputError` in the worker ends the command at once, with the worker's message;
 - teardown: the driver's SIGTERM or Ctrl-C ends the child first; if the driver is killed
   outright, the kernel ends the child (PR_SET_PDEATHSIG).
@@ -45,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 from bertforge.cluster.launch.parent_death import die_with_parent
 from bertforge.cluster.launch.worker_output import is_verbose
 from bertforge.pipelines.contract.durable_files import write_json_atomic
-from bertforge.training.errors import UserInputError
+from bertforge.training.errors import RestartsUsedUp, UserInputError
+from bertforge.training.metrics import counted
 
 if TYPE_CHECKING:  # the child imports this module: no Ray in it unless its function needs it
     from bertforge.cluster.launch.launch_config import LaunchConfig
@@ -74,7 +76,8 @@ def run_in_local_process(worker_fn: Callable[[dict[str, Any]], None],
                          state_dir: str) -> None:
     """`worker_fn(worker_config)` in one child process with `launch.cpus_per_worker` threads;
     its spec and error file live in `state_dir`. Raises UserInputError for the worker's user
-    error, RuntimeError once it has failed `launch.max_failures` + 1 times."""
+    error, RestartsUsedUp (without a cause: nothing to report but its line) once it has failed
+    `launch.max_failures` + 1 times."""
     os.makedirs(state_dir, exist_ok=True)
     spec_path = os.path.join(state_dir, SPEC_NAME)
     error_path = os.path.join(state_dir, ERROR_NAME)
@@ -99,8 +102,12 @@ def run_in_local_process(worker_fn: Callable[[dict[str, Any]], None],
         how = (f"killed by {signal.Signals(-status).name}" if status < 0
                else f"exit status {status}")
         if attempt == attempts:
-            raise RuntimeError(f"the local worker failed {attempts} time(s), the last with "
-                               f"{how}; its log is in {worker_config.get('logs', state_dir)}")
+            # One line, no traceback: the worker's own output, its crash's report among it,
+            # came through the driver's already, and the driver's frames say nothing more.
+            raise RestartsUsedUp(
+                f"the local worker failed {counted(attempts, 'time')}, more than "
+                f"--max-failures {launch.max_failures} allows (the last: {how}; its output is "
+                f"above, its log in {worker_config.get('logs', state_dir)})")
         print(f"bertforge: the local worker stopped ({how}); starting it again (attempt "
               f"{attempt + 1} of {attempts})", file=sys.stderr, flush=True)
 

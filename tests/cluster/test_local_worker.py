@@ -16,7 +16,7 @@ import pytest
 from bertforge.cluster.cli import main
 from bertforge.cluster.launch.launch_config import LaunchConfig
 from bertforge.cluster.launch.local_worker import run_in_local_process, runs_in_one_local_process
-from bertforge.training.errors import UserInputError
+from bertforge.training.errors import RestartsUsedUp, UserInputError
 from tests.support import local_workers
 from tests.support.finetune_data import tiny_bert_dir, write_sst2_tsv
 
@@ -48,11 +48,45 @@ def test_a_crashed_worker_is_started_again_with_its_threads_and_its_lines_relaye
             "(attempt 2 of 2)") in captured.err
 
 
-def test_a_worker_that_keeps_failing_fails_the_command_after_its_restarts(tmp_path) -> None:
+def test_a_worker_that_keeps_failing_fails_the_command_after_its_restarts(tmp_path,
+                                                                         capsys) -> None:
     launch = LaunchConfig(workers=1, max_failures=0)
-    with pytest.raises(RuntimeError, match="failed 1 time"):
+    with pytest.raises(RestartsUsedUp, match=r"failed 1 time, more than --max-failures 0 "
+                                             r"allows \(the last: exit status 9;") as error:
         run_in_local_process(local_workers.crash_once_then_finish, {"dir": str(tmp_path)},
                              launch, str(tmp_path))
+    assert error.value.__cause__ is None  # nothing to report but its line
+    assert "working\n" in capsys.readouterr().out  # what the worker said came through
+
+
+def test_a_local_fine_tuning_whose_worker_keeps_dying_ends_with_one_line(tmp_path, monkeypatch,
+                                                                        capsys) -> None:
+    """It ended with the driver's traceback (cli, finetune_sweep, local_worker frames) after
+    the worker's own report: Ray Train's used-up restarts end with one line of ours. The
+    worker's crash report stays (relayed as it came); then one line, exit status 1."""
+    from bertforge.cluster.commands import finetune_sweep
+    from tests.support.finetune_data import tiny_bert_dir, write_sst2_tsv
+
+    monkeypatch.setattr(finetune_sweep, "_worker_main", local_workers.always_crash)
+    output = str(tmp_path / "ft")
+    status = main(["finetune", "--task", "sst2", "--model", tiny_bert_dir(str(tmp_path / "m")),
+                   "--train", write_sst2_tsv(str(tmp_path / "train.tsv"), 16, 0),
+                   "--dev", write_sst2_tsv(str(tmp_path / "dev.tsv"), 8, 1),
+                   "--output", output, "--max-failures", "1", "--max-steps", "2",
+                   "--batch-size", "8"])
+    captured = capsys.readouterr()
+    assert status == 1, captured.err
+    err = captured.err.strip().splitlines()
+    assert "[finetune] working" in captured.out
+    assert "RuntimeError: the worker's own crash" in err  # the worker's report, relayed
+    assert err.count("Traceback (most recent call last):") == 2  # one per attempt: its own
+    assert not [line for line in err if "cluster/cli.py" in line or "finetune_sweep.py" in line
+                or "in run_in_local_process" in line]  # the driver's frames
+    assert err[-1] == (
+        "bertforge finetune: error: the local worker failed 2 times, more than --max-failures 1 "
+        "allows (the last: exit status 1; its output is above, its log in "
+        f"{os.path.join(output, 'runs')}); the same command runs again what did not finish "
+        "(each finished run is reused)")
 
 
 def test_the_worker_makes_its_own_group_whatever_group_the_driver_is_in(tmp_path,

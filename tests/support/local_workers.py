@@ -23,6 +23,13 @@ def crash_once_then_finish(config: dict) -> None:
     print("[finetune] the worker's own line", flush=True)
 
 
+def always_crash(config: dict) -> None:
+    """A worker that dies on every attempt with a crash's report of its own (a bug, a lost
+    device): exit status 1 after its traceback."""
+    print("[finetune] working", flush=True)
+    raise RuntimeError("the worker's own crash")
+
+
 def join_a_process_group(config: dict) -> None:
     """What a fine-tuning worker does first: its 1-rank group (training.engine)."""
     import torch.distributed as dist
