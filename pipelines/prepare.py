@@ -24,6 +24,7 @@ import json
 import logging
 import shutil
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -38,6 +39,7 @@ from apache_beam.options.pipeline_options import (
     StandardOptions,
     TestOptions,
 )
+from apache_beam.portability.api import beam_runner_api_pb2
 from apache_beam.pvalue import AsSingleton
 
 from bertforge.pipelines import job_report, local_job
@@ -339,7 +341,7 @@ def _dry_run(pipeline: beam.Pipeline, runner: str, files: list, output: str,
              refused: list[str]) -> dict[str, Any]:
     """Translate the job without running it (Dataflow: the job request, built and not sent)."""
     if is_dataflow(runner):
-        proto = pipeline.run().job.proto_pipeline
+        proto = dataflow_job_request(pipeline)
     else:
         proto = pipeline.to_runner_api()
     report = job_report.dry_run_report(proto, runner, files, output)
@@ -347,6 +349,34 @@ def _dry_run(pipeline: beam.Pipeline, runner: str, files: list, output: str,
         report["a_real_run_is_refused"] = refused
     logger.info("prepare: dry run (%s), nothing written", runner)
     return report
+
+
+def dataflow_job_request(pipeline: beam.Pipeline) -> beam_runner_api_pb2.Pipeline:
+    """The pipeline of the Dataflow job request that a DataflowRunner pipeline with
+    `--dry_run=True` builds offline and does not send; nothing of it left in TMPDIR."""
+    if not pipeline.options.view_as(TestOptions).dry_run:  # that run would submit the job
+        raise ValueError("dataflow_job_request is for a pipeline with --dry_run=True")
+    with _temporary_directory_of_our_own():
+        return pipeline.run().job.proto_pipeline
+
+
+@contextlib.contextmanager
+def _temporary_directory_of_our_own() -> Iterator[None]:
+    """Beam's Dataflow translation writes what a submission would stage into the temporary
+    directory and never removes it: a `tmp*` folder (`pickled_main_session`,
+    `submission_environment_dependencies.txt`: `environments.python_sdk_dependencies`), a
+    `beam-requirements-cache` folder (the stager's) and, with PyPI requirements, a file. A dry
+    run stages nothing, yet left them in TMPDIR at every run: within this block the temporary
+    directory is a folder of ours, removed after. (Only a dry run: a real submission uploads
+    those files from where Beam put them.)"""
+    before = tempfile.tempdir
+    scratch = tempfile.mkdtemp(prefix="bertforge-dry-run-")
+    tempfile.tempdir = scratch
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

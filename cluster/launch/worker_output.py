@@ -307,13 +307,16 @@ def ended_with_its_own_line() -> None:
 
 def _flush_unclaimed_log() -> None:
     """A command that never claimed a directory (it failed first, or its output is gs://...):
-    its log goes to the temporary directory, named on the console. Not for a refusal or a
-    stop whose log holds only the engines' import chatter (DeepSpeed's "Setting accelerator to
-    CPU"): its one line says it all, and every mistyped flag or Ctrl-C left a file in /tmp; one
-    after an engine's traceback (a Beam job that failed) keeps it."""
+    its log goes to the temporary directory, named on the console. Not for a log that holds
+    nothing the console did not show and no traceback (a `prepare --dry_run=True`, which makes
+    no OUTPUT: a copy of its report, named nowhere, was left in TMPDIR at every dry run), nor
+    for a refusal or a stop whose log holds only the engines' import chatter (DeepSpeed's
+    "Setting accelerator to CPU"): its one line says it all, and every mistyped flag or Ctrl-C
+    left a file in /tmp; one after an engine's traceback (a Beam job that failed) keeps it."""
     if not isinstance(_log, _MemoryLog) or not _log.getvalue():
         return
-    if _refused and "Traceback (most recent call last)" not in _log.getvalue():
+    traceback_kept = "Traceback (most recent call last)" in _log.getvalue()
+    if (_refused or not _held_back) and not traceback_kept:
         return
     path = log_driver_to(os.path.join(tempfile.gettempdir(),
                                       f"bertforge-{_driver_command}-{os.getpid()}.log"))

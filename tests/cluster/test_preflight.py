@@ -381,7 +381,7 @@ def test_a_warm_start_of_another_architecture_or_vocabulary_is_refused_before_ra
     # A file where the model's folder goes was "no such directory".
     a_file = os.path.join(dataset, "manifest.json")
     refused(["train", "--data", dataset, "--init-from", a_file, "--run-dir",
-             str(tmp_path / "p4")], capsys, f"model {a_file}: a file, not a directory")
+             str(tmp_path / "p4")], capsys, f"--init-from {a_file}: a file, not a directory")
 
 
 def test_byte_flip_is_named_by_inspect_verify(dataset, capsys):

@@ -6,10 +6,14 @@ Needs `apache-beam[gcp]` (the `dataflow` extra); skipped, with the reason, witho
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
-from bertforge.pipelines.prepare import build_pipeline
+from bertforge.pipelines.prepare import build_pipeline, dataflow_job_request
 from bertforge.pipelines.prepare_options import PrepareConfig
 
 from .conftest import shared_data_file
@@ -17,7 +21,8 @@ from .conftest import shared_data_file
 IMAGE = "us-central1-docker.pkg.dev/test-project/bertforge/worker:0.1.0"
 
 
-def test_dataflow_dry_run_translates_the_whole_job(tmp_path, corpus_files, small_vocab):
+def test_dataflow_dry_run_translates_the_whole_job(tmp_path, corpus_files, small_vocab,
+                                                   monkeypatch):
     pytest.importorskip(
         "apache_beam.runners.dataflow.internal.apiclient",
         reason="apache-beam[gcp] is not installed (pip install -e '.[dataflow]')",
@@ -36,10 +41,12 @@ def test_dataflow_dry_run_translates_the_whole_job(tmp_path, corpus_files, small
         f"--sdk_container_image={IMAGE}",
         "--sdk_location=container",
     ]
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     pipeline = build_pipeline(config, beam_args)
-    result = pipeline.run()
-    job = result.job  # the Dataflow job request, built but not sent
-    names = {t.unique_name for t in job.proto_pipeline.components.transforms.values()}
+    proto = dataflow_job_request(pipeline)  # the Dataflow job request's, built but not sent
+    names = {t.unique_name for t in proto.components.transforms.values()}
     for step in (
         "PrepareDataset/ReadInputs/ReadFiles",
         "PrepareDataset/CreatePretrainingInstances/CreateInstances",
@@ -47,9 +54,35 @@ def test_dataflow_dry_run_translates_the_whole_job(tmp_path, corpus_files, small
         "PrepareDataset/WriteManifest",
     ):
         assert step in names, step
-    images = {env.payload for env in job.proto_pipeline.components.environments.values()}
+    images = {env.payload for env in proto.components.environments.values()}
     assert any(IMAGE.encode() in payload for payload in images)
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    assert os.listdir(temporary) == []  # nor leaves what a submission would stage
+
+
+def test_a_dataflow_dry_run_leaves_nothing_in_the_temporary_directory(tmp_path, corpus_files,
+                                                                      small_vocab):
+    """Beam's translation for Dataflow wrote what a submission stages into TMPDIR and left it:
+    a `tmp*` folder (pickled_main_session, submission_environment_dependencies.txt) and
+    `beam-requirements-cache`; the command's log, which holds nothing the console did not
+    show, was left there too, named nowhere. A dry run stages nothing: TMPDIR stays empty."""
+    pytest.importorskip(
+        "apache_beam.runners.dataflow.internal.apiclient",
+        reason="apache-beam[gcp] is not installed (pip install -e '.[dataflow]')",
+    )
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "bertforge.cluster.cli", "prepare", f"--input={corpus_files[0]}",
+         f"--output={tmp_path / 'out'}", f"--vocab={small_vocab}", "--runner",
+         "DataflowRunner", "--dry_run=True", "--project=test-project", "--region=us-central1",
+         "--temp_location=gs://test-bucket/tmp", f"--sdk_container_image={IMAGE}",
+         "--sdk_location=container"],
+        capture_output=True, text=True, env={**os.environ, "TMPDIR": str(temporary)})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["dry_run"] is True
+    assert os.listdir(temporary) == []
+    assert not (tmp_path / "out").exists()
 
 
 def test_dataflow_dry_run_through_the_cli_exits_0_and_says_what_it_checked(
