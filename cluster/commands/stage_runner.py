@@ -175,7 +175,8 @@ class StageRunner:
                 continue
             self.say(f"{label}: starting")
             started = time.time()
-            with heartbeat(self.command, label, every_seconds=self.heartbeat_seconds):
+            with heartbeat(self.command, label, every_seconds=self.heartbeat_seconds), \
+                    _says_how_to_continue(stage.name):
                 record = stage.run()
             record["seconds"] = round(time.time() - started, 1)
             if self.base_dir:
@@ -266,6 +267,26 @@ class StageRunner:
             if any(inside + name not in skipped for name in files):
                 return True
         return False
+
+
+@contextmanager
+def _says_how_to_continue(stage: str) -> Iterator[None]:
+    """A stop (SIGTERM, Ctrl-C) during `stage` whose engine did not say what a rerun does (the
+    vocabulary, the export, a training stopped before its first checkpoint) ends with it: the
+    line said "stopped by SIGINT" alone, leaving the user to guess whether the stages done
+    were lost."""
+    from bertforge.cluster.launch import local_ray
+
+    try:
+        yield
+    except SystemExit as exit_:
+        stop = local_ray.as_stop(exit_)
+        if stop is None:
+            raise
+        if "the same command" not in stop.note:  # prepare's and a resumable train's say it
+            rerun = f"the same command runs {stage} again, the stages done kept"
+            stop.note = f"{stop.note}; {rerun}" if stop.note else f"{stage} unfinished: {rerun}"
+        raise stop from exit_
 
 
 BASE = "<base>"  # stands for the base folder in paths compared relative to it

@@ -92,3 +92,26 @@ def test_a_setting_recorded_under_its_old_name_still_matches(tmp_path):
                                                                       "lower_case": True}}},
                          renamed=renamed):
             pass
+
+
+@pytest.mark.parametrize("engine_note, said", [
+    ("", "export unfinished: the same command runs export again, the stages done kept"),
+    ("no checkpoint was committed yet", "no checkpoint was committed yet; the same command "
+     "runs export again, the stages done kept"),
+    ("the same command continues it (its work is in W)",
+     "the same command continues it (its work is in W)")])
+def test_a_stop_during_a_stage_says_what_the_same_command_does(tmp_path, engine_note, said):
+    """A Ctrl-C during the pipeline's vocabulary or export (or a training before its first
+    checkpoint) said "stopped by SIGINT" alone; a note that says it already is kept as it is."""
+    import signal
+
+    from bertforge.cluster.launch.local_ray import StoppedBySignal
+
+    def stopped() -> dict:
+        raise StoppedBySignal(signal.SIGINT, engine_note)
+
+    with pytest.raises(StoppedBySignal) as stop:
+        with StageRunner(str(tmp_path / "work"), "pipeline", {}) as runner:
+            runner.run([Stage("vocab", lambda: {}), Stage("export", stopped)])
+    assert stop.value.describe() == f"stopped by SIGINT; {said}"
+    assert stop.value.code == 128 + signal.SIGINT
