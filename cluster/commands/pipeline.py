@@ -425,6 +425,38 @@ def smallest_remedy(config: PipelineConfig, changed: list[str]) -> str:
             "(or use another workdir)")
 
 
+def as_the_file_names_them(changed: list[str]) -> list[str]:
+    """The differing settings (dotted keys of `PipelineConfig.settings`) as the pipeline file
+    spells them (`[prepare] num_shards`, `[phase1] overrides.learning_rate`): the refusal
+    named `config.prepare.options.num_shards`, and beside a phase's key the resolved recipe
+    values it changed (`recipes.phase2.data_dir` for a new `max_seq_length`). Those the
+    pipeline sets itself are named only when no key of the file explains them (a recipe that
+    another bertforge resolves otherwise)."""
+    in_file = [name for name in map(_file_key, changed) if name]
+    return list(dict.fromkeys(in_file or map(_pipeline_key, changed)))
+
+
+def _file_key(dotted: str) -> str | None:
+    """`dotted` as a key of the pipeline file, or None for a value the pipeline sets."""
+    root, *rest = dotted.split(".")
+    if root != "config" or not rest:
+        return None
+    if len(rest) == 1:
+        return rest[0] if rest[0] == "workdir" else f"[{rest[0]}]"
+    table, key = rest[0], ".".join(rest[1:])
+    if table == "prepare" and rest[1] == "options":
+        key = ".".join(rest[2:])
+        return f"[prepare] {key}" if key in table_keys(PrepareConfig) else None
+    return None if (table in PHASE_NAMES and key == "name") else f"[{table}] {key}"
+
+
+def _pipeline_key(dotted: str) -> str:
+    root, *rest = dotted.split(".")
+    if root == "recipes" and len(rest) > 1:
+        return f"{rest[0]}'s resolved {'.'.join(rest[1:])}"
+    return dotted
+
+
 def check_phases_can_start(config: PipelineConfig) -> None:
     """What a phase's train would refuse at its start, known now: a global batch the workers'
     micro-batches do not divide, and, for a pipeline that trains on this CPU (no [cluster]
@@ -646,6 +678,7 @@ def run_pipeline(config: PipelineConfig, toml_text: str = "",
     with StageRunner(paths.root, "pipeline", config.settings(),
                      ignored=HOW_TO_RUN_KEYS + settings_free_to_change(config),
                      remedy=lambda changed: smallest_remedy(config, changed),
+                     key_names=as_the_file_names_them,
                      renamed=RENAMED_SETTINGS, may_add=PHASE2_SETTINGS,
                      dir_flag="workdir", base_dir=base_dir) as runner:
         runner.state["toml"] = toml_text or runner.state.get("toml", "")

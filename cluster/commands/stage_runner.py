@@ -88,6 +88,8 @@ class StageRunner:
     paths under `root` that the command's workers keep for themselves (their logs, state and
     error files), no output: an earlier run that left only those made nothing, and does not
     pin its settings.
+    `key_names`: the differing dotted keys as the user's configuration names them, for the
+    refusal's line (a pipeline file's `[prepare] num_shards`, not `config.prepare.options...`).
     `defaults`: dotted keys of settings recorded only when given (flags typed), and the value
     each takes when not: a key either side lacks reads as its default, so a flag typed at its
     default value, or left out when it was, is no other setting.
@@ -104,7 +106,8 @@ class StageRunner:
                  heartbeat_seconds: float = 60.0, skip_message: str = "output complete, skipping",
                  dir_flag: str = "directory", base_dir: str | None = None,
                  recorded_since: tuple[str, ...] = (), defaults: dict[str, Any] | None = None,
-                 remedy: Callable[[list[str]], str] | None = None):
+                 remedy: Callable[[list[str]], str] | None = None,
+                 key_names: Callable[[list[str]], list[str]] | None = None):
         self.root = os.path.abspath(root)
         self.base_dir = os.path.abspath(base_dir) if base_dir else None
         if self.base_dir and not lies_within(self.root, self.base_dir):
@@ -119,6 +122,7 @@ class StageRunner:
         self.recorded_since = recorded_since
         self.defaults = json.loads(json.dumps(defaults or {}))  # tuples as the file has lists
         self.remedy = remedy
+        self.key_names = key_names or list  # the dotted keys as the user gave them
         self.scratch = scratch
         self.heartbeat_seconds = heartbeat_seconds
         self.skip_message = skip_message
@@ -221,15 +225,16 @@ class StageRunner:
         unknown = tuple(key for key in self.recorded_since if not _records(recorded, key))
         changed = [key for key in differing_keys(recorded, wanted, self.ignored + unknown)
                    if not self._added_for_a_stage_to_come(key, recorded_keys, state["stages"])]
+        named = self.key_names(changed)
         if changed and not state["stages"] and not self._holds_outputs():
             # An earlier run that failed before it made anything (a mistyped path, say) does
             # not pin its settings: the corrected command simply runs.
-            self.say(f"{self.root}: an earlier run with other settings ({', '.join(changed[:6])}"
-                     f"{' ...' if len(changed) > 6 else ''}) made nothing here; starting afresh")
+            self.say(f"{self.root}: an earlier run with other settings ({', '.join(named[:6])}"
+                     f"{' ...' if len(named) > 6 else ''}) made nothing here; starting afresh")
             changed = []
         if changed:
-            shown = ", ".join(changed[:12]) + (f" and {len(changed) - 12} more"
-                                               if len(changed) > 12 else "")
+            shown = ", ".join(named[:12]) + (f" and {len(named) - 12} more"
+                                             if len(named) > 12 else "")
             remedy = (self.remedy and self.remedy(changed)) or (
                 f"use another {self.dir_flag}, or delete it to start over")
             raise ValueError(f"{self.root} holds a {self.command} made with other settings "
