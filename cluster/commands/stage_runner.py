@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -137,11 +138,19 @@ class StageRunner:
         self._refuse_foreign_directory()
         self._lock = exclusive_directory(self.root, self.command)
         self._lock.__enter__()
-        self.state = self._load_or_create_state()
-        # The command's log (the engines' output: cluster.launch.worker_output) in this directory,
-        # now that it is ours; the first runner of a process claims it (the demo's, not its
-        # fine-tuning's).
-        log_driver_to(os.path.join(self.root, LOG_DIR, f"{self.command}.log"))
+        try:
+            self.state = self._load_or_create_state()
+            # The command's log (the engines' output: cluster.launch.worker_output) in this
+            # directory, now that it is ours; the first runner of a process claims it (the
+            # demo's, not its fine-tuning's).
+            log_driver_to(os.path.join(self.root, LOG_DIR, f"{self.command}.log"))
+        except BaseException:
+            # A refusal (other settings) leaves `with` before __exit__ could: the lock was
+            # held until the garbage collector reached it, so a caller who kept the error
+            # (run_pipeline in a notebook) was refused its corrected call as "another
+            # bertforge pipeline is running", by itself.
+            self._lock.__exit__(*sys.exc_info())
+            raise
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
