@@ -23,6 +23,7 @@ copied whole (file, corpus, workdir) is the same pipeline (`run_pipeline(base_di
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -401,6 +402,8 @@ def smallest_remedy(config: PipelineConfig, changed: list[str]) -> str:
     where its length alone changed; a [phase2] dropped, its run."""
     from bertforge.training.checkpoint import committed_steps
 
+    if "config.workdir" in changed and all(map(_follows_the_workdir, changed)):
+        return _move_it_back(PipelinePaths(config.workdir))
     phases = {key.split(".")[1] for key in changed}
     if not all(key.split(".")[0] in ("config", "recipes") for key in changed) or not (
             phases <= set(PHASE_NAMES)):
@@ -455,6 +458,30 @@ def _pipeline_key(dotted: str) -> str:
     if root == "recipes" and len(rest) > 1:
         return f"{rest[0]}'s resolved {'.'.join(rest[1:])}"
     return dotted
+
+
+# The settings the pipeline derives from its workdir: they differ wherever it does.
+_UNDER_THE_WORKDIR = ("config.prepare.options.output", "config.prepare.options.vocab",
+                      *(f"recipes.{phase}.{key}" for phase in PHASE_NAMES
+                        for key in ("data_dir", "run_dir", "init_from")))
+
+
+def _follows_the_workdir(key: str) -> bool:
+    return key == "config.workdir" or key in _UNDER_THE_WORKDIR
+
+
+def _move_it_back(paths: PipelinePaths) -> str:
+    """A workdir moved (or copied) on its own and named anew in the file: every stage was
+    refused as "other settings" with "delete it to start over", its vocabulary, shards and
+    checkpoints lost with it. It is the same pipeline where it was made (or moved together
+    with the folder of its pipeline file)."""
+    try:
+        with open(os.path.join(paths.root, "pipeline.json"), encoding="utf-8") as f:
+            made_as = json.load(f)["settings"]["config"]["workdir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return (f"it was made as {made_as}: move it back there (a workdir moves only with the "
+            "folder of its pipeline file, at the same place in it), or delete it to start over")
 
 
 def check_phases_can_start(config: PipelineConfig) -> None:

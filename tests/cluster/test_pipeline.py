@@ -278,6 +278,26 @@ def test_a_project_folder_moved_whole_is_the_same_pipeline(tmp_path):
         assert runner.moved_since("vocab") == (str(legacy), str(new))
 
 
+def test_a_workdir_moved_on_its_own_is_told_where_it_belongs(tmp_path):
+    """A workdir moved alone (not with its pipeline file's folder) and named anew in the file
+    was refused with "delete it to start over", its vocabulary, shards and checkpoints with
+    it; where it was made, it is the same pipeline."""
+    made = config_of(tmp_path, workdir="work")
+    with StageRunner(PipelinePaths(made.workdir).root, "pipeline", made.settings(),
+                     ignored=HOW_TO_RUN_KEYS) as runner:
+        runner.run([Stage("vocab", lambda: {})])
+    shutil.move(str(tmp_path / "work"), str(tmp_path / "elsewhere"))
+    with pytest.raises(ValueError) as error:
+        run_pipeline(config_of(tmp_path, workdir="elsewhere"))
+    assert str(error.value).endswith(
+        f"(differs in: workdir); it was made as {tmp_path}/work: move it back there (a workdir "
+        "moves only with the folder of its pipeline file, at the same place in it), or delete "
+        "it to start over")
+    # Moved and changed: the change is what the line is about.
+    with pytest.raises(ValueError, match=r"\[prepare\] seed, workdir\); use another workdir"):
+        run_pipeline(config_of(tmp_path, workdir="elsewhere", prepare__seed=7))
+
+
 def test_a_workdir_outside_the_file_s_folder_is_compared_by_absolute_paths(tmp_path):
     """Two projects' files naming one absolute workdir (and each its own corpus/): the second
     is another pipeline, refused, although its paths relative to its own folder are the
