@@ -23,6 +23,7 @@ copied whole (file, corpus, workdir) is the same pipeline (`run_pipeline(base_di
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -401,6 +402,8 @@ def smallest_remedy(config: PipelineConfig, changed: list[str]) -> str:
     where its length alone changed; a [phase2] dropped, its run."""
     from bertforge.training.checkpoint import committed_steps
 
+    if "config.workdir" in changed and all(map(_follows_the_workdir, changed)):
+        return _move_it_back(PipelinePaths(config.workdir))
     phases = {key.split(".")[1] for key in changed}
     if not all(key.split(".")[0] in ("config", "recipes") for key in changed) or not (
             phases <= set(PHASE_NAMES)):
@@ -423,6 +426,62 @@ def smallest_remedy(config: PipelineConfig, changed: list[str]) -> str:
         why = f"to train {' and '.join(later)} again as the file says"
     return (f"delete {' and '.join(runs)} {why}: the vocabulary and the datasets are kept "
             "(or use another workdir)")
+
+
+def as_the_file_names_them(changed: list[str]) -> list[str]:
+    """The differing settings (dotted keys of `PipelineConfig.settings`) as the pipeline file
+    spells them (`[prepare] num_shards`, `[phase1] overrides.learning_rate`): the refusal
+    named `config.prepare.options.num_shards`, and beside a phase's key the resolved recipe
+    values it changed (`recipes.phase2.data_dir` for a new `max_seq_length`). Those the
+    pipeline sets itself are named only when no key of the file explains them (a recipe that
+    another bertforge resolves otherwise)."""
+    in_file = [name for name in map(_file_key, changed) if name]
+    return list(dict.fromkeys(in_file or map(_pipeline_key, changed)))
+
+
+def _file_key(dotted: str) -> str | None:
+    """`dotted` as a key of the pipeline file, or None for a value the pipeline sets."""
+    root, *rest = dotted.split(".")
+    if root != "config" or not rest:
+        return None
+    if len(rest) == 1:
+        return rest[0] if rest[0] == "workdir" else f"[{rest[0]}]"
+    table, key = rest[0], ".".join(rest[1:])
+    if table == "prepare" and rest[1] == "options":
+        key = ".".join(rest[2:])
+        return f"[prepare] {key}" if key in table_keys(PrepareConfig) else None
+    return None if (table in PHASE_NAMES and key == "name") else f"[{table}] {key}"
+
+
+def _pipeline_key(dotted: str) -> str:
+    root, *rest = dotted.split(".")
+    if root == "recipes" and len(rest) > 1:
+        return f"{rest[0]}'s resolved {'.'.join(rest[1:])}"
+    return dotted
+
+
+# The settings the pipeline derives from its workdir: they differ wherever it does.
+_UNDER_THE_WORKDIR = ("config.prepare.options.output", "config.prepare.options.vocab",
+                      *(f"recipes.{phase}.{key}" for phase in PHASE_NAMES
+                        for key in ("data_dir", "run_dir", "init_from")))
+
+
+def _follows_the_workdir(key: str) -> bool:
+    return key == "config.workdir" or key in _UNDER_THE_WORKDIR
+
+
+def _move_it_back(paths: PipelinePaths) -> str:
+    """A workdir moved (or copied) on its own and named anew in the file: every stage was
+    refused as "other settings" with "delete it to start over", its vocabulary, shards and
+    checkpoints lost with it. It is the same pipeline where it was made (or moved together
+    with the folder of its pipeline file)."""
+    try:
+        with open(os.path.join(paths.root, "pipeline.json"), encoding="utf-8") as f:
+            made_as = json.load(f)["settings"]["config"]["workdir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return (f"it was made as {made_as}: move it back there (a workdir moves only with the "
+            "folder of its pipeline file, at the same place in it), or delete it to start over")
 
 
 def check_phases_can_start(config: PipelineConfig) -> None:
@@ -646,6 +705,7 @@ def run_pipeline(config: PipelineConfig, toml_text: str = "",
     with StageRunner(paths.root, "pipeline", config.settings(),
                      ignored=HOW_TO_RUN_KEYS + settings_free_to_change(config),
                      remedy=lambda changed: smallest_remedy(config, changed),
+                     key_names=as_the_file_names_them,
                      renamed=RENAMED_SETTINGS, may_add=PHASE2_SETTINGS,
                      dir_flag="workdir", base_dir=base_dir) as runner:
         runner.state["toml"] = toml_text or runner.state.get("toml", "")

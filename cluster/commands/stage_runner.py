@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -88,6 +89,8 @@ class StageRunner:
     paths under `root` that the command's workers keep for themselves (their logs, state and
     error files), no output: an earlier run that left only those made nothing, and does not
     pin its settings.
+    `key_names`: the differing dotted keys as the user's configuration names them, for the
+    refusal's line (a pipeline file's `[prepare] num_shards`, not `config.prepare.options...`).
     `defaults`: dotted keys of settings recorded only when given (flags typed), and the value
     each takes when not: a key either side lacks reads as its default, so a flag typed at its
     default value, or left out when it was, is no other setting.
@@ -104,7 +107,8 @@ class StageRunner:
                  heartbeat_seconds: float = 60.0, skip_message: str = "output complete, skipping",
                  dir_flag: str = "directory", base_dir: str | None = None,
                  recorded_since: tuple[str, ...] = (), defaults: dict[str, Any] | None = None,
-                 remedy: Callable[[list[str]], str] | None = None):
+                 remedy: Callable[[list[str]], str] | None = None,
+                 key_names: Callable[[list[str]], list[str]] | None = None):
         self.root = os.path.abspath(root)
         self.base_dir = os.path.abspath(base_dir) if base_dir else None
         if self.base_dir and not lies_within(self.root, self.base_dir):
@@ -119,6 +123,7 @@ class StageRunner:
         self.recorded_since = recorded_since
         self.defaults = json.loads(json.dumps(defaults or {}))  # tuples as the file has lists
         self.remedy = remedy
+        self.key_names = key_names or list  # the dotted keys as the user gave them
         self.scratch = scratch
         self.heartbeat_seconds = heartbeat_seconds
         self.skip_message = skip_message
@@ -133,11 +138,19 @@ class StageRunner:
         self._refuse_foreign_directory()
         self._lock = exclusive_directory(self.root, self.command)
         self._lock.__enter__()
-        self.state = self._load_or_create_state()
-        # The command's log (the engines' output: cluster.launch.worker_output) in this directory,
-        # now that it is ours; the first runner of a process claims it (the demo's, not its
-        # fine-tuning's).
-        log_driver_to(os.path.join(self.root, LOG_DIR, f"{self.command}.log"))
+        try:
+            self.state = self._load_or_create_state()
+            # The command's log (the engines' output: cluster.launch.worker_output) in this
+            # directory, now that it is ours; the first runner of a process claims it (the
+            # demo's, not its fine-tuning's).
+            log_driver_to(os.path.join(self.root, LOG_DIR, f"{self.command}.log"))
+        except BaseException:
+            # A refusal (other settings) leaves `with` before __exit__ could: the lock was
+            # held until the garbage collector reached it, so a caller who kept the error
+            # (run_pipeline in a notebook) was refused its corrected call as "another
+            # bertforge pipeline is running", by itself.
+            self._lock.__exit__(*sys.exc_info())
+            raise
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -175,7 +188,8 @@ class StageRunner:
                 continue
             self.say(f"{label}: starting")
             started = time.time()
-            with heartbeat(self.command, label, every_seconds=self.heartbeat_seconds):
+            with heartbeat(self.command, label, every_seconds=self.heartbeat_seconds), \
+                    _says_how_to_continue(stage.name):
                 record = stage.run()
             record["seconds"] = round(time.time() - started, 1)
             if self.base_dir:
@@ -220,15 +234,16 @@ class StageRunner:
         unknown = tuple(key for key in self.recorded_since if not _records(recorded, key))
         changed = [key for key in differing_keys(recorded, wanted, self.ignored + unknown)
                    if not self._added_for_a_stage_to_come(key, recorded_keys, state["stages"])]
+        named = self.key_names(changed)
         if changed and not state["stages"] and not self._holds_outputs():
             # An earlier run that failed before it made anything (a mistyped path, say) does
             # not pin its settings: the corrected command simply runs.
-            self.say(f"{self.root}: an earlier run with other settings ({', '.join(changed[:6])}"
-                     f"{' ...' if len(changed) > 6 else ''}) made nothing here; starting afresh")
+            self.say(f"{self.root}: an earlier run with other settings ({', '.join(named[:6])}"
+                     f"{' ...' if len(named) > 6 else ''}) made nothing here; starting afresh")
             changed = []
         if changed:
-            shown = ", ".join(changed[:12]) + (f" and {len(changed) - 12} more"
-                                               if len(changed) > 12 else "")
+            shown = ", ".join(named[:12]) + (f" and {len(named) - 12} more"
+                                             if len(named) > 12 else "")
             remedy = (self.remedy and self.remedy(changed)) or (
                 f"use another {self.dir_flag}, or delete it to start over")
             raise ValueError(f"{self.root} holds a {self.command} made with other settings "
@@ -266,6 +281,26 @@ class StageRunner:
             if any(inside + name not in skipped for name in files):
                 return True
         return False
+
+
+@contextmanager
+def _says_how_to_continue(stage: str) -> Iterator[None]:
+    """A stop (SIGTERM, Ctrl-C) during `stage` whose engine did not say what a rerun does (the
+    vocabulary, the export, a training stopped before its first checkpoint) ends with it: the
+    line said "stopped by SIGINT" alone, leaving the user to guess whether the stages done
+    were lost."""
+    from bertforge.cluster.launch import local_ray
+
+    try:
+        yield
+    except SystemExit as exit_:
+        stop = local_ray.as_stop(exit_)
+        if stop is None:
+            raise
+        if "the same command" not in stop.note:  # prepare's and a resumable train's say it
+            rerun = f"the same command runs {stage} again, the stages done kept"
+            stop.note = f"{stop.note}; {rerun}" if stop.note else f"{stage} unfinished: {rerun}"
+        raise stop from exit_
 
 
 BASE = "<base>"  # stands for the base folder in paths compared relative to it

@@ -210,6 +210,31 @@ def test_a_changed_configuration_is_refused_naming_the_keys(tmp_path):
     assert "config.prepare.options.dupe_factor" in message
 
 
+def test_the_refusal_names_the_keys_as_the_file_spells_them(tmp_path):
+    """`num_shards` and `dupe_factor` changed in [prepare]: the line named
+    `config.prepare.options.num_shards`, and a phase's key came with the resolved recipe
+    values it changed (`recipes.phase2.data_dir` beside `config.phase2.max_seq_length`), none
+    of which a pipeline file has."""
+    config = config_of(tmp_path)
+    with StageRunner(PipelinePaths(config.workdir).root, "pipeline", config.settings(),
+                     ignored=HOW_TO_RUN_KEYS) as runner:
+        runner.run([Stage("vocab", lambda: {})])  # the workdir holds finished work
+    with pytest.raises(ValueError) as error:
+        run_pipeline(config_of(tmp_path, prepare__num_shards=3, prepare__dupe_factor=2))
+    assert "(differs in: [prepare] dupe_factor, [prepare] num_shards);" in str(error.value)
+    from bertforge.cluster.commands.pipeline import as_the_file_names_them
+
+    assert as_the_file_names_them([
+        "config.phase1.overrides.learning_rate", "config.phase2.max_seq_length",
+        "config.prepare.options.output", "recipes.phase1.learning_rate",
+        "recipes.phase2.data_dir", "config.vocab.path", "config.workdir", "config.phase2"]) == [
+        "[phase1] overrides.learning_rate", "[phase2] max_seq_length", "[vocab] path",
+        "workdir", "[phase2]"]
+    # The pipeline's own values are named where no key of the file explains them.
+    assert as_the_file_names_them(["recipes.phase1.learning_rate"]) == [
+        "phase1's resolved learning_rate"]
+
+
 def test_a_project_folder_moved_whole_is_the_same_pipeline(tmp_path):
     """pipeline.toml, its corpus and its workdir moved (or copied) together: the paths the
     state recorded are compared relative to the file's folder, so the rerun skips what is
@@ -251,6 +276,26 @@ def test_a_project_folder_moved_whole_is_the_same_pipeline(tmp_path):
     with StageRunner(PipelinePaths(config.workdir).root, "pipeline", config.settings(),
                      ignored=HOW_TO_RUN_KEYS, base_dir=str(new)) as runner:
         assert runner.moved_since("vocab") == (str(legacy), str(new))
+
+
+def test_a_workdir_moved_on_its_own_is_told_where_it_belongs(tmp_path):
+    """A workdir moved alone (not with its pipeline file's folder) and named anew in the file
+    was refused with "delete it to start over", its vocabulary, shards and checkpoints with
+    it; where it was made, it is the same pipeline."""
+    made = config_of(tmp_path, workdir="work")
+    with StageRunner(PipelinePaths(made.workdir).root, "pipeline", made.settings(),
+                     ignored=HOW_TO_RUN_KEYS) as runner:
+        runner.run([Stage("vocab", lambda: {})])
+    shutil.move(str(tmp_path / "work"), str(tmp_path / "elsewhere"))
+    with pytest.raises(ValueError) as error:
+        run_pipeline(config_of(tmp_path, workdir="elsewhere"))
+    assert str(error.value).endswith(
+        f"(differs in: workdir); it was made as {tmp_path}/work: move it back there (a workdir "
+        "moves only with the folder of its pipeline file, at the same place in it), or delete "
+        "it to start over")
+    # Moved and changed: the change is what the line is about.
+    with pytest.raises(ValueError, match=r"\[prepare\] seed, workdir\); use another workdir"):
+        run_pipeline(config_of(tmp_path, workdir="elsewhere", prepare__seed=7))
 
 
 def test_a_workdir_outside_the_file_s_folder_is_compared_by_absolute_paths(tmp_path):
@@ -678,13 +723,13 @@ def test_a_changed_configuration_is_refused_before_any_work(finished_pipeline, m
     changed = root / "changed.toml"
     changed.write_text(TINY_TOML.replace("max_steps = 8", "max_steps = 9"))
     config, text = load_config(str(changed))
-    with pytest.raises(ValueError, match="phase1.overrides.max_steps"):
+    with pytest.raises(ValueError, match=r"\[phase1\] overrides.max_steps"):
         run_pipeline(config, text)
     # Phase 2's settings are open only while it has no checkpoint (its length of training
     # always, as the last phase's): now it has one.
     changed.write_text(TINY_TOML.replace("log_every = 2,", "log_every = 2, learning_rate = 0.01,"))
     config, text = load_config(str(changed))
-    with pytest.raises(ValueError, match="phase2.overrides.learning_rate"):
+    with pytest.raises(ValueError, match=r"\[phase2\] overrides.learning_rate"):
         run_pipeline(config, text)
 
 

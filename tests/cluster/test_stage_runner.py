@@ -92,3 +92,41 @@ def test_a_setting_recorded_under_its_old_name_still_matches(tmp_path):
                                                                       "lower_case": True}}},
                          renamed=renamed):
             pass
+
+
+@pytest.mark.parametrize("engine_note, said", [
+    ("", "export unfinished: the same command runs export again, the stages done kept"),
+    ("no checkpoint was committed yet", "no checkpoint was committed yet; the same command "
+     "runs export again, the stages done kept"),
+    ("the same command continues it (its work is in W)",
+     "the same command continues it (its work is in W)")])
+def test_a_stop_during_a_stage_says_what_the_same_command_does(tmp_path, engine_note, said):
+    """A Ctrl-C during the pipeline's vocabulary or export (or a training before its first
+    checkpoint) said "stopped by SIGINT" alone; a note that says it already is kept as it is."""
+    import signal
+
+    from bertforge.cluster.launch.local_ray import StoppedBySignal
+
+    def stopped() -> dict:
+        raise StoppedBySignal(signal.SIGINT, engine_note)
+
+    with pytest.raises(StoppedBySignal) as stop:
+        with StageRunner(str(tmp_path / "work"), "pipeline", {}) as runner:
+            runner.run([Stage("vocab", lambda: {}), Stage("export", stopped)])
+    assert stop.value.describe() == f"stopped by SIGINT; {said}"
+    assert stop.value.code == 128 + signal.SIGINT
+
+
+def test_a_refused_directory_is_not_left_locked(tmp_path):
+    """The refusal is raised inside `with StageRunner(...)`'s enter: the lock it had taken
+    stayed held while the error was referenced, and the corrected call in the same process
+    was refused as "another bertforge pipeline is running" (its own pid)."""
+    root = str(tmp_path / "work")
+    with StageRunner(root, "pipeline", {"num_shards": 2}) as runner:
+        runner.run([Stage("vocab", lambda: {})])
+    with pytest.raises(ValueError, match="made with other settings") as refused:
+        with StageRunner(root, "pipeline", {"num_shards": 3}):
+            pass
+    with StageRunner(root, "pipeline", {"num_shards": 2}) as runner:
+        assert runner.run([Stage("vocab", lambda: {})])["skipped"] == ["vocab"]
+    assert refused.value  # kept until here, as a caller's `except ... as error` keeps it
