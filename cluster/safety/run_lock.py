@@ -16,8 +16,13 @@ refreshes every `HEARTBEAT_SECONDS`. Keys it does not know (a newer bertforge's)
   A dead holder's lock is taken over with a message; a live holder's makes the new run fail at
   once, naming it. A lock file that cannot be read (another version's) counts as held until
   its mtime is `STALE_AFTER_SECONDS` old.
-- Takeover renames the stale file away first, so of two runs taking over at once only one
-  removes it; both then race on the atomic create.
+- Takeover is claimed first: of the runs that found one stale record, only the one that
+  creates its claim (`.lock.<digest>.claim`, atomic as the lock) removes it, and only if the
+  lock still holds that record; the others retry and find it gone or a fresh one. Unclaimed,
+  a run that read the stale record before another took over moved the other's fresh lock
+  aside to check it, and a third run took the lock in that moment: two holders (seen with
+  real processes where rename and link take a network round trip, as on NFS). A claim whose
+  run died is removed once its run is gone, as a lock is; both then race on the atomic create.
 - In object storage (`--storage gs://... / s3://...`, through pyarrow.fs) there is no
   create-if-absent: the lock is written only if absent and read back after `SETTLE_SECONDS`;
   the run that reads its own token holds it. Two runs whose existence checks fall within the
@@ -31,6 +36,7 @@ A crash leaves the file behind; the next run sees its holder dead and takes it o
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -174,18 +180,27 @@ class _LocalFile:
     def create(self, text: str) -> bool:
         try:
             os.makedirs(self.directory, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"cannot write the run lock in {self.directory}: "
+                             f"{_a_file_in_the_way(self.directory) or error.strerror or error}"
+                             ) from None
+        return self._publish(self.path, text)
+
+    def _publish(self, path: str, text: str) -> bool:
+        """Write `text` at `path` only if no file is there, never half-written."""
+        try:
             tmp = self._write_private(text)
         except OSError as error:
             raise ValueError(f"cannot write the run lock in {self.directory}: "
                              f"{_a_file_in_the_way(self.directory) or error.strerror or error}"
                              ) from None
         try:
-            os.link(tmp, self.path)
+            os.link(tmp, path)
             return True
         except FileExistsError:
             return False
         except OSError:  # no hard links here (some FUSE/object-store mounts)
-            return self._create_exclusive(text)
+            return self._create_exclusive(text, path)
         finally:
             os.unlink(tmp)
 
@@ -197,9 +212,9 @@ class _LocalFile:
             os.fsync(f.fileno())
         return tmp
 
-    def _create_exclusive(self, text: str) -> bool:
+    def _create_exclusive(self, text: str, path: str | None = None) -> bool:
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(path or self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -223,8 +238,42 @@ class _LocalFile:
         os.replace(self._write_private(text), self.path)
 
     def remove_if(self, expected: str) -> bool:
-        """Remove the file only if it still holds `expected`: rename it away first, so that of
-        two runs removing a stale lock at once only one does, and never a fresh one."""
+        """Remove the file only if it still holds `expected`, as the one run that claimed
+        `expected`'s removal: the others that found it stale leave it to that one."""
+        claim = self._claim_path(expected)
+        if not self._publish(claim, Holder.me("takeover").dumps()):
+            self._remove_claim_of_a_run_gone(claim)
+            return False
+        try:
+            # Read again under the claim: a run that claimed it before may have removed it,
+            # and what is there now is a fresh lock, not to be moved even for a moment.
+            return self.read() == expected and self._remove_if_still(expected)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claim)
+
+    def _claim_path(self, expected: str) -> str:
+        digest = hashlib.sha256(expected.encode("utf-8")).hexdigest()[:16]
+        return f"{self.path}.{digest}.claim"
+
+    def _remove_claim_of_a_run_gone(self, claim: str) -> None:
+        """A claim stays only while its run removes the record (a moment): one whose run died
+        there would keep the record from ever being taken over."""
+        try:
+            with open(claim, encoding="utf-8") as f:
+                claimant = Holder.parse(f.read())
+            age = time.time() - os.stat(claim).st_mtime
+        except FileNotFoundError:
+            return
+        gone = (not claimant.is_alive(STALE_AFTER_SECONDS) if claimant is not None
+                else age >= STALE_AFTER_SECONDS)  # unreadable: being written, or old
+        if gone:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claim)
+
+    def _remove_if_still(self, expected: str) -> bool:
+        """Rename it away first, then check: never a fresh lock removed. Under the claim a
+        fresh one is met here only where its stalled holder, taken for gone, beat again."""
         aside = f"{self.path}.{uuid.uuid4().hex}.stale"
         try:
             os.rename(self.path, aside)

@@ -321,3 +321,67 @@ def test_a_holder_that_died_unreaped_is_gone(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_run_that_read_a_dead_holders_lock_late_leaves_the_run_that_took_it_over_alone(
+        tmp_path, monkeypatch):
+    """Three runs start on a directory a dead run left locked. The first takes the lock over;
+    the second read the dead holder's record before that and, checking it, moved the first's
+    fresh lock aside; the third took the lock in that moment (a rename and a link take a round
+    trip on NFS), the first's could not go back: two runs writing one directory."""
+    from bertforge.cluster.safety import run_lock
+
+    pid, started = dead_pid()
+    write_lock(tmp_path, pid=pid, pid_start=started)
+    dead = (tmp_path / LOCK_NAME).read_text()
+    first = RunLock([str(tmp_path)], "train")
+    first.me.token = "first"
+    second = RunLock([str(tmp_path)], "train")
+    third = RunLock([str(tmp_path)], "train")
+    third.me.token = "third"
+    read, rename = run_lock._LocalFile.read, os.rename
+    reads, third_run = [], []
+
+    def read_before_the_takeover(self):  # the second run read the dead holder's record first
+        reads.append(1)
+        return dead if len(reads) == 1 else read(self)
+
+    def start_the_third_run() -> None:
+        try:
+            third.__enter__()
+            third_run.append("held")
+        except RunDirectoryInUse:
+            third_run.append("refused")
+
+    def the_third_run_starts_while_a_lock_is_aside(source, destination):
+        rename(source, destination)
+        if destination.endswith(".stale") and not third_run:
+            start_the_third_run()
+
+    with first:
+        monkeypatch.setattr(run_lock._LocalFile, "read", read_before_the_takeover)
+        monkeypatch.setattr(run_lock.os, "rename", the_third_run_starts_while_a_lock_is_aside)
+        try:
+            with pytest.raises(RunDirectoryInUse, match="another bertforge train is running"):
+                second.__enter__()
+            if not third_run:
+                start_the_third_run()
+            assert third_run == ["refused"]
+            assert lock_record(tmp_path)["token"] == "first"
+        finally:
+            if third_run == ["held"]:
+                third.__exit__(None, None, None)
+
+
+def test_a_takeover_claim_left_by_a_run_that_died_does_not_keep_the_lock_forever(tmp_path):
+    from bertforge.cluster.safety import run_lock
+
+    pid, started = dead_pid()
+    write_lock(tmp_path, pid=pid, pid_start=started)
+    claim = run_lock._LocalFile(str(tmp_path))._claim_path((tmp_path / LOCK_NAME).read_text())
+    claimant = {**json.loads(Holder.me("takeover").dumps()), "pid": pid, "pid_start": started}
+    with open(claim, "w", encoding="utf-8") as f:
+        f.write(json.dumps(claimant))
+    with exclusive_directory(str(tmp_path), "train"):
+        assert lock_record(tmp_path)["pid"] == os.getpid()
+    assert sorted(os.listdir(tmp_path)) == []
