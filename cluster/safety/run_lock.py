@@ -23,6 +23,8 @@ refreshes every `HEARTBEAT_SECONDS`. Keys it does not know (a newer bertforge's)
   aside to check it, and a third run took the lock in that moment: two holders (seen with
   real processes where rename and link take a network round trip, as on NFS). A claim whose
   run died is removed once its run is gone, as a lock is; both then race on the atomic create.
+  A heartbeat rewrites the record under the same claim, and only if it is still its own: a
+  holder resuming from a stall never writes over the lock another run took over meanwhile.
 - In object storage (`--storage gs://... / s3://...`, through pyarrow.fs) there is no
   create-if-absent: the lock is written only if absent and read back after `SETTLE_SECONDS`;
   the run that reads its own token holds it. Two runs whose existence checks fall within the
@@ -237,6 +239,23 @@ class _LocalFile:
     def replace(self, text: str) -> None:
         os.replace(self._write_private(text), self.path)
 
+    def replace_if(self, expected: str, text: str) -> None:
+        """A heartbeat: `text` over the file only if it still holds `expected`, under the claim
+        a takeover of `expected` takes. Read and written unclaimed, a holder resuming after a
+        stall wrote its record over the lock another run had just taken over from it: the
+        stalled one went on as the holder, and the other was told it lost the lock. Claimed by
+        a takeover now: not written; the next beat finds the lock lost."""
+        claim = self._claim_path(expected)
+        if not self._publish(claim, Holder.me("heartbeat").dumps()):
+            self._remove_claim_of_a_run_gone(claim)
+            return
+        try:
+            if self.read() == expected:
+                self.replace(text)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claim)
+
     def remove_if(self, expected: str) -> bool:
         """Remove the file only if it still holds `expected`, as the one run that claimed
         `expected`'s removal: the others that found it stale leave it to that one."""
@@ -342,6 +361,12 @@ class _StorageFile:
         self.fs.create_dir(self.path.rsplit("/", 1)[0], recursive=True)
         with self.fs.open_output_stream(self.path) as f:
             f.write(text.encode("utf-8"))
+
+    def replace_if(self, expected: str, text: str) -> None:
+        """A heartbeat. Storage has no claim: a takeover between the read and the write is
+        lost to this write, and the other run's heartbeat reports it."""
+        if self.read() == expected:
+            self.replace(text)
 
     def remove_if(self, expected: str) -> bool:
         if self.read() != expected:
@@ -451,6 +476,8 @@ class RunLock:
                 what = f"the lock of a run that is gone ({holder.describe()})"
             if lock.remove_if(text):
                 print(f"[{self.command}] taking over {what} in {lock}", flush=True)
+            else:  # another run took it, or claimed it (a takeover, a heartbeat): let it end
+                time.sleep(0.1 * (attempt + 1))
         raise RunDirectoryInUse(f"could not take the lock in {lock}: other runs keep taking it")
 
     def _beat(self) -> None:
@@ -461,14 +488,15 @@ class RunLock:
                     self._refresh(lock)
 
     def _refresh(self, lock) -> None:
-        holder = Holder.parse(lock.read() or "")
+        text = lock.read() or ""
+        holder = Holder.parse(text)
         if holder is None or holder.token != self.me.token:
             print(f"[{self.command}] warning: the lock in {lock} was taken by "
                   f"{holder.describe() if holder else 'another run'}; two runs may be writing",
                   flush=True)
             self._held.remove(lock)
             return
-        lock.replace(self.me.dumps())
+        lock.replace_if(text, self.me.dumps())
 
     def _release(self) -> None:
         for lock in reversed(self._held):

@@ -385,3 +385,41 @@ def test_a_takeover_claim_left_by_a_run_that_died_does_not_keep_the_lock_forever
     with exclusive_directory(str(tmp_path), "train"):
         assert lock_record(tmp_path)["pid"] == os.getpid()
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_stalled_holders_heartbeat_does_not_write_over_the_run_that_took_it_over(
+        tmp_path, capsys):
+    """A holder on another node stalled past the staleness (a paused VM, SIGSTOP), and another
+    run took its lock over just as its heartbeat, resumed, had read its own record and was
+    about to write it again (seen with real processes where a write takes a round trip): the
+    write landed over the new holder's lock, the stalled run went on as the holder, and the
+    new one was told it lost the lock. Now the stalled run's next beat finds the lock lost."""
+    from bertforge.cluster.safety import run_lock
+
+    stalled = RunLock([str(tmp_path)], "train", heartbeat_seconds=3600)
+    stalled.me.host, stalled.me.token = "another-node", "stalled"  # judged by its heartbeat
+    taker = RunLock([str(tmp_path)], "train", stale_after_seconds=0.0)  # every beat is old
+    taker.me.token = "taker"
+    read = run_lock._LocalFile.read
+    took_over = []
+
+    def the_other_run_takes_over_after_the_beat_read(self):
+        text = read(self)
+        if not took_over:
+            took_over.append(1)
+            taker.__enter__()
+        return text
+
+    with stalled:
+        run_lock._LocalFile.read = the_other_run_takes_over_after_the_beat_read
+        try:
+            stalled._refresh(stalled.files[0])
+        finally:
+            run_lock._LocalFile.read = read
+        try:
+            assert lock_record(tmp_path)["token"] == "taker"
+            stalled._refresh(stalled.files[0])  # its next beat
+            assert stalled._held == []
+            assert "was taken by host" in capsys.readouterr().out
+        finally:
+            taker.__exit__(None, None, None)
