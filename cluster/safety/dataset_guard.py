@@ -237,7 +237,9 @@ def reading_dataset(data_dir: str, command: str) -> Iterator[None]:
 def _make_record_folder(record: str) -> None:
     """DATA/.readers/<token>, made again where the last reader, ending, removed the empty
     DATA/.readers between its look and its making (the run failed: "cannot write the run lock
-    in DATA/.readers/...: No such file or directory")."""
+    in DATA/.readers/...: No such file or directory"). Made here, not by the lock: a folder
+    this user may only read raises the OS's error, on which the run reads unrecorded (the
+    lock turned it into "cannot write the run lock", and the run failed)."""
     for attempt in range(5):
         try:
             os.makedirs(record)

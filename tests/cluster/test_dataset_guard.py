@@ -558,3 +558,27 @@ def test_a_reader_starting_as_the_last_reader_ends_is_recorded(tmp_path, monkeyp
         assert the_last_reader_ends_first.ended
         assert [holder.command for holder in live_readers(str(output))] == ["train"]
     assert sorted(os.listdir(output)) == []
+
+
+def test_a_dataset_this_user_may_only_read_is_read_unrecorded(tmp_path, monkeypatch):
+    """A dataset folder of another user (shared, mode 755): no reader's record can be made in
+    it, and none is needed, as no prepare of this user can replace it. The run failed at
+    once: "cannot write the run lock in DATA/.readers/...: Permission denied" (seen as an
+    unprivileged user; the test runs as any user, so the refusal is the OS's, stood in)."""
+    from bertforge.cluster.safety.dataset_guard import READERS_DIR
+
+    output = tmp_path / "shards"
+    output.mkdir()
+    makedirs = os.makedirs
+
+    def not_ours_to_write(path, *args, **kwargs):
+        if READERS_DIR in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", not_ours_to_write)
+    read = []
+    with reading_dataset(str(output), "train"):
+        read.append(1)
+    assert read == [1]
+    assert sorted(os.listdir(output)) == []
