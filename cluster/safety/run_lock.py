@@ -182,20 +182,19 @@ class _LocalFile:
     def create(self, text: str) -> bool:
         try:
             os.makedirs(self.directory, exist_ok=True)
-        except OSError as error:
-            raise ValueError(f"cannot write the run lock in {self.directory}: "
-                             f"{_a_file_in_the_way(self.directory) or error.strerror or error}"
-                             ) from None
-        return self._publish(self.path, text)
-
-    def _publish(self, path: str, text: str) -> bool:
-        """Write `text` at `path` only if no file is there, never half-written."""
-        try:
             tmp = self._write_private(text)
         except OSError as error:
             raise ValueError(f"cannot write the run lock in {self.directory}: "
                              f"{_a_file_in_the_way(self.directory) or error.strerror or error}"
                              ) from None
+        return self._link_in_place(tmp, self.path, text)
+
+    def _publish(self, path: str, text: str) -> bool:
+        """Write `text` at `path` only if no file is there, never half-written. An OSError
+        as it is: a heartbeat's (a full disk) is let go and tried again at the next beat."""
+        return self._link_in_place(self._write_private(text), path, text)
+
+    def _link_in_place(self, tmp: str, path: str, text: str) -> bool:
         try:
             os.link(tmp, path)
             return True

@@ -423,3 +423,25 @@ def test_a_stalled_holders_heartbeat_does_not_write_over_the_run_that_took_it_ov
             assert "was taken by host" in capsys.readouterr().out
         finally:
             taker.__exit__(None, None, None)
+
+
+def test_a_heartbeat_that_cannot_write_is_tried_again_at_the_next_beat(tmp_path, monkeypatch):
+    """A full disk fails one beat's write: an OSError, which the heartbeat lets go and tries
+    again (any other error ended its thread: no more beats, and after the staleness another
+    node took the lock of a run still writing)."""
+    from bertforge.cluster.safety import run_lock
+
+    with RunLock([str(tmp_path)], "train", heartbeat_seconds=3600) as lock:
+        write_private = run_lock._LocalFile._write_private
+
+        def disk_full(self, text):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(run_lock._LocalFile, "_write_private", disk_full)
+        with pytest.raises(OSError):
+            lock._refresh(lock.files[0])
+        monkeypatch.setattr(run_lock._LocalFile, "_write_private", write_private)
+        lock.me.heartbeat = time.time() + 5
+        lock._refresh(lock.files[0])
+        assert lock_record(tmp_path)["heartbeat"] == lock.me.heartbeat
+        assert lock._held == lock.files
