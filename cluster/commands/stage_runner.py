@@ -135,20 +135,24 @@ class StageRunner:
     def __enter__(self) -> StageRunner:
         # demo, finetune, glue and pipeline outputs (given or default) inside a submit job
         refuse_output_in_the_jobs_copy(self.root, self.dir_flag)
-        self._refuse_foreign_directory()
         self._lock = exclusive_directory(self.root, self.command)
         self._lock.__enter__()
         try:
+            # Once the lock is ours: looked at before, a run of the same job starting a moment
+            # earlier (its lock taken, its state not written yet) made this directory look
+            # foreign, and the second run was told to choose another directory instead of
+            # being told that the first one is running.
+            self._refuse_foreign_directory()
             self.state = self._load_or_create_state()
             # The command's log (the engines' output: cluster.launch.worker_output) in this
             # directory, now that it is ours; the first runner of a process claims it (the
             # demo's, not its fine-tuning's).
             log_driver_to(os.path.join(self.root, LOG_DIR, f"{self.command}.log"))
         except BaseException:
-            # A refusal (other settings) leaves `with` before __exit__ could: the lock was
-            # held until the garbage collector reached it, so a caller who kept the error
-            # (run_pipeline in a notebook) was refused its corrected call as "another
-            # bertforge pipeline is running", by itself.
+            # A refusal (a foreign directory, other settings) leaves `with` before __exit__
+            # could: the lock was held until the garbage collector reached it, so a caller who
+            # kept the error (run_pipeline in a notebook) was refused its corrected call as
+            # "another bertforge pipeline is running", by itself.
             self._lock.__exit__(*sys.exc_info())
             raise
         return self
@@ -208,7 +212,9 @@ class StageRunner:
         (or clear) them."""
         if not os.path.isdir(self.root) or os.path.exists(self.state_path):
             return
-        if [name for name in os.listdir(self.root) if name != LOCK_NAME]:
+        # The lock's own files, and those of runs being refused it now (.lock.*)
+        if [name for name in os.listdir(self.root)
+                if name != LOCK_NAME and not name.startswith(LOCK_NAME + ".")]:
             raise ValueError(f"{self.root} is not empty and holds no bertforge {self.command} "
                              f"({os.path.basename(self.state_path)}); choose an empty or new "
                              f"{self.dir_flag}")

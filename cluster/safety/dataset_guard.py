@@ -217,6 +217,7 @@ def reading_dataset(data_dir: str, command: str) -> Iterator[None]:
         return
     record = os.path.join(data_dir.removeprefix("file://"), READERS_DIR, uuid.uuid4().hex)
     try:
+        _make_record_folder(record)
         lock = exclusive_directory(record, command)
         lock.__enter__()
     except (OSError, RunDirectoryInUse):
@@ -231,6 +232,21 @@ def reading_dataset(data_dir: str, command: str) -> Iterator[None]:
         shutil.rmtree(record, ignore_errors=True)
         with contextlib.suppress(OSError):  # the last reader leaves no empty folder behind
             os.rmdir(os.path.dirname(record))
+
+
+def _make_record_folder(record: str) -> None:
+    """DATA/.readers/<token>, made again where the last reader, ending, removed the empty
+    DATA/.readers between its look and its making (the run failed: "cannot write the run lock
+    in DATA/.readers/...: No such file or directory"). Made here, not by the lock: a folder
+    this user may only read raises the OS's error, on which the run reads unrecorded (the
+    lock turned it into "cannot write the run lock", and the run failed)."""
+    for attempt in range(5):
+        try:
+            os.makedirs(record)
+            return
+        except FileNotFoundError:
+            if attempt == 4:
+                raise
 
 
 def refuse_a_writer(data_dir: str) -> None:

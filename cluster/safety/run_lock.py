@@ -16,8 +16,15 @@ refreshes every `HEARTBEAT_SECONDS`. Keys it does not know (a newer bertforge's)
   A dead holder's lock is taken over with a message; a live holder's makes the new run fail at
   once, naming it. A lock file that cannot be read (another version's) counts as held until
   its mtime is `STALE_AFTER_SECONDS` old.
-- Takeover renames the stale file away first, so of two runs taking over at once only one
-  removes it; both then race on the atomic create.
+- Takeover is claimed first: of the runs that found one stale record, only the one that
+  creates its claim (`.lock.<digest>.claim`, atomic as the lock) removes it, and only if the
+  lock still holds that record; the others retry and find it gone or a fresh one. Unclaimed,
+  a run that read the stale record before another took over moved the other's fresh lock
+  aside to check it, and a third run took the lock in that moment: two holders (seen with
+  real processes where rename and link take a network round trip, as on NFS). A claim whose
+  run died is removed once its run is gone, as a lock is; both then race on the atomic create.
+  A heartbeat rewrites the record under the same claim, and only if it is still its own: a
+  holder resuming from a stall never writes over the lock another run took over meanwhile.
 - In object storage (`--storage gs://... / s3://...`, through pyarrow.fs) there is no
   create-if-absent: the lock is written only if absent and read back after `SETTLE_SECONDS`;
   the run that reads its own token holds it. Two runs whose existence checks fall within the
@@ -31,6 +38,7 @@ A crash leaves the file behind; the next run sees its holder dead and takes it o
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -179,13 +187,21 @@ class _LocalFile:
             raise ValueError(f"cannot write the run lock in {self.directory}: "
                              f"{_a_file_in_the_way(self.directory) or error.strerror or error}"
                              ) from None
+        return self._link_in_place(tmp, self.path, text)
+
+    def _publish(self, path: str, text: str) -> bool:
+        """Write `text` at `path` only if no file is there, never half-written. An OSError
+        as it is: a heartbeat's (a full disk) is let go and tried again at the next beat."""
+        return self._link_in_place(self._write_private(text), path, text)
+
+    def _link_in_place(self, tmp: str, path: str, text: str) -> bool:
         try:
-            os.link(tmp, self.path)
+            os.link(tmp, path)
             return True
         except FileExistsError:
             return False
         except OSError:  # no hard links here (some FUSE/object-store mounts)
-            return self._create_exclusive(text)
+            return self._create_exclusive(text, path)
         finally:
             os.unlink(tmp)
 
@@ -197,9 +213,9 @@ class _LocalFile:
             os.fsync(f.fileno())
         return tmp
 
-    def _create_exclusive(self, text: str) -> bool:
+    def _create_exclusive(self, text: str, path: str | None = None) -> bool:
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(path or self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -222,9 +238,60 @@ class _LocalFile:
     def replace(self, text: str) -> None:
         os.replace(self._write_private(text), self.path)
 
+    def replace_if(self, expected: str, text: str) -> None:
+        """A heartbeat: `text` over the file only if it still holds `expected`, under the claim
+        a takeover of `expected` takes. Read and written unclaimed, a holder resuming after a
+        stall wrote its record over the lock another run had just taken over from it: the
+        stalled one went on as the holder, and the other was told it lost the lock. Claimed by
+        a takeover now: not written; the next beat finds the lock lost."""
+        claim = self._claim_path(expected)
+        if not self._publish(claim, Holder.me("heartbeat").dumps()):
+            self._remove_claim_of_a_run_gone(claim)
+            return
+        try:
+            if self.read() == expected:
+                self.replace(text)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claim)
+
     def remove_if(self, expected: str) -> bool:
-        """Remove the file only if it still holds `expected`: rename it away first, so that of
-        two runs removing a stale lock at once only one does, and never a fresh one."""
+        """Remove the file only if it still holds `expected`, as the one run that claimed
+        `expected`'s removal: the others that found it stale leave it to that one."""
+        claim = self._claim_path(expected)
+        if not self._publish(claim, Holder.me("takeover").dumps()):
+            self._remove_claim_of_a_run_gone(claim)
+            return False
+        try:
+            # Read again under the claim: a run that claimed it before may have removed it,
+            # and what is there now is a fresh lock, not to be moved even for a moment.
+            return self.read() == expected and self._remove_if_still(expected)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claim)
+
+    def _claim_path(self, expected: str) -> str:
+        digest = hashlib.sha256(expected.encode("utf-8")).hexdigest()[:16]
+        return f"{self.path}.{digest}.claim"
+
+    def _remove_claim_of_a_run_gone(self, claim: str) -> None:
+        """A claim stays only while its run removes the record (a moment): one whose run died
+        there would keep the record from ever being taken over."""
+        try:
+            with open(claim, encoding="utf-8") as f:
+                claimant = Holder.parse(f.read())
+            age = time.time() - os.stat(claim).st_mtime
+        except FileNotFoundError:
+            return
+        gone = (not claimant.is_alive(STALE_AFTER_SECONDS) if claimant is not None
+                else age >= STALE_AFTER_SECONDS)  # unreadable: being written, or old
+        if gone:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claim)
+
+    def _remove_if_still(self, expected: str) -> bool:
+        """Rename it away first, then check: never a fresh lock removed. Under the claim a
+        fresh one is met here only where its stalled holder, taken for gone, beat again."""
         aside = f"{self.path}.{uuid.uuid4().hex}.stale"
         try:
             os.rename(self.path, aside)
@@ -293,6 +360,12 @@ class _StorageFile:
         self.fs.create_dir(self.path.rsplit("/", 1)[0], recursive=True)
         with self.fs.open_output_stream(self.path) as f:
             f.write(text.encode("utf-8"))
+
+    def replace_if(self, expected: str, text: str) -> None:
+        """A heartbeat. Storage has no claim: a takeover between the read and the write is
+        lost to this write, and the other run's heartbeat reports it."""
+        if self.read() == expected:
+            self.replace(text)
 
     def remove_if(self, expected: str) -> bool:
         if self.read() != expected:
@@ -402,6 +475,8 @@ class RunLock:
                 what = f"the lock of a run that is gone ({holder.describe()})"
             if lock.remove_if(text):
                 print(f"[{self.command}] taking over {what} in {lock}", flush=True)
+            else:  # another run took it, or claimed it (a takeover, a heartbeat): let it end
+                time.sleep(0.1 * (attempt + 1))
         raise RunDirectoryInUse(f"could not take the lock in {lock}: other runs keep taking it")
 
     def _beat(self) -> None:
@@ -412,14 +487,15 @@ class RunLock:
                     self._refresh(lock)
 
     def _refresh(self, lock) -> None:
-        holder = Holder.parse(lock.read() or "")
+        text = lock.read() or ""
+        holder = Holder.parse(text)
         if holder is None or holder.token != self.me.token:
             print(f"[{self.command}] warning: the lock in {lock} was taken by "
                   f"{holder.describe() if holder else 'another run'}; two runs may be writing",
                   flush=True)
             self._held.remove(lock)
             return
-        lock.replace(self.me.dumps())
+        lock.replace_if(text, self.me.dumps())
 
     def _release(self) -> None:
         for lock in reversed(self._held):

@@ -530,3 +530,55 @@ def test_a_pipelines_prepare_stage_leaves_a_live_prepare_and_its_readers_alone(
     (output / ".prepare-work").rmdir()
     stages.prepare_dataset(config, [])  # alone: what was there goes, the job runs
     assert made == [1] and os.listdir(output) == []
+
+
+def test_a_reader_starting_as_the_last_reader_ends_is_recorded(tmp_path, monkeypatch):
+    """A train or eval began to read a dataset just as the last run reading it ended: that one
+    removed the empty DATA/.readers after the new one saw it there and before its record was
+    made in it, and the new run failed at once: "cannot write the run lock in
+    DATA/.readers/...: No such file or directory" (seen with real processes)."""
+    from bertforge.cluster.safety.dataset_guard import READERS_DIR, live_readers
+
+    output = tmp_path / "shards"
+    output.mkdir()
+    last_reader = reading_dataset(str(output), "eval")
+    last_reader.__enter__()
+    mkdir = os.mkdir
+
+    def the_last_reader_ends_first(path, mode=0o777):
+        if os.path.basename(os.path.dirname(path)) == READERS_DIR and \
+                not the_last_reader_ends_first.ended:
+            last_reader.__exit__(None, None, None)
+            the_last_reader_ends_first.ended = True
+        return mkdir(path, mode)
+
+    the_last_reader_ends_first.ended = False
+    monkeypatch.setattr(os, "mkdir", the_last_reader_ends_first)
+    with reading_dataset(str(output), "train"):
+        assert the_last_reader_ends_first.ended
+        assert [holder.command for holder in live_readers(str(output))] == ["train"]
+    assert sorted(os.listdir(output)) == []
+
+
+def test_a_dataset_this_user_may_only_read_is_read_unrecorded(tmp_path, monkeypatch):
+    """A dataset folder of another user (shared, mode 755): no reader's record can be made in
+    it, and none is needed, as no prepare of this user can replace it. The run failed at
+    once: "cannot write the run lock in DATA/.readers/...: Permission denied" (seen as an
+    unprivileged user; the test runs as any user, so the refusal is the OS's, stood in)."""
+    from bertforge.cluster.safety.dataset_guard import READERS_DIR
+
+    output = tmp_path / "shards"
+    output.mkdir()
+    makedirs = os.makedirs
+
+    def not_ours_to_write(path, *args, **kwargs):
+        if READERS_DIR in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", not_ours_to_write)
+    read = []
+    with reading_dataset(str(output), "train"):
+        read.append(1)
+    assert read == [1]
+    assert sorted(os.listdir(output)) == []

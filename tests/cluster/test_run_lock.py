@@ -321,3 +321,127 @@ def test_a_holder_that_died_unreaped_is_gone(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_run_that_read_a_dead_holders_lock_late_leaves_the_run_that_took_it_over_alone(
+        tmp_path, monkeypatch):
+    """Three runs start on a directory a dead run left locked. The first takes the lock over;
+    the second read the dead holder's record before that and, checking it, moved the first's
+    fresh lock aside; the third took the lock in that moment (a rename and a link take a round
+    trip on NFS), the first's could not go back: two runs writing one directory."""
+    from bertforge.cluster.safety import run_lock
+
+    pid, started = dead_pid()
+    write_lock(tmp_path, pid=pid, pid_start=started)
+    dead = (tmp_path / LOCK_NAME).read_text()
+    first = RunLock([str(tmp_path)], "train")
+    first.me.token = "first"
+    second = RunLock([str(tmp_path)], "train")
+    third = RunLock([str(tmp_path)], "train")
+    third.me.token = "third"
+    read, rename = run_lock._LocalFile.read, os.rename
+    reads, third_run = [], []
+
+    def read_before_the_takeover(self):  # the second run read the dead holder's record first
+        reads.append(1)
+        return dead if len(reads) == 1 else read(self)
+
+    def start_the_third_run() -> None:
+        try:
+            third.__enter__()
+            third_run.append("held")
+        except RunDirectoryInUse:
+            third_run.append("refused")
+
+    def the_third_run_starts_while_a_lock_is_aside(source, destination):
+        rename(source, destination)
+        if destination.endswith(".stale") and not third_run:
+            start_the_third_run()
+
+    with first:
+        monkeypatch.setattr(run_lock._LocalFile, "read", read_before_the_takeover)
+        monkeypatch.setattr(run_lock.os, "rename", the_third_run_starts_while_a_lock_is_aside)
+        try:
+            with pytest.raises(RunDirectoryInUse, match="another bertforge train is running"):
+                second.__enter__()
+            if not third_run:
+                start_the_third_run()
+            assert third_run == ["refused"]
+            assert lock_record(tmp_path)["token"] == "first"
+        finally:
+            if third_run == ["held"]:
+                third.__exit__(None, None, None)
+
+
+def test_a_takeover_claim_left_by_a_run_that_died_does_not_keep_the_lock_forever(tmp_path):
+    from bertforge.cluster.safety import run_lock
+
+    pid, started = dead_pid()
+    write_lock(tmp_path, pid=pid, pid_start=started)
+    claim = run_lock._LocalFile(str(tmp_path))._claim_path((tmp_path / LOCK_NAME).read_text())
+    claimant = {**json.loads(Holder.me("takeover").dumps()), "pid": pid, "pid_start": started}
+    with open(claim, "w", encoding="utf-8") as f:
+        f.write(json.dumps(claimant))
+    with exclusive_directory(str(tmp_path), "train"):
+        assert lock_record(tmp_path)["pid"] == os.getpid()
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_stalled_holders_heartbeat_does_not_write_over_the_run_that_took_it_over(
+        tmp_path, capsys):
+    """A holder on another node stalled past the staleness (a paused VM, SIGSTOP), and another
+    run took its lock over just as its heartbeat, resumed, had read its own record and was
+    about to write it again (seen with real processes where a write takes a round trip): the
+    write landed over the new holder's lock, the stalled run went on as the holder, and the
+    new one was told it lost the lock. Now the stalled run's next beat finds the lock lost."""
+    from bertforge.cluster.safety import run_lock
+
+    stalled = RunLock([str(tmp_path)], "train", heartbeat_seconds=3600)
+    stalled.me.host, stalled.me.token = "another-node", "stalled"  # judged by its heartbeat
+    taker = RunLock([str(tmp_path)], "train", stale_after_seconds=0.0)  # every beat is old
+    taker.me.token = "taker"
+    read = run_lock._LocalFile.read
+    took_over = []
+
+    def the_other_run_takes_over_after_the_beat_read(self):
+        text = read(self)
+        if not took_over:
+            took_over.append(1)
+            taker.__enter__()
+        return text
+
+    with stalled:
+        run_lock._LocalFile.read = the_other_run_takes_over_after_the_beat_read
+        try:
+            stalled._refresh(stalled.files[0])
+        finally:
+            run_lock._LocalFile.read = read
+        try:
+            assert lock_record(tmp_path)["token"] == "taker"
+            stalled._refresh(stalled.files[0])  # its next beat
+            assert stalled._held == []
+            assert "was taken by host" in capsys.readouterr().out
+        finally:
+            taker.__exit__(None, None, None)
+
+
+def test_a_heartbeat_that_cannot_write_is_tried_again_at_the_next_beat(tmp_path, monkeypatch):
+    """A full disk fails one beat's write: an OSError, which the heartbeat lets go and tries
+    again (any other error ended its thread: no more beats, and after the staleness another
+    node took the lock of a run still writing)."""
+    from bertforge.cluster.safety import run_lock
+
+    with RunLock([str(tmp_path)], "train", heartbeat_seconds=3600) as lock:
+        write_private = run_lock._LocalFile._write_private
+
+        def disk_full(self, text):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(run_lock._LocalFile, "_write_private", disk_full)
+        with pytest.raises(OSError):
+            lock._refresh(lock.files[0])
+        monkeypatch.setattr(run_lock._LocalFile, "_write_private", write_private)
+        lock.me.heartbeat = time.time() + 5
+        lock._refresh(lock.files[0])
+        assert lock_record(tmp_path)["heartbeat"] == lock.me.heartbeat
+        assert lock._held == lock.files

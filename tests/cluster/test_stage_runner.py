@@ -130,3 +130,32 @@ def test_a_refused_directory_is_not_left_locked(tmp_path):
     with StageRunner(root, "pipeline", {"num_shards": 2}) as runner:
         assert runner.run([Stage("vocab", lambda: {})])["skipped"] == ["vocab"]
     assert refused.value  # kept until here, as a caller's `except ... as error` keeps it
+
+
+def test_the_same_job_started_twice_together_is_told_the_first_is_running(tmp_path,
+                                                                          monkeypatch):
+    """Two `bertforge pipeline` runs of one job started together: the second looked at the
+    directory while the first, its lock taken, was writing its state, took the state's temp
+    file for someone else's and told the user to choose an empty directory (seen with three
+    real processes starting runners together). Now it is told that the first one runs."""
+    import os
+
+    from bertforge.cluster.safety.run_lock import RunDirectoryInUse
+
+    root = tmp_path / "job"
+    replace, second_run = os.replace, []
+
+    def the_second_starts_while_the_first_writes_its_state(source, destination):
+        if destination == str(root / "pipeline.json") and not second_run:
+            try:
+                with StageRunner(str(root), "pipeline", {"a": 1}):
+                    second_run.append("held")
+            except (RunDirectoryInUse, ValueError) as error:
+                second_run.append(str(error))
+        return replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", the_second_starts_while_the_first_writes_its_state)
+    with StageRunner(str(root), "pipeline", {"a": 1}):
+        pass
+    assert len(second_run) == 1
+    assert second_run[0].startswith(f"another bertforge pipeline is running in {root} ")
