@@ -103,6 +103,12 @@ def cut_saves(run_dir: str, after: int) -> list[int]:
                   and not os.path.exists(os.path.join(root, name, COMMIT_MARKER)))
 
 
+def resumes_a_checkpoint(run_dir: str, resume: bool) -> bool:
+    """Whether a `train` with `--resume auto` (`resume`) continues a committed checkpoint of
+    its own: such a run reads no --init-from, and its engine is the checkpoint's."""
+    return resume and bool(committed_steps(run_dir))
+
+
 def latest_checkpoint(run_dir: str) -> str | None:
     """Path of the newest complete checkpoint, or None."""
     steps = committed_steps(run_dir)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, processors
 
+from bertforge.pipelines.contract.manifest import sha256_file
 from bertforge.pipelines.contract.tokenization import SPECIAL_TOKENS, load_tokenizer, read_vocab
 from bertforge.training.model import BertConfig
 
@@ -523,19 +524,18 @@ def hf_weights_file(hf_dir: str) -> str | None:
 
 
 def hf_weights_sha256(hf_dir: str) -> str | None:
-    """The SHA-256 of the weights a Hugging Face directory holds (`hf_weights_file`'s bytes; of a
-    sharded save, its index's then every shard's, in `_shard_files`' order), read in 1 MB
-    chunks: BERT-large's file is 1.3 GB. None where it has no weights file."""
+    """The SHA-256 of the weights a Hugging Face directory holds (`hf_weights_file`'s; of a
+    sharded save, one of its index's and every shard's, in `_shard_files`' order), each file
+    read in chunks: BERT-large's is 1.3 GB. None where it has no weights file."""
     path = hf_weights_file(hf_dir)
     if path is None:
         return None
     files = [path, *(_shard_files(path) if path.endswith(".index.json") else [])]
-    digest = hashlib.sha256()
-    for name in files:
-        with open(name, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
+    # One file's is its sha256sum; a sharded save's, one digest of its files' in order.
+    digests = [sha256_file(name) for name in files]
+    if len(digests) == 1:
+        return digests[0]
+    return hashlib.sha256(" ".join(digests).encode("ascii")).hexdigest()
 
 
 def load_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:

@@ -370,7 +370,7 @@ def check_phase2_length(recipe: str | None, cfg: TrainConfig) -> None:
     pre-flight, which says what it is."""
     if not (recipe or "").endswith("phase2") or not cfg.init_from or "://" in cfg.data_dir:
         return
-    if cfg.resume and checkpoint.committed_steps(cfg.run_dir):
+    if checkpoint.resumes_a_checkpoint(cfg.run_dir, cfg.resume):
         return  # a resume reads no --init-from
     try:
         length = DatasetFacts.read(cfg.data_dir).max_seq_length

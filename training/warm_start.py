@@ -167,7 +167,7 @@ def continued_model(init_from: str | None, run_dir: str, resume: bool) -> dict[s
     model of its own fields), and a warm start takes its source's, as `from_pretrained` takes a
     model's own. None otherwise, or when the source cannot be read (the run's input checks say
     why): the default preset."""
-    if resume and checkpoint.committed_steps(run_dir):
+    if checkpoint.resumes_a_checkpoint(run_dir, resume):
         return source_model_fields(run_dir)
     return source_model_fields(init_from) if init_from else None
 

@@ -490,7 +490,7 @@ def check_phases_can_start(config: PipelineConfig) -> None:
     address or gpu), an engine it cannot run (fp16, say). Before the vocabulary and the
     prepares, whose settings a failure after them pins. A phase that resumes decides its
     precision by its checkpoint (its workers)."""
-    from bertforge.training.checkpoint import latest_checkpoint
+    from bertforge.training.checkpoint import resumes_a_checkpoint
     from bertforge.training.resolved_engine import check_cpu_engine
 
     here = not (config.cluster.address or config.cluster.gpu)
@@ -501,7 +501,7 @@ def check_phases_can_start(config: PipelineConfig) -> None:
             if cfg.micro_batch_size is not None:  # else the GPU's memory decides it
                 cfg.accumulation_steps(config.cluster.workers)
                 _check_the_same_step_batch(name, cfg, config.cluster.workers)
-            if here and not (cfg.resume and latest_checkpoint(cfg.run_dir)):
+            if here and not resumes_a_checkpoint(cfg.run_dir, cfg.resume):
                 check_cpu_engine(cfg.engine())
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None

@@ -44,6 +44,7 @@ from bertforge.training.checkpoint import (
     latest_checkpoint,
     new_run_id,
     read_metadata,
+    resumes_a_checkpoint,
 )
 from bertforge.training.config import TrainConfig
 from bertforge.training.errors import RestartsUsedUp, UserInputError
@@ -133,8 +134,8 @@ def train_on_ray(cfg: TrainConfig, launch: LaunchConfig) -> dict[str, Any]:
     # being saved and pruned, and the pre-flight would read them).
     refuse_if_in_use(cfg.run_dir)
     refuse_a_warm_start_from_a_live_run(cfg)
-    if not launch.address and not launch.gpu and not (cfg.resume and
-                                                      latest_checkpoint(cfg.run_dir)):
+    if not launch.address and not launch.gpu and not resumes_a_checkpoint(cfg.run_dir,
+                                                                          cfg.resume):
         check_cpu_engine(cfg.engine())  # this CPU is the workers'
     run_dir = cfg.run_dir
     storage_run = None
@@ -196,12 +197,10 @@ def refuse_a_warm_start_from_a_live_run(cfg: TrainConfig) -> None:
     """A new run whose --init-from names a run directory that a train is still writing: its
     newest checkpoint is only where that run has got to (phase 2 took step 240 of a phase 1
     of 400, and said so only in passing). A checkpoint named by its own path is taken as
-    asked; a run that resumes its own checkpoint reads no --init-from."""
-    source = cfg.init_from
-    if not source or (cfg.resume and latest_checkpoint(cfg.run_dir)):
+    asked."""
+    source = _warm_start_run_dir(cfg)
+    if source is None:
         return
-    if not os.path.isdir(os.path.join(source, CHECKPOINTS_DIR)):
-        return  # a checkpoint, a Hugging Face directory, or nothing: the pre-flight's to say
     holder = live_holder(source)
     if holder is None:
         return
@@ -219,11 +218,8 @@ def warn_of_an_unfinished_source(cfg: TrainConfig) -> None:
     steps that run was to train (stopped, crashed, or killed past its restarts, and never
     resumed): phase 2 from a phase 1 cut at step 240 of 400 looked like any other warm start.
     Said, not refused: an early phase 1 may be what is wanted."""
-    source = cfg.init_from
-    if not source or (cfg.resume and latest_checkpoint(cfg.run_dir)):
-        return
-    newest = latest_checkpoint(source) if os.path.isdir(
-        os.path.join(source, CHECKPOINTS_DIR)) else None
+    source = _warm_start_run_dir(cfg)
+    newest = latest_checkpoint(source) if source else None
     if newest is None:
         return
     metadata = read_metadata(newest)
@@ -232,6 +228,16 @@ def warn_of_an_unfinished_source(cfg: TrainConfig) -> None:
         console(f"[train] warning: --init-from {source} is a run that stopped at step {step} of "
                 f"its {planned}: this run starts from {newest}; resume that run first (the "
                 "same command it was started with) to start from its end")
+
+
+def _warm_start_run_dir(cfg: TrainConfig) -> str | None:
+    """--init-from where it names a training run's directory and this run warm-starts from it
+    (a run that resumes its own checkpoint reads no --init-from); None for a checkpoint or a
+    Hugging Face directory named by its path, or nothing: the pre-flight's to say."""
+    source = cfg.init_from
+    if not source or resumes_a_checkpoint(cfg.run_dir, cfg.resume):
+        return None
+    return source if os.path.isdir(os.path.join(source, CHECKPOINTS_DIR)) else None
 
 
 def refuse_a_stored_run(storage: str, name: str, run_dir: str) -> None:
